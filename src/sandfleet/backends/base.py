@@ -1,0 +1,59 @@
+"""The Backend protocol: *where* a sandbox lives (container, later microvm, vm, fncall).
+
+What you *do* in a sandbox (exec, files, sessions) is backend-independent and lives in the daemon's
+service layer; it only needs the two things every backend hands back in a `LiveSandbox`: a channel
+to the in-sandbox agent, and a way to open the sandbox's root directory for file operations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sandfleet.images import ImageManifest
+from sandfleet.models import SandboxSpec
+from sandfleet.runtime.agent import AgentChannel
+from sandfleet.runtime.cgroups import CgroupStats
+
+
+@dataclass
+class LiveSandbox:
+    """A running sandbox as its backend sees it. `runtime` is persisted so a restarted daemon can adopt it."""
+
+    id: str
+    channel: AgentChannel
+    agent_pid: int
+    agent_start_time: int | None
+    uid_base: int
+    runtime: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    name: str
+
+    async def start(self) -> None:
+        """Prepare the node (build the agent, check the runtime). Called once at daemon start."""
+
+    async def close(self) -> None:
+        """Release node-level resources held by the backend (not the sandboxes)."""
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest) -> LiveSandbox:
+        """Create and start a sandbox; on failure leave nothing behind and raise SandboxError."""
+
+    async def destroy(self, sandbox: LiveSandbox) -> None:
+        """Kill every process of the sandbox and release everything it used."""
+
+    async def adopt(self, sandbox_id: str, runtime: dict[str, Any]) -> LiveSandbox | None:
+        """Reconnect to a sandbox created by a previous daemon; None if it is gone."""
+
+    async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        """Idempotently remove whatever a dead or half-created sandbox left behind."""
+
+    def open_root(self, sandbox: LiveSandbox) -> int:
+        """An O_PATH directory fd of the sandbox's root filesystem (caller closes it)."""
+
+    def stats(self, sandbox: LiveSandbox) -> CgroupStats:
+        """Current usage and limit hits."""
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """Node-level residue not owned by any live sandbox (for leak checks and `doctor`)."""

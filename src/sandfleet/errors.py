@@ -1,0 +1,127 @@
+"""One exception tree for everything sandfleet raises, and the closed set of wire error codes.
+
+    SandboxError                      base; `.code`, `.retryable`
+    ├── InvalidArgumentError          invalid_argument   bad spec, bad path, bad request body
+    ├── NotFoundError                 not_found
+    │   ├── SandboxNotFoundError      not_found          no sandbox with that id
+    │   └── ImageNotFoundError        not_found          no image/layer with that reference
+    ├── WrongStateError               wrong_state        call not valid in the sandbox's lifecycle state
+    ├── ResourceExhaustedError        resource_exhausted node full or a quota hit (retryable)
+    ├── SandboxTimeoutError           timeout            an operation did not finish in time
+    ├── UnauthenticatedError          unauthenticated    missing or bad bearer token
+    ├── PermissionDeniedError         permission_denied  the sandbox refused (e.g. EACCES on a file)
+    ├── UnavailableError              unavailable        daemon or sandbox channel unreachable (retryable)
+    └── InternalError                 internal           a bug or a runtime failure
+
+On the wire an error is `{"error": {"code", "message", "retryable"}}`; codes never carry class paths.
+The SDK maps the code back to the class (`error_from_wire`), so callers catch the same exceptions
+whether they talk to the daemon over HTTP or in-process.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class SandboxError(Exception):
+    """Base of every sandfleet error."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_wire(self) -> dict[str, object]:
+        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+
+
+class InvalidArgumentError(SandboxError):
+    code = "invalid_argument"
+    http_status = 400
+
+
+class NotFoundError(SandboxError):
+    code = "not_found"
+    http_status = 404
+
+
+class SandboxNotFoundError(NotFoundError):
+    pass
+
+
+class ImageNotFoundError(NotFoundError):
+    pass
+
+
+class WrongStateError(SandboxError):
+    code = "wrong_state"
+    http_status = 409
+
+
+class ResourceExhaustedError(SandboxError):
+    code = "resource_exhausted"
+    http_status = 429
+    retryable = True
+
+
+class SandboxTimeoutError(SandboxError):
+    code = "timeout"
+    http_status = 504
+    retryable = True
+
+
+class UnauthenticatedError(SandboxError):
+    code = "unauthenticated"
+    http_status = 401
+
+
+class PermissionDeniedError(SandboxError):
+    code = "permission_denied"
+    http_status = 403
+
+
+class UnavailableError(SandboxError):
+    code = "unavailable"
+    http_status = 503
+    retryable = True
+
+
+class InternalError(SandboxError):
+    code = "internal"
+    http_status = 500
+
+
+# The closed set of wire codes, most specific class first where two share a code.
+WIRE_CODES: dict[str, type[SandboxError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        NotFoundError,
+        WrongStateError,
+        ResourceExhaustedError,
+        SandboxTimeoutError,
+        UnauthenticatedError,
+        PermissionDeniedError,
+        UnavailableError,
+        InternalError,
+    )
+}
+
+
+def error_from_wire(body: object, *, status: int = 500) -> SandboxError:
+    """Rebuild the exception for a wire error body; unknown shapes become InternalError."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        code = str(err.get("code", "internal"))
+        message = str(err.get("message", ""))
+        cls = WIRE_CODES.get(code, InternalError)
+        if cls is NotFoundError:
+            if message.startswith("sandbox "):
+                cls = SandboxNotFoundError
+            elif message.startswith("image "):
+                cls = ImageNotFoundError
+        return cls(message)
+    return InternalError(f"unexpected error response (HTTP {status}): {body!r}"[:500])

@@ -1,0 +1,40 @@
+"""Local image store: content-addressed EROFS layers, name:tag manifests, built-in recipes."""
+
+from .builders import BUILTIN_IMAGES, BuildContext, Builder, debian_mirror, register_builtin
+from .fsutil import DiffStats, diff_trees, shift_ownership
+from .models import (
+    ImageBuildError,
+    ImageError,
+    ImageManifest,
+    ImageNotFoundError,
+    InvalidRefError,
+    LayerCorruptError,
+    LayerKind,
+    LayerRef,
+    canonical_ref,
+    parse_ref,
+)
+from .store import LayerStore, ProgressFn
+
+__all__ = [
+    "BUILTIN_IMAGES",
+    "BuildContext",
+    "Builder",
+    "DiffStats",
+    "ImageBuildError",
+    "ImageError",
+    "ImageManifest",
+    "ImageNotFoundError",
+    "InvalidRefError",
+    "LayerCorruptError",
+    "LayerKind",
+    "LayerRef",
+    "LayerStore",
+    "ProgressFn",
+    "canonical_ref",
+    "debian_mirror",
+    "diff_trees",
+    "parse_ref",
+    "register_builtin",
+    "shift_ownership",
+]

@@ -1,0 +1,323 @@
+"""Value objects shared by the SDK, the HTTP API and the daemon (pydantic, I/O free)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """Parse `"1GiB"`, `"512M"`, `4096` into bytes."""
+    if isinstance(value, bool):
+        raise ValueError("size must be a number of bytes or a string like '1GiB'")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float):
+        size = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse size {value!r} (use e.g. '512MiB', '1GiB', 1048576)")
+        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"cannot parse size {value!r}")
+    if size < 0:
+        raise ValueError("size must not be negative")
+    return size
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+_HOSTNAME_RE = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+Backend = Literal["fncall", "container", "microvm", "vm"]
+SandboxState = Literal["creating", "running", "stopping", "stopped", "failed"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_env(env: dict[str, str]) -> dict[str, str]:
+    for key, value in env.items():
+        if not _ENV_KEY_RE.match(key):
+            raise ValueError(f"invalid environment variable name {key!r}")
+        if "\0" in value:
+            raise ValueError(f"environment variable {key} contains a NUL byte")
+    return env
+
+
+def _check_abs_path(path: str) -> str:
+    if not path.startswith("/") or "\0" in path:
+        raise ValueError(f"path must be absolute and contain no NUL byte: {path!r}")
+    return path
+
+
+class Resources(_Model):
+    """What a sandbox may use. `Resources(cpu=2, memory="4GiB")`."""
+
+    cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota); fractions allowed")
+    memory: ByteSize = Field(1024**3, description="memory limit in bytes (no swap beyond it)")
+    pids: int = Field(512, ge=8, le=32768, description="maximum number of tasks (fork-bomb cap)")
+    disk: ByteSize = Field(1024**3, description="size limit of the writable layer in bytes")
+
+    @field_validator("memory")
+    @classmethod
+    def _min_memory(cls, v: int) -> int:
+        if v < 16 * 1024**2:
+            raise ValueError("memory must be at least 16MiB")
+        return v
+
+    @field_validator("disk")
+    @classmethod
+    def _min_disk(cls, v: int) -> int:
+        if v < 1024**2:
+            raise ValueError("disk must be at least 1MiB")
+        return v
+
+
+class Mount(_Model):
+    """A host path bind-mounted into the sandbox; the daemon only allows paths under its allowlist."""
+
+    source: str = Field(description="absolute host path, under the daemon's `mount_allowlist`")
+    target: str = Field(description="absolute path inside the sandbox")
+    read_only: bool = True
+
+    @field_validator("source", "target")
+    @classmethod
+    def _paths(cls, v: str) -> str:
+        return _check_abs_path(v)
+
+
+class SandboxSpec(_Model):
+    """Everything needed to create a sandbox."""
+
+    backend: Backend = "container"
+    image: str = Field("busybox", description="image reference, e.g. 'busybox', 'debian:bookworm'")
+    resources: Resources = Field(default_factory=Resources)
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str = "/"
+    user: str = Field("root", description="default user for commands: a name or a numeric uid")
+    hostname: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    idle_ttl: float | None = Field(600.0, gt=0, description="stop after this many idle seconds")
+    max_lifetime: float | None = Field(None, gt=0, description="stop this many seconds after creation")
+    network: Literal["none"] = Field("none", description="network policy; 'none' = loopback only")
+    mounts: list[Mount] = Field(default_factory=list)
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if not re.match(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9._-]+)?$", v):
+            raise ValueError(f"invalid image reference {v!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str) -> str:
+        return _check_abs_path(v)
+
+    @field_validator("hostname")
+    @classmethod
+    def _hostname(cls, v: str | None) -> str | None:
+        if v is not None and not _HOSTNAME_RE.match(v):
+            raise ValueError(f"invalid hostname {v!r}")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 64:
+            raise ValueError("at most 64 labels")
+        for key, value in v.items():
+            if not _LABEL_KEY_RE.match(key) or len(value) > 256:
+                raise ValueError(f"invalid label {key!r}={value!r}")
+        return v
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str) -> str:
+        if not re.match(r"^[a-z_][a-z0-9_-]*\$?$|^[0-9]+$", v):
+            raise ValueError(f"invalid user {v!r}")
+        return v
+
+
+class SandboxInfo(_Model):
+    id: str
+    state: SandboxState
+    spec: SandboxSpec
+    created_at: float
+    last_active_at: float
+    stopped_at: float | None = None
+    stop_reason: str | None = None
+
+
+class ExecRequest(_Model):
+    command: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+    stdin: str | None = Field(None, description="text fed to the command's standard input")
+    timeout: float | None = Field(60.0, gt=0, le=86400, description="seconds; kills the process tree")
+    output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
+    background: bool = False
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("command must not be empty")
+        if not v:
+            raise ValueError("command must not be empty")
+        items = [v] if isinstance(v, str) else v
+        if any("\0" in item for item in items):
+            raise ValueError("command contains a NUL byte")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        return None if v is None else _check_abs_path(v)
+
+
+class ExecResult(_Model):
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration: float = Field(description="seconds from start to exit")
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    signal: int | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_truncated or self.stderr_truncated
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class ExecEvent(_Model):
+    """One line of a streamed exec: output chunks, then exactly one `exit` carrying the result."""
+
+    type: Literal["stdout", "stderr", "exit"]
+    data: str = ""
+    result: ExecResult | None = None
+
+
+class ProcessInfo(_Model):
+    """A background process started with `background=True`."""
+
+    id: str
+    command: str | list[str]
+    running: bool
+    started_at: float
+    result: ExecResult | None = None
+
+
+class SessionInfo(_Model):
+    id: str
+    shell: str
+    created_at: float
+
+
+class SessionRunRequest(_Model):
+    command: str
+    timeout: float | None = Field(60.0, gt=0, le=86400)
+    output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2)
+
+
+class SessionCreateRequest(_Model):
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+
+
+class FileInfo(_Model):
+    path: str
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime: float
+    link_target: str | None = None
+
+
+class SandboxEvent(_Model):
+    seq: int
+    sandbox_id: str
+    time: float
+    kind: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class ImageInfo(_Model):
+    name: str
+    tag: str
+    layers: list[str]
+    size: int
+    created: float
+
+
+class StopRequest(_Model):
+    reason: str = "user"
+
+
+class ErrorBody(_Model):
+    code: Literal[
+        "invalid_argument",
+        "not_found",
+        "wrong_state",
+        "resource_exhausted",
+        "timeout",
+        "unauthenticated",
+        "permission_denied",
+        "unavailable",
+        "internal",
+    ]
+    message: str
+    retryable: bool
+
+
+class ErrorResponse(_Model):
+    error: ErrorBody

@@ -1,0 +1,630 @@
+"""Daemon side of the in-sandbox agent (agent.c): build, wire protocol and asyncio channel.
+
+Every message is one SOCK_SEQPACKET datagram: ``u32 type, u32 id`` (little-endian) + payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import hashlib
+import os
+import signal as _signal
+import socket
+import stat
+import struct
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+AGENT_SOURCE = Path(__file__).with_name("agent.c")
+AGENT_VERSION = "sandfleet-agent/1"
+
+# daemon -> agent
+MSG_EXEC = 1
+MSG_STDIN = 2
+MSG_SIGNAL = 3
+MSG_PING = 4
+# agent -> daemon
+MSG_STARTED = 10
+MSG_STDOUT = 11
+MSG_STDERR = 12
+MSG_EXIT = 13
+MSG_ERROR = 14
+MSG_PONG = 15
+MSG_HELLO = 16
+
+# EXEC flags
+EXEC_STDIN_PIPE = 1
+EXEC_SETSID = 2
+# EXIT flags
+EXIT_TIMED_OUT = 1
+EXIT_STDOUT_TRUNCATED = 2
+EXIT_STDERR_TRUNCATED = 4
+# SIGNAL scopes
+SCOPE_GROUP = 0
+SCOPE_TREE = 1
+SCOPE_DESCENDANTS = 2
+
+MAX_PAYLOAD = 64 * 1024
+MAX_DATAGRAM = MAX_PAYLOAD + 8
+HANDOFF_FD = 4
+_NR_PIDFD_GETFD = 438  # same number on every architecture using the generic syscall table
+
+_HDR = struct.Struct("<II")
+_EXEC = struct.Struct("<IIIIQII")
+_EXIT = struct.Struct("<iIQQQ")
+_SIGNAL = struct.Struct("<iI")
+_I32 = struct.Struct("<i")
+
+
+class AgentError(RuntimeError):
+    """Base class for agent failures."""
+
+
+class AgentBuildError(AgentError):
+    """gcc failed; the message carries its stderr."""
+
+
+class ProtocolError(AgentError):
+    """Malformed message."""
+
+
+class ChannelClosedError(AgentError):
+    """The channel to the agent is gone."""
+
+
+class ExecStartError(AgentError):
+    """The agent could not start the command (chdir/setuid/exec failed)."""
+
+    def __init__(self, errno_: int, message: str) -> None:
+        super().__init__(errno_, message)
+        self.errno = errno_
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[Errno {self.errno}] {self.message}"
+
+
+# ---- build -------------------------------------------------------------------------------
+
+
+def build_agent(cache_dir: Path) -> Path:
+    """Compile agent.c statically into ``cache_dir`` (content-addressed, reused if present)."""
+    source = AGENT_SOURCE.read_bytes()
+    target = cache_dir / f"agent-{hashlib.sha256(source).hexdigest()[:16]}"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".agent-", dir=cache_dir)
+    os.close(fd)
+    try:
+        res = subprocess.run(
+            ["gcc", "-O2", "-static", "-Wall", "-Wextra", "-o", tmp, str(AGENT_SOURCE)],
+            capture_output=True,
+            text=True,
+        )
+        if res.returncode != 0:
+            raise AgentBuildError(f"gcc failed ({res.returncode}):\n{res.stderr}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic: concurrent builders just overwrite with identical bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+# ---- wire format (pure) --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    exit_code: int  # killed by signal n -> 128 + n
+    signal: int | None
+    timed_out: bool
+    stdout_truncated: bool
+    stderr_truncated: bool
+    stdout_bytes: int
+    stderr_bytes: int
+    duration: float  # seconds
+
+    @classmethod
+    def from_raw(cls, status: int, flags: int, out: int, err: int, duration_us: int) -> ExitInfo:
+        sig: int | None = None
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            code = 128 + sig
+        else:
+            code = os.WEXITSTATUS(status)
+        return cls(
+            exit_code=code,
+            signal=sig,
+            timed_out=bool(flags & EXIT_TIMED_OUT),
+            stdout_truncated=bool(flags & EXIT_STDOUT_TRUNCATED),
+            stderr_truncated=bool(flags & EXIT_STDERR_TRUNCATED),
+            stdout_bytes=out,
+            stderr_bytes=err,
+            duration=duration_us / 1e6,
+        )
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    uid: int
+    gid: int
+    timeout_ms: int
+    out_cap: int
+    flags: int
+
+
+Event = OutputChunk | ExitInfo
+
+
+def encode_message(mtype: int, msg_id: int, payload: bytes = b"") -> bytes:
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    return _HDR.pack(mtype, msg_id) + payload
+
+
+def decode_message(data: bytes) -> tuple[int, int, bytes]:
+    """Split a datagram into (type, id, payload)."""
+    if len(data) < _HDR.size:
+        raise ProtocolError(f"short datagram ({len(data)} bytes)")
+    mtype, msg_id = _HDR.unpack_from(data)
+    return mtype, msg_id, data[_HDR.size :]
+
+
+def _cstr(s: str) -> bytes:
+    b = s.encode()
+    if b"\0" in b:
+        raise ValueError(f"NUL byte in {s!r}")
+    return b + b"\0"
+
+
+def encode_exec(exec_id: int, req: ExecRequest) -> bytes:
+    if not req.argv:
+        raise ValueError("argv must not be empty")
+    env = [f"{k}={v}" for k, v in req.env.items()]
+    strings = b"".join(_cstr(s) for s in [req.cwd, *req.argv, *env])
+    head = _EXEC.pack(req.flags, req.uid, req.gid, req.timeout_ms, req.out_cap, len(req.argv), len(env))
+    return encode_message(MSG_EXEC, exec_id, head + strings)
+
+
+def decode_exec(payload: bytes) -> ExecRequest:
+    if len(payload) < _EXEC.size:
+        raise ProtocolError("short EXEC")
+    flags, uid, gid, tmo, cap, argc, envc = _EXEC.unpack_from(payload)
+    parts = payload[_EXEC.size :].split(b"\0")
+    if len(parts) < 2 + argc + envc:
+        raise ProtocolError("EXEC strings truncated")
+    strs = [p.decode() for p in parts[: 1 + argc + envc]]
+    env = {k: v for k, _, v in (s.partition("=") for s in strs[1 + argc :])}
+    return ExecRequest(strs[1 : 1 + argc], env, strs[0], uid, gid, tmo, cap, flags)
+
+
+def encode_stdin(exec_id: int, data: bytes) -> bytes:
+    """Empty data means: close the child's stdin."""
+    return encode_message(MSG_STDIN, exec_id, data)
+
+
+def encode_signal(exec_id: int, signo: int, scope: int = SCOPE_GROUP) -> bytes:
+    return encode_message(MSG_SIGNAL, exec_id, _SIGNAL.pack(signo, scope))
+
+
+def decode_signal(payload: bytes) -> tuple[int, int]:
+    signo, scope = _SIGNAL.unpack_from(payload)
+    return int(signo), int(scope)
+
+
+def encode_ping(msg_id: int) -> bytes:
+    return encode_message(MSG_PING, msg_id)
+
+
+def encode_pong(msg_id: int) -> bytes:
+    return encode_message(MSG_PONG, msg_id)
+
+
+def encode_started(exec_id: int, pid: int) -> bytes:
+    return encode_message(MSG_STARTED, exec_id, _I32.pack(pid))
+
+
+def decode_started(payload: bytes) -> int:
+    if len(payload) < 4:
+        raise ProtocolError("short STARTED")
+    return int(_I32.unpack_from(payload)[0])
+
+
+def encode_output(exec_id: int, stream: Literal["stdout", "stderr"], data: bytes) -> bytes:
+    return encode_message(MSG_STDOUT if stream == "stdout" else MSG_STDERR, exec_id, data)
+
+
+def encode_exit(exec_id: int, status: int, flags: int, out: int, err: int, duration_us: int) -> bytes:
+    return encode_message(MSG_EXIT, exec_id, _EXIT.pack(status, flags, out, err, duration_us))
+
+
+def decode_exit(payload: bytes) -> ExitInfo:
+    if len(payload) < _EXIT.size:
+        raise ProtocolError("short EXIT")
+    return ExitInfo.from_raw(*_EXIT.unpack_from(payload))
+
+
+def encode_error(exec_id: int, errno_: int, message: str) -> bytes:
+    return encode_message(MSG_ERROR, exec_id, _I32.pack(errno_) + message.encode())
+
+
+def decode_error(payload: bytes) -> tuple[int, str]:
+    if len(payload) < 4:
+        raise ProtocolError("short ERROR")
+    return int(_I32.unpack_from(payload)[0]), payload[4:].decode(errors="replace")
+
+
+def encode_hello(version: str = AGENT_VERSION) -> bytes:
+    return encode_message(MSG_HELLO, 0, version.encode())
+
+
+def decode_hello(payload: bytes) -> str:
+    return payload.decode(errors="replace")
+
+
+# ---- asyncio channel -----------------------------------------------------------------------
+
+
+class ExecProcess:
+    """One command running under the agent. Events are consumed by a single reader."""
+
+    def __init__(self, channel: AgentChannel, exec_id: int) -> None:
+        self.id = exec_id
+        self.pid = -1
+        self._channel = channel
+        self._queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+        self._exit: ExitInfo | None = None
+        self._error: BaseException | None = None
+        self._abandoned = False  # start() was cancelled: discard output, kill on STARTED
+
+    @property
+    def exit_info(self) -> ExitInfo | None:
+        return self._exit
+
+    def _push(self, item: Event) -> None:
+        if isinstance(item, ExitInfo):
+            self._exit = item
+        if not self._abandoned:
+            self._queue.put_nowait(item)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._exit is None and self._error is None:
+            self._error = exc
+            self._queue.put_nowait(exc)
+
+    async def write_stdin(self, data: bytes) -> None:
+        for off in range(0, len(data), MAX_PAYLOAD):  # empty data would mean EOF: send nothing
+            await self._channel._send(encode_stdin(self.id, data[off : off + MAX_PAYLOAD]))
+
+    async def close_stdin(self) -> None:
+        await self._channel._send(encode_stdin(self.id, b""))
+
+    async def signal(self, signo: int, scope: int = SCOPE_GROUP) -> None:
+        await self._channel._send(encode_signal(self.id, signo, scope))
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yield OutputChunks, then the final ExitInfo. Raises ChannelClosedError if the channel dies."""
+        while True:
+            if self._queue.empty():
+                if self._error is not None:
+                    raise self._error
+                if self._exit is not None:  # already fully consumed
+                    yield self._exit
+                    return
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, ExitInfo):
+                return
+
+    async def wait(self) -> tuple[bytes, bytes, ExitInfo]:
+        """Collect all output until exit."""
+        out: list[bytes] = []
+        err: list[bytes] = []
+        async for ev in self.events():
+            if isinstance(ev, ExitInfo):
+                return b"".join(out), b"".join(err), ev
+            (out if ev.stream == "stdout" else err).append(ev.data)
+        raise AssertionError("unreachable: events() ends with ExitInfo")
+
+
+class AgentChannel:
+    """A connected SOCK_SEQPACKET channel to one agent.
+
+    Reading happens in a loop reader callback rather than a task, so thousands of idle
+    channels cost only a selector registration each.
+    """
+
+    def __init__(
+        self, sock: socket.socket, *, on_close: Callable[[AgentChannel], None] | None = None
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._execs: dict[int, ExecProcess] = {}
+        self._starts: dict[int, asyncio.Future[int]] = {}
+        self._pings: dict[int, asyncio.Future[None]] = {}
+        self._hello: asyncio.Future[str] | None = None
+        self._next_id = 1
+        self._send_lock = asyncio.Lock()
+        self._send_waiter: asyncio.Future[None] | None = None
+        self._closed = False
+        self.close_reason: BaseException | None = None
+        self.agent_version: str | None = None
+        self.on_close = on_close  # called once on EOF/error (not on an explicit close())
+        self._loop.add_reader(self._fd, self._on_readable)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def active_execs(self) -> int:
+        return len(self._execs)
+
+    # -- public API
+
+    async def wait_hello(self, timeout: float | None = None) -> str:  # noqa: ASYNC109
+        """Wait for the agent's HELLO (already buffered after a handoff); returns its version."""
+        if self.agent_version is not None:
+            return self.agent_version
+        self._check_open()
+        if self._hello is None or self._hello.done():
+            self._hello = self._loop.create_future()
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(self._hello)
+
+    async def ping(self, timeout: float | None = None) -> float:  # noqa: ASYNC109
+        """Round trip to the agent; returns the latency in seconds."""
+        self._check_open()
+        msg_id = self._alloc_id()
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._pings[msg_id] = fut
+        t0 = self._loop.time()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(encode_ping(msg_id))
+                await fut
+        finally:
+            self._pings.pop(msg_id, None)
+        return self._loop.time() - t0
+
+    async def start(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        timeout: float | None = None,  # noqa: ASYNC109 (agent-side timeout, not ours)
+        out_cap: int = 0,
+        stdin: bool = False,
+        setsid: bool = False,
+    ) -> ExecProcess:
+        """Start a command; returns once it has exec'd. Raises ExecStartError on failure."""
+        self._check_open()
+        timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000 + 0.999))
+        flags = (EXEC_STDIN_PIPE if stdin else 0) | (EXEC_SETSID if setsid else 0)
+        exec_id = self._alloc_id()
+        req = ExecRequest(list(argv), dict(env or {}), cwd, uid, gid, timeout_ms, out_cap, flags)
+        data = encode_exec(exec_id, req)
+        proc = ExecProcess(self, exec_id)
+        fut: asyncio.Future[int] = self._loop.create_future()
+        self._execs[exec_id] = proc
+        self._starts[exec_id] = fut
+        try:
+            await self._send(data)
+            proc.pid = await fut
+        except BaseException:
+            self._starts.pop(exec_id, None)
+            if fut.cancelled() or not fut.done():
+                # STARTED may still come: the dispatcher kills the process then
+                proc._abandoned = True
+            elif fut.exception() is None:  # started, but our caller is going away
+                self._execs.pop(exec_id, None)
+                self._send_nowait(encode_signal(exec_id, _signal.SIGKILL, SCOPE_TREE))
+            raise
+        return proc
+
+    def close(self) -> None:
+        """Close the channel; pending execs see ChannelClosedError. on_close is not called."""
+        self._shutdown(None, notify=False)
+
+    # -- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelClosedError("agent channel is closed") from self.close_reason
+
+    def _alloc_id(self) -> int:
+        while True:
+            msg_id = self._next_id
+            self._next_id = msg_id % 0xFFFFFFFF + 1
+            if msg_id not in self._execs and msg_id not in self._pings:
+                return msg_id
+
+    async def _send(self, data: bytes) -> None:
+        async with self._send_lock:  # datagrams must not interleave their add_writer waits
+            self._check_open()
+            try:
+                self._sock.send(data)  # fast path; SEQPACKET sends are all-or-nothing
+                return
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:
+                self._shutdown(exc)
+                raise ChannelClosedError(str(exc)) from exc
+            waiter = asyncio.ensure_future(self._loop.sock_sendall(self._sock, data))
+            self._send_waiter = waiter
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed and (task is None or task.cancelling() == 0):
+                    raise ChannelClosedError("agent channel closed during send") from None
+                raise
+            except OSError as exc:
+                self._shutdown(exc)
+                raise ChannelClosedError(str(exc)) from exc
+            finally:
+                self._send_waiter = None
+
+    def _send_nowait(self, data: bytes) -> None:
+        """Best-effort send from a callback (used only for cleanup kills)."""
+        if self._closed:
+            return
+        try:
+            self._sock.send(data)
+        except OSError:
+            pass
+
+    def _on_readable(self) -> None:
+        for _ in range(256):  # bounded, so one chatty channel can't starve the loop
+            if self._closed:
+                return
+            try:
+                data = self._sock.recv(MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._shutdown(exc)
+                return
+            if not data:
+                self._shutdown(ChannelClosedError("agent closed the channel"))
+                return
+            try:
+                self._dispatch(data)
+            except (ProtocolError, struct.error, UnicodeDecodeError):
+                continue  # a bad message must not kill the channel for everyone else
+
+    def _dispatch(self, data: bytes) -> None:
+        mtype, msg_id, payload = decode_message(data)
+        if mtype in (MSG_STDOUT, MSG_STDERR):
+            proc = self._execs.get(msg_id)
+            if proc is not None:
+                proc._push(OutputChunk("stdout" if mtype == MSG_STDOUT else "stderr", payload))
+        elif mtype == MSG_EXIT:
+            proc = self._execs.pop(msg_id, None)
+            if proc is not None:
+                proc._push(decode_exit(payload))
+        elif mtype == MSG_STARTED:
+            pid = decode_started(payload)
+            start = self._starts.pop(msg_id, None)
+            if start is not None and not start.done():
+                start.set_result(pid)
+            else:
+                proc = self._execs.get(msg_id)
+                if proc is not None and proc._abandoned:
+                    proc.pid = pid
+                    self._send_nowait(encode_signal(msg_id, _signal.SIGKILL, SCOPE_TREE))
+        elif mtype == MSG_ERROR:
+            err, message = decode_error(payload)
+            start = self._starts.pop(msg_id, None)
+            proc = self._execs.pop(msg_id, None)
+            if start is not None and not start.done():
+                start.set_exception(ExecStartError(err, message))
+            elif proc is not None:
+                proc._fail(AgentError(f"agent error {err}: {message}"))
+        elif mtype == MSG_PONG:
+            ping = self._pings.pop(msg_id, None)
+            if ping is not None and not ping.done():
+                ping.set_result(None)
+        elif mtype == MSG_HELLO:
+            self.agent_version = decode_hello(payload)
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(self.agent_version)
+
+    def _shutdown(self, exc: BaseException | None, *, notify: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.close_reason = exc
+        self._loop.remove_reader(self._fd)
+        waiter = self._send_waiter
+        if waiter is not None and not waiter.done():
+            # sock_sendall unregisters its writer while unwinding; close the socket only
+            # afterwards so a recycled fd number can't be unregistered by mistake
+            waiter.cancel()
+            waiter.add_done_callback(lambda _f: self._sock.close())
+        else:
+            self._sock.close()
+        closed = ChannelClosedError("agent channel closed")
+        if exc is not None:
+            closed.__cause__ = exc
+        futs: list[asyncio.Future[int] | asyncio.Future[None]] = [*self._starts.values()]
+        futs.extend(self._pings.values())
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(closed)
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_exception(closed)
+        for proc in self._execs.values():
+            proc._fail(closed)
+        self._starts.clear()
+        self._pings.clear()
+        self._execs.clear()
+        if notify and self.on_close is not None:
+            self.on_close(self)
+
+
+# ---- handoff -------------------------------------------------------------------------------
+
+_libc: ctypes.CDLL | None = None
+
+
+def grab_handoff_channel(agent_pid: int) -> socket.socket:
+    """Take the agent's fresh channel (its fd 4) after the previous daemon died.
+
+    Raises OSError if the agent has no handoff channel pending (yet).
+    """
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    pidfd = os.pidfd_open(agent_pid)
+    try:
+        fd = int(
+            _libc.syscall(
+                ctypes.c_long(_NR_PIDFD_GETFD),
+                ctypes.c_int(pidfd),
+                ctypes.c_int(HANDOFF_FD),
+                ctypes.c_uint(0),
+            )
+        )
+        if fd < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"pidfd_getfd({agent_pid}, {HANDOFF_FD}): {os.strerror(e)}")
+    finally:
+        os.close(pidfd)
+    try:
+        # between handoffs the agent parks /dev/null on fd 4
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno.EAGAIN, f"agent {agent_pid} has no pending handoff channel")
+        sock = socket.socket(fileno=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if sock.type != socket.SOCK_SEQPACKET:
+        sock.close()
+        raise OSError(errno.EPROTOTYPE, "handoff fd is not a SOCK_SEQPACKET socket")
+    return sock

@@ -1,0 +1,172 @@
+"""Mount facility: the daemon's private mount namespace, shared EROFS layers, per-sandbox rootfs.
+
+The daemon moves itself into a private mount namespace at start (`enter_private_namespace`). Every
+mount it makes (layers, scratch tmpfs, overlay roots) lives there: invisible to the host, and torn
+down by the kernel when the daemon and its sandboxes are gone, so a SIGKILLed daemon cannot leak a
+mount into the host's table. Sandboxes' own mount namespaces are copies made by the runtime, which
+keep their rootfs alive for as long as the sandbox runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MNT_DETACH = 2
+CLONE_NEWNS = 0x00020000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+class MountError(OSError):
+    pass
+
+
+def _raise(what: str) -> None:
+    err = ctypes.get_errno()
+    raise MountError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    rc = _libc.mount(
+        source.encode(),
+        target.encode(),
+        fstype.encode() if fstype else None,
+        flags,
+        data.encode() if data else None,
+    )
+    if rc != 0:
+        _raise(f"mount {fstype or ''} {source} on {target}")
+
+
+def umount(target: str, *, lazy: bool = False, missing_ok: bool = True) -> None:
+    if _libc.umount2(target.encode(), MNT_DETACH if lazy else 0) != 0:
+        err = ctypes.get_errno()
+        if missing_ok and err in (errno.EINVAL, errno.ENOENT):
+            return
+        raise MountError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def mounted_under(prefix: str, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """Mount points at or below `prefix` (deepest first, so they can be unmounted in order)."""
+    points: list[str] = []
+    with open(mountinfo) as f:
+        for line in f:
+            point = line.split()[4].replace("\\040", " ")
+            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
+                points.append(point)
+    return sorted(points, key=len, reverse=True)
+
+
+def enter_private_namespace(*, hide_hybrid_cgroup2: bool) -> None:
+    """Unshare our mount namespace; mounts from the host still propagate in, ours never out.
+
+    `hide_hybrid_cgroup2`: crun 1.8 refuses to run on a hybrid cgroup host whose cgroup2 mount
+    offers controllers; unmounting /sys/fs/cgroup/unified in our namespace only fixes that without
+    touching the host (see host-notes).
+    """
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        _raise("unshare(CLONE_NEWNS)")
+    mount("none", "/", None, MS_REC | MS_SLAVE)
+    if hide_hybrid_cgroup2 and os.path.ismount("/sys/fs/cgroup/unified"):
+        umount("/sys/fs/cgroup/unified", lazy=True)
+
+
+@dataclass
+class _Layer:
+    path: str
+    refs: int
+
+
+class LayerMounts:
+    """Read-only EROFS layers, each mounted once (straight from its file, no loop device) and shared."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._layers: dict[str, _Layer] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, digest: str, image_file: Path) -> str:
+        with self._lock:
+            layer = self._layers.get(digest)
+            if layer is None:
+                target = self.root / digest.replace(":", "-")
+                target.mkdir(parents=True, exist_ok=True)
+                if not os.path.ismount(target):
+                    mount(str(image_file), str(target), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID)
+                layer = self._layers[digest] = _Layer(str(target), 0)
+            layer.refs += 1
+            return layer.path
+
+    def release(self, digest: str) -> None:
+        with self._lock:
+            layer = self._layers.get(digest)
+            if layer is not None:
+                layer.refs = max(0, layer.refs - 1)
+
+    def unmount_unused(self) -> int:
+        with self._lock:
+            unused = [d for d, layer in self._layers.items() if layer.refs == 0]
+            for digest in unused:
+                layer = self._layers.pop(digest)
+                umount(layer.path, lazy=True)
+                try:
+                    os.rmdir(layer.path)
+                except OSError:
+                    pass
+            return len(unused)
+
+    def in_use(self) -> dict[str, int]:
+        with self._lock:
+            return {d: layer.refs for d, layer in self._layers.items()}
+
+
+def mount_rootfs(
+    sandbox_dir: Path, lowers: list[str], *, disk_bytes: int, owner: int, inodes: int | None = None
+) -> Path:
+    """Mount a size-capped scratch tmpfs and an overlay rootfs on it; return the rootfs path.
+
+    `lowers` is bottom -> top. The writable layer lives on the scratch tmpfs so its size (and inode
+    count) is capped by the kernel; its pages are charged to the writer's memory cgroup.
+    """
+    scratch = sandbox_dir / "scratch"
+    rootfs = sandbox_dir / "rootfs"
+    scratch.mkdir(exist_ok=True)
+    rootfs.mkdir(exist_ok=True)
+    nr_inodes = inodes if inodes is not None else max(4096, disk_bytes // 8192)
+    mount("sandfleet-scratch", str(scratch), "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={disk_bytes},nr_inodes={nr_inodes},mode=0700")
+    try:
+        upper = scratch / "upper"
+        work = scratch / "work"
+        upper.mkdir()
+        work.mkdir()
+        # The overlay's root directory takes its owner from the upper dir: root inside must own "/".
+        os.chown(upper, owner, owner)
+        os.chmod(upper, 0o755)
+        lowerdir = ":".join(reversed(lowers))
+        mount("overlay", str(rootfs), "overlay", MS_NODEV,
+              f"lowerdir={lowerdir},upperdir={upper},workdir={work}")
+    except BaseException:
+        umount(str(scratch), lazy=True)
+        raise
+    return rootfs
+
+
+def unmount_rootfs(sandbox_dir: Path) -> None:
+    for point in mounted_under(str(sandbox_dir)):
+        umount(point, lazy=True)

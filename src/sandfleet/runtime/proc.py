@@ -1,0 +1,195 @@
+"""Process primitives for the daemon: spawning with exact fd placement, pidfd waits, reaping.
+
+`spawn()` uses posix_spawn (vfork-fast even from a large Python process) because the OCI runtime must
+find the agent channel at fd 3 exactly (`--preserve-fds`), which subprocess cannot arrange. Exit is
+awaited through a pidfd on the event loop, so no thread and no SIGCHLD handler is involved and
+asyncio's own child watchers never race with us (we only ever wait for pids we spawned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
+# Pids that spawn() will wait for itself: the orphan reaper must never steal their exit status.
+_spawned: set[int] = set()
+
+
+@dataclass(frozen=True)
+class Completed:
+    argv: list[str]
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+
+async def wait_pid(pid: int) -> int:
+    """Wait for our child `pid` to exit without blocking the loop; return its exit code (-sig)."""
+    loop = asyncio.get_running_loop()
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return _reap(pid)
+    try:
+        done = loop.create_future()
+
+        def _ready() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(pidfd, _ready)
+        try:
+            await done
+        finally:
+            loop.remove_reader(pidfd)
+    finally:
+        os.close(pidfd)
+    return _reap(pid)
+
+
+def _reap(pid: int) -> int:
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return -1
+    return os.waitstatus_to_exitcode(status)
+
+
+async def _read_all(fd: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    chunks: list[bytes] = []
+    eof = loop.create_future()
+
+    def _ready() -> None:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if data:
+            chunks.append(data)
+        elif not eof.done():
+            eof.set_result(None)
+
+    loop.add_reader(fd, _ready)
+    try:
+        await eof
+    finally:
+        loop.remove_reader(fd)
+    return b"".join(chunks)
+
+
+async def spawn(
+    argv: Sequence[str],
+    *,
+    fd_map: Mapping[int, int] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = 60.0,
+    capture: bool = True,
+) -> Completed:
+    """Run `argv` to completion, capturing stdout/stderr; `fd_map` maps child fd -> our fd.
+
+    `capture=False` gives the child /dev/null for all stdio: needed when it leaves long-lived
+    descendants behind (a detached container), which would otherwise hold our pipes open.
+    """
+    out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    actions: list[tuple[int, int, int]] = [
+        (os.POSIX_SPAWN_DUP2, null, 0),
+        (os.POSIX_SPAWN_DUP2, out_w if capture else null, 1),
+        (os.POSIX_SPAWN_DUP2, err_w if capture else null, 2),
+    ]
+    # dup2 onto the target clears FD_CLOEXEC there, so exactly these fds reach the child.
+    for child_fd, our_fd in (fd_map or {}).items():
+        actions.append((os.POSIX_SPAWN_DUP2, our_fd, child_fd))
+    try:
+        pid = os.posix_spawnp(argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions)
+        _spawned.add(pid)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+        os.close(null)
+    try:
+        async with asyncio.timeout(timeout):
+            stdout, stderr, code = await asyncio.gather(_read_all(out_r), _read_all(err_r), wait_pid(pid))
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        await wait_pid(pid)
+        raise
+    finally:
+        _spawned.discard(pid)
+        os.close(out_r)
+        os.close(err_r)
+    return Completed(list(argv), code, stdout, stderr)
+
+
+def become_subreaper() -> None:
+    """Orphans of our runtimes re-parent to us instead of this host's slow-reaping PID 1."""
+    if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def reap_orphans(exclude: set[int] | frozenset[int] = frozenset()) -> int:
+    """Reap zombie children that nobody waits for (runtimes' orphans); returns how many."""
+    me = os.getpid()
+    exclude = set(exclude) | _spawned
+    reaped = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        if pid in exclude:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if len(rest) < 2 or rest[0] != b"Z" or int(rest[1]) != me:
+            continue
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                reaped += 1
+    return reaped
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time in clock ticks since boot: (pid, start time) identifies a process across pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[19])
+
+
+def pidfd_send_signal(pid: int, start_time: int | None, sig: int) -> bool:
+    """Signal `pid` only if it is still the process we started (start time matches)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        if start_time is not None and process_start_time(pid) != start_time:
+            return False
+        signal.pidfd_send_signal(pidfd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(pidfd)

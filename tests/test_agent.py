@@ -1,0 +1,334 @@
+"""Tests for the in-sandbox agent (agent.c) and its asyncio channel (agent.py).
+
+The agent runs directly on the host here (not as PID 1 of a namespace); it is a child
+subreaper, so orphaned grandchildren are still reaped by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+try:
+    import sandfleet.runtime.agent as agent_mod
+except ImportError:  # package not installed: use the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import sandfleet.runtime.agent as agent_mod
+
+from sandfleet.runtime.agent import (
+    SCOPE_DESCENDANTS,
+    AgentChannel,
+    ChannelClosedError,
+    ExecStartError,
+    ExitInfo,
+    OutputChunk,
+    build_agent,
+    grab_handoff_channel,
+)
+
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C"}
+
+
+def _children(pid: int) -> list[int]:
+    """All descendants of pid (via /proc ppid chains)."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                rest = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(name)] = int(rest[1])
+    found = {pid}
+    changed = True
+    while changed:
+        changed = False
+        for p, pp in parents.items():
+            if pp in found and p not in found:
+                found.add(p)
+                changed = True
+    found.discard(pid)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _gone(pids: list[int], limit: float = 3.0) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+class Agent:
+    def __init__(self, proc: subprocess.Popen[bytes], channel: AgentChannel) -> None:
+        self.proc = proc
+        self.channel = channel
+
+    @classmethod
+    def start(cls, binary: Path) -> Agent:
+        """Spawn the agent with one end of a fresh socketpair as its fd 3."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cfd = theirs.fileno()
+
+        def to_fd3() -> None:
+            if cfd == 3:
+                os.set_inheritable(3, True)
+            else:
+                os.dup2(cfd, 3)  # inheritable; everything else is CLOEXEC
+
+        try:
+            proc = subprocess.Popen(
+                [str(binary)], close_fds=False, preexec_fn=to_fd3, stdin=subprocess.DEVNULL
+            )
+        finally:
+            theirs.close()
+        return cls(proc, AgentChannel(ours))
+
+    def stop(self) -> None:
+        self.channel.close()
+        for pid in _children(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def agent_bin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield build_agent(tmp_path_factory.mktemp("agent-cache"))
+
+
+@pytest.fixture
+async def agent(agent_bin: Path) -> AsyncIterator[Agent]:
+    a = Agent.start(agent_bin)
+    try:
+        yield a
+    finally:
+        a.stop()
+
+
+async def run(a: Agent, argv: list[str], **kw: object) -> tuple[bytes, bytes, ExitInfo]:
+    kw.setdefault("env", ENV)
+    proc = await a.channel.start(argv, **kw)
+    return await asyncio.wait_for(proc.wait(), 10)
+
+
+# ---- pure protocol -----------------------------------------------------------------------
+
+
+def test_codec_roundtrip() -> None:
+    req = agent_mod.ExecRequest(["sh", "-c", "x"], {"A": "1=2"}, "/tmp", 1, 2, 300, 99, 3)
+    mtype, mid, payload = agent_mod.decode_message(agent_mod.encode_exec(7, req))
+    assert (mtype, mid) == (agent_mod.MSG_EXEC, 7)
+    assert agent_mod.decode_exec(payload) == req
+    _, _, p = agent_mod.decode_message(agent_mod.encode_exit(1, 9, 3, 10, 20, 1_500_000))
+    info = agent_mod.decode_exit(p)
+    assert (info.exit_code, info.signal, info.timed_out, info.stdout_truncated) == (137, 9, True, True)
+    assert info.duration == 1.5 and not info.stderr_truncated
+    _, _, p = agent_mod.decode_message(agent_mod.encode_error(1, 2, "nope"))
+    assert agent_mod.decode_error(p) == (2, "nope")
+    _, _, p = agent_mod.decode_message(agent_mod.encode_signal(1, 15, 2))
+    assert agent_mod.decode_signal(p) == (15, 2)
+    with pytest.raises(ValueError):
+        agent_mod.encode_stdin(1, b"x" * (agent_mod.MAX_PAYLOAD + 1))
+
+
+def test_build_is_cached(agent_bin: Path) -> None:
+    assert build_agent(agent_bin.parent) == agent_bin
+    assert os.access(agent_bin, os.X_OK)
+
+
+# ---- agent behaviour ---------------------------------------------------------------------
+
+
+async def test_hello_and_ping(agent: Agent) -> None:
+    assert await agent.channel.wait_hello(5) == "sandfleet-agent/1"
+    assert await agent.channel.ping(5) < 1
+
+
+async def test_echo_and_exit_codes(agent: Agent) -> None:
+    out, err, info = await run(agent, ["echo", "hello"])
+    assert (out, err, info.exit_code, info.signal) == (b"hello\n", b"", 0, None)
+    assert info.stdout_bytes == 6 and info.duration > 0
+    _, _, info = await run(agent, ["sh", "-c", "exit 42"])
+    assert info.exit_code == 42
+
+
+async def test_signal_exit(agent: Agent) -> None:
+    _, _, info = await run(agent, ["sh", "-c", "kill -TERM $$"])
+    assert (info.exit_code, info.signal) == (128 + signal.SIGTERM, signal.SIGTERM)
+
+
+async def test_stderr_separate(agent: Agent) -> None:
+    proc = await agent.channel.start(["sh", "-c", "echo out; echo err >&2"], env=ENV)
+    events = [ev async for ev in proc.events()]
+    assert OutputChunk("stdout", b"out\n") in events and OutputChunk("stderr", b"err\n") in events
+    assert isinstance(events[-1], ExitInfo) and events[-1].stderr_bytes == 4
+
+
+async def test_stdin(agent: Agent) -> None:
+    proc = await agent.channel.start(["cat"], env=ENV, stdin=True)
+    await proc.write_stdin(b"abc")
+    await proc.close_stdin()
+    out, _, info = await proc.wait()
+    assert (out, info.exit_code) == (b"abc", 0)
+
+
+async def test_stdin_large_does_not_block(agent: Agent) -> None:
+    # much more than a pipe buffer: the agent must queue it and keep serving other requests
+    data = os.urandom(4 << 20)
+    proc = await agent.channel.start(["sh", "-c", "sleep 0.3; cat"], env=ENV, stdin=True)
+    await proc.write_stdin(data)
+    assert await agent.channel.ping(2) < 1
+    await proc.close_stdin()
+    out, _, info = await proc.wait()
+    assert info.exit_code == 0 and out == data
+
+
+async def test_env_and_cwd(agent: Agent, tmp_path: Path) -> None:
+    out, _, _ = await run(
+        agent, ["sh", "-c", 'echo "$FOO:$(pwd)"'], env={**ENV, "FOO": "bar"}, cwd=str(tmp_path)
+    )
+    assert out.decode() == f"bar:{tmp_path}\n"
+    # PATH comes from the request env (and defaults when absent)
+    out, _, _ = await run(agent, ["printenv"], env={"ONLY": "1"})
+    assert out == b"ONLY=1\n"
+
+
+async def test_uid_switch(agent: Agent) -> None:
+    out, _, info = await run(agent, ["sh", "-c", "id -u; id -g; id -G"], uid=65534, gid=65534)
+    assert info.exit_code == 0
+    assert out.split() == [b"65534", b"65534", b"65534"]
+
+
+async def test_exec_failure(agent: Agent) -> None:
+    with pytest.raises(ExecStartError) as ei:
+        await agent.channel.start(["/nonexistent/prog"], env=ENV)
+    assert ei.value.errno == errno.ENOENT
+    with pytest.raises(ExecStartError) as ei:
+        await agent.channel.start(["no-such-command-xyz"], env=ENV)
+    assert ei.value.errno == errno.ENOENT
+    with pytest.raises(ExecStartError) as ei:
+        await agent.channel.start(["true"], env=ENV, cwd="/nonexistent")
+    assert ei.value.errno == errno.ENOENT and "chdir" in ei.value.message
+    _, _, info = await run(agent, ["true"])  # agent still fine
+    assert info.exit_code == 0
+
+
+async def test_timeout_kills_tree(agent: Agent) -> None:
+    script = "sleep 100 & echo $!; setsid sleep 100 & echo $!; sleep 100"
+    t0 = time.monotonic()
+    out, _, info = await run(agent, ["sh", "-c", script], timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    assert info.timed_out and info.exit_code == 137
+    pids = [int(x) for x in out.split()]
+    assert len(pids) == 2
+    assert await _gone(pids)
+
+
+async def test_out_cap(agent: Agent) -> None:
+    out, _, info = await run(agent, ["yes"], timeout=0.5, out_cap=10000)
+    assert info.timed_out and info.stdout_truncated and not info.stderr_truncated
+    assert len(out) == 10000 and info.stdout_bytes > 10000
+
+
+async def test_background_grandchild_does_not_hang(agent: Agent) -> None:
+    t0 = time.monotonic()
+    out, _, info = await run(agent, ["sh", "-c", "sleep 100 & echo done"])
+    assert out == b"done\n" and info.exit_code == 0
+    assert time.monotonic() - t0 < 2
+
+
+async def test_concurrent_execs(agent: Agent) -> None:
+    results = await asyncio.gather(*(run(agent, ["sh", "-c", f"echo {i}"]) for i in range(50)))
+    assert [r[0] for r in results] == [f"{i}\n".encode() for i in range(50)]
+    assert agent.channel.active_execs == 0
+
+
+async def test_signal_group(agent: Agent) -> None:
+    proc = await agent.channel.start(["sleep", "100"], env=ENV)
+    await proc.signal(signal.SIGTERM)
+    _, _, info = await asyncio.wait_for(proc.wait(), 5)
+    assert info.signal == signal.SIGTERM
+
+
+async def test_signal_descendants_keeps_shell(agent: Agent) -> None:
+    proc = await agent.channel.start(["sh"], env=ENV, stdin=True, setsid=True)
+    await proc.write_stdin(b"sleep 100; echo after $?\n")
+    for _ in range(100):  # wait until the command is running
+        if _children(proc.pid):
+            break
+        await asyncio.sleep(0.02)
+    sleeper = _children(proc.pid)
+    assert sleeper
+    await proc.signal(signal.SIGKILL, SCOPE_DESCENDANTS)
+    await proc.write_stdin(b"exit 3\n")
+    out, _, info = await asyncio.wait_for(proc.wait(), 5)
+    assert out == b"after 137\n" and info.exit_code == 3
+    assert await _gone(sleeper)
+
+
+async def test_channel_loss_and_handoff(agent: Agent) -> None:
+    await agent.channel.wait_hello(5)
+    with pytest.raises(OSError):
+        grab_handoff_channel(agent.proc.pid)  # nothing to hand off yet
+    survivor = await agent.channel.start(["sleep", "100"], env=ENV)
+    closed: list[AgentChannel] = []
+    agent.channel.on_close = closed.append
+    agent.channel.close()
+    with pytest.raises(ChannelClosedError):
+        await survivor.wait()
+    sock = None
+    for _ in range(200):
+        try:
+            sock = grab_handoff_channel(agent.proc.pid)
+            break
+        except OSError:
+            await asyncio.sleep(0.01)
+    assert sock is not None
+    agent.channel = AgentChannel(sock)
+    assert await agent.channel.wait_hello(5) == "sandfleet-agent/1"
+    out, _, info = await run(agent, ["echo", "again"])
+    assert (out, info.exit_code) == (b"again\n", 0)
+    assert _alive(survivor.pid)  # processes outlive the daemon
+    with pytest.raises(OSError):
+        grab_handoff_channel(agent.proc.pid)  # consumed by the first message
+    assert closed == []  # explicit close() doesn't fire on_close
+
+
+async def test_agent_death_fails_pending(agent: Agent) -> None:
+    proc = await agent.channel.start(["sleep", "100"], env=ENV)
+    closed: list[AgentChannel] = []
+    agent.channel.on_close = closed.append
+    agent.proc.kill()
+    try:
+        with pytest.raises(ChannelClosedError):
+            await asyncio.wait_for(proc.wait(), 5)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # reparented away from the dead agent: not found by stop()
+    assert closed == [agent.channel] and agent.channel.closed
+    with pytest.raises(ChannelClosedError):
+        await agent.channel.start(["true"], env=ENV)
