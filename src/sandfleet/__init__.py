@@ -1,0 +1,45 @@
+"""sandfleet: elastic sandboxes for agentic reinforcement learning.
+
+    from sandfleet import Client, SandboxSpec, Resources
+    with Client() as fleet, fleet.create(image="debian:bookworm", resources=Resources(cpu=1, memory="1GiB")) as sb:
+        print(sb.exec("echo hello").stdout)
+"""
+
+__version__ = "0.1.0"
+
+from sandfleet.client import AsyncClient, AsyncSandbox, Client, Sandbox  # noqa: E402
+from sandfleet.errors import (  # noqa: E402
+    ImageNotFoundError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxTimeoutError,
+    UnavailableError,
+    WrongStateError,
+)
+from sandfleet.models import ExecEvent, ExecResult, Mount, Resources, SandboxSpec  # noqa: E402
+
+__all__ = [
+    "AsyncClient",
+    "AsyncSandbox",
+    "Client",
+    "ExecEvent",
+    "ExecResult",
+    "ImageNotFoundError",
+    "InvalidArgumentError",
+    "Mount",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "Resources",
+    "ResourceExhaustedError",
+    "Sandbox",
+    "SandboxError",
+    "SandboxNotFoundError",
+    "SandboxSpec",
+    "SandboxTimeoutError",
+    "UnavailableError",
+    "WrongStateError",
+]

@@ -321,3 +321,47 @@ class ErrorBody(_Model):
 
 class ErrorResponse(_Model):
     error: ErrorBody
+
+
+class SandboxList(_Model):
+    sandboxes: list[SandboxInfo]
+
+
+class StopManyRequest(_Model):
+    labels: dict[str, str]
+    reason: str = "user"
+
+
+class StopManyResult(_Model):
+    stopped: list[str]
+
+
+class FileList(_Model):
+    files: list[FileInfo]
+
+
+class EventList(_Model):
+    events: list[SandboxEvent]
+
+
+class ProcessList(_Model):
+    processes: list[ProcessInfo]
+
+
+class SessionList(_Model):
+    sessions: list[SessionInfo]
+
+
+class ImageList(_Model):
+    images: list[ImageInfo]
+
+
+class Health(_Model):
+    status: str
+    version: str
+    sandboxes_running: int
+    backends: list[str]
+
+
+class Ok(_Model):
+    ok: bool = True

@@ -1,0 +1,324 @@
+"""`sandfleet` command line: serve, create, exec, shell, ls, rm, images, doctor, demo."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sandfleet.client import Client
+from sandfleet.errors import SandboxError
+from sandfleet.models import Resources, SandboxSpec
+
+app = typer.Typer(help="sandfleet: elastic sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
+images_app = typer.Typer(help="List and build images.", invoke_without_command=True)
+app.add_typer(images_app, name="images")
+console = Console()
+err_console = Console(stderr=True)
+
+SocketOpt = Annotated[Path | None, typer.Option("--socket", envvar="SANDFLEET_SOCKET", help="daemon socket")]
+
+
+def _client(socket: Path | None) -> Client:
+    return Client(socket)
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{what} must be KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def _fail(exc: SandboxError) -> typer.Exit:
+    err_console.print(f"[red]error[/red] ({exc.code}): {exc.message}")
+    return typer.Exit(2)
+
+
+# -- serve ----------------------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option(help="TOML config file")] = None,
+    socket: Annotated[Path | None, typer.Option(help="unix socket path")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="state directory")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="runtime directory")] = None,
+    tcp: Annotated[str | None, typer.Option(help="also listen on HOST:PORT (needs --token)")] = None,
+    token: Annotated[str | None, typer.Option(envvar="SANDFLEET_TOKEN", help="bearer token")] = None,
+    max_sandboxes: Annotated[int | None, typer.Option(help="admission limit")] = None,
+    stopped_retention: Annotated[float | None, typer.Option(help="seconds stopped sandboxes stay listed")] = None,
+    ready_file: Annotated[Path | None, typer.Option(help="write our pid here once serving")] = None,
+) -> None:
+    """Run the node daemon (as root)."""
+    from sandfleet.daemon.config import DaemonConfig
+    from sandfleet.daemon.server import prepare_process
+    from sandfleet.daemon.server import serve as run
+
+    try:
+        cfg = DaemonConfig.load(
+            config, socket=socket, state_dir=state_dir, run_dir=run_dir, tcp=tcp, token=token,
+            max_sandboxes=max_sandboxes, stopped_retention=stopped_retention,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    prepare_process(cfg)
+    console.print(f"sandfleet daemon listening on {cfg.socket}" + (f" and {cfg.tcp}" if cfg.tcp else ""))
+    asyncio.run(run(cfg, ready_file=ready_file))
+
+
+# -- sandboxes --------------------------------------------------------------------------------------
+
+
+@app.command()
+def create(
+    image: Annotated[str, typer.Option(help="image reference")] = "busybox",
+    cpu: float = 1.0,
+    memory: str = "1GiB",
+    disk: str = "1GiB",
+    pids: int = 512,
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
+    env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
+    idle_ttl: Annotated[float | None, typer.Option(help="seconds")] = 600.0,
+    socket: SocketOpt = None,
+) -> None:
+    """Create a sandbox and print its id."""
+    try:
+        spec = SandboxSpec(image=image, resources=Resources(cpu=cpu, memory=memory, disk=disk, pids=pids),
+                           labels=_pairs(label, "label"), env=_pairs(env, "env"), idle_ttl=idle_ttl)  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    with _client(socket) as fleet:
+        try:
+            console.print(fleet.create(spec).id)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+
+
+@app.command(name="exec", context_settings={"allow_interspersed_args": False})
+def exec_(
+    sandbox_id: str,
+    command: Annotated[list[str], typer.Argument(help="command and arguments (use -- before options)")],
+    timeout: float = 60.0,
+    user: str | None = None,
+    cwd: str | None = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Run a command in a sandbox, streaming its output; exits with its exit code."""
+    argv: str | list[str] = command[0] if len(command) == 1 else command
+    with _client(socket) as fleet:
+        try:
+            sb = fleet.get(sandbox_id)
+            code = 0
+            for ev in sb.exec_stream(argv, timeout=timeout, user=user, cwd=cwd):
+                if ev.type == "stdout":
+                    sys.stdout.write(ev.data)
+                    sys.stdout.flush()
+                elif ev.type == "stderr":
+                    sys.stderr.write(ev.data)
+                    sys.stderr.flush()
+                elif ev.result is not None:
+                    code = ev.result.exit_code
+                    if ev.result.timed_out:
+                        err_console.print(f"[yellow]timed out after {timeout}s[/yellow]")
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+    raise typer.Exit(code)
+
+
+@app.command()
+def shell(sandbox_id: str, socket: SocketOpt = None) -> None:
+    """Interactive shell in a sandbox (a persistent session: cd and variables carry over)."""
+    with _client(socket) as fleet:
+        try:
+            sb = fleet.get(sandbox_id)
+            session = sb.session()
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+        console.print(f"[dim]session {session.id} in {sb.id}; exit or Ctrl-D to leave[/dim]")
+        try:
+            while True:
+                try:
+                    line = input(f"{sb.id}$ ")
+                except EOFError:
+                    break
+                if line.strip() in ("exit", "logout"):
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    r = session.run(line, timeout=300)
+                except SandboxError as exc:
+                    err_console.print(f"[red]{exc.code}[/red]: {exc.message}")
+                    continue
+                sys.stdout.write(r.stdout)
+                sys.stderr.write(r.stderr)
+                if r.exit_code:
+                    err_console.print(f"[dim]exit {r.exit_code}[/dim]")
+        finally:
+            with contextlib.suppress(SandboxError):
+                session.close()
+
+
+@app.command(name="ls")
+def list_(
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE filter")] = None,
+    state: str | None = None,
+    socket: SocketOpt = None,
+) -> None:
+    """List sandboxes."""
+    with _client(socket) as fleet:
+        try:
+            items = fleet.list(_pairs(label, "label"), state)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+    table = Table("ID", "STATE", "IMAGE", "CPU", "MEMORY", "AGE", "LABELS")
+    now = time.time()
+    for s in items:
+        r = s.spec.resources
+        table.add_row(s.id, s.state, s.spec.image, f"{r.cpu:g}", f"{r.memory / 1024**2:.0f}MiB",
+                      f"{now - s.created_at:.0f}s", ",".join(f"{k}={v}" for k, v in s.spec.labels.items()))  # fmt: skip
+    console.print(table)
+
+
+@app.command(name="rm")
+def remove(
+    sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
+    label: Annotated[list[str] | None, typer.Option(help="stop all sandboxes with KEY=VALUE")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Stop sandboxes by id or by label."""
+    with _client(socket) as fleet:
+        try:
+            for sid in sandbox_ids or []:
+                fleet.get(sid).stop()
+                console.print(sid)
+            if label:
+                for sid in fleet.stop_many(_pairs(label, "label")):
+                    console.print(sid)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+
+
+# -- images ---------------------------------------------------------------------------------------
+
+
+@images_app.callback()
+def images_list(ctx: typer.Context, socket: SocketOpt = None) -> None:
+    """List images (when no subcommand is given)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with _client(socket) as fleet:
+        try:
+            imgs = fleet.images()
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+    table = Table("IMAGE", "LAYERS", "SIZE", "CREATED")
+    for i in imgs:
+        table.add_row(f"{i.name}:{i.tag}", str(len(i.layers)), f"{i.size / 1024**2:.1f}MiB",
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created)))  # fmt: skip
+    console.print(table)
+
+
+@images_app.command("build")
+def images_build(
+    refs: Annotated[list[str], typer.Argument(help="built-in images: busybox, debian:bookworm, python:3.11")],
+    state_dir: Annotated[Path, typer.Option(help="daemon state directory")] = Path("/var/lib/sandfleet"),
+) -> None:
+    """Build images into the local layer store, with progress."""
+    from sandfleet.images import ImageError, LayerStore
+
+    store = LayerStore(state_dir / "images")
+
+    async def build_all() -> None:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=console) as progress:  # fmt: skip
+            for ref in refs:
+                task = progress.add_task(ref, total=1.0)
+
+                def report(stage: str, frac: float, task: int = task, ref: str = ref) -> None:
+                    progress.update(task, completed=frac, description=f"{ref}: {stage}")
+
+                m = await store.ensure(ref, progress=report)
+                progress.update(task, completed=1.0, description=f"{ref}: {len(m.layers)} layer(s) ready")
+
+    try:
+        asyncio.run(build_all())
+    except ImageError as exc:
+        err_console.print(f"[red]error[/red]: {exc}")
+        raise typer.Exit(2) from exc
+
+
+# -- doctor ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = None) -> None:
+    """Check this host for what sandfleet needs; say how to fix what is missing."""
+    from sandfleet.runtime.doctor import run_checks
+
+    table = Table("CHECK", "STATUS", "DETAIL / FIX")
+    failed = 0
+    for check in run_checks(state_dir=state_dir, socket=socket):
+        status = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}[check.status]
+        failed += check.status == "fail"
+        table.add_row(check.name, status, check.detail)
+    console.print(table)
+    raise typer.Exit(1 if failed else 0)
+
+
+# -- demo -----------------------------------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    sandboxes: Annotated[int, typer.Option(help="parallel rollouts")] = 8,
+    image: str = "python:3.11",
+    socket: SocketOpt = None,
+) -> None:
+    """A demo rollout: start a daemon if none runs, create sandboxes, drive them for a few turns."""
+    from sandfleet.demo import run_demo
+
+    sock = socket or Path(os.environ.get("SANDFLEET_SOCKET", "/run/sandfleet/sandfleet.sock"))
+    daemon: subprocess.Popen[bytes] | None = None
+    try:
+        Client(sock).health()
+    except SandboxError:
+        console.print("[dim]no daemon running: starting an embedded one[/dim]")
+        exe = shutil.which("sandfleet") or sys.argv[0]
+        daemon = subprocess.Popen([exe, "serve", "--socket", str(sock)], stdout=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while True:
+            try:
+                Client(sock).health()
+                break
+            except SandboxError:
+                if time.time() > deadline or daemon.poll() is not None:
+                    err_console.print("[red]the daemon did not start; try `sandfleet doctor`[/red]")
+                    raise typer.Exit(1) from None
+                time.sleep(0.2)
+    try:
+        ok = run_demo(console, sock, sandboxes, image)
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(30)
+    raise typer.Exit(0 if ok else 1)
+
+
+def main() -> None:
+    app()

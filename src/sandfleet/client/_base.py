@@ -1,0 +1,197 @@
+"""I/O-free core shared by `Client` and `AsyncClient`: request building and response decoding.
+
+Each API call is described as a `Call` (method, path, params, body, expected model); the sync and
+async clients only differ in how they send it. Transport errors and wire errors are mapped to the
+`SandboxError` tree here, so both clients raise the same exceptions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from sandfleet.errors import (
+    InternalError,
+    SandboxError,
+    SandboxTimeoutError,
+    UnavailableError,
+    error_from_wire,
+)
+from sandfleet.models import ExecEvent, ExecRequest, SandboxSpec
+
+M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_SOCKET = "/run/sandfleet/sandfleet.sock"
+DEFAULT_TIMEOUT = 60.0
+# Extra HTTP time on top of a command's own timeout, so the daemon's answer (timed_out=true) wins.
+EXEC_MARGIN = 10.0
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str
+    path: str
+    params: Mapping[str, Any] | list[tuple[str, Any]] | None = None
+    json: Any = None
+    content: bytes | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the daemon is: a unix socket (default) or an HTTP URL with a bearer token."""
+
+    socket: str | None
+    url: str
+    token: str | None
+
+    @classmethod
+    def resolve(cls, socket: str | os.PathLike[str] | None, url: str | None, token: str | None) -> Endpoint:
+        url = url or os.environ.get("SANDFLEET_URL")
+        token = token or os.environ.get("SANDFLEET_TOKEN")
+        if url:
+            return cls(None, url.rstrip("/"), token)
+        sock = str(socket or os.environ.get("SANDFLEET_SOCKET") or DEFAULT_SOCKET)
+        return cls(sock, "http://sandfleet", token)
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def describe(self) -> str:
+        return f"unix socket {self.socket}" if self.socket else self.url
+
+
+def exec_timeout(timeout: float | None, default: float) -> float | None:
+    if timeout is None:
+        return None
+    return max(default, timeout + EXEC_MARGIN)
+
+
+def spec_from(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> SandboxSpec:
+    if spec is not None and kwargs:
+        return spec.model_copy(update=SandboxSpec.model_validate({**spec.model_dump(), **kwargs}).model_dump())
+    if spec is not None:
+        return spec
+    return SandboxSpec.model_validate(kwargs)
+
+
+def exec_body(command: str | list[str], **kw: Any) -> dict[str, Any]:
+    fields = {k: v for k, v in kw.items() if v is not None}
+    return ExecRequest.model_validate({"command": command, **fields}).model_dump(mode="json")
+
+
+def raise_for(response_status: int, body: bytes, endpoint: Endpoint) -> None:
+    if response_status < 400:
+        return
+    try:
+        decoded: object = json.loads(body)
+    except ValueError:
+        decoded = body[:200].decode(errors="replace")
+    raise error_from_wire(decoded, status=response_status)
+
+
+def decode(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except ValueError as exc:
+        raise InternalError(f"malformed response from the daemon: {exc}") from exc
+
+
+def decode_event(line: bytes) -> ExecEvent:
+    data = json.loads(line)
+    if data.get("type") == "error":
+        raise error_from_wire(data)
+    return ExecEvent.model_validate(data)
+
+
+def map_transport_error(exc: Exception, endpoint: Endpoint) -> SandboxError:
+    if isinstance(exc, httpx.TimeoutException):
+        return SandboxTimeoutError(f"request to the sandfleet daemon timed out ({type(exc).__name__})")
+    if isinstance(exc, (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError)):
+        return UnavailableError(f"cannot reach the sandfleet daemon at {endpoint.describe()} (is `sandfleet serve` running?)")
+    return UnavailableError(f"transport error talking to the daemon: {exc}")
+
+
+def local_tar(src: Path) -> bytes:
+    """Pack a local file or directory for upload (paths relative to it)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        if src.is_dir():
+            for child in sorted(src.iterdir()):
+                tar.add(child, arcname=child.name)
+        else:
+            tar.add(src, arcname=src.name)
+    return buf.getvalue()
+
+
+def extract_tar(data: bytes, dest: Path) -> None:
+    import io
+    import tarfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        tar.extractall(dest, filter="data")
+
+
+# -- the calls, one builder per API operation (no I/O) ----------------------------------------------
+
+
+def _sb(sandbox_id: str, suffix: str = "") -> str:
+    return f"/v1/sandboxes/{sandbox_id}{suffix}"
+
+
+def call_create(spec: SandboxSpec, timeout: float) -> Call:
+    return Call("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"), timeout=timeout)
+
+
+def call_list(labels: Mapping[str, str] | None, state: str | None) -> Call:
+    params: list[tuple[str, Any]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+    if state:
+        params.append(("state", state))
+    return Call("GET", "/v1/sandboxes", params=params)
+
+
+def call_exec(sandbox_id: str, body: dict[str, Any], default_timeout: float, *, stream: bool = False) -> Call:
+    return Call("POST", _sb(sandbox_id, "/exec/stream" if stream else "/exec"), json=body,
+                timeout=exec_timeout(body.get("timeout"), default_timeout))  # fmt: skip
+
+
+def call_session_run(sandbox_id: str, session_id: str, command: str, timeout: float | None, output_limit: int,
+                     default_timeout: float) -> Call:  # fmt: skip
+    return Call("POST", _sb(sandbox_id, f"/sessions/{session_id}/run"),
+                json={"command": command, "timeout": timeout, "output_limit": output_limit},
+                timeout=exec_timeout(timeout, default_timeout))  # fmt: skip
+
+
+def call_write(sandbox_id: str, path: str, data: bytes, mode: int, user: str | None, append: bool) -> Call:
+    params: dict[str, Any] = {"path": path, "mode": mode, "append": str(append).lower()}
+    if user:
+        params["user"] = user
+    return Call("PUT", _sb(sandbox_id, "/files/content"), params=params, content=data,
+                headers={"content-type": "application/octet-stream"})  # fmt: skip
+
+
+def call_read(sandbox_id: str, path: str, offset: int, length: int | None) -> Call:
+    params: dict[str, Any] = {"path": path, "offset": offset}
+    if length is not None:
+        params["length"] = length
+    return Call("GET", _sb(sandbox_id, "/files/content"), params=params)
+
+
+def call_upload(sandbox_id: str, path: str, data: bytes, user: str | None) -> Call:
+    params: dict[str, Any] = {"path": path}
+    if user:
+        params["user"] = user
+    return Call("PUT", _sb(sandbox_id, "/files/tar"), params=params, content=data,
+                headers={"content-type": "application/x-tar"})  # fmt: skip

@@ -1,0 +1,306 @@
+"""`AsyncClient`: the asyncio SDK. Mirrors `sandfleet.client.sync` call for call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from sandfleet.client import _base as b
+from sandfleet.errors import SandboxError
+from sandfleet.models import (
+    EventList,
+    ExecEvent,
+    ExecResult,
+    FileInfo,
+    FileList,
+    ImageInfo,
+    ImageList,
+    ProcessInfo,
+    ProcessList,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxList,
+    SandboxSpec,
+    SessionInfo,
+    StopManyResult,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class AsyncClient:
+    """Talks to a sandfleet daemon. `async with AsyncClient() as fleet: sb = await fleet.create(...)`."""
+
+    def __init__(
+        self,
+        socket: str | os.PathLike[str] | None = None,
+        *,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = b.DEFAULT_TIMEOUT,
+    ) -> None:
+        self.endpoint = b.Endpoint.resolve(socket, url, token)
+        self.timeout = timeout
+        transport = httpx.AsyncHTTPTransport(uds=self.endpoint.socket) if self.endpoint.socket else None
+        self._http = httpx.AsyncClient(base_url=self.endpoint.url, transport=transport, timeout=timeout,
+                                       headers=self.endpoint.headers())  # fmt: skip
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- plumbing
+
+    async def _send(self, call: b.Call) -> bytes:
+        try:
+            resp = await self._http.request(
+                call.method, call.path, params=call.params, json=call.json, content=call.content,
+                headers=dict(call.headers), timeout=call.timeout if call.timeout is not None else self.timeout,
+            )  # fmt: skip
+        except httpx.HTTPError as exc:
+            raise b.map_transport_error(exc, self.endpoint) from exc
+        except OSError as exc:
+            raise b.map_transport_error(exc, self.endpoint) from exc
+        b.raise_for(resp.status_code, resp.content, self.endpoint)
+        return resp.content
+
+    async def _model(self, model: type[M], call: b.Call) -> M:
+        return b.decode(model, await self._send(call))
+
+    async def _stream_lines(self, call: b.Call) -> AsyncIterator[bytes]:
+        try:
+            async with self._http.stream(call.method, call.path, json=call.json, timeout=call.timeout) as resp:
+                if resp.status_code >= 400:
+                    b.raise_for(resp.status_code, await resp.aread(), self.endpoint)
+                async for line in resp.aiter_lines():
+                    if line:
+                        yield line.encode()
+        except httpx.HTTPError as exc:
+            raise b.map_transport_error(exc, self.endpoint) from exc
+
+    # -- node
+
+    async def health(self) -> dict[str, Any]:
+        import json
+
+        result: dict[str, Any] = json.loads(await self._send(b.Call("GET", "/v1/health")))
+        return result
+
+    async def images(self) -> list[ImageInfo]:
+
+        return (await self._model(ImageList, b.Call("GET", "/v1/images"))).images
+
+    async def build_image(self, ref: str, timeout: float = 1800) -> ImageInfo:
+        return await self._model(ImageInfo, b.Call("POST", "/v1/images/build", params={"ref": ref}, timeout=timeout))
+
+    # -- sandboxes
+
+    async def create(self, spec: SandboxSpec | None = None, *, timeout: float | None = None,
+                     **fields: Any) -> AsyncSandbox:  # fmt: skip
+        """Create a sandbox from a spec or from SandboxSpec fields (`image=..., resources=...`)."""
+        spec = b.spec_from(spec, fields)
+        info = await self._model(SandboxInfo, b.call_create(spec, timeout or max(self.timeout, 600)))
+        return AsyncSandbox(self, info)
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        """Attach to an existing sandbox by id (e.g. from another process, after a trainer restart)."""
+        return AsyncSandbox(self, await self._model(SandboxInfo, b.Call("GET", f"/v1/sandboxes/{sandbox_id}")))
+
+    async def list(self, labels: Mapping[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
+
+        return (await self._model(SandboxList, b.call_list(labels, state))).sandboxes
+
+    async def stop_many(self, labels: Mapping[str, str], reason: str = "user") -> list[str]:
+
+        call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": dict(labels), "reason": reason})
+        return (await self._model(StopManyResult, call)).stopped
+
+
+class AsyncSandbox:
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self._c = client
+        self.info = info
+        self.id = info.id
+        self.files = AsyncFiles(self)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.state}>"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            await self.stop()
+        except SandboxError:
+            if et is None:
+                raise
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = await self._c._model(SandboxInfo, b.Call("GET", f"/v1/sandboxes/{self.id}"))
+        return self.info
+
+    async def stop(self, reason: str = "user") -> SandboxInfo:
+        self.info = await self._c._model(
+            SandboxInfo, b.Call("DELETE", f"/v1/sandboxes/{self.id}", json={"reason": reason})
+        )
+        return self.info
+
+    async def exec(self, command: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   user: str | None = None, stdin: str | None = None, timeout: float | None = 60.0,
+                   output_limit: int | None = None) -> ExecResult:  # fmt: skip
+        """Run a command to completion. A string runs under /bin/sh -c; a list is an argv."""
+        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, stdin=stdin,
+                           timeout=timeout, output_limit=output_limit)  # fmt: skip
+        body["timeout"] = timeout
+        return await self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
+
+    async def exec_stream(self, command: str | list[str], *, env: Mapping[str, str] | None = None,
+                          cwd: str | None = None, user: str | None = None, stdin: str | None = None,
+                          timeout: float | None = 60.0, output_limit: int | None = None) -> AsyncIterator[ExecEvent]:  # fmt: skip
+        """Yield stdout/stderr chunks as they arrive, then one `exit` event with the result."""
+        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, stdin=stdin,
+                           timeout=timeout, output_limit=output_limit)  # fmt: skip
+        body["timeout"] = timeout
+        async for line in self._c._stream_lines(b.call_exec(self.id, body, self._c.timeout, stream=True)):
+            yield b.decode_event(line)
+
+    async def start(self, command: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                    user: str | None = None, timeout: float | None = None,
+                    output_limit: int | None = None) -> AsyncProcess:  # fmt: skip
+        """Start a background process (its own session); returns a handle to wait on or kill."""
+        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user,
+                           output_limit=output_limit)  # fmt: skip
+        body["timeout"] = timeout
+        info = await self._c._model(ProcessInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/processes", json=body))
+        return AsyncProcess(self, info)
+
+    async def processes(self) -> list[ProcessInfo]:
+
+        return (await self._c._model(ProcessList, b.Call("GET", f"/v1/sandboxes/{self.id}/processes"))).processes
+
+    async def session(self, *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                      user: str | None = None) -> AsyncSession:  # fmt: skip
+        """Open a persistent shell: commands share cwd, environment and shell variables."""
+        body = {"env": dict(env or {}), "cwd": cwd, "user": user}
+        info = await self._c._model(SessionInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/sessions", json=body))
+        return AsyncSession(self, info)
+
+    async def events(self, after: int = 0) -> list[SandboxEvent]:
+
+        call = b.Call("GET", f"/v1/sandboxes/{self.id}/events", params={"after": after})
+        return (await self._c._model(EventList, call)).events
+
+
+class AsyncProcess:
+    def __init__(self, sandbox: AsyncSandbox, info: ProcessInfo) -> None:
+        self._sb = sandbox
+        self.info = info
+        self.id = info.id
+
+    async def wait(self, timeout: float = 60.0) -> ProcessInfo:
+        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/processes/{self.id}", params={"wait": timeout},
+                      timeout=timeout + b.EXEC_MARGIN)  # fmt: skip
+        self.info = await self._sb._c._model(ProcessInfo, call)
+        return self.info
+
+    async def kill(self, signal: int = 9) -> ProcessInfo:
+        call = b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/processes/{self.id}", params={"signal": signal})
+        self.info = await self._sb._c._model(ProcessInfo, call)
+        return self.info
+
+
+class AsyncSession:
+    def __init__(self, sandbox: AsyncSandbox, info: SessionInfo) -> None:
+        self._sb = sandbox
+        self.info = info
+        self.id = info.id
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def run(self, command: str, *, timeout: float | None = 60.0, output_limit: int = 1024**2) -> ExecResult:
+        call = b.call_session_run(self._sb.id, self.id, command, timeout, output_limit, self._sb._c.timeout)
+        return await self._sb._c._model(ExecResult, call)
+
+    async def close(self) -> None:
+        await self._sb._c._send(b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/sessions/{self.id}"))
+
+
+class AsyncFiles:
+    """File operations inside the sandbox; paths are absolute sandbox paths."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        return await self._sb._c._send(b.call_read(self._sb.id, path, offset, length))
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None,
+                    append: bool = False) -> FileInfo:  # fmt: skip
+        raw = data.encode() if isinstance(data, str) else data
+        return await self._sb._c._model(FileInfo, b.call_write(self._sb.id, path, raw, mode, user, append))
+
+    async def list(self, path: str = "/") -> list[FileInfo]:
+
+        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/list", params={"path": path})
+        return (await self._sb._c._model(FileList, call)).files
+
+    async def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
+        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/stat",
+                      params={"path": path, "follow_symlinks": str(follow_symlinks).lower()})  # fmt: skip
+        return await self._sb._c._model(FileInfo, call)
+
+    async def exists(self, path: str) -> bool:
+        from sandfleet.errors import NotFoundError
+
+        try:
+            await self.stat(path)
+        except NotFoundError:
+            return False
+        return True
+
+    async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755, user: str | None = None) -> FileInfo:
+        params: dict[str, Any] = {"path": path, "parents": str(parents).lower(), "mode": mode}
+        if user:
+            params["user"] = user
+        call = b.Call("POST", f"/v1/sandboxes/{self._sb.id}/files/mkdir", params=params)
+        return await self._sb._c._model(FileInfo, call)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._sb._c._send(b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/files",
+                                       params={"path": path, "recursive": str(recursive).lower()}))  # fmt: skip
+
+    async def upload(self, local: str | os.PathLike[str], path: str, *, user: str | None = None) -> None:
+        """Copy a local file or directory's contents into the sandbox directory `path` (as a tar)."""
+        import asyncio
+
+        data = await asyncio.to_thread(b.local_tar, Path(local))
+        await self._sb._c._send(b.call_upload(self._sb.id, path, data, user))
+
+    async def download(self, path: str, local: str | os.PathLike[str]) -> None:
+        """Copy a sandbox file or directory into the local directory `local`."""
+        import asyncio
+
+        data = await self.download_tar(path)
+        await asyncio.to_thread(b.extract_tar, data, Path(local))
+
+    async def download_tar(self, path: str) -> bytes:
+        return await self._sb._c._send(b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/tar", params={"path": path}))

@@ -1,0 +1,301 @@
+"""`Client`: the blocking SDK. Mirrors `sandfleet.client.aio` call for call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from sandfleet.client import _base as b
+from sandfleet.errors import SandboxError
+from sandfleet.models import (
+    EventList,
+    ExecEvent,
+    ExecResult,
+    FileInfo,
+    FileList,
+    ImageInfo,
+    ImageList,
+    ProcessInfo,
+    ProcessList,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxList,
+    SandboxSpec,
+    SessionInfo,
+    StopManyResult,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Client:
+    """Talks to a sandfleet daemon. `with Client() as fleet: sb = fleet.create(...)`."""
+
+    def __init__(
+        self,
+        socket: str | os.PathLike[str] | None = None,
+        *,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = b.DEFAULT_TIMEOUT,
+    ) -> None:
+        self.endpoint = b.Endpoint.resolve(socket, url, token)
+        self.timeout = timeout
+        transport = httpx.HTTPTransport(uds=self.endpoint.socket) if self.endpoint.socket else None
+        self._http = httpx.Client(base_url=self.endpoint.url, transport=transport, timeout=timeout,
+                                       headers=self.endpoint.headers())  # fmt: skip
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- plumbing
+
+    def _send(self, call: b.Call) -> bytes:
+        try:
+            resp = self._http.request(
+                call.method, call.path, params=call.params, json=call.json, content=call.content,
+                headers=dict(call.headers), timeout=call.timeout if call.timeout is not None else self.timeout,
+            )  # fmt: skip
+        except httpx.HTTPError as exc:
+            raise b.map_transport_error(exc, self.endpoint) from exc
+        except OSError as exc:
+            raise b.map_transport_error(exc, self.endpoint) from exc
+        b.raise_for(resp.status_code, resp.content, self.endpoint)
+        return resp.content
+
+    def _model(self, model: type[M], call: b.Call) -> M:
+        return b.decode(model, self._send(call))
+
+    def _stream_lines(self, call: b.Call) -> Iterator[bytes]:
+        try:
+            with self._http.stream(call.method, call.path, json=call.json, timeout=call.timeout) as resp:
+                if resp.status_code >= 400:
+                    b.raise_for(resp.status_code, resp.read(), self.endpoint)
+                for line in resp.iter_lines():
+                    if line:
+                        yield line.encode()
+        except httpx.HTTPError as exc:
+            raise b.map_transport_error(exc, self.endpoint) from exc
+
+    # -- node
+
+    def health(self) -> dict[str, Any]:
+        import json
+
+        result: dict[str, Any] = json.loads(self._send(b.Call("GET", "/v1/health")))
+        return result
+
+    def images(self) -> list[ImageInfo]:
+
+        return (self._model(ImageList, b.Call("GET", "/v1/images"))).images
+
+    def build_image(self, ref: str, timeout: float = 1800) -> ImageInfo:
+        return self._model(ImageInfo, b.Call("POST", "/v1/images/build", params={"ref": ref}, timeout=timeout))
+
+    # -- sandboxes
+
+    def create(self, spec: SandboxSpec | None = None, *, timeout: float | None = None,
+                     **fields: Any) -> Sandbox:  # fmt: skip
+        """Create a sandbox from a spec or from SandboxSpec fields (`image=..., resources=...`)."""
+        spec = b.spec_from(spec, fields)
+        info = self._model(SandboxInfo, b.call_create(spec, timeout or max(self.timeout, 600)))
+        return Sandbox(self, info)
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        """Attach to an existing sandbox by id (e.g. from another process, after a trainer restart)."""
+        return Sandbox(self, self._model(SandboxInfo, b.Call("GET", f"/v1/sandboxes/{sandbox_id}")))
+
+    def list(self, labels: Mapping[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
+
+        return (self._model(SandboxList, b.call_list(labels, state))).sandboxes
+
+    def stop_many(self, labels: Mapping[str, str], reason: str = "user") -> list[str]:
+
+        call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": dict(labels), "reason": reason})
+        return (self._model(StopManyResult, call)).stopped
+
+
+class Sandbox:
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
+        self._c = client
+        self.info = info
+        self.id = info.id
+        self.files = Files(self)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.state}>"
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            self.stop()
+        except SandboxError:
+            if et is None:
+                raise
+
+    def refresh(self) -> SandboxInfo:
+        self.info = self._c._model(SandboxInfo, b.Call("GET", f"/v1/sandboxes/{self.id}"))
+        return self.info
+
+    def stop(self, reason: str = "user") -> SandboxInfo:
+        self.info = self._c._model(
+            SandboxInfo, b.Call("DELETE", f"/v1/sandboxes/{self.id}", json={"reason": reason})
+        )
+        return self.info
+
+    def exec(self, command: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   user: str | None = None, stdin: str | None = None, timeout: float | None = 60.0,
+                   output_limit: int | None = None) -> ExecResult:  # fmt: skip
+        """Run a command to completion. A string runs under /bin/sh -c; a list is an argv."""
+        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, stdin=stdin,
+                           timeout=timeout, output_limit=output_limit)  # fmt: skip
+        body["timeout"] = timeout
+        return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
+
+    def exec_stream(self, command: str | list[str], *, env: Mapping[str, str] | None = None,
+                          cwd: str | None = None, user: str | None = None, stdin: str | None = None,
+                          timeout: float | None = 60.0, output_limit: int | None = None) -> Iterator[ExecEvent]:  # fmt: skip
+        """Yield stdout/stderr chunks as they arrive, then one `exit` event with the result."""
+        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, stdin=stdin,
+                           timeout=timeout, output_limit=output_limit)  # fmt: skip
+        body["timeout"] = timeout
+        for line in self._c._stream_lines(b.call_exec(self.id, body, self._c.timeout, stream=True)):
+            yield b.decode_event(line)
+
+    def start(self, command: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                    user: str | None = None, timeout: float | None = None,
+                    output_limit: int | None = None) -> Process:  # fmt: skip
+        """Start a background process (its own session); returns a handle to wait on or kill."""
+        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user,
+                           output_limit=output_limit)  # fmt: skip
+        body["timeout"] = timeout
+        info = self._c._model(ProcessInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/processes", json=body))
+        return Process(self, info)
+
+    def processes(self) -> list[ProcessInfo]:
+
+        return (self._c._model(ProcessList, b.Call("GET", f"/v1/sandboxes/{self.id}/processes"))).processes
+
+    def session(self, *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                      user: str | None = None) -> Session:  # fmt: skip
+        """Open a persistent shell: commands share cwd, environment and shell variables."""
+        body = {"env": dict(env or {}), "cwd": cwd, "user": user}
+        info = self._c._model(SessionInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/sessions", json=body))
+        return Session(self, info)
+
+    def events(self, after: int = 0) -> list[SandboxEvent]:
+
+        call = b.Call("GET", f"/v1/sandboxes/{self.id}/events", params={"after": after})
+        return (self._c._model(EventList, call)).events
+
+
+class Process:
+    def __init__(self, sandbox: Sandbox, info: ProcessInfo) -> None:
+        self._sb = sandbox
+        self.info = info
+        self.id = info.id
+
+    def wait(self, timeout: float = 60.0) -> ProcessInfo:
+        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/processes/{self.id}", params={"wait": timeout},
+                      timeout=timeout + b.EXEC_MARGIN)  # fmt: skip
+        self.info = self._sb._c._model(ProcessInfo, call)
+        return self.info
+
+    def kill(self, signal: int = 9) -> ProcessInfo:
+        call = b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/processes/{self.id}", params={"signal": signal})
+        self.info = self._sb._c._model(ProcessInfo, call)
+        return self.info
+
+
+class Session:
+    def __init__(self, sandbox: Sandbox, info: SessionInfo) -> None:
+        self._sb = sandbox
+        self.info = info
+        self.id = info.id
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, command: str, *, timeout: float | None = 60.0, output_limit: int = 1024**2) -> ExecResult:
+        call = b.call_session_run(self._sb.id, self.id, command, timeout, output_limit, self._sb._c.timeout)
+        return self._sb._c._model(ExecResult, call)
+
+    def close(self) -> None:
+        self._sb._c._send(b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/sessions/{self.id}"))
+
+
+class Files:
+    """File operations inside the sandbox; paths are absolute sandbox paths."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sb = sandbox
+
+    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        return self._sb._c._send(b.call_read(self._sb.id, path, offset, length))
+
+    def read_text(self, path: str) -> str:
+        return (self.read(path)).decode()
+
+    def write(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None,
+                    append: bool = False) -> FileInfo:  # fmt: skip
+        raw = data.encode() if isinstance(data, str) else data
+        return self._sb._c._model(FileInfo, b.call_write(self._sb.id, path, raw, mode, user, append))
+
+    def list(self, path: str = "/") -> list[FileInfo]:
+
+        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/list", params={"path": path})
+        return (self._sb._c._model(FileList, call)).files
+
+    def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
+        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/stat",
+                      params={"path": path, "follow_symlinks": str(follow_symlinks).lower()})  # fmt: skip
+        return self._sb._c._model(FileInfo, call)
+
+    def exists(self, path: str) -> bool:
+        from sandfleet.errors import NotFoundError
+
+        try:
+            self.stat(path)
+        except NotFoundError:
+            return False
+        return True
+
+    def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755, user: str | None = None) -> FileInfo:
+        params: dict[str, Any] = {"path": path, "parents": str(parents).lower(), "mode": mode}
+        if user:
+            params["user"] = user
+        call = b.Call("POST", f"/v1/sandboxes/{self._sb.id}/files/mkdir", params=params)
+        return self._sb._c._model(FileInfo, call)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._sb._c._send(b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/files",
+                                       params={"path": path, "recursive": str(recursive).lower()}))  # fmt: skip
+
+    def upload(self, local: str | os.PathLike[str], path: str, *, user: str | None = None) -> None:
+        """Copy a local file or directory's contents into the sandbox directory `path` (as a tar)."""
+        data = b.local_tar(Path(local))
+        self._sb._c._send(b.call_upload(self._sb.id, path, data, user))
+
+    def download(self, path: str, local: str | os.PathLike[str]) -> None:
+        """Copy a sandbox file or directory into the local directory `local`."""
+        b.extract_tar(self.download_tar(path), Path(local))
+
+    def download_tar(self, path: str) -> bytes:
+        return self._sb._c._send(b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/tar", params={"path": path}))

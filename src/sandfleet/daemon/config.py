@@ -1,0 +1,48 @@
+"""Daemon configuration (one pydantic model; loadable from TOML, overridable by CLI flags)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sandfleet.backends.container import ContainerBackendConfig
+
+DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")
+
+
+class DaemonConfig(BaseModel):
+    """Settings of `sandfleet serve`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    state_dir: Path = Field(Path("/var/lib/sandfleet"), description="SQLite state, images, agent build")
+    run_dir: Path = Field(Path("/run/sandfleet"), description="per-boot runtime files (mount points)")
+    socket: Path = Field(DEFAULT_SOCKET, description="unix socket the API listens on (mode 0600)")
+    tcp: str | None = Field(None, description="optional HOST:PORT to also listen on; requires `token`")
+    token: str | None = Field(None, description="bearer token required on TCP (and on the socket if set)")
+    image_dir: Path | None = Field(None, description="layer store root; default <state_dir>/images")
+    max_sandboxes: int = Field(1000, ge=1, description="admission limit: running sandboxes on this node")
+    stopped_retention: float = Field(300.0, ge=0, description="seconds a stopped sandbox stays listable")
+    reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
+    build_missing_images: bool = Field(True, description="build a built-in image on first use")
+    container: ContainerBackendConfig = Field(default_factory=ContainerBackendConfig)
+
+    @model_validator(mode="after")
+    def _tcp_needs_token(self) -> DaemonConfig:
+        if self.tcp and not self.token:
+            raise ValueError("listening on TCP requires a bearer token (token = ...)")
+        return self
+
+    @property
+    def images_root(self) -> Path:
+        return self.image_dir or self.state_dir / "images"
+
+    @classmethod
+    def load(cls, path: Path | None, **overrides: object) -> DaemonConfig:
+        data: dict[str, object] = {}
+        if path is not None:
+            data = tomllib.loads(path.read_text())
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)

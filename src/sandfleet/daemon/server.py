@@ -1,0 +1,113 @@
+"""`sandfleet serve`: process setup, then the API on a unix socket (and optionally TCP).
+
+Order matters: private mount namespace and subreaper status first (before any thread exists, since
+unshare(CLONE_NEWNS) needs a single-threaded process), then state, backend and manager, then the
+listeners. SIGTERM/SIGINT stop the daemon but never the sandboxes: a restarted daemon adopts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from sandfleet.backends.container import ContainerBackend
+from sandfleet.daemon.app import create_app
+from sandfleet.daemon.config import DaemonConfig
+from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.service import SandboxManager
+from sandfleet.daemon.state import StateStore
+from sandfleet.images import LayerStore
+from sandfleet.runtime import cgroups, mounts, proc
+
+log = logging.getLogger("sandfleet.daemon")
+
+
+def prepare_process(config: DaemonConfig) -> None:
+    if os.geteuid() != 0:
+        raise SystemExit("sandfleet serve must run as root (it creates namespaces, mounts and cgroups)")
+    hybrid = cgroups.detect() == "hybrid" and config.container.runtime == "crun"
+    mounts.enter_private_namespace(hide_hybrid_cgroup2=hybrid)
+    proc.become_subreaper()
+
+
+def _unix_listener(path: Path) -> socket.socket:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket is root's alone: mode 0600 from the moment it exists
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(1024)
+    return sock
+
+
+def _tcp_listener(addr: str) -> socket.socket:
+    host, _, port = addr.rpartition(":")
+    sock = socket.create_server((host or "127.0.0.1", int(port)), backlog=1024, reuse_port=False)
+    return sock
+
+
+async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None:
+    """Run the daemon until SIGTERM/SIGINT. Call `prepare_process` first."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    state = StateStore(config.state_dir / "state.db")
+    await state.open()
+    store = LayerStore(config.images_root, uid_base=config.container.uid_base)
+    backend = ContainerBackend(config.container, state_dir=config.state_dir, run_dir=config.run_dir, store=store)
+    await backend.start()
+    metrics = Metrics()
+    manager = SandboxManager(
+        backend=backend,
+        store=store,
+        state=state,
+        metrics=metrics,
+        max_sandboxes=config.max_sandboxes,
+        stopped_retention=config.stopped_retention,
+        reaper_interval=config.reaper_interval,
+        build_missing_images=config.build_missing_images,
+    )
+    servers: list[tuple[uvicorn.Server, socket.socket]] = []
+    ucfg = {"log_level": "warning", "lifespan": "off", "access_log": False, "timeout_keep_alive": 300}
+    uds = _unix_listener(config.socket)
+    servers.append((uvicorn.Server(uvicorn.Config(create_app(manager), **ucfg)), uds))  # type: ignore[arg-type]
+    if config.tcp:
+        tcp = _tcp_listener(config.tcp)
+        app = create_app(manager, token=config.token)
+        servers.append((uvicorn.Server(uvicorn.Config(app, **ucfg)), tcp))  # type: ignore[arg-type]
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def run_servers() -> None:
+        async with asyncio.TaskGroup() as tg:
+            for server, sock in servers:
+                server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+                tg.create_task(server.serve(sockets=[sock]))
+            if ready_file is not None:
+                ready_file.write_text(str(os.getpid()))
+            await stop.wait()
+            for server, _sock in servers:
+                server.should_exit = True
+
+    try:
+        await manager.run(run_servers)
+    finally:
+        for _server, sock in servers:
+            sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            config.socket.unlink()
+        await backend.close()
+        await state.close()

@@ -1,0 +1,833 @@
+"""The sandbox manager: lifecycle, exec, sessions, files, events, TTLs, restart recovery.
+
+Backend-independent: a backend only creates/destroys sandboxes and hands back a `LiveSandbox`
+(agent channel + root). Every long-lived task (reaper, event flusher, background processes, session
+readers) runs in the manager's task group; nothing is fire-and-forget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import shlex
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sandfleet.backends.base import Backend, LiveSandbox
+from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.state import SandboxRow, StateStore
+from sandfleet.errors import (
+    ImageNotFoundError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxTimeoutError,
+    UnavailableError,
+    WrongStateError,
+)
+from sandfleet.images import ImageBuildError, ImageManifest, InvalidRefError, LayerStore
+from sandfleet.images import ImageNotFoundError as StoreImageNotFound
+from sandfleet.models import (
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    ProcessInfo,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SessionInfo,
+)
+from sandfleet.runtime import proc as procmod
+from sandfleet.runtime.agent import (
+    SCOPE_DESCENDANTS,
+    SCOPE_TREE,
+    ChannelClosedError,
+    ExecProcess,
+    ExecStartError,
+    ExitInfo,
+    OutputChunk,
+)
+from sandfleet.runtime.files import FileOpError, FileStat, SandboxFS
+
+log = logging.getLogger("sandfleet.daemon")
+T = TypeVar("T")
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_FILE_ERRORS: dict[str, type[SandboxError]] = {
+    "not_found": NotFoundError,
+    "exists": WrongStateError,
+    "not_a_directory": InvalidArgumentError,
+    "is_a_directory": InvalidArgumentError,
+    "permission_denied": PermissionDeniedError,
+    "crosses_mount": PermissionDeniedError,
+    "invalid_path": InvalidArgumentError,
+    "too_large": InvalidArgumentError,
+    "no_space": ResourceExhaustedError,
+    "io_error": InternalError,
+}
+
+
+def new_sandbox_id() -> str:
+    return "sb-" + secrets.token_hex(8)
+
+
+@dataclass
+class User:
+    uid: int
+    gid: int
+    home: str
+
+
+@dataclass
+class BackgroundProcess:
+    id: str
+    command: str | list[str]
+    started_at: float
+    process: ExecProcess
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    result: ExecResult | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Session:
+    id: str
+    shell: str
+    created_at: float
+    process: ExecProcess
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    out: bytearray = field(default_factory=bytearray)
+    err: bytearray = field(default_factory=bytearray)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    dead: bool = False
+
+
+@dataclass
+class Sandbox:
+    id: str
+    spec: SandboxSpec
+    state: str
+    created_at: float
+    last_active_at: float
+    live: LiveSandbox | None = None
+    stopped_at: float | None = None
+    stop_reason: str | None = None
+    users: dict[str, User] = field(default_factory=dict)
+    sessions: dict[str, Session] = field(default_factory=dict)
+    processes: dict[str, BackgroundProcess] = field(default_factory=dict)
+    inflight: int = 0
+    stop_task: asyncio.Task[None] | None = None
+    oom_kills: int = 0
+    pids_hits: int = 0
+
+    def info(self) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id,
+            state=self.state,  # type: ignore[arg-type]
+            spec=self.spec,
+            created_at=self.created_at,
+            last_active_at=self.last_active_at,
+            stopped_at=self.stopped_at,
+            stop_reason=self.stop_reason,
+        )
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def _exec_result(out: bytes, err: bytes, ex: ExitInfo) -> ExecResult:
+    return ExecResult(
+        exit_code=ex.exit_code,
+        stdout=_decode(out),
+        stderr=_decode(err),
+        duration=ex.duration,
+        timed_out=ex.timed_out,
+        stdout_truncated=ex.stdout_truncated,
+        stderr_truncated=ex.stderr_truncated,
+        signal=ex.signal,
+    )
+
+
+def _start_failure(exc: ExecStartError, argv: list[str]) -> ExecResult:
+    # Shell conventions: 127 = not found, 126 = found but not runnable.
+    code = 127 if exc.errno == errno.ENOENT else 126
+    return ExecResult(exit_code=code, stdout="", stderr=f"sandfleet: {argv[0]}: {exc.message}\n", duration=0.0)
+
+
+class SandboxManager:
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        store: LayerStore,
+        state: StateStore,
+        metrics: Metrics,
+        max_sandboxes: int = 1000,
+        stopped_retention: float = 300.0,
+        reaper_interval: float = 1.0,
+        build_missing_images: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.state = state
+        self.metrics = metrics
+        self.max_sandboxes = max_sandboxes
+        self.stopped_retention = stopped_retention
+        self.reaper_interval = reaper_interval
+        self.build_missing_images = build_missing_images
+        self.sandboxes: dict[str, Sandbox] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self._events: list[tuple[str, float, str, dict[str, Any]]] = []
+        self._events_flushed = asyncio.Event()
+        self._dirty_activity: dict[str, float] = {}
+        self._creating = 0
+        self._stopping = False
+        self.started_at = time.time()
+
+    # -- lifecycle of the manager ---------------------------------------------------------------
+
+    async def run(self, ready: Callable[[], Awaitable[None]]) -> None:
+        """Recover state, then serve until cancelled; `ready` runs once recovery is done."""
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            await self.recover()
+            tg.create_task(self._reaper(), name="reaper")
+            tg.create_task(self._event_flusher(), name="event-flusher")
+            try:
+                await ready()
+            finally:
+                self._stopping = True
+                await self._flush_events()
+                await self.state.touch_many(self._dirty_activity)
+                for task in list(tg._tasks):  # noqa: SLF001 (cancel our own background tasks)
+                    task.cancel()
+        self._tg = None
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        if self._tg is None:
+            raise UnavailableError("daemon is shutting down")
+        return self._tg.create_task(coro, name=name)  # type: ignore[arg-type]
+
+    async def recover(self) -> None:
+        """Re-adopt live sandboxes of a previous daemon; clean every half-created or dead one."""
+        rows = await self.state.all()
+        known = {r.id for r in rows}
+        for row in rows:
+            spec = SandboxSpec.model_validate(row.spec)
+            sb = Sandbox(row.id, spec, row.state, row.created_at, row.last_active_at,
+                         stopped_at=row.stopped_at, stop_reason=row.stop_reason)  # fmt: skip
+            if row.state == "running":
+                live = await self.backend.adopt(row.id, row.runtime)
+                if live is not None:
+                    sb.live = live
+                    live.channel.on_close = lambda _ch, sid=row.id: self._on_agent_lost(sid)
+                    self.sandboxes[row.id] = sb
+                    self._event(row.id, "adopted", {"agent_pid": live.agent_pid})
+                    continue
+            if row.state in ("running", "creating", "stopping"):
+                await self.backend.cleanup(row.id, row.runtime)
+                sb.state = "stopped" if row.state != "creating" else "failed"
+                sb.stop_reason = sb.stop_reason or "lost in daemon restart"
+                sb.stopped_at = time.time()
+                await self.state.update(row.id, state=sb.state, stopped_at=sb.stopped_at, stop_reason=sb.stop_reason)
+                self._event(row.id, "stopped", {"reason": sb.stop_reason})
+            self.sandboxes[row.id] = sb
+        # Residue with no row at all (a crash between mkdir and insert).
+        leftovers = self.backend.leftovers()
+        for name in set(leftovers.get("sandbox_dirs", [])) | set(leftovers.get("cgroups", [])):
+            if name not in known:
+                await self.backend.cleanup(name, {})
+        self.metrics.alive.set(self.running_count())
+
+    def running_count(self) -> int:
+        return sum(1 for s in self.sandboxes.values() if s.state == "running")
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def _event(self, sandbox_id: str, kind: str, data: dict[str, Any] | None = None) -> None:
+        self._events.append((sandbox_id, time.time(), kind, data or {}))
+
+    async def _flush_events(self) -> None:
+        batch, self._events = self._events, []
+        await self.state.add_events(batch)
+
+    async def _event_flusher(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            await self._flush_events()
+
+    async def events(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[SandboxEvent]:
+        self._get(sandbox_id)
+        await self._flush_events()
+        rows = await self.state.events(sandbox_id, after, limit)
+        return [SandboxEvent.model_validate(r) for r in rows]
+
+    # -- create / get / list / stop ---------------------------------------------------------------
+
+    def _get(self, sandbox_id: str) -> Sandbox:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            raise SandboxNotFoundError(f"sandbox {sandbox_id} not found")
+        return sb
+
+    def _running(self, sandbox_id: str) -> tuple[Sandbox, LiveSandbox]:
+        sb = self._get(sandbox_id)
+        if sb.state != "running" or sb.live is None:
+            raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
+        return sb, sb.live
+
+    async def resolve_image(self, ref: str) -> ImageManifest:
+        try:
+            if self.build_missing_images:
+                return await self.store.ensure(ref)
+            return self.store.resolve(ref)
+        except StoreImageNotFound as exc:
+            raise ImageNotFoundError(f"image {ref} not found (see `sandfleet images`)") from exc
+        except InvalidRefError as exc:
+            raise InvalidArgumentError(f"invalid image reference {ref!r}: {exc}") from exc
+        except ImageBuildError as exc:
+            raise InternalError(f"building image {ref} failed: {exc}") from exc
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        if self._stopping:
+            raise UnavailableError("daemon is shutting down")
+        if spec.backend != self.backend.name:
+            raise InvalidArgumentError(
+                f"backend {spec.backend!r} is not available on this node (available: {self.backend.name!r})"
+            )
+        if self.running_count() + self._creating >= self.max_sandboxes:
+            self.metrics.rejected.inc()
+            raise ResourceExhaustedError(f"node is full: {self.max_sandboxes} sandboxes")
+        self._creating += 1
+        t0 = time.perf_counter()
+        try:
+            image = await self.resolve_image(spec.image)
+            sandbox_id = new_sandbox_id()
+            now = time.time()
+            sb = Sandbox(sandbox_id, spec, "creating", now, now)
+            self.sandboxes[sandbox_id] = sb
+            row = SandboxRow(sandbox_id, "creating", spec.backend, spec.model_dump(mode="json"), spec.labels, {},
+                             now, now, None, None)  # fmt: skip
+            await self.state.insert(row)
+            try:
+                live = await self.backend.create(sandbox_id, spec, image)
+            except BaseException as exc:
+                sb.state, sb.stopped_at, sb.stop_reason = "failed", time.time(), f"create failed: {exc}"[:500]
+                self._event(sandbox_id, "create_failed", {"error": str(exc)[:500]})
+                await asyncio.shield(self._forget(sb))
+                self.metrics.create_failures.inc()
+                raise
+            sb.live = live
+            live.channel.on_close = lambda _ch: self._on_agent_lost(sandbox_id)
+            sb.state = "running"
+            await self.state.update(sandbox_id, state="running", runtime=live.runtime)
+            try:
+                sb.users["root"] = User(0, 0, "/root")
+                if spec.user != "root":
+                    await self._user(sb, live, spec.user)
+            except SandboxError:
+                await self.stop(sandbox_id, reason="invalid user")
+                raise
+            self._event(sandbox_id, "created", {"image": spec.image, "layers": [x.digest for x in image.layers]})
+        finally:
+            self._creating -= 1
+        self.metrics.created.inc()
+        self.metrics.create_seconds.observe(time.perf_counter() - t0)
+        self.metrics.alive.set(self.running_count())
+        return sb.info()
+
+    async def _forget(self, sb: Sandbox) -> None:
+        """Persist a terminal state; drop the row at once when nothing is retained."""
+        if self.stopped_retention <= 0:
+            self.sandboxes.pop(sb.id, None)
+            await self._flush_events()
+            await self.state.delete([sb.id])
+        else:
+            await self.state.update(sb.id, state=sb.state, stopped_at=sb.stopped_at, stop_reason=sb.stop_reason)
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(sandbox_id).info()
+
+    def list(self, labels: dict[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
+        out = []
+        for sb in self.sandboxes.values():
+            if state is not None and sb.state != state:
+                continue
+            if labels and any(sb.spec.labels.get(k) != v for k, v in labels.items()):
+                continue
+            out.append(sb.info())
+        return out
+
+    def _on_agent_lost(self, sandbox_id: str) -> None:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None or sb.state != "running" or self._tg is None:
+            return
+        self._event(sandbox_id, "agent_lost", {})
+        self._spawn(self.stop(sandbox_id, reason="sandbox init exited"), name=f"lost-{sandbox_id}")
+
+    async def stop(self, sandbox_id: str, reason: str = "user") -> SandboxInfo:
+        sb = self._get(sandbox_id)
+        if sb.state in ("stopped", "failed"):
+            return sb.info()
+        if sb.stop_task is None:
+            sb.stop_task = self._spawn(self._do_stop(sb, reason), name=f"stop-{sandbox_id}")
+        await asyncio.shield(sb.stop_task)
+        return sb.info()
+
+    async def _do_stop(self, sb: Sandbox, reason: str) -> None:
+        sb.state = "stopping"
+        await self.state.update(sb.id, state="stopping")
+        if sb.live is not None:
+            self._record_limits(sb, sb.live)
+            await self.backend.destroy(sb.live)
+        for bp in sb.processes.values():
+            bp.done.set()
+        for session in sb.sessions.values():
+            session.dead = True
+            session.changed.set()
+        sb.state, sb.stopped_at, sb.stop_reason = "stopped", time.time(), reason
+        self._event(sb.id, "stopped", {"reason": reason})
+        self._dirty_activity.pop(sb.id, None)
+        await self._forget(sb)
+        self.metrics.stopped.labels(reason=reason.split(":")[0][:32]).inc()
+        self.metrics.alive.set(self.running_count())
+
+    async def stop_many(self, labels: dict[str, str], reason: str = "user") -> list[str]:
+        ids = [s.id for s in self.list(labels=labels, state="running")]
+        await asyncio.gather(*(self.stop(i, reason) for i in ids))
+        return ids
+
+    # -- TTL reaper ---------------------------------------------------------------------------------
+
+    async def _reaper(self) -> None:
+        last_flush = time.monotonic()
+        while True:
+            await asyncio.sleep(self.reaper_interval)
+            now = time.time()
+            for sb in list(self.sandboxes.values()):
+                if sb.state == "running" and sb.inflight == 0:
+                    spec = sb.spec
+                    if spec.idle_ttl is not None and now - sb.last_active_at > spec.idle_ttl:
+                        self._spawn(self.stop(sb.id, reason="idle_ttl"), name=f"ttl-{sb.id}")
+                    elif spec.max_lifetime is not None and now - sb.created_at > spec.max_lifetime:
+                        self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
+                elif sb.state == "running" and spec_expired(sb, now):
+                    self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
+                elif sb.state in ("stopped", "failed") and sb.stopped_at and now - sb.stopped_at > self.stopped_retention:
+                    self.sandboxes.pop(sb.id, None)
+                    await self.state.delete([sb.id])
+            if time.monotonic() - last_flush > 5:
+                dirty, self._dirty_activity = self._dirty_activity, {}
+                await self.state.touch_many(dirty)
+                last_flush = time.monotonic()
+            procmod.reap_orphans()
+
+    def _touch(self, sb: Sandbox) -> None:
+        sb.last_active_at = time.time()
+        self._dirty_activity[sb.id] = sb.last_active_at
+
+    # -- users ------------------------------------------------------------------------------------
+
+    async def _user(self, sb: Sandbox, live: LiveSandbox, name: str) -> User:
+        user = sb.users.get(name)
+        if user is not None:
+            return user
+        if name.isdigit():
+            user = User(int(name), int(name), "/")
+        else:
+            try:
+                passwd = await self._fs(live, lambda fs: fs.read("/etc/passwd"))
+            except NotFoundError:
+                passwd = b""
+            for line in passwd.decode(errors="replace").splitlines():
+                parts = line.split(":")
+                if len(parts) >= 6 and parts[0] == name and parts[2].isdigit() and parts[3].isdigit():
+                    user = User(int(parts[2]), int(parts[3]), parts[5] or "/")
+                    break
+            else:
+                raise InvalidArgumentError(f"user {name!r} does not exist in the sandbox")
+        if not 0 <= user.uid < 65536 or not 0 <= user.gid < 65536:
+            raise InvalidArgumentError(f"user {name!r} is outside the sandbox's id range")
+        sb.users[name] = user
+        return user
+
+    # -- exec -------------------------------------------------------------------------------------
+
+    async def _start(self, sb: Sandbox, live: LiveSandbox, req: ExecRequest, *, setsid: bool = False,
+                     keep_stdin: bool = False) -> ExecProcess:  # fmt: skip
+        user = await self._user(sb, live, req.user or sb.spec.user)
+        argv = ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else list(req.command)
+        env = {"PATH": DEFAULT_PATH, "HOME": user.home, "HOSTNAME": sb.spec.hostname or sb.id}
+        env.update(sb.spec.env)
+        env.update(req.env)
+        try:
+            process = await live.channel.start(
+                argv,
+                env=env,
+                cwd=req.cwd or sb.spec.workdir,
+                uid=user.uid,
+                gid=user.gid,
+                timeout=req.timeout,
+                out_cap=req.output_limit,
+                stdin=req.stdin is not None or keep_stdin,
+                setsid=setsid,
+            )
+        except ChannelClosedError as exc:
+            raise UnavailableError(f"sandbox {sb.id} is not answering (its init exited)") from exc
+        if req.stdin is not None:
+            await process.write_stdin(req.stdin.encode())
+            await process.close_stdin()
+        return process
+
+    def _after_exec(self, sb: Sandbox, req: ExecRequest, result: ExecResult, out_bytes: int, err_bytes: int) -> None:
+        cmd = req.command if isinstance(req.command, str) else shlex.join(req.command)
+        self._event(sb.id, "exec", {
+            "command": cmd[:1000], "exit_code": result.exit_code, "duration": round(result.duration, 6),
+            "stdout_bytes": out_bytes, "stderr_bytes": err_bytes, "timed_out": result.timed_out,
+        })  # fmt: skip
+        if result.truncated:
+            self._event(sb.id, "output_truncated", {"stdout_bytes": out_bytes, "stderr_bytes": err_bytes,
+                                                    "limit": req.output_limit})  # fmt: skip
+        if result.timed_out:
+            self._event(sb.id, "exec_timeout", {"command": cmd[:1000], "timeout": req.timeout})
+        if sb.live is not None and (result.exit_code >= 128 or result.exit_code == 2 or result.stderr):
+            self._record_limits(sb, sb.live)
+
+    def _record_limits(self, sb: Sandbox, live: LiveSandbox) -> None:
+        """Turn cgroup counters into events: OOM kills and refused forks since we last looked."""
+        try:
+            stats = self.backend.stats(live)
+        except OSError:
+            return
+        if stats.oom_kills > sb.oom_kills:
+            self._event(sb.id, "oom_kill", {"count": stats.oom_kills - sb.oom_kills,
+                                            "limit": sb.spec.resources.memory})  # fmt: skip
+            self.metrics.oom_kills.inc(stats.oom_kills - sb.oom_kills)
+            sb.oom_kills = stats.oom_kills
+        if stats.pids_limit_hits > sb.pids_hits:
+            self._event(sb.id, "pids_limit", {"refused_forks": stats.pids_limit_hits - sb.pids_hits,
+                                              "limit": sb.spec.resources.pids})  # fmt: skip
+            sb.pids_hits = stats.pids_limit_hits
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        sb, live = self._running(sandbox_id)
+        if req.background:
+            raise InvalidArgumentError("use the processes endpoint for background=true")
+        sb.inflight += 1
+        self._touch(sb)
+        t0 = time.perf_counter()
+        try:
+            try:
+                process = await self._start(sb, live, req)
+            except ExecStartError as exc:
+                argv = ["/bin/sh"] if isinstance(req.command, str) else req.command
+                return _start_failure(exc, argv)
+            try:
+                out, err, ex = await process.wait()
+            except ChannelClosedError as exc:
+                raise UnavailableError(f"sandbox {sb.id} stopped while the command ran") from exc
+            result = _exec_result(out, err, ex)
+            self._after_exec(sb, req, result, ex.stdout_bytes, ex.stderr_bytes)
+            return result
+        finally:
+            sb.inflight -= 1
+            self._touch(sb)
+            self.metrics.execs.inc()
+            self.metrics.exec_seconds.observe(time.perf_counter() - t0)
+
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """Validate and start now (so errors surface before streaming), then yield events."""
+        sb, live = self._running(sandbox_id)
+        sb.inflight += 1
+        self._touch(sb)
+        try:
+            process = await self._start(sb, live, req)
+        except ExecStartError as exc:
+            sb.inflight -= 1
+            argv = ["/bin/sh"] if isinstance(req.command, str) else req.command
+            failed = _start_failure(exc, argv)
+
+            async def failed_stream() -> AsyncIterator[ExecEvent]:
+                yield ExecEvent(type="stderr", data=failed.stderr)
+                yield ExecEvent(type="exit", result=failed)
+
+            return failed_stream()
+        except BaseException:
+            sb.inflight -= 1
+            raise
+
+        async def stream() -> AsyncIterator[ExecEvent]:
+            decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+            out: list[bytes] = []
+            err: list[bytes] = []
+            finished = False
+            try:
+                async for ev in process.events():
+                    if isinstance(ev, OutputChunk):
+                        (out if ev.stream == "stdout" else err).append(ev.data)
+                        text = decoders[ev.stream].decode(ev.data)
+                        if text:
+                            yield ExecEvent(type=ev.stream, data=text)
+                    else:
+                        result = _exec_result(b"".join(out), b"".join(err), ev)
+                        self._after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
+                        finished = True
+                        yield ExecEvent(type="exit", result=result)
+            except ChannelClosedError as exc:
+                raise UnavailableError(f"sandbox {sb.id} stopped while the command ran") from exc
+            finally:
+                if not finished and not live.channel.closed:
+                    # The client went away mid-stream: don't leave the command running.
+                    with contextlib.suppress(Exception):
+                        await process.signal(signal.SIGKILL, SCOPE_TREE)
+                sb.inflight -= 1
+                self._touch(sb)
+                self.metrics.execs.inc()
+
+        return stream()
+
+    # -- background processes -------------------------------------------------------------------
+
+    async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
+        sb, live = self._running(sandbox_id)
+        self._touch(sb)
+        try:
+            process = await self._start(sb, live, req, setsid=True)
+        except ExecStartError as exc:
+            argv = ["/bin/sh"] if isinstance(req.command, str) else req.command
+            raise InvalidArgumentError(_start_failure(exc, argv).stderr.strip()) from exc
+        bp = BackgroundProcess("p-" + secrets.token_hex(6), req.command, time.time(), process)
+        sb.processes[bp.id] = bp
+        self._spawn(self._collect(sb, bp, req), name=f"bg-{sb.id}-{bp.id}")
+        self._event(sb.id, "process_started", {"process_id": bp.id, "command": str(req.command)[:1000]})
+        return self._process_info(bp)
+
+    async def _collect(self, sb: Sandbox, bp: BackgroundProcess, req: ExecRequest) -> None:
+        try:
+            async for ev in bp.process.events():
+                if isinstance(ev, OutputChunk):
+                    (bp.stdout if ev.stream == "stdout" else bp.stderr).extend(ev.data)
+                else:
+                    bp.result = _exec_result(bytes(bp.stdout), bytes(bp.stderr), ev)
+                    self._after_exec(sb, req, bp.result, ev.stdout_bytes, ev.stderr_bytes)
+        except ChannelClosedError:
+            pass
+        finally:
+            bp.done.set()
+
+    def _process_info(self, bp: BackgroundProcess) -> ProcessInfo:
+        return ProcessInfo(
+            id=bp.id,
+            command=bp.command,
+            running=bp.result is None and not bp.done.is_set(),
+            started_at=bp.started_at,
+            result=bp.result,
+        )
+
+    def _bg(self, sandbox_id: str, process_id: str) -> tuple[Sandbox, BackgroundProcess]:
+        sb = self._get(sandbox_id)
+        bp = sb.processes.get(process_id)
+        if bp is None:
+            raise NotFoundError(f"process {process_id} not found in sandbox {sandbox_id}")
+        return sb, bp
+
+    def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return [self._process_info(bp) for bp in self._get(sandbox_id).processes.values()]
+
+    async def wait_process(self, sandbox_id: str, process_id: str, timeout: float | None) -> ProcessInfo:
+        _sb, bp = self._bg(sandbox_id, process_id)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await bp.done.wait()
+        return self._process_info(bp)
+
+    async def kill_process(self, sandbox_id: str, process_id: str, signo: int = signal.SIGKILL) -> ProcessInfo:
+        sb, bp = self._bg(sandbox_id, process_id)
+        if bp.result is None and sb.live is not None and not sb.live.channel.closed:
+            await bp.process.signal(signo, SCOPE_TREE)
+        return self._process_info(bp)
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    async def create_session(self, sandbox_id: str, env: dict[str, str], cwd: str | None,
+                             user: str | None) -> SessionInfo:  # fmt: skip
+        sb, live = self._running(sandbox_id)
+        self._touch(sb)
+        shell = "/bin/sh"
+        with contextlib.suppress(SandboxError):
+            st = await self._fs(live, lambda fs: fs.stat("/bin/bash", follow_symlinks=True))
+            if st.type == "file":
+                shell = "/bin/bash"
+        req = ExecRequest(command=[shell], env=env, cwd=cwd, user=user, timeout=None, output_limit=0)
+        try:
+            process = await self._start(sb, live, req, setsid=True, keep_stdin=True)
+        except ExecStartError as exc:
+            raise InternalError(f"cannot start a shell in the sandbox: {exc.message}") from exc
+        session = Session("s-" + secrets.token_hex(6), shell, time.time(), process)
+        sb.sessions[session.id] = session
+        self._spawn(self._session_reader(session), name=f"session-{sb.id}-{session.id}")
+        self._event(sb.id, "session_created", {"session_id": session.id, "shell": shell})
+        return SessionInfo(id=session.id, shell=shell, created_at=session.created_at)
+
+    async def _session_reader(self, session: Session) -> None:
+        try:
+            async for ev in session.process.events():
+                if isinstance(ev, OutputChunk):
+                    (session.out if ev.stream == "stdout" else session.err).extend(ev.data)
+                    session.changed.set()
+        except ChannelClosedError:
+            pass
+        finally:
+            session.dead = True
+            session.changed.set()
+
+    def _session(self, sandbox_id: str, session_id: str) -> tuple[Sandbox, Session]:
+        sb = self._get(sandbox_id)
+        session = sb.sessions.get(session_id)
+        if session is None:
+            raise NotFoundError(f"session {session_id} not found in sandbox {sandbox_id}")
+        return sb, session
+
+    def list_sessions(self, sandbox_id: str) -> list[SessionInfo]:
+        return [SessionInfo(id=s.id, shell=s.shell, created_at=s.created_at)
+                for s in self._get(sandbox_id).sessions.values() if not s.dead]  # fmt: skip
+
+    async def session_run(self, sandbox_id: str, session_id: str, command: str, timeout: float | None,
+                          output_limit: int) -> ExecResult:  # fmt: skip
+        sb, session = self._session(sandbox_id, session_id)
+        self._running(sandbox_id)
+        if "\0" in command:
+            raise InvalidArgumentError("command contains a NUL byte")
+        async with session.lock:
+            if session.dead:
+                raise WrongStateError(f"session {session_id} has exited")
+            sb.inflight += 1
+            self._touch(sb)
+            try:
+                return await self._session_run(sb, session, command, timeout, output_limit)
+            finally:
+                sb.inflight -= 1
+                self._touch(sb)
+
+    async def _session_run(self, sb: Sandbox, session: Session, command: str, timeout: float | None,
+                           output_limit: int) -> ExecResult:  # fmt: skip
+        marker = f"__SANDFLEET_{secrets.token_hex(8)}__".encode()
+        # `command eval`: a syntax error fails that command only; plain eval would exit a POSIX shell.
+        script = (
+            f"command eval {shlex.quote(command)} </dev/null\n"
+            f"printf '\\n%s %d\\n' '{marker.decode()}' \"$?\"\n"
+            f"printf '\\n%s\\n' '{marker.decode()}' >&2\n"
+        )
+        session.out.clear()
+        session.err.clear()
+        t0 = time.monotonic()
+        timed_out = False
+        await session.process.write_stdin(script.encode())
+
+        def finished() -> bool:
+            return marker in session.out and marker in session.err
+
+        async def wait_done(limit: float | None) -> bool:
+            async with asyncio.timeout(limit):
+                while not finished():
+                    if session.dead:
+                        raise WrongStateError(f"session {session.id} exited while running the command")
+                    session.changed.clear()
+                    await session.changed.wait()
+            return True
+
+        try:
+            await wait_done(timeout)
+        except TimeoutError:
+            timed_out = True
+            # Kill what the shell is running, keep the shell (and its cwd/env) alive.
+            await session.process.signal(signal.SIGKILL, SCOPE_DESCENDANTS)
+            try:
+                await wait_done(5.0)
+            except TimeoutError:
+                session.dead = True
+                await session.process.signal(signal.SIGKILL, SCOPE_TREE)
+                raise SandboxTimeoutError(
+                    f"command timed out after {timeout}s and the session's shell did not recover; "
+                    "the session was closed"
+                ) from None
+        out = bytes(session.out)
+        err = bytes(session.err)
+        idx = out.rfind(b"\n" + marker)
+        tail = out[idx + 1 + len(marker):].split(b"\n", 1)[0].strip()
+        code = int(tail) if tail.lstrip(b"-").isdigit() else -1
+        stdout, stderr = out[:idx], err[: err.rfind(b"\n" + marker)]
+        result = ExecResult(
+            exit_code=code,
+            stdout=_decode(stdout[:output_limit]),
+            stderr=_decode(stderr[:output_limit]),
+            duration=time.monotonic() - t0,
+            timed_out=timed_out,
+            stdout_truncated=len(stdout) > output_limit,
+            stderr_truncated=len(stderr) > output_limit,
+        )
+        req = ExecRequest(command=command, timeout=timeout, output_limit=output_limit)
+        self._after_exec(sb, req, result, len(stdout), len(stderr))
+        return result
+
+    async def close_session(self, sandbox_id: str, session_id: str) -> None:
+        sb, session = self._session(sandbox_id, session_id)
+        sb.sessions.pop(session_id, None)
+        if not session.dead and sb.live is not None and not sb.live.channel.closed:
+            await session.process.signal(signal.SIGKILL, SCOPE_TREE)
+        self._event(sb.id, "session_closed", {"session_id": session_id})
+
+    # -- files ------------------------------------------------------------------------------------
+
+    async def _fs(self, live: LiveSandbox, op: Callable[[SandboxFS], T]) -> T:
+        def run() -> T:
+            fd = self.backend.open_root(live)
+            try:
+                return op(SandboxFS(fd, uid_base=live.uid_base))
+            finally:
+                os.close(fd)
+
+        try:
+            return await asyncio.to_thread(run)
+        except FileOpError as exc:
+            cls = _FILE_ERRORS.get(exc.kind, InternalError)
+            raise cls(str(exc)) from exc
+        except FileNotFoundError as exc:
+            raise UnavailableError(f"sandbox {live.id} is no longer running") from exc
+
+    async def file_op(self, sandbox_id: str, op: Callable[[SandboxFS], T], event: tuple[str, dict[str, Any]] | None
+                      = None) -> T:  # fmt: skip
+        sb, live = self._running(sandbox_id)
+        self._touch(sb)
+        result = await self._fs(live, op)
+        if event is not None:
+            self._event(sb.id, event[0], event[1])
+        return result
+
+    async def file_owner(self, sandbox_id: str, user: str | None) -> User:
+        sb, live = self._running(sandbox_id)
+        return await self._user(sb, live, user or sb.spec.user)
+
+
+def spec_expired(sb: Sandbox, now: float) -> bool:
+    return sb.spec.max_lifetime is not None and now - sb.created_at > sb.spec.max_lifetime
+
+
+def file_info(st: FileStat) -> FileInfo:
+    return FileInfo(path=st.path, name=st.name, type=st.type, size=st.size, mode=st.mode, uid=st.uid, gid=st.gid,
+                    mtime=st.mtime, link_target=st.link_target)  # fmt: skip

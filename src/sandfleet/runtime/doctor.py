@@ -1,0 +1,110 @@
+"""Host checks for `sandfleet doctor`: what the container tier needs, and how to get it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from sandfleet.runtime import cgroups
+
+APT = "apt-get install -y"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Literal["ok", "warn", "fail"]
+    detail: str
+
+
+def _filesystems() -> set[str]:
+    try:
+        return {line.split()[-1] for line in Path("/proc/filesystems").read_text().splitlines() if line.strip()}
+    except OSError:
+        return set()
+
+
+def _version(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else ""
+
+
+def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check]:
+    yield Check("root", "ok" if os.geteuid() == 0 else "fail",
+                "running as root" if os.geteuid() == 0 else "the daemon must run as root (sudo sandfleet serve)")  # fmt: skip
+    release = platform.release()
+    major, minor = (int(x) for x in release.split(".")[:2])
+    yield Check("kernel", "ok" if (major, minor) >= (6, 12) else "warn",
+                f"{release}" + ("" if (major, minor) >= (6, 12) else
+                                ": EROFS mounts straight from files need >= 6.12; older kernels need loop devices"))  # fmt: skip
+    try:
+        userns = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        userns = 0
+    yield Check("user namespaces", "ok" if userns > 0 else "fail",
+                f"max_user_namespaces={userns}" + ("" if userns else ": sysctl -w user.max_user_namespaces=65536"))  # fmt: skip
+    fs = _filesystems()
+    for name, module in (("overlay", "overlay"), ("erofs", "erofs")):
+        yield Check(f"filesystem {name}", "ok" if name in fs else "fail",
+                    "available" if name in fs else f"modprobe {module} (kernel config CONFIG_{name.upper()}_FS)")  # fmt: skip
+    mode = cgroups.detect()
+    root = cgroups.CGROUP_ROOT
+    if mode == "v2":
+        ctrls = set((root / "cgroup.controllers").read_text().split())
+    else:
+        ctrls = {c for c in ("memory", "cpu", "pids", "freezer") if (root / c).is_dir()}
+    missing = {"memory", "cpu", "pids"} - ctrls
+    yield Check("cgroups", "fail" if missing else "ok",
+                f"{mode} ({', '.join(sorted(ctrls))})" + (f"; missing {sorted(missing)}" if missing else "")
+                + ("; hybrid host: the daemon hides cgroup2 in its own mount namespace for crun" if mode == "hybrid"
+                   else ""))  # fmt: skip
+    for binary, pkg, need in (("crun", "crun", "fail"), ("runc", "runc", "warn"), ("mkfs.erofs", "erofs-utils", "fail"),
+                              ("busybox", "busybox-static", "fail"), ("mmdebstrap", "mmdebstrap", "warn"),
+                              ("gcc", "gcc libc6-dev", "fail")):  # fmt: skip
+        path = shutil.which(binary)
+        if path:
+            ver = _version([binary, "--version"]) if binary not in ("busybox", "mkfs.erofs") else ""
+            yield Check(binary, "ok", f"{path} {ver}".strip())
+        else:
+            yield Check(binary, need, f"not found: {APT} {pkg}")  # type: ignore[arg-type]
+    libc_a = any(Path(p).exists() for p in ("/usr/lib/x86_64-linux-gnu/libc.a", "/usr/lib/aarch64-linux-gnu/libc.a"))
+    yield Check("static libc", "ok" if libc_a else "fail",
+                "libc.a present (the in-sandbox agent is linked statically)" if libc_a else f"{APT} libc6-dev")  # fmt: skip
+    try:
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        pid_max = 0
+    yield Check("pid_max", "ok" if pid_max >= 4 * 1024 * 1024 else "warn",
+                f"{pid_max}" + ("" if pid_max >= 4 * 1024 * 1024 else
+                                ": binds before memory at thousands of sandboxes; sysctl -w kernel.pid_max=4194304"))  # fmt: skip
+    target = state_dir if state_dir.exists() else state_dir.parent
+    try:
+        st = os.statvfs(target)
+        free = st.f_bavail * st.f_frsize
+        yield Check("disk", "ok" if free > 5 * 1024**3 else "warn",
+                    f"{free / 1024**3:.1f} GiB free under {target}" + ("" if free > 5 * 1024**3 else
+                                                                       ": images need a few GiB"))  # fmt: skip
+    except OSError as exc:
+        yield Check("disk", "warn", f"cannot stat {target}: {exc}")
+    sock = socket or Path("/run/sandfleet/sandfleet.sock")
+    if sock.exists():
+        from sandfleet.client import Client
+        from sandfleet.errors import SandboxError
+
+        try:
+            with Client(sock) as c:
+                h = c.health()
+            yield Check("daemon", "ok", f"{sock}: {h.get('sandboxes_running')} sandboxes running")
+        except SandboxError as exc:
+            yield Check("daemon", "warn", f"{sock} exists but does not answer: {exc.message}")
+    else:
+        yield Check("daemon", "warn", f"not running ({sock} missing): sandfleet serve")
