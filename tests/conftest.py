@@ -86,10 +86,12 @@ def make_daemon(name: str, extra: str = "") -> Daemon:
     root = Path(tempfile.mkdtemp(prefix=f"sandfleet-{name}-"))
     os.chmod(root, 0o755)
     d = Daemon(root, root / "sandfleet.sock", root / "state", root / "run", root / "config.toml")
+    (root / "shared").mkdir()
+    # A cgroup parent of its own: daemons clean up unknown cgroups under their parent at start.
     d.config.write_text(
         f'socket = "{d.socket}"\nstate_dir = "{d.state_dir}"\nrun_dir = "{d.run_dir}"\n'
-        f'image_dir = "{IMAGES}"\nstopped_retention = 0\nreaper_interval = 0.2\n'
-        f'[container]\ncgroup_parent = "/sandfleet-test-{name}"\n' + extra
+        f'image_dir = "{IMAGES}"\nstopped_retention = 0\nreaper_interval = 0.2\n' + extra +
+        f'[container]\ncgroup_parent = "/sandfleet-test-{root.name}"\nmount_allowlist = ["{root / "shared"}"]\n'
     )
     return d
 

@@ -1,8 +1,8 @@
 """sandfleet: elastic sandboxes for agentic reinforcement learning.
 
-    from sandfleet import Client, SandboxSpec, Resources
-    with Client() as fleet, fleet.create(image="debian:bookworm", resources=Resources(cpu=1, memory="1GiB")) as sb:
-        print(sb.exec("echo hello").stdout)
+from sandfleet import Client, SandboxSpec, Resources
+with Client() as fleet, fleet.create(image="debian:bookworm", resources=Resources(cpu=1, memory="1GiB")) as sb:
+    print(sb.exec("echo hello").stdout)
 """
 
 __version__ = "0.1.0"

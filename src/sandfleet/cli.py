@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sandfleet.client import Client
@@ -71,9 +71,15 @@ def serve(
 
     try:
         cfg = DaemonConfig.load(
-            config, socket=socket, state_dir=state_dir, run_dir=run_dir, tcp=tcp, token=token,
-            max_sandboxes=max_sandboxes, stopped_retention=stopped_retention,
-        )  # fmt: skip
+            config,
+            socket=socket,
+            state_dir=state_dir,
+            run_dir=run_dir,
+            tcp=tcp,
+            token=token,
+            max_sandboxes=max_sandboxes,
+            stopped_retention=stopped_retention,
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     prepare_process(cfg)
@@ -98,8 +104,13 @@ def create(
 ) -> None:
     """Create a sandbox and print its id."""
     try:
-        spec = SandboxSpec(image=image, resources=Resources(cpu=cpu, memory=memory, disk=disk, pids=pids),
-                           labels=_pairs(label, "label"), env=_pairs(env, "env"), idle_ttl=idle_ttl)  # fmt: skip
+        spec = SandboxSpec(
+            image=image,
+            resources=Resources(cpu=cpu, memory=memory, disk=disk, pids=pids),
+            labels=_pairs(label, "label"),
+            env=_pairs(env, "env"),
+            idle_ttl=idle_ttl,
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     with _client(socket) as fleet:
@@ -190,8 +201,15 @@ def list_(
     now = time.time()
     for s in items:
         r = s.spec.resources
-        table.add_row(s.id, s.state, s.spec.image, f"{r.cpu:g}", f"{r.memory / 1024**2:.0f}MiB",
-                      f"{now - s.created_at:.0f}s", ",".join(f"{k}={v}" for k, v in s.spec.labels.items()))  # fmt: skip
+        table.add_row(
+            s.id,
+            s.state,
+            s.spec.image,
+            f"{r.cpu:g}",
+            f"{r.memory / 1024**2:.0f}MiB",
+            f"{now - s.created_at:.0f}s",
+            ",".join(f"{k}={v}" for k, v in s.spec.labels.items()),
+        )
     console.print(table)
 
 
@@ -229,8 +247,12 @@ def images_list(ctx: typer.Context, socket: SocketOpt = None) -> None:
             raise _fail(exc) from exc
     table = Table("IMAGE", "LAYERS", "SIZE", "CREATED")
     for i in imgs:
-        table.add_row(f"{i.name}:{i.tag}", str(len(i.layers)), f"{i.size / 1024**2:.1f}MiB",
-                      time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created)))  # fmt: skip
+        table.add_row(
+            f"{i.name}:{i.tag}",
+            str(len(i.layers)),
+            f"{i.size / 1024**2:.1f}MiB",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created)),
+        )
     console.print(table)
 
 
@@ -245,12 +267,13 @@ def images_build(
     store = LayerStore(state_dir / "images")
 
     async def build_all() -> None:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      console=console) as progress:  # fmt: skip
+        with Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
+        ) as progress:
             for ref in refs:
                 task = progress.add_task(ref, total=1.0)
 
-                def report(stage: str, frac: float, task: int = task, ref: str = ref) -> None:
+                def report(stage: str, frac: float, task: TaskID = task, ref: str = ref) -> None:
                     progress.update(task, completed=frac, description=f"{ref}: {stage}")
 
                 m = await store.ensure(ref, progress=report)

@@ -22,8 +22,10 @@ from sandfleet.models import Resources, SandboxSpec
 
 BUGGY = "def add(a, b):\n    return a - b\n"
 TEST_PY = "from solution import add\nassert add(2, 3) == 5, 'add is wrong'\nprint('tests passed')\n"
-TEST_SH = 'r=$(( $(sh /task/solution.sh 2 3) )); [ "$r" -eq 5 ] && echo "tests passed" || { echo "add is wrong" >&2; exit 1; }\n'
-BUGGY_SH = 'echo $(( $1 - $2 ))\n'
+TEST_SH = (
+    'r=$(sh /task/solution.sh 2 3); [ "$r" -eq 5 ] && echo "tests passed" || { echo "add is wrong" >&2; exit 1; }\n'
+)
+BUGGY_SH = "echo $(( $1 - $2 ))\n"
 
 
 @dataclass
@@ -40,21 +42,33 @@ async def _rollout(fleet: AsyncClient, index: int, image: str, python: bool) -> 
     out = Rollout(index)
     t0 = time.perf_counter()
     try:
-        spec = SandboxSpec(image=image, resources=Resources(cpu=1, memory="512MiB"), idle_ttl=120,
-                           labels={"job": "demo", "rollout": str(index)})  # fmt: skip
+        spec = SandboxSpec(
+            image=image,
+            resources=Resources(cpu=1, memory="512MiB"),
+            idle_ttl=120,
+            labels={"job": "demo", "rollout": str(index)},
+        )
         async with await fleet.create(spec) as sb:
             out.sandbox_id = sb.id
             out.create_ms = (time.perf_counter() - t0) * 1000
             if python:
                 await sb.files.write("/task/solution.py", BUGGY)
                 await sb.files.write("/task/test.py", TEST_PY)
-                turns = ["cat /task/solution.py", "cd /task && python3 test.py",
-                         "sed -i 's/a - b/a + b/' /task/solution.py", "cd /task && python3 test.py"]  # fmt: skip
+                turns = [
+                    "cat /task/solution.py",
+                    "cd /task && python3 test.py",
+                    "sed -i 's/a - b/a + b/' /task/solution.py",
+                    "cd /task && python3 test.py",
+                ]
             else:
                 await sb.files.write("/task/solution.sh", BUGGY_SH)
                 await sb.files.write("/task/test.sh", TEST_SH)
-                turns = ["cat /task/solution.sh", "sh /task/test.sh",
-                         "sed -i 's/- \\$2/+ $2/' /task/solution.sh", "sh /task/test.sh"]  # fmt: skip
+                turns = [
+                    "cat /task/solution.sh",
+                    "sh /task/test.sh",
+                    "sed -i 's/- \\$2/+ $2/' /task/solution.sh",
+                    "sh /task/test.sh",
+                ]
             result = None
             for cmd in turns:
                 t = time.perf_counter()
@@ -80,10 +94,18 @@ def run_demo(console: Console, socket: Path, n: int, image: str) -> bool:
     table = Table("#", "SANDBOX", "CREATE ms", "TURNS", "EXEC p50 ms", "REWARD", title=f"demo rollout on {image}")
     for r in rollouts:
         p50 = statistics.median(r.exec_ms) if r.exec_ms else 0.0
-        table.add_row(str(r.index), r.sandbox_id or "-", f"{r.create_ms:.1f}", str(len(r.exec_ms)), f"{p50:.1f}",
-                      f"{r.reward:.0f}" if not r.error else f"[red]{r.error}[/red]")  # fmt: skip
+        table.add_row(
+            str(r.index),
+            r.sandbox_id or "-",
+            f"{r.create_ms:.1f}",
+            str(len(r.exec_ms)),
+            f"{p50:.1f}",
+            f"{r.reward:.0f}" if not r.error else f"[red]{r.error}[/red]",
+        )
     console.print(table)
     ok = all(r.reward == 1.0 for r in rollouts)
-    console.print(f"{sum(r.reward for r in rollouts):.0f}/{n} rollouts solved in {wall:.1f}s "
-                  f"({'all sandboxes stopped' if ok else 'see errors above'})")  # fmt: skip
+    console.print(
+        f"{sum(r.reward for r in rollouts):.0f}/{n} rollouts solved in {wall:.1f}s "
+        f"({'all sandboxes stopped' if ok else 'see errors above'})"
+    )
     return ok

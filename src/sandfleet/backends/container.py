@@ -62,7 +62,9 @@ class ContainerBackend:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.runtime_root.mkdir(parents=True, exist_ok=True)
         if shutil.which(self.config.runtime) is None:
-            raise UnavailableError(f"OCI runtime {self.config.runtime!r} not found (apt-get install {self.config.runtime})")
+            raise UnavailableError(
+                f"OCI runtime {self.config.runtime!r} not found (apt-get install {self.config.runtime})"
+            )
         self.agent_path = await asyncio.to_thread(build_agent, self.state_dir / "agent")
         self._agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
         self.cgroups = cgroups.Cgroups(self.config.cgroup_parent)  # re-detect inside our mount namespace
@@ -129,9 +131,21 @@ class ContainerBackend:
             pid_file = sdir / "agent.pid"
             log_file = sdir / "runtime.log"
             argv = [
-                self.config.runtime, "--root", str(self.runtime_root), "--log", f"file:{log_file}", "run", "--detach",
-                "--preserve-fds", "2", "--pid-file", str(pid_file), "--bundle", str(sdir), sandbox_id,
-            ]  # fmt: skip
+                self.config.runtime,
+                "--root",
+                str(self.runtime_root),
+                "--log",
+                f"file:{log_file}",
+                "run",
+                "--detach",
+                "--preserve-fds",
+                "2",
+                "--pid-file",
+                str(pid_file),
+                "--bundle",
+                str(sdir),
+                sandbox_id,
+            ]
             try:
                 done = await proc.spawn(
                     argv,
@@ -191,7 +205,7 @@ class ContainerBackend:
             return
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
-        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        loop.add_reader(pidfd, lambda: None if exited.done() else exited.set_result(None))
         try:
             async with asyncio.timeout(10):
                 await exited
@@ -199,7 +213,7 @@ class ContainerBackend:
             loop.remove_reader(pidfd)
             os.close(pidfd)
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+            os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 (WNOHANG: never blocks)
 
     async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
         pid = runtime.get("agent_pid")

@@ -116,7 +116,9 @@ def map_transport_error(exc: Exception, endpoint: Endpoint) -> SandboxError:
     if isinstance(exc, httpx.TimeoutException):
         return SandboxTimeoutError(f"request to the sandfleet daemon timed out ({type(exc).__name__})")
     if isinstance(exc, (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError)):
-        return UnavailableError(f"cannot reach the sandfleet daemon at {endpoint.describe()} (is `sandfleet serve` running?)")
+        return UnavailableError(
+            f"cannot reach the sandfleet daemon at {endpoint.describe()} (is `sandfleet serve` running?)"
+        )
     return UnavailableError(f"transport error talking to the daemon: {exc}")
 
 
@@ -163,23 +165,36 @@ def call_list(labels: Mapping[str, str] | None, state: str | None) -> Call:
 
 
 def call_exec(sandbox_id: str, body: dict[str, Any], default_timeout: float, *, stream: bool = False) -> Call:
-    return Call("POST", _sb(sandbox_id, "/exec/stream" if stream else "/exec"), json=body,
-                timeout=exec_timeout(body.get("timeout"), default_timeout))  # fmt: skip
+    return Call(
+        "POST",
+        _sb(sandbox_id, "/exec/stream" if stream else "/exec"),
+        json=body,
+        timeout=exec_timeout(body.get("timeout"), default_timeout),
+    )
 
 
-def call_session_run(sandbox_id: str, session_id: str, command: str, timeout: float | None, output_limit: int,
-                     default_timeout: float) -> Call:  # fmt: skip
-    return Call("POST", _sb(sandbox_id, f"/sessions/{session_id}/run"),
-                json={"command": command, "timeout": timeout, "output_limit": output_limit},
-                timeout=exec_timeout(timeout, default_timeout))  # fmt: skip
+def call_session_run(
+    sandbox_id: str, session_id: str, command: str, timeout: float | None, output_limit: int, default_timeout: float
+) -> Call:
+    return Call(
+        "POST",
+        _sb(sandbox_id, f"/sessions/{session_id}/run"),
+        json={"command": command, "timeout": timeout, "output_limit": output_limit},
+        timeout=exec_timeout(timeout, default_timeout),
+    )
 
 
 def call_write(sandbox_id: str, path: str, data: bytes, mode: int, user: str | None, append: bool) -> Call:
     params: dict[str, Any] = {"path": path, "mode": mode, "append": str(append).lower()}
     if user:
         params["user"] = user
-    return Call("PUT", _sb(sandbox_id, "/files/content"), params=params, content=data,
-                headers={"content-type": "application/octet-stream"})  # fmt: skip
+    return Call(
+        "PUT",
+        _sb(sandbox_id, "/files/content"),
+        params=params,
+        content=data,
+        headers={"content-type": "application/octet-stream"},
+    )
 
 
 def call_read(sandbox_id: str, path: str, offset: int, length: int | None) -> Call:
@@ -193,5 +208,6 @@ def call_upload(sandbox_id: str, path: str, data: bytes, user: str | None) -> Ca
     params: dict[str, Any] = {"path": path}
     if user:
         params["user"] = user
-    return Call("PUT", _sb(sandbox_id, "/files/tar"), params=params, content=data,
-                headers={"content-type": "application/x-tar"})  # fmt: skip
+    return Call(
+        "PUT", _sb(sandbox_id, "/files/tar"), params=params, content=data, headers={"content-type": "application/x-tar"}
+    )

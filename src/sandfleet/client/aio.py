@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -48,8 +49,9 @@ class AsyncClient:
         self.endpoint = b.Endpoint.resolve(socket, url, token)
         self.timeout = timeout
         transport = httpx.AsyncHTTPTransport(uds=self.endpoint.socket) if self.endpoint.socket else None
-        self._http = httpx.AsyncClient(base_url=self.endpoint.url, transport=transport, timeout=timeout,
-                                       headers=self.endpoint.headers())  # fmt: skip
+        self._http = httpx.AsyncClient(
+            base_url=self.endpoint.url, transport=transport, timeout=timeout, headers=self.endpoint.headers()
+        )
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -65,9 +67,14 @@ class AsyncClient:
     async def _send(self, call: b.Call) -> bytes:
         try:
             resp = await self._http.request(
-                call.method, call.path, params=call.params, json=call.json, content=call.content,
-                headers=dict(call.headers), timeout=call.timeout if call.timeout is not None else self.timeout,
-            )  # fmt: skip
+                call.method,
+                call.path,
+                params=call.params,
+                json=call.json,
+                content=call.content,
+                headers=dict(call.headers),
+                timeout=call.timeout if call.timeout is not None else self.timeout,
+            )
         except httpx.HTTPError as exc:
             raise b.map_transport_error(exc, self.endpoint) from exc
         except OSError as exc:
@@ -106,8 +113,9 @@ class AsyncClient:
 
     # -- sandboxes
 
-    async def create(self, spec: SandboxSpec | None = None, *, timeout: float | None = None,
-                     **fields: Any) -> AsyncSandbox:  # fmt: skip
+    async def create(
+        self, spec: SandboxSpec | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> AsyncSandbox:
         """Create a sandbox from a spec or from SandboxSpec fields (`image=..., resources=...`)."""
         spec = b.spec_from(spec, fields)
         info = await self._model(SandboxInfo, b.call_create(spec, timeout or max(self.timeout, 600)))
@@ -121,7 +129,7 @@ class AsyncClient:
 
         return (await self._model(SandboxList, b.call_list(labels, state))).sandboxes
 
-    async def stop_many(self, labels: Mapping[str, str], reason: str = "user") -> list[str]:
+    async def stop_many(self, labels: Mapping[str, str], reason: str = "user") -> builtins.list[str]:
 
         call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": dict(labels), "reason": reason})
         return (await self._model(StopManyResult, call)).stopped
@@ -140,7 +148,9 @@ class AsyncSandbox:
     async def __aenter__(self) -> AsyncSandbox:
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             await self.stop()
         except SandboxError:
@@ -157,47 +167,84 @@ class AsyncSandbox:
         )
         return self.info
 
-    async def exec(self, command: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                   user: str | None = None, stdin: str | None = None, timeout: float | None = 60.0,
-                   output_limit: int | None = None) -> ExecResult:  # fmt: skip
+    async def exec(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        timeout: float | None = 60.0,
+        output_limit: int | None = None,
+    ) -> ExecResult:
         """Run a command to completion. A string runs under /bin/sh -c; a list is an argv."""
-        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, stdin=stdin,
-                           timeout=timeout, output_limit=output_limit)  # fmt: skip
+        body = b.exec_body(
+            command,
+            env=dict(env) if env else None,
+            cwd=cwd,
+            user=user,
+            stdin=stdin,
+            timeout=timeout,
+            output_limit=output_limit,
+        )
         body["timeout"] = timeout
         return await self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
 
-    async def exec_stream(self, command: str | list[str], *, env: Mapping[str, str] | None = None,
-                          cwd: str | None = None, user: str | None = None, stdin: str | None = None,
-                          timeout: float | None = 60.0, output_limit: int | None = None) -> AsyncIterator[ExecEvent]:  # fmt: skip
+    async def exec_stream(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        timeout: float | None = 60.0,
+        output_limit: int | None = None,
+    ) -> AsyncIterator[ExecEvent]:
         """Yield stdout/stderr chunks as they arrive, then one `exit` event with the result."""
-        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, stdin=stdin,
-                           timeout=timeout, output_limit=output_limit)  # fmt: skip
+        body = b.exec_body(
+            command,
+            env=dict(env) if env else None,
+            cwd=cwd,
+            user=user,
+            stdin=stdin,
+            timeout=timeout,
+            output_limit=output_limit,
+        )
         body["timeout"] = timeout
         async for line in self._c._stream_lines(b.call_exec(self.id, body, self._c.timeout, stream=True)):
             yield b.decode_event(line)
 
-    async def start(self, command: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                    user: str | None = None, timeout: float | None = None,
-                    output_limit: int | None = None) -> AsyncProcess:  # fmt: skip
+    async def start(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        output_limit: int | None = None,
+    ) -> AsyncProcess:
         """Start a background process (its own session); returns a handle to wait on or kill."""
-        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user,
-                           output_limit=output_limit)  # fmt: skip
+        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, output_limit=output_limit)
         body["timeout"] = timeout
         info = await self._c._model(ProcessInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/processes", json=body))
         return AsyncProcess(self, info)
 
-    async def processes(self) -> list[ProcessInfo]:
+    async def processes(self) -> builtins.list[ProcessInfo]:
 
         return (await self._c._model(ProcessList, b.Call("GET", f"/v1/sandboxes/{self.id}/processes"))).processes
 
-    async def session(self, *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                      user: str | None = None) -> AsyncSession:  # fmt: skip
+    async def session(
+        self, *, env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None
+    ) -> AsyncSession:
         """Open a persistent shell: commands share cwd, environment and shell variables."""
         body = {"env": dict(env or {}), "cwd": cwd, "user": user}
         info = await self._c._model(SessionInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/sessions", json=body))
         return AsyncSession(self, info)
 
-    async def events(self, after: int = 0) -> list[SandboxEvent]:
+    async def events(self, after: int = 0) -> builtins.list[SandboxEvent]:
 
         call = b.Call("GET", f"/v1/sandboxes/{self.id}/events", params={"after": after})
         return (await self._c._model(EventList, call)).events
@@ -210,8 +257,12 @@ class AsyncProcess:
         self.id = info.id
 
     async def wait(self, timeout: float = 60.0) -> ProcessInfo:
-        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/processes/{self.id}", params={"wait": timeout},
-                      timeout=timeout + b.EXEC_MARGIN)  # fmt: skip
+        call = b.Call(
+            "GET",
+            f"/v1/sandboxes/{self._sb.id}/processes/{self.id}",
+            params={"wait": timeout},
+            timeout=timeout + b.EXEC_MARGIN,
+        )
         self.info = await self._sb._c._model(ProcessInfo, call)
         return self.info
 
@@ -253,19 +304,23 @@ class AsyncFiles:
     async def read_text(self, path: str) -> str:
         return (await self.read(path)).decode()
 
-    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None,
-                    append: bool = False) -> FileInfo:  # fmt: skip
+    async def write(
+        self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None, append: bool = False
+    ) -> FileInfo:
         raw = data.encode() if isinstance(data, str) else data
         return await self._sb._c._model(FileInfo, b.call_write(self._sb.id, path, raw, mode, user, append))
 
-    async def list(self, path: str = "/") -> list[FileInfo]:
+    async def list(self, path: str = "/") -> builtins.list[FileInfo]:
 
         call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/list", params={"path": path})
         return (await self._sb._c._model(FileList, call)).files
 
     async def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
-        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/stat",
-                      params={"path": path, "follow_symlinks": str(follow_symlinks).lower()})  # fmt: skip
+        call = b.Call(
+            "GET",
+            f"/v1/sandboxes/{self._sb.id}/files/stat",
+            params={"path": path, "follow_symlinks": str(follow_symlinks).lower()},
+        )
         return await self._sb._c._model(FileInfo, call)
 
     async def exists(self, path: str) -> bool:
@@ -285,8 +340,13 @@ class AsyncFiles:
         return await self._sb._c._model(FileInfo, call)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self._sb._c._send(b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/files",
-                                       params={"path": path, "recursive": str(recursive).lower()}))  # fmt: skip
+        await self._sb._c._send(
+            b.Call(
+                "DELETE",
+                f"/v1/sandboxes/{self._sb.id}/files",
+                params={"path": path, "recursive": str(recursive).lower()},
+            )
+        )
 
     async def upload(self, local: str | os.PathLike[str], path: str, *, user: str | None = None) -> None:
         """Copy a local file or directory's contents into the sandbox directory `path` (as a tar)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -48,8 +49,9 @@ class Client:
         self.endpoint = b.Endpoint.resolve(socket, url, token)
         self.timeout = timeout
         transport = httpx.HTTPTransport(uds=self.endpoint.socket) if self.endpoint.socket else None
-        self._http = httpx.Client(base_url=self.endpoint.url, transport=transport, timeout=timeout,
-                                       headers=self.endpoint.headers())  # fmt: skip
+        self._http = httpx.Client(
+            base_url=self.endpoint.url, transport=transport, timeout=timeout, headers=self.endpoint.headers()
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -65,9 +67,14 @@ class Client:
     def _send(self, call: b.Call) -> bytes:
         try:
             resp = self._http.request(
-                call.method, call.path, params=call.params, json=call.json, content=call.content,
-                headers=dict(call.headers), timeout=call.timeout if call.timeout is not None else self.timeout,
-            )  # fmt: skip
+                call.method,
+                call.path,
+                params=call.params,
+                json=call.json,
+                content=call.content,
+                headers=dict(call.headers),
+                timeout=call.timeout if call.timeout is not None else self.timeout,
+            )
         except httpx.HTTPError as exc:
             raise b.map_transport_error(exc, self.endpoint) from exc
         except OSError as exc:
@@ -106,8 +113,7 @@ class Client:
 
     # -- sandboxes
 
-    def create(self, spec: SandboxSpec | None = None, *, timeout: float | None = None,
-                     **fields: Any) -> Sandbox:  # fmt: skip
+    def create(self, spec: SandboxSpec | None = None, *, timeout: float | None = None, **fields: Any) -> Sandbox:
         """Create a sandbox from a spec or from SandboxSpec fields (`image=..., resources=...`)."""
         spec = b.spec_from(spec, fields)
         info = self._model(SandboxInfo, b.call_create(spec, timeout or max(self.timeout, 600)))
@@ -121,7 +127,7 @@ class Client:
 
         return (self._model(SandboxList, b.call_list(labels, state))).sandboxes
 
-    def stop_many(self, labels: Mapping[str, str], reason: str = "user") -> list[str]:
+    def stop_many(self, labels: Mapping[str, str], reason: str = "user") -> builtins.list[str]:
 
         call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": dict(labels), "reason": reason})
         return (self._model(StopManyResult, call)).stopped
@@ -152,52 +158,87 @@ class Sandbox:
         return self.info
 
     def stop(self, reason: str = "user") -> SandboxInfo:
-        self.info = self._c._model(
-            SandboxInfo, b.Call("DELETE", f"/v1/sandboxes/{self.id}", json={"reason": reason})
-        )
+        self.info = self._c._model(SandboxInfo, b.Call("DELETE", f"/v1/sandboxes/{self.id}", json={"reason": reason}))
         return self.info
 
-    def exec(self, command: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                   user: str | None = None, stdin: str | None = None, timeout: float | None = 60.0,
-                   output_limit: int | None = None) -> ExecResult:  # fmt: skip
+    def exec(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        timeout: float | None = 60.0,
+        output_limit: int | None = None,
+    ) -> ExecResult:
         """Run a command to completion. A string runs under /bin/sh -c; a list is an argv."""
-        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, stdin=stdin,
-                           timeout=timeout, output_limit=output_limit)  # fmt: skip
+        body = b.exec_body(
+            command,
+            env=dict(env) if env else None,
+            cwd=cwd,
+            user=user,
+            stdin=stdin,
+            timeout=timeout,
+            output_limit=output_limit,
+        )
         body["timeout"] = timeout
         return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
 
-    def exec_stream(self, command: str | list[str], *, env: Mapping[str, str] | None = None,
-                          cwd: str | None = None, user: str | None = None, stdin: str | None = None,
-                          timeout: float | None = 60.0, output_limit: int | None = None) -> Iterator[ExecEvent]:  # fmt: skip
+    def exec_stream(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        timeout: float | None = 60.0,
+        output_limit: int | None = None,
+    ) -> Iterator[ExecEvent]:
         """Yield stdout/stderr chunks as they arrive, then one `exit` event with the result."""
-        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, stdin=stdin,
-                           timeout=timeout, output_limit=output_limit)  # fmt: skip
+        body = b.exec_body(
+            command,
+            env=dict(env) if env else None,
+            cwd=cwd,
+            user=user,
+            stdin=stdin,
+            timeout=timeout,
+            output_limit=output_limit,
+        )
         body["timeout"] = timeout
         for line in self._c._stream_lines(b.call_exec(self.id, body, self._c.timeout, stream=True)):
             yield b.decode_event(line)
 
-    def start(self, command: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                    user: str | None = None, timeout: float | None = None,
-                    output_limit: int | None = None) -> Process:  # fmt: skip
+    def start(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        output_limit: int | None = None,
+    ) -> Process:
         """Start a background process (its own session); returns a handle to wait on or kill."""
-        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user,
-                           output_limit=output_limit)  # fmt: skip
+        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, output_limit=output_limit)
         body["timeout"] = timeout
         info = self._c._model(ProcessInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/processes", json=body))
         return Process(self, info)
 
-    def processes(self) -> list[ProcessInfo]:
+    def processes(self) -> builtins.list[ProcessInfo]:
 
         return (self._c._model(ProcessList, b.Call("GET", f"/v1/sandboxes/{self.id}/processes"))).processes
 
-    def session(self, *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                      user: str | None = None) -> Session:  # fmt: skip
+    def session(
+        self, *, env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None
+    ) -> Session:
         """Open a persistent shell: commands share cwd, environment and shell variables."""
         body = {"env": dict(env or {}), "cwd": cwd, "user": user}
         info = self._c._model(SessionInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/sessions", json=body))
         return Session(self, info)
 
-    def events(self, after: int = 0) -> list[SandboxEvent]:
+    def events(self, after: int = 0) -> builtins.list[SandboxEvent]:
 
         call = b.Call("GET", f"/v1/sandboxes/{self.id}/events", params={"after": after})
         return (self._c._model(EventList, call)).events
@@ -210,8 +251,12 @@ class Process:
         self.id = info.id
 
     def wait(self, timeout: float = 60.0) -> ProcessInfo:
-        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/processes/{self.id}", params={"wait": timeout},
-                      timeout=timeout + b.EXEC_MARGIN)  # fmt: skip
+        call = b.Call(
+            "GET",
+            f"/v1/sandboxes/{self._sb.id}/processes/{self.id}",
+            params={"wait": timeout},
+            timeout=timeout + b.EXEC_MARGIN,
+        )
         self.info = self._sb._c._model(ProcessInfo, call)
         return self.info
 
@@ -253,19 +298,23 @@ class Files:
     def read_text(self, path: str) -> str:
         return (self.read(path)).decode()
 
-    def write(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None,
-                    append: bool = False) -> FileInfo:  # fmt: skip
+    def write(
+        self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None, append: bool = False
+    ) -> FileInfo:
         raw = data.encode() if isinstance(data, str) else data
         return self._sb._c._model(FileInfo, b.call_write(self._sb.id, path, raw, mode, user, append))
 
-    def list(self, path: str = "/") -> list[FileInfo]:
+    def list(self, path: str = "/") -> builtins.list[FileInfo]:
 
         call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/list", params={"path": path})
         return (self._sb._c._model(FileList, call)).files
 
     def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
-        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/stat",
-                      params={"path": path, "follow_symlinks": str(follow_symlinks).lower()})  # fmt: skip
+        call = b.Call(
+            "GET",
+            f"/v1/sandboxes/{self._sb.id}/files/stat",
+            params={"path": path, "follow_symlinks": str(follow_symlinks).lower()},
+        )
         return self._sb._c._model(FileInfo, call)
 
     def exists(self, path: str) -> bool:
@@ -285,8 +334,13 @@ class Files:
         return self._sb._c._model(FileInfo, call)
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
-        self._sb._c._send(b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/files",
-                                       params={"path": path, "recursive": str(recursive).lower()}))  # fmt: skip
+        self._sb._c._send(
+            b.Call(
+                "DELETE",
+                f"/v1/sandboxes/{self._sb.id}/files",
+                params={"path": path, "recursive": str(recursive).lower()},
+            )
+        )
 
     def upload(self, local: str | os.PathLike[str], path: str, *, user: str | None = None) -> None:
         """Copy a local file or directory's contents into the sandbox directory `path` (as a tar)."""

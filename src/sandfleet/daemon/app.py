@@ -13,7 +13,7 @@ import os
 import secrets
 import tempfile
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO, cast
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -91,14 +91,21 @@ def _parse_labels(label: list[str]) -> dict[str, str]:
 
 def _image_info(m: Any) -> ImageInfo:
     return ImageInfo(
-        name=m.name, tag=m.tag, layers=[x.digest for x in m.layers], size=sum(x.size for x in m.layers),
+        name=m.name,
+        tag=m.tag,
+        layers=[x.digest for x in m.layers],
+        size=sum(x.size for x in m.layers),
         created=m.created,
-    )  # fmt: skip
+    )
 
 
 def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
-    app = FastAPI(title="sandfleet", version=__version__, responses=_ERRORS,
-                  description="Elastic sandboxes for agentic RL: the node daemon's API.")  # fmt: skip
+    app = FastAPI(
+        title="sandfleet",
+        version=__version__,
+        responses=_ERRORS,
+        description="Elastic sandboxes for agentic RL: the node daemon's API.",
+    )
     metrics = manager.metrics
 
     @app.exception_handler(SandboxError)
@@ -141,12 +148,13 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/health", response_model=Health)
     async def health() -> Health:
-        return Health(status="ok", version=__version__, sandboxes_running=manager.running_count(),
-                      backends=[manager.backend.name])  # fmt: skip
+        return Health(
+            status="ok", version=__version__, sandboxes_running=manager.running_count(), backends=[manager.backend.name]
+        )
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
-        with contextlib.suppress(OSError), open("/proc/self/statm") as f:
+        with contextlib.suppress(OSError), open("/proc/self/statm") as f:  # noqa: ASYNC230 (procfs)
             metrics.daemon_rss.set(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -157,8 +165,10 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return await manager.create(spec)
 
     @app.get("/v1/sandboxes", response_model=SandboxList)
-    async def list_sandboxes(label: Annotated[list[str], Query()] = [],  # noqa: B006
-                             state: str | None = None) -> SandboxList:  # fmt: skip
+    async def list_sandboxes(
+        label: Annotated[list[str], Query()] = [],  # noqa: B006
+        state: str | None = None,
+    ) -> SandboxList:
         return SandboxList(sandboxes=manager.list(_parse_labels(label), state))
 
     @app.post("/v1/sandboxes/stop", response_model=StopManyResult)
@@ -185,8 +195,11 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def exec_(sandbox_id: str, req: ExecRequest) -> ExecResult:
         return await manager.exec(sandbox_id, req)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/exec/stream", response_class=StreamingResponse,
-              responses={200: {"content": {"application/x-ndjson": {}}, "description": "ExecEvent per line"}})  # fmt: skip
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/exec/stream",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}, "description": "ExecEvent per line"}},
+    )
     async def exec_stream(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
         events = await manager.exec_stream(sandbox_id, req)
 
@@ -208,19 +221,23 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return ProcessList(processes=manager.list_processes(sandbox_id))
 
     @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
-    async def get_process(sandbox_id: str, process_id: str,
-                          wait: Annotated[float, Query(ge=0, le=3600)] = 0) -> ProcessInfo:  # fmt: skip
+    async def get_process(
+        sandbox_id: str, process_id: str, wait: Annotated[float, Query(ge=0, le=3600)] = 0
+    ) -> ProcessInfo:
         return await manager.wait_process(sandbox_id, process_id, wait)
 
     @app.delete("/v1/sandboxes/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
-    async def kill_process(sandbox_id: str, process_id: str,
-                           signal: Annotated[int, Query(ge=1, le=64)] = 9) -> ProcessInfo:  # fmt: skip
+    async def kill_process(
+        sandbox_id: str, process_id: str, signal: Annotated[int, Query(ge=1, le=64)] = 9
+    ) -> ProcessInfo:
         return await manager.kill_process(sandbox_id, process_id, signal)
 
     # -- sessions ---------------------------------------------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/sessions", response_model=SessionInfo, status_code=201)
-    async def create_session(sandbox_id: str, req: Annotated[SessionCreateRequest | None, Body()] = None) -> SessionInfo:
+    async def create_session(
+        sandbox_id: str, req: Annotated[SessionCreateRequest | None, Body()] = None
+    ) -> SessionInfo:
         r = req or SessionCreateRequest()
         return await manager.create_session(sandbox_id, r.env, r.cwd, r.user)
 
@@ -248,18 +265,33 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
             raise InvalidArgumentError(f"body larger than {MAX_FILE_BODY} bytes")
         return data
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/content", response_class=Response,
-             responses={200: {"content": {"application/octet-stream": {}}}})  # fmt: skip
-    async def read_file(sandbox_id: str, path: str, offset: Annotated[int, Query(ge=0)] = 0,
-                        length: Annotated[int | None, Query(ge=0)] = None) -> Response:  # fmt: skip
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files/content",
+        response_class=Response,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    async def read_file(
+        sandbox_id: str,
+        path: str,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        length: Annotated[int | None, Query(ge=0)] = None,
+    ) -> Response:
         data = await manager.file_op(sandbox_id, lambda fs: fs.read(path, offset=offset, length=length))
         return Response(data, media_type="application/octet-stream")
 
-    @app.put("/v1/sandboxes/{sandbox_id}/files/content", response_model=FileInfo,
-             openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})  # fmt: skip
-    async def write_file(request: Request, sandbox_id: str, path: str,
-                         mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644, user: str | None = None,
-                         append: bool = False) -> FileInfo:  # fmt: skip
+    @app.put(
+        "/v1/sandboxes/{sandbox_id}/files/content",
+        response_model=FileInfo,
+        openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}},
+    )
+    async def write_file(
+        request: Request,
+        sandbox_id: str,
+        path: str,
+        mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
+        user: str | None = None,
+        append: bool = False,
+    ) -> FileInfo:
         data = await _body(request)
         owner = await manager.file_owner(sandbox_id, user)
 
@@ -279,8 +311,13 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return file_info(await manager.file_op(sandbox_id, lambda fs: fs.stat(path, follow_symlinks=follow_symlinks)))
 
     @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir", response_model=FileInfo)
-    async def mkdir(sandbox_id: str, path: str, parents: bool = True, user: str | None = None,
-                    mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o755) -> FileInfo:  # fmt: skip
+    async def mkdir(
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        user: str | None = None,
+        mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o755,
+    ) -> FileInfo:
         owner = await manager.file_owner(sandbox_id, user)
 
         def op(fs: SandboxFS) -> FileInfo:
@@ -291,18 +328,27 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
 
     @app.delete("/v1/sandboxes/{sandbox_id}/files", response_model=Ok)
     async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Ok:
-        await manager.file_op(sandbox_id, lambda fs: fs.remove(path, recursive=recursive),
-                              ("file_remove", {"path": path, "recursive": recursive}))  # fmt: skip
+        await manager.file_op(
+            sandbox_id,
+            lambda fs: fs.remove(path, recursive=recursive),
+            ("file_remove", {"path": path, "recursive": recursive}),
+        )
         return Ok()
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/tar", response_class=Response,
-             responses={200: {"content": {"application/x-tar": {}}}})  # fmt: skip
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files/tar",
+        response_class=Response,
+        responses={200: {"content": {"application/x-tar": {}}}},
+    )
     async def download(sandbox_id: str, path: str = "/") -> Response:
         data = await manager.file_op(sandbox_id, lambda fs: fs.download_tar(path))
         return Response(data, media_type="application/x-tar")
 
-    @app.put("/v1/sandboxes/{sandbox_id}/files/tar", response_model=Ok,
-             openapi_extra={"requestBody": {"content": {"application/x-tar": {}}, "required": True}})  # fmt: skip
+    @app.put(
+        "/v1/sandboxes/{sandbox_id}/files/tar",
+        response_model=Ok,
+        openapi_extra={"requestBody": {"content": {"application/x-tar": {}}, "required": True}},
+    )
     async def upload(request: Request, sandbox_id: str, path: str = "/", user: str | None = None) -> Ok:
         owner = await manager.file_owner(sandbox_id, user)
         with tempfile.SpooledTemporaryFile(max_size=8 * 1024**2) as spool:
@@ -313,8 +359,12 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
                     raise InvalidArgumentError("tar upload too large")
                 await asyncio.to_thread(spool.write, chunk)
             spool.seek(0)
-            await manager.file_op(sandbox_id, lambda fs: fs.upload_tar(path, spool, uid=owner.uid, gid=owner.gid),
-                                  ("upload", {"path": path, "bytes": size}))  # fmt: skip
+            tar_stream = cast(BinaryIO, spool)
+
+            def op(fs: SandboxFS) -> None:
+                fs.upload_tar(path, tar_stream, uid=owner.uid, gid=owner.gid)
+
+            await manager.file_op(sandbox_id, op, ("upload", {"path": path, "bytes": size}))
         return Ok()
 
     # -- images -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -27,6 +28,14 @@ from sandfleet.images import LayerStore
 from sandfleet.runtime import cgroups, mounts, proc
 
 log = logging.getLogger("sandfleet.daemon")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal capture: the daemon owns SIGTERM/SIGINT for all listeners."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def prepare_process(config: DaemonConfig) -> None:
@@ -77,14 +86,14 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         reaper_interval=config.reaper_interval,
         build_missing_images=config.build_missing_images,
     )
-    servers: list[tuple[uvicorn.Server, socket.socket]] = []
+    servers: list[tuple[_Server, socket.socket]] = []
     ucfg = {"log_level": "warning", "lifespan": "off", "access_log": False, "timeout_keep_alive": 300}
     uds = _unix_listener(config.socket)
-    servers.append((uvicorn.Server(uvicorn.Config(create_app(manager), **ucfg)), uds))  # type: ignore[arg-type]
+    servers.append((_Server(uvicorn.Config(create_app(manager), **ucfg)), uds))  # type: ignore[arg-type]
     if config.tcp:
         tcp = _tcp_listener(config.tcp)
         app = create_app(manager, token=config.token)
-        servers.append((uvicorn.Server(uvicorn.Config(app, **ucfg)), tcp))  # type: ignore[arg-type]
+        servers.append((_Server(uvicorn.Config(app, **ucfg)), tcp))  # type: ignore[arg-type]
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -94,10 +103,9 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     async def run_servers() -> None:
         async with asyncio.TaskGroup() as tg:
             for server, sock in servers:
-                server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
                 tg.create_task(server.serve(sockets=[sock]))
             if ready_file is not None:
-                ready_file.write_text(str(os.getpid()))
+                ready_file.write_text(str(os.getpid()))  # noqa: ASYNC240 (a few bytes, once)
             await stop.wait()
             for server, _sock in servers:
                 server.should_exit = True

@@ -8,6 +8,7 @@ readers) runs in the manager's task group; nothing is fire-and-forget.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import codecs
 import contextlib
 import errno
@@ -19,7 +20,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sandfleet.backends.base import Backend, LiveSandbox
 from sandfleet.daemon.metrics import Metrics
@@ -48,6 +49,7 @@ from sandfleet.models import (
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
+    SandboxState,
     SessionInfo,
 )
 from sandfleet.runtime import proc as procmod
@@ -137,7 +139,7 @@ class Sandbox:
     def info(self) -> SandboxInfo:
         return SandboxInfo(
             id=self.id,
-            state=self.state,  # type: ignore[arg-type]
+            state=cast(SandboxState, self.state),
             spec=self.spec,
             created_at=self.created_at,
             last_active_at=self.last_active_at,
@@ -229,8 +231,15 @@ class SandboxManager:
         known = {r.id for r in rows}
         for row in rows:
             spec = SandboxSpec.model_validate(row.spec)
-            sb = Sandbox(row.id, spec, row.state, row.created_at, row.last_active_at,
-                         stopped_at=row.stopped_at, stop_reason=row.stop_reason)  # fmt: skip
+            sb = Sandbox(
+                row.id,
+                spec,
+                row.state,
+                row.created_at,
+                row.last_active_at,
+                stopped_at=row.stopped_at,
+                stop_reason=row.stop_reason,
+            )
             if row.state == "running":
                 live = await self.backend.adopt(row.id, row.runtime)
                 if live is not None:
@@ -321,8 +330,18 @@ class SandboxManager:
             now = time.time()
             sb = Sandbox(sandbox_id, spec, "creating", now, now)
             self.sandboxes[sandbox_id] = sb
-            row = SandboxRow(sandbox_id, "creating", spec.backend, spec.model_dump(mode="json"), spec.labels, {},
-                             now, now, None, None)  # fmt: skip
+            row = SandboxRow(
+                sandbox_id,
+                "creating",
+                spec.backend,
+                spec.model_dump(mode="json"),
+                spec.labels,
+                {},
+                now,
+                now,
+                None,
+                None,
+            )
             await self.state.insert(row)
             try:
                 live = await self.backend.create(sandbox_id, spec, image)
@@ -407,7 +426,7 @@ class SandboxManager:
         self.metrics.stopped.labels(reason=reason.split(":")[0][:32]).inc()
         self.metrics.alive.set(self.running_count())
 
-    async def stop_many(self, labels: dict[str, str], reason: str = "user") -> list[str]:
+    async def stop_many(self, labels: dict[str, str], reason: str = "user") -> builtins.list[str]:
         ids = [s.id for s in self.list(labels=labels, state="running")]
         await asyncio.gather(*(self.stop(i, reason) for i in ids))
         return ids
@@ -428,7 +447,9 @@ class SandboxManager:
                         self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
                 elif sb.state == "running" and spec_expired(sb, now):
                     self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
-                elif sb.state in ("stopped", "failed") and sb.stopped_at and now - sb.stopped_at > self.stopped_retention:
+                elif (
+                    sb.state in ("stopped", "failed") and sb.stopped_at and now - sb.stopped_at > self.stopped_retention
+                ):
                     self.sandboxes.pop(sb.id, None)
                     await self.state.delete([sb.id])
             if time.monotonic() - last_flush > 5:
@@ -468,8 +489,9 @@ class SandboxManager:
 
     # -- exec -------------------------------------------------------------------------------------
 
-    async def _start(self, sb: Sandbox, live: LiveSandbox, req: ExecRequest, *, setsid: bool = False,
-                     keep_stdin: bool = False) -> ExecProcess:  # fmt: skip
+    async def _start(
+        self, sb: Sandbox, live: LiveSandbox, req: ExecRequest, *, setsid: bool = False, keep_stdin: bool = False
+    ) -> ExecProcess:
         user = await self._user(sb, live, req.user or sb.spec.user)
         argv = ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else list(req.command)
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "HOSTNAME": sb.spec.hostname or sb.id}
@@ -496,13 +518,24 @@ class SandboxManager:
 
     def _after_exec(self, sb: Sandbox, req: ExecRequest, result: ExecResult, out_bytes: int, err_bytes: int) -> None:
         cmd = req.command if isinstance(req.command, str) else shlex.join(req.command)
-        self._event(sb.id, "exec", {
-            "command": cmd[:1000], "exit_code": result.exit_code, "duration": round(result.duration, 6),
-            "stdout_bytes": out_bytes, "stderr_bytes": err_bytes, "timed_out": result.timed_out,
-        })  # fmt: skip
+        self._event(
+            sb.id,
+            "exec",
+            {
+                "command": cmd[:1000],
+                "exit_code": result.exit_code,
+                "duration": round(result.duration, 6),
+                "stdout_bytes": out_bytes,
+                "stderr_bytes": err_bytes,
+                "timed_out": result.timed_out,
+            },
+        )
         if result.truncated:
-            self._event(sb.id, "output_truncated", {"stdout_bytes": out_bytes, "stderr_bytes": err_bytes,
-                                                    "limit": req.output_limit})  # fmt: skip
+            self._event(
+                sb.id,
+                "output_truncated",
+                {"stdout_bytes": out_bytes, "stderr_bytes": err_bytes, "limit": req.output_limit},
+            )
         if result.timed_out:
             self._event(sb.id, "exec_timeout", {"command": cmd[:1000], "timeout": req.timeout})
         if sb.live is not None and (result.exit_code >= 128 or result.exit_code == 2 or result.stderr):
@@ -515,13 +548,15 @@ class SandboxManager:
         except OSError:
             return
         if stats.oom_kills > sb.oom_kills:
-            self._event(sb.id, "oom_kill", {"count": stats.oom_kills - sb.oom_kills,
-                                            "limit": sb.spec.resources.memory})  # fmt: skip
+            self._event(sb.id, "oom_kill", {"count": stats.oom_kills - sb.oom_kills, "limit": sb.spec.resources.memory})
             self.metrics.oom_kills.inc(stats.oom_kills - sb.oom_kills)
             sb.oom_kills = stats.oom_kills
         if stats.pids_limit_hits > sb.pids_hits:
-            self._event(sb.id, "pids_limit", {"refused_forks": stats.pids_limit_hits - sb.pids_hits,
-                                              "limit": sb.spec.resources.pids})  # fmt: skip
+            self._event(
+                sb.id,
+                "pids_limit",
+                {"refused_forks": stats.pids_limit_hits - sb.pids_hits, "limit": sb.spec.resources.pids},
+            )
             sb.pids_hits = stats.pids_limit_hits
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
@@ -573,8 +608,8 @@ class SandboxManager:
 
         async def stream() -> AsyncIterator[ExecEvent]:
             decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
-            out: list[bytes] = []
-            err: list[bytes] = []
+            out: builtins.list[bytes] = []
+            err: builtins.list[bytes] = []
             finished = False
             try:
                 async for ev in process.events():
@@ -646,7 +681,7 @@ class SandboxManager:
             raise NotFoundError(f"process {process_id} not found in sandbox {sandbox_id}")
         return sb, bp
 
-    def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+    def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
         return [self._process_info(bp) for bp in self._get(sandbox_id).processes.values()]
 
     async def wait_process(self, sandbox_id: str, process_id: str, timeout: float | None) -> ProcessInfo:
@@ -664,8 +699,9 @@ class SandboxManager:
 
     # -- sessions ---------------------------------------------------------------------------------
 
-    async def create_session(self, sandbox_id: str, env: dict[str, str], cwd: str | None,
-                             user: str | None) -> SessionInfo:  # fmt: skip
+    async def create_session(
+        self, sandbox_id: str, env: dict[str, str], cwd: str | None, user: str | None
+    ) -> SessionInfo:
         sb, live = self._running(sandbox_id)
         self._touch(sb)
         shell = "/bin/sh"
@@ -703,12 +739,16 @@ class SandboxManager:
             raise NotFoundError(f"session {session_id} not found in sandbox {sandbox_id}")
         return sb, session
 
-    def list_sessions(self, sandbox_id: str) -> list[SessionInfo]:
-        return [SessionInfo(id=s.id, shell=s.shell, created_at=s.created_at)
-                for s in self._get(sandbox_id).sessions.values() if not s.dead]  # fmt: skip
+    def list_sessions(self, sandbox_id: str) -> builtins.list[SessionInfo]:
+        return [
+            SessionInfo(id=s.id, shell=s.shell, created_at=s.created_at)
+            for s in self._get(sandbox_id).sessions.values()
+            if not s.dead
+        ]
 
-    async def session_run(self, sandbox_id: str, session_id: str, command: str, timeout: float | None,
-                          output_limit: int) -> ExecResult:  # fmt: skip
+    async def session_run(
+        self, sandbox_id: str, session_id: str, command: str, timeout: float | None, output_limit: int
+    ) -> ExecResult:
         sb, session = self._session(sandbox_id, session_id)
         self._running(sandbox_id)
         if "\0" in command:
@@ -724,8 +764,9 @@ class SandboxManager:
                 sb.inflight -= 1
                 self._touch(sb)
 
-    async def _session_run(self, sb: Sandbox, session: Session, command: str, timeout: float | None,
-                           output_limit: int) -> ExecResult:  # fmt: skip
+    async def _session_run(
+        self, sb: Sandbox, session: Session, command: str, timeout: float | None, output_limit: int
+    ) -> ExecResult:
         marker = f"__SANDFLEET_{secrets.token_hex(8)}__".encode()
         # `command eval`: a syntax error fails that command only; plain eval would exit a POSIX shell.
         script = (
@@ -769,7 +810,7 @@ class SandboxManager:
         out = bytes(session.out)
         err = bytes(session.err)
         idx = out.rfind(b"\n" + marker)
-        tail = out[idx + 1 + len(marker):].split(b"\n", 1)[0].strip()
+        tail = out[idx + 1 + len(marker) :].split(b"\n", 1)[0].strip()
         code = int(tail) if tail.lstrip(b"-").isdigit() else -1
         stdout, stderr = out[:idx], err[: err.rfind(b"\n" + marker)]
         result = ExecResult(
@@ -810,8 +851,9 @@ class SandboxManager:
         except FileNotFoundError as exc:
             raise UnavailableError(f"sandbox {live.id} is no longer running") from exc
 
-    async def file_op(self, sandbox_id: str, op: Callable[[SandboxFS], T], event: tuple[str, dict[str, Any]] | None
-                      = None) -> T:  # fmt: skip
+    async def file_op(
+        self, sandbox_id: str, op: Callable[[SandboxFS], T], event: tuple[str, dict[str, Any]] | None = None
+    ) -> T:
         sb, live = self._running(sandbox_id)
         self._touch(sb)
         result = await self._fs(live, op)
@@ -829,5 +871,14 @@ def spec_expired(sb: Sandbox, now: float) -> bool:
 
 
 def file_info(st: FileStat) -> FileInfo:
-    return FileInfo(path=st.path, name=st.name, type=st.type, size=st.size, mode=st.mode, uid=st.uid, gid=st.gid,
-                    mtime=st.mtime, link_target=st.link_target)  # fmt: skip
+    return FileInfo(
+        path=st.path,
+        name=st.name,
+        type=st.type,
+        size=st.size,
+        mode=st.mode,
+        uid=st.uid,
+        gid=st.gid,
+        mtime=st.mtime,
+        link_target=st.link_target,
+    )

@@ -92,7 +92,7 @@ class StateStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(SCHEMA)
-            db.isolation_level = ""  # back to implicit transactions, committed by `with db`
+            db.isolation_level = "DEFERRED"  # implicit transactions again, committed by `with db`
             return db
 
         self._db = await asyncio.get_running_loop().run_in_executor(self._pool, connect)
@@ -169,14 +169,20 @@ class StateStore:
     async def events(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
         def q(db: sqlite3.Connection) -> list[dict[str, Any]]:
             cur = db.execute(
-                "SELECT seq, sandbox_id, time, kind, data FROM events WHERE sandbox_id=? AND seq>? ORDER BY seq LIMIT ?",
+                "SELECT seq, sandbox_id, time, kind, data FROM events"
+                " WHERE sandbox_id=? AND seq>? ORDER BY seq LIMIT ?",
                 (sandbox_id, after, limit),
             )
             return [
-                {"seq": r["seq"], "sandbox_id": r["sandbox_id"], "time": r["time"], "kind": r["kind"],
-                 "data": json.loads(r["data"])}
+                {
+                    "seq": r["seq"],
+                    "sandbox_id": r["sandbox_id"],
+                    "time": r["time"],
+                    "kind": r["kind"],
+                    "data": json.loads(r["data"]),
+                }
                 for r in cur
-            ]  # fmt: skip
+            ]
 
         return await self._run(q)
 

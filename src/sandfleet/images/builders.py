@@ -193,9 +193,7 @@ def stage_busybox(root: Path, busybox: Path = HOST_BUSYBOX) -> int:
     os.chmod(root / "root", 0o700)
     shutil.copy2(busybox, root / "bin/busybox")
     os.chmod(root / "bin/busybox", 0o755)
-    listing = subprocess.run(
-        [str(busybox), "--list-full"], check=True, capture_output=True, text=True
-    ).stdout.split()
+    listing = subprocess.run([str(busybox), "--list-full"], check=True, capture_output=True, text=True).stdout.split()
     n = 0
     for applet in listing:
         # --list-full gives install paths (bin/ls, usr/bin/awk); skip oddities like "linuxrc".
@@ -237,9 +235,7 @@ async def build_debian(ctx: BuildContext) -> list[LayerRef]:
     ctx.report(f"debian:{DEBIAN_SUITE}: trimming caches", 0.75)
     await asyncio.to_thread(trim_debian_rootfs, rootfs)
     ctx.report(f"debian:{DEBIAN_SUITE}: mkfs.erofs", 0.8)
-    layer = await ctx.store.add_layer_from_dir(
-        rootfs, f"debian {DEBIAN_SUITE} minbase ({mirror})", kind="base"
-    )
+    layer = await ctx.store.add_layer_from_dir(rootfs, f"debian {DEBIAN_SUITE} minbase ({mirror})", kind="base")
     return [layer]
 
 
@@ -294,12 +290,8 @@ def alias(target: str) -> Builder:
 
 BUILTIN_IMAGES: dict[str, Builder] = {
     "busybox:latest": Builder(recipe="host busybox-static + applet symlinks", build=build_busybox),
-    f"debian:{DEBIAN_SUITE}": Builder(
-        recipe=f"mmdebstrap --variant=minbase {DEBIAN_SUITE}", build=build_debian
-    ),
-    "python:3.11": Builder(
-        recipe=f"debian:{DEBIAN_SUITE} + diff(mmdebstrap --include=python3)", build=build_python
-    ),
+    f"debian:{DEBIAN_SUITE}": Builder(recipe=f"mmdebstrap --variant=minbase {DEBIAN_SUITE}", build=build_debian),
+    "python:3.11": Builder(recipe=f"debian:{DEBIAN_SUITE} + diff(mmdebstrap --include=python3)", build=build_python),
     "debian:latest": alias(f"debian:{DEBIAN_SUITE}"),
     "python:latest": alias("python:3.11"),
 }

@@ -204,11 +204,7 @@ def _same_content(a: str, b: str) -> bool:
 def _differs(lp: str, lst: os.stat_result, up: str, ust: os.stat_result) -> bool:
     if stat.S_IFMT(lst.st_mode) != stat.S_IFMT(ust.st_mode):
         return True
-    if (
-        stat.S_IMODE(lst.st_mode) != stat.S_IMODE(ust.st_mode)
-        or lst.st_uid != ust.st_uid
-        or lst.st_gid != ust.st_gid
-    ):
+    if stat.S_IMODE(lst.st_mode) != stat.S_IMODE(ust.st_mode) or lst.st_uid != ust.st_uid or lst.st_gid != ust.st_gid:
         return True
     mode = ust.st_mode
     if stat.S_ISLNK(mode):

@@ -353,9 +353,7 @@ class AgentChannel:
     channels cost only a selector registration each.
     """
 
-    def __init__(
-        self, sock: socket.socket, *, on_close: Callable[[AgentChannel], None] | None = None
-    ) -> None:
+    def __init__(self, sock: socket.socket, *, on_close: Callable[[AgentChannel], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         sock.setblocking(False)
         self._sock = sock

@@ -39,23 +39,39 @@ def _version(cmd: list[str]) -> str:
 
 
 def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check]:
-    yield Check("root", "ok" if os.geteuid() == 0 else "fail",
-                "running as root" if os.geteuid() == 0 else "the daemon must run as root (sudo sandfleet serve)")  # fmt: skip
+    yield Check(
+        "root",
+        "ok" if os.geteuid() == 0 else "fail",
+        "running as root" if os.geteuid() == 0 else "the daemon must run as root (sudo sandfleet serve)",
+    )
     release = platform.release()
     major, minor = (int(x) for x in release.split(".")[:2])
-    yield Check("kernel", "ok" if (major, minor) >= (6, 12) else "warn",
-                f"{release}" + ("" if (major, minor) >= (6, 12) else
-                                ": EROFS mounts straight from files need >= 6.12; older kernels need loop devices"))  # fmt: skip
+    yield Check(
+        "kernel",
+        "ok" if (major, minor) >= (6, 12) else "warn",
+        f"{release}"
+        + (
+            ""
+            if (major, minor) >= (6, 12)
+            else ": EROFS mounts straight from files need >= 6.12; older kernels need loop devices"
+        ),
+    )
     try:
         userns = int(Path("/proc/sys/user/max_user_namespaces").read_text())
     except (OSError, ValueError):
         userns = 0
-    yield Check("user namespaces", "ok" if userns > 0 else "fail",
-                f"max_user_namespaces={userns}" + ("" if userns else ": sysctl -w user.max_user_namespaces=65536"))  # fmt: skip
+    yield Check(
+        "user namespaces",
+        "ok" if userns > 0 else "fail",
+        f"max_user_namespaces={userns}" + ("" if userns else ": sysctl -w user.max_user_namespaces=65536"),
+    )
     fs = _filesystems()
     for name, module in (("overlay", "overlay"), ("erofs", "erofs")):
-        yield Check(f"filesystem {name}", "ok" if name in fs else "fail",
-                    "available" if name in fs else f"modprobe {module} (kernel config CONFIG_{name.upper()}_FS)")  # fmt: skip
+        yield Check(
+            f"filesystem {name}",
+            "ok" if name in fs else "fail",
+            "available" if name in fs else f"modprobe {module} (kernel config CONFIG_{name.upper()}_FS)",
+        )
     mode = cgroups.detect()
     root = cgroups.CGROUP_ROOT
     if mode == "v2":
@@ -63,13 +79,21 @@ def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check
     else:
         ctrls = {c for c in ("memory", "cpu", "pids", "freezer") if (root / c).is_dir()}
     missing = {"memory", "cpu", "pids"} - ctrls
-    yield Check("cgroups", "fail" if missing else "ok",
-                f"{mode} ({', '.join(sorted(ctrls))})" + (f"; missing {sorted(missing)}" if missing else "")
-                + ("; hybrid host: the daemon hides cgroup2 in its own mount namespace for crun" if mode == "hybrid"
-                   else ""))  # fmt: skip
-    for binary, pkg, need in (("crun", "crun", "fail"), ("runc", "runc", "warn"), ("mkfs.erofs", "erofs-utils", "fail"),
-                              ("busybox", "busybox-static", "fail"), ("mmdebstrap", "mmdebstrap", "warn"),
-                              ("gcc", "gcc libc6-dev", "fail")):  # fmt: skip
+    yield Check(
+        "cgroups",
+        "fail" if missing else "ok",
+        f"{mode} ({', '.join(sorted(ctrls))})"
+        + (f"; missing {sorted(missing)}" if missing else "")
+        + ("; hybrid host: the daemon hides cgroup2 in its own mount namespace for crun" if mode == "hybrid" else ""),
+    )
+    for binary, pkg, need in (
+        ("crun", "crun", "fail"),
+        ("runc", "runc", "warn"),
+        ("mkfs.erofs", "erofs-utils", "fail"),
+        ("busybox", "busybox-static", "fail"),
+        ("mmdebstrap", "mmdebstrap", "warn"),
+        ("gcc", "gcc libc6-dev", "fail"),
+    ):
         path = shutil.which(binary)
         if path:
             ver = _version([binary, "--version"]) if binary not in ("busybox", "mkfs.erofs") else ""
@@ -77,22 +101,34 @@ def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check
         else:
             yield Check(binary, need, f"not found: {APT} {pkg}")  # type: ignore[arg-type]
     libc_a = any(Path(p).exists() for p in ("/usr/lib/x86_64-linux-gnu/libc.a", "/usr/lib/aarch64-linux-gnu/libc.a"))
-    yield Check("static libc", "ok" if libc_a else "fail",
-                "libc.a present (the in-sandbox agent is linked statically)" if libc_a else f"{APT} libc6-dev")  # fmt: skip
+    yield Check(
+        "static libc",
+        "ok" if libc_a else "fail",
+        "libc.a present (the in-sandbox agent is linked statically)" if libc_a else f"{APT} libc6-dev",
+    )
     try:
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     except (OSError, ValueError):
         pid_max = 0
-    yield Check("pid_max", "ok" if pid_max >= 4 * 1024 * 1024 else "warn",
-                f"{pid_max}" + ("" if pid_max >= 4 * 1024 * 1024 else
-                                ": binds before memory at thousands of sandboxes; sysctl -w kernel.pid_max=4194304"))  # fmt: skip
+    yield Check(
+        "pid_max",
+        "ok" if pid_max >= 4 * 1024 * 1024 else "warn",
+        f"{pid_max}"
+        + (
+            ""
+            if pid_max >= 4 * 1024 * 1024
+            else ": binds before memory at thousands of sandboxes; sysctl -w kernel.pid_max=4194304"
+        ),
+    )
     target = state_dir if state_dir.exists() else state_dir.parent
     try:
         st = os.statvfs(target)
         free = st.f_bavail * st.f_frsize
-        yield Check("disk", "ok" if free > 5 * 1024**3 else "warn",
-                    f"{free / 1024**3:.1f} GiB free under {target}" + ("" if free > 5 * 1024**3 else
-                                                                       ": images need a few GiB"))  # fmt: skip
+        yield Check(
+            "disk",
+            "ok" if free > 5 * 1024**3 else "warn",
+            f"{free / 1024**3:.1f} GiB free under {target}" + ("" if free > 5 * 1024**3 else ": images need a few GiB"),
+        )
     except OSError as exc:
         yield Check("disk", "warn", f"cannot stat {target}: {exc}")
     sock = socket or Path("/run/sandfleet/sandfleet.sock")

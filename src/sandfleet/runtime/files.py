@@ -295,9 +295,7 @@ class SandboxFS:
 
     OVERFLOW_ID = 65534
 
-    def __init__(
-        self, root_fd: int, *, uid_base: int, max_read: int = 64 << 20, id_count: int = 65536
-    ) -> None:
+    def __init__(self, root_fd: int, *, uid_base: int, max_read: int = 64 << 20, id_count: int = 65536) -> None:
         self.root_fd = root_fd
         self.uid_base = uid_base
         self.max_read = max_read

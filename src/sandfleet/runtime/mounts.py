@@ -148,8 +148,13 @@ def mount_rootfs(
     scratch.mkdir(exist_ok=True)
     rootfs.mkdir(exist_ok=True)
     nr_inodes = inodes if inodes is not None else max(4096, disk_bytes // 8192)
-    mount("sandfleet-scratch", str(scratch), "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={disk_bytes},nr_inodes={nr_inodes},mode=0700")
+    mount(
+        "sandfleet-scratch",
+        str(scratch),
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={disk_bytes},nr_inodes={nr_inodes},mode=0700",
+    )
     try:
         upper = scratch / "upper"
         work = scratch / "work"
@@ -159,8 +164,7 @@ def mount_rootfs(
         os.chown(upper, owner, owner)
         os.chmod(upper, 0o755)
         lowerdir = ":".join(reversed(lowers))
-        mount("overlay", str(rootfs), "overlay", MS_NODEV,
-              f"lowerdir={lowerdir},upperdir={upper},workdir={work}")
+        mount("overlay", str(rootfs), "overlay", MS_NODEV, f"lowerdir={lowerdir},upperdir={upper},workdir={work}")
     except BaseException:
         umount(str(scratch), lazy=True)
         raise

@@ -78,7 +78,9 @@ class ContainerConfig:
     limits: ContainerLimits
     cgroup_path: str
     uid_base: int
-    env: list[str] = field(default_factory=lambda: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"])
+    env: list[str] = field(
+        default_factory=lambda: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+    )
     binds: tuple[BindMount, ...] = ()
     shm_size: int = 64 * 1024**2
     nofile: int = 4096

@@ -110,7 +110,10 @@ async def spawn(
     for child_fd, our_fd in (fd_map or {}).items():
         actions.append((os.POSIX_SPAWN_DUP2, our_fd, child_fd))
     try:
-        pid = os.posix_spawnp(argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions)
+        # vfork+exec: returns as soon as the child has exec'd, never waits for it.
+        pid = os.posix_spawnp(  # noqa: ASYNC221
+            argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions
+        )
         _spawned.add(pid)
     finally:
         os.close(out_w)

@@ -1,0 +1,46 @@
+"""Write docs/openapi.json: the OpenAPI document FastAPI derives from `sandfleet.daemon.app.create_app`.
+
+    python scripts/gen_openapi.py           # regenerate docs/openapi.json
+    python scripts/gen_openapi.py --check   # exit 1 if the checked-in copy is stale
+
+Building the schema never calls the manager, so a stand-in with `.metrics` and `.backend.name` is enough.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from sandfleet.daemon.app import create_app
+from sandfleet.daemon.metrics import Metrics
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
+
+
+def openapi() -> dict[str, Any]:
+    manager = SimpleNamespace(metrics=Metrics(), backend=SimpleNamespace(name="container"))
+    return create_app(manager).openapi()  # type: ignore[arg-type]
+
+
+def render() -> str:
+    return json.dumps(openapi(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run `python scripts/gen_openapi.py`", file=sys.stderr)
+            return 1
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
