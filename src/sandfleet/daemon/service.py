@@ -253,8 +253,10 @@ class SandboxManager:
                 sb.state = "stopped" if row.state != "creating" else "failed"
                 sb.stop_reason = sb.stop_reason or "lost in daemon restart"
                 sb.stopped_at = time.time()
-                await self.state.update(row.id, state=sb.state, stopped_at=sb.stopped_at, stop_reason=sb.stop_reason)
                 self._event(row.id, "stopped", {"reason": sb.stop_reason})
+                self.sandboxes[row.id] = sb
+                await self._forget(sb)
+                continue
             self.sandboxes[row.id] = sb
         # Residue with no row at all (a crash between mkdir and insert).
         leftovers = self.backend.leftovers()

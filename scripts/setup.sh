@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install everything sandfleet needs on a fresh Debian 12 machine. Run as root from the repo root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+
+# Runtimes and image tools: crun (default OCI runtime), runc (alternative), erofs-utils (layers),
+# busybox-static (busybox image), mmdebstrap (debian/python images), gcc + libc6-dev (the static
+# in-sandbox agent), bubblewrap (a benchmark peer), iproute2 (network checks).
+PACKAGES=(crun runc erofs-utils busybox-static mmdebstrap gcc libc6-dev bubblewrap iproute2 procps)
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+python3 -m pip install -q --disable-pip-version-check -e ".[dev]"

@@ -1,0 +1,100 @@
+"""What a sandbox can leave behind on the host, counted; used by the leak and restart tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import Daemon
+
+SANDBOX_UID_BASE = 100000
+
+
+def _cgroup_parent(d: Daemon) -> str:
+    m = re.search(r'cgroup_parent = "([^"]+)"', d.config.read_text())
+    assert m
+    return m.group(1).strip("/")
+
+
+def net_namespaces() -> set[int]:
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                out.add(os.stat(f"/proc/{pid}/ns/net").st_ino)
+            except OSError:
+                continue
+    return out
+
+
+def sandbox_processes() -> list[int]:
+    """Processes running as a sandbox uid (root inside = 100000 outside)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        m = re.search(r"^Uid:\s+(\d+)", status, re.M)
+        if m and SANDBOX_UID_BASE <= int(m.group(1)) < SANDBOX_UID_BASE + 65536:
+            pids.append(int(pid))
+    return pids
+
+
+def loop_devices() -> int:
+    return sum(1 for dev in Path("/sys/block").glob("loop*") if (dev / "loop" / "backing_file").exists())
+
+
+@dataclass(frozen=True)
+class Residue:
+    mounts: tuple[str, ...]
+    cgroups: tuple[str, ...]
+    sandbox_dirs: tuple[str, ...]
+    runtime_state: tuple[str, ...]
+    state_rows: int
+    processes: int
+    netns: int
+    loops: int
+
+
+def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
+    sandboxes_dir = d.run_dir / "sandboxes"
+    mounts: tuple[str, ...] = ()
+    if daemon_alive:
+        mounts = tuple(
+            line.split()[4] for line in d.mountinfo().splitlines() if line.split()[4].startswith(str(sandboxes_dir))
+        )
+    parent = _cgroup_parent(d)
+    cgroups = tuple(
+        sorted(
+            f"{ctrl.name}/{child.name}"
+            for ctrl in Path("/sys/fs/cgroup").iterdir()
+            if (ctrl / parent).is_dir()
+            for child in (ctrl / parent).iterdir()
+            if child.is_dir()
+        )
+    )
+    rows = 0
+    db = d.state_dir / "state.db"
+    if db.exists():
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT COUNT(*) FROM sandboxes").fetchone()[0]
+        finally:
+            con.close()
+    crun_root = d.run_dir / "crun"
+    return Residue(
+        mounts=mounts,
+        cgroups=cgroups,
+        sandbox_dirs=tuple(sorted(os.listdir(sandboxes_dir))) if sandboxes_dir.exists() else (),
+        runtime_state=tuple(sorted(os.listdir(crun_root))) if crun_root.exists() else (),
+        state_rows=rows,
+        processes=len(sandbox_processes()),
+        netns=len(net_namespaces()),
+        loops=loop_devices(),
+    )

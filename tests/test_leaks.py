@@ -1,0 +1,76 @@
+"""Nothing a sandbox used survives it: after 500 create/exec/stop cycles and after failed creates."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import Daemon, destroy_daemon, make_daemon
+from leakcheck import residue
+
+from sandfleet import Mount, Resources
+from sandfleet.errors import ImageNotFoundError, InvalidArgumentError, SandboxError
+
+
+def _wait_settled(d: Daemon, baseline_procs: int, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = residue(d)
+        if not r.sandbox_dirs and not r.cgroups and r.processes <= baseline_procs:
+            return
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def leak_daemon() -> Daemon:
+    d = make_daemon("leak")
+    d.start()
+    yield d  # type: ignore[misc]
+    destroy_daemon(d)
+
+
+def test_no_residue_after_500_cycles_and_failed_creates(leak_daemon: Daemon) -> None:
+    d = leak_daemon
+    with d.client() as fleet:
+        fleet.build_image("busybox")
+        before = residue(d)
+        assert not before.sandbox_dirs and not before.cgroups and before.state_rows == 0
+
+        def cycle(i: int) -> str:
+            with fleet.create(image="busybox", resources=Resources(memory="64MiB", pids=32), labels={"i": str(i)}) as sb:
+                r = sb.exec(f"echo {i} > /tmp/x && cat /tmp/x")
+                assert r.stdout == f"{i}\n"
+                if i % 50 == 0:
+                    sb.files.write("/task/f", b"x" * 1000)
+                    sb.session().run("cd /tmp && ls")
+                    sb.start("sleep 100")  # left running: stop must kill it
+            return sb.id
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            ids = list(pool.map(cycle, range(500)))
+        elapsed = time.perf_counter() - t0
+        assert len(set(ids)) == 500
+
+        # Failed creates, each kind several times: bad image, bad mount, bad user (fails after start).
+        for _ in range(10):
+            with pytest.raises(ImageNotFoundError):
+                fleet.create(image="no-such-image")
+            with pytest.raises(InvalidArgumentError):
+                fleet.create(image="busybox", mounts=[Mount(source="/etc", target="/host-etc")])
+            with pytest.raises(SandboxError):
+                fleet.create(image="busybox", user="nosuchuser")
+
+        _wait_settled(d, before.processes)
+        after = residue(d)
+        assert after.mounts == before.mounts
+        assert after.cgroups == ()
+        assert after.sandbox_dirs == ()
+        assert after.runtime_state == ()
+        assert after.state_rows == 0
+        assert after.processes == before.processes
+        assert after.loops == before.loops
+        # Network namespaces come and go with other processes on the host; ours must not pile up.
+        assert after.netns <= before.netns + 2
+        assert fleet.list() == []

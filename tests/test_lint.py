@@ -1,0 +1,27 @@
+"""The package stays ruff-clean and mypy-strict-clean (run as tests so CI enforces them)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_ruff() -> None:
+    assert shutil.which("ruff") or _run("ruff", "--version").returncode == 0
+    r = _run("ruff", "check", "src", "tests", "bench")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _run("ruff", "format", "--check", "src")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mypy_strict() -> None:
+    r = _run("mypy", "src/sandfleet")
+    assert r.returncode == 0, r.stdout + r.stderr
