@@ -33,12 +33,12 @@ def main(argv: list[str]) -> int:
     text = render()
     if "--check" in argv:
         if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run `python scripts/gen_openapi.py`", file=sys.stderr)
+            sys.stderr.write(f"{OUT} is stale: run `python scripts/gen_openapi.py`\n")
             return 1
         return 0
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)
-    print(f"wrote {OUT}")
+    sys.stdout.write(f"wrote {OUT}\n")
     return 0
 
 

@@ -90,8 +90,9 @@ def make_daemon(name: str, extra: str = "") -> Daemon:
     # A cgroup parent of its own: daemons clean up unknown cgroups under their parent at start.
     d.config.write_text(
         f'socket = "{d.socket}"\nstate_dir = "{d.state_dir}"\nrun_dir = "{d.run_dir}"\n'
-        f'image_dir = "{IMAGES}"\nstopped_retention = 0\nreaper_interval = 0.2\n' + extra +
-        f'[container]\ncgroup_parent = "/sandfleet-test-{root.name}"\nmount_allowlist = ["{root / "shared"}"]\n'
+        f'image_dir = "{IMAGES}"\nstopped_retention = 0\nreaper_interval = 0.2\n'
+        + extra
+        + f'[container]\ncgroup_parent = "/sandfleet-test-{root.name}"\nmount_allowlist = ["{root / "shared"}"]\n'
     )
     return d
 

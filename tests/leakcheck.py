@@ -30,20 +30,36 @@ def net_namespaces() -> set[int]:
     return out
 
 
-def sandbox_processes() -> list[int]:
-    """Processes running as a sandbox uid (root inside = 100000 outside)."""
+def sandbox_processes(cgroup_parent: str) -> list[int]:
+    """Processes running as a sandbox uid (root inside = 100000 outside) in one daemon's cgroups."""
     pids = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             status = Path(f"/proc/{pid}/status").read_text()
+            cgroups = Path(f"/proc/{pid}/cgroup").read_text()
         except OSError:
             continue
         m = re.search(r"^Uid:\s+(\d+)", status, re.M)
-        if m and SANDBOX_UID_BASE <= int(m.group(1)) < SANDBOX_UID_BASE + 65536:
+        if m and SANDBOX_UID_BASE <= int(m.group(1)) < SANDBOX_UID_BASE + 65536 and f"/{cgroup_parent}/" in cgroups:
             pids.append(int(pid))
     return pids
+
+
+def zombie_children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] == "Z" and int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
 
 
 def loop_devices() -> int:
@@ -60,6 +76,7 @@ class Residue:
     processes: int
     netns: int
     loops: int
+    zombies: int
 
 
 def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
@@ -94,7 +111,8 @@ def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
         sandbox_dirs=tuple(sorted(os.listdir(sandboxes_dir))) if sandboxes_dir.exists() else (),
         runtime_state=tuple(sorted(os.listdir(crun_root))) if crun_root.exists() else (),
         state_rows=rows,
-        processes=len(sandbox_processes()),
+        processes=len(sandbox_processes(parent)),
         netns=len(net_namespaces()),
         loops=loop_devices(),
+        zombies=len(zombie_children(d.pid)) if daemon_alive else 0,
     )

@@ -38,7 +38,9 @@ def test_no_residue_after_500_cycles_and_failed_creates(leak_daemon: Daemon) -> 
         assert not before.sandbox_dirs and not before.cgroups and before.state_rows == 0
 
         def cycle(i: int) -> str:
-            with fleet.create(image="busybox", resources=Resources(memory="64MiB", pids=32), labels={"i": str(i)}) as sb:
+            with fleet.create(
+                image="busybox", resources=Resources(memory="64MiB", pids=32), labels={"i": str(i)}
+            ) as sb:
                 r = sb.exec(f"echo {i} > /tmp/x && cat /tmp/x")
                 assert r.stdout == f"{i}\n"
                 if i % 50 == 0:
@@ -71,6 +73,7 @@ def test_no_residue_after_500_cycles_and_failed_creates(leak_daemon: Daemon) -> 
         assert after.state_rows == 0
         assert after.processes == before.processes
         assert after.loops == before.loops
+        assert after.zombies == 0
         # Network namespaces come and go with other processes on the host; ours must not pile up.
         assert after.netns <= before.netns + 2
         assert fleet.list() == []

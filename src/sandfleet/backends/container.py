@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ from sandfleet.backends.base import LiveSandbox
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec
-from sandfleet.runtime import cgroups, mounts, oci, proc
+from sandfleet.runtime import cgroups, files, mounts, oci, proc
 from sandfleet.runtime.agent import AgentChannel, ChannelClosedError, build_agent, grab_handoff_channel
 from sandfleet.runtime.cgroups import CgroupStats
 
@@ -77,24 +78,64 @@ class ContainerBackend:
 
     # -- create ---------------------------------------------------------------------------
 
-    def _check_mounts(self, spec: SandboxSpec) -> list[oci.BindMount]:
-        binds = []
-        allowed = [os.path.realpath(p) for p in self.config.mount_allowlist]
+    def _check_mounts(self, spec: SandboxSpec) -> list[tuple[str, str, oci.BindMount]]:
+        """Lexical check: each source lies under an allowlisted directory -> (root, relative path, mount)."""
+        out = []
+        roots = [os.path.realpath(p) for p in self.config.mount_allowlist]
         for m in spec.mounts:
-            real = os.path.realpath(m.source)
-            if not any(real == a or real.startswith(a.rstrip("/") + "/") for a in allowed):
+            source = os.path.normpath(m.source)
+            for root in roots:
+                if source == root or source.startswith(root.rstrip("/") + "/"):
+                    out.append((root, os.path.relpath(source, root), oci.BindMount(source, m.target, m.read_only)))
+                    break
+            else:
                 raise InvalidArgumentError(f"mount source {m.source} is not under the daemon's mount_allowlist")
-            if not os.path.exists(real):
-                raise InvalidArgumentError(f"mount source {m.source} does not exist")
-            binds.append(oci.BindMount(real, m.target, m.read_only))
-        return binds
+        return out
 
-    def _prepare(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest, binds: list[oci.BindMount]) -> Path:
+    @staticmethod
+    def _stage_bind(sdir: Path, index: int, root: str, rel: str, bind: oci.BindMount) -> oci.BindMount:
+        """Pin the mount source now, without following any symlink, and hand the runtime a private copy.
+
+        A path string checked now and resolved again later by the runtime could be swapped for a
+        symlink in between (by a sandbox that has the allowlisted directory mounted read-write).
+        openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) pins the object; a bind mount of that very
+        object onto a root-only staging point in our mount namespace is what the runtime sees.
+        """
+        root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            resolve = files.RESOLVE_BENEATH | files.RESOLVE_NO_SYMLINKS | files.RESOLVE_NO_MAGICLINKS
+            try:
+                fd = files.openat2(root_fd, rel, os.O_PATH | os.O_CLOEXEC, 0, resolve)
+            except OSError as exc:
+                raise InvalidArgumentError(
+                    f"mount source {bind.source} cannot be used ({exc.strerror}; symlinks are not allowed)"
+                ) from exc
+        finally:
+            os.close(root_fd)
+        try:
+            st = os.fstat(fd)
+            if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                raise InvalidArgumentError(f"mount source {bind.source} is neither a file nor a directory")
+            staging = sdir / "binds" / str(index)
+            staging.parent.mkdir(mode=0o711, exist_ok=True)  # the runtime mounts it as the sandbox uid
+            if stat.S_ISDIR(st.st_mode):
+                staging.mkdir()
+            else:
+                staging.touch()
+            mounts.mount(f"/proc/self/fd/{fd}", str(staging), None, mounts.MS_BIND)
+        finally:
+            os.close(fd)
+        return oci.BindMount(str(staging), bind.target, bind.read_only)
+
+    def _prepare(
+        self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest, binds: list[tuple[str, str, oci.BindMount]]
+    ) -> Path:
         """Blocking part of create (mounts, files); runs in a worker thread."""
         sdir = self.sandboxes_dir / sandbox_id
         sdir.mkdir(mode=0o711)  # traversable by the sandbox root uid, not listable
         lowers: list[str] = []
         try:
+            staged = [self._stage_bind(sdir, i, *b) for i, b in enumerate(binds)]
             for layer in image.layers:
                 lowers.append(self.layers.acquire(layer.digest, self.store.layer_path(layer.digest)))
             rootfs = mounts.mount_rootfs(sdir, lowers, disk_bytes=spec.resources.disk, owner=self.config.uid_base)
@@ -107,7 +148,7 @@ class ContainerBackend:
                 ),
                 cgroup_path=self.cgroups.path_for(sandbox_id),
                 uid_base=self.config.uid_base,
-                binds=tuple(binds),
+                binds=tuple(staged),
             )
             (sdir / "config.json").write_text(json.dumps(oci.build(cfg)))
         except BaseException:
@@ -157,6 +198,7 @@ class ContainerBackend:
                 raise UnavailableError(f"{self.config.runtime} did not start the sandbox in time") from exc
             finally:
                 theirs.close()
+            proc.reap_orphans()  # the runtime's own detached helper, if it has already exited
             if done.returncode != 0:
                 try:
                     log = log_file.read_text(errors="replace").strip()[-2000:]

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
 
 from sandfleet.errors import (
     InternalError,
+    InvalidArgumentError,
     SandboxError,
     SandboxTimeoutError,
     UnavailableError,
@@ -42,7 +45,8 @@ class Call:
     json: Any = None
     content: bytes | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
-    timeout: float | None = None
+    # "default": the client's timeout; None: wait as long as it takes (e.g. exec with timeout=None).
+    timeout: float | None | Literal["default"] = "default"
 
 
 @dataclass(frozen=True)
@@ -149,8 +153,18 @@ def extract_tar(data: bytes, dest: Path) -> None:
 # -- the calls, one builder per API operation (no I/O) ----------------------------------------------
 
 
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def sandbox_path(sandbox_id: str) -> str:
+    """`/v1/sandboxes/<id>`, refusing ids that could not name a sandbox (or would change the route)."""
+    if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
+        raise InvalidArgumentError(f"invalid sandbox id {sandbox_id!r}")
+    return "/v1/sandboxes/" + quote(sandbox_id, safe="")
+
+
 def _sb(sandbox_id: str, suffix: str = "") -> str:
-    return f"/v1/sandboxes/{sandbox_id}{suffix}"
+    return sandbox_path(sandbox_id) + suffix
 
 
 def call_create(spec: SandboxSpec, timeout: float) -> Call:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import os
 from collections.abc import AsyncIterator, Mapping
@@ -13,7 +14,7 @@ import httpx
 from pydantic import BaseModel
 
 from sandfleet.client import _base as b
-from sandfleet.errors import SandboxError
+from sandfleet.errors import SandboxError, SandboxNotFoundError
 from sandfleet.models import (
     EventList,
     ExecEvent,
@@ -73,7 +74,7 @@ class AsyncClient:
                 json=call.json,
                 content=call.content,
                 headers=dict(call.headers),
-                timeout=call.timeout if call.timeout is not None else self.timeout,
+                timeout=self.timeout if call.timeout == "default" else call.timeout,
             )
         except httpx.HTTPError as exc:
             raise b.map_transport_error(exc, self.endpoint) from exc
@@ -87,7 +88,8 @@ class AsyncClient:
 
     async def _stream_lines(self, call: b.Call) -> AsyncIterator[bytes]:
         try:
-            async with self._http.stream(call.method, call.path, json=call.json, timeout=call.timeout) as resp:
+            timeout = self.timeout if call.timeout == "default" else call.timeout
+            async with self._http.stream(call.method, call.path, json=call.json, timeout=timeout) as resp:
                 if resp.status_code >= 400:
                     b.raise_for(resp.status_code, await resp.aread(), self.endpoint)
                 async for line in resp.aiter_lines():
@@ -123,7 +125,7 @@ class AsyncClient:
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         """Attach to an existing sandbox by id (e.g. from another process, after a trainer restart)."""
-        return AsyncSandbox(self, await self._model(SandboxInfo, b.Call("GET", f"/v1/sandboxes/{sandbox_id}")))
+        return AsyncSandbox(self, await self._model(SandboxInfo, b.Call("GET", b.sandbox_path(sandbox_id))))
 
     async def list(self, labels: Mapping[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
 
@@ -158,13 +160,17 @@ class AsyncSandbox:
                 raise
 
     async def refresh(self) -> SandboxInfo:
-        self.info = await self._c._model(SandboxInfo, b.Call("GET", f"/v1/sandboxes/{self.id}"))
+        self.info = await self._c._model(SandboxInfo, b.Call("GET", b.sandbox_path(self.id)))
         return self.info
 
     async def stop(self, reason: str = "user") -> SandboxInfo:
-        self.info = await self._c._model(
-            SandboxInfo, b.Call("DELETE", f"/v1/sandboxes/{self.id}", json={"reason": reason})
-        )
+        """Stop the sandbox; stopping one that is already gone (TTL, stop_many) is not an error."""
+        try:
+            self.info = await self._c._model(
+                SandboxInfo, b.Call("DELETE", b.sandbox_path(self.id), json={"reason": reason})
+            )
+        except SandboxNotFoundError:
+            self.info = self.info.model_copy(update={"state": "stopped"})
         return self.info
 
     async def exec(
@@ -229,24 +235,24 @@ class AsyncSandbox:
         """Start a background process (its own session); returns a handle to wait on or kill."""
         body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, output_limit=output_limit)
         body["timeout"] = timeout
-        info = await self._c._model(ProcessInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/processes", json=body))
+        info = await self._c._model(ProcessInfo, b.Call("POST", b.sandbox_path(self.id) + "/processes", json=body))
         return AsyncProcess(self, info)
 
     async def processes(self) -> builtins.list[ProcessInfo]:
 
-        return (await self._c._model(ProcessList, b.Call("GET", f"/v1/sandboxes/{self.id}/processes"))).processes
+        return (await self._c._model(ProcessList, b.Call("GET", b.sandbox_path(self.id) + "/processes"))).processes
 
     async def session(
         self, *, env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None
     ) -> AsyncSession:
         """Open a persistent shell: commands share cwd, environment and shell variables."""
         body = {"env": dict(env or {}), "cwd": cwd, "user": user}
-        info = await self._c._model(SessionInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/sessions", json=body))
+        info = await self._c._model(SessionInfo, b.Call("POST", b.sandbox_path(self.id) + "/sessions", json=body))
         return AsyncSession(self, info)
 
     async def events(self, after: int = 0) -> builtins.list[SandboxEvent]:
 
-        call = b.Call("GET", f"/v1/sandboxes/{self.id}/events", params={"after": after})
+        call = b.Call("GET", b.sandbox_path(self.id) + "/events", params={"after": after})
         return (await self._c._model(EventList, call)).events
 
 
@@ -259,7 +265,7 @@ class AsyncProcess:
     async def wait(self, timeout: float = 60.0) -> ProcessInfo:
         call = b.Call(
             "GET",
-            f"/v1/sandboxes/{self._sb.id}/processes/{self.id}",
+            b.sandbox_path(self._sb.id) + f"/processes/{self.id}",
             params={"wait": timeout},
             timeout=timeout + b.EXEC_MARGIN,
         )
@@ -267,7 +273,7 @@ class AsyncProcess:
         return self.info
 
     async def kill(self, signal: int = 9) -> ProcessInfo:
-        call = b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/processes/{self.id}", params={"signal": signal})
+        call = b.Call("DELETE", b.sandbox_path(self._sb.id) + f"/processes/{self.id}", params={"signal": signal})
         self.info = await self._sb._c._model(ProcessInfo, call)
         return self.info
 
@@ -289,7 +295,7 @@ class AsyncSession:
         return await self._sb._c._model(ExecResult, call)
 
     async def close(self) -> None:
-        await self._sb._c._send(b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/sessions/{self.id}"))
+        await self._sb._c._send(b.Call("DELETE", b.sandbox_path(self._sb.id) + f"/sessions/{self.id}"))
 
 
 class AsyncFiles:
@@ -312,13 +318,13 @@ class AsyncFiles:
 
     async def list(self, path: str = "/") -> builtins.list[FileInfo]:
 
-        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/list", params={"path": path})
+        call = b.Call("GET", b.sandbox_path(self._sb.id) + "/files/list", params={"path": path})
         return (await self._sb._c._model(FileList, call)).files
 
     async def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
         call = b.Call(
             "GET",
-            f"/v1/sandboxes/{self._sb.id}/files/stat",
+            b.sandbox_path(self._sb.id) + "/files/stat",
             params={"path": path, "follow_symlinks": str(follow_symlinks).lower()},
         )
         return await self._sb._c._model(FileInfo, call)
@@ -336,31 +342,27 @@ class AsyncFiles:
         params: dict[str, Any] = {"path": path, "parents": str(parents).lower(), "mode": mode}
         if user:
             params["user"] = user
-        call = b.Call("POST", f"/v1/sandboxes/{self._sb.id}/files/mkdir", params=params)
+        call = b.Call("POST", b.sandbox_path(self._sb.id) + "/files/mkdir", params=params)
         return await self._sb._c._model(FileInfo, call)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self._sb._c._send(
             b.Call(
                 "DELETE",
-                f"/v1/sandboxes/{self._sb.id}/files",
+                b.sandbox_path(self._sb.id) + "/files",
                 params={"path": path, "recursive": str(recursive).lower()},
             )
         )
 
     async def upload(self, local: str | os.PathLike[str], path: str, *, user: str | None = None) -> None:
         """Copy a local file or directory's contents into the sandbox directory `path` (as a tar)."""
-        import asyncio
-
         data = await asyncio.to_thread(b.local_tar, Path(local))
         await self._sb._c._send(b.call_upload(self._sb.id, path, data, user))
 
     async def download(self, path: str, local: str | os.PathLike[str]) -> None:
         """Copy a sandbox file or directory into the local directory `local`."""
-        import asyncio
-
         data = await self.download_tar(path)
         await asyncio.to_thread(b.extract_tar, data, Path(local))
 
     async def download_tar(self, path: str) -> bytes:
-        return await self._sb._c._send(b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/tar", params={"path": path}))
+        return await self._sb._c._send(b.Call("GET", b.sandbox_path(self._sb.id) + "/files/tar", params={"path": path}))

@@ -1,4 +1,4 @@
-"""`Client`: the blocking SDK. Mirrors `sandfleet.client.aio` call for call."""
+"""`Client`: the blocking SDK. Generated from aio.py by scripts/gen_sync_client.py: do not edit."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import httpx
 from pydantic import BaseModel
 
 from sandfleet.client import _base as b
-from sandfleet.errors import SandboxError
+from sandfleet.errors import SandboxError, SandboxNotFoundError
 from sandfleet.models import (
     EventList,
     ExecEvent,
@@ -73,7 +73,7 @@ class Client:
                 json=call.json,
                 content=call.content,
                 headers=dict(call.headers),
-                timeout=call.timeout if call.timeout is not None else self.timeout,
+                timeout=self.timeout if call.timeout == "default" else call.timeout,
             )
         except httpx.HTTPError as exc:
             raise b.map_transport_error(exc, self.endpoint) from exc
@@ -87,7 +87,8 @@ class Client:
 
     def _stream_lines(self, call: b.Call) -> Iterator[bytes]:
         try:
-            with self._http.stream(call.method, call.path, json=call.json, timeout=call.timeout) as resp:
+            timeout = self.timeout if call.timeout == "default" else call.timeout
+            with self._http.stream(call.method, call.path, json=call.json, timeout=timeout) as resp:
                 if resp.status_code >= 400:
                     b.raise_for(resp.status_code, resp.read(), self.endpoint)
                 for line in resp.iter_lines():
@@ -121,7 +122,7 @@ class Client:
 
     def get(self, sandbox_id: str) -> Sandbox:
         """Attach to an existing sandbox by id (e.g. from another process, after a trainer restart)."""
-        return Sandbox(self, self._model(SandboxInfo, b.Call("GET", f"/v1/sandboxes/{sandbox_id}")))
+        return Sandbox(self, self._model(SandboxInfo, b.Call("GET", b.sandbox_path(sandbox_id))))
 
     def list(self, labels: Mapping[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
 
@@ -154,11 +155,15 @@ class Sandbox:
                 raise
 
     def refresh(self) -> SandboxInfo:
-        self.info = self._c._model(SandboxInfo, b.Call("GET", f"/v1/sandboxes/{self.id}"))
+        self.info = self._c._model(SandboxInfo, b.Call("GET", b.sandbox_path(self.id)))
         return self.info
 
     def stop(self, reason: str = "user") -> SandboxInfo:
-        self.info = self._c._model(SandboxInfo, b.Call("DELETE", f"/v1/sandboxes/{self.id}", json={"reason": reason}))
+        """Stop the sandbox; stopping one that is already gone (TTL, stop_many) is not an error."""
+        try:
+            self.info = self._c._model(SandboxInfo, b.Call("DELETE", b.sandbox_path(self.id), json={"reason": reason}))
+        except SandboxNotFoundError:
+            self.info = self.info.model_copy(update={"state": "stopped"})
         return self.info
 
     def exec(
@@ -223,24 +228,24 @@ class Sandbox:
         """Start a background process (its own session); returns a handle to wait on or kill."""
         body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, output_limit=output_limit)
         body["timeout"] = timeout
-        info = self._c._model(ProcessInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/processes", json=body))
+        info = self._c._model(ProcessInfo, b.Call("POST", b.sandbox_path(self.id) + "/processes", json=body))
         return Process(self, info)
 
     def processes(self) -> builtins.list[ProcessInfo]:
 
-        return (self._c._model(ProcessList, b.Call("GET", f"/v1/sandboxes/{self.id}/processes"))).processes
+        return (self._c._model(ProcessList, b.Call("GET", b.sandbox_path(self.id) + "/processes"))).processes
 
     def session(
         self, *, env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None
     ) -> Session:
         """Open a persistent shell: commands share cwd, environment and shell variables."""
         body = {"env": dict(env or {}), "cwd": cwd, "user": user}
-        info = self._c._model(SessionInfo, b.Call("POST", f"/v1/sandboxes/{self.id}/sessions", json=body))
+        info = self._c._model(SessionInfo, b.Call("POST", b.sandbox_path(self.id) + "/sessions", json=body))
         return Session(self, info)
 
     def events(self, after: int = 0) -> builtins.list[SandboxEvent]:
 
-        call = b.Call("GET", f"/v1/sandboxes/{self.id}/events", params={"after": after})
+        call = b.Call("GET", b.sandbox_path(self.id) + "/events", params={"after": after})
         return (self._c._model(EventList, call)).events
 
 
@@ -253,7 +258,7 @@ class Process:
     def wait(self, timeout: float = 60.0) -> ProcessInfo:
         call = b.Call(
             "GET",
-            f"/v1/sandboxes/{self._sb.id}/processes/{self.id}",
+            b.sandbox_path(self._sb.id) + f"/processes/{self.id}",
             params={"wait": timeout},
             timeout=timeout + b.EXEC_MARGIN,
         )
@@ -261,7 +266,7 @@ class Process:
         return self.info
 
     def kill(self, signal: int = 9) -> ProcessInfo:
-        call = b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/processes/{self.id}", params={"signal": signal})
+        call = b.Call("DELETE", b.sandbox_path(self._sb.id) + f"/processes/{self.id}", params={"signal": signal})
         self.info = self._sb._c._model(ProcessInfo, call)
         return self.info
 
@@ -283,7 +288,7 @@ class Session:
         return self._sb._c._model(ExecResult, call)
 
     def close(self) -> None:
-        self._sb._c._send(b.Call("DELETE", f"/v1/sandboxes/{self._sb.id}/sessions/{self.id}"))
+        self._sb._c._send(b.Call("DELETE", b.sandbox_path(self._sb.id) + f"/sessions/{self.id}"))
 
 
 class Files:
@@ -306,13 +311,13 @@ class Files:
 
     def list(self, path: str = "/") -> builtins.list[FileInfo]:
 
-        call = b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/list", params={"path": path})
+        call = b.Call("GET", b.sandbox_path(self._sb.id) + "/files/list", params={"path": path})
         return (self._sb._c._model(FileList, call)).files
 
     def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
         call = b.Call(
             "GET",
-            f"/v1/sandboxes/{self._sb.id}/files/stat",
+            b.sandbox_path(self._sb.id) + "/files/stat",
             params={"path": path, "follow_symlinks": str(follow_symlinks).lower()},
         )
         return self._sb._c._model(FileInfo, call)
@@ -330,14 +335,14 @@ class Files:
         params: dict[str, Any] = {"path": path, "parents": str(parents).lower(), "mode": mode}
         if user:
             params["user"] = user
-        call = b.Call("POST", f"/v1/sandboxes/{self._sb.id}/files/mkdir", params=params)
+        call = b.Call("POST", b.sandbox_path(self._sb.id) + "/files/mkdir", params=params)
         return self._sb._c._model(FileInfo, call)
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._sb._c._send(
             b.Call(
                 "DELETE",
-                f"/v1/sandboxes/{self._sb.id}/files",
+                b.sandbox_path(self._sb.id) + "/files",
                 params={"path": path, "recursive": str(recursive).lower()},
             )
         )
@@ -349,7 +354,8 @@ class Files:
 
     def download(self, path: str, local: str | os.PathLike[str]) -> None:
         """Copy a sandbox file or directory into the local directory `local`."""
-        b.extract_tar(self.download_tar(path), Path(local))
+        data = self.download_tar(path)
+        b.extract_tar(data, Path(local))
 
     def download_tar(self, path: str) -> bytes:
-        return self._sb._c._send(b.Call("GET", f"/v1/sandboxes/{self._sb.id}/files/tar", params={"path": path}))
+        return self._sb._c._send(b.Call("GET", b.sandbox_path(self._sb.id) + "/files/tar", params={"path": path}))

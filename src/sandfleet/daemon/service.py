@@ -105,6 +105,57 @@ class BackgroundProcess:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+class SessionStream:
+    """One stream of a session shell, for the command now running: bounded memory whatever it prints.
+
+    Keeps the first `limit` bytes (plus slack), a short window to spot the end marker across chunk
+    boundaries, and whatever follows the marker (the exit status line).
+    """
+
+    def __init__(self) -> None:
+        self.reset(b"", 0)
+
+    def reset(self, marker: bytes, limit: int) -> None:
+        self.marker = marker
+        self.limit = limit
+        self.head = bytearray()
+        self.window = bytearray()
+        self.total = 0
+        self.marker_at: int | None = None
+        self.after = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        if not self.marker:  # between commands: output of stray background jobs is dropped
+            return
+        if self.marker_at is not None:
+            self.after.extend(data[: 256 - len(self.after)])
+            return
+        keep = self.limit + len(self.marker) + 256 - len(self.head)
+        if keep > 0:
+            self.head.extend(data[:keep])
+        start = self.total - len(self.window)
+        self.window.extend(data)
+        self.total += len(data)
+        idx = self.window.find(self.marker)
+        if idx >= 0:
+            self.marker_at = start + idx
+            self.after.extend(self.window[idx + len(self.marker) :][:256])
+        else:
+            del self.window[: max(0, len(self.window) - len(self.marker))]
+
+    def done(self, *, need_line: bool) -> bool:
+        return self.marker_at is not None and (not need_line or b"\n" in self.after)
+
+    def content_length(self) -> int:
+        return self.marker_at if self.marker_at is not None else self.total
+
+    def kept(self) -> bytes:
+        return bytes(self.head[: min(self.limit, self.content_length())])
+
+    def truncated(self) -> bool:
+        return self.content_length() > self.limit
+
+
 @dataclass
 class Session:
     id: str
@@ -112,8 +163,8 @@ class Session:
     created_at: float
     process: ExecProcess
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    out: bytearray = field(default_factory=bytearray)
-    err: bytearray = field(default_factory=bytearray)
+    out: SessionStream = field(default_factory=SessionStream)
+    err: SessionStream = field(default_factory=SessionStream)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     dead: bool = False
 
@@ -492,7 +543,14 @@ class SandboxManager:
     # -- exec -------------------------------------------------------------------------------------
 
     async def _start(
-        self, sb: Sandbox, live: LiveSandbox, req: ExecRequest, *, setsid: bool = False, keep_stdin: bool = False
+        self,
+        sb: Sandbox,
+        live: LiveSandbox,
+        req: ExecRequest,
+        *,
+        setsid: bool = False,
+        keep_stdin: bool = False,
+        uncapped: bool = False,
     ) -> ExecProcess:
         user = await self._user(sb, live, req.user or sb.spec.user)
         argv = ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else list(req.command)
@@ -507,7 +565,7 @@ class SandboxManager:
                 uid=user.uid,
                 gid=user.gid,
                 timeout=req.timeout,
-                out_cap=req.output_limit,
+                out_cap=None if uncapped else req.output_limit,
                 stdin=req.stdin is not None or keep_stdin,
                 setsid=setsid,
             )
@@ -713,7 +771,8 @@ class SandboxManager:
                 shell = "/bin/bash"
         req = ExecRequest(command=[shell], env=env, cwd=cwd, user=user, timeout=None, output_limit=0)
         try:
-            process = await self._start(sb, live, req, setsid=True, keep_stdin=True)
+            # The shell's output is bounded per command by SessionStream, not by the agent.
+            process = await self._start(sb, live, req, setsid=True, keep_stdin=True, uncapped=True)
         except ExecStartError as exc:
             raise InternalError(f"cannot start a shell in the sandbox: {exc.message}") from exc
         session = Session("s-" + secrets.token_hex(6), shell, time.time(), process)
@@ -726,7 +785,7 @@ class SandboxManager:
         try:
             async for ev in session.process.events():
                 if isinstance(ev, OutputChunk):
-                    (session.out if ev.stream == "stdout" else session.err).extend(ev.data)
+                    (session.out if ev.stream == "stdout" else session.err).feed(ev.data)
                     session.changed.set()
         except ChannelClosedError:
             pass
@@ -776,14 +835,15 @@ class SandboxManager:
             f"printf '\\n%s %d\\n' '{marker.decode()}' \"$?\"\n"
             f"printf '\\n%s\\n' '{marker.decode()}' >&2\n"
         )
-        session.out.clear()
-        session.err.clear()
+        session.out.reset(b"\n" + marker, output_limit)
+        session.err.reset(b"\n" + marker, output_limit)
         t0 = time.monotonic()
         timed_out = False
         await session.process.write_stdin(script.encode())
 
         def finished() -> bool:
-            return marker in session.out and marker in session.err
+            # stdout's marker line carries the exit status: wait for its newline too.
+            return session.out.done(need_line=True) and session.err.done(need_line=False)
 
         async def wait_done(limit: float | None) -> bool:
             async with asyncio.timeout(limit):
@@ -809,23 +869,18 @@ class SandboxManager:
                     f"command timed out after {timeout}s and the session's shell did not recover; "
                     "the session was closed"
                 ) from None
-        out = bytes(session.out)
-        err = bytes(session.err)
-        idx = out.rfind(b"\n" + marker)
-        tail = out[idx + 1 + len(marker) :].split(b"\n", 1)[0].strip()
-        code = int(tail) if tail.lstrip(b"-").isdigit() else -1
-        stdout, stderr = out[:idx], err[: err.rfind(b"\n" + marker)]
+        status = session.out.after.split(b"\n", 1)[0].strip()
         result = ExecResult(
-            exit_code=code,
-            stdout=_decode(stdout[:output_limit]),
-            stderr=_decode(stderr[:output_limit]),
+            exit_code=int(status) if status.lstrip(b"-").isdigit() else -1,
+            stdout=_decode(session.out.kept()),
+            stderr=_decode(session.err.kept()),
             duration=time.monotonic() - t0,
             timed_out=timed_out,
-            stdout_truncated=len(stdout) > output_limit,
-            stderr_truncated=len(stderr) > output_limit,
+            stdout_truncated=session.out.truncated(),
+            stderr_truncated=session.err.truncated(),
         )
         req = ExecRequest(command=command, timeout=timeout, output_limit=output_limit)
-        self._after_exec(sb, req, result, len(stdout), len(stderr))
+        self._after_exec(sb, req, result, session.out.content_length(), session.err.content_length())
         return result
 
     async def close_session(self, sandbox_id: str, session_id: str) -> None:

@@ -324,7 +324,7 @@ static void drain(struct exec *e, int s, int reads)
 		}
 		uint64_t before = e->total[s - 1], fwd = (uint64_t)n;
 		e->total[s - 1] += (uint64_t)n;
-		if (e->cap && before + fwd > e->cap) {
+		if (e->cap != UINT64_MAX && before + fwd > e->cap) { /* UINT64_MAX: no cap; 0: keep nothing */
 			fwd = before >= e->cap ? 0 : e->cap - before;
 			e->xflags |= s == 1 ? X_OUT_TRUNC : X_ERR_TRUNC;
 		}

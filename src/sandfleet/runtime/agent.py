@@ -53,6 +53,7 @@ SCOPE_DESCENDANTS = 2
 MAX_PAYLOAD = 64 * 1024
 MAX_DATAGRAM = MAX_PAYLOAD + 8
 HANDOFF_FD = 4
+UNLIMITED = 2**64 - 1  # out_cap meaning "forward everything"
 _NR_PIDFD_GETFD = 438  # same number on every architecture using the generic syscall table
 
 _HDR = struct.Struct("<II")
@@ -415,12 +416,16 @@ class AgentChannel:
         uid: int = 0,
         gid: int = 0,
         timeout: float | None = None,  # noqa: ASYNC109 (agent-side timeout, not ours)
-        out_cap: int = 0,
+        out_cap: int | None = None,
         stdin: bool = False,
         setsid: bool = False,
     ) -> ExecProcess:
-        """Start a command; returns once it has exec'd. Raises ExecStartError on failure."""
+        """Start a command; returns once it has exec'd. Raises ExecStartError on failure.
+
+        `out_cap`: bytes forwarded per stream (the rest is drained and counted); None = no cap.
+        """
         self._check_open()
+        out_cap = UNLIMITED if out_cap is None else out_cap
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000 + 0.999))
         flags = (EXEC_STDIN_PIPE if stdin else 0) | (EXEC_SETSID if setsid else 0)
         exec_id = self._alloc_id()

@@ -1,0 +1,487 @@
+"""Escape tests: what sandboxed code can see and touch, always checked against the host's own view.
+
+Every test pairs the assertion about the sandbox with a positive control on the host (the marker
+exists, the listener accepts, the host process runs, ...), so a missing isolation layer makes the
+test fail instead of passing vacuously. All sandboxes are real busybox containers of the session
+daemon; everything a test creates on the host is removed again.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import time
+import tomllib
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from conftest import Daemon
+from sandfleet import Client, Mount, Sandbox
+from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError
+
+T = TypeVar("T")
+HOST_SLEEP = str(31000 + os.getpid() % 1000)  # argv of a host process the sandbox must not see
+# top-level directories a minimal image may have; anything else in the host's / must not show up inside
+IMAGE_DIRS = {"bin", "dev", "etc", "home", "lib", "lib64", "proc", "root", "sys", "tmp", "usr", "var", "sbin", "run",
+              "mnt", "opt", "srv", "media"}  # fmt: skip
+
+CAP_NET_ADMIN = 12
+CAP_NET_RAW = 13
+CAP_SYS_MODULE = 16
+CAP_SYS_RAWIO = 17
+CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
+CAP_SYS_TIME = 25
+CAP_MKNOD = 27
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def sh(sb: Sandbox, cmd: str, **kw: object) -> tuple[int, str, str]:
+    r = sb.exec(cmd, timeout=kw.pop("timeout", 30), **kw)  # type: ignore[arg-type]
+    return r.exit_code, r.stdout, r.stderr
+
+
+def ok(sb: Sandbox, cmd: str, **kw: object) -> str:
+    code, out, err = sh(sb, cmd, **kw)
+    assert code == 0, f"{cmd!r} failed ({code}): {err}"
+    return out
+
+
+def cgroup_parent(daemon: Daemon) -> str:
+    return str(tomllib.loads(daemon.config.read_text())["container"]["cgroup_parent"]).strip("/")
+
+
+def sandbox_host_pids(daemon: Daemon, sandbox_id: str) -> list[int]:
+    """Host pids of every process of a sandbox (from its pids cgroup), agent first."""
+    procs = Path("/sys/fs/cgroup/pids") / cgroup_parent(daemon) / sandbox_id / "cgroup.procs"
+    return sorted(int(p) for p in procs.read_text().split())
+
+
+def host_root_of(daemon: Daemon, sandbox_id: str) -> Path:
+    """The sandbox's root filesystem as the host reaches it: /proc/<agent pid>/root."""
+    return Path(f"/proc/{sandbox_host_pids(daemon, sandbox_id)[0]}/root")
+
+
+def host_pids_by_cmdline(needle: bytes) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{name}/cmdline").read_bytes() == needle:
+                found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(fn: Callable[[], T], timeout: float = 10.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)
+
+
+def proc_pids(listing: str) -> set[int]:
+    return {int(x) for x in listing.split() if x.isdigit()}
+
+
+def host_primary_ip() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))  # no packet is sent; just picks the outgoing address
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.fixture
+def host_sleep() -> Iterator[subprocess.Popen[bytes]]:
+    p = subprocess.Popen(["sleep", HOST_SLEEP])
+    yield p
+    p.kill()
+    p.wait()
+
+
+@pytest.fixture
+def shared(daemon: Daemon) -> Iterator[Path]:
+    """A fresh directory under the daemon's mount allowlist, removed afterwards."""
+    d = daemon.root / "shared" / f"t-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d)
+
+
+# -- processes ---------------------------------------------------------------------------------------
+
+
+def test_cannot_see_host_processes(daemon: Daemon, sandbox: Sandbox, host_sleep: subprocess.Popen[bytes]) -> None:
+    host_view = proc_pids(" ".join(os.listdir("/proc")))
+    assert daemon.pid in host_view and host_sleep.pid in host_view  # control: the host sees both
+    assert len(host_view) > 20
+
+    inside = proc_pids(ok(sandbox, "ls /proc"))
+    ps = ok(sandbox, "ps -o pid,args")
+    # Only the agent (pid 1), the shell and ls/ps: a handful, numbered from 1 in its own namespace.
+    assert 1 in inside and len(inside) <= 5, inside
+    assert ok(sandbox, "cat /proc/1/cmdline") == "/proc/self/fd/4\x00"
+    assert daemon.pid not in inside and host_sleep.pid not in inside
+    assert "sandfleet" not in ps and f"sleep {HOST_SLEEP}" not in ps, ps
+    # Not even by number: the host pids don't exist in the sandbox's pid namespace.
+    code, _, err = sh(sandbox, f"kill -0 {host_sleep.pid} || kill -0 {daemon.pid}")
+    assert code != 0, err
+    assert host_sleep.poll() is None
+
+
+def test_cannot_see_host_files(sandbox: Sandbox) -> None:
+    tag = f"sandfleet-marker-{uuid.uuid4().hex}"
+    markers = [Path("/tmp") / tag, Path("/root") / tag, Path("/") / tag]
+    try:
+        for m in markers:
+            m.write_text("host secret\n")
+            assert m.exists()  # control
+        for m in markers:
+            code, out, _ = sh(sandbox, f"cat {m}")
+            assert code != 0 and "host secret" not in out, m
+        assert tag not in ok(sandbox, "ls -a / /tmp /root")
+        # `/` inside is the image, not the host: this very test file and the host's repo are absent.
+        here = Path(__file__).resolve()
+        assert here.exists()
+        code, _, _ = sh(sandbox, f"test -e {shlex.quote(str(here))} || test -e {shlex.quote(str(here.parent))}")
+        assert code != 0
+        host_only = set(os.listdir("/")) - IMAGE_DIRS
+        assert host_only, "control: the host's / has entries a busybox image lacks"
+        assert not host_only & set(ok(sandbox, "ls -a /").split()), host_only
+        assert "BusyBox" in ok(sandbox, "ls --help 2>&1 || true")
+    finally:
+        for m in markers:
+            m.unlink(missing_ok=True)
+
+
+# -- other sandboxes ---------------------------------------------------------------------------------
+
+
+def test_cannot_see_or_signal_other_sandboxes(fleet: Client) -> None:
+    tag = str(27000 + os.getpid() % 1000)
+    with fleet.create(image="busybox") as a, fleet.create(image="busybox") as b:
+        ok(a, "echo from-a > /secret-a")
+        proc = a.start(f"exec sleep {tag}")
+        try:
+            [host_pid] = wait_for(lambda: host_pids_by_cmdline(f"sleep\x00{tag}\x00".encode()))
+            a_view = ok(a, "ps -o pid,args")
+            assert f"sleep {tag}" in a_view  # control: A sees its own process
+
+            assert f"sleep {tag}" not in ok(b, "ps -o pid,args")
+            assert proc_pids(ok(b, "ls /proc")) <= {1, *range(2, 10)}
+            code, out, _ = sh(b, "cat /secret-a")
+            assert code != 0 and "from-a" not in out
+            # B cannot signal A's sleep by its host pid (it does not exist in B's pid namespace).
+            code, _, _ = sh(b, f"kill -9 {host_pid}")
+            assert code != 0
+            assert Path(f"/proc/{host_pid}").exists(), "B killed a process of A"
+            assert f"sleep {tag}" in ok(a, "ps -o pid,args")
+
+            ha, hb = ok(a, "hostname").strip(), ok(b, "hostname").strip()
+            assert ha and hb and ha != hb
+            assert (ha, hb) == (a.id, b.id)
+            assert ok(a, "cat /secret-a") == "from-a\n"
+        finally:
+            proc.kill()
+
+
+# -- network -----------------------------------------------------------------------------------------
+
+
+def test_network_is_loopback_only(sandbox: Sandbox) -> None:
+    host_ifaces = set(os.listdir("/sys/class/net"))
+    assert host_ifaces - {"lo"}, "control: the host has a real interface"
+
+    dev = ok(sandbox, "cat /proc/net/dev")
+    ifaces = {line.split(":")[0].strip() for line in dev.splitlines()[2:]}
+    assert ifaces == {"lo"}, dev
+    assert ok(sandbox, "ls /sys/class/net").split() == ["lo"]
+    links = ok(sandbox, "ip -o link")
+    assert [ln.split(":")[1].strip() for ln in links.splitlines()] == ["lo"], links
+
+    with socket.create_server(("0.0.0.0", 0)) as listener:
+        port = listener.getsockname()[1]
+        targets = ["127.0.0.1"]
+        ip = host_primary_ip()
+        if ip:
+            targets.append(ip)
+        for t in targets:  # control: the listener is reachable from the host on every address
+            with socket.create_connection((t, port), timeout=2):
+                pass
+            conn, _ = listener.accept()
+            conn.close()
+        for t in targets:
+            code, out, err = sh(sandbox, f"echo hello | nc -w 2 {t} {port}; echo rc=$?")
+            assert "rc=0" not in out, (t, out, err)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing from the sandbox ever arrived
+
+    # DNS and outbound connections fail (busybox wget segfaults in Debian's 1.35 build, even on the host: use nc)
+    for cmd in ("nslookup -timeout=2 example.com", "nslookup -timeout=2 example.com 8.8.8.8"):
+        code, out, err = sh(sandbox, cmd)
+        assert code != 0 and "Address" not in out.split("\n\n", 1)[-1], (cmd, out, err)
+    for target in ("1.1.1.1 80", "8.8.8.8 53", "192.0.2.1 80"):
+        code, out, err = sh(sandbox, f"nc -w 2 {target} </dev/null")
+        assert code != 0 and "Network is unreachable" in err, (target, err)
+
+
+def test_abstract_and_daemon_unix_sockets_are_out_of_reach(daemon: Daemon, sandbox: Sandbox) -> None:
+    name = f"sandfleet-test-{uuid.uuid4().hex[:12]}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as abstract:
+        abstract.bind("\0" + name)
+        abstract.listen()
+        host_unix = Path("/proc/net/unix").read_text()
+        assert str(daemon.socket) in host_unix and "@" + name in host_unix  # control
+        inside = ok(sandbox, "cat /proc/net/unix")
+        assert str(daemon.socket) not in inside and name not in inside
+    assert daemon.socket.exists()
+    code, _, _ = sh(sandbox, f"test -e {daemon.socket} || ls {daemon.socket.parent}")
+    assert code != 0
+    code, _, _ = sh(sandbox, f"test -e {daemon.state_dir} || test -e {daemon.run_dir}")
+    assert code != 0
+
+
+# -- user namespace ----------------------------------------------------------------------------------
+
+
+def test_root_inside_is_unprivileged_outside(daemon: Daemon, fleet: Client, shared: Path) -> None:
+    host_file = shared / "owned-by-host-root"
+    host_file.write_text("host original\n")
+    os.chown(host_file, 0, 0)
+    os.chmod(host_file, 0o644)
+    rw_dir = shared / "rw"
+    rw_dir.mkdir()
+    os.chmod(rw_dir, 0o777)
+    mounts = [
+        Mount(source=str(host_file), target="/host/file", read_only=False),
+        Mount(source=str(rw_dir), target="/host/dir", read_only=False),
+    ]
+    with fleet.create(image="busybox", mounts=mounts) as sb:
+        assert ok(sb, "cat /proc/self/uid_map").split() == ["0", "100000", "65536"]
+        assert ok(sb, "cat /proc/self/gid_map").split() == ["0", "100000", "65536"]
+        assert ok(sb, "id -u").strip() == "0"
+
+        assert ok(sb, "cat /host/file") == "host original\n"  # control: the mount is there
+        code, _, err = sh(sb, "echo pwned > /host/file")
+        assert code != 0 and "Permission denied" in err, err
+        code, _, err = sh(sb, "echo pwned >> /host/file")
+        assert code != 0 and "Permission denied" in err, err
+        code, _, _ = sh(sb, "chmod 666 /host/file || chown 0 /host/file")
+        assert code != 0
+        assert host_file.read_text() == "host original\n"
+        st = host_file.stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o644)
+        # host root is unmapped inside: it shows as the overflow id
+        assert ok(sb, "stat -c %u /host/file").strip() == "65534"
+
+        ok(sb, "echo made-inside > /host/dir/created && echo x > /made-in-root")
+        created = rw_dir / "created"
+        assert created.read_text() == "made-inside\n"
+        assert (created.stat().st_uid, created.stat().st_gid) == (100000, 100000)
+        in_root = host_root_of(daemon, sb.id) / "made-in-root"
+        assert (in_root.stat().st_uid, in_root.stat().st_gid) == (100000, 100000)
+        # and a file made by uid 1000 inside is host uid 101000
+        ok(sb, "echo u > /host/dir/by-user", user="1000")
+        assert (rw_dir / "by-user").stat().st_uid == 101000
+
+
+def test_read_only_mount_is_read_only(fleet: Client, shared: Path) -> None:
+    os.chmod(shared, 0o777)  # writable by anyone on the host: only the mount flag stops the sandbox
+    (shared / "f").write_text("orig\n")
+    os.chmod(shared / "f", 0o666)
+    with fleet.create(image="busybox", mounts=[Mount(source=str(shared), target="/ro", read_only=True)]) as sb:
+        assert ok(sb, "cat /ro/f") == "orig\n"
+        for cmd in ("echo x > /ro/f", "echo x > /ro/new", "mkdir /ro/d", "rm /ro/f", "chmod 600 /ro/f"):
+            code, _, err = sh(sb, cmd)
+            assert code != 0 and "Read-only file system" in err, (cmd, err)
+        opts = [ln.split()[3] for ln in ok(sb, "cat /proc/mounts").splitlines() if ln.split()[1] == "/ro"]
+        assert len(opts) == 1 and {"ro", "nosuid", "nodev"} <= set(opts[0].split(",")), opts
+    assert sorted(os.listdir(shared)) == ["f"] and (shared / "f").read_text() == "orig\n"
+
+
+def test_mount_allowlist(daemon: Daemon, fleet: Client, shared: Path) -> None:
+    (shared / "to-etc").symlink_to("/etc")
+    sandboxes_dir = daemon.run_dir / "sandboxes"
+    cg = Path("/sys/fs/cgroup/pids") / cgroup_parent(daemon)
+
+    def snapshot() -> tuple[set[str], set[str], set[str]]:
+        return (
+            {s.id for s in fleet.list()},
+            set(os.listdir(sandboxes_dir)) if sandboxes_dir.exists() else set(),
+            {p.name for p in cg.iterdir() if p.is_dir()} if cg.exists() else set(),
+        )
+
+    sibling = daemon.root / "shared-sibling"  # shares a prefix with the allowlisted dir but is not under it
+    sibling.mkdir()
+    before = snapshot()
+    bad_sources = ["/etc", "/", str(shared / "to-etc"), str(shared / ".." / ".." / ".." / "etc"), str(sibling),
+                   str(daemon.state_dir)]  # fmt: skip
+    try:
+        for source in bad_sources:
+            with pytest.raises(InvalidArgumentError):
+                fleet.create(image="busybox", mounts=[Mount(source=source, target="/x", read_only=True)])
+    finally:
+        sibling.rmdir()
+    assert snapshot() == before
+    # control: a source under the allowlist is accepted
+    with fleet.create(image="busybox", mounts=[Mount(source=str(shared), target="/x")]) as sb:
+        assert ok(sb, "ls -a /x").split()[:2] == [".", ".."]
+
+
+def test_mount_allowlist_cannot_be_raced_by_a_sandbox(fleet: Client, shared: Path) -> None:
+    """Sandbox A (rw mount of an allowlisted dir) flips `p` between a real dir and a symlink to a host dir
+    outside the allowlist while the client creates sandboxes mounting `p`. No sandbox may ever see the host dir."""
+    victim = Path(f"/tmp/sandfleet-victim-{uuid.uuid4().hex[:8]}")
+    victim.mkdir()
+    (victim / "HOST-ONLY").write_text("host\n")
+    os.chmod(shared, 0o777)
+    (shared / "p").mkdir(mode=0o777)
+    try:
+        with fleet.create(image="busybox", mounts=[Mount(source=str(shared), target="/h", read_only=False)]) as a:
+            ok(a, f"ln -s {victim} /h/l")
+            flipper = a.start("cd /h; while :; do mv p q; mv l p; mv p l; mv q p; done")
+            try:
+                leaked = []
+                for _ in range(300):
+                    try:
+                        with fleet.create(image="busybox", mounts=[Mount(source=str(shared / "p"), target="/x")]) as b:
+                            if "HOST-ONLY" in ok(b, "ls /x"):
+                                leaked.append(b.id)
+                                break
+                    except (InvalidArgumentError, InternalError):
+                        continue  # lost the race: the check or crun found the symlink or nothing at `p`
+            finally:
+                flipper.kill()
+        assert not leaked, f"sandbox {leaked} got {victim} mounted"
+    finally:
+        shutil.rmtree(victim)
+
+
+# -- /proc and capabilities --------------------------------------------------------------------------
+
+
+def test_proc_hardening(sandbox: Sandbox) -> None:
+    for path in ("/proc/kpagecgroup", "/proc/kpageflags", "/proc/kpagecount", "/proc/kcore", "/proc/keys",
+                 "/proc/sysrq-trigger", "/proc/timer_list"):  # fmt: skip
+        code, out, _ = sh(sandbox, f"head -c 64 {path} | wc -c")
+        assert out.strip() == "0", (path, out)
+    # a recursive grep over the masked files terminates quietly
+    code, out, err = sh(sandbox, "grep -r x /proc/kpagecgroup /proc/kpageflags /proc/kpagecount", timeout=10)
+    assert code == 1 and out == "", (code, out, err)
+    host_name = socket.gethostname()
+    code, _, err = sh(sandbox, "echo evil > /proc/sys/kernel/hostname")
+    assert code != 0 and "Read-only" in err, err
+    code, _, _ = sh(sandbox, "sysctl -w kernel.hostname=evil || echo 1 > /proc/sys/vm/drop_caches")
+    assert code != 0
+    code, _, _ = sh(sandbox, "echo c > /proc/sysrq-trigger && cat /proc/sysrq-trigger | grep c")
+    assert code != 0
+    assert socket.gethostname() == host_name
+    assert ok(sandbox, "hostname").strip() == sandbox.id
+    # the cgroup tree is masked too
+    assert ok(sandbox, "ls -A /sys/fs/cgroup 2>/dev/null | wc -l").strip() == "0"
+
+
+def _caps(status: str, field: str) -> int:
+    for line in status.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"{field} missing")
+
+
+def test_capabilities_and_no_new_privs(sandbox: Sandbox) -> None:
+    host = Path("/proc/self/status").read_text()
+    assert _caps(host, "CapEff") >> CAP_SYS_ADMIN & 1  # control: the parsing sees root's caps
+    status = ok(sandbox, "cat /proc/self/status")
+    forbidden = (CAP_SYS_ADMIN, CAP_NET_RAW, CAP_SYS_PTRACE, CAP_SYS_MODULE, CAP_NET_ADMIN, CAP_SYS_RAWIO,
+                 CAP_SYS_TIME, CAP_MKNOD)  # fmt: skip
+    for field in ("CapEff", "CapPrm", "CapBnd", "CapInh", "CapAmb"):
+        caps = _caps(status, field)
+        assert not [c for c in forbidden if caps >> c & 1], (field, hex(caps))
+    assert "NoNewPrivs:\t1" in status and "Seccomp:\t2" in status, status
+
+    for cmd in ("mount -t tmpfs x /mnt", "mount --bind /bin /mnt", "unshare -U true", "unshare -m true",
+                "unshare -n true", "nsenter -t 1 -m true", "mknod /tmp/mem c 1 1", "umount /proc"):  # fmt: skip
+        code, _, err = sh(sandbox, cmd)
+        assert code != 0, (cmd, err)
+    assert " /mnt " not in ok(sandbox, "cat /proc/mounts")
+
+
+def test_agent_channel_out_of_reach(sandbox: Sandbox) -> None:
+    # control: ordinary processes' fds and environ are readable by root inside
+    assert ok(sandbox, "readlink /proc/self/fd/1").startswith("pipe:")
+    ok(sandbox, "sleep 30 & p=$!; cat /proc/$p/environ >/dev/null && readlink /proc/$p/fd/1; kill $p")
+
+    for cmd in ("readlink /proc/1/fd/3", "readlink /proc/1/fd/4", "cat /proc/1/environ", "head -c 1 /proc/1/mem",
+                "readlink /proc/1/root", "readlink /proc/1/exe", "ls /proc/1/root/", "cat /proc/1/fd/4"):  # fmt: skip
+        for user in ("root", "65534"):
+            code, out, err = sh(sandbox, cmd, user=user)
+            assert code != 0 and out == "", (cmd, user, out)
+            if not cmd.startswith("readlink"):  # busybox readlink fails silently
+                assert "denied" in err or "not permitted" in err, (cmd, user, err)
+    code, out, err = sh(sandbox, "ls -l /proc/1/fd")
+    assert "Permission denied" in err and "socket:" not in out, (out, err)
+    # the agent (pid 1 of the namespace) ignores signals from inside, so the sandbox keeps working
+    sh(sandbox, "kill -TERM 1; kill -KILL 1; kill -INT 1")
+    assert ok(sandbox, "echo alive") == "alive\n"
+
+
+# -- files API ---------------------------------------------------------------------------------------
+
+
+def test_files_api_symlinks_never_reach_host(daemon: Daemon, sandbox: Sandbox) -> None:
+    name = f"sandfleet-secret-{uuid.uuid4().hex}"
+    secret = Path("/tmp") / name
+    victim = Path("/tmp") / (name + "-victim")
+    secret.write_text("HOST SECRET\n")
+    try:
+        ok(sandbox, f"ln -s /tmp/{name} /abs && ln -s ../../../../../../../tmp/{name} /tmp/rel && ln -s / /rootlink"
+                    f" && ln -s /proc/{daemon.pid}/root/tmp/{name} /viaproc && ln -s /proc/1/root/tmp/{name} /magic"
+                    f" && ln -s {victim} /writelink && ln -s /tmp /tmpdir")  # fmt: skip
+        paths = ["/abs", "/tmp/rel", f"/rootlink/../../../tmp/{name}", "/viaproc", "/magic", f"/../../../../tmp/{name}",
+                 f"/tmpdir/{name}", f"/tmpdir/../../tmp/{name}", f"/rootlink/tmp/{name}"]  # fmt: skip
+        for p in paths:
+            try:
+                data = sandbox.files.read(p)
+            except SandboxError:
+                continue
+            assert b"HOST SECRET" not in data, p
+        # With a same-named file inside, the symlinks resolve to it: resolution happens in the sandbox's root.
+        sandbox.files.write(f"/tmp/{name}", "sandbox copy\n")
+        for p in ("/abs", "/tmp/rel", f"/rootlink/tmp/{name}", f"/tmpdir/{name}"):
+            assert sandbox.files.read(p) == b"sandbox copy\n", p
+        listing = {f.name for f in sandbox.files.list("/rootlink")}
+        assert "abs" in listing and "work" not in listing
+        # writes through a symlink to a host path land inside the sandbox, never on the host
+        sandbox.files.write("/writelink", "written\n")
+        assert not victim.exists()
+        assert ok(sandbox, f"cat {victim}") == "written\n"
+        assert secret.read_text() == "HOST SECRET\n"
+    finally:
+        secret.unlink(missing_ok=True)
+        victim.unlink(missing_ok=True)
+
+
+def test_sandbox_signal_does_not_reach_host(host_sleep: subprocess.Popen[bytes], sandbox: Sandbox) -> None:
+    # `kill -1` (everything we may signal) as root inside must only hit the sandbox's own processes.
+    sh(sandbox, "kill -9 -1")
+    assert host_sleep.poll() is None
+    os.kill(host_sleep.pid, 0)
+    assert ok(sandbox, "echo alive") == "alive\n"
