@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Daemon
-from leakcheck import _cgroup_parent, residue
 
 from sandfleet.errors import SandboxError, SandboxNotFoundError
+
+from conftest import Daemon
+from leakcheck import _cgroup_parent, residue
 
 
 def _agent_pids(d: Daemon) -> dict[str, int]:
