@@ -13,8 +13,9 @@ from sandfleet.client.sync import Process
 from sandfleet.models import ProcessInfo
 
 if TYPE_CHECKING:
-    from conftest import Daemon
     from sandfleet import Sandbox
+
+    from conftest import Daemon
 
 MiB = 1024**2
 

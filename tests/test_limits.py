@@ -15,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from conftest import Daemon
 from sandfleet import Client, ExecResult, Resources, Sandbox
 from sandfleet.models import SandboxEvent
+
+from conftest import Daemon
 
 T = TypeVar("T")
 MiB = 1024**2

@@ -23,9 +23,10 @@ from typing import TypeVar
 
 import pytest
 
-from conftest import Daemon
 from sandfleet import Client, Mount, Sandbox
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError
+
+from conftest import Daemon
 
 T = TypeVar("T")
 HOST_SLEEP = str(31000 + os.getpid() % 1000)  # argv of a host process the sandbox must not see
