@@ -130,6 +130,10 @@ def exec_(
     socket: SocketOpt = None,
 ) -> None:
     """Run a command in a sandbox, streaming its output; exits with its exit code."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise typer.BadParameter("no command given")
     argv: str | list[str] = command[0] if len(command) == 1 else command
     with _client(socket) as fleet:
         try:
