@@ -25,3 +25,10 @@ def test_ruff() -> None:
 def test_mypy_strict() -> None:
     r = _run("mypy", "src/sandfleet")
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_generated_files_are_fresh() -> None:
+    """docs/openapi.json and the sync client are generated; a stale copy fails here."""
+    for script in ("scripts/gen_openapi.py", "scripts/gen_sync_client.py"):
+        r = subprocess.run([sys.executable, script, "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{script} --check: {r.stdout}{r.stderr}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
 _UNITS = {
     "": 1,
@@ -50,7 +50,15 @@ def parse_size(value: object) -> int:
     return size
 
 
-ByteSize = Annotated[int, BeforeValidator(parse_size)]
+MAX_BYTES = 2**40  # 1 TiB: far above any node, far below what overflows a kernel interface
+# One schema for requests and responses: bytes, or a size string such as "4GiB" on input.
+ByteSize = Annotated[
+    int,
+    BeforeValidator(parse_size),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_BYTES}, {"type": "string", "examples": ["4GiB"]}]}
+    ),
+]
 
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 _HOSTNAME_RE = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
@@ -83,9 +91,9 @@ class Resources(_Model):
     """What a sandbox may use. `Resources(cpu=2, memory="4GiB")`."""
 
     cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota); fractions allowed")
-    memory: ByteSize = Field(1024**3, description="memory limit in bytes (no swap beyond it)")
+    memory: ByteSize = Field(1024**3, le=MAX_BYTES, description="memory limit in bytes or '4GiB' (no swap beyond it)")
     pids: int = Field(512, ge=8, le=32768, description="maximum number of tasks (fork-bomb cap)")
-    disk: ByteSize = Field(1024**3, description="size limit of the writable layer in bytes")
+    disk: ByteSize = Field(1024**3, le=MAX_BYTES, description="size limit of the writable layer in bytes or '10GiB'")
 
     @field_validator("memory")
     @classmethod

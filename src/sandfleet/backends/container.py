@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -28,6 +29,8 @@ from sandfleet.models import SandboxSpec
 from sandfleet.runtime import cgroups, files, mounts, oci, proc
 from sandfleet.runtime.agent import AgentChannel, ChannelClosedError, build_agent, grab_handoff_channel
 from sandfleet.runtime.cgroups import CgroupStats
+
+log = logging.getLogger("sandfleet.container")
 
 
 class ContainerBackendConfig(BaseModel):
@@ -251,6 +254,10 @@ class ContainerBackend:
         try:
             async with asyncio.timeout(10):
                 await exited
+        except TimeoutError:
+            # Stuck in uninterruptible sleep; the runtime's delete below still removes its cgroup
+            # once it goes, and a later restart retries.
+            log.warning("sandbox init %d did not exit within 10s of SIGKILL", pid)
         finally:
             loop.remove_reader(pidfd)
             os.close(pidfd)

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from sandfleet.errors import (
     InternalError,
@@ -80,16 +80,22 @@ def exec_timeout(timeout: float | None, default: float) -> float | None:
 
 
 def spec_from(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> SandboxSpec:
-    if spec is not None and kwargs:
-        return spec.model_copy(update=SandboxSpec.model_validate({**spec.model_dump(), **kwargs}).model_dump())
-    if spec is not None:
-        return spec
-    return SandboxSpec.model_validate(kwargs)
+    try:
+        if spec is not None and kwargs:
+            return SandboxSpec.model_validate({**spec.model_dump(), **kwargs})
+        if spec is not None:
+            return spec
+        return SandboxSpec.model_validate(kwargs)
+    except ValidationError as exc:
+        raise InvalidArgumentError(f"invalid sandbox spec: {exc}") from exc
 
 
 def exec_body(command: str | list[str], **kw: Any) -> dict[str, Any]:
     fields = {k: v for k, v in kw.items() if v is not None}
-    return ExecRequest.model_validate({"command": command, **fields}).model_dump(mode="json")
+    try:
+        return ExecRequest.model_validate({"command": command, **fields}).model_dump(mode="json")
+    except ValidationError as exc:
+        raise InvalidArgumentError(f"invalid exec request: {exc}") from exc
 
 
 def raise_for(response_status: int, body: bytes, endpoint: Endpoint) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import tempfile
@@ -46,6 +47,7 @@ from sandfleet.models import (
     SandboxInfo,
     SandboxList,
     SandboxSpec,
+    SandboxState,
     SessionCreateRequest,
     SessionInfo,
     SessionList,
@@ -57,6 +59,8 @@ from sandfleet.models import (
 from sandfleet.runtime.files import SandboxFS
 
 MAX_FILE_BODY = 256 * 1024**2
+MAX_INT64 = 2**63 - 1
+log = logging.getLogger("sandfleet.api")
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -130,10 +134,32 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
             return _error_response(InvalidArgumentError("method not allowed on this endpoint"))
         return _error_response(InternalError(str(exc.detail)))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
-        metrics.http_errors.labels(code="internal").inc()
-        return _error_response(InternalError(f"{type(exc).__name__}: {exc}"[:500]))
+    @app.middleware("http")
+    async def _unexpected(request: Request, call_next: Any) -> Any:
+        # A middleware, not an exception handler: Starlette re-raises after running an
+        # Exception handler, and uvicorn then drops the client's keep-alive connection.
+        try:
+            return await call_next(request)
+        except Exception as exc:
+            log.exception("unexpected error serving %s %s", request.method, request.url.path)
+            metrics.http_errors.labels(code="internal").inc()
+            return _error_response(InternalError(f"internal error: {exc}"[:500]))
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, minus its default 422 responses: validation errors here are 400s."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     if token:
 
@@ -167,7 +193,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     @app.get("/v1/sandboxes", response_model=SandboxList)
     async def list_sandboxes(
         label: Annotated[list[str], Query()] = [],  # noqa: B006
-        state: str | None = None,
+        state: SandboxState | None = None,
     ) -> SandboxList:
         return SandboxList(sandboxes=manager.list(_parse_labels(label), state))
 
@@ -186,7 +212,11 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return await manager.stop(sandbox_id, reason=req.reason if req else "user")
 
     @app.get("/v1/sandboxes/{sandbox_id}/events", response_model=EventList)
-    async def events(sandbox_id: str, after: int = 0, limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> EventList:
+    async def events(
+        sandbox_id: str,
+        after: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    ) -> EventList:
         return EventList(events=await manager.events(sandbox_id, after, limit))
 
     # -- exec -----------------------------------------------------------------------------------
@@ -273,8 +303,8 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def read_file(
         sandbox_id: str,
         path: str,
-        offset: Annotated[int, Query(ge=0)] = 0,
-        length: Annotated[int | None, Query(ge=0)] = None,
+        offset: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
+        length: Annotated[int | None, Query(ge=0, le=MAX_INT64)] = None,
     ) -> Response:
         data = await manager.file_op(sandbox_id, lambda fs: fs.read(path, offset=offset, length=length))
         return Response(data, media_type="application/octet-stream")

@@ -21,7 +21,7 @@ class DaemonConfig(BaseModel):
     run_dir: Path = Field(Path("/run/sandfleet"), description="per-boot runtime files (mount points)")
     socket: Path = Field(DEFAULT_SOCKET, description="unix socket the API listens on (mode 0600)")
     tcp: str | None = Field(None, description="optional HOST:PORT to also listen on; requires `token`")
-    token: str | None = Field(None, description="bearer token required on TCP (and on the socket if set)")
+    token: str | None = Field(None, description="bearer token required on TCP (the socket is protected by mode 0600)")
     image_dir: Path | None = Field(None, description="layer store root; default <state_dir>/images")
     max_sandboxes: int = Field(1000, ge=1, description="admission limit: running sandboxes on this node")
     stopped_retention: float = Field(300.0, ge=0, description="seconds a stopped sandbox stays listable")

@@ -274,7 +274,18 @@ class SandboxManager:
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         if self._tg is None:
             raise UnavailableError("daemon is shutting down")
-        return self._tg.create_task(coro, name=name)  # type: ignore[arg-type]
+        return self._tg.create_task(self._guard(coro, name), name=name)
+
+    @staticmethod
+    async def _guard(coro: Awaitable[Any], name: str) -> Any:
+        """A failing background task is logged; it must never cancel the task group (the daemon)."""
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("background task %s failed", name)
+            return None
 
     async def recover(self) -> None:
         """Re-adopt live sandboxes of a previous daemon; clean every half-created or dead one."""
@@ -326,7 +337,11 @@ class SandboxManager:
 
     async def _flush_events(self) -> None:
         batch, self._events = self._events, []
-        await self.state.add_events(batch)
+        try:
+            await self.state.add_events(batch)
+        except BaseException:
+            self._events[:0] = batch  # keep them for the next flush
+            raise
 
     async def _event_flusher(self) -> None:
         while True:
@@ -466,7 +481,15 @@ class SandboxManager:
         await self.state.update(sb.id, state="stopping")
         if sb.live is not None:
             self._record_limits(sb, sb.live)
-            await self.backend.destroy(sb.live)
+            try:
+                await self.backend.destroy(sb.live)
+            except Exception as exc:
+                # The row stays `stopping`, so the next daemon start retries the cleanup.
+                log.exception("stopping sandbox %s failed", sb.id)
+                sb.state, sb.stopped_at, sb.stop_reason = "failed", time.time(), f"stop failed: {exc}"[:500]
+                self._event(sb.id, "stop_failed", {"error": str(exc)[:500]})
+                self.metrics.alive.set(self.running_count())
+                return
         for bp in sb.processes.values():
             bp.done.set()
         for session in sb.sessions.values():

@@ -80,7 +80,13 @@ class StateStore:
         def call() -> T:
             assert self._db is not None
             with self._db:
-                return fn(self._db)
+                result = fn(self._db)
+            if isinstance(result, sqlite3.Cursor):
+                # A cursor must die on this thread: freeing it on the loop thread while this one
+                # uses the connection is an SQLite API misuse.
+                result.close()
+                return None  # type: ignore[return-value]
+            return result
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 

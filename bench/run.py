@@ -1,0 +1,1221 @@
+"""sandfleet benchmark: sandfleet and its peers, side by side, in one run on one machine.
+
+    python bench/run.py [--quick] [--profile FILE]      (as root)
+
+Measures
+  1. create-to-first-exec through the SDK (`fleet.create(image="busybox")` then `sb.exec("true")`);
+  2. exec round trips into a running sandbox (`true`, `echo hi`, argv `["true"]`);
+  3. peers doing the same "fresh sandbox + run true" cycle (raw crun with a minimal config, crun with
+     sandfleet's own config.json, bwrap, runsc, podman, docker) and the same exec (`crun exec`,
+     `nsenter -a`), each timed as one subprocess from Python;
+  4. density: N idle sandboxes (daemon RSS, host memory per sandbox, PSS of the sandboxes' processes,
+     exec latency into random idle sandboxes, daemon CPU while idle);
+  5. a burst of concurrent creates through AsyncClient.
+
+Writes bench/results/latest.json and bench/results/latest.md and prints the tables. Everything it
+makes (daemon, sandboxes, peer containers, cgroups, temp dirs) is removed at the end, also on error.
+
+crun 1.8 refuses to run on a hybrid cgroup host whose cgroup2 mount offers controllers, so the peers
+run in a helper process (`--peer-worker`) inside a private mount namespace where
+/sys/fs/cgroup/unified is unmounted (the sandfleet daemon does the same for itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sandfleet.errors import SandboxError
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+IMAGES = Path(os.environ.get("SANDFLEET_TEST_IMAGES", "/var/lib/sandfleet/images"))
+UID_BASE = 100000
+ID_RANGE = 65536
+TARGETS = {"create_to_first_exec_p50_ms": 30.0, "exec_p50_ms": 5.0, "daemon_rss_idle_mib": 200.0}
+DEVNULL = subprocess.DEVNULL
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = q * (len(s) - 1)
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stats(seconds: Sequence[float]) -> dict[str, float]:
+    ms = [x * 1000 for x in seconds]
+    if not ms:
+        return {"n": 0}
+    return {
+        "n": len(ms),
+        "p50_ms": round(pct(ms, 0.5), 3),
+        "p99_ms": round(pct(ms, 0.99), 3),
+        "mean_ms": round(sum(ms) / len(ms), 3),
+        "min_ms": round(min(ms), 3),
+        "max_ms": round(max(ms), 3),
+    }
+
+
+def timed_runs(argv: Sequence[str] | Callable[[int], Sequence[str]], n: int, *, warmup: int = 2) -> list[float]:
+    """Run argv n times (after `warmup` untimed runs), each as one subprocess; fail on non-zero exit."""
+    out: list[float] = []
+    for i in range(-warmup, n):
+        cmd = argv(i) if callable(argv) else argv
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, stdin=DEVNULL, stdout=DEVNULL, stderr=subprocess.PIPE)
+        dt_ = time.perf_counter() - t0
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr.decode(errors='replace')[-800:]}")
+        if i >= 0:
+            out.append(dt_)
+    return out
+
+
+def read_status(pid: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            out[k] = v.strip()
+    return out
+
+
+def rss_kib(pid: int) -> int:
+    return int(read_status(pid).get("VmRSS", "0 kB").split()[0])
+
+
+def cpu_ticks(pid: int) -> int:
+    # Fields after the parenthesised comm: utime is 14th, stime 15th of the whole line.
+    text = Path(f"/proc/{pid}/stat").read_text()
+    rest = text[text.rindex(")") + 2 :].split()
+    return int(rest[11]) + int(rest[12])
+
+
+def mem_available_kib(samples: int = 5) -> int:
+    """Median of a few MemAvailable samples (the host is shared; single samples jump around)."""
+    xs = []
+    for i in range(samples):
+        if i:
+            time.sleep(0.2)
+        xs.append(meminfo_kib("MemAvailable"))
+    return int(pct(xs, 0.5))
+
+
+def meminfo_kib(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def cgroup_tree_pids(parent: str, controller: str = "pids") -> list[int]:
+    """Processes in the cgroup tree `parent` of one v1 controller that run as the sandbox root uid."""
+    top = Path("/sys/fs/cgroup") / controller / parent.lstrip("/")
+    pids: set[int] = set()
+    for procs in top.rglob("cgroup.procs"):
+        with contextlib.suppress(OSError):
+            pids.update(int(x) for x in procs.read_text().split())
+    return sorted(p for p in pids if read_status(p).get("Uid", "").split()[:1] == [str(UID_BASE)])
+
+
+def pss_kib(pids: Sequence[int]) -> int:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+                    break
+    return total
+
+
+def version_of(argv: list[str]) -> str | None:
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (r.stdout or r.stderr).strip().splitlines()
+    return text[0] if text else None
+
+
+def cgroup_dirs(parent: str) -> list[Path]:
+    """Every cgroup directory named `parent` (absolute, e.g. /sfbench-x) in any mounted hierarchy."""
+    out = []
+    base = Path("/sys/fs/cgroup")
+    with contextlib.suppress(OSError):
+        for ctrl in base.iterdir():
+            p = ctrl / parent.lstrip("/")
+            if p.is_dir():
+                out.append(p)
+    if (base / "cgroup.controllers").exists() and (base / parent.lstrip("/")).is_dir():
+        out.append(base / parent.lstrip("/"))
+    return out
+
+
+def remove_cgroup_tree(parent: str) -> list[str]:
+    """Kill whatever is left in the cgroup tree `parent` and remove it; return what could not go."""
+    left: list[str] = []
+    for top in cgroup_dirs(parent):
+        dirs = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+        for d in [*dirs, top]:
+            with contextlib.suppress(OSError):
+                for pid in (d / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            else:
+                left.append(str(d))
+    return left
+
+
+def in_cgroup_ns_wrapper(argv: list[str]) -> list[str]:
+    """argv run in a private mount namespace without the hybrid cgroup2 mount (crun 1.8 needs that)."""
+    return [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        'umount /sys/fs/cgroup/unified 2>/dev/null; exec "$@"',
+        "sh",
+        *argv,
+    ]
+
+
+# --------------------------------------------------------------------------- peer rootfs / configs
+
+
+def stage_rootfs(root: Path) -> None:
+    """The same busybox tree sandfleet's busybox image is built from, owned by the sandbox root uid."""
+    from sandfleet.images.builders import stage_busybox
+
+    stage_busybox(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), UID_BASE, UID_BASE)
+    os.lchown(root, UID_BASE, UID_BASE)
+
+
+def minimal_oci(rootfs: Path, args: list[str], cgroup_path: str) -> dict[str, Any]:
+    """A minimal OCI config: user namespace (root -> UID_BASE) plus sandfleet's other namespaces."""
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": args,
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/",
+        },
+        "root": {"path": str(rootfs), "readonly": True},
+        "hostname": "peer",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+        ],
+        "linux": {
+            "uidMappings": [{"containerID": 0, "hostID": UID_BASE, "size": ID_RANGE}],
+            "gidMappings": [{"containerID": 0, "hostID": UID_BASE, "size": ID_RANGE}],
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")],
+            "cgroupsPath": cgroup_path,
+        },
+    }
+
+
+def sandfleet_oci(rootfs: Path, args: list[str], cgroup_path: str) -> dict[str, Any]:
+    """sandfleet's own config.json (seccomp, caps, masked paths, cgroup limits) with a different command."""
+    from sandfleet.models import Resources
+    from sandfleet.runtime import oci
+
+    r = Resources()
+    cfg = oci.ContainerConfig(
+        rootfs=str(rootfs),
+        args=args,
+        hostname="peer",
+        limits=oci.ContainerLimits(cpu=r.cpu, memory=int(r.memory), pids=r.pids),
+        cgroup_path=cgroup_path,
+        uid_base=UID_BASE,
+    )
+    return oci.build(cfg)
+
+
+# --------------------------------------------------------------------------- peer worker (own mount ns)
+
+
+def peer_worker(params_file: Path) -> None:
+    """Runs inside `unshare -m` with /sys/fs/cgroup/unified unmounted; writes results JSON."""
+    p = json.loads(params_file.read_text())
+    tmp = Path(p["tmp"])
+    n, n_exec, cg = p["n"], p["n_exec"], p["cgroup_parent"]
+    rootfs = tmp / "peer-rootfs"
+    crun_root = tmp / "crun-root"
+    runsc_root = tmp / "runsc-root"
+    res: dict[str, Any] = {"cycle": {}, "exec": {}}
+    out_file = Path(p["out"])
+
+    def save() -> None:
+        out_file.write_text(json.dumps(res, indent=1))
+
+    def attempt(name: str, section: str, fn: Callable[[], dict[str, Any]]) -> None:
+        print(f"  peer: {name} ...", flush=True)
+        try:
+            res[section][name] = {"status": "ok", **fn()}
+        except Exception as exc:  # a peer failing is a result, not a crash
+            res[section][name] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:1500]}
+        save()
+
+    # host baseline: fork+exec of /bin/true with no isolation at all (the floor of every timing here)
+    attempt(
+        "host fork+exec (no isolation)",
+        "cycle",
+        lambda: {"argv": ["/bin/true"], "stats": stats(timed_runs(["/bin/true"], n))},
+    )
+
+    def crun_cycle(kind: str) -> dict[str, Any]:
+        bundle = tmp / f"bundle-{kind}"
+        bundle.mkdir(exist_ok=True)
+        make = minimal_oci if kind == "minimal" else sandfleet_oci
+
+        def argv(i: int) -> list[str]:
+            cid = f"sfb-{kind}-{i + 10}"
+            cfg = make(rootfs, ["/bin/true"], f"{cg}/{cid}")
+            (bundle / "config.json").write_text(json.dumps(cfg))
+            return ["crun", "--root", str(crun_root), "run", "--bundle", str(bundle), cid]
+
+        return {"argv": argv(0), "stats": stats(timed_runs(argv, n))}
+
+    attempt("crun run (minimal config)", "cycle", lambda: crun_cycle("minimal"))
+    attempt("crun run (sandfleet's config.json)", "cycle", lambda: crun_cycle("sandfleet"))
+
+    def bwrap() -> dict[str, Any]:
+        if shutil.which("bwrap") is None:
+            raise FileNotFoundError("bwrap not installed (apt-get install -y bubblewrap)")
+        argv = [
+            "bwrap",
+            "--unshare-all",
+            "--ro-bind",
+            str(rootfs),
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "/bin/true",
+        ]
+        return {"argv": argv, "stats": stats(timed_runs(argv, n))}
+
+    attempt("bwrap --unshare-all", "cycle", bwrap)
+
+    if shutil.which("runsc"):
+
+        def runsc() -> dict[str, Any]:
+            bundle = tmp / "bundle-runsc"
+            bundle.mkdir(exist_ok=True)
+
+            def argv(i: int) -> list[str]:
+                cid = f"sfb-runsc-{i + 10}"
+                (bundle / "config.json").write_text(json.dumps(minimal_oci(rootfs, ["/bin/true"], f"{cg}/{cid}")))
+                return ["runsc", "--root", str(runsc_root), "--network=none", "run", "--bundle", str(bundle), cid]
+
+            return {"argv": argv(0), "version": version_of(["runsc", "--version"]), "stats": stats(timed_runs(argv, n))}
+
+        attempt("runsc run (gVisor)", "cycle", runsc)
+    else:
+        res["cycle"]["runsc run (gVisor)"] = {
+            "status": "skipped",
+            "reason": "runsc not installed (apt-get install -y runsc)",
+        }
+
+    if shutil.which("podman"):
+
+        def podman() -> dict[str, Any]:
+            pod = tmp / "podman"
+            base = [
+                "podman",
+                "--root",
+                str(pod / "root"),
+                "--runroot",
+                str(pod / "run"),
+                "--tmpdir",
+                str(pod / "tmp"),
+                "--cgroup-manager",
+                "cgroupfs",
+                "--events-backend",
+                "file",
+                "--storage-driver",
+                "overlay",
+            ]
+            tarball = tmp / "busybox.tar"
+            with tarfile.open(tarball, "w") as tf:
+                tf.add(rootfs, arcname=".")
+            t0 = time.perf_counter()
+            r = subprocess.run([*base, "import", str(tarball), "localhost/sfbench-busybox"], capture_output=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"podman import failed: {r.stderr.decode(errors='replace')[-800:]}")
+            import_s = time.perf_counter() - t0
+            # This host's root lacks CAP_SYS_RESOURCE, so podman's default rlimits (nofile 1048576) fail.
+            argv = [
+                *base,
+                "run",
+                "--rm",
+                "--network",
+                "none",
+                "--cgroup-parent",
+                f"{cg}/podman",
+                "--ulimit",
+                "nofile=1024:1024",
+                "--ulimit",
+                "nproc=4096:4096",
+                "localhost/sfbench-busybox",
+                "true",
+            ]
+            return {
+                "argv": argv,
+                "version": version_of(["podman", "--version"]),
+                "image_import_s": round(import_s, 3),
+                "note": "no user namespace (podman's default as root); --network none",
+                "stats": stats(timed_runs(argv, n)),
+            }
+
+        attempt("podman run --rm", "cycle", podman)
+    else:
+        res["cycle"]["podman run --rm"] = {
+            "status": "skipped",
+            "reason": "podman not installed "
+            "(apt-get install -y podman); it would also need a local busybox image "
+            "(no registry is reachable): the benchmark imports one from a tarball",
+        }
+
+    res["cycle"]["docker run --rm"] = {"status": "skipped", "reason": p["docker_reason"]}
+    save()
+
+    # exec into a running container
+    long_bundle = tmp / "bundle-long"
+    long_bundle.mkdir(exist_ok=True)
+    (long_bundle / "config.json").write_text(json.dumps(minimal_oci(rootfs, ["/bin/sleep", "3600"], f"{cg}/long")))
+    long_id = "sfb-long"
+    try:
+        errlog = tmp / "crun-long.err"  # a file, not a pipe: the detached container keeps its stderr open
+        with open(errlog, "wb") as err:
+            r = subprocess.run(
+                ["crun", "--root", str(crun_root), "run", "--detach", "--bundle", str(long_bundle), long_id],
+                stdin=DEVNULL,
+                stdout=DEVNULL,
+                stderr=err,
+            )
+        if r.returncode != 0:
+            res["exec"]["crun exec"] = {"status": "failed", "reason": errlog.read_text(errors="replace")[-800:]}
+        else:
+            state = json.loads(
+                subprocess.run(
+                    ["crun", "--root", str(crun_root), "state", long_id], capture_output=True, check=True
+                ).stdout
+            )
+            pid = int(state["pid"])
+            crun_exec = ["crun", "--root", str(crun_root), "exec", long_id, "/bin/true"]
+            attempt("crun exec", "exec", lambda: {"argv": crun_exec, "stats": stats(timed_runs(crun_exec, n_exec))})
+            nsenter = ["nsenter", "-t", str(pid), "-a", "/bin/true"]
+            attempt("nsenter -a", "exec", lambda: {"argv": nsenter, "stats": stats(timed_runs(nsenter, n_exec))})
+    finally:
+        subprocess.run(["crun", "--root", str(crun_root), "delete", "--force", long_id], stdout=DEVNULL, stderr=DEVNULL)
+    save()
+
+
+def peer_leftover_cleanup(tmp: Path) -> None:
+    """Delete any peer container a crashed worker left behind (inside a crun-friendly namespace)."""
+    script = []
+    if (tmp / "crun-root").is_dir():
+        for cid in os.listdir(tmp / "crun-root"):
+            script.append(f"crun --root {tmp / 'crun-root'} delete --force {cid}")
+    if (tmp / "runsc-root").is_dir() and shutil.which("runsc"):
+        script.append(
+            f"for c in $(runsc --root {tmp / 'runsc-root'} list -quiet 2>/dev/null); do "
+            f"runsc --root {tmp / 'runsc-root'} delete -force $c; done"
+        )
+    pod = tmp / "podman"
+    if pod.is_dir() and shutil.which("podman"):
+        script.append(
+            f"podman --root {pod / 'root'} --runroot {pod / 'run'} --tmpdir {pod / 'tmp'} "
+            "--cgroup-manager cgroupfs --events-backend file --storage-driver overlay rm -af -t 0"
+        )
+    if script:
+        subprocess.run(
+            in_cgroup_ns_wrapper(["sh", "-c", "; ".join(script)]), stdout=DEVNULL, stderr=DEVNULL, timeout=120
+        )
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+class Daemon:
+    def __init__(self, root: Path, cgroup_parent: str) -> None:
+        self.root = root
+        self.socket = root / "sandfleet.sock"
+        self.config = root / "config.toml"
+        self.cgroup_parent = cgroup_parent
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.crashes: list[dict[str, Any]] = []
+        root.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(
+            f'socket = "{self.socket}"\nstate_dir = "{root / "state"}"\nrun_dir = "{root / "run"}"\n'
+            f'image_dir = "{IMAGES}"\nstopped_retention = 0\n'
+            f'[container]\ncgroup_parent = "{cgroup_parent}"\n'
+        )
+
+    def start(self, timeout: float = 120.0) -> None:
+        ready = self.root / "ready"
+        ready.unlink(missing_ok=True)
+        with open(self.root / "daemon.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sandfleet", "serve", "--config", str(self.config), "--ready-file", str(ready)],
+                stdout=log,
+                stderr=log,
+                stdin=DEVNULL,
+            )
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited: {self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("daemon did not become ready")
+            time.sleep(0.02)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.root / "daemon.log").read_text(errors="replace")
+        return ""
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def daemon_metrics(sock: Path) -> dict[str, float]:
+    import httpx
+
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://sandfleet") as c:
+        text = c.get("/metrics").text
+    out = {}
+    for name in (
+        "sandfleet_create_seconds_sum",
+        "sandfleet_create_seconds_count",
+        "sandfleet_exec_seconds_sum",
+        "sandfleet_exec_seconds_count",
+    ):
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        if m:
+            out[name] = float(m.group(1))
+    return out
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float], kind: str) -> float | None:
+    n = after.get(f"sandfleet_{kind}_seconds_count", 0) - before.get(f"sandfleet_{kind}_seconds_count", 0)
+    s = after.get(f"sandfleet_{kind}_seconds_sum", 0) - before.get(f"sandfleet_{kind}_seconds_sum", 0)
+    return round(s / n * 1000, 3) if n else None
+
+
+# --------------------------------------------------------------------------- sandfleet phases
+
+
+def bench_create(fleet: Any, n: int, labels: dict[str, str], sock: Path) -> dict[str, Any]:
+    create, first, total, stop = [], [], [], []
+    for _ in range(3):  # warm-up: image resolved, layers mounted, connection open
+        with fleet.create(image="busybox", labels=labels) as sb:
+            sb.exec("true")
+    m0 = daemon_metrics(sock)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = fleet.create(image="busybox", labels=labels)
+        t1 = time.perf_counter()
+        r = sb.exec("true")
+        t2 = time.perf_counter()
+        if r.exit_code != 0:
+            raise RuntimeError(f"exec true failed: {r}")
+        sb.stop()
+        t3 = time.perf_counter()
+        create.append(t1 - t0)
+        first.append(t2 - t1)
+        total.append(t2 - t0)
+        stop.append(t3 - t2)
+    m1 = daemon_metrics(sock)
+    return {
+        "create_plus_first_exec": stats(total),
+        "create": stats(create),
+        "first_exec": stats(first),
+        "stop_not_in_cycle": stats(stop),
+        "daemon_side_create_mean_ms": metrics_delta(m0, m1, "create"),
+        "daemon_side_exec_mean_ms": metrics_delta(m0, m1, "exec"),
+    }
+
+
+def bench_exec(fleet: Any, n: int, labels: dict[str, str], sock: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with fleet.create(image="busybox", labels=labels) as sb:
+        for name, cmd, want in (
+            ('exec("true")', "true", ""),
+            ('exec("echo hi")', "echo hi", "hi\n"),
+            ('exec(["true"]) (argv, no shell)', ["true"], ""),
+        ):
+            for _ in range(20):
+                sb.exec(cmd)
+            m0 = daemon_metrics(sock)
+            xs = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                r = sb.exec(cmd)
+                xs.append(time.perf_counter() - t0)
+                if r.exit_code != 0 or r.stdout != want:
+                    raise RuntimeError(f"exec {cmd!r} gave {r}")
+            m1 = daemon_metrics(sock)
+            out[name] = {"stats": stats(xs), "daemon_side_mean_ms": metrics_delta(m0, m1, "exec")}
+    return out
+
+
+def settle(seconds: float) -> None:
+    time.sleep(seconds)  # a measurement window, not synchronisation
+
+
+def bench_density(fleet: Any, daemon: Daemon, n: int, n_exec: int, labels: dict[str, str]) -> dict[str, Any]:
+    pid = daemon.pid
+    before_pids = set(cgroup_tree_pids(daemon.cgroup_parent))
+    settle(2)
+    rss0 = rss_kib(pid)
+    avail0 = mem_available_kib()
+    fds0 = len(os.listdir(f"/proc/{pid}/fd"))
+    threads0 = int(read_status(pid).get("Threads", "0"))
+    sbs = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        sbs.append(fleet.create(image="busybox", labels=labels))
+    create_all_s = time.perf_counter() - t0
+    settle(3)
+    rss1 = rss_kib(pid)
+    avail1 = mem_available_kib()
+    fds1 = len(os.listdir(f"/proc/{pid}/fd"))
+    threads1 = int(read_status(pid).get("Threads", "0"))
+    # the sandboxes' processes: our daemon's cgroup tree only (other daemons may run on this host)
+    pids = [p for p in cgroup_tree_pids(daemon.cgroup_parent) if p not in before_pids]
+    pss = pss_kib(pids)
+    cg_mem = None
+    for d in cgroup_dirs(daemon.cgroup_parent):
+        if d.parent.name == "memory" and (d / "memory.usage_in_bytes").exists():
+            cg_mem = int((d / "memory.usage_in_bytes").read_text()) // 1024
+
+    # daemon CPU while the sandboxes idle
+    hz = os.sysconf("SC_CLK_TCK")
+    c0 = cpu_ticks(pid)
+    a0 = sum(cpu_ticks(p) for p in pids if os.path.exists(f"/proc/{p}"))
+    w0 = time.monotonic()
+    settle(10)
+    c1 = cpu_ticks(pid)
+    a1 = sum(cpu_ticks(p) for p in pids if os.path.exists(f"/proc/{p}"))
+    wall = time.monotonic() - w0
+
+    rng = random.Random(1234)
+    xs = []
+    for _ in range(n_exec):
+        sb = rng.choice(sbs)
+        t = time.perf_counter()
+        r = sb.exec("true")
+        xs.append(time.perf_counter() - t)
+        if r.exit_code != 0:
+            raise RuntimeError(f"exec into idle sandbox failed: {r}")
+    running = len(fleet.list(labels=labels, state="running"))
+    t = time.perf_counter()
+    stop_error = None
+    try:
+        stopped = fleet.stop_many(labels)
+    except SandboxError as exc:
+        stopped, stop_error = [], f"{type(exc).__name__}: {exc}"
+        restart_if_dead(daemon, fleet, labels, "density stop_many")
+    stop_all_s = time.perf_counter() - t
+    return {
+        "sandboxes": n,
+        "running_at_measurement": running,
+        "create_all_sequential_s": round(create_all_s, 3),
+        "daemon_rss_before_mib": round(rss0 / 1024, 1),
+        "daemon_rss_after_mib": round(rss1 / 1024, 1),
+        "daemon_rss_per_sandbox_kib": round((rss1 - rss0) / n, 1),
+        "host_mem_used_per_sandbox_kib": round((avail0 - avail1) / n, 1),
+        "host_mem_used_total_mib": round((avail0 - avail1) / 1024, 1),
+        "sandbox_processes": len(pids),
+        "sandbox_pss_total_mib": round(pss / 1024, 2),
+        "sandbox_pss_per_sandbox_kib": round(pss / n, 1),
+        "cgroup_memory_usage_total_mib": round(cg_mem / 1024, 1) if cg_mem is not None else None,
+        "daemon_fds_before": fds0,
+        "daemon_fds_after": fds1,
+        "daemon_threads_before": threads0,
+        "daemon_threads_after": threads1,
+        "daemon_idle_cpu_percent_of_one_core": round((c1 - c0) / hz / wall * 100, 2),
+        "sandboxes_idle_cpu_percent_of_one_core": round((a1 - a0) / hz / wall * 100, 2),
+        "idle_window_s": round(wall, 2),
+        "exec_into_random_idle": stats(xs),
+        "stop_all_s": round(stop_all_s, 3),
+        "stopped": len(stopped),
+        "stop_error": stop_error,
+    }
+
+
+def restart_if_dead(daemon: Daemon, fleet: Any, labels: dict[str, str], where: str) -> None:
+    """After a failed call: if the daemon died, record it, start it again (it adopts the sandboxes), stop ours."""
+    if daemon.proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            daemon.proc.wait(5)
+    if daemon.alive():
+        return
+    # rich draws tracebacks in boxes: keep the plain lines (the exception and uvicorn's traceback)
+    plain = [ln for ln in daemon.log().splitlines() if ln.strip() and ln.lstrip()[:1] not in ("│", "╭", "╰")]
+    errors = sorted({ln for ln in plain if re.match(r"^[\w.]+(Error|Exception)\b", ln)})
+    daemon.crashes.append(
+        {
+            "where": where,
+            "exit_code": daemon.proc.returncode if daemon.proc else None,
+            "errors": errors,
+            "log_tail": "\n".join(plain[-60:]),
+        }
+    )
+
+    print(f"!! the daemon died during {where} (exit {daemon.proc.returncode if daemon.proc else None}); "
+          "restarting it to adopt and stop its sandboxes", flush=True)  # fmt: skip
+    (daemon.root / "daemon.log").rename(daemon.root / f"daemon.crash{len(daemon.crashes)}.log")
+    daemon.start()
+    fleet.stop_many(labels)
+
+
+async def bench_burst(sock: Path, n: int, concurrency: int, labels: dict[str, str]) -> dict[str, Any]:
+    from sandfleet import AsyncClient
+
+    sem = asyncio.Semaphore(concurrency)
+    lat: list[float] = []
+
+    async with AsyncClient(sock, timeout=600) as fleet:
+
+        async def one() -> None:
+            async with sem:
+                t = time.perf_counter()
+                sb = await fleet.create(image="busybox", labels=labels)
+                r = await sb.exec("true")
+                lat.append(time.perf_counter() - t)
+                if r.exit_code != 0:
+                    raise RuntimeError(f"exec after burst create failed: {r}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        elapsed = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        stop_error = None
+        try:
+            stopped = await fleet.stop_many(labels)
+        except SandboxError as exc:
+            stopped, stop_error = [], f"{type(exc).__name__}: {exc}"
+        stop_s = time.perf_counter() - t1
+    return {
+        "sandboxes": n,
+        "in_flight": concurrency,
+        "elapsed_s": round(elapsed, 3),
+        "creations_per_s": round(n / elapsed, 2),
+        "create_plus_exec_latency": stats(lat),
+        "stop_many_s": round(stop_s, 3),
+        "stopped": len(stopped),
+        "stop_error": stop_error,
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b:
+        return None
+    return round(a / b, 2)
+
+
+def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    def f(x: Any, nd: int = 2) -> str:
+        if x is None:
+            return "-"
+        if isinstance(x, float):
+            return f"{x:.{nd}f}"
+        return str(x)
+
+    sf = res["sandfleet"]
+    tables = []
+    base = sf["create_to_first_exec"]["create_plus_first_exec"]
+    rows = [
+        [
+            'sandfleet SDK: create + exec("true")',
+            f(base["p50_ms"]),
+            f(base["p99_ms"]),
+            f(base["mean_ms"]),
+            "1.00",
+            "1.00",
+            f"create p50 {f(sf['create_to_first_exec']['create']['p50_ms'])} ms + first exec p50 "
+            f"{f(sf['create_to_first_exec']['first_exec']['p50_ms'])} ms",
+        ]
+    ]
+    for name, pr in res["peers"]["cycle"].items():
+        if pr["status"] == "ok":
+            s = pr["stats"]
+            r = res["ratios"]["create_cycle"][name]
+            rows.append(
+                [name, f(s["p50_ms"]), f(s["p99_ms"]), f(s["mean_ms"]), f(r["p50"]), f(r["mean"]), pr.get("note", "")]
+            )
+        else:
+            rows.append([name, "-", "-", "-", "-", "-", f"{pr['status']}: {pr['reason']}"[:160]])
+    n = base["n"]
+    tables.append(
+        (
+            f"Fresh sandbox + run `true` (ms, N={n}; ratio = peer / sandfleet)",
+            ["what", "p50", "p99", "mean", "ratio p50", "ratio mean", "notes"],
+            rows,
+        )
+    )
+
+    rows = []
+    ex = sf["exec"]
+    ref = ex['exec("true")']["stats"]
+    for name, e in ex.items():
+        s = e["stats"]
+        rows.append(
+            [
+                f"sandfleet SDK {name}",
+                f(s["p50_ms"]),
+                f(s["p99_ms"]),
+                f(s["mean_ms"]),
+                f(ratio(s["p50_ms"], ref["p50_ms"])),
+                f(ratio(s["mean_ms"], ref["mean_ms"])),
+                f"daemon-side mean {f(e['daemon_side_mean_ms'])} ms",
+            ]
+        )
+    for name, pr in res["peers"]["exec"].items():
+        if pr["status"] == "ok":
+            s = pr["stats"]
+            r = res["ratios"]["exec"][name]
+            rows.append([name, f(s["p50_ms"]), f(s["p99_ms"]), f(s["mean_ms"]), f(r["p50"]), f(r["mean"]), ""])
+        else:
+            rows.append([name, "-", "-", "-", "-", "-", f"{pr['status']}: {pr['reason']}"[:160]])
+    tables.append(
+        (
+            f'Exec into a running sandbox (ms, N={ref["n"]}; ratio = x / sandfleet exec("true"))',
+            ["what", "p50", "p99", "mean", "ratio p50", "ratio mean", "notes"],
+            rows,
+        )
+    )
+
+    d = sf["density"]
+    b = sf["burst"]
+    e = d["exec_into_random_idle"]
+    rows = [
+        ["idle sandboxes", f(d["sandboxes"])],
+        [
+            "daemon RSS before -> after (MiB)",
+            f"{f(d['daemon_rss_before_mib'], 1)} -> {f(d['daemon_rss_after_mib'], 1)}",
+        ],
+        ["daemon RSS per sandbox (KiB)", f(d["daemon_rss_per_sandbox_kib"], 1)],
+        ["host memory used per sandbox (MemAvailable delta / N, KiB)", f(d["host_mem_used_per_sandbox_kib"], 1)],
+        [
+            "PSS of all sandbox processes (MiB total / KiB each)",
+            f"{f(d['sandbox_pss_total_mib'])} / {f(d['sandbox_pss_per_sandbox_kib'], 1)}",
+        ],
+        ["sandbox cgroups' memory.usage_in_bytes total (MiB)", f(d["cgroup_memory_usage_total_mib"], 1)],
+        [
+            "daemon fds / threads before -> after",
+            f"{d['daemon_fds_before']} / {d['daemon_threads_before']} -> {d['daemon_fds_after']} / "
+            f"{d['daemon_threads_after']}",
+        ],
+        [
+            f"daemon CPU while idle ({f(d['idle_window_s'], 1)} s, % of one core)",
+            f(d["daemon_idle_cpu_percent_of_one_core"]),
+        ],
+        [
+            'exec("true") into random idle sandboxes p50 / p99 / mean (ms)',
+            f"{f(e['p50_ms'])} / {f(e['p99_ms'])} / {f(e['mean_ms'])} (N={e['n']})",
+        ],
+        ["sequential SDK create of all (s)", f(d["create_all_sequential_s"])],
+        ["stop_many of all (s)", f(d["stop_all_s"])],
+        [f"burst: {b['sandboxes']} creates via AsyncClient, {b['in_flight']} in flight (s)", f(b["elapsed_s"])],
+        ["burst: creations/s (all exec-ready)", f(b["creations_per_s"])],
+        [
+            "burst: per-sandbox create+exec p50 / p99 (ms)",
+            f"{f(b['create_plus_exec_latency']['p50_ms'])} / {f(b['create_plus_exec_latency']['p99_ms'])}",
+        ],
+        ["burst: stop_many (s)", f(b["stop_many_s"])],
+        [
+            "daemon crashes during the run",
+            "; ".join(
+                f"{c['where']} (exit {c['exit_code']}: {', '.join(c['errors'])[:120]})"
+                for c in sf.get("daemon_crashes", [])
+            )
+            or "none",
+        ],
+    ]
+    tables.append(("Density and burst", ["measure", "value"], rows))
+
+    rows = [[t["target"], f(t["measured"]), "yes" if t["met"] else "NO"] for t in res["targets"]]
+    tables.append(("Targets", ["target", "measured", "met"], rows))
+    return tables
+
+
+def write_markdown(res: dict[str, Any], tables: list[tuple[str, list[str], list[list[str]]]], path: Path) -> None:
+    m = res["meta"]
+    lines = [
+        "# sandfleet benchmark: latest run",
+        "",
+        f"{m['date']} — {m['nproc']} CPUs ({m['cpu']}), {m['mem_total_gib']} GiB, kernel {m['kernel']}, "
+        f"cgroup {m['cgroup']}, Python {m['python']}, sandfleet {m['sandfleet_commit']}"
+        f"{' (--quick)' if res['config']['quick'] else ''}. Load average at start / end: {m['loadavg_start']} / "
+        f"{m['loadavg_end']}. Runtimes: " + ", ".join(v for v in m["versions"].values() if v) + ".",
+        "",
+        "Produced by `python bench/run.py`; every figure is also in `latest.json`. Each peer cycle is one "
+        "subprocess started and waited for from Python; sandfleet figures are wall time through the sync SDK "
+        "over the daemon's unix socket.",
+        "",
+    ]
+    for title, header, rows in tables:
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in rows:
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def print_tables(tables: list[tuple[str, list[str], list[list[str]]]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(160, shutil.get_terminal_size().columns))
+    for title, header, rows in tables:
+        t = Table(title=title, title_justify="left")
+        for i, h in enumerate(header):
+            t.add_column(h, justify="left" if i == 0 or h in ("notes", "target") else "right", overflow="fold")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    commit = "?"
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    from sandfleet.runtime import cgroups
+
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "mem_total_gib": round(meminfo_kib("MemTotal") / 1024**2, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "cgroup": cgroups.detect(),
+        "sandfleet_commit": commit,
+        "loadavg_start": Path("/proc/loadavg").read_text().split()[0],
+        "versions": {
+            "crun": version_of(["crun", "--version"]),
+            "bwrap": version_of(["bwrap", "--version"]),
+            "runsc": version_of(["runsc", "--version"]),
+            "podman": version_of(["podman", "--version"]),
+            "docker": version_of(["docker", "--version"]),
+            "util-linux (nsenter)": version_of(["nsenter", "--version"]),
+        },
+    }
+
+
+def docker_skip_reason() -> str:
+    if shutil.which("docker") is None:
+        return "no docker CLI and no docker engine"
+    try:
+        r = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=15
+        )
+    except subprocess.TimeoutExpired:
+        return "no docker engine (docker info timed out)"
+    if r.returncode != 0:
+        err = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return f"no docker engine (dockerd is not running on this kind of machine; docker info: {err})"
+    return f"docker engine {r.stdout.strip()} is present but this benchmark does not drive it yet"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller N everywhere (a smoke run)")
+    ap.add_argument("--profile", type=Path, help="py-spy record the daemon during the create loop into this file")
+    ap.add_argument("--no-peers", action="store_true", help="skip the peer runtimes")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where latest.json / latest.md go")
+    ap.add_argument("--peer-worker", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer_worker:
+        peer_worker(args.peer_worker)
+        return 0
+    if os.geteuid() != 0:
+        print("bench/run.py must run as root (the daemon and the peers create namespaces and cgroups)")
+        return 2
+
+    q = args.quick
+    n_create, n_exec, n_idle, n_idle_exec, n_burst, n_peer = (
+        (30, 100, 50, 100, 30, 30) if q else (100, 500, 200, 500, 100, 100)
+    )
+    burst_in_flight = 16
+
+    def on_term(signo: int, frame: object) -> None:
+        raise SystemExit(f"interrupted by signal {signo}")
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    tag = f"{os.getpid()}-{int(time.time())}"
+    tmp = Path(tempfile.mkdtemp(prefix="sandfleet-bench-"))
+    os.chmod(tmp, 0o755)
+    daemon_cg = f"/sfbench-daemon-{tag}"
+    peer_cg = f"/sfbench-peers-{tag}"
+    labels = {"sfbench": tag}
+    # podman (cgroupfs manager) puts conmon under /libpod_parent: remove it afterwards if we made it
+    cgroups_to_remove = [daemon_cg, peer_cg] + ([] if cgroup_dirs("/libpod_parent") else ["/libpod_parent"])
+    res: dict[str, Any] = {
+        "meta": machine_info(),
+        "config": {
+            "quick": q,
+            "create_cycles": n_create,
+            "exec_round_trips": n_exec,
+            "idle_sandboxes": n_idle,
+            "idle_execs": n_idle_exec,
+            "burst": n_burst,
+            "burst_in_flight": burst_in_flight,
+            "peer_cycles": n_peer,
+            "image": "busybox",
+        },
+        "sandfleet": {},
+        "peers": {"cycle": {}, "exec": {}},
+    }
+    profiler: subprocess.Popen[bytes] | None = None
+    worker: subprocess.Popen[bytes] | None = None
+    daemon: Daemon | None = None
+    try:
+        from sandfleet import Client
+
+        daemon = Daemon(tmp / "daemon", daemon_cg)
+        print(f"starting sandfleet daemon in {daemon.root}", flush=True)
+        daemon.start()
+        with Client(daemon.socket, timeout=600) as fleet:
+            fleet.create(image="busybox", labels=labels).stop()  # builds the image once if missing
+            if args.profile:
+                if shutil.which("py-spy") is None:
+                    raise SystemExit("--profile needs py-spy (pip install py-spy)")
+                profiler = subprocess.Popen(
+                    [
+                        "py-spy",
+                        "record",
+                        "-p",
+                        str(daemon.pid),
+                        "-r",
+                        "250",
+                        "-f",
+                        "raw",
+                        "-o",
+                        str(args.profile),
+                        "--nonblocking",
+                    ],
+                    stdout=DEVNULL,
+                    stderr=DEVNULL,
+                )
+            print(f"1. create-to-first-exec x{n_create}", flush=True)
+            res["sandfleet"]["create_to_first_exec"] = bench_create(fleet, n_create, labels, daemon.socket)
+            if profiler is not None:
+                profiler.send_signal(signal.SIGINT)
+                profiler.wait(60)
+                profiler = None
+            print(f"2. exec round trips x{n_exec}", flush=True)
+            res["sandfleet"]["exec"] = bench_exec(fleet, n_exec, labels, daemon.socket)
+            print(f"4. density: {n_idle} idle sandboxes", flush=True)
+            res["sandfleet"]["density"] = bench_density(fleet, daemon, n_idle, n_idle_exec, labels)
+        print(f"5. burst: {n_burst} creates, {burst_in_flight} in flight", flush=True)
+        res["sandfleet"]["burst"] = asyncio.run(bench_burst(daemon.socket, n_burst, burst_in_flight, labels))
+        if res["sandfleet"]["burst"]["stop_error"]:
+            with Client(daemon.socket, timeout=600) as fleet:
+                restart_if_dead(daemon, fleet, labels, "burst stop_many")
+        res["sandfleet"]["daemon_crashes"] = daemon.crashes
+        res["sandfleet"]["daemon_rss_end_mib"] = round(rss_kib(daemon.pid) / 1024, 1)
+
+        # Peers after sandfleet, with sandfleet's sandboxes gone: same machine, quiet again.
+        if not args.no_peers:
+            print("3. peers (in a private mount namespace without the cgroup2 mount)", flush=True)
+            stage_rootfs(tmp / "peer-rootfs")
+            params = tmp / "peer-params.json"
+            out = tmp / "peer-results.json"
+            params.write_text(
+                json.dumps(
+                    {
+                        "tmp": str(tmp),
+                        "n": n_peer,
+                        "n_exec": n_exec,
+                        "cgroup_parent": peer_cg,
+                        "out": str(out),
+                        "docker_reason": docker_skip_reason(),
+                    }
+                )
+            )
+            worker = subprocess.Popen(
+                in_cgroup_ns_wrapper([sys.executable, str(Path(__file__).resolve()), "--peer-worker", str(params)])
+            )
+            rc = worker.wait()
+            worker = None
+            if rc != 0 or not out.exists():
+                raise RuntimeError(f"peer worker exited {rc}")
+            res["peers"] = json.loads(out.read_text())
+
+        base = res["sandfleet"]["create_to_first_exec"]["create_plus_first_exec"]
+        ex = res["sandfleet"]["exec"]['exec("true")']["stats"]
+        res["ratios"] = {
+            "meaning": "peer / sandfleet: above 1 means sandfleet is faster",
+            "create_cycle": {
+                k: {
+                    "p50": ratio(v["stats"]["p50_ms"], base["p50_ms"]),
+                    "mean": ratio(v["stats"]["mean_ms"], base["mean_ms"]),
+                }
+                for k, v in res["peers"]["cycle"].items()
+                if v["status"] == "ok"
+            },
+            "exec": {
+                k: {
+                    "p50": ratio(v["stats"]["p50_ms"], ex["p50_ms"]),
+                    "mean": ratio(v["stats"]["mean_ms"], ex["mean_ms"]),
+                }
+                for k, v in res["peers"]["exec"].items()
+                if v["status"] == "ok"
+            },
+        }
+        d = res["sandfleet"]["density"]
+        res["targets"] = [
+            {
+                "target": f"create-to-first-exec p50 <= {TARGETS['create_to_first_exec_p50_ms']:.0f} ms",
+                "measured": base["p50_ms"],
+                "met": base["p50_ms"] <= TARGETS["create_to_first_exec_p50_ms"],
+            },
+            {
+                "target": f'exec("true") p50 <= {TARGETS["exec_p50_ms"]:.0f} ms',
+                "measured": ex["p50_ms"],
+                "met": ex["p50_ms"] <= TARGETS["exec_p50_ms"],
+            },
+            {
+                "target": f"daemon RSS with {d['sandboxes']} idle sandboxes < {TARGETS['daemon_rss_idle_mib']:.0f} MiB",
+                "measured": d["daemon_rss_after_mib"],
+                "met": d["daemon_rss_after_mib"] < TARGETS["daemon_rss_idle_mib"],
+            },
+        ]
+        res["meta"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[0]
+
+        tables = build_tables(res)
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "latest.json").write_text(json.dumps(res, indent=2) + "\n")
+        write_markdown(res, tables, args.results / "latest.md")
+        print_tables(tables)
+        print(f"wrote {args.results / 'latest.json'} and {args.results / 'latest.md'}")
+        return 0
+    except BaseException:
+        if daemon is not None and daemon.proc is not None:
+            print("daemon log tail:\n" + daemon.log()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        cleanup(daemon, tmp, labels, cgroups_to_remove, profiler, worker)
+
+
+def cleanup(
+    daemon: Daemon | None,
+    tmp: Path,
+    labels: dict[str, str],
+    cgroup_parents: list[str],
+    profiler: subprocess.Popen[bytes] | None,
+    worker: subprocess.Popen[bytes] | None,
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # finish cleaning up even on a second ^C
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for p in (profiler, worker):
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(30)
+    if daemon is not None and daemon.alive():
+        from sandfleet import Client
+
+        try:  # the daemon keeps sandboxes across its own restarts: stop them through the API first
+            with Client(daemon.socket, timeout=300) as c:
+                c.stop_many(labels)
+                for s in c.list(state="running"):
+                    c.get(s.id).stop()
+        except (SandboxError, OSError) as exc:
+            print(f"cleanup: stopping sandboxes failed: {exc}", file=sys.stderr)
+    if daemon is not None:
+        daemon.stop()
+    with contextlib.suppress(Exception):
+        peer_leftover_cleanup(tmp)
+    left = []
+    for cg in cgroup_parents:
+        left += remove_cgroup_tree(cg)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():
+        left.append(str(tmp))
+    if left:
+        print(f"cleanup: could not remove {left}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
