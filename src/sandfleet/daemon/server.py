@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 from collections.abc import Iterator
@@ -44,6 +45,9 @@ def prepare_process(config: DaemonConfig) -> None:
     hybrid = cgroups.detect() == "hybrid" and config.container.runtime == "crun"
     mounts.enter_private_namespace(hide_hybrid_cgroup2=hybrid)
     proc.become_subreaper()
+    # One channel fd per sandbox (plus transient ones): lift the soft limit to the hard one.
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _unix_listener(path: Path) -> socket.socket:
