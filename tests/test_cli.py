@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import Daemon
 
 
@@ -63,7 +65,8 @@ def test_images_and_doctor(daemon: Daemon) -> None:
     assert r.returncode == 0
 
 
-def test_demo_rollout(daemon: Daemon) -> None:
-    r = sf(daemon, "demo", "--sandboxes", "3", "--image", "busybox", "--socket", str(daemon.socket), timeout=300)
+@pytest.mark.parametrize("image", ["busybox", pytest.param("python:3.11", marks=pytest.mark.slow)])
+def test_demo_rollout(daemon: Daemon, image: str) -> None:
+    r = sf(daemon, "demo", "--sandboxes", "3", "--image", image, "--socket", str(daemon.socket), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3/3 rollouts solved" in r.stdout
