@@ -179,7 +179,7 @@ class ContainerBackend:
                 "--root",
                 str(self.runtime_root),
                 "--log",
-                f"file:{log_file}",
+                self._log_arg(log_file),
                 "run",
                 "--detach",
                 "--preserve-fds",
@@ -233,6 +233,10 @@ class ContainerBackend:
             if isinstance(exc, OSError | ValueError):
                 raise InternalError(f"starting the sandbox failed: {exc}") from exc
             raise
+
+    def _log_arg(self, log_file: Path) -> str:
+        # crun takes a log *driver* spec, runc a plain path.
+        return f"file:{log_file}" if self.config.runtime == "crun" else str(log_file)
 
     # -- destroy / cleanup ------------------------------------------------------------------
 
