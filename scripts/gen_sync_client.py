@@ -35,6 +35,8 @@ REPLACEMENTS = [
     ("async for line in resp.aiter_lines()", "for line in resp.iter_lines()"),
     ("await asyncio.to_thread(b.local_tar, Path(local))", "b.local_tar(Path(local))"),
     ("await asyncio.to_thread(b.extract_tar, data, Path(local))", "b.extract_tar(data, Path(local))"),
+    ("await b.gather_bounded(", "b.gather_bounded_sync("),
+    ("await asyncio.sleep(", "time.sleep("),
     ("async for", "for"),
     ("async def", "def"),
     ("async with", "with"),

@@ -7,10 +7,12 @@ async clients only differ in how they send it. Transport errors and wire errors 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -30,6 +32,7 @@ from sandfleet.errors import (
 from sandfleet.models import ExecEvent, ExecRequest, SandboxSpec
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 DEFAULT_SOCKET = "/run/sandfleet/sandfleet.sock"
 DEFAULT_TIMEOUT = 60.0
@@ -130,6 +133,23 @@ def map_transport_error(exc: Exception, endpoint: Endpoint) -> SandboxError:
             f"cannot reach the sandfleet daemon at {endpoint.describe()} (is `sandfleet serve` running?)"
         )
     return UnavailableError(f"transport error talking to the daemon: {exc}")
+
+
+async def gather_bounded(limit: int, factories: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run the coroutine factories with at most `limit` in flight; results in order."""
+    sem = asyncio.Semaphore(max(1, limit))
+
+    async def run(factory: Callable[[], Awaitable[T]]) -> T:
+        async with sem:
+            return await factory()
+
+    return list(await asyncio.gather(*(run(f) for f in factories)))
+
+
+def gather_bounded_sync(limit: int, factories: Sequence[Callable[[], T]]) -> list[T]:
+    """The blocking client's counterpart: a thread pool of `limit` workers."""
+    with ThreadPoolExecutor(max(1, limit)) as pool:
+        return list(pool.map(lambda f: f(), factories))
 
 
 def local_tar(src: Path) -> bytes:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import os
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -122,6 +124,30 @@ class AsyncClient:
         spec = b.spec_from(spec, fields)
         info = await self._model(SandboxInfo, b.call_create(spec, timeout or max(self.timeout, 600)))
         return AsyncSandbox(self, info)
+
+    async def create_many(
+        self, specs: Sequence[SandboxSpec], *, concurrency: int = 16, retry_for: float = 60.0
+    ) -> builtins.list[AsyncSandbox | SandboxError]:
+        """Create one sandbox per spec, at most `concurrency` at a time; one result per spec, in order.
+
+        Each item succeeds or fails on its own: the result is the sandbox or the SandboxError it
+        ended with. Retryable refusals (a full node, a busy daemon) are retried with backoff for up
+        to `retry_for` seconds per item.
+        """
+
+        async def one(spec: SandboxSpec) -> AsyncSandbox | SandboxError:
+            deadline = time.monotonic() + retry_for
+            delay = 0.05
+            while True:
+                try:
+                    return await self.create(spec)
+                except SandboxError as exc:
+                    if not exc.retryable or time.monotonic() + delay > deadline:
+                        return exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+        return await b.gather_bounded(concurrency, [functools.partial(one, spec) for spec in specs])
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         """Attach to an existing sandbox by id (e.g. from another process, after a trainer restart)."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import builtins
+import functools
 import os
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -119,6 +121,30 @@ class Client:
         spec = b.spec_from(spec, fields)
         info = self._model(SandboxInfo, b.call_create(spec, timeout or max(self.timeout, 600)))
         return Sandbox(self, info)
+
+    def create_many(
+        self, specs: Sequence[SandboxSpec], *, concurrency: int = 16, retry_for: float = 60.0
+    ) -> builtins.list[Sandbox | SandboxError]:
+        """Create one sandbox per spec, at most `concurrency` at a time; one result per spec, in order.
+
+        Each item succeeds or fails on its own: the result is the sandbox or the SandboxError it
+        ended with. Retryable refusals (a full node, a busy daemon) are retried with backoff for up
+        to `retry_for` seconds per item.
+        """
+
+        def one(spec: SandboxSpec) -> Sandbox | SandboxError:
+            deadline = time.monotonic() + retry_for
+            delay = 0.05
+            while True:
+                try:
+                    return self.create(spec)
+                except SandboxError as exc:
+                    if not exc.retryable or time.monotonic() + delay > deadline:
+                        return exc
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+        return b.gather_bounded_sync(concurrency, [functools.partial(one, spec) for spec in specs])
 
     def get(self, sandbox_id: str) -> Sandbox:
         """Attach to an existing sandbox by id (e.g. from another process, after a trainer restart)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandfleet.backends.container import ContainerBackendConfig
+from sandfleet.models import ByteSize
 
 DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")
 
@@ -24,6 +25,11 @@ class DaemonConfig(BaseModel):
     token: str | None = Field(None, description="bearer token required on TCP (the socket is protected by mode 0600)")
     image_dir: Path | None = Field(None, description="layer store root; default <state_dir>/images")
     max_sandboxes: int = Field(1000, ge=1, description="admission limit: running sandboxes on this node")
+    memory_overcommit: float = Field(
+        8.0, gt=0, description="admit while the sum of memory limits stays under this many times MemTotal"
+    )
+    min_available_memory: ByteSize = Field(256 * 1024**2, description="refuse creates while MemAvailable is lower")
+    max_task_fraction: float = Field(0.9, gt=0, le=1, description="refuse creates above this share of pid_max in use")
     stopped_retention: float = Field(300.0, ge=0, description="seconds a stopped sandbox stays listable")
     reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
     build_missing_images: bool = Field(True, description="build a built-in image on first use")

@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from sandfleet.backends.container import ContainerBackend
+from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.app import create_app
 from sandfleet.daemon.config import DaemonConfig
 from sandfleet.daemon.metrics import Metrics
@@ -85,7 +86,14 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         store=store,
         state=state,
         metrics=metrics,
-        max_sandboxes=config.max_sandboxes,
+        admission=Admission(
+            AdmissionPolicy(
+                max_sandboxes=config.max_sandboxes,
+                memory_overcommit=config.memory_overcommit,
+                min_available_memory=config.min_available_memory,
+                max_task_fraction=config.max_task_fraction,
+            )
+        ),
         stopped_retention=config.stopped_retention,
         reaper_interval=config.reaper_interval,
         build_missing_images=config.build_missing_images,

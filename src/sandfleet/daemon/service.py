@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from sandfleet.backends.base import Backend, LiveSandbox
+from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.state import SandboxRow, StateStore
 from sandfleet.errors import (
@@ -230,7 +231,7 @@ class SandboxManager:
         store: LayerStore,
         state: StateStore,
         metrics: Metrics,
-        max_sandboxes: int = 1000,
+        admission: Admission | None = None,
         stopped_retention: float = 300.0,
         reaper_interval: float = 1.0,
         build_missing_images: bool = True,
@@ -239,7 +240,7 @@ class SandboxManager:
         self.store = store
         self.state = state
         self.metrics = metrics
-        self.max_sandboxes = max_sandboxes
+        self.admission = admission or Admission(AdmissionPolicy())
         self.stopped_retention = stopped_retention
         self.reaper_interval = reaper_interval
         self.build_missing_images = build_missing_images
@@ -306,6 +307,7 @@ class SandboxManager:
                 live = await self.backend.adopt(row.id, row.runtime)
                 if live is not None:
                     sb.live = live
+                    self.admission.commit(spec.resources)
                     live.channel.on_close = lambda _ch, sid=row.id: self._on_agent_lost(sid)
                     self.sandboxes[row.id] = sb
                     self._event(row.id, "adopted", {"agent_pid": live.agent_pid})
@@ -387,9 +389,12 @@ class SandboxManager:
             raise InvalidArgumentError(
                 f"backend {spec.backend!r} is not available on this node (available: {self.backend.name!r})"
             )
-        if self.running_count() + self._creating >= self.max_sandboxes:
+        try:
+            self.admission.admit(self.running_count() + self._creating, spec.resources)
+        except ResourceExhaustedError:
             self.metrics.rejected.inc()
-            raise ResourceExhaustedError(f"node is full: {self.max_sandboxes} sandboxes")
+            raise
+        self.admission.commit(spec.resources)
         self._creating += 1
         t0 = time.perf_counter()
         try:
@@ -414,6 +419,7 @@ class SandboxManager:
             try:
                 live = await self.backend.create(sandbox_id, spec, image)
             except BaseException as exc:
+                self.admission.release(spec.resources)
                 sb.state, sb.stopped_at, sb.stop_reason = "failed", time.time(), f"create failed: {exc}"[:500]
                 self._event(sandbox_id, "create_failed", {"error": str(exc)[:500]})
                 await asyncio.shield(self._forget(sb))
@@ -496,6 +502,7 @@ class SandboxManager:
             session.dead = True
             session.changed.set()
         sb.state, sb.stopped_at, sb.stop_reason = "stopped", time.time(), reason
+        self.admission.release(sb.spec.resources)
         self._event(sb.id, "stopped", {"reason": reason})
         self._dirty_activity.pop(sb.id, None)
         await self._forget(sb)

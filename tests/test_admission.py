@@ -1,0 +1,99 @@
+"""Node admission (retryable refusals instead of an overloaded node) and the SDK's batch create."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandfleet import Resources, Sandbox, SandboxSpec
+from sandfleet.errors import ImageNotFoundError, ResourceExhaustedError, SandboxError
+
+from conftest import Daemon, destroy_daemon, make_daemon
+from leakcheck import residue
+
+MEM_TOTAL = next(
+    int(line.split()[1]) * 1024
+    for line in Path("/proc/meminfo").read_text().splitlines()
+    if line.startswith("MemTotal:")
+)
+
+
+@pytest.fixture
+def small_node() -> Iterator[Daemon]:
+    # Room for three sandboxes, and memory limits summing to at most 1.5 GiB.
+    overcommit = 1.5 * 1024**3 / MEM_TOTAL
+    d = make_daemon("admission", f"max_sandboxes = 3\nmemory_overcommit = {overcommit}\n")
+    d.start()
+    yield d
+    destroy_daemon(d)
+
+
+def _stop_all(items: list[Sandbox | SandboxError]) -> None:
+    for item in items:
+        if isinstance(item, Sandbox):
+            item.stop()
+
+
+def test_count_gate_batch_create_and_retry(small_node: Daemon) -> None:
+    spec = SandboxSpec(image="busybox", resources=Resources(memory="64MiB"))
+    with small_node.client() as fleet:
+        results = fleet.create_many([spec] * 5, concurrency=5, retry_for=0)
+        made = [r for r in results if isinstance(r, Sandbox)]
+        refused = [r for r in results if isinstance(r, SandboxError)]
+        assert len(made) == 3 and len(refused) == 2
+        assert all(isinstance(e, ResourceExhaustedError) and e.retryable for e in refused)
+        assert all(m.exec("echo ok").stdout == "ok\n" for m in made)
+
+        # A refused create succeeds once room appears, when the caller is willing to retry.
+        timer = threading.Timer(1.0, made[0].stop)
+        timer.start()
+        t0 = time.monotonic()
+        (late,) = fleet.create_many([spec], retry_for=20)
+        timer.join()
+        assert isinstance(late, Sandbox), late
+        assert time.monotonic() - t0 >= 0.9
+        _stop_all([*made[1:], late])
+        assert fleet.list(state="running") == []
+
+
+def test_memory_gate_counts_limits_and_releases_them(small_node: Daemon) -> None:
+    big = SandboxSpec(image="busybox", resources=Resources(memory="1GiB"))
+    small = SandboxSpec(image="busybox", resources=Resources(memory="128MiB"))
+    with small_node.client() as fleet:
+        first = fleet.create(big)
+        with pytest.raises(ResourceExhaustedError, match="memory"):
+            fleet.create(big)
+        second = fleet.create(small)  # still fits under the budget
+        first.stop()
+        third = fleet.create(big)  # the stopped sandbox's limit was released
+        _stop_all([second, third])
+
+
+def test_batch_items_fail_on_their_own(small_node: Daemon) -> None:
+    good = SandboxSpec(image="busybox", resources=Resources(memory="64MiB"))
+    bad = SandboxSpec(image="no-such-image", resources=Resources(memory="64MiB"))
+    with small_node.client() as fleet:
+        results = fleet.create_many([good, bad, good], retry_for=5)
+        assert isinstance(results[0], Sandbox) and isinstance(results[2], Sandbox)
+        assert isinstance(results[1], ImageNotFoundError)
+        _stop_all(results)
+    r = residue(small_node)
+    assert r.sandbox_dirs == () and r.cgroups == () and r.state_rows == 0
+
+
+async def test_async_batch_create(small_node: Daemon) -> None:
+    from sandfleet import AsyncClient, AsyncSandbox
+
+    spec = SandboxSpec(image="busybox", resources=Resources(memory="64MiB"))
+    async with AsyncClient(small_node.socket) as fleet:
+        results = await fleet.create_many([spec] * 4, concurrency=4, retry_for=0)
+        made = [r for r in results if isinstance(r, AsyncSandbox)]
+        assert len(made) == 3
+        assert sum(isinstance(r, ResourceExhaustedError) for r in results) == 1
+        for sb in made:
+            assert (await sb.exec("echo $((1+1))")).stdout == "2\n"
+            await sb.stop()
