@@ -98,16 +98,23 @@ def make_daemon(name: str, extra: str = "") -> Daemon:
 
 
 def destroy_daemon(d: Daemon) -> None:
-    # Stop every sandbox through the API so nothing outlives the test run, then the daemon.
-    if d.proc is not None and d.proc.poll() is None:
-        try:
+    """Stop every sandbox through the API so nothing outlives the test run, then the daemon.
+
+    A daemon that died during the test is started again first: it adopts its orphaned sandboxes,
+    so they can be stopped the normal way instead of leaking past the session.
+    """
+    try:
+        if d.proc is not None and d.proc.poll() is not None:
+            d.start()
+        if d.proc is not None:
             with d.client(timeout=120) as c:
                 for s in c.list(state="running"):
                     c.get(s.id).stop()
-        except SandboxError:
-            pass
-    d.stop()
-    shutil.rmtree(d.root, ignore_errors=True)
+    except (SandboxError, RuntimeError):
+        pass
+    finally:
+        d.stop()
+        shutil.rmtree(d.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +146,4 @@ def own_daemon() -> Iterator[Daemon]:
         pytest.skip("the container tier needs root")
     d = make_daemon("own")
     yield d
-    if d.proc is None or d.proc.poll() is not None:
-        d.start()  # bring it back so its sandboxes are stopped through the API
     destroy_daemon(d)

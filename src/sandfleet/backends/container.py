@@ -78,6 +78,7 @@ class ContainerBackend:
             os.close(self._agent_fd)
             self._agent_fd = None
         await asyncio.to_thread(self.layers.unmount_unused)
+        await asyncio.to_thread(self.cgroups.remove_parent_if_empty)
 
     # -- create ---------------------------------------------------------------------------
 

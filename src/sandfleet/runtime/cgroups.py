@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer", "devices", "cpuset", "blkio", "systemd")
+# "unified": on a hybrid host, runtimes that see the cgroup2 mount (runc) also make a directory there.
+V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer", "devices", "cpuset", "blkio", "systemd", "unified")
 
 Mode = Literal["v1", "v2", "hybrid"]
 
@@ -111,6 +112,14 @@ class Cgroups:
                     os.rmdir(sub)
                 except FileNotFoundError:
                     pass
+
+    def remove_parent_if_empty(self) -> None:
+        """rmdir our parent cgroup where no sandbox cgroup is left under it (daemon shutdown)."""
+        for d in self._dirs(self.parent):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # still has sandboxes (they outlive the daemon), or already gone
 
     def children(self) -> set[str]:
         """Names of sandbox cgroups present under the parent, in any hierarchy."""
