@@ -64,6 +64,10 @@ def test_memory_gate_counts_limits_and_releases_them(small_node: Daemon) -> None
     big = SandboxSpec(image="busybox", resources=Resources(memory="1GiB"))
     small = SandboxSpec(image="busybox", resources=Resources(memory="128MiB"))
     with small_node.client() as fleet:
+        # Failed creates hand their budget back (else these would fill the node).
+        for _ in range(3):
+            with pytest.raises(ImageNotFoundError):
+                fleet.create(big.model_copy(update={"image": "no-such-image"}))
         first = fleet.create(big)
         with pytest.raises(ResourceExhaustedError, match="memory"):
             fleet.create(big)

@@ -396,6 +396,8 @@ class SandboxManager:
             raise
         self.admission.commit(spec.resources)
         self._creating += 1
+        # Until the backend holds the resources, a failure must hand the admission budget back.
+        holds_budget = True
         t0 = time.perf_counter()
         try:
             image = await self.resolve_image(spec.image)
@@ -419,13 +421,13 @@ class SandboxManager:
             try:
                 live = await self.backend.create(sandbox_id, spec, image)
             except BaseException as exc:
-                self.admission.release(spec.resources)
                 sb.state, sb.stopped_at, sb.stop_reason = "failed", time.time(), f"create failed: {exc}"[:500]
                 self._event(sandbox_id, "create_failed", {"error": str(exc)[:500]})
                 await asyncio.shield(self._forget(sb))
                 self.metrics.create_failures.inc()
                 raise
             sb.live = live
+            holds_budget = False  # released by stop from here on
             live.channel.on_close = lambda _ch: self._on_agent_lost(sandbox_id)
             sb.state = "running"
             await self.state.update(sandbox_id, state="running", runtime=live.runtime)
@@ -439,6 +441,8 @@ class SandboxManager:
             self._event(sandbox_id, "created", {"image": spec.image, "layers": [x.digest for x in image.layers]})
         finally:
             self._creating -= 1
+            if holds_budget:
+                self.admission.release(spec.resources)
         self.metrics.created.inc()
         self.metrics.create_seconds.observe(time.perf_counter() - t0)
         self.metrics.alive.set(self.running_count())
