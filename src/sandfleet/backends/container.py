@@ -245,39 +245,56 @@ class ContainerBackend:
         sandbox.channel.close()
         await self.cleanup(sandbox.id, sandbox.runtime)
 
-    async def _kill_and_wait(self, pid: int, start_time: int | None) -> None:
-        if not proc.pidfd_send_signal(pid, start_time, signal.SIGKILL):
-            return
-        # Our child when we launched it (we are a subreaper); merely a process after a restart.
+    def _is_ours(self, sandbox_id: str, pid: int, start_time: int | None) -> bool:
+        """Is `pid` still this sandbox's init? By start time if we know it, else by its cgroup."""
+        if start_time is not None:
+            return proc.process_start_time(pid) == start_time
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                return f"{self.cgroups.path_for(sandbox_id)}\n" in f.read().replace(":", "\n")
+        except OSError:
+            return False
+
+    async def _kill_and_wait(self, sandbox_id: str, pid: int, start_time: int | None) -> None:
+        """SIGKILL the sandbox's init (its pid namespace dies with it) and wait, on one pidfd."""
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             return
         loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(pidfd, lambda: None if exited.done() else exited.set_result(None))
         try:
-            async with asyncio.timeout(10):
-                await exited
-        except TimeoutError:
-            # Stuck in uninterruptible sleep; the runtime's delete below still removes its cgroup
-            # once it goes, and a later restart retries.
-            log.warning("sandbox init %d did not exit within 10s of SIGKILL", pid)
+            # Checked after opening the pidfd: from here on it cannot refer to a recycled pid.
+            if not self._is_ours(sandbox_id, pid, start_time):
+                return
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            exited = loop.create_future()
+            loop.add_reader(pidfd, lambda: None if exited.done() else exited.set_result(None))
+            try:
+                async with asyncio.timeout(10):
+                    await exited
+            except TimeoutError:
+                # Stuck in uninterruptible sleep; the runtime's delete below still removes its
+                # cgroup once it goes, and a later restart retries.
+                log.warning("sandbox init %d did not exit within 10s of SIGKILL", pid)
+            finally:
+                loop.remove_reader(pidfd)
         finally:
-            loop.remove_reader(pidfd)
             os.close(pidfd)
+        # Our child when we launched it (we are a subreaper); merely a process after a restart.
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 (WNOHANG: never blocks)
 
     async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
         pid = runtime.get("agent_pid")
         if isinstance(pid, int):
-            await self._kill_and_wait(pid, runtime.get("agent_start_time"))
+            await self._kill_and_wait(sandbox_id, pid, runtime.get("agent_start_time"))
         else:
-            # Half-created: the runtime may have written its pid file before we read it.
+            # Half-created: the runtime may have written its pid file before we read it; only its
+            # cgroup membership tells whether that pid is still the sandbox's init.
             pid_file = self.sandboxes_dir / sandbox_id / "agent.pid"
             with contextlib.suppress(OSError, ValueError):
-                await self._kill_and_wait(int(pid_file.read_text().strip()), None)
+                await self._kill_and_wait(sandbox_id, int(pid_file.read_text().strip()), None)
         if (self.runtime_root / sandbox_id).exists():
             with contextlib.suppress(TimeoutError):
                 await proc.spawn(

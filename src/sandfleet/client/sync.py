@@ -15,7 +15,7 @@ import httpx
 from pydantic import BaseModel
 
 from sandfleet.client import _base as b
-from sandfleet.errors import SandboxError, SandboxNotFoundError
+from sandfleet.errors import ResourceExhaustedError, SandboxError, SandboxNotFoundError
 from sandfleet.models import (
     EventList,
     ExecEvent,
@@ -128,8 +128,8 @@ class Client:
         """Create one sandbox per spec, at most `concurrency` at a time; one result per spec, in order.
 
         Each item succeeds or fails on its own: the result is the sandbox or the SandboxError it
-        ended with. Retryable refusals (a full node, a busy daemon) are retried with backoff for up
-        to `retry_for` seconds per item.
+        ended with. Refusals of a full node (`ResourceExhaustedError`) are retried with backoff for up
+        to `retry_for` seconds per item (timeouts and transport errors are not: the create may have happened).
         """
 
         def one(spec: SandboxSpec) -> Sandbox | SandboxError:
@@ -139,7 +139,9 @@ class Client:
                 try:
                     return self.create(spec)
                 except SandboxError as exc:
-                    if not exc.retryable or time.monotonic() + delay > deadline:
+                    # Only a refusal the daemon itself answered is safe to retry: after a timeout or
+                    # a broken connection the create may have happened, and a retry would duplicate it.
+                    if not isinstance(exc, ResourceExhaustedError) or time.monotonic() + delay > deadline:
                         return exc
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)

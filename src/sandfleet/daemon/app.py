@@ -13,8 +13,8 @@ import logging
 import os
 import secrets
 import tempfile
-from collections.abc import AsyncIterator
-from typing import Annotated, Any, BinaryIO, cast
+from collections.abc import AsyncIterator, Iterator
+from typing import IO, Annotated, Any, BinaryIO, cast
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -239,6 +239,8 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
                     yield ev.model_dump_json(exclude_none=True).encode() + b"\n"
             except SandboxError as exc:
                 yield json.dumps({"type": "error", "error": exc.to_wire()}).encode() + b"\n"
+            finally:
+                await events.aclose()  # a client gone mid-stream: the command is killed, not left running
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -287,13 +289,15 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     # -- files ------------------------------------------------------------------------------------
 
     async def _body(request: Request) -> bytes:
-        length = int(request.headers.get("content-length") or 0)
-        if length > MAX_FILE_BODY:
+        """The request body, refused past MAX_FILE_BODY whether or not a Content-Length was sent."""
+        if int(request.headers.get("content-length") or 0) > MAX_FILE_BODY:
             raise InvalidArgumentError(f"body larger than {MAX_FILE_BODY} bytes; upload a tar in parts")
-        data = await request.body()
-        if len(data) > MAX_FILE_BODY:
-            raise InvalidArgumentError(f"body larger than {MAX_FILE_BODY} bytes")
-        return data
+        data = bytearray()
+        async for chunk in request.stream():
+            data.extend(chunk)
+            if len(data) > MAX_FILE_BODY:
+                raise InvalidArgumentError(f"body larger than {MAX_FILE_BODY} bytes; upload a tar in parts")
+        return bytes(data)
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}/files/content",
@@ -367,12 +371,31 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}/files/tar",
-        response_class=Response,
+        response_class=StreamingResponse,
         responses={200: {"content": {"application/x-tar": {}}}},
     )
-    async def download(sandbox_id: str, path: str = "/") -> Response:
-        data = await manager.file_op(sandbox_id, lambda fs: fs.download_tar(path))
-        return Response(data, media_type="application/x-tar")
+    async def download(sandbox_id: str, path: str = "/") -> StreamingResponse:
+        def op(fs: SandboxFS) -> IO[bytes]:
+            # Spooled: at most 16 MiB of an archive in daemon memory, the rest in a temp file.
+            spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=16 * 1024**2)  # noqa: SIM115
+            try:
+                fs.write_tar(path, spool)
+                spool.seek(0)
+            except BaseException:
+                spool.close()
+                raise
+            return spool
+
+        spool = await manager.file_op(sandbox_id, op)
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                while chunk := spool.read(1024**2):
+                    yield chunk
+            finally:
+                spool.close()
+
+        return StreamingResponse(chunks(), media_type="application/x-tar")
 
     @app.put(
         "/v1/sandboxes/{sandbox_id}/files/tar",

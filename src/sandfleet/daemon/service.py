@@ -18,7 +18,7 @@ import secrets
 import shlex
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -57,11 +57,13 @@ from sandfleet.runtime import proc as procmod
 from sandfleet.runtime.agent import (
     SCOPE_DESCENDANTS,
     SCOPE_TREE,
+    AgentError,
     ChannelClosedError,
     ExecProcess,
     ExecStartError,
     ExitInfo,
     OutputChunk,
+    ProtocolError,
 )
 from sandfleet.runtime.files import FileOpError, FileStat, SandboxFS
 
@@ -185,6 +187,8 @@ class Sandbox:
     processes: dict[str, BackgroundProcess] = field(default_factory=dict)
     inflight: int = 0
     stop_task: asyncio.Task[None] | None = None
+    stop_failed: bool = False
+    created: asyncio.Event = field(default_factory=asyncio.Event)
     oom_kills: int = 0
     pids_hits: int = 0
 
@@ -348,7 +352,10 @@ class SandboxManager:
     async def _event_flusher(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            await self._flush_events()
+            try:
+                await self._flush_events()
+            except Exception:
+                log.exception("writing events failed; they stay queued for the next flush")
 
     async def events(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[SandboxEvent]:
         self._get(sandbox_id)
@@ -405,6 +412,7 @@ class SandboxManager:
             now = time.time()
             sb = Sandbox(sandbox_id, spec, "creating", now, now)
             self.sandboxes[sandbox_id] = sb
+            finished = sb.created  # set however this create ends; a concurrent stop waits on it
             row = SandboxRow(
                 sandbox_id,
                 "creating",
@@ -417,7 +425,12 @@ class SandboxManager:
                 None,
                 None,
             )
-            await self.state.insert(row)
+            try:
+                await self.state.insert(row)
+            except BaseException:
+                self.sandboxes.pop(sandbox_id, None)
+                finished.set()
+                raise
             try:
                 live = await self.backend.create(sandbox_id, spec, image)
             except BaseException as exc:
@@ -425,11 +438,13 @@ class SandboxManager:
                 self._event(sandbox_id, "create_failed", {"error": str(exc)[:500]})
                 await asyncio.shield(self._forget(sb))
                 self.metrics.create_failures.inc()
+                finished.set()
                 raise
             sb.live = live
             holds_budget = False  # released by stop from here on
             live.channel.on_close = lambda _ch: self._on_agent_lost(sandbox_id)
             sb.state = "running"
+            finished.set()
             await self.state.update(sandbox_id, state="running", runtime=live.runtime)
             try:
                 sb.users["root"] = User(0, 0, "/root")
@@ -479,27 +494,32 @@ class SandboxManager:
 
     async def stop(self, sandbox_id: str, reason: str = "user") -> SandboxInfo:
         sb = self._get(sandbox_id)
-        if sb.state in ("stopped", "failed"):
+        if sb.state == "creating":
+            # Stopping mid-create would race the backend; let the create settle first.
+            await asyncio.shield(sb.created.wait())
+        if sb.state in ("stopped", "failed") and not sb.stop_failed:
             return sb.info()
-        if sb.stop_task is None:
+        if sb.stop_task is None or (sb.stop_task.done() and sb.stop_failed):
             sb.stop_task = self._spawn(self._do_stop(sb, reason), name=f"stop-{sandbox_id}")
         await asyncio.shield(sb.stop_task)
         return sb.info()
 
     async def _do_stop(self, sb: Sandbox, reason: str) -> None:
         sb.state = "stopping"
-        await self.state.update(sb.id, state="stopping")
-        if sb.live is not None:
-            self._record_limits(sb, sb.live)
-            try:
+        try:
+            await self.state.update(sb.id, state="stopping")
+            if sb.live is not None:
+                await self._record_limits(sb, sb.live)
                 await self.backend.destroy(sb.live)
-            except Exception as exc:
-                # The row stays `stopping`, so the next daemon start retries the cleanup.
-                log.exception("stopping sandbox %s failed", sb.id)
-                sb.state, sb.stopped_at, sb.stop_reason = "failed", time.time(), f"stop failed: {exc}"[:500]
-                self._event(sb.id, "stop_failed", {"error": str(exc)[:500]})
-                self.metrics.alive.set(self.running_count())
-                return
+        except Exception as exc:
+            # Still holds resources: keep the row `stopping` (a restart retries) and let the reaper
+            # retry the stop; the admission budget stays taken until it succeeds.
+            log.exception("stopping sandbox %s failed", sb.id)
+            sb.state, sb.stop_failed, sb.stop_reason = "failed", True, f"stop failed: {exc}"[:500]
+            self._event(sb.id, "stop_failed", {"error": str(exc)[:500]})
+            self.metrics.alive.set(self.running_count())
+            return
+        sb.stop_failed = False
         for bp in sb.processes.values():
             bp.done.set()
         for session in sb.sessions.values():
@@ -522,28 +542,46 @@ class SandboxManager:
 
     async def _reaper(self) -> None:
         last_flush = time.monotonic()
+        last_retry = time.monotonic()
         while True:
             await asyncio.sleep(self.reaper_interval)
-            now = time.time()
-            for sb in list(self.sandboxes.values()):
-                if sb.state == "running" and sb.inflight == 0:
-                    spec = sb.spec
-                    if spec.idle_ttl is not None and now - sb.last_active_at > spec.idle_ttl:
-                        self._spawn(self.stop(sb.id, reason="idle_ttl"), name=f"ttl-{sb.id}")
-                    elif spec.max_lifetime is not None and now - sb.created_at > spec.max_lifetime:
-                        self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
-                elif sb.state == "running" and spec_expired(sb, now):
+            try:
+                last_flush, last_retry = await self._sweep(last_flush, last_retry)
+            except Exception:
+                log.exception("reaper sweep failed; retrying at the next one")
+
+    async def _sweep(self, last_flush: float, last_retry: float) -> tuple[float, float]:
+        """One pass of the reaper: TTLs, retention, stop retries, activity flush, orphan reaping."""
+        now = time.time()
+        retry_stops = time.monotonic() - last_retry > 10
+        if retry_stops:
+            last_retry = time.monotonic()
+        for sb in list(self.sandboxes.values()):
+            if sb.stop_failed:
+                if retry_stops and sb.stop_task is not None and sb.stop_task.done():
+                    self._spawn(self.stop(sb.id, reason="retry"), name=f"retry-stop-{sb.id}")
+                continue
+            if sb.state == "running" and sb.inflight == 0:
+                spec = sb.spec
+                if spec.idle_ttl is not None and now - sb.last_active_at > spec.idle_ttl:
+                    self._spawn(self.stop(sb.id, reason="idle_ttl"), name=f"ttl-{sb.id}")
+                elif spec.max_lifetime is not None and now - sb.created_at > spec.max_lifetime:
                     self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
-                elif (
-                    sb.state in ("stopped", "failed") and sb.stopped_at and now - sb.stopped_at > self.stopped_retention
-                ):
-                    self.sandboxes.pop(sb.id, None)
-                    await self.state.delete([sb.id])
-            if time.monotonic() - last_flush > 5:
-                dirty, self._dirty_activity = self._dirty_activity, {}
+            elif sb.state == "running" and spec_expired(sb, now):
+                self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
+            elif sb.state in ("stopped", "failed") and sb.stopped_at and now - sb.stopped_at > self.stopped_retention:
+                self.sandboxes.pop(sb.id, None)
+                await self.state.delete([sb.id])
+        if time.monotonic() - last_flush > 5:
+            dirty, self._dirty_activity = self._dirty_activity, {}
+            try:
                 await self.state.touch_many(dirty)
-                last_flush = time.monotonic()
-            procmod.reap_orphans()
+            except BaseException:
+                self._dirty_activity = dirty | self._dirty_activity
+                raise
+            last_flush = time.monotonic()
+        procmod.reap_orphans()
+        return last_flush, last_retry
 
     def _touch(self, sb: Sandbox) -> None:
         sb.last_active_at = time.time()
@@ -606,11 +644,16 @@ class SandboxManager:
         except ChannelClosedError as exc:
             raise UnavailableError(f"sandbox {sb.id} is not answering (its init exited)") from exc
         if req.stdin is not None:
-            await process.write_stdin(req.stdin.encode())
-            await process.close_stdin()
+            try:
+                await process.write_stdin(req.stdin.encode())
+                await process.close_stdin()
+            except ChannelClosedError as exc:
+                raise UnavailableError(f"sandbox {sb.id} stopped while the command started") from exc
         return process
 
-    def _after_exec(self, sb: Sandbox, req: ExecRequest, result: ExecResult, out_bytes: int, err_bytes: int) -> None:
+    async def _after_exec(
+        self, sb: Sandbox, req: ExecRequest, result: ExecResult, out_bytes: int, err_bytes: int
+    ) -> None:
         cmd = req.command if isinstance(req.command, str) else shlex.join(req.command)
         self._event(
             sb.id,
@@ -633,12 +676,12 @@ class SandboxManager:
         if result.timed_out:
             self._event(sb.id, "exec_timeout", {"command": cmd[:1000], "timeout": req.timeout})
         if sb.live is not None and (result.exit_code >= 128 or result.exit_code == 2 or result.stderr):
-            self._record_limits(sb, sb.live)
+            await self._record_limits(sb, sb.live)
 
-    def _record_limits(self, sb: Sandbox, live: LiveSandbox) -> None:
+    async def _record_limits(self, sb: Sandbox, live: LiveSandbox) -> None:
         """Turn cgroup counters into events: OOM kills and refused forks since we last looked."""
         try:
-            stats = self.backend.stats(live)
+            stats = await asyncio.to_thread(self.backend.stats, live)
         except OSError:
             return
         if stats.oom_kills > sb.oom_kills:
@@ -668,10 +711,10 @@ class SandboxManager:
                 return _start_failure(exc, argv)
             try:
                 out, err, ex = await process.wait()
-            except ChannelClosedError as exc:
+            except (ChannelClosedError, ProtocolError) as exc:
                 raise UnavailableError(f"sandbox {sb.id} stopped while the command ran") from exc
             result = _exec_result(out, err, ex)
-            self._after_exec(sb, req, result, ex.stdout_bytes, ex.stderr_bytes)
+            await self._after_exec(sb, req, result, ex.stdout_bytes, ex.stderr_bytes)
             return result
         finally:
             sb.inflight -= 1
@@ -679,7 +722,7 @@ class SandboxManager:
             self.metrics.execs.inc()
             self.metrics.exec_seconds.observe(time.perf_counter() - t0)
 
-    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncGenerator[ExecEvent, None]:
         """Validate and start now (so errors surface before streaming), then yield events."""
         sb, live = self._running(sandbox_id)
         sb.inflight += 1
@@ -691,7 +734,7 @@ class SandboxManager:
             argv = ["/bin/sh"] if isinstance(req.command, str) else req.command
             failed = _start_failure(exc, argv)
 
-            async def failed_stream() -> AsyncIterator[ExecEvent]:
+            async def failed_stream() -> AsyncGenerator[ExecEvent, None]:
                 yield ExecEvent(type="stderr", data=failed.stderr)
                 yield ExecEvent(type="exit", result=failed)
 
@@ -700,7 +743,7 @@ class SandboxManager:
             sb.inflight -= 1
             raise
 
-        async def stream() -> AsyncIterator[ExecEvent]:
+        async def stream() -> AsyncGenerator[ExecEvent, None]:
             decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
             out: builtins.list[bytes] = []
             err: builtins.list[bytes] = []
@@ -714,19 +757,19 @@ class SandboxManager:
                             yield ExecEvent(type=ev.stream, data=text)
                     else:
                         result = _exec_result(b"".join(out), b"".join(err), ev)
-                        self._after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
+                        await self._after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
                         finished = True
                         yield ExecEvent(type="exit", result=result)
-            except ChannelClosedError as exc:
+            except (ChannelClosedError, ProtocolError) as exc:
                 raise UnavailableError(f"sandbox {sb.id} stopped while the command ran") from exc
             finally:
+                sb.inflight -= 1  # first: nothing below may skip it
+                self._touch(sb)
+                self.metrics.execs.inc()
                 if not finished and not live.channel.closed:
                     # The client went away mid-stream: don't leave the command running.
                     with contextlib.suppress(Exception):
                         await process.signal(signal.SIGKILL, SCOPE_TREE)
-                sb.inflight -= 1
-                self._touch(sb)
-                self.metrics.execs.inc()
 
         return stream()
 
@@ -753,9 +796,9 @@ class SandboxManager:
                     (bp.stdout if ev.stream == "stdout" else bp.stderr).extend(ev.data)
                 else:
                     bp.result = _exec_result(bytes(bp.stdout), bytes(bp.stderr), ev)
-                    self._after_exec(sb, req, bp.result, ev.stdout_bytes, ev.stderr_bytes)
-        except ChannelClosedError:
-            pass
+                    await self._after_exec(sb, req, bp.result, ev.stdout_bytes, ev.stderr_bytes)
+        except AgentError:
+            pass  # the sandbox went away; the process record shows it never finished
         finally:
             bp.done.set()
 
@@ -821,7 +864,7 @@ class SandboxManager:
                 if isinstance(ev, OutputChunk):
                     (session.out if ev.stream == "stdout" else session.err).feed(ev.data)
                     session.changed.set()
-        except ChannelClosedError:
+        except AgentError:
             pass
         finally:
             session.dead = True
@@ -873,7 +916,10 @@ class SandboxManager:
         session.err.reset(b"\n" + marker, output_limit)
         t0 = time.monotonic()
         timed_out = False
-        await session.process.write_stdin(script.encode())
+        try:
+            await session.process.write_stdin(script.encode())
+        except ChannelClosedError as exc:
+            raise UnavailableError(f"sandbox {sb.id} stopped") from exc
 
         def finished() -> bool:
             # stdout's marker line carries the exit status: wait for its newline too.
@@ -893,12 +939,14 @@ class SandboxManager:
         except TimeoutError:
             timed_out = True
             # Kill what the shell is running, keep the shell (and its cwd/env) alive.
-            await session.process.signal(signal.SIGKILL, SCOPE_DESCENDANTS)
+            with contextlib.suppress(ChannelClosedError):
+                await session.process.signal(signal.SIGKILL, SCOPE_DESCENDANTS)
             try:
                 await wait_done(5.0)
             except TimeoutError:
                 session.dead = True
-                await session.process.signal(signal.SIGKILL, SCOPE_TREE)
+                with contextlib.suppress(ChannelClosedError):
+                    await session.process.signal(signal.SIGKILL, SCOPE_TREE)
                 raise SandboxTimeoutError(
                     f"command timed out after {timeout}s and the session's shell did not recover; "
                     "the session was closed"
@@ -914,7 +962,7 @@ class SandboxManager:
             stderr_truncated=session.err.truncated(),
         )
         req = ExecRequest(command=command, timeout=timeout, output_limit=output_limit)
-        self._after_exec(sb, req, result, session.out.content_length(), session.err.content_length())
+        await self._after_exec(sb, req, result, session.out.content_length(), session.err.content_length())
         return result
 
     async def close_session(self, sandbox_id: str, session_id: str) -> None:

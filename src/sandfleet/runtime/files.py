@@ -295,11 +295,23 @@ class SandboxFS:
 
     OVERFLOW_ID = 65534
 
-    def __init__(self, root_fd: int, *, uid_base: int, max_read: int = 64 << 20, id_count: int = 65536) -> None:
+    def __init__(
+        self,
+        root_fd: int,
+        *,
+        uid_base: int,
+        max_read: int = 64 << 20,
+        id_count: int = 65536,
+        max_archive: int = 1 << 30,
+    ) -> None:
         self.root_fd = root_fd
         self.uid_base = uid_base
         self.max_read = max_read
         self.id_count = id_count
+        # Bounds what a tar download may contain: a sparse `truncate -s 1T` file costs the
+        # sandbox no disk but would cost the daemon its apparent size.
+        self.max_archive = max_archive
+        self._archive_budget = max_archive
 
     # ---------------------------------------------------------------- id helpers
 
@@ -613,6 +625,7 @@ class SandboxFS:
         uid/gid are inside-sandbox ids.
         """
         p = _norm(path)
+        self._archive_budget = self.max_archive
         with _translate(p):
             fd = self._open(p, os.O_PATH)
             try:
@@ -648,6 +661,11 @@ class SandboxFS:
         rfd = self._reopen(opath_fd, os.O_RDONLY)
         try:
             st = os.fstat(rfd)
+            if st.st_size > self._archive_budget:
+                raise FileTooLargeError(
+                    spath, f"the archive would exceed {self.max_archive} bytes; download smaller parts"
+                )
+            self._archive_budget -= st.st_size
             ti = self._tarinfo(name, st)
             ti.type = tarfile.REGTYPE
             ti.size = st.st_size

@@ -122,10 +122,11 @@ async def spawn(
     try:
         async with asyncio.timeout(timeout):
             stdout, stderr, code = await asyncio.gather(_read_all(out_r), _read_all(err_r), wait_pid(pid))
-    except TimeoutError:
+    except BaseException:
+        # Timed out or cancelled: never leave the child running (or unreaped) behind us.
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        await wait_pid(pid)
+        await asyncio.shield(wait_pid(pid))
         raise
     finally:
         _spawned.discard(pid)
@@ -181,20 +182,3 @@ def process_start_time(pid: int) -> int | None:
         return None
     fields = stat[stat.rfind(b")") + 2 :].split()
     return int(fields[19])
-
-
-def pidfd_send_signal(pid: int, start_time: int | None, sig: int) -> bool:
-    """Signal `pid` only if it is still the process we started (start time matches)."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return False
-    try:
-        if start_time is not None and process_start_time(pid) != start_time:
-            return False
-        signal.pidfd_send_signal(pidfd, sig)
-        return True
-    except ProcessLookupError:
-        return False
-    finally:
-        os.close(pidfd)
