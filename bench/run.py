@@ -50,6 +50,7 @@ RESULTS = HERE / "results"
 IMAGES = Path(os.environ.get("SANDFLEET_TEST_IMAGES", "/var/lib/sandfleet/images"))
 UID_BASE = 100000
 ID_RANGE = 65536
+POOL_MEMORY = "256MiB"
 TARGETS = {"create_to_first_exec_p50_ms": 30.0, "exec_p50_ms": 5.0, "daemon_rss_idle_mib": 200.0}
 DEVNULL = subprocess.DEVNULL
 
@@ -495,6 +496,8 @@ class Daemon:
         self.config.write_text(
             f'socket = "{self.socket}"\nstate_dir = "{root / "state"}"\nrun_dir = "{root / "run"}"\n'
             f'image_dir = "{IMAGES}"\nstopped_retention = 0\n'
+            # A warm pool of its own shape, so the cold-create figures never hit it.
+            f'[[pools]]\nimage = "busybox"\nsize = 4\n[pools.resources]\nmemory = "{POOL_MEMORY}"\n'
             f'[container]\ncgroup_parent = "{cgroup_parent}"\n'
         )
 
@@ -567,15 +570,21 @@ def metrics_delta(before: dict[str, float], after: dict[str, float], kind: str) 
 # --------------------------------------------------------------------------- sandfleet phases
 
 
-def bench_create(fleet: Any, n: int, labels: dict[str, str], sock: Path) -> dict[str, Any]:
+def bench_create(
+    fleet: Any, n: int, labels: dict[str, str], sock: Path, *, memory: str | None = None, pause: float = 0.0
+) -> dict[str, Any]:
+    """Create + first exec, N times. `memory` picks the shape (the warm pool's, for pooled runs);
+    `pause` between cycles lets a pool refill (an arrival rate below its refill capacity)."""
     create, first, total, stop = [], [], [], []
+    shape = {"resources": {"memory": memory}} if memory else {}
     for _ in range(3):  # warm-up: image resolved, layers mounted, connection open
-        with fleet.create(image="busybox", labels=labels) as sb:
+        with fleet.create(image="busybox", labels=labels, **shape) as sb:
             sb.exec("true")
     m0 = daemon_metrics(sock)
     for _ in range(n):
+        time.sleep(pause)
         t0 = time.perf_counter()
-        sb = fleet.create(image="busybox", labels=labels)
+        sb = fleet.create(image="busybox", labels=labels, **shape)
         t1 = time.perf_counter()
         r = sb.exec("true")
         t2 = time.perf_counter()
@@ -803,6 +812,21 @@ def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
             f"{f(sf['create_to_first_exec']['first_exec']['p50_ms'])} ms",
         ]
     ]
+    if "pooled_create_to_first_exec" in sf:
+        pooled = sf["pooled_create_to_first_exec"]
+        pb = pooled["create_plus_first_exec"]
+        rows.append(
+            [
+                'sandfleet SDK, warm pool: create + exec("true")',
+                f(pb["p50_ms"]),
+                f(pb["p99_ms"]),
+                f(pb["mean_ms"]),
+                f(pb["p50_ms"] / base["p50_ms"], 2),
+                f(pb["mean_ms"] / base["mean_ms"], 2),
+                f"create p50 {f(pooled['create']['p50_ms'])} ms + first exec p50 "
+                f"{f(pooled['first_exec']['p50_ms'])} ms; 0.2 s between creates so the pool refills",
+            ]
+        )
     for name, pr in res["peers"]["cycle"].items():
         if pr["status"] == "ok":
             s = pr["stats"]
@@ -1080,6 +1104,10 @@ def main() -> int:
                 )
             print(f"1. create-to-first-exec x{n_create}", flush=True)
             res["sandfleet"]["create_to_first_exec"] = bench_create(fleet, n_create, labels, daemon.socket)
+            print(f"1b. create-to-first-exec from the warm pool x{n_create}", flush=True)
+            res["sandfleet"]["pooled_create_to_first_exec"] = bench_create(
+                fleet, n_create, labels, daemon.socket, memory=POOL_MEMORY, pause=0.2
+            )
             if profiler is not None:
                 profiler.send_signal(signal.SIGINT)
                 profiler.wait(60)

@@ -369,6 +369,7 @@ class Health(_Model):
     version: str
     sandboxes_running: int
     backends: list[str]
+    pools: dict[str, int] = Field(default_factory=dict, description="ready sandboxes per warm pool")
 
 
 class Ok(_Model):

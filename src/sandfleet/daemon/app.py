@@ -175,7 +175,11 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     @app.get("/v1/health", response_model=Health)
     async def health() -> Health:
         return Health(
-            status="ok", version=__version__, sandboxes_running=manager.running_count(), backends=[manager.backend.name]
+            status="ok",
+            version=__version__,
+            sandboxes_running=manager.running_count(),
+            backends=[manager.backend.name],
+            pools=manager.pools.sizes() if manager.pools is not None else {},
         )
 
     @app.get("/metrics", response_class=Response)

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandfleet.backends.container import ContainerBackendConfig
+from sandfleet.daemon.pool import PoolConfig
 from sandfleet.models import ByteSize
 
 DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")
@@ -33,6 +34,11 @@ class DaemonConfig(BaseModel):
     stopped_retention: float = Field(300.0, ge=0, description="seconds a stopped sandbox stays listable")
     reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
     build_missing_images: bool = Field(True, description="build a built-in image on first use")
+    pools: list[PoolConfig] = Field(default_factory=list, description="warm pools kept ready")
+    pool_adaptive_max: int = Field(
+        0, ge=0, le=10000, description="extra warm sandboxes per image+shape, sized to the recent create rate"
+    )
+    pool_refill_concurrency: int = Field(2, ge=1, le=64, description="pool creates in flight at once")
     container: ContainerBackendConfig = Field(default_factory=ContainerBackendConfig)
 
     @model_validator(mode="after")

@@ -24,7 +24,8 @@ from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.app import create_app
 from sandfleet.daemon.config import DaemonConfig
 from sandfleet.daemon.metrics import Metrics
-from sandfleet.daemon.service import SandboxManager
+from sandfleet.daemon.pool import WarmPools
+from sandfleet.daemon.service import SandboxManager, new_sandbox_id
 from sandfleet.daemon.state import StateStore
 from sandfleet.images import LayerStore
 from sandfleet.runtime import cgroups, mounts, proc
@@ -81,23 +82,35 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     backend = ContainerBackend(config.container, state_dir=config.state_dir, run_dir=config.run_dir, store=store)
     await backend.start()
     metrics = Metrics()
+    admission = Admission(
+        AdmissionPolicy(
+            max_sandboxes=config.max_sandboxes,
+            memory_overcommit=config.memory_overcommit,
+            min_available_memory=config.min_available_memory,
+            max_task_fraction=config.max_task_fraction,
+        )
+    )
     manager = SandboxManager(
         backend=backend,
         store=store,
         state=state,
         metrics=metrics,
-        admission=Admission(
-            AdmissionPolicy(
-                max_sandboxes=config.max_sandboxes,
-                memory_overcommit=config.memory_overcommit,
-                min_available_memory=config.min_available_memory,
-                max_task_fraction=config.max_task_fraction,
-            )
-        ),
+        admission=admission,
         stopped_retention=config.stopped_retention,
         reaper_interval=config.reaper_interval,
         build_missing_images=config.build_missing_images,
     )
+    if config.pools or config.pool_adaptive_max:
+        manager.pools = WarmPools(
+            backend=backend,
+            admission=admission,
+            resolve_image=manager.resolve_image,
+            new_id=new_sandbox_id,
+            sandbox_count=manager.node_count,
+            configured=config.pools,
+            adaptive_max=config.pool_adaptive_max,
+            refill_concurrency=config.pool_refill_concurrency,
+        )
     servers: list[tuple[_Server, socket.socket]] = []
     ucfg = {"log_level": "warning", "lifespan": "off", "access_log": False, "timeout_keep_alive": 300}
     uds = _unix_listener(config.socket)

@@ -25,6 +25,7 @@ from typing import Any, TypeVar, cast
 from sandfleet.backends.base import Backend, LiveSandbox
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.pool import WarmPools
 from sandfleet.daemon.state import SandboxRow, StateStore
 from sandfleet.errors import (
     ImageNotFoundError,
@@ -236,6 +237,7 @@ class SandboxManager:
         state: StateStore,
         metrics: Metrics,
         admission: Admission | None = None,
+        pools: WarmPools | None = None,
         stopped_retention: float = 300.0,
         reaper_interval: float = 1.0,
         build_missing_images: bool = True,
@@ -250,6 +252,8 @@ class SandboxManager:
         self.build_missing_images = build_missing_images
         self.sandboxes: dict[str, Sandbox] = {}
         self._tg: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.pools = pools
         self._events: list[tuple[str, float, str, dict[str, Any]]] = []
         self._events_flushed = asyncio.Event()
         self._dirty_activity: dict[str, float] = {}
@@ -260,26 +264,33 @@ class SandboxManager:
     # -- lifecycle of the manager ---------------------------------------------------------------
 
     async def run(self, ready: Callable[[], Awaitable[None]]) -> None:
-        """Recover state, then serve until cancelled; `ready` runs once recovery is done."""
+        """Recover state, then serve until `ready` returns; `ready` runs once recovery is done."""
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
             await self.recover()
-            tg.create_task(self._reaper(), name="reaper")
-            tg.create_task(self._event_flusher(), name="event-flusher")
+            self._spawn(self._reaper(), name="reaper")
+            self._spawn(self._event_flusher(), name="event-flusher")
+            if self.pools is not None:
+                self._spawn(self.pools.run(self._spawn), name="warm-pools")
             try:
                 await ready()
             finally:
                 self._stopping = True
+                if self.pools is not None:
+                    await self.pools.drain()
                 await self._flush_events()
                 await self.state.touch_many(self._dirty_activity)
-                for task in list(tg._tasks):  # noqa: SLF001 (cancel our own background tasks)
+                for task in list(self._tasks):
                     task.cancel()
         self._tg = None
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         if self._tg is None:
             raise UnavailableError("daemon is shutting down")
-        return self._tg.create_task(self._guard(coro, name), name=name)
+        task = self._tg.create_task(self._guard(coro, name), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     @staticmethod
     async def _guard(coro: Awaitable[Any], name: str) -> Any:
@@ -335,6 +346,11 @@ class SandboxManager:
 
     def running_count(self) -> int:
         return sum(1 for s in self.sandboxes.values() if s.state == "running")
+
+    def node_count(self) -> int:
+        """Sandboxes holding node resources: running, being created, and warm in pools."""
+        pooled = self.pools.pooled() if self.pools is not None else 0
+        return self.running_count() + self._creating + pooled
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -396,8 +412,12 @@ class SandboxManager:
             raise InvalidArgumentError(
                 f"backend {spec.backend!r} is not available on this node (available: {self.backend.name!r})"
             )
+        if self.pools is not None:
+            live = self.pools.take(spec)
+            if live is not None:
+                return await self._hand_out(spec, live)
         try:
-            self.admission.admit(self.running_count() + self._creating, spec.resources)
+            self.admission.admit(self.node_count(), spec.resources)
         except ResourceExhaustedError:
             self.metrics.rejected.inc()
             raise
@@ -459,6 +479,31 @@ class SandboxManager:
             if holds_budget:
                 self.admission.release(spec.resources)
         self.metrics.created.inc()
+        self.metrics.create_seconds.observe(time.perf_counter() - t0)
+        self.metrics.alive.set(self.running_count())
+        return sb.info()
+
+    async def _hand_out(self, spec: SandboxSpec, live: LiveSandbox) -> SandboxInfo:
+        """Give a warm sandbox to this caller (its budget is already committed) and make it theirs."""
+        t0 = time.perf_counter()
+        now = time.time()
+        sb = Sandbox(live.id, spec, "running", now, now, live=live)
+        sb.created.set()
+        self.sandboxes[sb.id] = sb
+        live.channel.on_close = lambda _ch: self._on_agent_lost(sb.id)
+        row = SandboxRow(sb.id, "running", spec.backend, spec.model_dump(mode="json"), spec.labels, live.runtime,
+                         now, now, None, None)  # fmt: skip
+        await self.state.insert(row)
+        sb.users["root"] = User(0, 0, "/root")
+        if spec.user != "root":
+            try:
+                await self._user(sb, live, spec.user)
+            except SandboxError:
+                await self.stop(sb.id, reason="invalid user")
+                raise
+        self._event(sb.id, "created", {"image": spec.image, "pooled": True})
+        self.metrics.created.inc()
+        self.metrics.pool_hits.inc()
         self.metrics.create_seconds.observe(time.perf_counter() - t0)
         self.metrics.alive.set(self.running_count())
         return sb.info()
@@ -580,6 +625,8 @@ class SandboxManager:
                 self._dirty_activity = dirty | self._dirty_activity
                 raise
             last_flush = time.monotonic()
+        if self.pools is not None:
+            await self.pools.shrink()
         procmod.reap_orphans()
         return last_flush, last_retry
 
