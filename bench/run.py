@@ -496,6 +496,8 @@ class Daemon:
         self.config.write_text(
             f'socket = "{self.socket}"\nstate_dir = "{root / "state"}"\nrun_dir = "{root / "run"}"\n'
             f'image_dir = "{IMAGES}"\nstopped_retention = 0\n'
+            # Density runs hundreds of default (1 GiB-limit) sandboxes: far more limit than RAM.
+            "memory_overcommit = 64\n"
             # A warm pool of its own shape, so the cold-create figures never hit it.
             f'[[pools]]\nimage = "busybox"\nsize = 4\n[pools.resources]\nmemory = "{POOL_MEMORY}"\n'
             f'[container]\ncgroup_parent = "{cgroup_parent}"\n'

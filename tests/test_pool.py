@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -91,3 +93,19 @@ def test_pool_is_drained_at_shutdown_and_cleaned_after_a_crash() -> None:
         assert r.sandbox_dirs == () and r.cgroups == () and r.processes == 0, r
     finally:
         destroy_daemon(d)
+
+
+def test_a_pooled_sandbox_that_dies_is_replaced_and_cleaned(pooled: Daemon) -> None:
+    with pooled.client() as fleet:
+        _wait_ready(fleet, 3)
+        victim = sorted(residue(pooled).sandbox_dirs)[0]
+        pid = int((pooled.run_dir / "sandboxes" / victim / "agent.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while victim in residue(pooled).sandbox_dirs:
+            assert time.time() < deadline, "the dead pooled sandbox was not cleaned up"
+            time.sleep(0.05)
+        _wait_ready(fleet, 3)
+        sb = fleet.create(image="busybox", resources=SHAPE)
+        assert sb.id != victim and sb.exec("echo ok").stdout == "ok\n"
+        sb.stop()

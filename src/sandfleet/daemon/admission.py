@@ -19,7 +19,7 @@ from sandfleet.models import Resources
 @dataclass(frozen=True)
 class AdmissionPolicy:
     max_sandboxes: int = 1000
-    memory_overcommit: float = 8.0
+    memory_overcommit: float = 16.0
     min_available_memory: int = 256 * 1024**2
     max_task_fraction: float = 0.9
 

@@ -27,7 +27,7 @@ class DaemonConfig(BaseModel):
     image_dir: Path | None = Field(None, description="layer store root; default <state_dir>/images")
     max_sandboxes: int = Field(1000, ge=1, description="admission limit: running sandboxes on this node")
     memory_overcommit: float = Field(
-        8.0, gt=0, description="admit while the sum of memory limits stays under this many times MemTotal"
+        16.0, gt=0, description="admit while the sum of memory limits stays under this many times MemTotal"
     )
     min_available_memory: ByteSize = Field(256 * 1024**2, description="refuse creates while MemAvailable is lower")
     max_task_fraction: float = Field(0.9, gt=0, le=1, description="refuse creates above this share of pid_max in use")

@@ -97,6 +97,7 @@ class WarmPools:
         for cfg in configured:
             key = PoolKey(backend.name, cfg.image, cfg.resources)
             self.pools.setdefault(key, _Pool(key)).configured += cfg.size
+        self._dead: list[tuple[PoolKey, LiveSandbox]] = []
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(refill_concurrency)
         self._closing = False
@@ -134,8 +135,7 @@ class WarmPools:
             if not live.channel.closed:
                 live.channel.on_close = None
                 return live
-            # Died while waiting: its resources go back, the refill makes another.
-            self.admission.release(key.resources)
+            self._dead.append((key, live))  # died while waiting: the refill loop removes it
         return None
 
     # -- refill ---------------------------------------------------------------------------------
@@ -143,6 +143,12 @@ class WarmPools:
     async def run(self, spawn: Callable[[Awaitable[None], str], object]) -> None:
         """Keep every pool at its target; `spawn` starts a guarded task in the daemon's task group."""
         while not self._closing:
+            for pool in self.pools.values():
+                for live in [x for x in pool.ready if x.channel.closed]:
+                    pool.ready.remove(live)
+                    self._dead.append((pool.key, live))
+            while self._dead:
+                await self._destroy(*self._dead.pop())
             now = time.monotonic()
             for pool in list(self.pools.values()):
                 short = self.target(pool, now) - len(pool.ready) - pool.filling
