@@ -68,7 +68,7 @@ def pct(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def stats(seconds: Sequence[float]) -> dict[str, float]:
+def stats(seconds: Sequence[float]) -> dict[str, Any]:
     ms = [x * 1000 for x in seconds]
     if not ms:
         return {"n": 0}
@@ -79,7 +79,56 @@ def stats(seconds: Sequence[float]) -> dict[str, float]:
         "mean_ms": round(sum(ms) / len(ms), 3),
         "min_ms": round(min(ms), 3),
         "max_ms": round(max(ms), 3),
+        "samples_ms": [round(x, 3) for x in ms],  # for the distribution chart
     }
+
+
+def write_chart(res: dict[str, Any], path: Path) -> bool:
+    """Box plots of every latency distribution of the run (log scale), side by side with the peers."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no chart", flush=True)
+        return False
+    sf = res["sandfleet"]
+    create: list[tuple[str, list[float]]] = [
+        ("sandfleet (cold)", sf["create_to_first_exec"]["create_plus_first_exec"].get("samples_ms", []))
+    ]
+    if "pooled_create_to_first_exec" in sf:
+        create.append(
+            ("sandfleet (warm pool)", sf["pooled_create_to_first_exec"]["create_plus_first_exec"]["samples_ms"])
+        )
+    for name, pr in res["peers"]["cycle"].items():
+        if pr.get("status") == "ok" and pr["stats"].get("samples_ms"):
+            create.append((name, pr["stats"]["samples_ms"]))
+    execs: list[tuple[str, list[float]]] = [
+        (f"sandfleet {name}", v["stats"]["samples_ms"])
+        for name, v in sf["exec"].items()
+        if v["stats"].get("samples_ms")
+    ]
+    for name, pr in res["peers"]["exec"].items():
+        if pr.get("status") == "ok" and pr["stats"].get("samples_ms"):
+            execs.append((name, pr["stats"]["samples_ms"]))
+    fig, axes = plt.subplots(2, 1, figsize=(10, 8.5))
+    for ax, title, series in (
+        (axes[0], "fresh sandbox + run `true` (ms, log scale)", create),
+        (axes[1], "exec into a running sandbox (ms, log scale)", execs),
+    ):
+        series = [(n, s) for n, s in series if s]
+        ax.boxplot([s for _, s in series], vert=False, whis=(1, 99), showfliers=False)
+        ax.set_yticks(range(1, len(series) + 1), [n for n, _ in series], fontsize=8)
+        ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="x", which="both", alpha=0.3)
+    meta = res["meta"]
+    fig.suptitle(f"sandfleet benchmark {meta.get('date', '')} (whiskers: p1-p99)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def timed_runs(argv: Sequence[str] | Callable[[int], Sequence[str]], n: int, *, warmup: int = 2) -> list[float]:
@@ -1198,6 +1247,7 @@ def main() -> int:
         args.results.mkdir(parents=True, exist_ok=True)
         (args.results / "latest.json").write_text(json.dumps(res, indent=2) + "\n")
         write_markdown(res, tables, args.results / "latest.md")
+        write_chart(res, args.results / "latest.png")
         print_tables(tables)
         print(f"wrote {args.results / 'latest.json'} and {args.results / 'latest.md'}")
         return 0
