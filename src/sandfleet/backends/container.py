@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -153,6 +154,9 @@ class ContainerBackend:
                 cgroup_path=self.cgroups.path_for(sandbox_id),
                 uid_base=self.config.uid_base,
                 binds=tuple(staged),
+                # Never above our own hard limit: without CAP_SYS_RESOURCE (as on this host) the
+                # runtime could not raise it and every create would fail.
+                nofile=min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
             )
             (sdir / "config.json").write_text(json.dumps(oci.build(cfg)))
         except BaseException:
