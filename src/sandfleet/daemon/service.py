@@ -491,8 +491,18 @@ class SandboxManager:
         sb.created.set()
         self.sandboxes[sb.id] = sb
         live.channel.on_close = lambda _ch: self._on_agent_lost(sb.id)
-        row = SandboxRow(sb.id, "running", spec.backend, spec.model_dump(mode="json"), spec.labels, live.runtime,
-                         now, now, None, None)  # fmt: skip
+        row = SandboxRow(
+            sb.id,
+            "running",
+            spec.backend,
+            spec.model_dump(mode="json"),
+            spec.labels,
+            live.runtime,
+            now,
+            now,
+            None,
+            None,
+        )
         await self.state.insert(row)
         sb.users["root"] = User(0, 0, "/root")
         if spec.user != "root":
