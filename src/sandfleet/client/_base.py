@@ -93,8 +93,9 @@ def spec_from(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> SandboxSpec:
         raise InvalidArgumentError(f"invalid sandbox spec: {exc}") from exc
 
 
-def exec_body(command: str | list[str], **kw: Any) -> dict[str, Any]:
-    fields = {k: v for k, v in kw.items() if v is not None}
+def exec_body(command: str | list[str], *, timeout: float | None, **kw: Any) -> dict[str, Any]:
+    """The exec request body: unset options are left to the daemon's defaults; `timeout=None` means none."""
+    fields = {k: v for k, v in kw.items() if v is not None} | {"timeout": timeout}
     try:
         return ExecRequest.model_validate({"command": command, **fields}).model_dump(mode="json")
     except ValidationError as exc:

@@ -222,7 +222,6 @@ class AsyncSandbox:
             timeout=timeout,
             output_limit=output_limit,
         )
-        body["timeout"] = timeout
         return await self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
 
     async def exec_stream(
@@ -246,7 +245,6 @@ class AsyncSandbox:
             timeout=timeout,
             output_limit=output_limit,
         )
-        body["timeout"] = timeout
         async for line in self._c._stream_lines(b.call_exec(self.id, body, self._c.timeout, stream=True)):
             yield b.decode_event(line)
 
@@ -261,8 +259,9 @@ class AsyncSandbox:
         output_limit: int | None = None,
     ) -> AsyncProcess:
         """Start a background process (its own session); returns a handle to wait on or kill."""
-        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, output_limit=output_limit)
-        body["timeout"] = timeout
+        body = b.exec_body(
+            command, env=dict(env) if env else None, cwd=cwd, user=user, timeout=timeout, output_limit=output_limit
+        )
         info = await self._c._model(ProcessInfo, b.Call("POST", b.sandbox_path(self.id) + "/processes", json=body))
         return AsyncProcess(self, info)
 

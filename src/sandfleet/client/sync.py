@@ -215,7 +215,6 @@ class Sandbox:
             timeout=timeout,
             output_limit=output_limit,
         )
-        body["timeout"] = timeout
         return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
 
     def exec_stream(
@@ -239,7 +238,6 @@ class Sandbox:
             timeout=timeout,
             output_limit=output_limit,
         )
-        body["timeout"] = timeout
         for line in self._c._stream_lines(b.call_exec(self.id, body, self._c.timeout, stream=True)):
             yield b.decode_event(line)
 
@@ -254,8 +252,9 @@ class Sandbox:
         output_limit: int | None = None,
     ) -> Process:
         """Start a background process (its own session); returns a handle to wait on or kill."""
-        body = b.exec_body(command, env=dict(env) if env else None, cwd=cwd, user=user, output_limit=output_limit)
-        body["timeout"] = timeout
+        body = b.exec_body(
+            command, env=dict(env) if env else None, cwd=cwd, user=user, timeout=timeout, output_limit=output_limit
+        )
         info = self._c._model(ProcessInfo, b.Call("POST", b.sandbox_path(self.id) + "/processes", json=body))
         return Process(self, info)
 

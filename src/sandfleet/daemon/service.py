@@ -183,7 +183,7 @@ class Sandbox:
     live: LiveSandbox | None = None
     stopped_at: float | None = None
     stop_reason: str | None = None
-    users: dict[str, User] = field(default_factory=dict)
+    users: dict[str, User] = field(default_factory=lambda: {"root": User(0, 0, "/root")})
     sessions: dict[str, Session] = field(default_factory=dict)
     processes: dict[str, BackgroundProcess] = field(default_factory=dict)
     inflight: int = 0
@@ -222,10 +222,22 @@ def _exec_result(out: bytes, err: bytes, ex: ExitInfo) -> ExecResult:
     )
 
 
-def _start_failure(exc: ExecStartError, argv: list[str]) -> ExecResult:
+def _row(sb: Sandbox, runtime: dict[str, Any]) -> SandboxRow:
+    """The state-store row of a sandbox being created or handed out."""
+    spec = sb.spec
+    return SandboxRow(sb.id, sb.state, spec.backend, spec.model_dump(mode="json"), spec.labels, runtime,
+                      sb.created_at, sb.last_active_at, None, None)  # fmt: skip
+
+
+def _argv(req: ExecRequest) -> list[str]:
+    """A string command runs under /bin/sh -c; a list is the argv itself."""
+    return ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else list(req.command)
+
+
+def _start_failure(exc: ExecStartError, req: ExecRequest) -> ExecResult:
     # Shell conventions: 127 = not found, 126 = found but not runnable.
     code = 127 if exc.errno == errno.ENOENT else 126
-    return ExecResult(exit_code=code, stdout="", stderr=f"sandfleet: {argv[0]}: {exc.message}\n", duration=0.0)
+    return ExecResult(exit_code=code, stdout="", stderr=f"sandfleet: {_argv(req)[0]}: {exc.message}\n", duration=0.0)
 
 
 class SandboxManager:
@@ -433,20 +445,8 @@ class SandboxManager:
             sb = Sandbox(sandbox_id, spec, "creating", now, now)
             self.sandboxes[sandbox_id] = sb
             finished = sb.created  # set however this create ends; a concurrent stop waits on it
-            row = SandboxRow(
-                sandbox_id,
-                "creating",
-                spec.backend,
-                spec.model_dump(mode="json"),
-                spec.labels,
-                {},
-                now,
-                now,
-                None,
-                None,
-            )
             try:
-                await self.state.insert(row)
+                await self.state.insert(_row(sb, {}))
             except BaseException:
                 self.sandboxes.pop(sandbox_id, None)
                 finished.set()
@@ -466,21 +466,11 @@ class SandboxManager:
             sb.state = "running"
             finished.set()
             await self.state.update(sandbox_id, state="running", runtime=live.runtime)
-            try:
-                sb.users["root"] = User(0, 0, "/root")
-                if spec.user != "root":
-                    await self._user(sb, live, spec.user)
-            except SandboxError:
-                await self.stop(sandbox_id, reason="invalid user")
-                raise
-            self._event(sandbox_id, "created", {"image": spec.image, "layers": [x.digest for x in image.layers]})
+            await self._settle_create(sb, live, {"image": spec.image, "layers": [x.digest for x in image.layers]}, t0)
         finally:
             self._creating -= 1
             if holds_budget:
                 self.admission.release(spec.resources)
-        self.metrics.created.inc()
-        self.metrics.create_seconds.observe(time.perf_counter() - t0)
-        self.metrics.alive.set(self.running_count())
         return sb.info()
 
     async def _hand_out(self, spec: SandboxSpec, live: LiveSandbox) -> SandboxInfo:
@@ -491,32 +481,23 @@ class SandboxManager:
         sb.created.set()
         self.sandboxes[sb.id] = sb
         live.channel.on_close = lambda _ch: self._on_agent_lost(sb.id)
-        row = SandboxRow(
-            sb.id,
-            "running",
-            spec.backend,
-            spec.model_dump(mode="json"),
-            spec.labels,
-            live.runtime,
-            now,
-            now,
-            None,
-            None,
-        )
-        await self.state.insert(row)
-        sb.users["root"] = User(0, 0, "/root")
-        if spec.user != "root":
+        await self.state.insert(_row(sb, live.runtime))
+        self.metrics.pool_hits.inc()
+        await self._settle_create(sb, live, {"image": spec.image, "pooled": True}, t0)
+        return sb.info()
+
+    async def _settle_create(self, sb: Sandbox, live: LiveSandbox, created: dict[str, Any], t0: float) -> None:
+        """The last step of every create, cold or pooled: check the spec's user exists, then record it."""
+        if sb.spec.user != "root":
             try:
-                await self._user(sb, live, spec.user)
+                await self._user(sb, live, sb.spec.user)
             except SandboxError:
                 await self.stop(sb.id, reason="invalid user")
                 raise
-        self._event(sb.id, "created", {"image": spec.image, "pooled": True})
+        self._event(sb.id, "created", created)
         self.metrics.created.inc()
-        self.metrics.pool_hits.inc()
         self.metrics.create_seconds.observe(time.perf_counter() - t0)
         self.metrics.alive.set(self.running_count())
-        return sb.info()
 
     async def _forget(self, sb: Sandbox) -> None:
         """Persist a terminal state; drop the row at once when nothing is retained."""
@@ -682,7 +663,7 @@ class SandboxManager:
         uncapped: bool = False,
     ) -> ExecProcess:
         user = await self._user(sb, live, req.user or sb.spec.user)
-        argv = ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else list(req.command)
+        argv = _argv(req)
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "HOSTNAME": sb.spec.hostname or sb.id}
         env.update(sb.spec.env)
         env.update(req.env)
@@ -732,7 +713,9 @@ class SandboxManager:
             )
         if result.timed_out:
             self._event(sb.id, "exec_timeout", {"command": cmd[:1000], "timeout": req.timeout})
-        if sb.live is not None and (result.exit_code >= 128 or result.exit_code == 2 or result.stderr):
+        # Only a failed command can have hit a limit (killed, or a refused fork reported on stderr);
+        # reading the cgroup after every successful exec would cost a thread hop for nothing.
+        if sb.live is not None and (result.exit_code >= 128 or (result.exit_code != 0 and result.stderr)):
             await self._record_limits(sb, sb.live)
 
     async def _record_limits(self, sb: Sandbox, live: LiveSandbox) -> None:
@@ -764,8 +747,7 @@ class SandboxManager:
             try:
                 process = await self._start(sb, live, req)
             except ExecStartError as exc:
-                argv = ["/bin/sh"] if isinstance(req.command, str) else req.command
-                return _start_failure(exc, argv)
+                return _start_failure(exc, req)
             try:
                 out, err, ex = await process.wait()
             except (ChannelClosedError, ProtocolError) as exc:
@@ -788,8 +770,7 @@ class SandboxManager:
             process = await self._start(sb, live, req)
         except ExecStartError as exc:
             sb.inflight -= 1
-            argv = ["/bin/sh"] if isinstance(req.command, str) else req.command
-            failed = _start_failure(exc, argv)
+            failed = _start_failure(exc, req)
 
             async def failed_stream() -> AsyncGenerator[ExecEvent, None]:
                 yield ExecEvent(type="stderr", data=failed.stderr)
@@ -838,8 +819,7 @@ class SandboxManager:
         try:
             process = await self._start(sb, live, req, setsid=True)
         except ExecStartError as exc:
-            argv = ["/bin/sh"] if isinstance(req.command, str) else req.command
-            raise InvalidArgumentError(_start_failure(exc, argv).stderr.strip()) from exc
+            raise InvalidArgumentError(_start_failure(exc, req).stderr.strip()) from exc
         bp = BackgroundProcess("p-" + secrets.token_hex(6), req.command, time.time(), process)
         sb.processes[bp.id] = bp
         self._spawn(self._collect(sb, bp, req), name=f"bg-{sb.id}-{bp.id}")
