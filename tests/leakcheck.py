@@ -47,7 +47,8 @@ def sandbox_processes(cgroup_parent: str) -> list[int]:
     return pids
 
 
-def zombie_children(pid: int) -> list[int]:
+def zombie_children(pid: int) -> list[str]:
+    """The command names of `pid`'s unreaped children."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -58,7 +59,7 @@ def zombie_children(pid: int) -> list[int]:
             continue
         fields = stat[stat.rfind(")") + 2 :].split()
         if fields[0] == "Z" and int(fields[1]) == pid:
-            out.append(int(entry))
+            out.append(stat[stat.find("(") + 1 : stat.rfind(")")])
     return out
 
 
@@ -76,7 +77,7 @@ class Residue:
     processes: int
     netns: int
     loops: int
-    zombies: int
+    zombies: tuple[str, ...]
 
 
 def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
@@ -114,5 +115,5 @@ def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
         processes=len(sandbox_processes(parent)),
         netns=len(net_namespaces()),
         loops=loop_devices(),
-        zombies=len(zombie_children(d.pid)) if daemon_alive else 0,
+        zombies=tuple(zombie_children(d.pid)) if daemon_alive else (),
     )

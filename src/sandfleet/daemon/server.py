@@ -124,6 +124,9 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # The runtime's detached helpers exit a moment after `crun run` returns; reap them as they go
+    # rather than leaving zombies until the next sweep.
+    loop.add_signal_handler(signal.SIGCHLD, proc.reap_orphans)
 
     async def run_servers() -> None:
         async with asyncio.TaskGroup() as tg:

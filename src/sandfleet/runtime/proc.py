@@ -2,8 +2,9 @@
 
 `spawn()` uses posix_spawn (vfork-fast even from a large Python process) because the OCI runtime must
 find the agent channel at fd 3 exactly (`--preserve-fds`), which subprocess cannot arrange. Exit is
-awaited through a pidfd on the event loop, so no thread and no SIGCHLD handler is involved and
-asyncio's own child watchers never race with us (we only ever wait for pids we spawned).
+awaited through a pidfd on the event loop, so no thread is involved and asyncio's own child
+watchers never race with us (we only ever wait for pids we spawned). The daemon's SIGCHLD handler
+runs `reap_orphans()`, which only collects exited OCI runtime helpers nobody else waits for.
 """
 
 from __future__ import annotations
