@@ -98,9 +98,7 @@ class Agent:
                 os.dup2(cfd, 3)  # inheritable; everything else is CLOEXEC
 
         try:
-            proc = subprocess.Popen(
-                [str(binary)], close_fds=False, preexec_fn=to_fd3, stdin=subprocess.DEVNULL
-            )
+            proc = subprocess.Popen([str(binary)], close_fds=False, preexec_fn=to_fd3, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         return cls(proc, AgentChannel(ours))
@@ -209,9 +207,7 @@ async def test_stdin_large_does_not_block(agent: Agent) -> None:
 
 
 async def test_env_and_cwd(agent: Agent, tmp_path: Path) -> None:
-    out, _, _ = await run(
-        agent, ["sh", "-c", 'echo "$FOO:$(pwd)"'], env={**ENV, "FOO": "bar"}, cwd=str(tmp_path)
-    )
+    out, _, _ = await run(agent, ["sh", "-c", 'echo "$FOO:$(pwd)"'], env={**ENV, "FOO": "bar"}, cwd=str(tmp_path))
     assert out.decode() == f"bar:{tmp_path}\n"
     # PATH comes from the request env (and defaults when absent)
     out, _, _ = await run(agent, ["printenv"], env={"ONLY": "1"})

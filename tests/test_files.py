@@ -210,7 +210,13 @@ def test_stat_and_list(fs: SandboxFS, root: Path) -> None:
     st = fs.stat("/d/file")
     assert isinstance(st, FileStat)
     assert (st.path, st.name, st.type, st.size, st.mode, st.uid, st.gid) == (
-        "/d/file", "file", "file", 5, 0o600, 3, 4,
+        "/d/file",
+        "file",
+        "file",
+        5,
+        0o600,
+        3,
+        4,
     )
     assert st.link_target is None
     assert st.mtime == pytest.approx((root / "d" / "file").stat().st_mtime)
@@ -559,9 +565,7 @@ def test_upload_tar_from_stream(fs: SandboxFS, root: Path) -> None:
     assert (root / "s2" / "a").read_bytes() == b"A"
 
 
-def test_upload_tar_overwrites_existing_symlink_instead_of_following(
-    fs: SandboxFS, root: Path, host: Path
-) -> None:
+def test_upload_tar_overwrites_existing_symlink_instead_of_following(fs: SandboxFS, root: Path, host: Path) -> None:
     fs.mkdir("/dst")
     os.symlink(host / "secret", root / "dst" / "f")  # planted by the sandbox
     fs.upload_tar("/dst", _tar([_file("f", b"replaced")]))
@@ -623,9 +627,7 @@ def test_upload_tar_hardlink_after_symlink_swap_refused(fs: SandboxFS, root: Pat
 
 
 @pytest.mark.parametrize("target_kind", ["absolute", "relative"])
-def test_upload_tar_symlink_then_file_through_it(
-    fs: SandboxFS, root: Path, host: Path, target_kind: str
-) -> None:
+def test_upload_tar_symlink_then_file_through_it(fs: SandboxFS, root: Path, host: Path, target_kind: str) -> None:
     target = str(host) if target_kind == "absolute" else "../" * 12 + str(host).lstrip("/")
     data = _tar([_sym("link", target), _file("link/pwned", b"pwned"), _file("link/secret", b"overwritten")])
     try:
