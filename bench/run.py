@@ -53,6 +53,9 @@ ID_RANGE = 65536
 POOL_MEMORY = "256MiB"
 TARGETS = {"create_to_first_exec_p50_ms": 30.0, "exec_p50_ms": 5.0, "daemon_rss_idle_mib": 200.0}
 DEVNULL = subprocess.DEVNULL
+# Peers' stdio: runtimes chown their stdio to the container user, and crun 1.8.1 does so even to the
+# host's /dev/null (containers/crun#1845), so peers get a private empty file and a private sink.
+PEER_STDIO = Path(tempfile.gettempdir()) / "sandfleet-bench-stdio"  # peer_worker points it into its tmp dir
 
 
 # --------------------------------------------------------------------------- helpers
@@ -137,7 +140,8 @@ def timed_runs(argv: Sequence[str] | Callable[[int], Sequence[str]], n: int, *, 
     for i in range(-warmup, n):
         cmd = argv(i) if callable(argv) else argv
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, stdin=DEVNULL, stdout=DEVNULL, stderr=subprocess.PIPE)
+        with open(PEER_STDIO.with_suffix(".in"), "ab+") as stdin, open(PEER_STDIO.with_suffix(".out"), "ab") as sink:
+            r = subprocess.run(cmd, stdin=stdin, stdout=sink, stderr=subprocess.PIPE)
         dt_ = time.perf_counter() - t0
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr.decode(errors='replace')[-800:]}")
@@ -330,8 +334,10 @@ def sandfleet_oci(rootfs: Path, args: list[str], cgroup_path: str) -> dict[str, 
 
 def peer_worker(params_file: Path) -> None:
     """Runs inside `unshare -m` with /sys/fs/cgroup/unified unmounted; writes results JSON."""
+    global PEER_STDIO
     p = json.loads(params_file.read_text())
     tmp = Path(p["tmp"])
+    PEER_STDIO = tmp / "peer-stdio"
     n, n_exec, cg = p["n"], p["n_exec"], p["cgroup_parent"]
     rootfs = tmp / "peer-rootfs"
     crun_root = tmp / "crun-root"
@@ -482,11 +488,11 @@ def peer_worker(params_file: Path) -> None:
     long_id = "sfb-long"
     try:
         errlog = tmp / "crun-long.err"  # a file, not a pipe: the detached container keeps its stderr open
-        with open(errlog, "wb") as err:
+        with open(errlog, "wb") as err, open(tmp / "crun-long.in", "ab+") as stdin:
             r = subprocess.run(
                 ["crun", "--root", str(crun_root), "run", "--detach", "--bundle", str(long_bundle), long_id],
-                stdin=DEVNULL,
-                stdout=DEVNULL,
+                stdin=stdin,
+                stdout=err,
                 stderr=err,
             )
         if r.returncode != 0:

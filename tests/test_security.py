@@ -486,3 +486,50 @@ def test_sandbox_signal_does_not_reach_host(host_sleep: subprocess.Popen[bytes],
     assert host_sleep.poll() is None
     os.kill(host_sleep.pid, 0)
     assert ok(sandbox, "echo alive") == "alive\n"
+
+
+def test_host_device_nodes_keep_owner_and_mode(fleet: Client) -> None:
+    """The sandbox's /dev/null is the host's node, bound in: neither creating a sandbox nor root
+    inside may change the host's owner or mode (crun 1.8.1 chowns it to the sandbox root)."""
+    before = {dev: os.stat(f"/dev/{dev}") for dev in ("null", "zero", "urandom", "tty")}
+    with fleet.create(image="busybox") as sb:
+        assert ok(sb, "echo hi > /dev/null && head -c 4 /dev/zero | wc -c").strip() == "4"
+        for dev in before:
+            code, _, err = sh(sb, f"chmod 000 /dev/{dev} || chown 0:0 /dev/{dev}")
+            assert code != 0, (dev, err)
+        code, _, _ = sh(sb, "mknod /tmp/mem c 1 1")
+        assert code != 0
+    for dev, st in before.items():
+        now = os.stat(f"/dev/{dev}")
+        assert (now.st_uid, now.st_gid, now.st_mode) == (st.st_uid, st.st_gid, st.st_mode), dev
+
+
+def test_sandbox_mounts_never_enter_the_daemons_mount_table(daemon: Daemon, fleet: Client, shared: Path) -> None:
+    """Each sandbox's scratch, overlay and bind mounts exist only in its own mount namespace, so the
+    daemon's table (copied by every new namespace) does not grow with the number of sandboxes."""
+    baseline = len(daemon.mountinfo().splitlines())
+    sandboxes = [
+        fleet.create(image="busybox", mounts=[Mount(source=str(shared), target="/data", read_only=True)])
+        for _ in range(8)
+    ]
+    try:
+        for sb in sandboxes:
+            assert ok(sb, "grep -c ' /data ' /proc/self/mountinfo").strip() == "1"
+        assert len(daemon.mountinfo().splitlines()) <= baseline + 1  # at most the busybox layer, once
+        assert str(daemon.run_dir / "sandboxes") not in daemon.mountinfo()
+    finally:
+        for sb in sandboxes:
+            sb.stop()
+
+
+def test_bind_target_that_cannot_take_the_mount_is_invalid_and_leaves_nothing(
+    daemon: Daemon, fleet: Client, shared: Path
+) -> None:
+    sandboxes_dir = daemon.run_dir / "sandboxes"
+    cg = Path("/sys/fs/cgroup/pids") / cgroup_parent(daemon)
+    before = set(os.listdir(sandboxes_dir)), {p.name for p in cg.iterdir() if p.is_dir()} if cg.exists() else set()
+    # a directory onto a file of the image
+    with pytest.raises(InvalidArgumentError, match="/bin/busybox"):
+        fleet.create(image="busybox", mounts=[Mount(source=str(shared), target="/bin/busybox")])
+    after = set(os.listdir(sandboxes_dir)), {p.name for p in cg.iterdir() if p.is_dir()} if cg.exists() else set()
+    assert after == before

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Literal
 
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
+LAUNCHER_SOURCE = Path(__file__).with_name("launcher.c")
+LAUNCHER_NAME = "sandfleet-run"  # <= 15 bytes: it is also the command name the orphan reaper matches
 AGENT_VERSION = "sandfleet-agent/1"
 
 # daemon -> agent
@@ -94,29 +96,43 @@ class ExecStartError(AgentError):
 # ---- build -------------------------------------------------------------------------------
 
 
-def build_agent(cache_dir: Path) -> Path:
-    """Compile agent.c statically into ``cache_dir`` (content-addressed, reused if present)."""
-    source = AGENT_SOURCE.read_bytes()
-    target = cache_dir / f"agent-{hashlib.sha256(source).hexdigest()[:16]}"
+def build_static(source_path: Path, cache_dir: Path, name: str) -> Path:
+    """Compile a C source statically to ``cache_dir/<hash>/<name>`` (content-addressed, reused if present).
+
+    The file name is kept as given because it is the process's command name (`comm`), which the
+    orphan reaper matches on.
+    """
+    source = source_path.read_bytes()
+    target = cache_dir / hashlib.sha256(source).hexdigest()[:16] / name
     if target.exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".agent-", dir=cache_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=target.parent)
     os.close(fd)
     try:
         res = subprocess.run(
-            ["gcc", "-O2", "-static", "-Wall", "-Wextra", "-o", tmp, str(AGENT_SOURCE)],
+            ["gcc", "-O2", "-static", "-Wall", "-Wextra", "-o", tmp, str(source_path)],
             capture_output=True,
             text=True,
         )
         if res.returncode != 0:
-            raise AgentBuildError(f"gcc failed ({res.returncode}):\n{res.stderr}")
+            raise AgentBuildError(f"gcc failed on {source_path.name} ({res.returncode}):\n{res.stderr}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)  # atomic: concurrent builders just overwrite with identical bytes
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def build_agent(cache_dir: Path) -> Path:
+    """The in-sandbox agent (agent.c), built once per source version."""
+    return build_static(AGENT_SOURCE, cache_dir, "agent")
+
+
+def build_launcher(cache_dir: Path) -> Path:
+    """The launcher (launcher.c) that starts a sandbox's agent in fresh namespaces."""
+    return build_static(LAUNCHER_SOURCE, cache_dir, LAUNCHER_NAME)
 
 
 # ---- wire format (pure) --------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """Cgroup facility: one interface over cgroup v1 (incl. hybrid hosts like this one) and v2.
 
-The OCI runtime creates each sandbox's cgroup and writes its limits from config.json; this module
-finds it again to read usage and limit hits (OOM kills, pids-limit refusals) and to remove leftovers
-after a crash. Paths are relative to the hierarchy root, e.g. "/sandfleet/<id>".
+With the launcher (`sandfleet-run`) this module creates each sandbox's cgroup and writes its limits
+before the sandbox's first process joins it; with an OCI runtime (crun, runc) the runtime does that
+from config.json. Either way this module reads usage and limit hits (OOM kills, pids-limit refusals)
+and removes leftovers after a crash. Paths are relative to the hierarchy root, e.g. "/sandfleet/<id>".
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -15,6 +17,12 @@ from typing import Literal
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # "unified": on a hybrid host, runtimes that see the cgroup2 mount (runc) also make a directory there.
 V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer", "devices", "cpuset", "blkio", "systemd", "unified")
+
+# The v1 hierarchies a launcher-made sandbox joins ("cpu" is co-mounted with cpuacct here).
+V1_JOINED = ("memory", "cpu", "cpuacct", "pids", "freezer", "devices")
+# Device nodes a sandbox may open (the launcher binds exactly these from the host), as v1 rules.
+ALLOWED_DEVICES: tuple[str, ...] = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm")
+ALLOWED_DEVICES += ("c 5:0 rwm", "c 5:2 rwm", "c 136:* rwm")  # tty, ptmx, devpts
 
 Mode = Literal["v1", "v2", "hybrid"]
 
@@ -42,6 +50,11 @@ def _read_int(path: Path, default: int = 0) -> int:
         return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return default
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
 
 
 def _read_keyed(path: Path) -> dict[str, int]:
@@ -98,6 +111,74 @@ class Cgroups:
             pids_limit_hits=_read_keyed(pids / "pids.events").get("max", 0),
             cpu_seconds=_read_int(self.root / "cpuacct" / rel / "cpuacct.usage") / 1e9,
         )
+
+    def create(self, rel: str, *, memory: int, cpu_quota_us: int, cpu_period_us: int, pids: int) -> list[Path]:
+        """Make the sandbox cgroup with its limits; return the directories its first process joins.
+
+        Memory and memory+swap get the same limit (no swap beyond the limit, as crun does with
+        `swap == limit`). Raises OSError; the caller removes a half-made cgroup with `remove()`.
+        """
+        rel = rel.lstrip("/")
+        if self.mode == "v2":
+            d = self.root / rel
+            self._enable_v2_controllers(d.parent)
+            d.mkdir(exist_ok=True)
+            _write(d / "memory.max", str(memory))
+            if (d / "memory.swap.max").exists():
+                _write(d / "memory.swap.max", "0")
+            _write(d / "cpu.max", f"{cpu_quota_us} {cpu_period_us}")
+            _write(d / "pids.max", str(pids))
+            return [d]
+        dirs: list[Path] = []
+        for ctrl in V1_JOINED:
+            hierarchy = self.root / ctrl
+            if not hierarchy.is_dir():
+                continue
+            d = hierarchy / rel
+            if d.resolve() in {x.resolve() for x in dirs}:
+                continue  # co-mounted controllers (cpu,cpuacct) share one directory
+            d.mkdir(parents=True, exist_ok=True)
+            dirs.append(d)
+        mem, cpu, pid_dir, dev = (self.root / c / rel for c in ("memory", "cpu", "pids", "devices"))
+        _write(mem / "memory.limit_in_bytes", str(memory))
+        if (mem / "memory.memsw.limit_in_bytes").exists():
+            _write(mem / "memory.memsw.limit_in_bytes", str(memory))
+        _write(cpu / "cpu.cfs_period_us", str(cpu_period_us))
+        _write(cpu / "cpu.cfs_quota_us", str(cpu_quota_us))
+        _write(pid_dir / "pids.max", str(pids))
+        if dev.is_dir():
+            _write(dev / "devices.deny", "a")
+            for rule in ALLOWED_DEVICES:
+                _write(dev / "devices.allow", rule)
+        return dirs
+
+    def _enable_v2_controllers(self, parent: Path) -> None:
+        """Create `parent` with memory, cpu and pids delegated from the root down to its children."""
+        parent.mkdir(parents=True, exist_ok=True)
+        parts = parent.relative_to(self.root).parts
+        for level in [self.root.joinpath(*parts[:i]) for i in range(len(parts) + 1)]:
+            enabled = (level / "cgroup.subtree_control").read_text().split()
+            missing = [c for c in ("memory", "cpu", "pids") if c not in enabled]
+            if missing:
+                _write(level / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
+
+    def kill_all(self, rel: str) -> int:
+        """SIGKILL every process in the cgroup (a half-started sandbox whose init we never learned)."""
+        killed = 0
+        for d in self._dirs(rel):
+            try:
+                pids = (d / "cgroup.procs").read_text().split()
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed += 1
+                except (ProcessLookupError, ValueError):
+                    continue
+            if pids:
+                break
+        return killed
 
     def exists(self, rel: str) -> bool:
         return any(d.is_dir() for d in self._dirs(rel))

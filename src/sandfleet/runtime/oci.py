@@ -14,6 +14,7 @@ from typing import Any
 from sandfleet.runtime.seccomp import default_profile
 
 ID_RANGE = 65536
+SHM_SIZE = 64 * 1024**2
 
 # Docker's default set minus NET_RAW and MKNOD; SETUID/SETGID let the agent run commands as other users.
 DEFAULT_CAPABILITIES: tuple[str, ...] = (
@@ -69,6 +70,10 @@ class ContainerLimits:
     pids: int
     cpu_period_us: int = 100_000
 
+    @property
+    def cpu_quota_us(self) -> int:
+        return max(1000, int(self.cpu * self.cpu_period_us))
+
 
 @dataclass(frozen=True)
 class ContainerConfig:
@@ -82,7 +87,7 @@ class ContainerConfig:
         default_factory=lambda: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
     )
     binds: tuple[BindMount, ...] = ()
-    shm_size: int = 64 * 1024**2
+    shm_size: int = SHM_SIZE
     nofile: int = 4096
 
 
@@ -118,7 +123,6 @@ def build(cfg: ContainerConfig) -> dict[str, Any]:
         mounts.append({"destination": bind.target, "type": "bind", "source": bind.source, "options": opts})
 
     caps = list(DEFAULT_CAPABILITIES)
-    cpu_quota = max(1000, int(cfg.limits.cpu * cfg.limits.cpu_period_us))
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -157,7 +161,7 @@ def build(cfg: ContainerConfig) -> dict[str, Any]:
             "cgroupsPath": cfg.cgroup_path,
             "resources": {
                 "memory": {"limit": cfg.limits.memory, "swap": cfg.limits.memory},
-                "cpu": {"quota": cpu_quota, "period": cfg.limits.cpu_period_us},
+                "cpu": {"quota": cfg.limits.cpu_quota_us, "period": cfg.limits.cpu_period_us},
                 "pids": {"limit": cfg.limits.pids},
                 "devices": [{"allow": False, "access": "rwm"}],
             },

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
 import signal
 from collections.abc import Mapping, Sequence
@@ -107,10 +108,18 @@ async def spawn(
         (os.POSIX_SPAWN_DUP2, out_w if capture else null, 1),
         (os.POSIX_SPAWN_DUP2, err_w if capture else null, 2),
     ]
-    # dup2 onto the target clears FD_CLOEXEC there, so exactly these fds reach the child.
-    for child_fd, our_fd in (fd_map or {}).items():
-        actions.append((os.POSIX_SPAWN_DUP2, our_fd, child_fd))
+    # dup2 onto the target clears FD_CLOEXEC there, so exactly these fds reach the child. A source
+    # that is itself a target number (or below 3) would be overwritten by an earlier dup2: copy it
+    # above every target first.
+    fd_map = dict(fd_map or {})
+    floor = max([2, *fd_map]) + 1
+    lifted: list[int] = []
     try:
+        for child_fd, our_fd in fd_map.items():
+            if our_fd < floor:
+                our_fd = fcntl.fcntl(our_fd, fcntl.F_DUPFD_CLOEXEC, floor)
+                lifted.append(our_fd)
+            actions.append((os.POSIX_SPAWN_DUP2, our_fd, child_fd))
         # vfork+exec: returns as soon as the child has exec'd, never waits for it.
         pid = os.posix_spawnp(  # noqa: ASYNC221
             argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions
@@ -120,6 +129,8 @@ async def spawn(
         os.close(out_w)
         os.close(err_w)
         os.close(null)
+        for fd in lifted:
+            os.close(fd)
     try:
         async with asyncio.timeout(timeout):
             stdout, stderr, code = await asyncio.gather(_read_all(out_r), _read_all(err_r), wait_pid(pid))
@@ -143,7 +154,8 @@ def become_subreaper() -> None:
         raise OSError(err, os.strerror(err))
 
 
-ORPHAN_NAMES = frozenset({"crun", "runc", "runsc"})
+# OCI runtimes, and the launcher (a launch that failed past its fork leaves one child behind).
+ORPHAN_NAMES = frozenset({"crun", "runc", "runsc", "sandfleet-run"})
 
 
 def reap_orphans(names: frozenset[str] = ORPHAN_NAMES, limit: int = 1024) -> int:

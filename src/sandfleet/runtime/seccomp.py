@@ -9,6 +9,8 @@ can inspect (clone3 passes them in memory, out of a filter's reach).
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Any
 
 EPERM = 1
@@ -94,3 +96,93 @@ def default_profile() -> dict[str, Any]:
             },
         ],
     }
+
+
+class SeccompUnavailableError(RuntimeError):
+    """libseccomp (Debian's libseccomp2, a dependency of crun) could not be loaded or used."""
+
+
+class _ArgCmp(ctypes.Structure):
+    _fields_ = [
+        ("arg", ctypes.c_uint),
+        ("op", ctypes.c_int),
+        ("datum_a", ctypes.c_uint64),
+        ("datum_b", ctypes.c_uint64),
+    ]
+
+
+_ACTIONS = {"SCMP_ACT_ALLOW": 0x7FFF0000, "SCMP_ACT_KILL": 0x00000000}
+_ERRNO_ACTION = 0x00050000
+_OPS = {"SCMP_CMP_NE": 1, "SCMP_CMP_LT": 2, "SCMP_CMP_LE": 3, "SCMP_CMP_EQ": 4, "SCMP_CMP_GE": 5}
+_OPS.update({"SCMP_CMP_GT": 6, "SCMP_CMP_MASKED_EQ": 7})
+_ARCHES = {"SCMP_ARCH_X86_64": b"x86_64", "SCMP_ARCH_X86": b"x86", "SCMP_ARCH_X32": b"x32"}
+
+
+def _action(rule: dict[str, Any]) -> int:
+    name = rule["action"]
+    if name == "SCMP_ACT_ERRNO":
+        return _ERRNO_ACTION | (int(rule.get("errnoRet", EPERM)) & 0xFFFF)
+    return _ACTIONS[name]
+
+
+def compile_bpf(profile: dict[str, Any]) -> bytes:
+    """Compile an OCI seccomp object to the classic BPF program the kernel loads (struct sock_filter[]).
+
+    libseccomp does what crun does with the same profile; the launcher then only has to install the
+    bytes, so a create costs no filter compilation.
+    """
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    except OSError as exc:
+        raise SeccompUnavailableError("libseccomp.so.2 not found (apt-get install libseccomp2)") from exc
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    lib.seccomp_arch_resolve_name.restype = ctypes.c_uint32
+    lib.seccomp_arch_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_arch_native.restype = ctypes.c_uint32
+    lib.seccomp_arch_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_ArgCmp),
+    ]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+
+    ctx = lib.seccomp_init(_ACTIONS[profile["defaultAction"]])
+    if not ctx:
+        raise SeccompUnavailableError("seccomp_init failed")
+    try:
+        native = lib.seccomp_arch_native()
+        for arch in profile.get("architectures", []):
+            token = lib.seccomp_arch_resolve_name(_ARCHES[arch])
+            if token and token != native:
+                rc = lib.seccomp_arch_add(ctx, token)
+                if rc not in (0, -17):  # -EEXIST
+                    raise SeccompUnavailableError(f"seccomp_arch_add({arch}) failed: {rc}")
+        for rule in profile["syscalls"]:
+            args = rule.get("args", [])
+            cmps = (_ArgCmp * max(1, len(args)))()
+            for i, a in enumerate(args):
+                cmps[i] = _ArgCmp(a["index"], _OPS[a["op"]], a["value"], a.get("valueTwo", 0))
+            for name in rule["names"]:
+                nr = lib.seccomp_syscall_resolve_name(name.encode())
+                if nr == -10101:  # __NR_SCMP_ERROR: not a syscall on any of our architectures
+                    continue
+                rc = lib.seccomp_rule_add_array(ctx, _action(rule), nr, len(args), cmps)
+                if rc != 0:
+                    raise SeccompUnavailableError(f"seccomp rule for {name} failed: {rc}")
+        fd = os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC)
+        try:
+            rc = lib.seccomp_export_bpf(ctx, fd)
+            if rc != 0:
+                raise SeccompUnavailableError(f"seccomp_export_bpf failed: {rc}")
+            size = os.lseek(fd, 0, os.SEEK_END)
+            return os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
+    finally:
+        lib.seccomp_release(ctx)

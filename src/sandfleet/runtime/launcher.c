@@ -1,0 +1,653 @@
+/*
+ * sandfleet-run: start one sandbox's init (the agent) in fresh namespaces, then exit.
+ *
+ * The daemon's own OCI-runtime replacement for the hot path: it applies the same isolation steps
+ * as `crun run` with the config that runtime/oci.py writes, in this order, without JSON, libseccomp
+ * or a runtime state directory, in about a millisecond.
+ *
+ *   launcher (real root, the daemon's mount namespace)
+ *     reads the seccomp BPF (fd 5), detaches each bind-mount source with open_tree (fds 6..)
+ *     fork + unshare(CLONE_NEWNS) -> stage 1 (real root, a private copy of the daemon's mount namespace)
+ *       1 cgroups: joins the sandbox's cgroups (the daemon made them and wrote the limits)
+ *       2 rlimits, oom_score_adj
+ *       3 rootfs: tmpfs scratch (size and inode cap) + overlay over the EROFS layers; bind mounts
+ *            attached under the rootfs, resolved with RESOLVE_IN_ROOT. These mounts exist only in
+ *            this namespace and its copies: the kernel removes them with the sandbox, and no other
+ *            mount namespace ever grows with the number of sandboxes.
+ *       4 user namespace: unshare(CLONE_NEWUSER); the launcher writes uid_map/gid_map (root
+ *            inside = uid_base outside)
+ *       5 unshare(mount, pid, uts, ipc, net, cgroup), all owned by the new user namespace, so
+ *            the mounts above are locked beneath the sandbox
+ *       fork -> stage 2 (PID 1 of the new pid namespace)
+ *       6 /proc, /dev (tmpfs, bound device nodes, devpts, shm, mqueue), /sys read-only
+ *       7 masked and read-only paths
+ *       8 hostname; pivot_root and detach the old root
+ *       9 capabilities (bounding, permitted, effective; no ambient), no_new_privs, seccomp
+ *      10 stdio to /dev/null, execveat(fd 4): the agent, with its channel at fd 3
+ *
+ * Errors from either stage travel back over a close-on-exec pipe: EOF with no bytes means the
+ * agent was exec'd. On success the agent's pid (as the daemon sees it) is printed on stdout.
+ *
+ * Arguments:
+ *   --dir D          sandbox directory; D/scratch and D/rootfs are the mount points
+ *   --pid-file F     also write the agent's pid to F (atomically)
+ *   --lower P        a read-only layer, top first (repeatable)
+ *   --disk BYTES --inodes N --shm BYTES --nofile N --uid BASE --hostname H
+ *   --cgroup DIR     a cgroup directory to join (repeatable)
+ *   --bind FD:ro|rw:TARGET   an O_PATH fd of an already-checked source (repeatable)
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/openat2.h>
+#include <linux/seccomp.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_ITEMS 64
+#define UID_RANGE 65536
+
+static const char *dir, *pid_file, *hostname = "sandbox";
+static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS];
+static int n_lowers, n_cgroups;
+static unsigned long long disk = 256ULL << 20, inodes = 65536, shm = 64ULL << 20;
+static unsigned long nofile = 4096, uid_base = 100000;
+static struct {
+	int src, tree, ro;
+	const char *target;
+} binds[MAX_ITEMS];
+static int n_binds;
+static struct sock_filter *bpf;
+static unsigned short bpf_len;
+static int err_fd = -1; /* write end of the error pipe, in both stages */
+
+/* Docker's default set minus NET_RAW and MKNOD (runtime/oci.py: DEFAULT_CAPABILITIES). */
+static const int keep_caps[] = {
+	CAP_CHOWN,  CAP_DAC_OVERRIDE, CAP_FSETID,	    CAP_FOWNER,	 CAP_SETGID,	  CAP_SETUID,
+	CAP_SETFCAP, CAP_SETPCAP,      CAP_NET_BIND_SERVICE, CAP_SYS_CHROOT, CAP_KILL, CAP_AUDIT_WRITE,
+};
+/* runtime/oci.py: MASKED_PATHS and READONLY_PATHS, relative to the rootfs. */
+static const char *masked[] = {
+	"proc/acpi",	   "proc/asound",	 "proc/kcore",	       "proc/keys",	   "proc/latency_stats",
+	"proc/timer_list", "proc/timer_stats", "proc/sched_debug",    "proc/scsi",	   "proc/kpagecgroup",
+	"proc/kpagecount", "proc/kpageflags",  "proc/kmsg",	       "proc/sysrq-trigger", "sys/firmware",
+	"sys/devices/virtual/powercap",	   "sys/kernel/debug", "sys/fs/cgroup",
+};
+static const char *readonly[] = {"proc/bus", "proc/fs", "proc/irq", "proc/sys"};
+static const char *devices[] = {"null", "zero", "full", "random", "urandom", "tty"};
+
+/* Report an error and exit. The first byte on the error pipe says whose fault it is: 'I' for the
+ * request (exit 3, the daemon answers invalid_argument), 'E' for everything else (exit 1). */
+static void vfail(char kind, const char *fmt, va_list ap)
+{
+	char msg[1024];
+	int e = errno, n;
+	msg[0] = kind;
+	n = 1 + vsnprintf(msg + 1, sizeof msg - 65, fmt, ap);
+	if (n < 1)
+		n = 1;
+	if (n > (int)sizeof msg - 64)
+		n = sizeof msg - 64;
+	n += snprintf(msg + n, sizeof msg - n, ": %s", strerror(e));
+	if (n > (int)sizeof msg - 1)
+		n = sizeof msg - 1;
+	if (err_fd >= 0) {
+		if (write(err_fd, msg, n) < 0) {
+		}
+	} else {
+		fprintf(stderr, "sandfleet-run: %s\n", msg + 1);
+	}
+	_exit(kind == 'I' ? 3 : 1);
+}
+
+static void fail(const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vfail('E', fmt, ap);
+	va_end(ap);
+}
+
+static void fail_input(const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vfail('I', fmt, ap);
+	va_end(ap);
+}
+
+static void usage(const char *msg)
+{
+	fprintf(stderr, "sandfleet-run: %s\n", msg);
+	exit(2);
+}
+
+static long sys_openat2(int dirfd, const char *path, int flags, unsigned long long resolve)
+{
+	struct open_how how = {.flags = (unsigned long long)flags, .resolve = resolve};
+	return syscall(SYS_openat2, dirfd, path, &how, sizeof how);
+}
+
+/* Resolve `rel` inside the directory `root` as if it were "/", never following a symlink out. */
+static int in_root(int root, const char *rel, int flags)
+{
+	return (int)sys_openat2(root, rel, flags | O_CLOEXEC, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS);
+}
+
+/* mkdir -p `rel` under `root` (each component resolved in the root); return an O_PATH fd to it. */
+static int mkdirs_in_root(int root, const char *rel, uid_t owner, int last_is_file)
+{
+	char buf[PATH_MAX], *p;
+	if (snprintf(buf, sizeof buf, "%s", rel) >= (int)sizeof buf)
+		return errno = ENAMETOOLONG, -1;
+	for (p = buf; *p == '/'; p++)
+		;
+	for (char *s = p;; s++) {
+		int last = *s == '\0';
+		if (*s != '/' && !last)
+			continue;
+		*s = '\0';
+		if (*p) {
+			int fd = in_root(root, p, O_PATH);
+			if (fd < 0 && errno == ENOENT) {
+				int parent = root;
+				char *slash = strrchr(p, '/');
+				const char *name = p;
+				if (slash) {
+					*slash = '\0';
+					parent = in_root(root, p, O_PATH | O_DIRECTORY);
+					*slash = '/';
+					name = slash + 1;
+					if (parent < 0)
+						return -1;
+				}
+				int rc;
+				if (last && last_is_file) {
+					rc = openat(parent, name, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | O_NOFOLLOW, 0644);
+					if (rc >= 0)
+						close(rc), rc = 0;
+				} else {
+					rc = mkdirat(parent, name, 0755);
+				}
+				if (rc == 0 && fchownat(parent, name, owner, owner, AT_SYMLINK_NOFOLLOW) < 0)
+					rc = -1;
+				if (parent != root)
+					close(parent);
+				if (rc < 0 && errno != EEXIST)
+					return -1;
+				fd = in_root(root, p, O_PATH);
+			}
+			if (fd < 0)
+				return -1;
+			if (last)
+				return fd;
+			close(fd);
+		}
+		if (last)
+			return in_root(root, ".", O_PATH);
+		*s = '/';
+	}
+}
+
+/* Mount on a directory of the new root (our cwd) that must not be a symlink (a hostile image could
+ * point /proc anywhere); created if the image lacks it. Checked with openat2, then named by the same
+ * relative path: nothing else runs in this mount namespace yet, so it cannot change in between. */
+static void mount_at(int root, const char *rel, const char *src, const char *type, unsigned long flags,
+		     const char *data)
+{
+	int fd = (int)sys_openat2(root, rel, O_PATH | O_DIRECTORY | O_CLOEXEC,
+				  RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS);
+	if (fd < 0 && errno == ENOENT) {
+		fd = mkdirs_in_root(root, rel, 0, 0);
+		if (fd >= 0) {
+			close(fd);
+			fd = (int)sys_openat2(root, rel, O_PATH | O_DIRECTORY | O_CLOEXEC,
+					      RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS);
+		}
+	}
+	if (fd < 0)
+		fail("open /%s", rel);
+	if (mount(src, rel, type, flags, data) < 0)
+		fail("mount %s on /%s", type ? type : src, rel);
+	close(fd);
+}
+
+static void write_file(const char *path, const char *data)
+{
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		fail("open %s", path);
+	ssize_t n = write(fd, data, strlen(data));
+	if (n != (ssize_t)strlen(data))
+		fail("write %s", path);
+	close(fd);
+}
+
+/* ---- stage 2: PID 1 of the sandbox ---------------------------------------------------------- */
+
+static void setup_dev(int root)
+{
+	char buf[64], target[64];
+	mount_at(root, "dev", "tmpfs", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k");
+	int dev = in_root(root, "dev", O_PATH | O_DIRECTORY);
+	if (dev < 0)
+		fail("open /dev");
+	/* No mknod in a user namespace: bind the host's harmless character devices instead. */
+	for (size_t i = 0; i < sizeof devices / sizeof *devices; i++) {
+		int fd = openat(dev, devices[i], O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0666);
+		if (fd < 0)
+			fail("create /dev/%s", devices[i]);
+		close(fd);
+		snprintf(buf, sizeof buf, "/dev/%s", devices[i]);
+		snprintf(target, sizeof target, "dev/%s", devices[i]);
+		if (mount(buf, target, NULL, MS_BIND, NULL) < 0)
+			fail("bind %s", buf);
+	}
+	mount_at(root, "dev/pts", "devpts", "devpts", MS_NOSUID | MS_NOEXEC,
+		 "newinstance,ptmxmode=0666,mode=0620");
+	snprintf(buf, sizeof buf, "mode=1777,size=%llu", shm);
+	mount_at(root, "dev/shm", "shm", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_NODEV, buf);
+	mount_at(root, "dev/mqueue", "mqueue", "mqueue", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
+	static const char *links[][2] = {{"ptmx", "pts/ptmx"},
+					 {"fd", "/proc/self/fd"},
+					 {"stdin", "/proc/self/fd/0"},
+					 {"stdout", "/proc/self/fd/1"},
+					 {"stderr", "/proc/self/fd/2"}};
+	for (size_t i = 0; i < sizeof links / sizeof *links; i++)
+		if (symlinkat(links[i][1], dev, links[i][0]) < 0)
+			fail("symlink /dev/%s", links[i][0]);
+	close(dev);
+}
+
+static void mask_paths(int root)
+{
+	for (size_t i = 0; i < sizeof masked / sizeof *masked; i++) {
+		int fd = (int)sys_openat2(root, masked[i], O_PATH | O_CLOEXEC | O_NOFOLLOW,
+					  RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS);
+		if (fd < 0) {
+			if (errno == ENOENT)
+				continue;
+			fail("open /%s", masked[i]);
+		}
+		struct stat st;
+		if (fstat(fd, &st) < 0)
+			fail("stat /%s", masked[i]);
+		const char *target = masked[i];
+		int rc = S_ISDIR(st.st_mode) ? mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+						     "size=0,mode=555")
+					     : mount("/dev/null", target, NULL, MS_BIND, NULL);
+		if (rc < 0)
+			fail("mask /%s", masked[i]);
+		close(fd);
+	}
+	for (size_t i = 0; i < sizeof readonly / sizeof *readonly; i++) {
+		int fd = (int)sys_openat2(root, readonly[i], O_PATH | O_CLOEXEC | O_DIRECTORY,
+					  RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS);
+		if (fd < 0) {
+			if (errno == ENOENT)
+				continue;
+			fail("open /%s", readonly[i]);
+		}
+		close(fd);
+		const char *target = readonly[i];
+		if (mount(target, target, NULL, MS_BIND | MS_REC, NULL) < 0)
+			fail("bind /%s", readonly[i]);
+		struct statvfs sv;
+		if (statvfs(target, &sv) < 0)
+			fail("statvfs /%s", readonly[i]);
+		unsigned long keep = sv.f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC);
+		if (mount(NULL, target, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | keep, NULL) < 0)
+			fail("remount /%s read-only", readonly[i]);
+	}
+}
+
+static void drop_capabilities(void)
+{
+	int last = CAP_LAST_CAP;
+	FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
+	if (f) {
+		if (fscanf(f, "%d", &last) != 1)
+			last = CAP_LAST_CAP;
+		fclose(f);
+	}
+	uint64_t keep = 0;
+	for (size_t i = 0; i < sizeof keep_caps / sizeof *keep_caps; i++)
+		keep |= 1ULL << keep_caps[i];
+	for (int cap = 0; cap <= last; cap++)
+		if (!(keep & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL)
+			fail("drop capability %d from the bounding set", cap);
+	if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
+		fail("clear ambient capabilities");
+	struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+	struct __user_cap_data_struct data[2] = {{0}};
+	data[0].effective = data[0].permitted = (uint32_t)keep;
+	data[1].effective = data[1].permitted = (uint32_t)(keep >> 32);
+	if (syscall(SYS_capset, &hdr, data) < 0)
+		fail("capset");
+}
+
+static void stage2(const char *rootfs)
+{
+	/* The overlay came from a more privileged namespace, so it is locked here and pivot_root
+	 * refuses it; a recursive bind of it onto itself is ours (the mounts beneath stay locked). */
+	if (mount(rootfs, rootfs, NULL, MS_BIND | MS_REC, NULL) < 0)
+		fail("bind rootfs");
+	/* Opened after the bind, not inherited: an fd from stage 1 names stage 1's mount. */
+	int root = open(rootfs, O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (root < 0)
+		fail("open rootfs");
+	if (fchdir(root) < 0)
+		fail("chdir rootfs");
+	mount_at(root, "proc", "proc", "proc", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
+	setup_dev(root);
+	/* sysfs needs a network namespace owned by our user namespace, which we have. */
+	mount_at(root, "sys", "sysfs", "sysfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
+	mask_paths(root);
+	if (sethostname(hostname, strlen(hostname)) < 0)
+		fail("sethostname");
+	/* pivot_root(".", "."): the old root ends up stacked on the new one; detach it. */
+	if (syscall(SYS_pivot_root, ".", ".") < 0)
+		fail("pivot_root");
+	if (umount2(".", MNT_DETACH) < 0)
+		fail("detach the old root");
+	if (chdir("/") < 0)
+		fail("chdir /");
+	close(root);
+
+	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+	if (null < 0)
+		fail("open /dev/null");
+	drop_capabilities();
+	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+		fail("no_new_privs");
+	if (bpf_len) {
+		struct sock_fprog prog = {.len = bpf_len, .filter = bpf};
+		if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0) < 0)
+			fail("seccomp");
+	}
+	/* Everything but the channel (3), the agent binary (4) and the error pipe (closes at exec). */
+	for (int fd = 0; fd < 3; fd++)
+		if (dup2(null, fd) < 0)
+			fail("dup2 /dev/null");
+	if (syscall(SYS_close_range, 5, ~0U, CLOSE_RANGE_CLOEXEC) < 0)
+		fail("close_range");
+	char *argv[] = {"/proc/self/fd/4", NULL};
+	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+	syscall(SYS_execveat, 4, "", argv, envp, AT_EMPTY_PATH);
+	fail("exec the agent");
+}
+
+/* ---- stage 1: real root in a private mount namespace ---------------------------------------- */
+
+static int stage1(int to_launcher, int from_launcher)
+{
+	char buf[PATH_MAX + 64];
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		fail("make mounts private");
+	for (int i = 0; i < n_cgroups; i++) {
+		snprintf(buf, sizeof buf, "%s/cgroup.procs", cgroups[i]);
+		write_file(buf, "0");
+	}
+	struct rlimit nf = {.rlim_cur = nofile < 1024 ? nofile : 1024, .rlim_max = nofile}, core = {0, 0};
+	if (setrlimit(RLIMIT_NOFILE, &nf) < 0 || setrlimit(RLIMIT_CORE, &core) < 0)
+		fail("setrlimit");
+	write_file("/proc/self/oom_score_adj", "500");
+
+	char scratch[PATH_MAX], rootfs[PATH_MAX];
+	snprintf(scratch, sizeof scratch, "%s/scratch", dir);
+	snprintf(rootfs, sizeof rootfs, "%s/rootfs", dir);
+	snprintf(buf, sizeof buf, "size=%llu,nr_inodes=%llu,mode=0700", disk, inodes);
+	if (mount("sandfleet-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, buf) < 0)
+		fail("mount scratch tmpfs");
+	int sfd = open(scratch, O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (sfd < 0 || mkdirat(sfd, "upper", 0755) < 0 || mkdirat(sfd, "work", 0700) < 0)
+		fail("make upper and work dirs");
+	/* The overlay's root takes its owner from the upper dir: root inside must own "/". */
+	if (fchownat(sfd, "upper", uid_base, uid_base, 0) < 0)
+		fail("chown upper");
+	close(sfd);
+	char *opts = malloc(PATH_MAX * (n_lowers + 3));
+	if (!opts)
+		fail("malloc");
+	int n = sprintf(opts, "lowerdir=");
+	for (int i = 0; i < n_lowers; i++)
+		n += sprintf(opts + n, "%s%s", i ? ":" : "", lowers[i]);
+	sprintf(opts + n, ",upperdir=%s/upper,workdir=%s/work", scratch, scratch);
+	if (mount("overlay", rootfs, "overlay", MS_NODEV, opts) < 0)
+		fail("mount overlay rootfs");
+	free(opts);
+
+	int root = open(rootfs, O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (root < 0)
+		fail("open rootfs");
+	for (int i = 0; i < n_binds; i++) {
+		struct stat st;
+		if (fstat(binds[i].src, &st) < 0)
+			fail("stat bind source");
+		int target = mkdirs_in_root(root, binds[i].target, uid_base, !S_ISDIR(st.st_mode));
+		if (target < 0)
+			fail_input("mount target %s cannot be made", binds[i].target);
+		if (syscall(SYS_move_mount, binds[i].tree, "", target, "",
+			    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
+			fail_input("mount target %s cannot take the mount", binds[i].target);
+		close(target);
+	}
+
+	close(root);
+	if (unshare(CLONE_NEWUSER) < 0)
+		fail("unshare user namespace");
+	char c = 'u';
+	if (write(to_launcher, &c, 1) != 1 || read(from_launcher, &c, 1) != 1 || c != 'm')
+		fail("uid map handshake");
+	if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0 || setgroups(0, NULL) < 0)
+		fail("become root in the user namespace");
+	if (unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWCGROUP) < 0)
+		fail("unshare namespaces");
+	pid_t pid = fork();
+	if (pid < 0)
+		fail("fork the sandbox init");
+	if (pid == 0) {
+		close(to_launcher);
+		close(from_launcher);
+		stage2(rootfs);
+	}
+	int32_t p = pid;
+	if (write(to_launcher, &p, sizeof p) != sizeof p)
+		fail("report pid");
+	_exit(0);
+}
+
+/* ---- launcher ---------------------------------------------------------------------------------- */
+
+static void write_map(pid_t pid, const char *name)
+{
+	char path[64], map[64];
+	snprintf(path, sizeof path, "/proc/%d/%s", pid, name);
+	snprintf(map, sizeof map, "0 %lu %d\n", uid_base, UID_RANGE);
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0 || write(fd, map, strlen(map)) != (ssize_t)strlen(map))
+		fail("write %s", path);
+	close(fd);
+}
+
+static unsigned long long number(const char *s)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 10);
+	if (errno || *end || !*s)
+		usage("bad number");
+	return v;
+}
+
+static void read_bpf(int fd)
+{
+	size_t cap = 1 << 16, len = 0;
+	char *buf = malloc(cap);
+	if (!buf)
+		usage("malloc");
+	for (;;) {
+		ssize_t n = pread(fd, buf + len, cap - len, (off_t)len); /* the daemon shares one fd */
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			fail("read seccomp filter");
+		if (n == 0)
+			break;
+		len += n;
+		if (len == cap)
+			usage("seccomp filter too large");
+	}
+	close(fd);
+	if (len % sizeof(struct sock_filter) || len / sizeof(struct sock_filter) > BPF_MAXINSNS)
+		usage("malformed seccomp filter");
+	bpf = (struct sock_filter *)buf;
+	bpf_len = len / sizeof(struct sock_filter);
+}
+
+int main(int argc, char **argv)
+{
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!v)
+			usage("missing value");
+		i++;
+		if (!strcmp(a, "--dir"))
+			dir = v;
+		else if (!strcmp(a, "--pid-file"))
+			pid_file = v;
+		else if (!strcmp(a, "--lower") && n_lowers < MAX_ITEMS)
+			lowers[n_lowers++] = v;
+		else if (!strcmp(a, "--cgroup") && n_cgroups < MAX_ITEMS)
+			cgroups[n_cgroups++] = v;
+		else if (!strcmp(a, "--disk"))
+			disk = number(v);
+		else if (!strcmp(a, "--inodes"))
+			inodes = number(v);
+		else if (!strcmp(a, "--shm"))
+			shm = number(v);
+		else if (!strcmp(a, "--nofile"))
+			nofile = number(v);
+		else if (!strcmp(a, "--uid"))
+			uid_base = number(v);
+		else if (!strcmp(a, "--hostname"))
+			hostname = v;
+		else if (!strcmp(a, "--bind") && n_binds < MAX_ITEMS) {
+			char *end;
+			long fd = strtol(v, &end, 10);
+			if (fd < 6 || (strncmp(end, ":ro:", 4) && strncmp(end, ":rw:", 4)) || !end[4])
+				usage("bad --bind");
+			binds[n_binds].src = (int)fd;
+			binds[n_binds].ro = end[2] == 'o';
+			binds[n_binds].target = end + 4;
+			n_binds++;
+		} else
+			usage("unknown or repeated-too-often option");
+	}
+	if (!dir || !n_lowers)
+		usage("--dir and --lower are required");
+	read_bpf(5);
+	/* Detached copies of the bind sources, made here in the daemon's mount namespace where the
+	 * daemon pinned them; stage 1 attaches them under the new root. */
+	for (int i = 0; i < n_binds; i++) {
+		int tree = (int)syscall(SYS_open_tree, binds[i].src, "",
+					OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE);
+		if (tree < 0)
+			fail("open_tree bind source %s", binds[i].target);
+		struct mount_attr attr = {
+			.attr_set = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (binds[i].ro ? MOUNT_ATTR_RDONLY : 0),
+			.propagation = MS_PRIVATE,
+		};
+		if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) < 0)
+			fail("mount_setattr bind %s", binds[i].target);
+		binds[i].tree = tree;
+	}
+
+	int up[2], down[2], errp[2];
+	if (pipe2(up, O_CLOEXEC) < 0 || pipe2(down, O_CLOEXEC) < 0 || pipe2(errp, O_CLOEXEC) < 0)
+		fail("pipe");
+	pid_t child = fork();
+	if (child < 0)
+		fail("fork");
+	if (child == 0) {
+		if (unshare(CLONE_NEWNS) < 0)
+			fail("unshare mount namespace");
+		close(up[0]);
+		close(down[1]);
+		close(errp[0]);
+		err_fd = errp[1];
+		stage1(up[1], down[0]);
+	}
+	close(up[1]);
+	close(down[0]);
+	close(errp[1]);
+
+	char c;
+	int32_t agent = -1;
+	if (read(up[0], &c, 1) == 1 && c == 'u') {
+		/* As real root we may map any range; "deny" setgroups is not needed for a privileged writer. */
+		write_map(child, "uid_map");
+		write_map(child, "gid_map");
+		c = 'm';
+		if (write(down[1], &c, 1) != 1)
+			fail("uid map handshake");
+		if (read(up[0], &agent, sizeof agent) != sizeof agent)
+			agent = -1;
+	}
+	int status;
+	while (waitpid(child, &status, 0) < 0 && errno == EINTR)
+		;
+	/* Until exec or failure of stage 2; both stages write their error here. */
+	char msg[1024];
+	size_t len = 0;
+	for (;;) {
+		ssize_t n = read(errp[0], msg + len, sizeof msg - 1 - len);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			break;
+		len += n;
+		if (len == sizeof msg - 1)
+			break;
+	}
+	msg[len] = '\0';
+	if (len) {
+		if (agent > 0)
+			kill(agent, SIGKILL);
+		fprintf(stderr, "%s\n", msg + 1);
+		return msg[0] == 'I' ? 3 : 1;
+	}
+	if (agent <= 0) {
+		fprintf(stderr, "sandbox setup exited with status %d before starting the agent\n", status);
+		return 1;
+	}
+	if (pid_file) {
+		char tmp[PATH_MAX], num[16];
+		snprintf(tmp, sizeof tmp, "%s.tmp", pid_file);
+		snprintf(num, sizeof num, "%d\n", agent);
+		int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+		if (fd < 0 || write(fd, num, strlen(num)) != (ssize_t)strlen(num) || close(fd) < 0 || rename(tmp, pid_file) < 0) {
+			kill(agent, SIGKILL);
+			fail("write %s", pid_file);
+		}
+	}
+	printf("%d\n", agent);
+	return 0;
+}
