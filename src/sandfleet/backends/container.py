@@ -41,6 +41,7 @@ from sandfleet.runtime.agent import (
     grab_handoff_channel,
 )
 from sandfleet.runtime.cgroups import CgroupStats
+from sandfleet.runtime.launcher import LaunchError, LauncherServer
 
 log = logging.getLogger("sandfleet.container")
 
@@ -60,9 +61,6 @@ class ContainerBackendConfig(BaseModel):
     mount_allowlist: list[str] = Field(
         default_factory=list, description="host directories whose subpaths sandboxes may bind-mount"
     )
-
-
-LAUNCH_INVALID = 3  # the launcher's exit code when the request itself cannot be carried out
 
 
 @dataclass(frozen=True)
@@ -95,6 +93,7 @@ class ContainerBackend:
         self._agent_fd: int | None = None
         self.launcher_path: Path | None = None
         self._seccomp_fd: int | None = None  # the compiled filter, in a sealed memfd the launcher preads
+        self._launcher: LauncherServer | None = None
 
     @property
     def uses_launcher(self) -> bool:
@@ -121,8 +120,15 @@ class ContainerBackend:
         self.agent_path = await asyncio.to_thread(build_agent, self.state_dir / "agent")
         self._agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
         self.cgroups = cgroups.Cgroups(self.config.cgroup_parent)  # re-detect inside our mount namespace
+        if self.uses_launcher:
+            assert self.launcher_path is not None and self._seccomp_fd is not None
+            self._launcher = LauncherServer(self.launcher_path, agent_fd=self._agent_fd, seccomp_fd=self._seccomp_fd)
+            await self._launcher.start()
 
     async def close(self) -> None:
+        if self._launcher is not None:
+            await self._launcher.close()
+            self._launcher = None
         if self._agent_fd is not None:
             os.close(self._agent_fd)
             self._agent_fd = None
@@ -283,31 +289,32 @@ class ContainerBackend:
             raise
 
     async def _launch(self, sandbox_id: str, spec: SandboxSpec, prepared: _Prepared, channel_fd: int) -> int:
-        """Start the agent with the launcher; return its pid."""
-        assert self.launcher_path is not None and self._agent_fd is not None and self._seccomp_fd is not None
+        """Start the agent with the launcher server; return its pid."""
+        assert self._launcher is not None
         disk = spec.resources.disk
-        argv = [str(self.launcher_path), "--dir", str(prepared.sdir), "--uid", str(self.config.uid_base)]
-        argv += ["--pid-file", str(prepared.sdir / "agent.pid")]
-        argv += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile_limit())]
-        argv += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192)), "--shm", str(oci.SHM_SIZE)]
+        args = ["--dir", str(prepared.sdir), "--uid", str(self.config.uid_base)]
+        args += ["--pid-file", str(prepared.sdir / "agent.pid")]
+        args += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile_limit())]
+        args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192)), "--shm", str(oci.SHM_SIZE)]
         for lower in reversed(prepared.lowers):  # overlay wants the top layer first
-            argv += ["--lower", lower]
+            args += ["--lower", lower]
         for cgroup_dir in prepared.cgroup_dirs:
-            argv += ["--cgroup", cgroup_dir]
-        fd_map = {3: channel_fd, 4: self._agent_fd, 5: self._seccomp_fd}
-        for i, (fd, bind) in enumerate(prepared.binds):
-            fd_map[6 + i] = fd
-            argv += ["--bind", f"{6 + i}:{'ro' if bind.read_only else 'rw'}:{bind.target}"]
+            args += ["--cgroup", cgroup_dir]
+        for i, (_fd, bind) in enumerate(prepared.binds):
+            args += ["--bind", f"{6 + i}:{'ro' if bind.read_only else 'rw'}:{bind.target}"]
         try:
-            done = await proc.spawn(argv, fd_map=fd_map, timeout=self.config.start_timeout)
+            return await self._launcher.launch(
+                args,
+                channel_fd=channel_fd,
+                bind_fds=[fd for fd, _bind in prepared.binds],
+                timeout=self.config.start_timeout,
+            )
         except TimeoutError as exc:
             raise UnavailableError("the launcher did not start the sandbox in time") from exc
-        message = done.stderr.decode(errors="replace").strip()[-2000:]
-        if done.returncode == LAUNCH_INVALID:
-            raise InvalidArgumentError(message)
-        if done.returncode != 0:
-            raise InternalError(f"starting the sandbox failed: {message}")
-        return int(done.stdout.strip())
+        except LaunchError as exc:
+            if exc.invalid:
+                raise InvalidArgumentError(exc.message) from exc
+            raise InternalError(f"starting the sandbox failed: {exc.message}") from exc
 
     async def _run_oci(self, sandbox_id: str, sdir: Path, channel_fd: int) -> int:
         """Start the agent with `crun/runc run --detach`; return its pid."""

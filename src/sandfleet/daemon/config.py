@@ -25,7 +25,7 @@ class DaemonConfig(BaseModel):
     tcp: str | None = Field(None, description="optional HOST:PORT to also listen on; requires `token`")
     token: str | None = Field(None, description="bearer token required on TCP (the socket is protected by mode 0600)")
     image_dir: Path | None = Field(None, description="layer store root; default <state_dir>/images")
-    max_sandboxes: int = Field(1000, ge=1, description="admission limit: running sandboxes on this node")
+    max_sandboxes: int = Field(10000, ge=1, description="admission limit: running sandboxes on this node")
     memory_overcommit: float = Field(
         16.0, gt=0, description="admit while the sum of memory limits stays under this many times MemTotal"
     )

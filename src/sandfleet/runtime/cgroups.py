@@ -77,6 +77,7 @@ class Cgroups:
         self.root = root
         self.mode: Mode = detect(root)
         self.parent = "/" + parent.strip("/")
+        self._hierarchies: list[Path] | None = None
 
     def path_for(self, sandbox_id: str) -> str:
         return f"{self.parent}/{sandbox_id}"
@@ -129,16 +130,12 @@ class Cgroups:
             _write(d / "cpu.max", f"{cpu_quota_us} {cpu_period_us}")
             _write(d / "pids.max", str(pids))
             return [d]
-        dirs: list[Path] = []
-        for ctrl in V1_JOINED:
-            hierarchy = self.root / ctrl
-            if not hierarchy.is_dir():
-                continue
-            d = hierarchy / rel
-            if d.resolve() in {x.resolve() for x in dirs}:
-                continue  # co-mounted controllers (cpu,cpuacct) share one directory
-            d.mkdir(parents=True, exist_ok=True)
-            dirs.append(d)
+        dirs = [hierarchy / rel for hierarchy in self._joined_hierarchies()]
+        for d in dirs:
+            try:
+                d.mkdir()
+            except FileNotFoundError:
+                d.mkdir(parents=True, exist_ok=True)  # the first sandbox: make our parent too
         mem, cpu, pid_dir, dev = (self.root / c / rel for c in ("memory", "cpu", "pids", "devices"))
         _write(mem / "memory.limit_in_bytes", str(memory))
         if (mem / "memory.memsw.limit_in_bytes").exists():
@@ -151,6 +148,17 @@ class Cgroups:
             for rule in ALLOWED_DEVICES:
                 _write(dev / "devices.allow", rule)
         return dirs
+
+    def _joined_hierarchies(self) -> list[Path]:
+        """The distinct v1 hierarchies a sandbox joins (cpu and cpuacct are usually one), found once."""
+        if self._hierarchies is None:
+            seen: dict[Path, Path] = {}
+            for ctrl in V1_JOINED:
+                hierarchy = self.root / ctrl
+                if hierarchy.is_dir():
+                    seen.setdefault(hierarchy.resolve(), hierarchy)
+            self._hierarchies = list(seen.values())
+        return self._hierarchies
 
     def _enable_v2_controllers(self, parent: Path) -> None:
         """Create `parent` with memory, cpu and pids delegated from the root down to its children."""

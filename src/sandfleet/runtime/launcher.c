@@ -28,6 +28,10 @@
  * Errors from either stage travel back over a close-on-exec pipe: EOF with no bytes means the
  * agent was exec'd. On success the agent's pid (as the daemon sees it) is printed on stdout.
  *
+ * The daemon runs it once as a server (`sandfleet-run --serve`, see serve()) and sends it one
+ * message per create; a forked worker of that small static process does the launch, so a create
+ * costs neither an exec nor a fork of the daemon's large Python process.
+ *
  * Arguments:
  *   --dir D          sandbox directory; D/scratch and D/rootfs are the mount points
  *   --pid-file F     also write the agent's pid to F (atomically)
@@ -55,6 +59,7 @@
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
@@ -76,7 +81,8 @@ static struct {
 static int n_binds;
 static struct sock_filter *bpf;
 static unsigned short bpf_len;
-static int err_fd = -1; /* write end of the error pipe, in both stages */
+static int err_fd = -1;	  /* write end of the error pipe, in both stages */
+static int reply_fd = -1; /* server mode: where this launch's result goes, instead of stdout/stderr */
 
 /* Docker's default set minus NET_RAW and MKNOD (runtime/oci.py: DEFAULT_CAPABILITIES). */
 static const int keep_caps[] = {
@@ -108,8 +114,8 @@ static void vfail(char kind, const char *fmt, va_list ap)
 	n += snprintf(msg + n, sizeof msg - n, ": %s", strerror(e));
 	if (n > (int)sizeof msg - 1)
 		n = sizeof msg - 1;
-	if (err_fd >= 0) {
-		if (write(err_fd, msg, n) < 0) {
+	if (err_fd >= 0 || reply_fd >= 0) {
+		if (write(err_fd >= 0 ? err_fd : reply_fd, msg, n) < 0) {
 		}
 	} else {
 		fprintf(stderr, "sandfleet-run: %s\n", msg + 1);
@@ -135,8 +141,8 @@ static void fail_input(const char *fmt, ...)
 
 static void usage(const char *msg)
 {
-	fprintf(stderr, "sandfleet-run: %s\n", msg);
-	exit(2);
+	errno = EINVAL;
+	fail("usage: %s", msg);
 }
 
 static long sys_openat2(int dirfd, const char *path, int flags, unsigned long long resolve)
@@ -522,7 +528,7 @@ static void read_bpf(int fd)
 	bpf_len = len / sizeof(struct sock_filter);
 }
 
-int main(int argc, char **argv)
+static void parse_args(int argc, char **argv)
 {
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -563,7 +569,12 @@ int main(int argc, char **argv)
 	}
 	if (!dir || !n_lowers)
 		usage("--dir and --lower are required");
-	read_bpf(5);
+}
+
+/* Start one sandbox (fds: 3 channel, 4 agent binary, 6.. bind sources; the filter already read)
+ * and report its agent's pid. Returns the exit status. */
+static int launch(void)
+{
 	/* Detached copies of the bind sources, made here in the daemon's mount namespace where the
 	 * daemon pinned them; stage 1 attaches them under the new root. */
 	for (int i = 0; i < n_binds; i++) {
@@ -631,23 +642,111 @@ int main(int argc, char **argv)
 	if (len) {
 		if (agent > 0)
 			kill(agent, SIGKILL);
-		fprintf(stderr, "%s\n", msg + 1);
+		if (reply_fd >= 0) {
+			if (write(reply_fd, msg, len) < 0) {
+			}
+		} else {
+			fprintf(stderr, "%s\n", msg + 1);
+		}
 		return msg[0] == 'I' ? 3 : 1;
 	}
 	if (agent <= 0) {
-		fprintf(stderr, "sandbox setup exited with status %d before starting the agent\n", status);
-		return 1;
+		errno = ECHILD;
+		fail("sandbox setup exited with status %d before starting the agent", status);
 	}
 	if (pid_file) {
 		char tmp[PATH_MAX], num[16];
 		snprintf(tmp, sizeof tmp, "%s.tmp", pid_file);
 		snprintf(num, sizeof num, "%d\n", agent);
 		int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-		if (fd < 0 || write(fd, num, strlen(num)) != (ssize_t)strlen(num) || close(fd) < 0 || rename(tmp, pid_file) < 0) {
+		if (fd < 0 || write(fd, num, strlen(num)) != (ssize_t)strlen(num) || close(fd) < 0 ||
+		    rename(tmp, pid_file) < 0) {
 			kill(agent, SIGKILL);
 			fail("write %s", pid_file);
 		}
 	}
-	printf("%d\n", agent);
+	if (reply_fd >= 0) {
+		char out[16];
+		int n = snprintf(out, sizeof out, "P%d", agent);
+		if (write(reply_fd, out, n) != n) {
+			kill(agent, SIGKILL);
+			return 1;
+		}
+	} else {
+		printf("%d\n", agent);
+	}
 	return 0;
+}
+
+/* Server mode: fd 3 is a SOCK_SEQPACKET connection to the daemon, fd 4 the agent binary, fd 5 the
+ * filter. Each message is one launch: its payload the NUL-separated arguments above, its
+ * SCM_RIGHTS fds [reply, channel, bind sources...]. A forked worker carries it out and writes
+ * "P<pid>" or the error to the reply fd; the server itself never waits, so launches overlap. */
+static int serve(void)
+{
+	static char buf[65536];
+	union {
+		char space[CMSG_SPACE(sizeof(int) * (MAX_ITEMS + 2))];
+		struct cmsghdr align;
+	} ctl;
+	struct sigaction sa = {.sa_handler = SIG_IGN, .sa_flags = SA_NOCLDWAIT};
+	sigaction(SIGCHLD, &sa, NULL); /* workers reap themselves */
+	for (;;) {
+		struct iovec iov = {.iov_base = buf, .iov_len = sizeof buf - 1};
+		struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space,
+				    .msg_controllen = sizeof ctl.space};
+		ssize_t n = recvmsg(3, &mh, MSG_CMSG_CLOEXEC);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			return n == 0 ? 0 : 1; /* the daemon is gone */
+		int fds[MAX_ITEMS + 2], nfds = 0;
+		for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+			if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+				int k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+				for (int i = 0; i < k && nfds < MAX_ITEMS + 2; i++)
+					memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+			}
+		if (nfds < 2 || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+			for (int i = 0; i < nfds; i++)
+				close(fds[i]);
+			continue; /* malformed: the daemon's reply fd closes unanswered, which it reports */
+		}
+		pid_t worker = fork();
+		if (worker == 0) {
+			signal(SIGCHLD, SIG_DFL);
+			close(3);
+			int high[MAX_ITEMS + 2];
+			for (int i = 0; i < nfds; i++) {
+				high[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 64);
+				close(fds[i]);
+			}
+			reply_fd = high[0];
+			if (dup2(high[1], 3) < 0)
+				fail("dup2 channel");
+			for (int i = 2; i < nfds; i++)
+				if (dup2(high[i], 6 + i - 2) < 0)
+					fail("dup2 bind source");
+			buf[n] = '\0';
+			char *argv[4 * MAX_ITEMS + 32];
+			int argc = 0;
+			argv[argc++] = "sandfleet-run";
+			for (char *p = buf; p < buf + n && argc < (int)(sizeof argv / sizeof *argv) - 1; p += strlen(p) + 1)
+				argv[argc++] = p;
+			argv[argc] = NULL;
+			parse_args(argc, argv);
+			_exit(launch());
+		}
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+	}
+}
+
+int main(int argc, char **argv)
+{
+	read_bpf(5);
+	if (argc == 2 && !strcmp(argv[1], "--serve"))
+		return serve();
+	parse_args(argc, argv);
+	return launch();
 }

@@ -87,6 +87,45 @@ async def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+def _posix_spawn(
+    argv: Sequence[str], stdio: tuple[int, int, int], fd_map: Mapping[int, int], env: Mapping[str, str]
+) -> int:
+    """posix_spawn with exactly `stdio` at 0-2 and `fd_map` (child fd -> our fd) in place; return the pid."""
+    actions: list[tuple[int, int, int]] = [(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)]
+    # dup2 onto the target clears FD_CLOEXEC there, so exactly these fds reach the child. A source
+    # that is itself a target number (or below 3) would be overwritten by an earlier dup2: copy it
+    # above every target first.
+    floor = max([2, *fd_map]) + 1
+    lifted: list[int] = []
+    try:
+        for child_fd, our_fd in fd_map.items():
+            if our_fd < floor:
+                our_fd = fcntl.fcntl(our_fd, fcntl.F_DUPFD_CLOEXEC, floor)
+                lifted.append(our_fd)
+            actions.append((os.POSIX_SPAWN_DUP2, our_fd, child_fd))
+        # vfork+exec: returns as soon as the child has exec'd, never waits for it.
+        pid = os.posix_spawnp(argv[0], list(argv), dict(env), file_actions=actions)
+        _spawned.add(pid)
+        return pid
+    finally:
+        for fd in lifted:
+            os.close(fd)
+
+
+def start_background(argv: Sequence[str], *, fd_map: Mapping[int, int]) -> int:
+    """Start a long-lived helper with /dev/null for stdio; the caller owns (and must `wait_pid`) it."""
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return _posix_spawn(argv, (null, null, null), fd_map, os.environ)
+    finally:
+        os.close(null)
+
+
+def forget(pid: int) -> None:
+    """After `wait_pid` of a `start_background` child."""
+    _spawned.discard(pid)
+
+
 async def spawn(
     argv: Sequence[str],
     *,
@@ -103,34 +142,17 @@ async def spawn(
     out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-    actions: list[tuple[int, int, int]] = [
-        (os.POSIX_SPAWN_DUP2, null, 0),
-        (os.POSIX_SPAWN_DUP2, out_w if capture else null, 1),
-        (os.POSIX_SPAWN_DUP2, err_w if capture else null, 2),
-    ]
-    # dup2 onto the target clears FD_CLOEXEC there, so exactly these fds reach the child. A source
-    # that is itself a target number (or below 3) would be overwritten by an earlier dup2: copy it
-    # above every target first.
-    fd_map = dict(fd_map or {})
-    floor = max([2, *fd_map]) + 1
-    lifted: list[int] = []
     try:
-        for child_fd, our_fd in fd_map.items():
-            if our_fd < floor:
-                our_fd = fcntl.fcntl(our_fd, fcntl.F_DUPFD_CLOEXEC, floor)
-                lifted.append(our_fd)
-            actions.append((os.POSIX_SPAWN_DUP2, our_fd, child_fd))
-        # vfork+exec: returns as soon as the child has exec'd, never waits for it.
-        pid = os.posix_spawnp(  # noqa: ASYNC221
-            argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions
-        )
-        _spawned.add(pid)
+        stdio = (null, out_w, err_w) if capture else (null, null, null)
+        pid = _posix_spawn(argv, stdio, dict(fd_map or {}), env if env is not None else os.environ)
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
     finally:
         os.close(out_w)
         os.close(err_w)
         os.close(null)
-        for fd in lifted:
-            os.close(fd)
     try:
         async with asyncio.timeout(timeout):
             stdout, stderr, code = await asyncio.gather(_read_all(out_r), _read_all(err_r), wait_pid(pid))
