@@ -335,6 +335,27 @@ class SandboxList(_Model):
     sandboxes: list[SandboxInfo]
 
 
+MAX_BATCH = 256
+
+
+class CreateBatchRequest(_Model):
+    """Create many sandboxes in one request: one HTTP round trip instead of one per sandbox."""
+
+    specs: list[SandboxSpec] = Field(min_length=1, max_length=MAX_BATCH)
+    concurrency: int = Field(16, ge=1, le=64, description="creates the daemon runs at once for this batch")
+
+
+class CreateBatchItem(_Model):
+    """Exactly one of `sandbox` (created) or `error` (why not), for the spec at the same index."""
+
+    sandbox: SandboxInfo | None = None
+    error: ErrorBody | None = None
+
+
+class CreateBatchResult(_Model):
+    results: list[CreateBatchItem]
+
+
 class StopManyRequest(_Model):
     labels: dict[str, str]
     reason: str = "user"

@@ -29,7 +29,7 @@ from sandfleet.errors import (
     UnavailableError,
     error_from_wire,
 )
-from sandfleet.models import ExecEvent, ExecRequest, SandboxSpec
+from sandfleet.models import CreateBatchItem, CreateBatchRequest, ExecEvent, ExecRequest, SandboxSpec
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -196,6 +196,17 @@ def _sb(sandbox_id: str, suffix: str = "") -> str:
 
 def call_create(spec: SandboxSpec, timeout: float) -> Call:
     return Call("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"), timeout=timeout)
+
+
+def call_create_batch(specs: Sequence[SandboxSpec], concurrency: int, timeout: float) -> Call:
+    body = CreateBatchRequest(specs=list(specs), concurrency=concurrency)
+    return Call("POST", "/v1/sandboxes/batch", json=body.model_dump(mode="json"), timeout=timeout)
+
+
+def item_error(item: CreateBatchItem) -> SandboxError:
+    """The error of one failed item of a batch create, as the exception the daemon meant."""
+    assert item.error is not None
+    return error_from_wire({"error": item.error.model_dump()}, status=200)
 
 
 def call_list(labels: Mapping[str, str] | None, state: str | None) -> Call:

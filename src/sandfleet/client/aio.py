@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from sandfleet.client import _base as b
 from sandfleet.errors import ResourceExhaustedError, SandboxError, SandboxNotFoundError
 from sandfleet.models import (
+    CreateBatchResult,
     EventList,
     ExecEvent,
     ExecResult,
@@ -126,30 +127,54 @@ class AsyncClient:
         return AsyncSandbox(self, info)
 
     async def create_many(
-        self, specs: Sequence[SandboxSpec], *, concurrency: int = 16, retry_for: float = 60.0
+        self,
+        specs: Sequence[SandboxSpec],
+        *,
+        concurrency: int = 16,
+        batch_size: int = 64,
+        retry_for: float = 60.0,
     ) -> builtins.list[AsyncSandbox | SandboxError]:
-        """Create one sandbox per spec, at most `concurrency` at a time; one result per spec, in order.
+        """Create one sandbox per spec; one result per spec, in order: the sandbox or its SandboxError.
 
-        Each item succeeds or fails on its own: the result is the sandbox or the SandboxError it
-        ended with. Refusals of a full node (`ResourceExhaustedError`) are retried with backoff for up
-        to `retry_for` seconds per item (timeouts and transport errors are not: the create may have happened).
+        Specs travel `batch_size` to a request (one round trip per batch, not per sandbox), two
+        requests in flight, and the daemon runs `concurrency` creates of each batch at once. Each
+        item succeeds or fails on its own. Refusals of a full node (`ResourceExhaustedError`) are
+        retried with backoff for up to `retry_for` seconds (nothing else is: after a timeout or a
+        broken connection the create may have happened, and a retry would duplicate it).
         """
-
-        async def one(spec: SandboxSpec) -> AsyncSandbox | SandboxError:
-            deadline = time.monotonic() + retry_for
-            delay = 0.05
-            while True:
-                try:
-                    return await self.create(spec)
-                except SandboxError as exc:
-                    # Only a refusal the daemon itself answered is safe to retry: after a timeout or
-                    # a broken connection the create may have happened, and a retry would duplicate it.
-                    if not isinstance(exc, ResourceExhaustedError) or time.monotonic() + delay > deadline:
-                        return exc
+        results: dict[int, AsyncSandbox | SandboxError] = {}
+        pending = builtins.list(enumerate(specs))
+        deadline = time.monotonic() + retry_for
+        delay = 0.05
+        while pending:
+            chunks = [pending[i : i + batch_size] for i in range(0, len(pending), batch_size)]
+            calls = [functools.partial(self._create_batch, chunk, concurrency) for chunk in chunks]
+            pending = []
+            for chunk_results in await b.gather_bounded(2, calls):
+                for index, spec, outcome in chunk_results:
+                    if isinstance(outcome, ResourceExhaustedError) and time.monotonic() + delay <= deadline:
+                        pending.append((index, spec))
+                    else:
+                        results[index] = outcome
+            if pending:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+        return [results[i] for i in range(len(specs))]
 
-        return await b.gather_bounded(concurrency, [functools.partial(one, spec) for spec in specs])
+    async def _create_batch(
+        self, chunk: Sequence[tuple[int, SandboxSpec]], concurrency: int
+    ) -> builtins.list[tuple[int, SandboxSpec, AsyncSandbox | SandboxError]]:
+        try:
+            reply = await self._model(
+                CreateBatchResult,
+                b.call_create_batch([spec for _, spec in chunk], concurrency, max(self.timeout, 600)),
+            )
+        except SandboxError as exc:
+            return [(index, spec, exc) for index, spec in chunk]
+        return [
+            (index, spec, AsyncSandbox(self, item.sandbox) if item.sandbox else b.item_error(item))
+            for (index, spec), item in zip(chunk, reply.results, strict=True)
+        ]
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         """Attach to an existing sandbox by id (e.g. from another process, after a trainer restart)."""

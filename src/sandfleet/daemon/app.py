@@ -32,6 +32,10 @@ from sandfleet.errors import (
     UnauthenticatedError,
 )
 from sandfleet.models import (
+    CreateBatchItem,
+    CreateBatchRequest,
+    CreateBatchResult,
+    ErrorBody,
     ErrorResponse,
     EventList,
     ExecRequest,
@@ -193,6 +197,18 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
     async def create(spec: SandboxSpec) -> SandboxInfo:
         return await manager.create(spec)
+
+    @app.post("/v1/sandboxes/batch", response_model=CreateBatchResult)
+    async def create_batch(req: CreateBatchRequest) -> CreateBatchResult:
+        results = await manager.create_batch(req.specs, req.concurrency)
+        return CreateBatchResult(
+            results=[
+                CreateBatchItem(error=ErrorBody.model_validate(r.to_wire()))
+                if isinstance(r, SandboxError)
+                else CreateBatchItem(sandbox=r)
+                for r in results
+            ]
+        )
 
     @app.get("/v1/sandboxes", response_model=SandboxList)
     async def list_sandboxes(

@@ -417,6 +417,24 @@ class SandboxManager:
         except ImageBuildError as exc:
             raise InternalError(f"building image {ref} failed: {exc}") from exc
 
+    async def create_batch(self, specs: list[SandboxSpec], concurrency: int) -> list[SandboxInfo | SandboxError]:
+        """Create each spec, `concurrency` at a time; each item succeeds or fails on its own."""
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(spec: SandboxSpec) -> SandboxInfo | SandboxError:
+            async with limit:
+                try:
+                    return await self.create(spec)
+                except SandboxError as exc:
+                    return exc
+                except Exception as exc:  # noqa: BLE001 (one item's bug must not fail its siblings)
+                    log.exception("create in a batch failed")
+                    return InternalError(f"create failed: {exc}")
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(spec)) for spec in specs]
+        return [t.result() for t in tasks]
+
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         if self._stopping:
             raise UnavailableError("daemon is shutting down")
