@@ -4,10 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 
-# Runtimes and image tools: crun (default OCI runtime), runc (alternative), erofs-utils (layers),
-# busybox-static (busybox image), mmdebstrap (debian/python images), gcc + libc6-dev (the static
-# in-sandbox agent), bubblewrap (a benchmark peer), iproute2 (network checks).
-PACKAGES=(crun runc erofs-utils busybox-static mmdebstrap gcc libc6-dev bubblewrap iproute2 procps)
+# libseccomp2 (compiles the sandbox seccomp filter), gcc + libc6-dev (the static launcher and
+# in-sandbox agent), erofs-utils (layers), busybox-static (busybox image), mmdebstrap (debian/python
+# images), crun and runc (optional OCI runtimes, tested too), bubblewrap (a benchmark peer),
+# iproute2 (network checks).
+PACKAGES=(libseccomp2 gcc libc6-dev erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sandfleet import Mount, Resources
+from sandfleet import Mount, Resources, SandboxSpec
 from sandfleet.errors import ImageNotFoundError, InvalidArgumentError, SandboxError
 
 from conftest import Daemon, destroy_daemon, make_daemon
@@ -76,3 +76,32 @@ def test_no_residue_after_500_cycles_and_failed_creates(leak_daemon: Daemon) -> 
         # Network namespaces come and go with other processes on the host; ours must not pile up.
         assert after.netns <= before.netns + 2
         assert fleet.list() == []
+
+
+@pytest.mark.slow
+def test_no_residue_after_a_5000_sandbox_burst(leak_daemon: Daemon) -> None:
+    """5,000 sandboxes alive at once (the density promise), each exec-ready, then nothing left."""
+    d = leak_daemon
+    n = 5000
+    with d.client() as fleet:
+        fleet.build_image("busybox")
+        before = residue(d)
+        spec = SandboxSpec(image="busybox", labels={"burst": "5000"}, resources=Resources(memory="64MiB", pids=32))
+        results = fleet.create_many([spec] * n, concurrency=32)
+        failed = [r for r in results if isinstance(r, SandboxError)]
+        assert not failed, (len(failed), failed[:3])
+        sandboxes = [r for r in results if not isinstance(r, SandboxError)]
+        assert len({sb.id for sb in sandboxes}) == n
+        assert len(fleet.list(labels={"burst": "5000"}, state="running")) == n
+        # every one is exec-ready, and they are isolated from each other (own pid namespace each)
+        for sb in sandboxes[:: n // 50]:
+            assert sb.exec("echo $$").stdout.split() != ["1"]  # the shell is not the sandbox's init
+            assert int(sb.exec("ls /proc | grep -c '^[0-9]'").stdout) < 6  # agent, sh, ls, grep: no neighbours
+        assert len(sandboxes) == n and sandboxes[-1].exec("true").exit_code == 0
+        assert len(fleet.stop_many({"burst": "5000"})) == n
+        _wait_settled(d, before.processes, timeout=120)
+        after = residue(d)
+        assert after.cgroups == () and after.sandbox_dirs == () and after.state_rows == 0
+        assert after.mounts == before.mounts and after.processes == before.processes
+        assert after.zombies == () and after.loops == before.loops
+        assert after.netns <= before.netns + 2

@@ -398,6 +398,11 @@ def test_proc_hardening(sandbox: Sandbox) -> None:
     assert ok(sandbox, "hostname").strip() == sandbox.id
     # the cgroup tree is masked too
     assert ok(sandbox, "ls -A /sys/fs/cgroup 2>/dev/null | wc -l").strip() == "0"
+    # /sys is read-only, cannot be made writable, and shows no host network device
+    assert ok(sandbox, "ls /sys/class/net").split() == ["lo"]
+    code, _, err = sh(sandbox, "echo 1 > /sys/kernel/mm/ksm/run || mount -o remount,rw /sys")
+    assert code != 0, err
+    assert ok(sandbox, "grep ' /sys ' /proc/self/mountinfo").split()[5].startswith("ro")
 
 
 def _caps(status: str, field: str) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from sandfleet.runtime import cgroups
+from sandfleet.runtime import cgroups, seccomp
 
 APT = "apt-get install -y"
 
@@ -84,10 +84,10 @@ def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check
         "fail" if missing else "ok",
         f"{mode} ({', '.join(sorted(ctrls))})"
         + (f"; missing {sorted(missing)}" if missing else "")
-        + ("; hybrid host: the daemon hides cgroup2 in its own mount namespace for crun" if mode == "hybrid" else ""),
+        + ("; hybrid host: with crun the daemon hides cgroup2 in its own mount namespace" if mode == "hybrid" else ""),
     )
     for binary, pkg, need in (
-        ("crun", "crun", "fail"),
+        ("crun", "crun", "warn"),
         ("runc", "runc", "warn"),
         ("mkfs.erofs", "erofs-utils", "fail"),
         ("busybox", "busybox-static", "fail"),
@@ -100,11 +100,16 @@ def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check
             yield Check(binary, "ok", f"{path} {ver}".strip())
         else:
             yield Check(binary, need, f"not found: {APT} {pkg}")  # type: ignore[arg-type]
+    try:
+        seccomp.compile_bpf(seccomp.default_profile())
+        yield Check("libseccomp", "ok", "compiles the sandbox seccomp filter")
+    except seccomp.SeccompUnavailableError as exc:
+        yield Check("libseccomp", "fail", f"{exc}: {APT} libseccomp2")
     libc_a = any(Path(p).exists() for p in ("/usr/lib/x86_64-linux-gnu/libc.a", "/usr/lib/aarch64-linux-gnu/libc.a"))
     yield Check(
         "static libc",
         "ok" if libc_a else "fail",
-        "libc.a present (the in-sandbox agent is linked statically)" if libc_a else f"{APT} libc6-dev",
+        "libc.a present (launcher and agent are linked statically)" if libc_a else f"{APT} libc6-dev",
     )
     try:
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())

@@ -19,7 +19,8 @@
  *       5 unshare(mount, pid, uts, ipc, net, cgroup), all owned by the new user namespace, so
  *            the mounts above are locked beneath the sandbox
  *       fork -> stage 2 (PID 1 of the new pid namespace)
- *       6 /proc, /dev (tmpfs, bound device nodes, devpts, shm, mqueue), /sys read-only
+ *       6 /proc, /dev (a directory of the scratch tmpfs: bound device nodes, devpts, shm, mqueue),
+ *            /sys read-only
  *       7 masked and read-only paths
  *       8 hostname; pivot_root and detach the old root
  *       9 capabilities (bounding, permitted, effective; no ambient), no_new_privs, seccomp
@@ -28,15 +29,16 @@
  * Errors from either stage travel back over a close-on-exec pipe: EOF with no bytes means the
  * agent was exec'd. On success the agent's pid (as the daemon sees it) is printed on stdout.
  *
- * The daemon runs it once as a server (`sandfleet-run --serve`, see serve()) and sends it one
+ * The daemon runs it once as a server (`sandfleet-run --serve --sysfs DIR`, see serve()) and sends it one
  * message per create; a forked worker of that small static process does the launch, so a create
  * costs neither an exec nor a fork of the daemon's large Python process.
  *
  * Arguments:
  *   --dir D          sandbox directory; D/scratch and D/rootfs are the mount points
  *   --pid-file F     also write the agent's pid to F (atomically)
+ *   --empty E        an empty, root-owned directory: masked directories become read-only binds of it
  *   --lower P        a read-only layer, top first (repeatable)
- *   --disk BYTES --inodes N --shm BYTES --nofile N --uid BASE --hostname H
+ *   --disk BYTES --inodes N --nofile N --uid BASE --hostname H
  *   --cgroup DIR     a cgroup directory to join (repeatable)
  *   --bind FD:ro|rw:TARGET   an O_PATH fd of an already-checked source (repeatable)
  */
@@ -70,9 +72,11 @@
 #define UID_RANGE 65536
 
 static const char *dir, *pid_file, *hostname = "sandbox";
+static const char *empty_dir = "/var/empty"; /* --empty: a root-owned empty directory for masking */
+static const char *sysfs_template;	     /* server mode: a sysfs every sandbox binds read-only */
 static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS];
 static int n_lowers, n_cgroups;
-static unsigned long long disk = 256ULL << 20, inodes = 65536, shm = 64ULL << 20;
+static unsigned long long disk = 256ULL << 20, inodes = 65536;
 static unsigned long nofile = 4096, uid_base = 100000;
 static struct {
 	int src, tree, ro;
@@ -251,8 +255,8 @@ static void write_file(const char *path, const char *data)
 static void setup_dev(int root)
 {
 	char buf[64], target[64];
-	mount_at(root, "dev", "tmpfs", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k");
-	int dev = in_root(root, "dev", O_PATH | O_DIRECTORY);
+	int dev = (int)sys_openat2(root, "dev", O_PATH | O_DIRECTORY | O_CLOEXEC,
+				   RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS);
 	if (dev < 0)
 		fail("open /dev");
 	/* No mknod in a user namespace: bind the host's harmless character devices instead. */
@@ -268,8 +272,7 @@ static void setup_dev(int root)
 	}
 	mount_at(root, "dev/pts", "devpts", "devpts", MS_NOSUID | MS_NOEXEC,
 		 "newinstance,ptmxmode=0666,mode=0620");
-	snprintf(buf, sizeof buf, "mode=1777,size=%llu", shm);
-	mount_at(root, "dev/shm", "shm", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_NODEV, buf);
+	/* /dev/shm is a directory of /dev, so it shares the writable layer's size cap. */
 	mount_at(root, "dev/mqueue", "mqueue", "mqueue", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
 	static const char *links[][2] = {{"ptmx", "pts/ptmx"},
 					 {"fd", "/proc/self/fd"},
@@ -296,9 +299,12 @@ static void mask_paths(int root)
 		if (fstat(fd, &st) < 0)
 			fail("stat /%s", masked[i]);
 		const char *target = masked[i];
-		int rc = S_ISDIR(st.st_mode) ? mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-						     "size=0,mode=555")
-					     : mount("/dev/null", target, NULL, MS_BIND, NULL);
+		/* Directories get a read-only bind of one empty directory, files /dev/null: binds add no
+		 * superblock (crun mounts a tmpfs per masked directory). */
+		int rc = mount(S_ISDIR(st.st_mode) ? empty_dir : "/dev/null", target, NULL, MS_BIND, NULL);
+		if (rc == 0 && S_ISDIR(st.st_mode))
+			rc = mount(NULL, target, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+				   NULL);
 		if (rc < 0)
 			fail("mask /%s", masked[i]);
 		close(fd);
@@ -363,8 +369,14 @@ static void stage2(const char *rootfs)
 		fail("chdir rootfs");
 	mount_at(root, "proc", "proc", "proc", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
 	setup_dev(root);
-	/* sysfs needs a network namespace owned by our user namespace, which we have. */
-	mount_at(root, "sys", "sysfs", "sysfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
+	if (sysfs_template) {
+		/* One read-only sysfs of an empty network namespace, shared by bind: a sysfs per sandbox
+		 * would be a superblock per sandbox, and finding one scans all of them. */
+		mount_at(root, "sys", sysfs_template, NULL, MS_BIND, NULL);
+	} else {
+		/* sysfs needs a network namespace owned by our user namespace, which we have. */
+		mount_at(root, "sys", "sysfs", "sysfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
+	}
 	mask_paths(root);
 	if (sethostname(hostname, strlen(hostname)) < 0)
 		fail("sethostname");
@@ -428,6 +440,10 @@ static int stage1(int to_launcher, int from_launcher)
 	/* The overlay's root takes its owner from the upper dir: root inside must own "/". */
 	if (fchownat(sfd, "upper", uid_base, uid_base, 0) < 0)
 		fail("chown upper");
+	if (mkdirat(sfd, "dev", 0755) < 0 || fchownat(sfd, "dev", uid_base, uid_base, 0) < 0 ||
+	    mkdirat(sfd, "dev/shm", 01777) < 0 || fchmodat(sfd, "dev/shm", 01777, 0) < 0 ||
+	    fchownat(sfd, "dev/shm", uid_base, uid_base, 0) < 0)
+		fail("make /dev");
 	close(sfd);
 	char *opts = malloc(PATH_MAX * (n_lowers + 3));
 	if (!opts)
@@ -443,6 +459,17 @@ static int stage1(int to_launcher, int from_launcher)
 	int root = open(rootfs, O_PATH | O_DIRECTORY | O_CLOEXEC);
 	if (root < 0)
 		fail("open rootfs");
+	/* /dev is a directory of the scratch tmpfs, not a tmpfs of its own: every superblock a sandbox
+	 * adds costs kernel work that grows with the number of sandboxes alive. Bound here, as real
+	 * root: the scratch tmpfs is not traversable by the sandbox's root. */
+	snprintf(buf, sizeof buf, "%s/dev", scratch);
+	int dev_tree = (int)syscall(SYS_open_tree, AT_FDCWD, buf, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+	int dev_target = dev_tree < 0 ? -1 : mkdirs_in_root(root, "dev", uid_base, 0);
+	if (dev_target < 0 || syscall(SYS_move_mount, dev_tree, "", dev_target, "",
+				      MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
+		fail("mount /dev");
+	close(dev_tree);
+	close(dev_target);
 	for (int i = 0; i < n_binds; i++) {
 		struct stat st;
 		if (fstat(binds[i].src, &st) < 0)
@@ -539,6 +566,8 @@ static void parse_args(int argc, char **argv)
 			dir = v;
 		else if (!strcmp(a, "--pid-file"))
 			pid_file = v;
+		else if (!strcmp(a, "--empty"))
+			empty_dir = v;
 		else if (!strcmp(a, "--lower") && n_lowers < MAX_ITEMS)
 			lowers[n_lowers++] = v;
 		else if (!strcmp(a, "--cgroup") && n_cgroups < MAX_ITEMS)
@@ -547,8 +576,6 @@ static void parse_args(int argc, char **argv)
 			disk = number(v);
 		else if (!strcmp(a, "--inodes"))
 			inodes = number(v);
-		else if (!strcmp(a, "--shm"))
-			shm = number(v);
 		else if (!strcmp(a, "--nofile"))
 			nofile = number(v);
 		else if (!strcmp(a, "--uid"))
@@ -682,6 +709,17 @@ static int launch(void)
  * filter. Each message is one launch: its payload the NUL-separated arguments above, its
  * SCM_RIGHTS fds [reply, channel, bind sources...]. A forked worker carries it out and writes
  * "P<pid>" or the error to the reply fd; the server itself never waits, so launches overlap. */
+/* Mount the shared sysfs: read-only, of a network namespace with nothing in it but loopback. The
+ * server itself moves into that namespace and so keeps it (and its `lo`) alive; every sandbox
+ * still gets a network namespace of its own in stage 1. */
+static void mount_sysfs_template(void)
+{
+	if (unshare(CLONE_NEWNET) < 0)
+		fail("unshare the shared sysfs's network namespace");
+	if (mount("sysfs", sysfs_template, "sysfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL) < 0)
+		fail("mount the shared sysfs on %s", sysfs_template);
+}
+
 static int serve(void)
 {
 	static char buf[65536];
@@ -689,6 +727,8 @@ static int serve(void)
 		char space[CMSG_SPACE(sizeof(int) * (MAX_ITEMS + 2))];
 		struct cmsghdr align;
 	} ctl;
+	if (sysfs_template)
+		mount_sysfs_template();
 	struct sigaction sa = {.sa_handler = SIG_IGN, .sa_flags = SA_NOCLDWAIT};
 	sigaction(SIGCHLD, &sa, NULL); /* workers reap themselves */
 	for (;;) {
@@ -745,8 +785,11 @@ static int serve(void)
 int main(int argc, char **argv)
 {
 	read_bpf(5);
-	if (argc == 2 && !strcmp(argv[1], "--serve"))
+	if (argc >= 2 && !strcmp(argv[1], "--serve")) {
+		if (argc == 4 && !strcmp(argv[2], "--sysfs"))
+			sysfs_template = argv[3];
 		return serve();
+	}
 	parse_args(argc, argv);
 	return launch();
 }

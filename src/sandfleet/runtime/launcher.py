@@ -17,7 +17,7 @@ import signal
 import socket
 from pathlib import Path
 
-from sandfleet.runtime import proc
+from sandfleet.runtime import mounts, proc
 
 log = logging.getLogger("sandfleet.launcher")
 
@@ -34,8 +34,9 @@ class LaunchError(Exception):
 class LauncherServer:
     """One `sandfleet-run --serve` process; restarted transparently if it dies."""
 
-    def __init__(self, binary: Path, *, agent_fd: int, seccomp_fd: int) -> None:
+    def __init__(self, binary: Path, *, agent_fd: int, seccomp_fd: int, sysfs: Path) -> None:
         self.binary = binary
+        self.sysfs = sysfs  # where the server mounts the sysfs all sandboxes bind
         self.agent_fd = agent_fd
         self.seccomp_fd = seccomp_fd
         self._sock: socket.socket | None = None
@@ -43,10 +44,12 @@ class LauncherServer:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
+        self.sysfs.mkdir(mode=0o555, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._pid = proc.start_background(
-                [str(self.binary), "--serve"], fd_map={3: theirs.fileno(), 4: self.agent_fd, 5: self.seccomp_fd}
+                [str(self.binary), "--serve", "--sysfs", str(self.sysfs)],
+                fd_map={3: theirs.fileno(), 4: self.agent_fd, 5: self.seccomp_fd},
             )
         except BaseException:
             ours.close()
@@ -55,11 +58,21 @@ class LauncherServer:
             theirs.close()
         ours.setblocking(False)
         self._sock = ours
+        for _ in range(200):  # the server mounts the shared sysfs before it takes requests
+            if await asyncio.to_thread(os.path.ismount, self.sysfs):
+                return
+            if proc.exited(self._pid):
+                break
+            await asyncio.sleep(0.01)
+        await self.close()
+        raise LaunchError("E", f"the launcher could not mount the shared sysfs on {self.sysfs}")
 
     async def close(self) -> None:
         if self._sock is not None:
             self._sock.close()  # the server exits on EOF
             self._sock = None
+        with contextlib.suppress(OSError):
+            mounts.umount(str(self.sysfs), lazy=True)
         if self._pid is not None:
             pid, self._pid = self._pid, None
             try:

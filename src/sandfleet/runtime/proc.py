@@ -121,6 +121,14 @@ def start_background(argv: Sequence[str], *, fd_map: Mapping[int, int]) -> int:
         os.close(null)
 
 
+def exited(pid: int) -> bool:
+    """Has our child `pid` exited? (Peeks: the exit status stays for `wait_pid`.)"""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
 def forget(pid: int) -> None:
     """After `wait_pid` of a `start_background` child."""
     _spawned.discard(pid)
