@@ -719,8 +719,11 @@ def test_corrupt_image_create_fails_typed_and_leaks_nothing(daemon: Daemon, flee
         assert contract.check(http.get("/v1/health"), 200)["sandboxes_running"] == 0
         assert _state_rows(d) == []
         run = str(d.run_dir)
-        # (the launcher's shared read-only sysfs is one per daemon, not per sandbox)
-        sandbox_mounts = [m for m in _mount_points(d) if (m == run or m.startswith(run + "/")) and m != f"{run}/sysfs"]
+        # (the launcher's shared read-only sysfs and empty tmpfs are one per daemon, not per sandbox)
+        shared = f"{run}/shared/"
+        sandbox_mounts = [
+            m for m in _mount_points(d) if (m == run or m.startswith(run + "/")) and not m.startswith(shared)
+        ]
         assert sandbox_mounts == [], f"mounts left under the run dir: {sandbox_mounts}"
         assert list((d.run_dir / "sandboxes").iterdir()) == []
         cg = Path("/sys/fs/cgroup/memory") / f"sandfleet-test-{d.root.name}"

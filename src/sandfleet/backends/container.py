@@ -92,7 +92,6 @@ class ContainerBackend:
         self.agent_path: Path | None = None
         self._agent_fd: int | None = None
         self.launcher_path: Path | None = None
-        self._empty_dir = run_dir / "empty"  # masked directories become read-only binds of it
         self._seccomp_fd: int | None = None  # the compiled filter, in a sealed memfd the launcher preads
         self._launcher: LauncherServer | None = None
 
@@ -103,7 +102,6 @@ class ContainerBackend:
     async def start(self) -> None:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         if self.uses_launcher:
-            self._empty_dir.mkdir(mode=0o555, exist_ok=True)
             self.launcher_path = await asyncio.to_thread(build_launcher, self.state_dir / "launcher")
             try:
                 bpf = await asyncio.to_thread(seccomp.compile_bpf, seccomp.default_profile())
@@ -125,7 +123,10 @@ class ContainerBackend:
         if self.uses_launcher:
             assert self.launcher_path is not None and self._seccomp_fd is not None
             self._launcher = LauncherServer(
-                self.launcher_path, agent_fd=self._agent_fd, seccomp_fd=self._seccomp_fd, sysfs=self.run_dir / "sysfs"
+                self.launcher_path,
+                agent_fd=self._agent_fd,
+                seccomp_fd=self._seccomp_fd,
+                shared_dir=self.run_dir / "shared",
             )
             try:
                 await self._launcher.start()
@@ -303,7 +304,7 @@ class ContainerBackend:
         args = ["--dir", str(prepared.sdir), "--uid", str(self.config.uid_base)]
         args += ["--pid-file", str(prepared.sdir / "agent.pid")]
         args += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile_limit())]
-        args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192)), "--empty", str(self._empty_dir)]
+        args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192))]
         for lower in reversed(prepared.lowers):  # overlay wants the top layer first
             args += ["--lower", lower]
         for cgroup_dir in prepared.cgroup_dirs:

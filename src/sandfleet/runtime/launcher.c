@@ -29,14 +29,13 @@
  * Errors from either stage travel back over a close-on-exec pipe: EOF with no bytes means the
  * agent was exec'd. On success the agent's pid (as the daemon sees it) is printed on stdout.
  *
- * The daemon runs it once as a server (`sandfleet-run --serve --sysfs DIR`, see serve()) and sends it one
+ * The daemon runs it once as a server (`sandfleet-run --serve --shared DIR`, see serve()) and sends it one
  * message per create; a forked worker of that small static process does the launch, so a create
  * costs neither an exec nor a fork of the daemon's large Python process.
  *
  * Arguments:
  *   --dir D          sandbox directory; D/scratch and D/rootfs are the mount points
  *   --pid-file F     also write the agent's pid to F (atomically)
- *   --empty E        an empty, root-owned directory: masked directories become read-only binds of it
  *   --lower P        a read-only layer, top first (repeatable)
  *   --disk BYTES --inodes N --nofile N --uid BASE --hostname H
  *   --cgroup DIR     a cgroup directory to join (repeatable)
@@ -72,7 +71,7 @@
 #define UID_RANGE 65536
 
 static const char *dir, *pid_file, *hostname = "sandbox";
-static const char *empty_dir = "/var/empty"; /* --empty: a root-owned empty directory for masking */
+static const char *empty_dir = "/var/empty"; /* an empty, read-only directory masked directories bind */
 static const char *sysfs_template;	     /* server mode: a sysfs every sandbox binds read-only */
 static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS];
 static int n_lowers, n_cgroups;
@@ -566,8 +565,6 @@ static void parse_args(int argc, char **argv)
 			dir = v;
 		else if (!strcmp(a, "--pid-file"))
 			pid_file = v;
-		else if (!strcmp(a, "--empty"))
-			empty_dir = v;
 		else if (!strcmp(a, "--lower") && n_lowers < MAX_ITEMS)
 			lowers[n_lowers++] = v;
 		else if (!strcmp(a, "--cgroup") && n_cgroups < MAX_ITEMS)
@@ -709,26 +706,35 @@ static int launch(void)
  * filter. Each message is one launch: its payload the NUL-separated arguments above, its
  * SCM_RIGHTS fds [reply, channel, bind sources...]. A forked worker carries it out and writes
  * "P<pid>" or the error to the reply fd; the server itself never waits, so launches overlap. */
-/* Mount the shared sysfs: read-only, of a network namespace with nothing in it but loopback. The
- * server itself moves into that namespace and so keeps it (and its `lo`) alive; every sandbox
- * still gets a network namespace of its own in stage 1. */
-static void mount_sysfs_template(void)
+/* The server's shared mounts, made once in the daemon's mount namespace: a read-only sysfs of a
+ * network namespace with nothing in it but loopback (the server itself moves into that namespace
+ * and so keeps it, and its `lo`, alive; every sandbox still gets a network namespace of its own in
+ * stage 1), and an empty read-only tmpfs that masked directories bind. */
+static void mount_shared(const char *shared_dir)
 {
+	static char sys_path[PATH_MAX], empty_path[PATH_MAX];
+	snprintf(sys_path, sizeof sys_path, "%s/sysfs", shared_dir);
+	snprintf(empty_path, sizeof empty_path, "%s/empty", shared_dir);
 	if (unshare(CLONE_NEWNET) < 0)
 		fail("unshare the shared sysfs's network namespace");
-	if (mount("sysfs", sysfs_template, "sysfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL) < 0)
-		fail("mount the shared sysfs on %s", sysfs_template);
+	if (mount("sysfs", sys_path, "sysfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL) < 0)
+		fail("mount the shared sysfs on %s", sys_path);
+	if (mount("sandfleet-empty", empty_path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV,
+		  "size=4k,nr_inodes=1,mode=0555") < 0)
+		fail("mount the empty tmpfs on %s", empty_path);
+	sysfs_template = sys_path;
+	empty_dir = empty_path;
 }
 
-static int serve(void)
+static int serve(const char *shared_dir)
 {
 	static char buf[65536];
 	union {
 		char space[CMSG_SPACE(sizeof(int) * (MAX_ITEMS + 2))];
 		struct cmsghdr align;
 	} ctl;
-	if (sysfs_template)
-		mount_sysfs_template();
+	if (shared_dir)
+		mount_shared(shared_dir);
 	struct sigaction sa = {.sa_handler = SIG_IGN, .sa_flags = SA_NOCLDWAIT};
 	sigaction(SIGCHLD, &sa, NULL); /* workers reap themselves */
 	for (;;) {
@@ -785,11 +791,8 @@ static int serve(void)
 int main(int argc, char **argv)
 {
 	read_bpf(5);
-	if (argc >= 2 && !strcmp(argv[1], "--serve")) {
-		if (argc == 4 && !strcmp(argv[2], "--sysfs"))
-			sysfs_template = argv[3];
-		return serve();
-	}
+	if (argc >= 2 && !strcmp(argv[1], "--serve"))
+		return serve(argc == 4 && !strcmp(argv[2], "--shared") ? argv[3] : NULL);
 	parse_args(argc, argv);
 	return launch();
 }

@@ -34,9 +34,10 @@ class LaunchError(Exception):
 class LauncherServer:
     """One `sandfleet-run --serve` process; restarted transparently if it dies."""
 
-    def __init__(self, binary: Path, *, agent_fd: int, seccomp_fd: int, sysfs: Path) -> None:
+    def __init__(self, binary: Path, *, agent_fd: int, seccomp_fd: int, shared_dir: Path) -> None:
         self.binary = binary
-        self.sysfs = sysfs  # where the server mounts the sysfs all sandboxes bind
+        # Where the server mounts what all sandboxes bind: a read-only sysfs and an empty tmpfs.
+        self.shared_dir = shared_dir
         self.agent_fd = agent_fd
         self.seccomp_fd = seccomp_fd
         self._sock: socket.socket | None = None
@@ -44,11 +45,12 @@ class LauncherServer:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self.sysfs.mkdir(mode=0o555, exist_ok=True)
+        for name in ("sysfs", "empty"):
+            (self.shared_dir / name).mkdir(mode=0o555, parents=True, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._pid = proc.start_background(
-                [str(self.binary), "--serve", "--sysfs", str(self.sysfs)],
+                [str(self.binary), "--serve", "--shared", str(self.shared_dir)],
                 fd_map={3: theirs.fileno(), 4: self.agent_fd, 5: self.seccomp_fd},
             )
         except BaseException:
@@ -59,20 +61,21 @@ class LauncherServer:
         ours.setblocking(False)
         self._sock = ours
         for _ in range(200):  # the server mounts the shared sysfs before it takes requests
-            if await asyncio.to_thread(os.path.ismount, self.sysfs):
+            if await asyncio.to_thread(os.path.ismount, self.shared_dir / "empty"):
                 return
             if proc.exited(self._pid):
                 break
             await asyncio.sleep(0.01)
         await self.close()
-        raise LaunchError("E", f"the launcher could not mount the shared sysfs on {self.sysfs}")
+        raise LaunchError("E", f"the launcher could not mount sysfs and an empty tmpfs under {self.shared_dir}")
 
     async def close(self) -> None:
         if self._sock is not None:
             self._sock.close()  # the server exits on EOF
             self._sock = None
-        with contextlib.suppress(OSError):
-            mounts.umount(str(self.sysfs), lazy=True)
+        for name in ("sysfs", "empty"):
+            with contextlib.suppress(OSError):
+                mounts.umount(str(self.shared_dir / name), lazy=True)
         if self._pid is not None:
             pid, self._pid = self._pid, None
             try:
