@@ -140,7 +140,7 @@ def test_cannot_see_host_processes(daemon: Daemon, sandbox: Sandbox, host_sleep:
     assert 1 in inside and len(inside) <= 5, inside
     assert ok(sandbox, "cat /proc/1/cmdline") == "/proc/self/fd/4\x00"
     assert daemon.pid not in inside and host_sleep.pid not in inside
-    assert "sandfleet" not in ps and f"sleep {HOST_SLEEP}" not in ps, ps
+    assert "serve" not in ps and "python" not in ps and f"sleep {HOST_SLEEP}" not in ps, ps
     # Not even by number: the host pids don't exist in the sandbox's pid namespace.
     code, _, err = sh(sandbox, f"kill -0 {host_sleep.pid} || kill -0 {daemon.pid}")
     assert code != 0, err
@@ -538,3 +538,50 @@ def test_bind_target_that_cannot_take_the_mount_is_invalid_and_leaves_nothing(
         fleet.create(image="busybox", mounts=[Mount(source=str(shared), target="/bin/busybox")])
     after = set(os.listdir(sandboxes_dir)), {p.name for p in cg.iterdir() if p.is_dir()} if cg.exists() else set()
     assert after == before
+
+
+def test_no_controlling_terminal_and_noexec_shm(sandbox: Sandbox) -> None:
+    """The sandbox's init leads a session of its own: /dev/tty reaches no terminal of the host's
+    (the daemon may run in an operator's shell). /dev/shm is noexec, as in crun."""
+    assert ok(sandbox, "cut -d' ' -f6 /proc/1/stat").strip() == "1"  # init is its own session leader
+    code, _, err = sh(sandbox, "echo x > /dev/tty")
+    assert code != 0 and "No such device" in err, err
+    code, _, err = sh(sandbox, "cp /bin/busybox /dev/shm/bb && /dev/shm/bb true")
+    assert code != 0 and "denied" in err, err
+    assert ok(sandbox, "echo data > /dev/shm/f && cat /dev/shm/f") == "data\n"  # still a place for data
+
+
+@pytest.mark.parametrize("target", ["/", "/proc", "/proc/sys", "/sys/kernel", "/dev", "/dev/shm", "/x/../dev"])
+def test_bind_targets_reserved_for_the_sandbox_itself(fleet: Client, shared: Path, target: str) -> None:
+    with pytest.raises(ValueError, match="mount target"):  # the SDK refuses it locally ...
+        Mount(source=str(shared), target=target)
+    unchecked = Mount.model_construct(source=str(shared), target=target, read_only=True)
+    with pytest.raises(InvalidArgumentError, match="mount target"):  # ... and so does the daemon
+        fleet.create(image="busybox", mounts=[unchecked])
+
+
+def test_launcher_restarts_if_it_dies(daemon: Daemon, fleet: Client) -> None:
+    servers = [
+        int(pid)
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and _ppid(int(pid)) == daemon.pid and _cmdline(int(pid))[1:2] == ["--serve"]
+    ]
+    assert len(servers) == 1, servers
+    os.kill(servers[0], 9)
+    with fleet.create(image="busybox") as sb:
+        assert ok(sb, "echo alive") == "alive\n"
+
+
+def _ppid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    return int(stat[stat.rfind(")") + 2 :].split()[1])
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return []

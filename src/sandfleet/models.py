@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Annotated, Any, Literal
 
@@ -110,6 +111,9 @@ class Resources(_Model):
         return v
 
 
+RESERVED_TARGETS = ("/proc", "/sys", "/dev")  # the sandbox's own, set up after the binds
+
+
 class Mount(_Model):
     """A host path bind-mounted into the sandbox; the daemon only allows paths under its allowlist."""
 
@@ -121,6 +125,14 @@ class Mount(_Model):
     @classmethod
     def _paths(cls, v: str) -> str:
         return _check_abs_path(v)
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, v: str) -> str:
+        norm = posixpath.normpath(v)
+        if norm == "/" or any(norm == d or norm.startswith(d + "/") for d in RESERVED_TARGETS):
+            raise ValueError(f"mount target {v!r} may not be /, or at or under {', '.join(RESERVED_TARGETS)}")
+        return v
 
 
 class SandboxSpec(_Model):
@@ -137,7 +149,7 @@ class SandboxSpec(_Model):
     idle_ttl: float | None = Field(600.0, gt=0, description="stop after this many idle seconds")
     max_lifetime: float | None = Field(None, gt=0, description="stop this many seconds after creation")
     network: Literal["none"] = Field("none", description="network policy; 'none' = loopback only")
-    mounts: list[Mount] = Field(default_factory=list)
+    mounts: list[Mount] = Field(default_factory=list, max_length=16)
 
     @field_validator("image")
     @classmethod

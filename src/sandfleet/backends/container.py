@@ -251,11 +251,27 @@ class ContainerBackend:
             self._teardown_files(sandbox_id, [layer.digest for layer in image.layers][: len(lowers)])
             raise
 
+    async def _prepare_uncancellable(
+        self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest, binds: list[tuple[str, str, oci.BindMount]]
+    ) -> _Prepared:
+        """`_prepare` in a worker thread; if we are cancelled meanwhile, undo what it made once it is done."""
+        task = asyncio.ensure_future(asyncio.to_thread(self._prepare, sandbox_id, spec, image, binds))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                prepared = await task
+                for fd, _bind in prepared.binds:
+                    os.close(fd)
+                digests = [layer.digest for layer in image.layers]
+                await asyncio.to_thread(self._teardown_files, sandbox_id, digests)
+            raise
+
     async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest) -> LiveSandbox:
         assert self._agent_fd is not None, "backend not started"
         binds = self._check_mounts(spec)
         try:
-            prepared = await asyncio.to_thread(self._prepare, sandbox_id, spec, image, binds)
+            prepared = await self._prepare_uncancellable(sandbox_id, spec, image, binds)
         except LayerCorruptError as exc:
             raise InternalError(f"image {image.name}:{image.tag} has a corrupt layer: {exc}") from exc
         except OSError as exc:
@@ -403,11 +419,13 @@ class ContainerBackend:
                 log.warning("sandbox init %d did not exit within 10s of SIGKILL", pid)
             finally:
                 loop.remove_reader(pidfd)
+            # Our child when we launched it (we are a subreaper); merely a process after a restart.
+            # Reaped through the pidfd: exactly this process, even if the orphan reaper got its
+            # zombie first and the pid has been reused since.
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 (never blocks)
         finally:
             os.close(pidfd)
-        # Our child when we launched it (we are a subreaper); merely a process after a restart.
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 (WNOHANG: never blocks)
 
     async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
         pid = runtime.get("agent_pid")
@@ -435,6 +453,7 @@ class ContainerBackend:
         rel = self.cgroups.path_for(sandbox_id)
         for _ in range(100):
             if await asyncio.to_thread(self.cgroups.kill_all, rel) == 0:
+                proc.reap_orphans()  # the killed init, our child by now, is a zombie the reaper knows
                 return
             await asyncio.sleep(0.01)
         log.warning("processes of half-created sandbox %s survived SIGKILL for 1s", sandbox_id)

@@ -665,6 +665,8 @@ static int service(void)
 
 int main(void)
 {
+	/* A name the daemon's orphan reaper knows (exec'd from fd 4, we would be called "4"). */
+	prctl(PR_SET_NAME, "sandfleet-agent");
 	prctl(PR_SET_DUMPABLE, 0);
 	prctl(PR_SET_CHILD_SUBREAPER, 1);
 	signal(SIGPIPE, SIG_IGN);

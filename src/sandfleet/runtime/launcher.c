@@ -71,7 +71,7 @@
 #define UID_RANGE 65536
 
 static const char *dir, *pid_file, *hostname = "sandbox";
-static const char *empty_dir = "/var/empty"; /* an empty, read-only directory masked directories bind */
+static const char *empty_dir;		     /* server mode: an empty read-only tmpfs masked dirs bind */
 static const char *sysfs_template;	     /* server mode: a sysfs every sandbox binds read-only */
 static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS];
 static int n_lowers, n_cgroups;
@@ -271,7 +271,11 @@ static void setup_dev(int root)
 	}
 	mount_at(root, "dev/pts", "devpts", "devpts", MS_NOSUID | MS_NOEXEC,
 		 "newinstance,ptmxmode=0666,mode=0620");
-	/* /dev/shm is a directory of /dev, so it shares the writable layer's size cap. */
+	/* /dev/shm is a directory of /dev, so it shares the writable layer's size cap; bound onto
+	 * itself to be noexec as crun's shm tmpfs is (nosuid and nodev come locked from the scratch). */
+	if (mount("dev/shm", "dev/shm", NULL, MS_BIND, NULL) < 0 ||
+	    mount(NULL, "dev/shm", NULL, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+		fail("mount /dev/shm noexec");
 	mount_at(root, "dev/mqueue", "mqueue", "mqueue", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
 	static const char *links[][2] = {{"ptmx", "pts/ptmx"},
 					 {"fd", "/proc/self/fd"},
@@ -300,8 +304,12 @@ static void mask_paths(int root)
 		const char *target = masked[i];
 		/* Directories get a read-only bind of one empty directory, files /dev/null: binds add no
 		 * superblock (crun mounts a tmpfs per masked directory). */
-		int rc = mount(S_ISDIR(st.st_mode) ? empty_dir : "/dev/null", target, NULL, MS_BIND, NULL);
-		if (rc == 0 && S_ISDIR(st.st_mode))
+		int rc;
+		if (S_ISDIR(st.st_mode) && !empty_dir) /* standalone: no shared empty tmpfs, crun's way */
+			rc = mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0,mode=555");
+		else
+			rc = mount(S_ISDIR(st.st_mode) ? empty_dir : "/dev/null", target, NULL, MS_BIND, NULL);
+		if (rc == 0 && S_ISDIR(st.st_mode) && empty_dir)
 			rc = mount(NULL, target, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
 				   NULL);
 		if (rc < 0)
@@ -331,13 +339,7 @@ static void mask_paths(int root)
 
 static void drop_capabilities(void)
 {
-	int last = CAP_LAST_CAP;
-	FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
-	if (f) {
-		if (fscanf(f, "%d", &last) != 1)
-			last = CAP_LAST_CAP;
-		fclose(f);
-	}
+	int last = 63; /* every capability the kernel might know; EINVAL for the ones it does not */
 	uint64_t keep = 0;
 	for (size_t i = 0; i < sizeof keep_caps / sizeof *keep_caps; i++)
 		keep |= 1ULL << keep_caps[i];
@@ -391,6 +393,10 @@ static void stage2(const char *rootfs)
 	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
 	if (null < 0)
 		fail("open /dev/null");
+	/* A session of its own: no controlling terminal, so /dev/tty leads nowhere (the daemon may
+	 * have been started from an operator's terminal). */
+	if (setsid() < 0)
+		fail("setsid");
 	drop_capabilities();
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		fail("no_new_privs");
@@ -412,6 +418,31 @@ static void stage2(const char *rootfs)
 }
 
 /* ---- stage 1: real root in a private mount namespace ---------------------------------------- */
+
+/* A bind mount may not replace the root or land in /proc, /sys or /dev, also not through a
+ * symlink of the image: those are set up next, by path, and must be ours. */
+static int allowed_bind_target(const char *rootfs, int target)
+{
+	char link[64], path[PATH_MAX];
+	snprintf(link, sizeof link, "/proc/self/fd/%d", target);
+	ssize_t n = readlink(link, path, sizeof path - 1);
+	if (n < 0)
+		return 0;
+	path[n] = '\0';
+	size_t len = strlen(rootfs);
+	if (strncmp(path, rootfs, len) || (path[len] != '/' && path[len] != '\0'))
+		return 0; /* not under the rootfs at all */
+	const char *rel = path + len;
+	if (!*rel || !strcmp(rel, "/"))
+		return 0;
+	static const char *reserved[] = {"/proc", "/sys", "/dev"};
+	for (size_t i = 0; i < sizeof reserved / sizeof *reserved; i++) {
+		size_t k = strlen(reserved[i]);
+		if (!strncmp(rel, reserved[i], k) && (rel[k] == '/' || rel[k] == '\0'))
+			return 0;
+	}
+	return 1;
+}
 
 static int stage1(int to_launcher, int from_launcher)
 {
@@ -476,6 +507,8 @@ static int stage1(int to_launcher, int from_launcher)
 		int target = mkdirs_in_root(root, binds[i].target, uid_base, !S_ISDIR(st.st_mode));
 		if (target < 0)
 			fail_input("mount target %s cannot be made", binds[i].target);
+		if (!allowed_bind_target(rootfs, target))
+			fail_input("mount target %s resolves to /, /proc, /sys or /dev", binds[i].target);
 		if (syscall(SYS_move_mount, binds[i].tree, "", target, "",
 			    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
 			fail_input("mount target %s cannot take the mount", binds[i].target);
@@ -664,8 +697,7 @@ static int launch(void)
 	}
 	msg[len] = '\0';
 	if (len) {
-		if (agent > 0)
-			kill(agent, SIGKILL);
+		/* Stage 2 reported and exited (its pid may already be reaped and reused): nothing to kill. */
 		if (reply_fd >= 0) {
 			if (write(reply_fd, msg, len) < 0) {
 			}
@@ -737,6 +769,9 @@ static int serve(const char *shared_dir)
 		mount_shared(shared_dir);
 	struct sigaction sa = {.sa_handler = SIG_IGN, .sa_flags = SA_NOCLDWAIT};
 	sigaction(SIGCHLD, &sa, NULL); /* workers reap themselves */
+	/* A reply to a daemon that gave up must fail with EPIPE (and the worker then kill the agent it
+	 * started), not kill the worker silently. */
+	signal(SIGPIPE, SIG_IGN);
 	for (;;) {
 		struct iovec iov = {.iov_base = buf, .iov_len = sizeof buf - 1};
 		struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space,
@@ -764,7 +799,7 @@ static int serve(const char *shared_dir)
 			close(3);
 			int high[MAX_ITEMS + 2];
 			for (int i = 0; i < nfds; i++) {
-				high[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 64);
+				high[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 6 + MAX_ITEMS + 8); /* above every bind */
 				close(fds[i]);
 			}
 			reply_fd = high[0];

@@ -42,7 +42,7 @@ class LauncherServer:
         self.seccomp_fd = seccomp_fd
         self._sock: socket.socket | None = None
         self._pid: int | None = None
-        self._lock = asyncio.Lock()
+        self._send_lock = asyncio.Lock()
 
     async def start(self) -> None:
         for name in ("sysfs", "empty"):
@@ -89,42 +89,54 @@ class LauncherServer:
                 proc.forget(pid)
 
     async def _send(self, payload: bytes, fds: list[int]) -> None:
+        # One sender at a time: sends are short, and a single waiter per fd is all the loop allows.
+        async with self._send_lock:
+            for attempt in range(2):
+                if self._sock is None:
+                    await self._restart()
+                sock = self._sock
+                assert sock is not None
+                try:
+                    await self._sendmsg(sock, payload, fds)
+                    return
+                except (BrokenPipeError, ConnectionResetError):
+                    if attempt:
+                        raise LaunchError("E", "the launcher died") from None
+                    log.warning("the launcher died; restarting it")
+                    await self._restart()
+
+    async def _restart(self) -> None:
+        await self.close()
+        try:
+            await self.start()
+        except (OSError, LaunchError) as exc:
+            raise LaunchError("E", f"the launcher cannot be restarted: {exc}") from exc
+
+    async def _sendmsg(self, sock: socket.socket, payload: bytes, fds: list[int]) -> None:
         loop = asyncio.get_running_loop()
-        for attempt in range(2):
-            sock = self._sock
-            if sock is None:
-                raise LaunchError("E", "the launcher is not running")
+        while True:
             try:
-                while True:
-                    try:
-                        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-                        return
-                    except BlockingIOError:
-                        # The server's queue is full (a burst): wait until it drains a message.
-                        ready: asyncio.Future[None] = loop.create_future()
-                        loop.add_writer(sock.fileno(), _resolve, ready)
-                        try:
-                            await ready
-                        finally:
-                            loop.remove_writer(sock.fileno())
-            except (BrokenPipeError, ConnectionResetError):
-                if attempt:
-                    raise LaunchError("E", "the launcher died") from None
-                log.warning("the launcher died; restarting it")
-                async with self._lock:
-                    if self._sock is sock:
-                        await self.close()
-                        await self.start()
+                sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                return
+            except BlockingIOError:
+                # The server's queue is full (a burst): wait until it drains a message.
+                ready: asyncio.Future[None] = loop.create_future()
+                fileno = sock.fileno()
+                loop.add_writer(fileno, _resolve, ready)
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(fileno)
 
     async def launch(self, args: list[str], *, channel_fd: int, bind_fds: list[int], timeout: float) -> int:
         """Start one sandbox; return its agent's pid. Raises LaunchError or TimeoutError."""
         reply_r, reply_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
-            try:
-                await self._send(b"\0".join(a.encode() for a in args), [reply_w, channel_fd, *bind_fds])
-            finally:
-                os.close(reply_w)
             async with asyncio.timeout(timeout):
+                try:
+                    await self._send(b"\0".join(a.encode() for a in args), [reply_w, channel_fd, *bind_fds])
+                finally:
+                    os.close(reply_w)
                 reply = await _read_to_eof(reply_r)
         finally:
             os.close(reply_r)

@@ -88,7 +88,12 @@ async def _read_all(fd: int) -> bytes:
 
 
 def _posix_spawn(
-    argv: Sequence[str], stdio: tuple[int, int, int], fd_map: Mapping[int, int], env: Mapping[str, str]
+    argv: Sequence[str],
+    stdio: tuple[int, int, int],
+    fd_map: Mapping[int, int],
+    env: Mapping[str, str],
+    *,
+    setsid: bool = False,
 ) -> int:
     """posix_spawn with exactly `stdio` at 0-2 and `fd_map` (child fd -> our fd) in place; return the pid."""
     actions: list[tuple[int, int, int]] = [(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)]
@@ -104,7 +109,7 @@ def _posix_spawn(
                 lifted.append(our_fd)
             actions.append((os.POSIX_SPAWN_DUP2, our_fd, child_fd))
         # vfork+exec: returns as soon as the child has exec'd, never waits for it.
-        pid = os.posix_spawnp(argv[0], list(argv), dict(env), file_actions=actions)
+        pid = os.posix_spawnp(argv[0], list(argv), dict(env), file_actions=actions, setsid=setsid)
         _spawned.add(pid)
         return pid
     finally:
@@ -113,10 +118,11 @@ def _posix_spawn(
 
 
 def start_background(argv: Sequence[str], *, fd_map: Mapping[int, int]) -> int:
-    """Start a long-lived helper with /dev/null for stdio; the caller owns (and must `wait_pid`) it."""
+    """Start a long-lived helper in a session of its own (no controlling terminal) with /dev/null for
+    stdio; the caller owns (and must `wait_pid`) it."""
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
-        return _posix_spawn(argv, (null, null, null), fd_map, os.environ)
+        return _posix_spawn(argv, (null, null, null), fd_map, os.environ, setsid=True)
     finally:
         os.close(null)
 
@@ -184,8 +190,10 @@ def become_subreaper() -> None:
         raise OSError(err, os.strerror(err))
 
 
-# OCI runtimes, and the launcher (a launch that failed past its fork leaves one child behind).
-ORPHAN_NAMES = frozenset({"crun", "runc", "runsc", "sandfleet-run"})
+# OCI runtimes, the launcher (a launch that failed past its fork leaves one child behind), and
+# sandbox agents (our children once the launcher's intermediate process exits) that died on their own
+# or were killed with their half-created sandbox.
+ORPHAN_NAMES = frozenset({"crun", "runc", "runsc", "sandfleet-run", "sandfleet-agent"})
 
 
 def reap_orphans(names: frozenset[str] = ORPHAN_NAMES, limit: int = 1024) -> int:
