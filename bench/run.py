@@ -778,6 +778,62 @@ def bench_density(fleet: Any, daemon: Daemon, n: int, n_exec: int, labels: dict[
     }
 
 
+def _zram_used() -> int:
+    """Bytes of memory all zram devices use (compressed data + metadata): what swapped pages cost."""
+    total = 0
+    for dev in Path("/sys/block").glob("zram*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int((dev / "mm_stat").read_text().split()[2])
+    return total
+
+
+def bench_pause(fleet: Any, daemon: Daemon, n: int, labels: dict[str, str]) -> dict[str, Any]:
+    """A sandbox holding 200 MiB of anonymous memory: pause (freeze + push out), then resume by exec."""
+    from sandfleet import Resources
+
+    hold = 'awk \'BEGIN { s = sprintf("%209715200s", ""); system("sleep 1000") }\''
+    rows = []
+    for _ in range(n):
+        sb = fleet.create(image="busybox", labels=labels, resources=Resources(memory="512MiB"))
+        try:
+            mem = next(d for d in cgroup_dirs(daemon.cgroup_parent) if d.parent.name == "memory") / sb.id
+            sb.start(hold)
+            deadline = time.time() + 30
+            while int((mem / "memory.usage_in_bytes").read_text()) < 200 * 1024**2 and time.time() < deadline:
+                time.sleep(0.05)
+            before = int((mem / "memory.usage_in_bytes").read_text())
+            zram0 = _zram_used()
+            t = time.perf_counter()
+            sb.pause()
+            pause_s = time.perf_counter() - t
+            after = int((mem / "memory.usage_in_bytes").read_text())
+            zram1 = _zram_used()
+            t = time.perf_counter()
+            r = sb.exec("true")
+            resume_ms = (time.perf_counter() - t) * 1000
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec after pause failed: {r}")
+            rows.append((before, after, pause_s, resume_ms, zram1 - zram0))
+        finally:
+            sb.stop()
+
+    def med(i: int) -> float:
+        return sorted(r[i] for r in rows)[len(rows) // 2]
+
+    return {
+        "n": n,
+        "memory_before_mib": round(med(0) / 1024**2, 1),
+        "memory_after_mib": round(med(1) / 1024**2, 2),
+        "fraction_pushed_out": round(1 - med(1) / med(0), 4),
+        "pause_s": round(med(2), 3),
+        "pause_s_max": round(max(r[2] for r in rows), 3),
+        "resume_to_first_exec_ms": round(med(3), 2),
+        "resume_to_first_exec_ms_max": round(max(r[3] for r in rows), 2),
+        "zram_growth_mib": round(med(4) / 1024**2, 2),
+        "swap": Path("/proc/swaps").read_text().splitlines()[1:],
+    }
+
+
 def restart_if_dead(daemon: Daemon, fleet: Any, labels: dict[str, str], where: str) -> None:
     """After a failed call: if the daemon died, record it, start it again (it adopts the sandboxes), stop ours."""
     if daemon.proc is not None:
@@ -986,6 +1042,21 @@ def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
             [f"{key}: all {b['sandboxes']} exec-ready (created + one exec each) (s)", f(b["all_exec_ready_s"])],
             [f"{key}: failed creates / stop_many of all (s)", f"{b['failed']} / {f(b['stop_many_s'])}"],
         ]
+    pz = sf["pause"]
+    rows += [
+        [
+            f"pause of a sandbox holding {f(pz['memory_before_mib'], 0)} MiB anon: seconds (median / max of {pz['n']})",
+            f"{f(pz['pause_s'], 3)} / {f(pz['pause_s_max'], 3)}",
+        ],
+        [
+            "pause: memory left in the sandbox's cgroup (MiB) / share pushed out / zram growth (MiB)",
+            f"{f(pz['memory_after_mib'])} / {f(100 * pz['fraction_pushed_out'], 1)} % / {f(pz['zram_growth_mib'])}",
+        ],
+        [
+            "resume (transparent, by exec) to first exec done, ms (median / max)",
+            f"{f(pz['resume_to_first_exec_ms'])} / {f(pz['resume_to_first_exec_ms_max'])}",
+        ],
+    ]
     rows += [
         [
             "daemon crashes during the run",
@@ -1192,6 +1263,9 @@ def main() -> int:
             for n_idle in n_idles:
                 print(f"4. density: {n_idle} idle sandboxes", flush=True)
                 res["sandfleet"]["density"].append(bench_density(fleet, daemon, n_idle, n_idle_exec, labels))
+        with Client(daemon.socket, timeout=600) as fleet:
+            print("6. pause and resume of a sandbox holding 200 MiB", flush=True)
+            res["sandfleet"]["pause"] = bench_pause(fleet, daemon, 3 if q else 7, labels)
         for key, n in (("burst", n_burst), ("sustained", n_sustained)):
             print(f"5. {key}: {n} creates, {burst_in_flight} in flight", flush=True)
             res["sandfleet"][key] = asyncio.run(bench_burst(daemon.socket, n, burst_in_flight, labels))
@@ -1277,6 +1351,17 @@ def main() -> int:
                 "target": f"{big['sandboxes']} idle sandboxes: exec p99 <= 50 ms",
                 "measured": big["exec_into_random_idle"]["p99_ms"],
                 "met": big["exec_into_random_idle"]["p99_ms"] <= 50,
+            },
+            {
+                "target": "pause of a sandbox holding 200 MiB: >= 90 % of it out within 1 s",
+                "measured": res["sandfleet"]["pause"]["pause_s"],
+                "met": res["sandfleet"]["pause"]["pause_s"] <= 1
+                and res["sandfleet"]["pause"]["fraction_pushed_out"] >= 0.9,
+            },
+            {
+                "target": "resume to first exec <= 50 ms",
+                "measured": res["sandfleet"]["pause"]["resume_to_first_exec_ms"],
+                "met": res["sandfleet"]["pause"]["resume_to_first_exec_ms"] <= 50,
             },
             {
                 "target": f"burst of {burst['sandboxes']}: all exec-ready within 5 s",

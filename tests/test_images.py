@@ -235,8 +235,9 @@ def test_diff_trees(tmp_path: Path) -> None:
     _write(upper / "etc/new.conf", "new")
     _write(upper / "newdir/a/b", "deep")
     os.mknod(upper / "fifo", stat.S_IFIFO | 0o600)
-    same_mtime = os.stat(lower / "same.txt").st_mtime_ns
-    os.utime(upper / "same.txt", ns=(same_mtime, same_mtime))
+    for same in ("same.txt", "etc/keep"):  # unchanged files carry the lower's mtime (as a copy-up would)
+        mtime = os.stat(lower / same).st_mtime_ns
+        os.utime(upper / same, ns=(mtime, mtime))
 
     stats = diff_trees(lower, upper, out)
 

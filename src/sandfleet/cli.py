@@ -1,4 +1,4 @@
-"""`sandfleet` command line: serve, create, exec, shell, ls, rm, images, doctor, demo."""
+"""`sandfleet` command line: serve, create, exec, shell, ls, rm, pause, resume, images, doctor, demo."""
 
 from __future__ import annotations
 
@@ -231,6 +231,44 @@ def remove(
                 console.print(sid)
             if label:
                 for sid in fleet.stop_many(_pairs(label, "label")):
+                    console.print(sid)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+
+
+@app.command()
+def pause(
+    sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
+    label: Annotated[list[str] | None, typer.Option(help="pause all running sandboxes with KEY=VALUE")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Pause sandboxes by id or by label: freeze them and push their memory out."""
+    with _client(socket) as fleet:
+        try:
+            for sid in sandbox_ids or []:
+                fleet.get(sid).pause()
+                console.print(sid)
+            if label:
+                for sid in fleet.pause_many(_pairs(label, "label")):
+                    console.print(sid)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+
+
+@app.command()
+def resume(
+    sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
+    label: Annotated[list[str] | None, typer.Option(help="resume all paused sandboxes with KEY=VALUE")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Resume paused sandboxes by id or by label (any request to a paused sandbox also resumes it)."""
+    with _client(socket) as fleet:
+        try:
+            for sid in sandbox_ids or []:
+                fleet.get(sid).resume()
+                console.print(sid)
+            if label:
+                for sid in fleet.resume_many(_pairs(label, "label")):
                     console.print(sid)
         except SandboxError as exc:
             raise _fail(exc) from exc

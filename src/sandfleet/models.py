@@ -66,7 +66,7 @@ _HOSTNAME_RE = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 Backend = Literal["fncall", "container", "microvm", "vm"]
-SandboxState = Literal["creating", "running", "stopping", "stopped", "failed"]
+SandboxState = Literal["creating", "running", "paused", "stopping", "stopped", "failed"]
 
 
 class _Model(BaseModel):
@@ -148,6 +148,9 @@ class SandboxSpec(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     idle_ttl: float | None = Field(600.0, gt=0, description="stop after this many idle seconds")
     max_lifetime: float | None = Field(None, gt=0, description="stop this many seconds after creation")
+    pause_after: float | None = Field(
+        None, gt=0, description="pause (freeze, push memory out) after this many idle seconds; any request resumes"
+    )
     network: Literal["none"] = Field("none", description="network policy; 'none' = loopback only")
     mounts: list[Mount] = Field(default_factory=list, max_length=16)
 
@@ -375,6 +378,14 @@ class StopManyRequest(_Model):
 
 class StopManyResult(_Model):
     stopped: list[str]
+
+
+class LabelsRequest(_Model):
+    labels: dict[str, str] = Field(min_length=1, description="sandboxes carrying all of these labels")
+
+
+class IdList(_Model):
+    sandboxes: list[str]
 
 
 class FileList(_Model):

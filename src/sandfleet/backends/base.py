@@ -49,6 +49,12 @@ class Backend(Protocol):
     async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
         """Idempotently remove whatever a dead or half-created sandbox left behind."""
 
+    async def pause(self, sandbox: LiveSandbox) -> tuple[int, int]:
+        """Freeze every process of the sandbox and push its memory out; (bytes before, bytes after)."""
+
+    async def resume(self, sandbox: LiveSandbox) -> None:
+        """Thaw a paused sandbox."""
+
     def open_root(self, sandbox: LiveSandbox) -> int:
         """An O_PATH directory fd of the sandbox's root filesystem (caller closes it)."""
 

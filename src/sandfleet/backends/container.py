@@ -385,6 +385,39 @@ class ContainerBackend:
         sandbox.channel.close()
         await self.cleanup(sandbox.id, sandbox.runtime)
 
+    # -- pause / resume -------------------------------------------------------------------------
+
+    async def pause(self, sandbox: LiveSandbox) -> tuple[int, int]:
+        rel = self.cgroups.path_for(sandbox.id)
+
+        def run() -> tuple[int, int]:
+            before = self.cgroups.memory_bytes(rel)
+            self.cgroups.freeze(rel)
+            try:
+                self.cgroups.reclaim(rel)
+            except BaseException:
+                self.cgroups.thaw(rel)
+                raise
+            return before, self.cgroups.memory_bytes(rel)
+
+        try:
+            return await asyncio.to_thread(run)
+        except (OSError, TimeoutError) as exc:
+            raise InternalError(f"pausing sandbox {sandbox.id} failed: {exc}") from exc
+
+    async def resume(self, sandbox: LiveSandbox) -> None:
+        try:
+            await asyncio.to_thread(self.cgroups.thaw, self.cgroups.path_for(sandbox.id))
+        except (OSError, TimeoutError) as exc:
+            raise InternalError(f"resuming sandbox {sandbox.id} failed: {exc}") from exc
+
+    def _thaw_quietly(self, sandbox_id: str) -> None:
+        """Frozen tasks do not die of SIGKILL until thawed, and a frozen agent cannot answer."""
+        rel = self.cgroups.path_for(sandbox_id)
+        if self.cgroups.frozen(rel):
+            with contextlib.suppress(OSError, TimeoutError):
+                self.cgroups.thaw(rel)
+
     def _is_ours(self, sandbox_id: str, pid: int, start_time: int | None) -> bool:
         """Is `pid` still this sandbox's init? By start time if we know it, else by its cgroup."""
         if start_time is not None:
@@ -428,6 +461,7 @@ class ContainerBackend:
             os.close(pidfd)
 
     async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        await asyncio.to_thread(self._thaw_quietly, sandbox_id)
         pid = runtime.get("agent_pid")
         if isinstance(pid, int):
             await self._kill_and_wait(sandbox_id, pid, runtime.get("agent_start_time"))
@@ -475,6 +509,7 @@ class ContainerBackend:
         pid = runtime.get("agent_pid")
         if not isinstance(pid, int) or proc.process_start_time(pid) != runtime.get("agent_start_time"):
             return None
+        await asyncio.to_thread(self._thaw_quietly, sandbox_id)  # paused when the old daemon died
         sock: socket.socket | None = None
         for _ in range(100):  # the agent notices the old channel's EOF and offers a new one at fd 4
             try:

@@ -24,6 +24,7 @@ from sandfleet.models import (
     ExecResult,
     FileInfo,
     FileList,
+    IdList,
     ImageInfo,
     ImageList,
     ProcessInfo,
@@ -189,6 +190,16 @@ class AsyncClient:
         call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": dict(labels), "reason": reason})
         return (await self._model(StopManyResult, call)).stopped
 
+    async def pause_many(self, labels: Mapping[str, str]) -> builtins.list[str]:
+        """Pause every running sandbox with these labels (a preempted trainer's whole job); the ids paused."""
+        call = b.Call("POST", "/v1/sandboxes/pause", json={"labels": dict(labels)}, timeout=max(self.timeout, 600))
+        return (await self._model(IdList, call)).sandboxes
+
+    async def resume_many(self, labels: Mapping[str, str]) -> builtins.list[str]:
+        """Resume every paused sandbox with these labels; the ids resumed."""
+        call = b.Call("POST", "/v1/sandboxes/resume", json={"labels": dict(labels)}, timeout=max(self.timeout, 600))
+        return (await self._model(IdList, call)).sandboxes
+
 
 class AsyncSandbox:
     def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
@@ -214,6 +225,15 @@ class AsyncSandbox:
 
     async def refresh(self) -> SandboxInfo:
         self.info = await self._c._model(SandboxInfo, b.Call("GET", b.sandbox_path(self.id)))
+        return self.info
+
+    async def pause(self) -> SandboxInfo:
+        """Freeze the sandbox and push its memory out; any later request resumes it transparently."""
+        self.info = await self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/pause"))
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        self.info = await self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/resume"))
         return self.info
 
     async def stop(self, reason: str = "user") -> SandboxInfo:

@@ -23,6 +23,7 @@ from sandfleet.models import (
     ExecResult,
     FileInfo,
     FileList,
+    IdList,
     ImageInfo,
     ImageList,
     ProcessInfo,
@@ -186,6 +187,16 @@ class Client:
         call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": dict(labels), "reason": reason})
         return (self._model(StopManyResult, call)).stopped
 
+    def pause_many(self, labels: Mapping[str, str]) -> builtins.list[str]:
+        """Pause every running sandbox with these labels (a preempted trainer's whole job); the ids paused."""
+        call = b.Call("POST", "/v1/sandboxes/pause", json={"labels": dict(labels)}, timeout=max(self.timeout, 600))
+        return (self._model(IdList, call)).sandboxes
+
+    def resume_many(self, labels: Mapping[str, str]) -> builtins.list[str]:
+        """Resume every paused sandbox with these labels; the ids resumed."""
+        call = b.Call("POST", "/v1/sandboxes/resume", json={"labels": dict(labels)}, timeout=max(self.timeout, 600))
+        return (self._model(IdList, call)).sandboxes
+
 
 class Sandbox:
     def __init__(self, client: Client, info: SandboxInfo) -> None:
@@ -209,6 +220,15 @@ class Sandbox:
 
     def refresh(self) -> SandboxInfo:
         self.info = self._c._model(SandboxInfo, b.Call("GET", b.sandbox_path(self.id)))
+        return self.info
+
+    def pause(self) -> SandboxInfo:
+        """Freeze the sandbox and push its memory out; any later request resumes it transparently."""
+        self.info = self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/pause"))
+        return self.info
+
+    def resume(self) -> SandboxInfo:
+        self.info = self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/resume"))
         return self.info
 
     def stop(self, reason: str = "user") -> SandboxInfo:

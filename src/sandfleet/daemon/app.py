@@ -43,8 +43,10 @@ from sandfleet.models import (
     FileInfo,
     FileList,
     Health,
+    IdList,
     ImageInfo,
     ImageList,
+    LabelsRequest,
     Ok,
     ProcessInfo,
     ProcessList,
@@ -222,6 +224,22 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         if not req.labels:
             raise InvalidArgumentError("stop by labels needs at least one label")
         return StopManyResult(stopped=await manager.stop_many(req.labels, req.reason))
+
+    @app.post("/v1/sandboxes/pause", response_model=IdList)
+    async def pause_many(req: LabelsRequest) -> IdList:
+        return IdList(sandboxes=await manager.pause_many(req.labels))
+
+    @app.post("/v1/sandboxes/resume", response_model=IdList)
+    async def resume_many(req: LabelsRequest) -> IdList:
+        return IdList(sandboxes=await manager.resume_many(req.labels))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
+    async def pause(sandbox_id: str) -> SandboxInfo:
+        return await manager.pause(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
+    async def resume(sandbox_id: str) -> SandboxInfo:
+        return await manager.resume(sandbox_id)
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def get(sandbox_id: str) -> SandboxInfo:

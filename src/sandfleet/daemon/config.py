@@ -39,6 +39,11 @@ class DaemonConfig(BaseModel):
         0, ge=0, le=10000, description="extra warm sandboxes per image+shape, sized to the recent create rate"
     )
     pool_refill_concurrency: int = Field(2, ge=1, le=64, description="pool creates in flight at once")
+    zram_size: ByteSize | None = Field(
+        None,
+        description="compressed swap the daemon sets up for paused sandboxes when the host has no swap "
+        "(default: a quarter of MemTotal; 0 disables)",
+    )
     container: ContainerBackendConfig = Field(default_factory=ContainerBackendConfig)
 
     @model_validator(mode="after")

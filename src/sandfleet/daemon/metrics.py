@@ -19,6 +19,8 @@ class Metrics:
         self.create_seconds = Histogram(
             "sandfleet_create_seconds", "Create latency (request to exec-ready)", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.paused = Counter("sandfleet_pauses", "Sandboxes paused (frozen, memory pushed out)", registry=r)
+        self.resumed = Counter("sandfleet_resumes", "Sandboxes resumed", ["transparent"], registry=r)
         self.pool_hits = Counter("sandfleet_pool_hits", "Creates served from a warm pool", registry=r)
         self.execs = Counter("sandfleet_execs", "Commands executed", registry=r)
         self.exec_seconds = Histogram(

@@ -28,7 +28,7 @@ from sandfleet.daemon.pool import WarmPools
 from sandfleet.daemon.service import SandboxManager, new_sandbox_id
 from sandfleet.daemon.state import StateStore
 from sandfleet.images import LayerStore
-from sandfleet.runtime import cgroups, mounts, proc
+from sandfleet.runtime import cgroups, mounts, proc, swap
 
 log = logging.getLogger("sandfleet.daemon")
 
@@ -50,6 +50,14 @@ def prepare_process(config: DaemonConfig) -> None:
     # One channel fd per sandbox (plus transient ones): lift the soft limit to the hard one.
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _unix_listener(path: Path) -> socket.socket:
@@ -81,6 +89,11 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     store = LayerStore(config.images_root, uid_base=config.container.uid_base)
     backend = ContainerBackend(config.container, state_dir=config.state_dir, run_dir=config.run_dir, store=store)
     await backend.start()
+    zram = config.zram_size if config.zram_size is not None else _mem_total() // 4
+    try:
+        log.info("%s", await asyncio.to_thread(swap.ensure_compressed_swap, zram))
+    except (OSError, swap.SwapSetupError) as exc:
+        log.warning("no compressed swap (paused sandboxes keep their anonymous memory): %s", exc)
     metrics = Metrics()
     admission = Admission(
         AdmissionPolicy(

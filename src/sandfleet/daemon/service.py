@@ -192,6 +192,7 @@ class Sandbox:
     created: asyncio.Event = field(default_factory=asyncio.Event)
     oom_kills: int = 0
     pids_hits: int = 0
+    pause_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(
@@ -330,16 +331,19 @@ class SandboxManager:
                 stopped_at=row.stopped_at,
                 stop_reason=row.stop_reason,
             )
-            if row.state == "running":
+            if row.state in ("running", "paused"):
+                # adopt() thaws a paused sandbox first (a frozen agent cannot answer): it comes back
+                # running, and its idle policy may pause it again.
                 live = await self.backend.adopt(row.id, row.runtime)
                 if live is not None:
                     sb.live = live
+                    sb.state = "running"
                     self.admission.commit(spec.resources)
                     live.channel.on_close = lambda _ch, sid=row.id: self._on_agent_lost(sid)
                     self.sandboxes[row.id] = sb
                     self._event(row.id, "adopted", {"agent_pid": live.agent_pid})
                     continue
-            if row.state in ("running", "creating", "stopping"):
+            if row.state in ("running", "paused", "creating", "stopping"):
                 await self.backend.cleanup(row.id, row.runtime)
                 sb.state = "stopped" if row.state != "creating" else "failed"
                 sb.stop_reason = sb.stop_reason or "lost in daemon restart"
@@ -360,9 +364,10 @@ class SandboxManager:
         return sum(1 for s in self.sandboxes.values() if s.state == "running")
 
     def node_count(self) -> int:
-        """Sandboxes holding node resources: running, being created, and warm in pools."""
+        """Sandboxes holding node resources: running or paused, being created, and warm in pools."""
         pooled = self.pools.pooled() if self.pools is not None else 0
-        return self.running_count() + self._creating + pooled
+        held = sum(1 for s in self.sandboxes.values() if s.state in ("running", "paused"))
+        return held + self._creating + pooled
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -398,6 +403,13 @@ class SandboxManager:
         if sb is None:
             raise SandboxNotFoundError(f"sandbox {sandbox_id} not found")
         return sb
+
+    async def _ready(self, sandbox_id: str) -> tuple[Sandbox, LiveSandbox]:
+        """The sandbox, running: a paused one is resumed first (any request resumes it)."""
+        sb = self._get(sandbox_id)
+        if sb.state == "paused":
+            await self._resume(sb, transparent=True)
+        return self._running(sandbox_id)
 
     def _running(self, sandbox_id: str) -> tuple[Sandbox, LiveSandbox]:
         sb = self._get(sandbox_id)
@@ -588,9 +600,83 @@ class SandboxManager:
         self.metrics.alive.set(self.running_count())
 
     async def stop_many(self, labels: dict[str, str], reason: str = "user") -> builtins.list[str]:
-        ids = [s.id for s in self.list(labels=labels, state="running")]
+        ids = [s.id for s in self._matching(labels, ("running", "paused"))]
         await asyncio.gather(*(self.stop(i, reason) for i in ids))
         return ids
+
+    def _matching(self, labels: dict[str, str], states: tuple[str, ...]) -> builtins.list[Sandbox]:
+        return [
+            sb
+            for sb in self.sandboxes.values()
+            if sb.state in states and all(sb.spec.labels.get(k) == v for k, v in labels.items())
+        ]
+
+    # -- pause and resume ---------------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze the sandbox and push its memory out (to swap / dropped page cache)."""
+        sb = self._get(sandbox_id)
+        async with sb.pause_lock:
+            if sb.state == "paused":
+                return sb.info()
+            if sb.state != "running" or sb.live is None:
+                raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
+            if sb.inflight:
+                raise WrongStateError(f"sandbox {sandbox_id} has {sb.inflight} request(s) in flight")
+            t0 = time.perf_counter()
+            before, after = await self.backend.pause(sb.live)
+            sb.state = "paused"
+            await self.state.update(sb.id, state="paused")
+            seconds = time.perf_counter() - t0
+            self._event(sb.id, "paused", {"memory_before": before, "memory_after": after, "seconds": round(seconds, 4)})
+            self.metrics.paused.inc()
+            return sb.info()
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        sb = self._get(sandbox_id)
+        if sb.state == "paused":
+            await self._resume(sb, transparent=False)
+        elif sb.state != "running":
+            raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not paused")
+        return sb.info()
+
+    async def _resume(self, sb: Sandbox, *, transparent: bool) -> None:
+        async with sb.pause_lock:
+            if sb.state != "paused" or sb.live is None:
+                return
+            t0 = time.perf_counter()
+            await self.backend.resume(sb.live)
+            sb.state = "running"
+            self._touch(sb)
+            await self.state.update(sb.id, state="running")
+            self._event(sb.id, "resumed", {"transparent": transparent, "seconds": round(time.perf_counter() - t0, 4)})
+            self.metrics.resumed.labels(transparent=str(transparent).lower()).inc()
+
+    async def pause_many(self, labels: dict[str, str], concurrency: int = 16) -> builtins.list[str]:
+        """Pause every running sandbox with these labels (busy ones are skipped); the ids paused."""
+        return await self._for_each(self._matching(labels, ("running",)), self.pause, concurrency)
+
+    async def resume_many(self, labels: dict[str, str], concurrency: int = 16) -> builtins.list[str]:
+        return await self._for_each(self._matching(labels, ("paused",)), self.resume, concurrency)
+
+    async def _for_each(
+        self, sandboxes: builtins.list[Sandbox], op: Callable[[str], Awaitable[SandboxInfo]], concurrency: int
+    ) -> builtins.list[str]:
+        limit = asyncio.Semaphore(concurrency)
+        done: builtins.list[str] = []
+
+        async def one(sb: Sandbox) -> None:
+            async with limit:
+                try:
+                    await op(sb.id)
+                    done.append(sb.id)
+                except SandboxError as exc:
+                    log.info("%s of %s skipped: %s", getattr(op, "__name__", "op"), sb.id, exc)
+
+        async with asyncio.TaskGroup() as tg:
+            for sb in sandboxes:
+                tg.create_task(one(sb))
+        return done
 
     # -- TTL reaper ---------------------------------------------------------------------------------
 
@@ -615,12 +701,15 @@ class SandboxManager:
                 if retry_stops and sb.stop_task is not None and sb.stop_task.done():
                     self._spawn(self.stop(sb.id, reason="retry"), name=f"retry-stop-{sb.id}")
                 continue
-            if sb.state == "running" and sb.inflight == 0:
+            if sb.state in ("running", "paused") and sb.inflight == 0:
                 spec = sb.spec
-                if spec.idle_ttl is not None and now - sb.last_active_at > spec.idle_ttl:
+                idle = now - sb.last_active_at
+                if spec.idle_ttl is not None and idle > spec.idle_ttl:
                     self._spawn(self.stop(sb.id, reason="idle_ttl"), name=f"ttl-{sb.id}")
                 elif spec.max_lifetime is not None and now - sb.created_at > spec.max_lifetime:
                     self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
+                elif sb.state == "running" and spec.pause_after is not None and idle > spec.pause_after:
+                    self._spawn(self._auto_pause(sb.id), name=f"pause-{sb.id}")
             elif sb.state == "running" and spec_expired(sb, now):
                 self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
             elif sb.state in ("stopped", "failed") and sb.stopped_at and now - sb.stopped_at > self.stopped_retention:
@@ -638,6 +727,10 @@ class SandboxManager:
             await self.pools.shrink()
         procmod.reap_orphans()
         return last_flush, last_retry
+
+    async def _auto_pause(self, sandbox_id: str) -> None:
+        with contextlib.suppress(WrongStateError):  # a request came in meanwhile
+            await self.pause(sandbox_id)
 
     def _touch(self, sb: Sandbox) -> None:
         sb.last_active_at = time.time()
@@ -755,7 +848,7 @@ class SandboxManager:
             sb.pids_hits = stats.pids_limit_hits
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        sb, live = self._running(sandbox_id)
+        sb, live = await self._ready(sandbox_id)
         if req.background:
             raise InvalidArgumentError("use the processes endpoint for background=true")
         sb.inflight += 1
@@ -781,7 +874,7 @@ class SandboxManager:
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncGenerator[ExecEvent, None]:
         """Validate and start now (so errors surface before streaming), then yield events."""
-        sb, live = self._running(sandbox_id)
+        sb, live = await self._ready(sandbox_id)
         sb.inflight += 1
         self._touch(sb)
         try:
@@ -832,7 +925,7 @@ class SandboxManager:
     # -- background processes -------------------------------------------------------------------
 
     async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
-        sb, live = self._running(sandbox_id)
+        sb, live = await self._ready(sandbox_id)
         self._touch(sb)
         try:
             process = await self._start(sb, live, req, setsid=True)
@@ -894,7 +987,7 @@ class SandboxManager:
     async def create_session(
         self, sandbox_id: str, env: dict[str, str], cwd: str | None, user: str | None
     ) -> SessionInfo:
-        sb, live = self._running(sandbox_id)
+        sb, live = await self._ready(sandbox_id)
         self._touch(sb)
         shell = "/bin/sh"
         with contextlib.suppress(SandboxError):
@@ -943,7 +1036,7 @@ class SandboxManager:
         self, sandbox_id: str, session_id: str, command: str, timeout: float | None, output_limit: int
     ) -> ExecResult:
         sb, session = self._session(sandbox_id, session_id)
-        self._running(sandbox_id)
+        await self._ready(sandbox_id)
         if "\0" in command:
             raise InvalidArgumentError("command contains a NUL byte")
         async with session.lock:
@@ -1048,7 +1141,7 @@ class SandboxManager:
     async def file_op(
         self, sandbox_id: str, op: Callable[[SandboxFS], T], event: tuple[str, dict[str, Any]] | None = None
     ) -> T:
-        sb, live = self._running(sandbox_id)
+        sb, live = await self._ready(sandbox_id)
         self._touch(sb)
         result = await self._fs(live, op)
         if event is not None:
@@ -1056,7 +1149,7 @@ class SandboxManager:
         return result
 
     async def file_owner(self, sandbox_id: str, user: str | None) -> User:
-        sb, live = self._running(sandbox_id)
+        sb, live = await self._ready(sandbox_id)
         return await self._user(sb, live, user or sb.spec.user)
 
 

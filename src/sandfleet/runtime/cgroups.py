@@ -8,8 +8,10 @@ and removes leftovers after a crash. Paths are relative to the hierarchy root, e
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -137,6 +139,8 @@ class Cgroups:
             except FileNotFoundError:
                 d.mkdir(parents=True, exist_ok=True)  # the first sandbox: make our parent too
         mem, cpu, pid_dir, dev = (self.root / c / rel for c in ("memory", "cpu", "pids", "devices"))
+        if (mem / "memory.swappiness").exists():
+            _write(mem / "memory.swappiness", "100")  # a paused sandbox's pages go to swap first
         _write(mem / "memory.limit_in_bytes", str(memory))
         if (mem / "memory.memsw.limit_in_bytes").exists():
             _write(mem / "memory.memsw.limit_in_bytes", str(memory))
@@ -169,6 +173,59 @@ class Cgroups:
             missing = [c for c in ("memory", "cpu", "pids") if c not in enabled]
             if missing:
                 _write(level / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
+
+    # -- freezer and reclaim (pause) ------------------------------------------------------------
+
+    def freeze(self, rel: str, timeout: float = 5.0) -> None:
+        """Stop every task of the cgroup and wait until the kernel reports it frozen."""
+        self._set_frozen(rel, True, timeout)
+
+    def thaw(self, rel: str, timeout: float = 5.0) -> None:
+        self._set_frozen(rel, False, timeout)
+
+    def frozen(self, rel: str) -> bool:
+        rel = rel.lstrip("/")
+        try:
+            if self.mode == "v2":
+                return _read_keyed(self.root / rel / "cgroup.events").get("frozen") == 1
+            return (self.root / "freezer" / rel / "freezer.state").read_text().strip() == "FROZEN"
+        except OSError:
+            return False
+
+    def _set_frozen(self, rel: str, frozen: bool, timeout: float) -> None:
+        rel = rel.lstrip("/")
+        if self.mode == "v2":
+            _write(self.root / rel / "cgroup.freeze", "1" if frozen else "0")
+        else:
+            _write(self.root / "freezer" / rel / "freezer.state", "FROZEN" if frozen else "THAWED")
+        deadline = time.monotonic() + timeout
+        while self.frozen(rel) != frozen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cgroup {rel} did not {'freeze' if frozen else 'thaw'} within {timeout}s")
+            time.sleep(0.001)
+
+    def reclaim(self, rel: str) -> None:
+        """Push the cgroup's memory out: anonymous pages to swap, file pages dropped.
+
+        v1: `memory.force_empty` (works with tasks inside, frozen or not); v2: `memory.reclaim` of
+        everything it uses, which stops early (EAGAIN) when nothing more can go.
+        """
+        rel = rel.lstrip("/")
+        try:
+            if self.mode == "v2":
+                d = self.root / rel
+                _write(d / "memory.reclaim", str(_read_int(d / "memory.current")))
+            else:
+                _write(self.root / "memory" / rel / "memory.force_empty", "0")
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EBUSY):
+                raise
+
+    def memory_bytes(self, rel: str) -> int:
+        rel = rel.lstrip("/")
+        if self.mode == "v2":
+            return _read_int(self.root / rel / "memory.current")
+        return _read_int(self.root / "memory" / rel / "memory.usage_in_bytes")
 
     def kill_all(self, rel: str) -> int:
         """SIGKILL every process in the cgroup (a half-started sandbox whose init we never learned)."""
