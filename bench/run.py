@@ -834,6 +834,53 @@ def bench_pause(fleet: Any, daemon: Daemon, n: int, labels: dict[str, str]) -> d
     }
 
 
+def bench_qos(fleet: Any, n: int, labels: dict[str, str]) -> dict[str, Any]:
+    """exec("true") into a latency-sensitive sandbox: unloaded, then with both cores saturated by
+    CPU hogs in best-effort sandboxes, then by the same hogs without QoS (latency-sensitive too)."""
+    from sandfleet import Resources
+
+    ncpu = os.cpu_count() or 2
+    hog = " & ".join(["while :; do :; done"] * 2) + " & wait"
+    probe = fleet.create(image="busybox", labels=labels)
+
+    def measure() -> dict[str, Any]:
+        for _ in range(10):
+            probe.exec("true")
+        return stats([_timed(lambda: probe.exec("true")) for _ in range(n)])
+
+    def loaded(qos: str) -> dict[str, Any]:
+        hogs = [fleet.create(image="busybox", labels=labels, qos=qos, resources=Resources(cpu=2)) for _ in range(ncpu)]
+        try:
+            for h in hogs:
+                h.start(hog)
+            time.sleep(1)
+            return measure()
+        finally:
+            for h in hogs:
+                h.stop()
+
+    try:
+        unloaded = measure()
+        with_qos = loaded("best_effort")
+        without_qos = loaded("latency_sensitive")
+    finally:
+        probe.stop()
+    return {
+        "hogs": f"{ncpu} sandboxes x 2 busy loops (cpu limit 2 each)",
+        "unloaded": unloaded,
+        "hogs_best_effort": with_qos,
+        "hogs_latency_sensitive": without_qos,
+        "ratio_p50_with_qos": round(with_qos["p50_ms"] / unloaded["p50_ms"], 2),
+        "ratio_p50_without_qos": round(without_qos["p50_ms"] / unloaded["p50_ms"], 2),
+    }
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def restart_if_dead(daemon: Daemon, fleet: Any, labels: dict[str, str], where: str) -> None:
     """After a failed call: if the daemon died, record it, start it again (it adopts the sandboxes), stop ours."""
     if daemon.proc is not None:
@@ -1057,6 +1104,23 @@ def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
             f"{f(pz['resume_to_first_exec_ms'])} / {f(pz['resume_to_first_exec_ms_max'])}",
         ],
     ]
+    qs = sf["qos"]
+    rows += [
+        [
+            'QoS: latency-sensitive exec("true") p50 / p99, unloaded (ms)',
+            f"{f(qs['unloaded']['p50_ms'])} / {f(qs['unloaded']['p99_ms'])}",
+        ],
+        [
+            f"QoS: same, while {qs['hogs']} run as best_effort (ms; p50 ratio to unloaded)",
+            f"{f(qs['hogs_best_effort']['p50_ms'])} / {f(qs['hogs_best_effort']['p99_ms'])} "
+            f"({f(qs['ratio_p50_with_qos'])}x)",
+        ],
+        [
+            "QoS: same, with the hogs latency_sensitive too (no QoS) (ms; p50 ratio)",
+            f"{f(qs['hogs_latency_sensitive']['p50_ms'])} / {f(qs['hogs_latency_sensitive']['p99_ms'])} "
+            f"({f(qs['ratio_p50_without_qos'])}x)",
+        ],
+    ]
     rows += [
         [
             "daemon crashes during the run",
@@ -1266,6 +1330,8 @@ def main() -> int:
         with Client(daemon.socket, timeout=600) as fleet:
             print("6. pause and resume of a sandbox holding 200 MiB", flush=True)
             res["sandfleet"]["pause"] = bench_pause(fleet, daemon, 3 if q else 7, labels)
+            print("7. QoS: exec latency while best-effort (or not) sandboxes saturate the cores", flush=True)
+            res["sandfleet"]["qos"] = bench_qos(fleet, 50 if q else 200, labels)
         for key, n in (("burst", n_burst), ("sustained", n_sustained)):
             print(f"5. {key}: {n} creates, {burst_in_flight} in flight", flush=True)
             res["sandfleet"][key] = asyncio.run(bench_burst(daemon.socket, n, burst_in_flight, labels))
@@ -1357,6 +1423,11 @@ def main() -> int:
                 "measured": res["sandfleet"]["pause"]["pause_s"],
                 "met": res["sandfleet"]["pause"]["pause_s"] <= 1
                 and res["sandfleet"]["pause"]["fraction_pushed_out"] >= 0.9,
+            },
+            {
+                "target": "exec p50 with best-effort hogs on every core <= 2x unloaded",
+                "measured": res["sandfleet"]["qos"]["ratio_p50_with_qos"],
+                "met": res["sandfleet"]["qos"]["ratio_p50_with_qos"] <= 2,
             },
             {
                 "target": "resume to first exec <= 50 ms",

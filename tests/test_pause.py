@@ -31,7 +31,10 @@ def _frozen(d: Daemon, sandbox_id: str) -> bool:
 def _inside(d: Daemon, sb: Sandbox, path: str) -> str:
     """Read a sandbox file from the host, through its init's root: no request, so no resume."""
     pid = int((d.run_dir / "sandboxes" / sb.id / "agent.pid").read_text())
-    return Path(f"/proc/{pid}/root{path}").read_text()
+    try:
+        return Path(f"/proc/{pid}/root{path}").read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def _has_swap() -> bool:
@@ -64,7 +67,7 @@ def test_pause_freezes_and_resume_keeps_processes_files_and_sessions(daemon: Dae
         assert sb.pause().state == "paused"  # idempotent
 
         assert sb.resume().state == "running" and not _frozen(daemon, sb.id)
-        assert _wait(lambda: int(_inside(daemon, sb, "/tmp/count")) > int(frozen_at))  # counts on from there
+        assert _wait(lambda: int(_inside(daemon, sb, "/tmp/count") or 0) > int(frozen_at))  # counts on from there
         assert counter.info.running
         assert session.run("pwd; echo $MARK").stdout == "/tmp\n42\n"
         assert sb.files.read("/task/state.txt") == b"kept"
@@ -165,3 +168,34 @@ def test_paused_sandbox_survives_a_daemon_restart(own_daemon: Daemon) -> None:
         assert again.info.state == "running" and not _frozen(d, sb.id)
         assert again.exec("cat /task/x").stdout == "before"
         again.stop()
+
+
+# -- QoS classes and usage ----------------------------------------------------------------------------
+
+
+def _agent_pid(d: Daemon, sb: Sandbox) -> int:
+    return int((d.run_dir / "sandboxes" / sb.id / "agent.pid").read_text())
+
+
+def test_qos_classes_set_scheduling_and_cpu_weight(daemon: Daemon, fleet: Client) -> None:
+    import os
+
+    with fleet.create(image="busybox", qos="best_effort") as be, fleet.create(image="busybox") as ls:
+        assert os.sched_getscheduler(_agent_pid(daemon, be)) == os.SCHED_IDLE
+        assert os.sched_getscheduler(_agent_pid(daemon, ls)) == os.SCHED_OTHER
+        # every process of the sandbox inherits it, and cannot leave it for a better class
+        assert be.exec("grep policy /proc/self/sched").stdout.split()[-1] == "5"  # SCHED_IDLE
+        assert ls.exec("grep policy /proc/self/sched").stdout.split()[-1] == "0"
+        assert _cgroup_file(daemon, "cpu", be.id, "cpu.shares").read_text().strip() == "2"
+        assert _cgroup_file(daemon, "cpu", ls.id, "cpu.shares").read_text().strip() == "1024"
+        assert be.exec("chrt -o -p 0 $$ 2>&1 || renice -n -5 $$ 2>&1").exit_code != 0
+
+
+def test_usage_reports_memory_cpu_and_tasks(fleet: Client) -> None:
+    with fleet.create(image="busybox") as sb:
+        sb.exec("i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
+        u = sb.usage()
+        assert u.cpu_seconds > 0.01 and u.memory_bytes > 0 and u.memory_peak_bytes >= u.memory_bytes
+        assert u.pids >= 1 and u.oom_kills == 0
+        sb.pause()
+        assert sb.usage().memory_bytes >= 0 and fleet.get(sb.id).info.state == "paused"  # no resume

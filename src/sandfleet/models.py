@@ -66,6 +66,7 @@ _HOSTNAME_RE = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 Backend = Literal["fncall", "container", "microvm", "vm"]
+QoS = Literal["latency_sensitive", "best_effort"]
 SandboxState = Literal["creating", "running", "paused", "stopping", "stopped", "failed"]
 
 
@@ -148,6 +149,11 @@ class SandboxSpec(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     idle_ttl: float | None = Field(600.0, gt=0, description="stop after this many idle seconds")
     max_lifetime: float | None = Field(None, gt=0, description="stop this many seconds after creation")
+    qos: QoS = Field(
+        "latency_sensitive",
+        description="latency_sensitive: normal scheduling (and its own core-scheduling cookie on SMT hosts); "
+        "best_effort: SCHED_IDLE and the lowest CPU weight, so it only gets CPU nobody else wants",
+    )
     pause_after: float | None = Field(
         None, gt=0, description="pause (freeze, push memory out) after this many idle seconds; any request resumes"
     )
@@ -204,6 +210,17 @@ class SandboxInfo(_Model):
     last_active_at: float
     stopped_at: float | None = None
     stop_reason: str | None = None
+
+
+class Usage(_Model):
+    """What a sandbox uses now, from its cgroup."""
+
+    memory_bytes: int
+    memory_peak_bytes: int
+    cpu_seconds: float = Field(description="CPU time used since creation (all its processes)")
+    pids: int
+    oom_kills: int
+    pids_limit_hits: int
 
 
 class ExecRequest(_Model):

@@ -217,7 +217,12 @@ class ContainerBackend:
                 pinned.append((self._pin_bind(root, rel, bind), bind))
             for layer in image.layers:
                 lowers.append(self.layers.acquire(layer.digest, self.store.layer_path(layer.digest)))
-            limits = oci.ContainerLimits(cpu=spec.resources.cpu, memory=spec.resources.memory, pids=spec.resources.pids)
+            limits = oci.ContainerLimits(
+                cpu=spec.resources.cpu,
+                memory=spec.resources.memory,
+                pids=spec.resources.pids,
+                best_effort=spec.qos == "best_effort",
+            )
             if self.uses_launcher:
                 (sdir / "scratch").mkdir()
                 (sdir / "rootfs").mkdir()
@@ -227,6 +232,7 @@ class ContainerBackend:
                     cpu_quota_us=limits.cpu_quota_us,
                     cpu_period_us=limits.cpu_period_us,
                     pids=limits.pids,
+                    best_effort=limits.best_effort,
                 )
                 return _Prepared(sdir, lowers, [str(d) for d in joined], pinned)
             staged = [self._stage_bind(sdir, i, fd, bind) for i, (fd, bind) in enumerate(pinned)]
@@ -320,7 +326,7 @@ class ContainerBackend:
         args = ["--dir", str(prepared.sdir), "--uid", str(self.config.uid_base)]
         args += ["--pid-file", str(prepared.sdir / "agent.pid")]
         args += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile_limit())]
-        args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192))]
+        args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192)), "--qos", spec.qos]
         for lower in reversed(prepared.lowers):  # overlay wants the top layer first
             args += ["--lower", lower]
         for cgroup_dir in prepared.cgroup_dirs:

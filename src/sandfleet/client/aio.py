@@ -35,6 +35,7 @@ from sandfleet.models import (
     SandboxSpec,
     SessionInfo,
     StopManyResult,
+    Usage,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -226,6 +227,10 @@ class AsyncSandbox:
     async def refresh(self) -> SandboxInfo:
         self.info = await self._c._model(SandboxInfo, b.Call("GET", b.sandbox_path(self.id)))
         return self.info
+
+    async def usage(self) -> Usage:
+        """Current and peak memory, CPU seconds, tasks and limit hits (does not resume a paused sandbox)."""
+        return await self._c._model(Usage, b.Call("GET", b.sandbox_path(self.id) + "/usage"))
 
     async def pause(self) -> SandboxInfo:
         """Freeze the sandbox and push its memory out; any later request resumes it transparently."""

@@ -34,6 +34,7 @@ from sandfleet.models import (
     SandboxSpec,
     SessionInfo,
     StopManyResult,
+    Usage,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -221,6 +222,10 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         self.info = self._c._model(SandboxInfo, b.Call("GET", b.sandbox_path(self.id)))
         return self.info
+
+    def usage(self) -> Usage:
+        """Current and peak memory, CPU seconds, tasks and limit hits (does not resume a paused sandbox)."""
+        return self._c._model(Usage, b.Call("GET", b.sandbox_path(self.id) + "/usage"))
 
     def pause(self) -> SandboxInfo:
         """Freeze the sandbox and push its memory out; any later request resumes it transparently."""

@@ -61,6 +61,7 @@ from sandfleet.models import (
     StopManyRequest,
     StopManyResult,
     StopRequest,
+    Usage,
 )
 from sandfleet.runtime.files import SandboxFS
 
@@ -232,6 +233,10 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     @app.post("/v1/sandboxes/resume", response_model=IdList)
     async def resume_many(req: LabelsRequest) -> IdList:
         return IdList(sandboxes=await manager.resume_many(req.labels))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/usage", response_model=Usage)
+    async def usage(sandbox_id: str) -> Usage:
+        return await manager.usage(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
     async def pause(sandbox_id: str) -> SandboxInfo:

@@ -63,8 +63,9 @@ class _Pool:
 
 
 def pool_key(spec: SandboxSpec) -> PoolKey | None:
-    """The pool a spec can be served from, or None (bind mounts and hostnames are fixed at start)."""
-    if spec.mounts or spec.hostname is not None:
+    """The pool a spec can be served from, or None (bind mounts, hostnames and the QoS class are fixed
+    at start; pools hold latency-sensitive sandboxes)."""
+    if spec.mounts or spec.hostname is not None or spec.qos != "latency_sensitive":
         return None
     return PoolKey(spec.backend, spec.image, spec.resources)
 

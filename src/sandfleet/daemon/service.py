@@ -53,6 +53,7 @@ from sandfleet.models import (
     SandboxSpec,
     SandboxState,
     SessionInfo,
+    Usage,
 )
 from sandfleet.runtime import proc as procmod
 from sandfleet.runtime.agent import (
@@ -612,6 +613,21 @@ class SandboxManager:
         ]
 
     # -- pause and resume ---------------------------------------------------------------------------
+
+    async def usage(self, sandbox_id: str) -> Usage:
+        """Current and peak memory, CPU time, tasks and limit hits, from the cgroup (no resume)."""
+        sb = self._get(sandbox_id)
+        if sb.live is None or sb.state not in ("running", "paused"):
+            raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}")
+        st = await asyncio.to_thread(self.backend.stats, sb.live)
+        return Usage(
+            memory_bytes=st.memory_bytes,
+            memory_peak_bytes=st.memory_peak_bytes,
+            cpu_seconds=round(st.cpu_seconds, 6),
+            pids=st.pids,
+            oom_kills=st.oom_kills,
+            pids_limit_hits=st.pids_limit_hits,
+        )
 
     async def pause(self, sandbox_id: str) -> SandboxInfo:
         """Freeze the sandbox and push its memory out (to swap / dropped page cache)."""

@@ -115,7 +115,9 @@ class Cgroups:
             cpu_seconds=_read_int(self.root / "cpuacct" / rel / "cpuacct.usage") / 1e9,
         )
 
-    def create(self, rel: str, *, memory: int, cpu_quota_us: int, cpu_period_us: int, pids: int) -> list[Path]:
+    def create(
+        self, rel: str, *, memory: int, cpu_quota_us: int, cpu_period_us: int, pids: int, best_effort: bool = False
+    ) -> list[Path]:
         """Make the sandbox cgroup with its limits; return the directories its first process joins.
 
         Memory and memory+swap get the same limit (no swap beyond the limit, as crun does with
@@ -130,6 +132,8 @@ class Cgroups:
             if (d / "memory.swap.max").exists():
                 _write(d / "memory.swap.max", "0")
             _write(d / "cpu.max", f"{cpu_quota_us} {cpu_period_us}")
+            if best_effort:
+                _write(d / "cpu.weight", "1")
             _write(d / "pids.max", str(pids))
             return [d]
         dirs = [hierarchy / rel for hierarchy in self._joined_hierarchies()]
@@ -146,6 +150,8 @@ class Cgroups:
             _write(mem / "memory.memsw.limit_in_bytes", str(memory))
         _write(cpu / "cpu.cfs_period_us", str(cpu_period_us))
         _write(cpu / "cpu.cfs_quota_us", str(cpu_quota_us))
+        if best_effort:
+            _write(cpu / "cpu.shares", "2")  # the lowest weight: CPU left over by everyone else
         _write(pid_dir / "pids.max", str(pids))
         if dev.is_dir():
             _write(dev / "devices.deny", "a")

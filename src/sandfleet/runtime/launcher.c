@@ -39,6 +39,7 @@
  *   --lower P        a read-only layer, top first (repeatable)
  *   --disk BYTES --inodes N --nofile N --uid BASE --hostname H
  *   --cgroup DIR     a cgroup directory to join (repeatable)
+ *   --qos latency_sensitive|best_effort
  *   --bind FD:ro|rw:TARGET   an O_PATH fd of an already-checked source (repeatable)
  */
 #define _GNU_SOURCE
@@ -59,6 +60,11 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#ifndef PR_SCHED_CORE
+#define PR_SCHED_CORE 62
+#define PR_SCHED_CORE_CREATE 1
+#endif
+#define PIDTYPE_TGID 1
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -73,6 +79,7 @@
 static const char *dir, *pid_file, *hostname = "sandbox";
 static const char *empty_dir;		     /* server mode: an empty read-only tmpfs masked dirs bind */
 static const char *sysfs_template;	     /* server mode: a sysfs every sandbox binds read-only */
+static int best_effort;			     /* --qos best_effort: SCHED_IDLE for every process */
 static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS];
 static int n_lowers, n_cgroups;
 static unsigned long long disk = 256ULL << 20, inodes = 65536;
@@ -397,6 +404,17 @@ static void stage2(const char *rootfs)
 	 * have been started from an operator's terminal). */
 	if (setsid() < 0)
 		fail("setsid");
+	/* QoS, inherited by every process of the sandbox: best effort only runs when a CPU would
+	 * otherwise idle; latency-sensitive sandboxes get a core-scheduling cookie of their own, so on
+	 * an SMT host no other sandbox's code shares their physical core (EINVAL without SMT). */
+	if (best_effort) {
+		struct sched_param param = {0};
+		if (sched_setscheduler(0, SCHED_IDLE, &param) < 0)
+			fail("SCHED_IDLE");
+	} else if (prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, 0, PIDTYPE_TGID, 0) < 0 && errno != EINVAL &&
+		   errno != ENODEV) {
+		fail("core scheduling cookie");
+	}
 	drop_capabilities();
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		fail("no_new_privs");
@@ -612,6 +630,8 @@ static void parse_args(int argc, char **argv)
 			uid_base = number(v);
 		else if (!strcmp(a, "--hostname"))
 			hostname = v;
+		else if (!strcmp(a, "--qos"))
+			best_effort = !strcmp(v, "best_effort");
 		else if (!strcmp(a, "--bind") && n_binds < MAX_ITEMS) {
 			char *end;
 			long fd = strtol(v, &end, 10);

@@ -69,6 +69,7 @@ class ContainerLimits:
     memory: int
     pids: int
     cpu_period_us: int = 100_000
+    best_effort: bool = False  # lowest CPU weight (the launcher also sets SCHED_IDLE; crun 1.8 cannot)
 
     @property
     def cpu_quota_us(self) -> int:
@@ -161,7 +162,8 @@ def build(cfg: ContainerConfig) -> dict[str, Any]:
             "cgroupsPath": cfg.cgroup_path,
             "resources": {
                 "memory": {"limit": cfg.limits.memory, "swap": cfg.limits.memory},
-                "cpu": {"quota": cfg.limits.cpu_quota_us, "period": cfg.limits.cpu_period_us},
+                "cpu": {"quota": cfg.limits.cpu_quota_us, "period": cfg.limits.cpu_period_us}
+                | ({"shares": 2} if cfg.limits.best_effort else {}),
                 "pids": {"limit": cfg.limits.pids},
                 "devices": [{"allow": False, "access": "rwm"}],
             },
