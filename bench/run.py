@@ -849,7 +849,9 @@ def bench_qos(fleet: Any, n: int, labels: dict[str, str]) -> dict[str, Any]:
         return stats([_timed(lambda: probe.exec("true")) for _ in range(n)])
 
     def loaded(qos: str) -> dict[str, Any]:
-        hogs = [fleet.create(image="busybox", labels=labels, qos=qos, resources=Resources(cpu=2)) for _ in range(ncpu)]
+        hogs = [
+            fleet.create(image="busybox", labels=labels, qos=qos, resources=Resources(cpu=2)) for _ in range(4 * ncpu)
+        ]
         try:
             for h in hogs:
                 h.start(hog)
@@ -866,7 +868,7 @@ def bench_qos(fleet: Any, n: int, labels: dict[str, str]) -> dict[str, Any]:
     finally:
         probe.stop()
     return {
-        "hogs": f"{ncpu} sandboxes x 2 busy loops (cpu limit 2 each)",
+        "hogs": f"{4 * ncpu} sandboxes x 2 busy loops (cpu limit 2 each)",
         "unloaded": unloaded,
         "hogs_best_effort": with_qos,
         "hogs_latency_sensitive": without_qos,
