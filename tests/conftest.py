@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +80,16 @@ class Daemon:
 
     def log(self) -> str:
         return (self.root / "daemon.log").read_text(errors="replace")
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 15.0, interval: float = 0.05) -> bool:
+    """Poll `predicate` until it is truthy or `timeout` seconds pass; whether it became truthy."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
 
 
 def make_daemon(name: str, extra: str = "") -> Daemon:

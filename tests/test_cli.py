@@ -39,6 +39,13 @@ def test_create_exec_ls_rm(daemon: Daemon) -> None:
     assert r.returncode == 0, r.stderr
     assert "42 /tmp" in r.stdout
 
+    r = sf(daemon, "pause", "--label", "who=cli")
+    assert r.returncode == 0 and sid in r.stdout
+    assert "paused" in sf(daemon, "ls", "--label", "who=cli").stdout
+    r = sf(daemon, "resume", sid)
+    assert r.returncode == 0 and sid in r.stdout
+    assert "running" in sf(daemon, "ls", "--label", "who=cli").stdout
+
     r = sf(daemon, "rm", "--label", "who=cli")
     assert r.returncode == 0 and sid in r.stdout
     r = sf(daemon, "exec", sid, "true")

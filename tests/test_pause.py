@@ -10,7 +10,7 @@ import pytest
 from sandfleet import Client, Resources, Sandbox, SandboxSpec
 from sandfleet.errors import SandboxNotFoundError, WrongStateError
 
-from conftest import Daemon
+from conftest import Daemon, wait_until
 from leakcheck import _cgroup_parent, residue
 
 MiB = 1024**2
@@ -41,22 +41,13 @@ def _has_swap() -> bool:
     return len(Path("/proc/swaps").read_text().splitlines()) > 1
 
 
-def _wait(predicate: object, timeout: float = 10.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_pause_freezes_and_resume_keeps_processes_files_and_sessions(daemon: Daemon, fleet: Client) -> None:
     with fleet.create(image="busybox") as sb:
         sb.files.write("/task/state.txt", b"kept")
         session = sb.session()
         session.run("cd /tmp && export MARK=42")
         counter = sb.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done")
-        assert _wait(lambda: _inside(daemon, sb, "/tmp/count").strip() not in ("", "1"))
+        assert wait_until(lambda: _inside(daemon, sb, "/tmp/count").strip() not in ("", "1"))
 
         info = sb.pause()
         assert info.state == "paused" and _frozen(daemon, sb.id)
@@ -67,7 +58,7 @@ def test_pause_freezes_and_resume_keeps_processes_files_and_sessions(daemon: Dae
         assert sb.pause().state == "paused"  # idempotent
 
         assert sb.resume().state == "running" and not _frozen(daemon, sb.id)
-        assert _wait(lambda: int(_inside(daemon, sb, "/tmp/count") or 0) > int(frozen_at))  # counts on from there
+        assert wait_until(lambda: int(_inside(daemon, sb, "/tmp/count") or 0) > int(frozen_at))  # counts on from there
         assert counter.info.running
         assert session.run("pwd; echo $MARK").stdout == "/tmp\n42\n"
         assert sb.files.read("/task/state.txt") == b"kept"
@@ -97,7 +88,7 @@ def test_pause_pushes_memory_out_within_a_second(daemon: Daemon, fleet: Client) 
     with fleet.create(image="busybox", resources=Resources(memory="512MiB")) as sb:
         # 200 MiB of anonymous memory, every page touched, held by a process that then sleeps
         sb.start('awk \'BEGIN { s = sprintf("%209715200s", ""); system("sleep 1000") }\'')
-        assert _wait(lambda: _memory(daemon, sb.id) > 200 * MiB, timeout=30)
+        assert wait_until(lambda: _memory(daemon, sb.id) > 200 * MiB, timeout=30)
         before = _memory(daemon, sb.id)
         t = time.perf_counter()
         sb.pause()
@@ -115,7 +106,7 @@ def test_pause_pushes_memory_out_within_a_second(daemon: Daemon, fleet: Client) 
 
 def test_idle_policy_pauses_and_a_request_resumes(daemon: Daemon, fleet: Client) -> None:
     with fleet.create(SandboxSpec(image="busybox", pause_after=1)) as sb:
-        assert _wait(lambda: fleet.get(sb.id).info.state == "paused", timeout=10)
+        assert wait_until(lambda: fleet.get(sb.id).info.state == "paused", timeout=10)
         assert _frozen(daemon, sb.id)
         assert sb.exec("echo awake").stdout == "awake\n"
         assert fleet.get(sb.id).info.state == "running"
@@ -148,7 +139,7 @@ def test_job_level_pause_resume_list_and_delete_of_200(daemon: Daemon, fleet: Cl
     finally:
         other.stop()
     assert fleet.list(labels={"job": "preempted"}, state="running") == []
-    assert _wait(lambda: residue(daemon).cgroups == () and residue(daemon).sandbox_dirs == ())
+    assert wait_until(lambda: residue(daemon).cgroups == () and residue(daemon).sandbox_dirs == ())
     after = residue(daemon)
     assert after.processes == before.processes and after.zombies == ()
 

@@ -12,7 +12,7 @@ import pytest
 
 from sandfleet.errors import SandboxError, SandboxNotFoundError
 
-from conftest import Daemon
+from conftest import Daemon, wait_until
 from leakcheck import _cgroup_parent, residue
 
 
@@ -24,15 +24,6 @@ def _agent_pids(d: Daemon) -> dict[str, int]:
         if pid_file.exists():
             out[sdir.name] = int(pid_file.read_text())
     return out
-
-
-def _wait(predicate: object, timeout: float = 15.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
@@ -61,7 +52,7 @@ def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
         assert a2.exec("cat /task/state.txt").stdout == "before the crash"
         # The background loop kept running through the restart.
         first = int(a2.exec("cat /tmp/count").stdout)
-        assert _wait(lambda: int(a2.exec("cat /tmp/count").stdout) > first)
+        assert wait_until(lambda: int(a2.exec("cat /tmp/count").stdout) > first)
         assert fleet.get(b.id).exec("echo still here").stdout == "still here\n"
         assert "adopted" in [e.kind for e in a2.events()]
         # Sessions work again on an adopted sandbox.
@@ -69,12 +60,12 @@ def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
         assert s.run("cd /task && pwd").stdout == "/task\n"
         assert s.run("pwd").stdout == "/task\n"
         # The idle TTL is enforced across the restart.
-        assert _wait(lambda: short.id not in {x.id for x in fleet.list()}, timeout=20)
-        assert not Path(f"/proc/{pids[short.id]}").exists() or _wait(
+        assert wait_until(lambda: short.id not in {x.id for x in fleet.list()}, timeout=20)
+        assert not Path(f"/proc/{pids[short.id]}").exists() or wait_until(
             lambda: not Path(f"/proc/{pids[short.id]}").exists()
         )
         assert fleet.stop_many({"job": "restart"}) and fleet.list() == []
-    assert _wait(lambda: not any(Path(f"/proc/{p}").exists() for p in pids.values()))
+    assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids.values()))
 
 
 # httpcore 1.0 leaves the socket of a refused unix-socket connect to the garbage collector; clients

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -17,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sandfleet.client import Client
+from sandfleet.client import Client, Sandbox
 from sandfleet.errors import SandboxError
 from sandfleet.models import Resources, SandboxSpec
 
@@ -217,6 +218,26 @@ def list_(
     console.print(table)
 
 
+def _by_id_or_label(
+    socket: Path | None,
+    sandbox_ids: list[str] | None,
+    label: list[str] | None,
+    one: Callable[[Sandbox], object],
+    many: Callable[[Client, dict[str, str]], list[str]],
+) -> None:
+    """Apply `one` to each sandbox id and `many` to the label selector; print the ids affected."""
+    with _client(socket) as fleet:
+        try:
+            for sid in sandbox_ids or []:
+                one(fleet.get(sid))
+                console.print(sid)
+            if label:
+                for sid in many(fleet, _pairs(label, "label")):
+                    console.print(sid)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+
+
 @app.command(name="rm")
 def remove(
     sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
@@ -224,16 +245,7 @@ def remove(
     socket: SocketOpt = None,
 ) -> None:
     """Stop sandboxes by id or by label."""
-    with _client(socket) as fleet:
-        try:
-            for sid in sandbox_ids or []:
-                fleet.get(sid).stop()
-                console.print(sid)
-            if label:
-                for sid in fleet.stop_many(_pairs(label, "label")):
-                    console.print(sid)
-        except SandboxError as exc:
-            raise _fail(exc) from exc
+    _by_id_or_label(socket, sandbox_ids, label, lambda sb: sb.stop(), lambda fleet, sel: fleet.stop_many(sel))
 
 
 @app.command()
@@ -243,16 +255,7 @@ def pause(
     socket: SocketOpt = None,
 ) -> None:
     """Pause sandboxes by id or by label: freeze them and push their memory out."""
-    with _client(socket) as fleet:
-        try:
-            for sid in sandbox_ids or []:
-                fleet.get(sid).pause()
-                console.print(sid)
-            if label:
-                for sid in fleet.pause_many(_pairs(label, "label")):
-                    console.print(sid)
-        except SandboxError as exc:
-            raise _fail(exc) from exc
+    _by_id_or_label(socket, sandbox_ids, label, lambda sb: sb.pause(), lambda fleet, sel: fleet.pause_many(sel))
 
 
 @app.command()
@@ -262,16 +265,7 @@ def resume(
     socket: SocketOpt = None,
 ) -> None:
     """Resume paused sandboxes by id or by label (any request to a paused sandbox also resumes it)."""
-    with _client(socket) as fleet:
-        try:
-            for sid in sandbox_ids or []:
-                fleet.get(sid).resume()
-                console.print(sid)
-            if label:
-                for sid in fleet.resume_many(_pairs(label, "label")):
-                    console.print(sid)
-        except SandboxError as exc:
-            raise _fail(exc) from exc
+    _by_id_or_label(socket, sandbox_ids, label, lambda sb: sb.resume(), lambda fleet, sel: fleet.resume_many(sel))
 
 
 # -- images ---------------------------------------------------------------------------------------
