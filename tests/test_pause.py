@@ -1,4 +1,7 @@
-"""Pause and resume: freeze + memory pushed out, transparent resume, idle policy, job-level control."""
+"""Pause and resume: freeze + memory pushed out, transparent resume, idle policy, job-level control.
+
+How fast pausing and resuming are is measured in bench/ (`pause`), not asserted here.
+"""
 
 from __future__ import annotations
 
@@ -71,9 +74,7 @@ def test_pause_freezes_and_resume_keeps_processes_files_and_sessions(daemon: Dae
 def test_any_request_resumes_transparently(daemon: Daemon, fleet: Client) -> None:
     with fleet.create(image="busybox") as sb:
         sb.pause()
-        t = time.perf_counter()
         assert sb.exec("echo back").stdout == "back\n"
-        assert time.perf_counter() - t < 5
         assert fleet.get(sb.id).info.state == "running" and not _frozen(daemon, sb.id)
         resumed = [e for e in sb.events() if e.kind == "resumed"]
         assert resumed and resumed[-1].data["transparent"] is True
@@ -90,17 +91,12 @@ def test_pause_pushes_memory_out_within_a_second(daemon: Daemon, fleet: Client) 
         sb.start('awk \'BEGIN { s = sprintf("%209715200s", ""); system("sleep 1000") }\'')
         assert wait_until(lambda: _memory(daemon, sb.id) > 200 * MiB, timeout=30)
         before = _memory(daemon, sb.id)
-        t = time.perf_counter()
         sb.pause()
-        took = time.perf_counter() - t
         after = _memory(daemon, sb.id)
         assert after < 0.1 * before, (before, after)  # >= 90 % went out
-        assert took < 3, took  # 0.5-1 s here; generous for a loaded CI machine
         paused = [e for e in sb.events() if e.kind == "paused"][-1]
         assert paused.data["memory_before"] >= 0.9 * before and paused.data["memory_after"] < 0.1 * before
-        t = time.perf_counter()
         assert sb.exec("echo back").stdout == "back\n"  # resumes; the sleeper's pages stay out until touched
-        assert time.perf_counter() - t < 1
         assert sb.exec("pidof awk | wc -w").stdout.strip() == "1"  # the process is still there
 
 
@@ -112,6 +108,23 @@ def test_idle_policy_pauses_and_a_request_resumes(daemon: Daemon, fleet: Client)
         assert fleet.get(sb.id).info.state == "running"
 
 
+def test_a_paused_sandbox_outlives_its_idle_ttl_unless_the_policy_paused_it(daemon: Daemon, fleet: Client) -> None:
+    """A preempted trainer pauses its sandboxes and may be gone longer than their idle TTL: they wait.
+    One the idle policy paused is idle in the ordinary sense and still expires."""
+    held = fleet.create(SandboxSpec(image="busybox", idle_ttl=1))
+    idle = fleet.create(SandboxSpec(image="busybox", idle_ttl=3, pause_after=1))
+    try:
+        held.pause()
+        assert wait_until(lambda: fleet.get(idle.id).info.state == "paused", timeout=10)
+        assert wait_until(lambda: idle.id not in {s.id for s in fleet.list(state="paused")}, timeout=15)
+        assert fleet.get(held.id).info.state == "paused"  # > 3 s past its 1 s idle TTL, still here
+        assert held.exec("echo here").stdout == "here\n"
+        assert wait_until(lambda: held.id not in {s.id for s in fleet.list(state="running")}, timeout=15)
+    finally:
+        held.stop()
+        idle.stop()
+
+
 def test_job_level_pause_resume_list_and_delete_of_200(daemon: Daemon, fleet: Client) -> None:
     before = residue(daemon)
     spec = SandboxSpec(image="busybox", labels={"job": "preempted"}, resources=Resources(memory="64MiB", pids=32))
@@ -120,14 +133,11 @@ def test_job_level_pause_resume_list_and_delete_of_200(daemon: Daemon, fleet: Cl
     sandboxes = [r for r in results if isinstance(r, Sandbox)]
     assert len(sandboxes) == 200, [r for r in results if not isinstance(r, Sandbox)][:3]
     try:
-        t = time.perf_counter()
         paused = fleet.pause_many({"job": "preempted"})
-        pause_s = time.perf_counter() - t
         assert sorted(paused) == sorted(sb.id for sb in sandboxes), len(paused)
         assert len(fleet.list(labels={"job": "preempted"}, state="paused")) == 200
         assert fleet.get(other.id).info.state == "running"  # other jobs untouched
         assert all(_frozen(daemon, sb.id) for sb in sandboxes[::20])
-        assert pause_s < 60, pause_s
 
         assert sandboxes[0].exec("echo one").stdout == "one\n"  # one comes back by itself
         resumed = fleet.resume_many({"job": "preempted"})

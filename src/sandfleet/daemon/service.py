@@ -194,6 +194,9 @@ class Sandbox:
     oom_kills: int = 0
     pids_hits: int = 0
     pause_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Paused on request (not by the idle policy): kept past its idle TTL, e.g. while its trainer is
+    # preempted; max_lifetime still applies.
+    held: bool = False
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(
@@ -629,11 +632,12 @@ class SandboxManager:
             pids_limit_hits=st.pids_limit_hits,
         )
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
+    async def pause(self, sandbox_id: str, *, by_policy: bool = False) -> SandboxInfo:
         """Freeze the sandbox and push its memory out (to swap / dropped page cache)."""
         sb = self._get(sandbox_id)
         async with sb.pause_lock:
             if sb.state == "paused":
+                sb.held = sb.held or not by_policy
                 return sb.info()
             if sb.state != "running" or sb.live is None:
                 raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
@@ -641,7 +645,7 @@ class SandboxManager:
                 raise WrongStateError(f"sandbox {sandbox_id} has {sb.inflight} request(s) in flight")
             t0 = time.perf_counter()
             before, after = await self.backend.pause(sb.live)
-            sb.state = "paused"
+            sb.state, sb.held = "paused", not by_policy
             await self.state.update(sb.id, state="paused")
             seconds = time.perf_counter() - t0
             self._event(sb.id, "paused", {"memory_before": before, "memory_after": after, "seconds": round(seconds, 4)})
@@ -662,7 +666,7 @@ class SandboxManager:
                 return
             t0 = time.perf_counter()
             await self.backend.resume(sb.live)
-            sb.state = "running"
+            sb.state, sb.held = "running", False
             self._touch(sb)
             await self.state.update(sb.id, state="running")
             self._event(sb.id, "resumed", {"transparent": transparent, "seconds": round(time.perf_counter() - t0, 4)})
@@ -720,7 +724,7 @@ class SandboxManager:
             if sb.state in ("running", "paused") and sb.inflight == 0:
                 spec = sb.spec
                 idle = now - sb.last_active_at
-                if spec.idle_ttl is not None and idle > spec.idle_ttl:
+                if spec.idle_ttl is not None and idle > spec.idle_ttl and not (sb.state == "paused" and sb.held):
                     self._spawn(self.stop(sb.id, reason="idle_ttl"), name=f"ttl-{sb.id}")
                 elif spec.max_lifetime is not None and now - sb.created_at > spec.max_lifetime:
                     self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
@@ -746,7 +750,7 @@ class SandboxManager:
 
     async def _auto_pause(self, sandbox_id: str) -> None:
         with contextlib.suppress(WrongStateError):  # a request came in meanwhile
-            await self.pause(sandbox_id)
+            await self.pause(sandbox_id, by_policy=True)
 
     def _touch(self, sb: Sandbox) -> None:
         sb.last_active_at = time.time()
