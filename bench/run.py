@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sandfleet.daemon.process import DaemonProcess
 from sandfleet.errors import SandboxError
 
 HERE = Path(__file__).resolve().parent
@@ -547,7 +548,7 @@ class Daemon:
         self.socket = root / "sandfleet.sock"
         self.config = root / "config.toml"
         self.cgroup_parent = cgroup_parent
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process = DaemonProcess(["--config", str(self.config)], workdir=root, log=root / "daemon.log")
         self.crashes: list[dict[str, Any]] = []
         root.mkdir(parents=True, exist_ok=True)
         self.config.write_text(
@@ -561,45 +562,20 @@ class Daemon:
         )
 
     def start(self, timeout: float = 120.0) -> None:
-        ready = self.root / "ready"
-        ready.unlink(missing_ok=True)
-        with open(self.root / "daemon.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sandfleet", "serve", "--config", str(self.config), "--ready-file", str(ready)],
-                stdout=log,
-                stderr=log,
-                stdin=DEVNULL,
-            )
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.log()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("daemon did not become ready")
-            time.sleep(0.02)
+        self.process.start(timeout)
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        return self.process.pid
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.process.alive()
 
     def log(self) -> str:
-        with contextlib.suppress(OSError):
-            return (self.root / "daemon.log").read_text(errors="replace")
-        return ""
+        return self.process.log()
 
     def stop(self) -> None:
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        self.process.stop()
 
 
 def daemon_metrics(sock: Path) -> dict[str, float]:
@@ -909,9 +885,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def restart_if_dead(daemon: Daemon, fleet: Any, labels: dict[str, str], where: str) -> None:
     """After a failed call: if the daemon died, record it, start it again (it adopts the sandboxes), stop ours."""
-    if daemon.proc is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            daemon.proc.wait(5)
+    daemon.process.wait(5)
     if daemon.alive():
         return
     # rich draws tracebacks in boxes: keep the plain lines (the exception and uvicorn's traceback)
@@ -920,13 +894,13 @@ def restart_if_dead(daemon: Daemon, fleet: Any, labels: dict[str, str], where: s
     daemon.crashes.append(
         {
             "where": where,
-            "exit_code": daemon.proc.returncode if daemon.proc else None,
+            "exit_code": daemon.process.returncode,
             "errors": errors,
             "log_tail": "\n".join(plain[-60:]),
         }
     )
 
-    print(f"!! the daemon died during {where} (exit {daemon.proc.returncode if daemon.proc else None}); "
+    print(f"!! the daemon died during {where} (exit {daemon.process.returncode}); "
           "restarting it to adopt and stop its sandboxes", flush=True)  # fmt: skip
     (daemon.root / "daemon.log").rename(daemon.root / f"daemon.crash{len(daemon.crashes)}.log")
     daemon.start()
@@ -1509,7 +1483,7 @@ def main() -> int:
         print(f"wrote {args.results / 'latest.json'} and {args.results / 'latest.md'}")
         return 0
     except BaseException:
-        if daemon is not None and daemon.proc is not None:
+        if daemon is not None and daemon.process.started:
             print("daemon log tail:\n" + daemon.log()[-3000:], file=sys.stderr)
         raise
     finally:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sandfleet import Client
+from sandfleet.daemon.process import DaemonProcess, DaemonStartError
 from sandfleet.errors import SandboxError
 
 IMAGES = Path(os.environ.get("SANDFLEET_TEST_IMAGES", "/var/lib/sandfleet/images"))
@@ -32,54 +30,32 @@ class Daemon:
     state_dir: Path
     run_dir: Path
     config: Path
-    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.process = DaemonProcess(["--config", str(self.config)], workdir=self.root, log=self.root / "daemon.log")
 
     def start(self, timeout: float = 60.0) -> None:
-        ready = self.root / "ready"
-        ready.unlink(missing_ok=True)
-        log = open(self.root / "daemon.log", "ab")  # noqa: SIM115 (lives as long as the daemon)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sandfleet", "serve", "--config", str(self.config), "--ready-file", str(ready)],
-            stdout=log,
-            stderr=log,
-        )
-        log.close()
-        deadline = time.time() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {(self.root / 'daemon.log').read_text()[-3000:]}")
-            if time.time() > deadline:
-                raise RuntimeError("daemon did not become ready")
-            time.sleep(0.05)
+        self.process.start(timeout)
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        return self.process.pid
 
     def client(self, **kw: object) -> Client:
         return Client(self.socket, **kw)  # type: ignore[arg-type]
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
+        self.process.kill()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        self.process.stop()
 
     def mountinfo(self) -> str:
         return Path(f"/proc/{self.pid}/mountinfo").read_text()
 
     def log(self) -> str:
-        return (self.root / "daemon.log").read_text(errors="replace")
+        return self.process.log()
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 15.0, interval: float = 0.05) -> bool:
@@ -114,13 +90,13 @@ def destroy_daemon(d: Daemon) -> None:
     so they can be stopped the normal way instead of leaking past the session.
     """
     try:
-        if d.proc is not None and d.proc.poll() is not None:
+        if d.process.started and not d.process.alive():
             d.start()
-        if d.proc is not None:
+        if d.process.started:
             with d.client(timeout=120) as c:
                 for s in c.list(state="running"):
                     c.get(s.id).stop()
-    except (SandboxError, RuntimeError):
+    except (SandboxError, DaemonStartError):
         pass
     finally:
         d.stop()

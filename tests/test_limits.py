@@ -73,7 +73,7 @@ def pid_ns_members(ns: str) -> list[int]:
 
 
 def assert_daemon_healthy(daemon: Daemon, fleet: Client) -> None:
-    assert daemon.proc is not None and daemon.proc.poll() is None, "the daemon died"
+    assert daemon.process.alive(), "the daemon died"
     assert fleet.health()
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -350,32 +349,24 @@ def demo(
     socket: SocketOpt = None,
 ) -> None:
     """A demo rollout: start a daemon if none runs, create sandboxes, drive them for a few turns."""
+    from sandfleet.daemon.process import DaemonProcess, DaemonStartError
     from sandfleet.demo import run_demo
 
     sock = socket or Path(os.environ.get("SANDFLEET_SOCKET", "/run/sandfleet/sandfleet.sock"))
-    daemon: subprocess.Popen[bytes] | None = None
-    try:
-        Client(sock).health()
-    except SandboxError:
-        console.print("[dim]no daemon running: starting an embedded one[/dim]")
-        exe = shutil.which("sandfleet") or sys.argv[0]
-        daemon = subprocess.Popen([exe, "serve", "--socket", str(sock)], stdout=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while True:
+    with contextlib.ExitStack() as stack:
+        try:
+            Client(sock).health()
+        except SandboxError:
+            console.print("[dim]no daemon running: starting an embedded one[/dim]")
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sandfleet-demo-")))
+            daemon = DaemonProcess(["--socket", str(sock)], workdir=workdir)
+            stack.callback(daemon.stop)
             try:
-                Client(sock).health()
-                break
-            except SandboxError:
-                if time.time() > deadline or daemon.poll() is not None:
-                    err_console.print("[red]the daemon did not start; try `sandfleet doctor`[/red]")
-                    raise typer.Exit(1) from None
-                time.sleep(0.2)
-    try:
+                daemon.start(timeout=60)
+            except DaemonStartError as exc:
+                err_console.print(f"[red]the daemon did not start ({exc}); try `sandfleet doctor`[/red]")
+                raise typer.Exit(1) from None
         ok = run_demo(console, sock, sandboxes, image)
-    finally:
-        if daemon is not None:
-            daemon.terminate()
-            daemon.wait(30)
     raise typer.Exit(0 if ok else 1)
 
 
