@@ -787,6 +787,51 @@ def _zram_used() -> int:
     return total
 
 
+def bench_fork(fleet: Any, n: int, children: int, labels: dict[str, str]) -> dict[str, Any]:
+    """Fork `children` sandboxes from one live sandbox (a counter running, a few files written):
+    seconds from the fork call until every child is exec-ready, and until each has run one exec
+    that reads the counter it inherited."""
+    from sandfleet import SandboxError
+
+    counter = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.01; done"
+    rows = []
+    for _ in range(n):
+        parent = fleet.create(image="busybox", labels=labels)
+        kids: list[Any] = []
+        try:
+            parent.exec("mkdir -p /task && seq 1 1000 > /task/data && echo setup > /task/state")
+            parent.start(counter)
+            time.sleep(0.3)
+            t = time.perf_counter()
+            kids = parent.fork(children, labels=labels)
+            fork_s = time.perf_counter() - t
+            failed = [k for k in kids if isinstance(k, SandboxError)]
+            if failed:
+                raise RuntimeError(f"{len(failed)} of {children} forks failed: {failed[0]}")
+            counts = [int(k.exec("cat /tmp/count").stdout) for k in kids]
+            all_s = time.perf_counter() - t
+            snaps = [e for e in parent.events() if e.kind == "snapshot"]
+            rows.append((fork_s, all_s, snaps[-1].data["seconds"] if snaps else 0.0, min(counts)))
+        finally:
+            for k in kids:
+                if not isinstance(k, SandboxError):
+                    k.stop()
+            parent.stop()
+
+    def med(i: int) -> float:
+        return sorted(r[i] for r in rows)[len(rows) // 2]
+
+    return {
+        "n": n,
+        "children": children,
+        "fork_s": round(med(0), 3),
+        "fork_s_max": round(max(r[0] for r in rows), 3),
+        "fork_and_one_exec_each_s": round(med(1), 3),
+        "snapshot_s": round(med(2), 3),
+        "min_inherited_count": min(r[3] for r in rows),
+    }
+
+
 def bench_pause(fleet: Any, daemon: Daemon, n: int, labels: dict[str, str]) -> dict[str, Any]:
     """A sandbox holding 200 MiB of anonymous memory: pause (freeze + push out), then resume by exec."""
     from sandfleet import Resources
@@ -1118,6 +1163,14 @@ def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
             f"{f(pz['resume_to_first_exec_ms'])} / {f(pz['resume_to_first_exec_ms_max'])}",
         ],
     ]
+    fk = sf["fork"]
+    rows += [
+        [
+            f"fork of {fk['children']} from one live sandbox: seconds (median / max of {fk['n']}); snapshot part",
+            f"{f(fk['fork_s'], 3)} / {f(fk['fork_s_max'], 3)}; {f(fk['snapshot_s'], 3)}",
+        ],
+        ["fork: until every child has run one exec (s)", f(fk["fork_and_one_exec_each_s"], 3)],
+    ]
     qs = sf["qos"]
     rows += [
         [
@@ -1346,6 +1399,8 @@ def main() -> int:
         with Client(daemon.socket, timeout=600) as fleet:
             print("6. pause and resume of a sandbox holding 200 MiB", flush=True)
             res["sandfleet"]["pause"] = bench_pause(fleet, daemon, 3 if q else 7, labels)
+            print("6b. fork of 16 children from one live sandbox", flush=True)
+            res["sandfleet"]["fork"] = bench_fork(fleet, 3 if q else 7, 16, labels)
             print("7. QoS: exec latency while best-effort (or not) sandboxes saturate the cores", flush=True)
             res["sandfleet"]["qos"] = bench_qos(fleet, 50 if q else 200, labels)
         for key, n in (("burst", n_burst), ("sustained", n_sustained)):
@@ -1445,6 +1500,11 @@ def main() -> int:
                 "measured": res["sandfleet"]["pause"]["pause_s"],
                 "met": res["sandfleet"]["pause"]["pause_s"] <= 1
                 and res["sandfleet"]["pause"]["fraction_pushed_out"] >= 0.9,
+            },
+            {
+                "target": "fork of 16 children from one live sandbox <= 1 s",
+                "measured": res["sandfleet"]["fork"]["fork_s"],
+                "met": res["sandfleet"]["fork"]["fork_s"] <= 1,
             },
             {
                 "target": "exec p50 with best-effort hogs on every core <= 2x unloaded",

@@ -19,4 +19,17 @@ if ((${#missing[@]})); then
     apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# criu 4.1.1 (snapshot, restore, fork): bookworm's criu 3.17 cannot dump on this kernel. Debian
+# trixie's package and the libraries it needs (trixie's glibc among them) are unpacked, without
+# running any maintainer script, into a tree of their own; sandfleet runs criu through that tree's
+# dynamic loader, so the host's userland is untouched. ~80 MiB, a few seconds.
+CRIU_ROOT=/opt/sandfleet/criu
+if ! [ -x "$CRIU_ROOT/usr/sbin/criu" ]; then
+    rm -rf "$CRIU_ROOT.tmp"
+    mkdir -p "$(dirname "$CRIU_ROOT")"
+    mmdebstrap --quiet --variant=extract --include=criu trixie "$CRIU_ROOT.tmp" http://deb.debian.org/debian
+    rm -rf "$CRIU_ROOT"
+    mv "$CRIU_ROOT.tmp" "$CRIU_ROOT"
+fi
+
 python3 -m pip install -q --disable-pip-version-check -e ".[dev]"

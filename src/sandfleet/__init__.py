@@ -17,6 +17,7 @@ from sandfleet.errors import (  # noqa: E402
     SandboxError,
     SandboxNotFoundError,
     SandboxTimeoutError,
+    SnapshotNotFoundError,
     UnavailableError,
     WrongStateError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "ExecEvent",
     "ExecResult",
     "ImageNotFoundError",
+    "SnapshotNotFoundError",
     "InvalidArgumentError",
     "Mount",
     "NotFoundError",

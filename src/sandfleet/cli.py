@@ -267,6 +267,41 @@ def resume(
     _by_id_or_label(socket, sandbox_ids, label, lambda sb: sb.resume(), lambda fleet, sel: fleet.resume_many(sel))
 
 
+@app.command()
+def snapshot(sandbox_id: str, socket: SocketOpt = None) -> None:
+    """Checkpoint a sandbox (processes, memory, files) and print the snapshot's id; it keeps running."""
+    with _client(socket) as fleet:
+        try:
+            snap = fleet.get(sandbox_id).snapshot()
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+        console.print(f"{snap.id}  ({snap.size_bytes / 2**20:.1f} MiB, {snap.seconds:.3f} s)")
+
+
+@app.command()
+def fork(
+    source: Annotated[str, typer.Argument(help="a sandbox id (forked as it is now) or a snapshot id (snap-...)")],
+    count: Annotated[int, typer.Option("-n", "--count", help="how many children")] = 1,
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE for the children, repeatable")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Start sandboxes from a live sandbox or a snapshot; print each child's id (or its error)."""
+    labels = _pairs(label, "label")
+    with _client(socket) as fleet:
+        try:
+            if source.startswith("snap-"):
+                results = fleet.restore(source, count, labels)
+            else:
+                results = fleet.get(source).fork(count, labels)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+        for r in results:
+            if isinstance(r, SandboxError):
+                err_console.print(f"[red]error[/red] ({r.code}): {r.message}")
+            else:
+                console.print(r.id)
+
+
 # -- images ---------------------------------------------------------------------------------------
 
 

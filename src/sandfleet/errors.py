@@ -4,7 +4,8 @@
     ├── InvalidArgumentError          invalid_argument   bad spec, bad path, bad request body
     ├── NotFoundError                 not_found
     │   ├── SandboxNotFoundError      not_found          no sandbox with that id
-    │   └── ImageNotFoundError        not_found          no image/layer with that reference
+    │   ├── ImageNotFoundError        not_found          no image/layer with that reference
+    │   └── SnapshotNotFoundError     not_found          no snapshot with that id
     ├── WrongStateError               wrong_state        call not valid in the sandbox's lifecycle state
     ├── ResourceExhaustedError        resource_exhausted node full or a quota hit (retryable)
     ├── SandboxTimeoutError           timeout            an operation did not finish in time
@@ -53,6 +54,10 @@ class SandboxNotFoundError(NotFoundError):
 
 
 class ImageNotFoundError(NotFoundError):
+    pass
+
+
+class SnapshotNotFoundError(NotFoundError):
     pass
 
 
@@ -123,5 +128,7 @@ def error_from_wire(body: object, *, status: int = 500) -> SandboxError:
                 cls = SandboxNotFoundError
             elif message.startswith("image "):
                 cls = ImageNotFoundError
+            elif message.startswith("snapshot "):
+                cls = SnapshotNotFoundError
         return cls(message)
     return InternalError(f"unexpected error response (HTTP {status}): {body!r}"[:500])

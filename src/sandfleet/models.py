@@ -435,3 +435,29 @@ class Health(_Model):
 
 class Ok(_Model):
     ok: bool = True
+
+
+MAX_FORK = 64
+
+
+class SnapshotInfo(_Model):
+    """A checkpoint of a running sandbox: its processes with their memory, and its writable layer."""
+
+    id: str
+    sandbox_id: str = Field(description="the sandbox it was taken from; the snapshot is deleted with it")
+    created_at: float
+    size_bytes: int = Field(description="bytes on the node's disk (memory images + writable layer)")
+    seconds: float = Field(description="how long taking it took (the sandbox is frozen meanwhile)")
+
+
+class SnapshotList(_Model):
+    snapshots: list[SnapshotInfo]
+
+
+class ForkRequest(_Model):
+    """New sandboxes from one snapshot (restore) or one live sandbox (fork), each on its own."""
+
+    count: int = Field(1, ge=1, le=MAX_FORK, description="how many sandboxes to start")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="labels of the new sandboxes (added to the source's labels)"
+    )

@@ -8,6 +8,7 @@ to the in-sandbox agent, and a way to open the sandbox's root directory for file
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from sandfleet.images import ImageManifest
@@ -54,6 +55,13 @@ class Backend(Protocol):
 
     async def resume(self, sandbox: LiveSandbox) -> None:
         """Thaw a paused sandbox."""
+
+    async def snapshot(self, sandbox: LiveSandbox, target: Path) -> dict[str, Any]:
+        """Checkpoint a running sandbox (processes, memory, writable layer) into the empty directory
+        `target`; it keeps running. Returns what `restore` needs besides the directory."""
+
+    async def restore(self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
+        """Start a new sandbox from a snapshot; on failure leave nothing behind and raise SandboxError."""
 
     def open_root(self, sandbox: LiveSandbox) -> int:
         """An O_PATH directory fd of the sandbox's root filesystem (caller closes it)."""

@@ -32,7 +32,7 @@ from sandfleet.backends.base import LiveSandbox
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec
-from sandfleet.runtime import cgroups, files, mounts, oci, proc, seccomp
+from sandfleet.runtime import cgroups, criu, files, mounts, oci, proc, seccomp
 from sandfleet.runtime.agent import (
     AgentChannel,
     ChannelClosedError,
@@ -60,6 +60,9 @@ class ContainerBackendConfig(BaseModel):
     start_timeout: float = Field(20.0, gt=0, description="seconds to wait for the runtime and agent")
     mount_allowlist: list[str] = Field(
         default_factory=list, description="host directories whose subpaths sandboxes may bind-mount"
+    )
+    criu_root: Path = Field(
+        criu.DEFAULT_ROOT, description="where criu 4.x and its own libraries live (snapshot, restore, fork)"
     )
 
 
@@ -133,6 +136,9 @@ class ContainerBackend:
             except LaunchError as exc:
                 self._launcher = None
                 raise UnavailableError(exc.message) from exc
+            tool = criu.Criu(self.config.criu_root)
+            with contextlib.suppress(criu.CriuUnavailableError, OSError, TimeoutError):
+                await tool.prime_kernel_cache()  # snapshots work without it, only slower
 
     async def close(self) -> None:
         if self._launcher is not None:
@@ -202,7 +208,7 @@ class ContainerBackend:
         return oci.BindMount(str(staging), bind.target, bind.read_only)
 
     def _prepare(
-        self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest, binds: list[tuple[str, str, oci.BindMount]]
+        self, sandbox_id: str, spec: SandboxSpec, digests: list[str], binds: list[tuple[str, str, oci.BindMount]]
     ) -> _Prepared:
         """Blocking part of create (mounts, cgroups, files); runs in a worker thread.
 
@@ -215,8 +221,8 @@ class ContainerBackend:
         try:
             for root, rel, bind in binds:
                 pinned.append((self._pin_bind(root, rel, bind), bind))
-            for layer in image.layers:
-                lowers.append(self.layers.acquire(layer.digest, self.store.layer_path(layer.digest)))
+            for digest in digests:
+                lowers.append(self.layers.acquire(digest, self.store.layer_path(digest)))
             limits = oci.ContainerLimits(
                 cpu=spec.resources.cpu,
                 memory=spec.resources.memory,
@@ -254,14 +260,14 @@ class ContainerBackend:
         except BaseException:
             for fd, _bind in pinned:
                 os.close(fd)
-            self._teardown_files(sandbox_id, [layer.digest for layer in image.layers][: len(lowers)])
+            self._teardown_files(sandbox_id, digests[: len(lowers)])
             raise
 
     async def _prepare_uncancellable(
-        self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest, binds: list[tuple[str, str, oci.BindMount]]
+        self, sandbox_id: str, spec: SandboxSpec, digests: list[str], binds: list[tuple[str, str, oci.BindMount]]
     ) -> _Prepared:
         """`_prepare` in a worker thread; if we are cancelled meanwhile, undo what it made once it is done."""
-        task = asyncio.ensure_future(asyncio.to_thread(self._prepare, sandbox_id, spec, image, binds))
+        task = asyncio.ensure_future(asyncio.to_thread(self._prepare, sandbox_id, spec, digests, binds))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -269,7 +275,6 @@ class ContainerBackend:
                 prepared = await task
                 for fd, _bind in prepared.binds:
                     os.close(fd)
-                digests = [layer.digest for layer in image.layers]
                 await asyncio.to_thread(self._teardown_files, sandbox_id, digests)
             raise
 
@@ -277,7 +282,7 @@ class ContainerBackend:
         assert self._agent_fd is not None, "backend not started"
         binds = self._check_mounts(spec)
         try:
-            prepared = await self._prepare_uncancellable(sandbox_id, spec, image, binds)
+            prepared = await self._prepare_uncancellable(sandbox_id, spec, [x.digest for x in image.layers], binds)
         except LayerCorruptError as exc:
             raise InternalError(f"image {image.name}:{image.tag} has a corrupt layer: {exc}") from exc
         except OSError as exc:
@@ -509,6 +514,171 @@ class ContainerBackend:
         for digest in digests:
             self.layers.release(digest)
 
+    # -- snapshot and restore (criu) ------------------------------------------------------------
+
+    def _criu(self) -> criu.Criu:
+        if not self.uses_launcher:
+            raise InvalidArgumentError("snapshots need the launcher runtime (container.runtime = 'launcher')")
+        tool = criu.Criu(self.config.criu_root)
+        try:
+            tool.command()
+        except criu.CriuUnavailableError as exc:
+            raise UnavailableError(str(exc)) from exc
+        return tool
+
+    async def snapshot(self, sandbox: LiveSandbox, target: Path) -> dict[str, Any]:
+        """Writable layer + criu images of the whole process tree, taken while the cgroup is frozen.
+
+        Steps: the agent moves its channel to a socketpair of its own (criu cannot dump our end's
+        socket, made in the host's network namespace) -> freeze -> copy the writable layer and /dev
+        from the scratch tmpfs (reached at /proc/PID/root/dev/.sandfleet) -> criu dump, leaving the
+        tree running -> thaw -> take the agent's new channel over, every exec still attached.
+        """
+        tool = self._criu()
+        assert self.agent_path is not None
+        pid = sandbox.agent_pid
+        try:
+            mountinfo = await asyncio.to_thread(Path(f"/proc/{pid}/mountinfo").read_text)
+            externals = criu.Criu.external_mounts(mountinfo)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"sandbox {sandbox.id} cannot be snapshotted: {exc}") from exc
+        except OSError as exc:
+            raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
+        agent_key = criu.Criu.external_file_key(self.agent_path)
+        rel = self.cgroups.path_for(sandbox.id)
+        images, fs = target / "img", target / "fs"
+        images.mkdir(parents=True)
+        fs.mkdir()
+        log_file = target / "dump.log"
+        channel = sandbox.channel
+        next_id = channel.next_id
+        try:
+            await channel.reopen(timeout=self.config.start_timeout)
+        except (TimeoutError, ChannelClosedError) as exc:
+            await self._take_new_channel(sandbox)
+            raise InternalError(f"the agent of {sandbox.id} did not hand over its channel") from exc
+        try:
+            await asyncio.to_thread(self.cgroups.freeze, rel)
+            try:
+                scratch = f"/proc/{pid}/root{criu.SCRATCH_MOUNT}"
+                done = await proc.spawn(["cp", "-a", "--", f"{scratch}/upper", f"{scratch}/dev", str(fs)], timeout=300)
+                if done.returncode != 0:
+                    raise InternalError(
+                        f"copying the writable layer failed: {done.stderr.decode(errors='replace')[-500:]}"
+                    )
+                argv = tool.dump_argv(
+                    pid,
+                    images,
+                    externals=externals,
+                    agent_key=agent_key,
+                    freezer=str(self.cgroups.freezer_dir(rel)),
+                    log=log_file,
+                )
+                done = await proc.spawn(argv, timeout=300)
+                if done.returncode != 0:
+                    raise InternalError(f"criu dump failed ({done.returncode}): {_criu_error(log_file)}")
+            finally:
+                await asyncio.to_thread(self._thaw_quietly, sandbox.id)
+        finally:
+            await self._take_new_channel(sandbox)
+        return {
+            "layers": sandbox.runtime.get("layers", []),
+            "externals": externals,
+            "agent_key": agent_key,
+            # The restored agent still runs the snapshot's execs: new ids start past theirs.
+            "next_id": max(next_id, channel.next_id) + 1024,
+        }
+
+    async def _take_new_channel(self, sandbox: LiveSandbox) -> None:
+        """After a reopen: adopt the socketpair the agent offers on fd 4 (or close the channel)."""
+        for _ in range(250):
+            try:
+                sock = await asyncio.to_thread(grab_handoff_channel, sandbox.agent_pid)
+            except OSError:
+                await asyncio.sleep(0.02)
+                continue
+            sandbox.channel.adopt_socket(sock)
+            with contextlib.suppress(TimeoutError, ChannelClosedError):
+                await sandbox.channel.ping(timeout=5)  # the agent parks fd 4 again on its first message
+            return
+        log.error("sandbox %s: the agent offered no new channel after a reopen", sandbox.id)
+        sandbox.channel.close()
+
+    async def restore(self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
+        tool = self._criu()
+        assert self._launcher is not None
+        digests = [str(d) for d in meta["layers"]]
+        try:
+            prepared = await self._prepare_uncancellable(sandbox_id, spec, digests, [])
+        except LayerCorruptError as exc:
+            raise InternalError(f"a layer of the snapshot is corrupt: {exc}") from exc
+        except OSError as exc:
+            raise InternalError(f"preparing the sandbox failed: {exc}") from exc
+        runtime: dict[str, Any] = {"layers": digests}
+        sdir = prepared.sdir
+        log_file = sdir / "restore.log"
+        try:
+            disk = spec.resources.disk
+            args = ["--restore", str(source), "--dir", str(sdir), "--pid-file", str(sdir / "agent.pid")]
+            args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192))]
+            for lower in reversed(prepared.lowers):
+                args += ["--lower", lower]
+            for cgroup_dir in prepared.cgroup_dirs:
+                args += ["--cgroup", cgroup_dir]
+            args.append("--")
+            args += tool.restore_argv(
+                source / "img",
+                rootfs=sdir / "rootfs",
+                scratch=sdir / "scratch",
+                shared=self.run_dir / "shared",
+                externals=dict(meta["externals"]),
+                agent_key=str(meta["agent_key"]),
+                pid_file=sdir / "agent.pid",
+                log=log_file,
+            )
+            placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # no channel: the agent has its own
+            try:
+                pid = await self._launcher.launch(args, channel_fd=placeholder, bind_fds=[], timeout=60)
+            except TimeoutError as exc:
+                raise UnavailableError("restoring the snapshot timed out") from exc
+            except LaunchError as exc:
+                raise InternalError(f"restoring the snapshot failed: {exc.message}: {_criu_error(log_file)}") from exc
+            finally:
+                os.close(placeholder)
+            runtime["agent_pid"] = pid
+            runtime["agent_start_time"] = proc.process_start_time(pid)
+            sock: socket.socket | None = None
+            for _ in range(250):
+                try:
+                    sock = await asyncio.to_thread(grab_handoff_channel, pid)
+                    break
+                except OSError:
+                    await asyncio.sleep(0.01)
+            if sock is None:
+                raise UnavailableError("the restored agent offered no channel")
+            channel = AgentChannel(sock, first_id=int(meta.get("next_id", 1)))
+            try:
+                await channel.wait_hello(timeout=self.config.start_timeout)
+                await channel.ping(timeout=self.config.start_timeout)
+            except (TimeoutError, ChannelClosedError) as exc:
+                channel.close()
+                raise UnavailableError("the restored agent did not answer") from exc
+            return LiveSandbox(
+                id=sandbox_id,
+                channel=channel,
+                agent_pid=pid,
+                agent_start_time=runtime["agent_start_time"],
+                uid_base=self.config.uid_base,
+                runtime=runtime,
+            )
+        except BaseException as exc:
+            await asyncio.shield(self.cleanup(sandbox_id, runtime))
+            if isinstance(exc, SandboxError | asyncio.CancelledError):
+                raise
+            if isinstance(exc, OSError | ValueError | KeyError):
+                raise InternalError(f"restoring the snapshot failed: {exc}") from exc
+            raise
+
     # -- adoption after a daemon restart -----------------------------------------------------
 
     async def adopt(self, sandbox_id: str, runtime: dict[str, Any]) -> LiveSandbox | None:
@@ -567,3 +737,13 @@ class ContainerBackend:
         out["cgroups"] = sorted(self.cgroups.children())
         out["mounts"] = mounts.mounted_under(str(self.sandboxes_dir))
         return out
+
+
+def _criu_error(log_file: Path) -> str:
+    """The error lines of a criu log (criu reports through its log, not stderr)."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no criu log)"
+    errors = [ln for ln in lines if "Error" in ln and "RLIMIT_NOFILE" not in ln]
+    return " | ".join((errors or lines)[-4:])[-1500:]

@@ -29,7 +29,7 @@ from sandfleet.errors import (
     UnavailableError,
     error_from_wire,
 )
-from sandfleet.models import CreateBatchItem, CreateBatchRequest, ExecEvent, ExecRequest, SandboxSpec
+from sandfleet.models import CreateBatchItem, CreateBatchRequest, ExecEvent, ExecRequest, ForkRequest, SandboxSpec
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -201,6 +201,22 @@ def call_create(spec: SandboxSpec, timeout: float) -> Call:
 def call_create_batch(specs: Sequence[SandboxSpec], concurrency: int, timeout: float) -> Call:
     body = CreateBatchRequest(specs=list(specs), concurrency=concurrency)
     return Call("POST", "/v1/sandboxes/batch", json=body.model_dump(mode="json"), timeout=timeout)
+
+
+def snapshot_path(snapshot_id: str) -> str:
+    if not isinstance(snapshot_id, str) or not _ID_RE.match(snapshot_id):
+        raise InvalidArgumentError(f"invalid snapshot id {snapshot_id!r}")
+    return "/v1/snapshots/" + snapshot_id
+
+
+def call_fork(sandbox_id: str, count: int, labels: Mapping[str, str] | None, timeout: float) -> Call:
+    body = ForkRequest(count=count, labels=dict(labels or {}))
+    return Call("POST", sandbox_path(sandbox_id) + "/fork", json=body.model_dump(mode="json"), timeout=timeout)
+
+
+def call_restore(snapshot_id: str, count: int, labels: Mapping[str, str] | None, timeout: float) -> Call:
+    body = ForkRequest(count=count, labels=dict(labels or {}))
+    return Call("POST", snapshot_path(snapshot_id) + "/restore", json=body.model_dump(mode="json"), timeout=timeout)
 
 
 def item_error(item: CreateBatchItem) -> SandboxError:

@@ -34,6 +34,8 @@ from sandfleet.models import (
     SandboxList,
     SandboxSpec,
     SessionInfo,
+    SnapshotInfo,
+    SnapshotList,
     StopManyResult,
     Usage,
 )
@@ -201,6 +203,23 @@ class AsyncClient:
         call = b.Call("POST", "/v1/sandboxes/resume", json={"labels": dict(labels)}, timeout=max(self.timeout, 600))
         return (await self._model(IdList, call)).sandboxes
 
+    async def restore(
+        self, snapshot_id: str, count: int = 1, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[AsyncSandbox | SandboxError]:
+        """`count` new sandboxes from a snapshot (processes, memory, files); one result per child, in order."""
+        return await self._batch(b.call_restore(snapshot_id, count, labels, max(self.timeout, 600)))
+
+    async def snapshots(self, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
+        params = {"sandbox_id": sandbox_id} if sandbox_id else None
+        return (await self._model(SnapshotList, b.Call("GET", "/v1/snapshots", params=params))).snapshots
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._send(b.Call("DELETE", b.snapshot_path(snapshot_id)))
+
+    async def _batch(self, call: b.Call) -> builtins.list[AsyncSandbox | SandboxError]:
+        reply = await self._model(CreateBatchResult, call)
+        return [AsyncSandbox(self, item.sandbox) if item.sandbox else b.item_error(item) for item in reply.results]
+
 
 class AsyncSandbox:
     def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
@@ -240,6 +259,17 @@ class AsyncSandbox:
     async def resume(self) -> SandboxInfo:
         self.info = await self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/resume"))
         return self.info
+
+    async def snapshot(self) -> SnapshotInfo:
+        """Checkpoint processes, memory and files; the sandbox keeps running (a paused one stays paused)."""
+        call = b.Call("POST", b.sandbox_path(self.id) + "/snapshots", timeout=max(self._c.timeout, 600))
+        return await self._c._model(SnapshotInfo, call)
+
+    async def fork(
+        self, count: int = 1, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[AsyncSandbox | SandboxError]:
+        """`count` copies of this sandbox as it is now, each isolated from it and from each other."""
+        return await self._c._batch(b.call_fork(self.id, count, labels, max(self._c.timeout, 600)))
 
     async def stop(self, reason: str = "user") -> SandboxInfo:
         """Stop the sandbox; stopping one that is already gone (TTL, stop_many) is not an error."""

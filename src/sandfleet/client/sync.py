@@ -33,6 +33,8 @@ from sandfleet.models import (
     SandboxList,
     SandboxSpec,
     SessionInfo,
+    SnapshotInfo,
+    SnapshotList,
     StopManyResult,
     Usage,
 )
@@ -198,6 +200,23 @@ class Client:
         call = b.Call("POST", "/v1/sandboxes/resume", json={"labels": dict(labels)}, timeout=max(self.timeout, 600))
         return (self._model(IdList, call)).sandboxes
 
+    def restore(
+        self, snapshot_id: str, count: int = 1, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[Sandbox | SandboxError]:
+        """`count` new sandboxes from a snapshot (processes, memory, files); one result per child, in order."""
+        return self._batch(b.call_restore(snapshot_id, count, labels, max(self.timeout, 600)))
+
+    def snapshots(self, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
+        params = {"sandbox_id": sandbox_id} if sandbox_id else None
+        return (self._model(SnapshotList, b.Call("GET", "/v1/snapshots", params=params))).snapshots
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._send(b.Call("DELETE", b.snapshot_path(snapshot_id)))
+
+    def _batch(self, call: b.Call) -> builtins.list[Sandbox | SandboxError]:
+        reply = self._model(CreateBatchResult, call)
+        return [Sandbox(self, item.sandbox) if item.sandbox else b.item_error(item) for item in reply.results]
+
 
 class Sandbox:
     def __init__(self, client: Client, info: SandboxInfo) -> None:
@@ -235,6 +254,15 @@ class Sandbox:
     def resume(self) -> SandboxInfo:
         self.info = self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/resume"))
         return self.info
+
+    def snapshot(self) -> SnapshotInfo:
+        """Checkpoint processes, memory and files; the sandbox keeps running (a paused one stays paused)."""
+        call = b.Call("POST", b.sandbox_path(self.id) + "/snapshots", timeout=max(self._c.timeout, 600))
+        return self._c._model(SnapshotInfo, call)
+
+    def fork(self, count: int = 1, labels: Mapping[str, str] | None = None) -> builtins.list[Sandbox | SandboxError]:
+        """`count` copies of this sandbox as it is now, each isolated from it and from each other."""
+        return self._c._batch(b.call_fork(self.id, count, labels, max(self._c.timeout, 600)))
 
     def stop(self, reason: str = "user") -> SandboxInfo:
         """Stop the sandbox; stopping one that is already gone (TTL, stop_many) is not an error."""

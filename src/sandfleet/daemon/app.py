@@ -42,6 +42,7 @@ from sandfleet.models import (
     ExecResult,
     FileInfo,
     FileList,
+    ForkRequest,
     Health,
     IdList,
     ImageInfo,
@@ -58,6 +59,8 @@ from sandfleet.models import (
     SessionInfo,
     SessionList,
     SessionRunRequest,
+    SnapshotInfo,
+    SnapshotList,
     StopManyRequest,
     StopManyResult,
     StopRequest,
@@ -203,15 +206,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
 
     @app.post("/v1/sandboxes/batch", response_model=CreateBatchResult)
     async def create_batch(req: CreateBatchRequest) -> CreateBatchResult:
-        results = await manager.create_batch(req.specs, req.concurrency)
-        return CreateBatchResult(
-            results=[
-                CreateBatchItem(error=ErrorBody.model_validate(r.to_wire()))
-                if isinstance(r, SandboxError)
-                else CreateBatchItem(sandbox=r)
-                for r in results
-            ]
-        )
+        return _batch_result(await manager.create_batch(req.specs, req.concurrency))
 
     @app.get("/v1/sandboxes", response_model=SandboxList)
     async def list_sandboxes(
@@ -245,6 +240,35 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
     async def resume(sandbox_id: str) -> SandboxInfo:
         return await manager.resume(sandbox_id)
+
+    # -- snapshots and forks ----------------------------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshots", response_model=SnapshotInfo, status_code=201)
+    async def snapshot(sandbox_id: str) -> SnapshotInfo:
+        return await manager.snapshot(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork", response_model=CreateBatchResult)
+    async def fork(sandbox_id: str, req: Annotated[ForkRequest | None, Body()] = None) -> CreateBatchResult:
+        req = req or ForkRequest()
+        return _batch_result(await manager.fork(sandbox_id, req.count, req.labels))
+
+    @app.get("/v1/snapshots", response_model=SnapshotList)
+    async def list_snapshots(sandbox_id: str | None = None) -> SnapshotList:
+        return SnapshotList(snapshots=manager.list_snapshots(sandbox_id))
+
+    @app.get("/v1/snapshots/{snapshot_id}", response_model=SnapshotInfo)
+    async def get_snapshot(snapshot_id: str) -> SnapshotInfo:
+        return manager.get_snapshot(snapshot_id)
+
+    @app.delete("/v1/snapshots/{snapshot_id}", response_model=Ok)
+    async def delete_snapshot(snapshot_id: str) -> Ok:
+        await manager.delete_snapshot(snapshot_id)
+        return Ok()
+
+    @app.post("/v1/snapshots/{snapshot_id}/restore", response_model=CreateBatchResult)
+    async def restore(snapshot_id: str, req: Annotated[ForkRequest | None, Body()] = None) -> CreateBatchResult:
+        req = req or ForkRequest()
+        return _batch_result(await manager.restore(snapshot_id, req.count, req.labels))
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def get(sandbox_id: str) -> SandboxInfo:
@@ -475,3 +499,14 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return _image_info(await manager.resolve_image(ref))
 
     return app
+
+
+def _batch_result(results: list[SandboxInfo | SandboxError]) -> CreateBatchResult:
+    return CreateBatchResult(
+        results=[
+            CreateBatchItem(error=ErrorBody.model_validate(r.to_wire()))
+            if isinstance(r, SandboxError)
+            else CreateBatchItem(sandbox=r)
+            for r in results
+        ]
+    )

@@ -19,6 +19,12 @@ class Metrics:
         self.create_seconds = Histogram(
             "sandfleet_create_seconds", "Create latency (request to exec-ready)", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.snapshot_seconds = Histogram(
+            "sandfleet_snapshot_seconds",
+            "Time to checkpoint a sandbox (frozen meanwhile)",
+            buckets=(0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+            registry=r,
+        )
         self.paused = Counter("sandfleet_pauses", "Sandboxes paused (frozen, memory pushed out)", registry=r)
         self.resumed = Counter("sandfleet_resumes", "Sandboxes resumed", ["transparent"], registry=r)
         self.pool_hits = Counter("sandfleet_pool_hits", "Creates served from a warm pool", registry=r)

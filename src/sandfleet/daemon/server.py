@@ -112,6 +112,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         stopped_retention=config.stopped_retention,
         reaper_interval=config.reaper_interval,
         build_missing_images=config.build_missing_images,
+        snapshot_dir=config.state_dir / "snapshots",
     )
     if config.pools or config.pool_adaptive_max:
         manager.pools = WarmPools(

@@ -12,14 +12,17 @@ import builtins
 import codecs
 import contextlib
 import errno
+import json
 import logging
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from sandfleet.backends.base import Backend, LiveSandbox
@@ -37,6 +40,7 @@ from sandfleet.errors import (
     SandboxError,
     SandboxNotFoundError,
     SandboxTimeoutError,
+    SnapshotNotFoundError,
     UnavailableError,
     WrongStateError,
 )
@@ -53,6 +57,7 @@ from sandfleet.models import (
     SandboxSpec,
     SandboxState,
     SessionInfo,
+    SnapshotInfo,
     Usage,
 )
 from sandfleet.runtime import proc as procmod
@@ -210,6 +215,16 @@ class Sandbox:
         )
 
 
+@dataclass
+class SnapshotRecord:
+    info: SnapshotInfo
+    path: Path
+    spec: SandboxSpec  # of the sandbox it was taken from: what a restore starts
+    meta: dict[str, Any]  # the backend's, for restore
+    restoring: int = 0
+    deleted: bool = False  # asked to go; its files go once no restore reads them
+
+
 def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
@@ -258,6 +273,7 @@ class SandboxManager:
         stopped_retention: float = 300.0,
         reaper_interval: float = 1.0,
         build_missing_images: bool = True,
+        snapshot_dir: Path | None = None,
     ) -> None:
         self.backend = backend
         self.store = store
@@ -268,6 +284,8 @@ class SandboxManager:
         self.reaper_interval = reaper_interval
         self.build_missing_images = build_missing_images
         self.sandboxes: dict[str, Sandbox] = {}
+        self.snapshot_dir = snapshot_dir
+        self.snapshots: dict[str, SnapshotRecord] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.pools = pools
@@ -357,6 +375,7 @@ class SandboxManager:
                 await self._forget(sb)
                 continue
             self.sandboxes[row.id] = sb
+        await self._recover_snapshots()
         # Residue with no row at all (a crash between mkdir and insert).
         leftovers = self.backend.leftovers()
         for name in set(leftovers.get("sandbox_dirs", [])) | set(leftovers.get("cgroups", [])):
@@ -452,16 +471,31 @@ class SandboxManager:
         return [t.result() for t in tasks]
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        self._check_backend(spec)
+        if self.pools is not None:
+            live = self.pools.take(spec)
+            if live is not None:
+                return await self._hand_out(spec, live)
+        self._admit(spec)
+        try:
+            image = await self.resolve_image(spec.image)
+        except BaseException:
+            self._creating -= 1
+            self.admission.release(spec.resources)
+            raise
+        created = {"image": spec.image, "layers": [x.digest for x in image.layers]}
+        return await self._start_admitted(spec, lambda sid: self.backend.create(sid, spec, image), created)
+
+    def _check_backend(self, spec: SandboxSpec) -> None:
         if self._stopping:
             raise UnavailableError("daemon is shutting down")
         if spec.backend != self.backend.name:
             raise InvalidArgumentError(
                 f"backend {spec.backend!r} is not available on this node (available: {self.backend.name!r})"
             )
-        if self.pools is not None:
-            live = self.pools.take(spec)
-            if live is not None:
-                return await self._hand_out(spec, live)
+
+    def _admit(self, spec: SandboxSpec) -> None:
+        """Take the spec's admission budget (or raise ResourceExhaustedError); counts as creating."""
         try:
             self.admission.admit(self.node_count(), spec.resources)
         except ResourceExhaustedError:
@@ -469,11 +503,15 @@ class SandboxManager:
             raise
         self.admission.commit(spec.resources)
         self._creating += 1
+
+    async def _start_admitted(
+        self, spec: SandboxSpec, start: Callable[[str], Awaitable[LiveSandbox]], created: dict[str, Any]
+    ) -> SandboxInfo:
+        """Record a new sandbox, start it with `start(id)` (a create or a restore), make it running."""
         # Until the backend holds the resources, a failure must hand the admission budget back.
         holds_budget = True
         t0 = time.perf_counter()
         try:
-            image = await self.resolve_image(spec.image)
             sandbox_id = new_sandbox_id()
             now = time.time()
             sb = Sandbox(sandbox_id, spec, "creating", now, now)
@@ -486,7 +524,7 @@ class SandboxManager:
                 finished.set()
                 raise
             try:
-                live = await self.backend.create(sandbox_id, spec, image)
+                live = await start(sandbox_id)
             except BaseException as exc:
                 sb.state, sb.stopped_at, sb.stop_reason = "failed", time.time(), f"create failed: {exc}"[:500]
                 self._event(sandbox_id, "create_failed", {"error": str(exc)[:500]})
@@ -500,7 +538,7 @@ class SandboxManager:
             sb.state = "running"
             finished.set()
             await self.state.update(sandbox_id, state="running", runtime=live.runtime)
-            await self._settle_create(sb, live, {"image": spec.image, "layers": [x.digest for x in image.layers]}, t0)
+            await self._settle_create(sb, live, created, t0)
         finally:
             self._creating -= 1
             if holds_budget:
@@ -596,6 +634,8 @@ class SandboxManager:
             session.dead = True
             session.changed.set()
         sb.state, sb.stopped_at, sb.stop_reason = "stopped", time.time(), reason
+        for rec in [r for r in self.snapshots.values() if r.info.sandbox_id == sb.id]:
+            await self._drop_snapshot(rec)
         self.admission.release(sb.spec.resources)
         self._event(sb.id, "stopped", {"reason": reason})
         self._dirty_activity.pop(sb.id, None)
@@ -614,6 +654,127 @@ class SandboxManager:
             for sb in self.sandboxes.values()
             if sb.state in states and all(sb.spec.labels.get(k) == v for k, v in labels.items())
         ]
+
+    # -- snapshots, restore, fork ------------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
+        """Checkpoint a sandbox (a paused one is resumed for it and paused again); it keeps running."""
+        if self.snapshot_dir is None:
+            raise UnavailableError("snapshots are not enabled on this daemon")
+        was = self._get(sandbox_id)
+        was_paused, was_held = was.state == "paused", was.held
+        sb, live = await self._ready(sandbox_id)
+        async with sb.pause_lock:
+            if sb.state != "running" or sb.live is not live:
+                raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
+            snapshot_id = "snap-" + secrets.token_hex(8)
+            path = self.snapshot_dir / snapshot_id
+            t0 = time.perf_counter()
+            try:
+                meta = await self.backend.snapshot(live, path)
+                seconds = time.perf_counter() - t0
+                size = await asyncio.to_thread(_tree_bytes, path)
+                info = SnapshotInfo(
+                    id=snapshot_id, sandbox_id=sb.id, created_at=time.time(), size_bytes=size, seconds=round(seconds, 4)
+                )
+                record = {"info": info.model_dump(mode="json"), "spec": sb.spec.model_dump(mode="json"), "meta": meta}
+                await asyncio.to_thread((path / "snapshot.json").write_text, json.dumps(record))
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, path, True)
+                raise
+            self.snapshots[snapshot_id] = SnapshotRecord(info, path, sb.spec, meta)
+            self._touch(sb)
+            self._event(sb.id, "snapshot", {"snapshot": snapshot_id, "bytes": size, "seconds": info.seconds})
+            self.metrics.snapshot_seconds.observe(seconds)
+        if was_paused:
+            with contextlib.suppress(SandboxError):
+                await self.pause(sandbox_id, by_policy=not was_held)
+        return info
+
+    def _snapshot(self, snapshot_id: str) -> SnapshotRecord:
+        rec = self.snapshots.get(snapshot_id)
+        if rec is None or rec.deleted:
+            raise SnapshotNotFoundError(f"snapshot {snapshot_id} not found")
+        return rec
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return self._snapshot(snapshot_id).info
+
+    def list_snapshots(self, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
+        return [
+            r.info
+            for r in self.snapshots.values()
+            if not r.deleted and (sandbox_id is None or r.info.sandbox_id == sandbox_id)
+        ]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._drop_snapshot(self._snapshot(snapshot_id))
+
+    async def _drop_snapshot(self, rec: SnapshotRecord) -> None:
+        rec.deleted = True
+        if rec.restoring == 0 and self.snapshots.pop(rec.info.id, None) is not None:
+            await asyncio.to_thread(shutil.rmtree, rec.path, True)
+
+    async def _recover_snapshots(self) -> None:
+        """Keep the snapshots of sandboxes that were adopted; delete every other one."""
+        if self.snapshot_dir is None:
+            return
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        for path in await asyncio.to_thread(lambda: sorted(self.snapshot_dir.iterdir()) if self.snapshot_dir else []):
+            try:
+                record = json.loads(await asyncio.to_thread((path / "snapshot.json").read_text))
+                info = SnapshotInfo.model_validate(record["info"])
+                owner = self.sandboxes.get(info.sandbox_id)
+                if owner is not None and owner.state == "running" and info.id == path.name:
+                    spec = SandboxSpec.model_validate(record["spec"])
+                    self.snapshots[info.id] = SnapshotRecord(info, path, spec, dict(record["meta"]))
+                    continue
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            await asyncio.to_thread(shutil.rmtree, path, True)
+
+    async def restore(
+        self, snapshot_id: str, count: int = 1, labels: dict[str, str] | None = None
+    ) -> builtins.list[SandboxInfo | SandboxError]:
+        """`count` new sandboxes from a snapshot, started together; each succeeds or fails on its own."""
+        rec = self._snapshot(snapshot_id)
+        spec = rec.spec.model_copy(update={"labels": {**rec.spec.labels, **(labels or {})}})
+        created = {"snapshot": rec.info.id, "source": rec.info.sandbox_id}
+
+        async def one() -> SandboxInfo | SandboxError:
+            try:
+                self._check_backend(spec)
+                self._admit(spec)
+                return await self._start_admitted(
+                    spec, lambda sid: self.backend.restore(sid, spec, rec.path, rec.meta), created
+                )
+            except SandboxError as exc:
+                return exc
+            except Exception as exc:  # noqa: BLE001 (one child's failure must not fail its siblings)
+                log.exception("restore of %s failed", snapshot_id)
+                return InternalError(f"restore failed: {exc}")
+
+        rec.restoring += 1
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(one()) for _ in range(count)]
+        finally:
+            rec.restoring -= 1
+            if rec.deleted:
+                await self._drop_snapshot(rec)
+        return [t.result() for t in tasks]
+
+    async def fork(
+        self, sandbox_id: str, count: int = 1, labels: dict[str, str] | None = None
+    ) -> builtins.list[SandboxInfo | SandboxError]:
+        """`count` copies of a live (or paused) sandbox: a snapshot, restored `count` times, deleted."""
+        snap = await self.snapshot(sandbox_id)
+        try:
+            return await self.restore(snap.id, count, labels)
+        finally:
+            rec = self.snapshots.get(snap.id)
+            if rec is not None:
+                await self._drop_snapshot(rec)
 
     # -- pause and resume ---------------------------------------------------------------------------
 
@@ -1189,3 +1350,18 @@ def file_info(st: FileStat) -> FileInfo:
         mtime=st.mtime,
         link_target=st.link_target,
     )
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes a directory tree holds on disk (hard links counted once)."""
+    total, seen = 0, set()
+    for root, dirs, names in os.walk(path):
+        for name in dirs + names:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total

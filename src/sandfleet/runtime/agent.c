@@ -36,7 +36,7 @@
 #endif
 
 enum {
-	M_EXEC = 1, M_STDIN = 2, M_SIGNAL = 3, M_PING = 4,
+	M_EXEC = 1, M_STDIN = 2, M_SIGNAL = 3, M_PING = 4, M_REOPEN = 5,
 	M_STARTED = 10, M_STDOUT = 11, M_STDERR = 12, M_EXIT = 13, M_ERROR = 14, M_PONG = 15, M_HELLO = 16,
 };
 enum { F_STDIN_PIPE = 1, F_SETSID = 2 };
@@ -62,7 +62,7 @@ struct exec {
 
 static struct exec **ex;
 static size_t nex;
-static int epfd, sigfd, chan_dead, handoff_open;
+static int epfd, sigfd, chan_dead, handoff_open, handoff_drop;
 static char rbuf[MAXPAY + 64], obuf[MAXPAY];
 
 static uint64_t now_us(void)
@@ -111,8 +111,9 @@ static void close_from(unsigned lo, unsigned flags)
 /* Blocking send: the daemon always reads, and blocking gives natural backpressure on output. */
 static void chan_send(uint32_t type, uint32_t id, const void *a, size_t alen, const void *b, size_t blen)
 {
-	/* while waiting for a daemon to pick up the handoff channel only HELLO may be queued */
-	if (chan_dead || (handoff_open && type != M_HELLO))
+	/* while waiting for a new daemon to pick up the handoff channel only HELLO may be queued (it
+	 * knows none of our exec ids); a planned reopen (handoff_drop == 0) queues everything */
+	if (chan_dead || (handoff_open && handoff_drop && type != M_HELLO))
 		return;
 	uint32_t hdr[2] = { type, id };
 	struct iovec iov[3] = { { hdr, 8 }, { (void *)a, alen }, { (void *)b, blen } };
@@ -563,11 +564,14 @@ static void placeholder_handoff(void)
 
 static void send_hello(void) { chan_send(M_HELLO, 0, VERSION, strlen(VERSION), NULL, 0); }
 
-/* The daemon went away: orphan all running execs and offer a fresh channel on fd 4. */
-static void reconnect(void)
+/* Offer a fresh channel on fd 4, replacing the one at fd 3 (which closes). `orphan`: the daemon went
+ * away, so no one will ever read our running execs' output; otherwise the same daemon asked
+ * (M_REOPEN, before a snapshot: the old channel crossed namespaces, this pair is ours alone) and
+ * carries on with the same execs over the new channel. */
+static void reconnect(int orphan)
 {
 	int sv[2];
-	for (size_t i = 0; i < nex; i++)
+	for (size_t i = 0; orphan && i < nex; i++)
 		if (ex[i])
 			ex[i]->orphan = 1;
 	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
@@ -582,6 +586,7 @@ static void reconnect(void)
 	ep_add(CHAN, K_CHAN, 0, EPOLLIN);
 	chan_dead = 0;
 	handoff_open = 1;
+	handoff_drop = orphan;
 	send_hello(); /* queued in the socket until the new daemon reads it */
 }
 
@@ -599,6 +604,7 @@ static void handle_chan(void)
 		}
 		if (handoff_open) { /* the new daemon has its copy now */
 			handoff_open = 0;
+			handoff_drop = 0;
 			placeholder_handoff();
 		}
 		if (n < 8)
@@ -629,6 +635,9 @@ static void handle_chan(void)
 		case M_PING:
 			chan_send(M_PONG, id, NULL, 0, NULL, 0);
 			break;
+		case M_REOPEN:
+			reconnect(0);
+			return; /* fd 3 is the new channel now: nothing more to read from the old one */
 		default:
 			break;
 		}
@@ -706,7 +715,7 @@ int main(void)
 	struct epoll_event evs[64];
 	for (;;) {
 		if (chan_dead)
-			reconnect();
+			reconnect(1);
 		int tmo = service();
 		if (chan_dead && tmo < 0)
 			tmo = 100; /* socketpair failed: retry soon */

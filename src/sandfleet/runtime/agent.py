@@ -31,6 +31,7 @@ MSG_EXEC = 1
 MSG_STDIN = 2
 MSG_SIGNAL = 3
 MSG_PING = 4
+MSG_REOPEN = 5  # move to a fresh socketpair offered on fd 4 (before a snapshot); same execs go on
 # agent -> daemon
 MSG_STARTED = 10
 MSG_STDOUT = 11
@@ -370,7 +371,14 @@ class AgentChannel:
     channels cost only a selector registration each.
     """
 
-    def __init__(self, sock: socket.socket, *, on_close: Callable[[AgentChannel], None] | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        on_close: Callable[[AgentChannel], None] | None = None,
+        first_id: int = 1,
+    ) -> None:
+        """`first_id`: where message ids start (a restored agent still knows its snapshot's exec ids)."""
         self._loop = asyncio.get_running_loop()
         sock.setblocking(False)
         self._sock = sock
@@ -379,7 +387,9 @@ class AgentChannel:
         self._starts: dict[int, asyncio.Future[int]] = {}
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._hello: asyncio.Future[str] | None = None
-        self._next_id = 1
+        self._next_id = first_id
+        self._reopened: asyncio.Future[None] | None = None  # EOF of the old socket during reopen()
+        self._sends_held = False  # reopen() holds _send_lock until adopt_socket()
         self._send_lock = asyncio.Lock()
         self._send_waiter: asyncio.Future[None] | None = None
         self._closed = False
@@ -465,6 +475,48 @@ class AgentChannel:
             raise
         return proc
 
+    @property
+    def next_id(self) -> int:
+        return self._next_id
+
+    async def reopen(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Ask the agent to move to a socketpair of its own (offered on its fd 4) and close this one.
+
+        Before a checkpoint: the agent's end of a channel the daemon made is a socket of the host's
+        network namespace that criu cannot dump, a pair the agent made is. Output of running execs
+        queues in the new pair until `adopt_socket()` takes it over.
+        """
+        self._check_open()
+        self._reopened = self._loop.create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(encode_message(MSG_REOPEN, 0))
+                # Sends wait (holding the lock) until adopt_socket(): the old socket is dead.
+                await self._send_lock.acquire()
+                self._sends_held = True
+                await asyncio.shield(self._reopened)
+        except BaseException:
+            self._release_sends()
+            raise
+        finally:
+            self._reopened = None
+
+    def _release_sends(self) -> None:
+        if self._sends_held:
+            self._sends_held = False
+            self._send_lock.release()
+
+    def adopt_socket(self, sock: socket.socket) -> None:
+        """Carry on over the agent's new channel (after `reopen()`), with every exec still attached."""
+        self._check_open()
+        self._loop.remove_reader(self._fd)
+        self._sock.close()
+        sock.setblocking(False)
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._loop.add_reader(self._fd, self._on_readable)
+        self._release_sends()
+
     def close(self) -> None:
         """Close the channel; pending execs see ChannelClosedError. on_close is not called."""
         self._shutdown(None, notify=False)
@@ -529,6 +581,11 @@ class AgentChannel:
                 self._shutdown(exc)
                 return
             if not data:
+                if self._reopened is not None:  # the agent moved to its new pair as asked
+                    self._loop.remove_reader(self._fd)
+                    if not self._reopened.done():
+                        self._reopened.set_result(None)
+                    return
                 self._shutdown(ChannelClosedError("agent closed the channel"))
                 return
             try:
@@ -579,6 +636,7 @@ class AgentChannel:
         self._closed = True
         self.close_reason = exc
         self._loop.remove_reader(self._fd)
+        self._release_sends()
         waiter = self._send_waiter
         if waiter is not None and not waiter.done():
             # sock_sendall unregisters its writer while unwinding; close the socket only

@@ -198,6 +198,11 @@ class Cgroups:
         except OSError:
             return False
 
+    def freezer_dir(self, rel: str) -> Path:
+        """The directory whose freezer state criu's --freeze-cgroup drives (v1 freezer or v2 cgroup)."""
+        rel = rel.lstrip("/")
+        return self.root / rel if self.mode == "v2" else self.root / "freezer" / rel
+
     def _set_frozen(self, rel: str, frozen: bool, timeout: float) -> None:
         rel = rel.lstrip("/")
         if self.mode == "v2":

@@ -41,6 +41,11 @@
  *   --cgroup DIR     a cgroup directory to join (repeatable)
  *   --qos latency_sensitive|best_effort
  *   --bind FD:ro|rw:TARGET   an O_PATH fd of an already-checked source (repeatable)
+ *   --restore SNAP -- CRIU...  restore a snapshot instead of starting an agent (see restore_stage)
+ *
+ * The scratch tmpfs's root is also mounted at /dev/.sandfleet (mode 0700, owned by the host's root,
+ * so the sandbox's root cannot enter it): the one place the daemon reaches the writable layer of a
+ * running sandbox from outside (/proc/PID/root/dev/.sandfleet), to snapshot it.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -93,6 +98,9 @@ static struct sock_filter *bpf;
 static unsigned short bpf_len;
 static int err_fd = -1;	  /* write end of the error pipe, in both stages */
 static int reply_fd = -1; /* server mode: where this launch's result goes, instead of stdout/stderr */
+static const char *restore_dir;	  /* --restore: a snapshot directory (fs/upper, fs/dev) */
+static char **criu_argv;	  /* --restore: the criu command line, after "--" */
+static int host_net = -1;	  /* server mode: the daemon's network namespace (criu probes the kernel there) */
 
 /* Docker's default set minus NET_RAW and MKNOD (runtime/oci.py: DEFAULT_CAPABILITIES). */
 static const int keep_caps[] = {
@@ -462,6 +470,37 @@ static int allowed_bind_target(const char *rootfs, int target)
 	return 1;
 }
 
+/* The overlay rootfs over the layers, upper and work dirs in `scratch`; returns an O_PATH fd of it. */
+static int mount_rootfs(const char *scratch, const char *rootfs)
+{
+	char *opts = malloc(PATH_MAX * (n_lowers + 3));
+	if (!opts)
+		fail("malloc");
+	int n = sprintf(opts, "lowerdir=");
+	for (int i = 0; i < n_lowers; i++)
+		n += sprintf(opts + n, "%s%s", i ? ":" : "", lowers[i]);
+	sprintf(opts + n, ",upperdir=%s/upper,workdir=%s/work", scratch, scratch);
+	if (mount("overlay", rootfs, "overlay", MS_NODEV, opts) < 0)
+		fail("mount overlay rootfs");
+	free(opts);
+	int root = open(rootfs, O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (root < 0)
+		fail("open rootfs");
+	return root;
+}
+
+/* Bind `source` (a path in our namespace) at `rel` under the rootfs (made if `make`, else it must
+ * exist: dev/.sandfleet is a directory of the /dev just bound). */
+static void attach_tree(int root, const char *source, const char *rel, int make)
+{
+	int tree = (int)syscall(SYS_open_tree, AT_FDCWD, source, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+	int target = tree < 0 ? -1 : make ? mkdirs_in_root(root, rel, uid_base, 0) : in_root(root, rel, O_PATH | O_DIRECTORY);
+	if (target < 0 || syscall(SYS_move_mount, tree, "", target, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
+		fail("mount /%s", rel);
+	close(tree);
+	close(target);
+}
+
 static int stage1(int to_launcher, int from_launcher)
 {
 	char buf[PATH_MAX + 64];
@@ -490,34 +529,16 @@ static int stage1(int to_launcher, int from_launcher)
 		fail("chown upper");
 	if (mkdirat(sfd, "dev", 0755) < 0 || fchownat(sfd, "dev", uid_base, uid_base, 0) < 0 ||
 	    mkdirat(sfd, "dev/shm", 01777) < 0 || fchmodat(sfd, "dev/shm", 01777, 0) < 0 ||
-	    fchownat(sfd, "dev/shm", uid_base, uid_base, 0) < 0)
+	    fchownat(sfd, "dev/shm", uid_base, uid_base, 0) < 0 || mkdirat(sfd, "dev/.sandfleet", 0) < 0)
 		fail("make /dev");
 	close(sfd);
-	char *opts = malloc(PATH_MAX * (n_lowers + 3));
-	if (!opts)
-		fail("malloc");
-	int n = sprintf(opts, "lowerdir=");
-	for (int i = 0; i < n_lowers; i++)
-		n += sprintf(opts + n, "%s%s", i ? ":" : "", lowers[i]);
-	sprintf(opts + n, ",upperdir=%s/upper,workdir=%s/work", scratch, scratch);
-	if (mount("overlay", rootfs, "overlay", MS_NODEV, opts) < 0)
-		fail("mount overlay rootfs");
-	free(opts);
-
-	int root = open(rootfs, O_PATH | O_DIRECTORY | O_CLOEXEC);
-	if (root < 0)
-		fail("open rootfs");
+	int root = mount_rootfs(scratch, rootfs);
 	/* /dev is a directory of the scratch tmpfs, not a tmpfs of its own: every superblock a sandbox
 	 * adds costs kernel work that grows with the number of sandboxes alive. Bound here, as real
 	 * root: the scratch tmpfs is not traversable by the sandbox's root. */
 	snprintf(buf, sizeof buf, "%s/dev", scratch);
-	int dev_tree = (int)syscall(SYS_open_tree, AT_FDCWD, buf, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
-	int dev_target = dev_tree < 0 ? -1 : mkdirs_in_root(root, "dev", uid_base, 0);
-	if (dev_target < 0 || syscall(SYS_move_mount, dev_tree, "", dev_target, "",
-				      MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
-		fail("mount /dev");
-	close(dev_tree);
-	close(dev_target);
+	attach_tree(root, buf, "dev", 1);
+	attach_tree(root, scratch, "dev/.sandfleet", 0);
 	for (int i = 0; i < n_binds; i++) {
 		struct stat st;
 		if (fstat(binds[i].src, &st) < 0)
@@ -553,6 +574,85 @@ static int stage1(int to_launcher, int from_launcher)
 	}
 	int32_t p = pid;
 	if (write(to_launcher, &p, sizeof p) != sizeof p)
+		fail("report pid");
+	_exit(0);
+}
+
+/* ---- restore: a snapshot into fresh namespaces (criu) ------------------------------------------ */
+
+/* Run argv to completion; returns its wait status. */
+static int run_wait(char *const argv[])
+{
+	pid_t pid = fork();
+	if (pid < 0)
+		fail("fork %s", argv[0]);
+	if (pid == 0) {
+		/* criu inherits the agent binary at fd 4 (--inherit-fd): the restored agent's executable */
+		fcntl(4, F_SETFD, 0);
+		execv(argv[0], argv);
+		_exit(127);
+	}
+	int status;
+	while (waitpid(pid, &status, 0) < 0)
+		if (errno != EINTR)
+			fail("wait %s", argv[0]);
+	return status;
+}
+
+/* Stage 1 of a restore (real root, a private copy of the daemon's mount namespace): the sandbox's
+ * cgroups, a scratch tmpfs holding a copy of the snapshot's writable layer and /dev, the overlay
+ * rootfs over the same layers; then criu recreates the namespaces, mounts (the /dev, sysfs and
+ * mask binds as externals the daemon names on its command line) and the process tree, and this
+ * stage reports the restored agent's pid. */
+static int restore_stage(int to_launcher)
+{
+	char buf[PATH_MAX + 64], scratch[PATH_MAX], rootfs[PATH_MAX], upper[PATH_MAX], devdir[PATH_MAX];
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		fail("make mounts private");
+	for (int i = 0; i < n_cgroups; i++) {
+		snprintf(buf, sizeof buf, "%s/cgroup.procs", cgroups[i]);
+		write_file(buf, "0");
+	}
+	/* criu and the restored tree see the sandbox's cgroup as their root */
+	if (unshare(CLONE_NEWCGROUP) < 0)
+		fail("unshare cgroup namespace");
+	snprintf(scratch, sizeof scratch, "%s/scratch", dir);
+	snprintf(rootfs, sizeof rootfs, "%s/rootfs", dir);
+	/* 0711 while criu binds /dev from it as the restored root (whose uid does not own it) */
+	snprintf(buf, sizeof buf, "size=%llu,nr_inodes=%llu,mode=0711", disk, inodes);
+	if (mount("sandfleet-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, buf) < 0)
+		fail("mount scratch tmpfs");
+	snprintf(upper, sizeof upper, "%s/fs/upper", restore_dir);
+	snprintf(devdir, sizeof devdir, "%s/fs/dev", restore_dir);
+	char *cp[] = {"/bin/cp", "-a", "--", upper, devdir, scratch, NULL};
+	int status = run_wait(cp);
+	if (!WIFEXITED(status) || WEXITSTATUS(status)) {
+		errno = EIO;
+		fail("copy the snapshot's writable layer (cp status %d; is the disk size too small?)", status);
+	}
+	snprintf(buf, sizeof buf, "%s/work", scratch);
+	if (mkdir(buf, 0700) < 0)
+		fail("make work dir");
+	close(mount_rootfs(scratch, rootfs));
+	/* criu's kernel probes need a working network stack (the server's own namespace is empty); the
+	 * restored tree gets the network namespace from the snapshot either way. */
+	if (host_net >= 0 && setns(host_net, CLONE_NEWNET) < 0)
+		fail("setns to the daemon's network namespace");
+	status = run_wait(criu_argv);
+	if (!WIFEXITED(status) || WEXITSTATUS(status)) {
+		errno = EIO;
+		fail("criu restore failed (status %d)", status);
+	}
+	if (chmod(scratch, 0700) < 0)
+		fail("close the scratch tmpfs");
+	int fd = open(pid_file, O_RDONLY | O_CLOEXEC);
+	ssize_t n = fd < 0 ? -1 : read(fd, buf, 32);
+	if (n <= 0)
+		fail("read criu's pid file");
+	buf[n] = '\0';
+	int32_t p = (int32_t)strtol(buf, NULL, 10);
+	char c = 'r';
+	if (p <= 0 || write(to_launcher, &c, 1) != 1 || write(to_launcher, &p, sizeof p) != sizeof p)
 		fail("report pid");
 	_exit(0);
 }
@@ -609,11 +709,17 @@ static void parse_args(int argc, char **argv)
 {
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!strcmp(a, "--")) {
+			criu_argv = argv + i + 1;
+			break;
+		}
 		if (!v)
 			usage("missing value");
 		i++;
 		if (!strcmp(a, "--dir"))
 			dir = v;
+		else if (!strcmp(a, "--restore"))
+			restore_dir = v;
 		else if (!strcmp(a, "--pid-file"))
 			pid_file = v;
 		else if (!strcmp(a, "--lower") && n_lowers < MAX_ITEMS)
@@ -646,6 +752,8 @@ static void parse_args(int argc, char **argv)
 	}
 	if (!dir || !n_lowers)
 		usage("--dir and --lower are required");
+	if (restore_dir && (!criu_argv || !criu_argv[0] || !pid_file))
+		usage("--restore needs --pid-file and a criu command line after --");
 }
 
 /* Start one sandbox (fds: 3 channel, 4 agent binary, 6.. bind sources; the filter already read)
@@ -681,6 +789,8 @@ static int launch(void)
 		close(down[1]);
 		close(errp[0]);
 		err_fd = errp[1];
+		if (restore_dir)
+			restore_stage(up[1]);
 		stage1(up[1], down[0]);
 	}
 	close(up[1]);
@@ -689,7 +799,10 @@ static int launch(void)
 
 	char c;
 	int32_t agent = -1;
-	if (read(up[0], &c, 1) == 1 && c == 'u') {
+	if (restore_dir) {
+		if (read(up[0], &c, 1) != 1 || c != 'r' || read(up[0], &agent, sizeof agent) != sizeof agent)
+			agent = -1;
+	} else if (read(up[0], &c, 1) == 1 && c == 'u') {
 		/* As real root we may map any range; "deny" setgroups is not needed for a privileged writer. */
 		write_map(child, "uid_map");
 		write_map(child, "gid_map");
@@ -767,6 +880,7 @@ static void mount_shared(const char *shared_dir)
 	static char sys_path[PATH_MAX], empty_path[PATH_MAX];
 	snprintf(sys_path, sizeof sys_path, "%s/sysfs", shared_dir);
 	snprintf(empty_path, sizeof empty_path, "%s/empty", shared_dir);
+	host_net = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
 	if (unshare(CLONE_NEWNET) < 0)
 		fail("unshare the shared sysfs's network namespace");
 	if (mount("sysfs", sys_path, "sysfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL) < 0)

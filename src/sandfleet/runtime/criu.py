@@ -1,0 +1,173 @@
+"""CRIU: checkpoint a sandbox's process tree and restore it into fresh namespaces.
+
+Which criu: Debian bookworm's 3.17 cannot dump on this kernel generation (its vDSO handling
+predates the layout change), trixie's 4.1.1 can. It needs trixie's glibc, so it is not installed
+into the host: `scripts/setup.sh` extracts the trixie package and its libraries (mmdebstrap
+--variant=extract, no maintainer scripts run) into `/opt/sandfleet/criu`, and we run the binary
+through that tree's own dynamic loader. Nothing of the host's userland changes.
+
+The sandbox's mount table is dumped with every mount that comes from outside its namespace named
+as external (device-node binds, /dev and the scratch tmpfs, the shared sysfs and the empty tmpfs
+masks), so a restore binds the new sandbox's own copies in their place; the rootfs overlay is the
+one `--root` names. The agent binary, mapped from outside, is an external file given back on
+restore by fd. Mechanism only: when to snapshot and what a snapshot may contain is the backend's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandfleet.runtime import proc
+
+DEFAULT_ROOT = Path("/opt/sandfleet/criu")
+AGENT_FD = 4  # where the restorer finds the agent binary (the launcher's fd 4)
+
+# Mount points of a launcher sandbox whose source lies outside its mount namespace.
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_NULL_MASKS = (
+    "/proc/keys",
+    "/proc/timer_list",
+    "/proc/kpagecgroup",
+    "/proc/kpagecount",
+    "/proc/kpageflags",
+    "/proc/kmsg",
+)
+_EMPTY_MASKS = ("/proc/acpi", "/sys/firmware", "/sys/kernel/debug", "/sys/fs/cgroup")
+SCRATCH_MOUNT = "/dev/.sandfleet"
+
+
+class CriuUnavailableError(RuntimeError):
+    """No working criu (>= 4) at the configured place."""
+
+
+@dataclass(frozen=True)
+class Criu:
+    root: Path = DEFAULT_ROOT
+
+    @property
+    def binary(self) -> Path:
+        return self.root / "usr/sbin/criu"
+
+    @property
+    def _libdir(self) -> Path:
+        return self.root / "usr/lib/x86_64-linux-gnu"
+
+    def command(self) -> list[str]:
+        """argv prefix that runs this criu with its own libraries (never the host's)."""
+        loader = self._libdir / "ld-linux-x86-64.so.2"
+        if not self.binary.exists() or not loader.exists():
+            raise CriuUnavailableError(
+                f"criu 4.x not found under {self.root} (scripts/setup.sh installs Debian trixie's criu there)"
+            )
+        return [str(loader), "--library-path", str(self._libdir), str(self.binary)]
+
+    async def prime_kernel_cache(self) -> None:
+        """Write criu's kernel-feature cache (/run/criu.kdat) once, so each run skips ~50 ms of probes.
+
+        criu keeps that cache only where /run is a tmpfs (as on systemd hosts) but reads it from
+        anywhere; on hosts whose /run is a plain directory we probe once per daemon start, in a
+        private mount namespace with a tmpfs /run, and put the result where criu looks.
+        """
+        script = 'mount -t tmpfs sandfleet-kdat /run && "$@" check >/dev/null 2>&1; cat /run/criu.kdat'
+        done = await proc.spawn(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *self.command()], timeout=60
+        )
+        if done.returncode == 0 and done.stdout:
+            await asyncio.to_thread(_write_private, Path("/run/criu.kdat"), done.stdout)
+
+    @staticmethod
+    def external_mounts(mountinfo: str) -> dict[str, str]:
+        """mount point -> external key, for the mounts of a sandbox whose source is outside it."""
+        points = {line.split()[4] for line in mountinfo.splitlines() if len(line.split()) > 4}
+        wanted = ["/dev", "/dev/shm", SCRATCH_MOUNT, "/sys", *(f"/dev/{d}" for d in _DEVICES)]
+        wanted += [*_NULL_MASKS, *_EMPTY_MASKS]
+        out = {}
+        for point in wanted:
+            if point in points:
+                out[point] = "ext" + re.sub(r"[^a-z0-9]", "_", point)
+        unknown = (
+            points
+            - set(wanted)
+            - {"/", "/proc", "/dev/pts", "/dev/mqueue"}
+            - {
+                "/proc/bus",
+                "/proc/fs",
+                "/proc/irq",
+                "/proc/sys",
+            }
+        )
+        if unknown:
+            raise ValueError(f"mounts a snapshot cannot carry: {', '.join(sorted(unknown))}")
+        return out
+
+    @staticmethod
+    def external_file_key(path: Path) -> str:
+        """criu's id of a file opened from outside the dumped namespaces (`file[mnt_id:inode]`, hex)."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+            mnt_id = int(fields["mnt_id"].strip())
+            return f"file[{mnt_id:x}:{os.fstat(fd).st_ino:x}]"
+        finally:
+            os.close(fd)
+
+    def dump_argv(
+        self, pid: int, images: Path, *, externals: dict[str, str], agent_key: str, freezer: str | None, log: Path
+    ) -> list[str]:
+        argv = [*self.command(), "dump", "-t", str(pid), "-D", str(images), "--leave-running"]
+        argv += ["--log-file", str(log), "-v2", "--external", agent_key]
+        if freezer is not None:
+            # Already frozen by us (the writable layer is copied meanwhile); criu leaves it frozen.
+            argv += ["--freeze-cgroup", freezer]
+        for point, key in externals.items():
+            argv += ["--external", f"mnt[{point}]:{key}"]
+        return argv
+
+    def restore_argv(
+        self,
+        images: Path,
+        *,
+        rootfs: Path,
+        scratch: Path,
+        shared: Path,
+        externals: dict[str, str],
+        agent_key: str,
+        pid_file: Path,
+        log: Path,
+    ) -> list[str]:
+        """The restore command for the launcher to run once it has made `scratch` and `rootfs`."""
+        argv = [*self.command(), "restore", "-D", str(images), "--root", str(rootfs), "--restore-detached"]
+        argv += ["--pidfile", str(pid_file), "--log-file", str(log), "-v2", "--manage-cgroups=ignore"]
+        argv += ["--inherit-fd", f"fd[{AGENT_FD}]:{agent_key}"]
+        for point, key in externals.items():
+            argv += ["--external", f"mnt[{key}]:{self._source(point, scratch, shared)}"]
+        return argv
+
+    @staticmethod
+    def _source(point: str, scratch: Path, shared: Path) -> str:
+        if point == SCRATCH_MOUNT:
+            return str(scratch)
+        if point in ("/dev", "/dev/shm"):
+            return str(scratch) + point
+        if point.startswith("/dev/"):
+            return point  # the host's device node
+        if point == "/sys":
+            return str(shared / "sysfs")
+        if point in _NULL_MASKS:
+            return "/dev/null"
+        return str(shared / "empty")
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.sandfleet")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -1,0 +1,179 @@
+"""Snapshot, restore and fork (criu): state carried over, isolation after, errors, cleanup.
+
+How long a fork of 16 takes is measured in bench/ (`fork`), not asserted here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sandfleet import Client, Mount, Sandbox, SandboxError
+from sandfleet.errors import InvalidArgumentError, SnapshotNotFoundError
+
+from conftest import Daemon, wait_until
+from leakcheck import residue
+
+COUNTER = "echo $$ > /tmp/counter.pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
+
+
+def _count(sb: Sandbox) -> int:
+    out = sb.exec("cat /tmp/count").stdout.strip()
+    return int(out) if out else 0
+
+
+def _ok(results: list[Sandbox | SandboxError]) -> list[Sandbox]:
+    errors = [r for r in results if isinstance(r, SandboxError)]
+    assert not errors, errors
+    return [r for r in results if isinstance(r, Sandbox)]
+
+
+def test_fork_children_continue_from_the_parent_state_and_are_isolated(daemon: Daemon, fleet: Client) -> None:
+    with fleet.create(image="busybox", labels={"job": "fork-test"}) as parent:
+        parent.files.write("/task/input.txt", b"task 7")
+        parent.exec("echo 'from the parent' > /tmp/note && mkdir -p /work && echo 1 > /work/step")
+        parent.start(COUNTER)
+        assert wait_until(lambda: _count(parent) > 20)
+        before = _count(parent)
+
+        children = _ok(parent.fork(3, labels={"sample": "x"}))
+        try:
+            assert len(children) == 3 and len({c.id for c in children} | {parent.id}) == 4
+            at_fork = _count(parent)
+            pid_namespaces = set()
+            for child in children:
+                assert child.info.state == "running"
+                assert child.info.spec.labels == {"job": "fork-test", "sample": "x"}
+                # files of the writable layer, written before the fork
+                assert child.files.read("/task/input.txt") == b"task 7"
+                assert child.exec("cat /tmp/note /work/step").stdout == "from the parent\n1\n"
+                # process state: the counter kept its value and keeps counting
+                first = _count(child)
+                assert before <= first <= at_fork + 50
+                assert wait_until(lambda c=child, f=first: _count(c) > f + 5)
+                assert "while true" in child.exec("ps").stdout
+                pid_namespaces.add(child.exec("readlink /proc/self/ns/pid").stdout.strip())
+            pid_namespaces.add(parent.exec("readlink /proc/self/ns/pid").stdout.strip())
+            assert len(pid_namespaces) == 4  # each child a pid namespace of its own
+
+            # isolated afterwards: a write in one child is seen by no sibling and not by the parent
+            children[0].exec("echo mine > /tmp/note && touch /tmp/only-child-0")
+            for other in [*children[1:], parent]:
+                assert other.exec("cat /tmp/note").stdout == "from the parent\n"
+                assert other.exec("test -e /tmp/only-child-0").exit_code == 1
+            assert children[1].exec("kill $(cat /tmp/counter.pid)").exit_code == 0  # same pid in every child
+            assert _count(children[2]) > 0 and wait_until(lambda: _count(children[2]) > _count(children[1]) + 5)
+            # the parent is unaffected and its channel still works (exec, files, new sessions)
+            assert _count(parent) > at_fork
+            with parent.session() as s:
+                assert s.run("echo $((6*7))").stdout == "42\n"
+        finally:
+            for child in children:
+                child.stop()
+
+
+def test_snapshot_restore_later_and_deleted_with_its_owner(daemon: Daemon, fleet: Client) -> None:
+    sb = fleet.create(image="busybox")
+    sb.exec("echo before > /root/state")
+    snap = sb.snapshot()
+    assert snap.sandbox_id == sb.id and snap.size_bytes > 0
+    sb.exec("echo after > /root/state")  # the snapshot is of the moment it was taken
+    assert [s.id for s in fleet.snapshots(sandbox_id=sb.id)] == [snap.id]
+
+    (child,) = _ok(fleet.restore(snap.id))
+    try:
+        assert child.exec("cat /root/state").stdout == "before\n"
+        assert sb.exec("cat /root/state").stdout == "after\n"
+        (again,) = _ok(fleet.restore(snap.id))  # a snapshot restores any number of times
+        again.stop()
+    finally:
+        child.stop()
+
+    sb.stop()
+    assert not (daemon.state_dir / "snapshots" / snap.id).exists()
+    assert fleet.snapshots(sandbox_id=sb.id) == []
+    with pytest.raises(SnapshotNotFoundError):
+        fleet.restore(snap.id)
+
+
+def test_delete_snapshot(fleet: Client, daemon: Daemon) -> None:
+    with fleet.create(image="busybox") as sb:
+        snap = sb.snapshot()
+        fleet.delete_snapshot(snap.id)
+        assert not (daemon.state_dir / "snapshots" / snap.id).exists()
+        with pytest.raises(SnapshotNotFoundError):
+            fleet.delete_snapshot(snap.id)
+        assert sb.exec("echo alive").stdout == "alive\n"
+
+
+def test_fork_a_paused_sandbox(fleet: Client) -> None:
+    with fleet.create(image="busybox") as parent:
+        parent.start(COUNTER)
+        assert wait_until(lambda: _count(parent) > 5)
+        parent.pause()
+        children = _ok(parent.fork(2))
+        try:
+            assert fleet.get(parent.id).info.state == "paused"  # paused again after its snapshot
+            for child in children:
+                assert child.info.state == "running"
+                first = _count(child)
+                assert first > 5 and wait_until(lambda c=child, f=first: _count(c) > f)
+        finally:
+            for child in children:
+                child.stop()
+
+
+def test_running_exec_and_session_survive_a_snapshot(fleet: Client) -> None:
+    """The agent moves to a new channel for the dump; commands in flight carry on over it."""
+    with fleet.create(image="busybox") as sb:
+        session = sb.session()
+        session.run("cd /tmp && export MARK=7")
+        slow = sb.start("sleep 0.5; echo done-after-snapshot")
+        sb.snapshot()
+        done = slow.wait(timeout=10)
+        assert done.result is not None and done.result.exit_code == 0
+        assert done.result.stdout == "done-after-snapshot\n"  # output sent while the channel moved
+        assert session.run("echo $MARK $(pwd)").stdout == "7 /tmp\n"
+
+
+def test_snapshot_refused_for_bind_mounts(daemon: Daemon, fleet: Client) -> None:
+    shared = daemon.root / "shared"
+    with fleet.create(image="busybox", mounts=[Mount(source=str(shared), target="/data")]) as sb:
+        with pytest.raises(InvalidArgumentError, match="cannot be snapshotted"):
+            sb.snapshot()
+        assert sb.exec("echo fine").stdout == "fine\n"  # the refusal left it working
+
+
+def test_scratch_of_a_sandbox_and_of_a_fork_is_out_of_reach(fleet: Client) -> None:
+    """/dev/.sandfleet is the writable layer's tmpfs, for the daemon only: root inside cannot enter it."""
+    with fleet.create(image="busybox") as sb:
+        (child,) = _ok(sb.fork(1))
+        try:
+            for box in (sb, child):
+                r = box.exec("ls /dev/.sandfleet; cat /dev/.sandfleet/upper/etc/passwd")
+                assert r.exit_code != 0 and "Permission denied" in r.stderr
+                assert box.exec("umount /dev/.sandfleet").exit_code != 0
+                # the child cannot see its siblings' or its parent's processes
+                assert box.exec("ps -o args | grep -c '^{sandfleet-agent}'").stdout == "1\n"
+        finally:
+            child.stop()
+
+
+def test_no_residue_after_snapshots_and_forks(own_daemon: Daemon) -> None:
+    own_daemon.start()
+    baseline = residue(own_daemon)
+    with own_daemon.client() as c:
+        parent = c.create(image="busybox")
+        parent.start(COUNTER)
+        kids = _ok(parent.fork(4))
+        snap = parent.snapshot()
+        kids += _ok(c.restore(snap.id, count=2))
+        for k in kids:
+            k.stop()
+        parent.stop()
+    deadline = time.time() + 20
+    while time.time() < deadline and residue(own_daemon) != baseline:
+        time.sleep(0.2)
+    assert residue(own_daemon) == baseline
+    assert not any((own_daemon.state_dir / "snapshots").iterdir())
