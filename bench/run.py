@@ -54,6 +54,9 @@ ID_RANGE = 65536
 POOL_MEMORY = "256MiB"
 POOL_SIZE = 16  # one group of rollouts (GRPO-style: 16 samples per task)
 DENSITY_MEMORY = "64MiB"  # per-sandbox limit for the density runs: 5,000 x 64 MiB fits the node's overcommit
+# What an idle agent sandbox asks the scheduler for (its limit stays 1 CPU): admission counts requests,
+# so the thousands of sandboxes of the density, burst and sustained runs fit on 2 cores.
+IDLE_CPU_REQUEST = 0.01
 TARGETS = {"create_to_first_exec_p50_ms": 30.0, "exec_p50_ms": 5.0, "daemon_rss_idle_mib": 200.0}
 DEVNULL = subprocess.DEVNULL
 # Peers' stdio: runtimes chown their stdio to the container user, and crun 1.8.1 does so even to the
@@ -702,7 +705,9 @@ def bench_density(fleet: Any, daemon: Daemon, n: int, n_exec: int, labels: dict[
     threads0 = int(read_status(pid).get("Threads", "0"))
     from sandfleet import Resources, SandboxSpec
 
-    spec = SandboxSpec(image="busybox", labels=labels, resources=Resources(memory=DENSITY_MEMORY))
+    spec = SandboxSpec(
+        image="busybox", labels=labels, resources=Resources(memory=DENSITY_MEMORY, cpu_request=IDLE_CPU_REQUEST)
+    )
     t0 = time.perf_counter()
     results = fleet.create_many([spec] * n, concurrency=32)
     create_all_s = time.perf_counter() - t0
@@ -957,7 +962,9 @@ async def bench_burst(sock: Path, n: int, concurrency: int, labels: dict[str, st
     from sandfleet import AsyncClient, Resources, SandboxSpec
 
     async with AsyncClient(sock, timeout=600) as fleet:
-        spec = SandboxSpec(image="busybox", labels=labels, resources=Resources(memory=DENSITY_MEMORY))
+        spec = SandboxSpec(
+            image="busybox", labels=labels, resources=Resources(memory=DENSITY_MEMORY, cpu_request=IDLE_CPU_REQUEST)
+        )
         t0 = time.perf_counter()
         results = await fleet.create_many([spec] * n, concurrency=concurrency)
         created_s = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 from sandfleet import Resources, Sandbox, SandboxSpec
 from sandfleet.errors import ImageNotFoundError, ResourceExhaustedError, SandboxError
 
-from conftest import Daemon, destroy_daemon, make_daemon
+from conftest import Daemon, destroy_daemon, make_daemon, wait_until
 from leakcheck import residue
 
 MEM_TOTAL = next(
@@ -101,3 +102,59 @@ async def test_async_batch_create(small_node: Daemon) -> None:
         for sb in made:
             assert (await sb.exec("echo $((1+1))")).stdout == "2\n"
             await sb.stop()
+
+
+@pytest.fixture
+def cpu_node() -> Iterator[Daemon]:
+    # CPU requests summing to at most one CPU; refuse while latency-sensitive sandboxes use more than
+    # 0.4 of the node's CPUs (sampled by a fast reaper).
+    ncpu = len(os.sched_getaffinity(0))
+    d = make_daemon("cpu", f"cpu_overcommit = {1 / ncpu}\nmax_cpu_load = {0.4 / ncpu * 2}\n")
+    d.start()
+    yield d
+    destroy_daemon(d)
+
+
+def test_cpu_requests_are_admitted_up_to_the_overcommit(cpu_node: Daemon) -> None:
+    asks = SandboxSpec(image="busybox", resources=Resources(memory="64MiB", cpu=2, cpu_request=0.4))
+    with cpu_node.client() as fleet:
+        a, b = fleet.create(asks), fleet.create(asks)
+        with pytest.raises(ResourceExhaustedError, match="CPU is fully committed") as refused:
+            fleet.create(asks)
+        assert refused.value.retryable
+        # the default request is small (min(cpu, 0.1)): an idle-shaped sandbox still fits
+        small = fleet.create(image="busybox", resources=Resources(memory="64MiB"))
+        a.stop()
+        c = fleet.create(asks)  # room again once a request is released
+        _stop_all([b, c, small])
+    with pytest.raises(ValueError, match="cannot exceed"):
+        Resources(cpu=0.5, cpu_request=1)
+
+
+HOG = "while :; do :; done"
+
+
+def test_cpu_load_of_latency_sensitive_sandboxes_gates_creates_best_effort_does_not(cpu_node: Daemon) -> None:
+    spec = SandboxSpec(image="busybox", resources=Resources(memory="64MiB", cpu_request=0.05))
+
+    def refused() -> bool:
+        try:
+            fleet.create(spec).stop()
+            return False
+        except ResourceExhaustedError as exc:
+            assert "saturated" in exc.message
+            return True
+
+    with cpu_node.client() as fleet:
+        # a best-effort hog using a whole CPU yields to everyone: creates go on
+        be = fleet.create(image="busybox", qos="best_effort", resources=Resources(memory="64MiB", cpu_request=0))
+        be.start(HOG)
+        time.sleep(1.5)
+        assert not any(refused() for _ in range(3))
+        be.stop()
+        # the same hog, latency-sensitive: the node is saturated for new work until it stops
+        ls = fleet.create(image="busybox", resources=Resources(memory="64MiB", cpu_request=0.05))
+        ls.start(HOG)
+        assert wait_until(refused, timeout=10)
+        ls.stop()
+        assert wait_until(lambda: not refused(), timeout=10)

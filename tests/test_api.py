@@ -335,6 +335,23 @@ def test_live_responses_match_the_spec(http: httpx.Client, contract: Contract) -
         # metrics are text, not JSON
         m = http.get("/metrics")
         assert m.status_code == 200 and "sandfleet_sandboxes_running" in m.text
+        # per-sandbox usage series, and the admission's view of the node
+        for series in ("memory_bytes", "memory_peak_bytes", "cpu_seconds_total", "tasks"):
+            assert f'sandfleet_sandbox_{series}{{qos="latency_sensitive",sandbox="{sid}",state="running"}}' in m.text
+        assert "sandfleet_admission_cpu_requests" in m.text and "sandfleet_admission_cpu_load" in m.text
+
+        # snapshots, restore, fork
+        snap = contract.check(http.post(f"/v1/sandboxes/{sid}/snapshots"), 201)
+        assert contract.check(http.get("/v1/snapshots", params={"sandbox_id": sid}), 200)["snapshots"] == [snap]
+        contract.check(http.get(f"/v1/snapshots/{snap['id']}"), 200)
+        restored = contract.check(http.post(f"/v1/snapshots/{snap['id']}/restore", json={"count": 1}), 200)
+        forked = contract.check(http.post(f"/v1/sandboxes/{sid}/fork", json={"count": 1, "labels": {"k": "v"}}), 200)
+        for item in [*restored["results"], *forked["results"]]:
+            assert item["error"] is None, item
+            contract.check(http.delete(f"/v1/sandboxes/{item['sandbox']['id']}"), 200)
+        contract.check(http.delete(f"/v1/snapshots/{snap['id']}"), 200)
+        contract.error(http.get(f"/v1/snapshots/{snap['id']}"), "not_found")
+        contract.error(http.post(f"/v1/sandboxes/{sid}/fork", json={"count": 0}), "invalid_argument")
     finally:
         stopped = contract.check(http.request("DELETE", f"/v1/sandboxes/{sid}", json={"reason": "api-test"}), 200)
     assert stopped["state"] == "stopped" and stopped["stop_reason"] == "api-test"

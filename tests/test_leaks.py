@@ -86,7 +86,9 @@ def test_no_residue_after_a_5000_sandbox_burst(leak_daemon: Daemon) -> None:
     with d.client() as fleet:
         fleet.build_image("busybox")
         before = residue(d)
-        spec = SandboxSpec(image="busybox", labels={"burst": "5000"}, resources=Resources(memory="64MiB", pids=32))
+        spec = SandboxSpec(
+            image="busybox", labels={"burst": "5000"}, resources=Resources(memory="64MiB", pids=32, cpu_request=0.01)
+        )
         results = fleet.create_many([spec] * n, concurrency=32)
         failed = [r for r in results if isinstance(r, SandboxError)]
         assert not failed, (len(failed), failed[:3])

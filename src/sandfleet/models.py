@@ -6,7 +6,7 @@ import posixpath
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 _UNITS = {
     "": 1,
@@ -89,10 +89,20 @@ def _check_abs_path(path: str) -> str:
     return path
 
 
+DEFAULT_CPU_REQUEST = 0.1
+
+
 class Resources(_Model):
     """What a sandbox may use. `Resources(cpu=2, memory="4GiB")`."""
 
     cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota); fractions allowed")
+    cpu_request: float | None = Field(
+        None,
+        ge=0,
+        le=256,
+        description="CPU cores the node counts for admission (requests are overcommitted by the daemon's "
+        "cpu_overcommit); default min(cpu, 0.1): agent sandboxes mostly wait",
+    )
     memory: ByteSize = Field(1024**3, le=MAX_BYTES, description="memory limit in bytes or '4GiB' (no swap beyond it)")
     pids: int = Field(512, ge=8, le=32768, description="maximum number of tasks (fork-bomb cap)")
     disk: ByteSize = Field(1024**3, le=MAX_BYTES, description="size limit of the writable layer in bytes or '10GiB'")
@@ -110,6 +120,16 @@ class Resources(_Model):
         if v < 1024**2:
             raise ValueError("disk must be at least 1MiB")
         return v
+
+    @model_validator(mode="after")
+    def _request_within_limit(self) -> Resources:
+        if self.cpu_request is not None and self.cpu_request > self.cpu:
+            raise ValueError("cpu_request cannot exceed cpu (the limit)")
+        return self
+
+    @property
+    def requested_cpu(self) -> float:
+        return self.cpu_request if self.cpu_request is not None else min(self.cpu, DEFAULT_CPU_REQUEST)
 
 
 RESERVED_TARGETS = ("/proc", "/sys", "/dev")  # the sandbox's own, set up after the binds

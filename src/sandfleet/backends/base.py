@@ -69,5 +69,8 @@ class Backend(Protocol):
     def stats(self, sandbox: LiveSandbox) -> CgroupStats:
         """Current usage and limit hits."""
 
+    def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
+        """CPU time a sandbox has used; None: all of this backend's sandboxes, stopped ones included."""
+
     def leftovers(self) -> dict[str, list[str]]:
         """Node-level residue not owned by any live sandbox (for leak checks and `doctor`)."""

@@ -728,6 +728,9 @@ class ContainerBackend:
     def stats(self, sandbox: LiveSandbox) -> CgroupStats:
         return self.cgroups.stats(self.cgroups.path_for(sandbox.id))
 
+    def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
+        return self.cgroups.cpu_seconds(self.cgroups.parent if sandbox is None else self.cgroups.path_for(sandbox.id))
+
     def leftovers(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         with contextlib.suppress(FileNotFoundError):

@@ -1,14 +1,17 @@
 """Node-level admission: refuse a create (retryable) rather than let the node degrade.
 
 Per-sandbox cgroup limits keep one sandbox from hurting the others; admission keeps their sum
-within what the node can carry. Three gates, cheapest first: the sandbox count, the memory committed
-by limits (overcommitted by a factor, since agent sandboxes mostly idle) together with the memory
-actually available, and the node's task count against pid_max (which binds before memory at
-thousands of sandboxes on hosts with the default pid_max).
+within what the node can carry. Gates, cheapest first: the sandbox count; CPU committed by requests
+(overcommitted by `cpu_overcommit`, since ~90 % of agent sandboxes use a few percent of what they
+ask for) and CPU observed in use by latency-sensitive sandboxes (best-effort work yields, so it does
+not count); the memory committed by limits (overcommitted by a separate, smaller factor) together
+with the memory actually available; and the node's task count against pid_max (which binds before
+memory at thousands of sandboxes on hosts with the default pid_max).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,8 @@ from sandfleet.models import Resources
 @dataclass(frozen=True)
 class AdmissionPolicy:
     max_sandboxes: int = 1000
+    cpu_overcommit: float = 32.0
+    max_cpu_load: float | None = 0.95  # share of the node's CPUs latency-sensitive sandboxes may be using
     memory_overcommit: float = 16.0
     min_available_memory: int = 256 * 1024**2
     max_task_fraction: float = 0.9
@@ -39,6 +44,10 @@ class Admission:
         self.policy = policy
         self.proc = proc
         self.committed_memory = 0  # sum of memory limits of running and creating sandboxes
+        self.committed_cpu = 0.0  # sum of CPU requests of the same
+        self.cpus = len(os.sched_getaffinity(0)) or 1
+        self.cpu_load = 0.0  # CPUs latency-sensitive sandboxes used over the last observation
+        self._last_cpu: tuple[float, float] | None = None
         try:
             self.pid_max = int((proc / "sys/kernel/pid_max").read_text())
         except (OSError, ValueError):
@@ -49,6 +58,16 @@ class Admission:
         p = self.policy
         if count >= p.max_sandboxes:
             raise ResourceExhaustedError(f"node is full: {p.max_sandboxes} sandboxes")
+        cpu_budget = p.cpu_overcommit * self.cpus
+        if self.committed_cpu + resources.requested_cpu > cpu_budget + 1e-9:
+            raise ResourceExhaustedError(
+                f"node CPU is fully committed: {self.committed_cpu + resources.requested_cpu:g} CPUs of requests "
+                f"would exceed {p.cpu_overcommit:g} x {self.cpus}"
+            )
+        if p.max_cpu_load is not None and self.cpu_load > p.max_cpu_load * self.cpus:
+            raise ResourceExhaustedError(
+                f"node CPU is saturated: sandboxes are using {self.cpu_load:.2f} of {self.cpus} CPUs"
+            )
         mem = _meminfo(self.proc / "meminfo")
         total = mem.get("MemTotal", 0)
         budget = int(total * p.memory_overcommit)
@@ -68,6 +87,14 @@ class Admission:
 
     def commit(self, resources: Resources) -> None:
         self.committed_memory += resources.memory
+        self.committed_cpu += resources.requested_cpu
 
     def release(self, resources: Resources) -> None:
         self.committed_memory = max(0, self.committed_memory - resources.memory)
+        self.committed_cpu = max(0.0, self.committed_cpu - resources.requested_cpu)
+
+    def observe_cpu(self, cpu_seconds: float, now: float) -> None:
+        """Record the CPU time latency-sensitive sandboxes have used in total (sampled by the reaper)."""
+        last, self._last_cpu = self._last_cpu, (cpu_seconds, now)
+        if last is not None and now - last[1] > 0.05:
+            self.cpu_load = max(0.0, (cpu_seconds - last[0]) / (now - last[1]))

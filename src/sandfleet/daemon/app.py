@@ -196,7 +196,13 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def prometheus() -> Response:
         with contextlib.suppress(OSError), open("/proc/self/statm") as f:  # noqa: ASYNC230 (procfs)
             metrics.daemon_rss.set(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        adm = manager.admission
+        metrics.admission_cpu_committed.set(adm.committed_cpu)
+        metrics.admission_cpu_load.set(adm.cpu_load)
+        metrics.admission_memory_committed.set(adm.committed_memory)
+        # Per-sandbox series read thousands of cgroup files: off the event loop.
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # -- sandboxes ------------------------------------------------------------------------------
 

@@ -26,6 +26,15 @@ class DaemonConfig(BaseModel):
     token: str | None = Field(None, description="bearer token required on TCP (the socket is protected by mode 0600)")
     image_dir: Path | None = Field(None, description="layer store root; default <state_dir>/images")
     max_sandboxes: int = Field(10000, ge=1, description="admission limit: running sandboxes on this node")
+    cpu_overcommit: float = Field(
+        32.0, gt=0, description="admit while the sum of CPU requests stays under this many times the node's CPUs"
+    )
+    max_cpu_load: float | None = Field(
+        0.95,
+        gt=0,
+        description="refuse creates while latency-sensitive sandboxes use more than this share of the node's "
+        "CPUs (best-effort ones yield, so they do not count); none disables",
+    )
     memory_overcommit: float = Field(
         16.0, gt=0, description="admit while the sum of memory limits stays under this many times MemTotal"
     )

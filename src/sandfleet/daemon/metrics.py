@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sandfleet.runtime.cgroups import CgroupStats
+
+# (sandbox id, state, qos, a reader of its cgroup's current usage)
+SandboxSource = Callable[[], Iterable[tuple[str, str, str, Callable[[], CgroupStats]]]]
 
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -35,3 +44,40 @@ class Metrics:
         self.oom_kills = Counter("sandfleet_oom_kills", "Processes killed by a sandbox memory limit", registry=r)
         self.http_errors = Counter("sandfleet_api_errors", "API errors by wire code", ["code"], registry=r)
         self.daemon_rss = Gauge("sandfleet_daemon_rss_bytes", "Resident memory of the daemon", registry=r)
+
+        self.admission_cpu_committed = Gauge(
+            "sandfleet_admission_cpu_requests", "CPU requests of the sandboxes admitted", registry=r
+        )
+        self.admission_cpu_load = Gauge(
+            "sandfleet_admission_cpu_load", "CPUs latency-sensitive sandboxes used (last sample)", registry=r
+        )
+        self.admission_memory_committed = Gauge(
+            "sandfleet_admission_memory_limits_bytes", "Memory limits of the sandboxes admitted", registry=r
+        )
+
+    def track_sandboxes(self, source: SandboxSource) -> None:
+        """Per-sandbox usage series, read from the cgroups at scrape time (one series per sandbox)."""
+        self.registry.register(_SandboxCollector(source))
+
+
+class _SandboxCollector(Collector):
+    def __init__(self, source: SandboxSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["sandbox", "state", "qos"]
+        mem = GaugeMetricFamily("sandfleet_sandbox_memory_bytes", "Memory a sandbox uses now", labels=labels)
+        peak = GaugeMetricFamily("sandfleet_sandbox_memory_peak_bytes", "Most memory a sandbox used", labels=labels)
+        cpu = CounterMetricFamily("sandfleet_sandbox_cpu_seconds", "CPU time a sandbox used", labels=labels)
+        tasks = GaugeMetricFamily("sandfleet_sandbox_tasks", "Tasks in a sandbox", labels=labels)
+        for sandbox_id, state, qos, read in self.source():
+            try:
+                st = read()
+            except OSError:  # stopped meanwhile
+                continue
+            values = [sandbox_id, state, qos]
+            mem.add_metric(values, st.memory_bytes)
+            peak.add_metric(values, st.memory_peak_bytes)
+            cpu.add_metric(values, st.cpu_seconds)
+            tasks.add_metric(values, st.pids)
+        yield from (mem, peak, cpu, tasks)

@@ -98,6 +98,8 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     admission = Admission(
         AdmissionPolicy(
             max_sandboxes=config.max_sandboxes,
+            cpu_overcommit=config.cpu_overcommit,
+            max_cpu_load=config.max_cpu_load,
             memory_overcommit=config.memory_overcommit,
             min_available_memory=config.min_available_memory,
             max_task_fraction=config.max_task_fraction,

@@ -12,6 +12,7 @@ import builtins
 import codecs
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -72,6 +73,7 @@ from sandfleet.runtime.agent import (
     OutputChunk,
     ProtocolError,
 )
+from sandfleet.runtime.cgroups import CgroupStats
 from sandfleet.runtime.files import FileOpError, FileStat, SandboxFS
 
 log = logging.getLogger("sandfleet.daemon")
@@ -293,6 +295,9 @@ class SandboxManager:
         self._events_flushed = asyncio.Event()
         self._dirty_activity: dict[str, float] = {}
         self._creating = 0
+        self.metrics.track_sandboxes(self._usage_sources)
+        self._best_effort_cpu: dict[str, float] = {}  # CPU seconds of each best-effort sandbox, last seen
+        self._best_effort_retired = 0.0  # what best-effort sandboxes that have stopped had used
         self._stopping = False
         self.started_at = time.time()
 
@@ -614,6 +619,11 @@ class SandboxManager:
 
     async def _do_stop(self, sb: Sandbox, reason: str) -> None:
         sb.state = "stopping"
+        if sb.id in self._best_effort_cpu and sb.live is not None:
+            # Its final CPU time, so the admission's count of latency-sensitive use does not jump.
+            with contextlib.suppress(OSError):
+                self._best_effort_retired += self.backend.cpu_seconds(sb.live)
+                del self._best_effort_cpu[sb.id]
         try:
             await self.state.update(sb.id, state="stopping")
             if sb.live is not None:
@@ -907,7 +917,32 @@ class SandboxManager:
         if self.pools is not None:
             await self.pools.shrink()
         procmod.reap_orphans()
+        with contextlib.suppress(OSError):
+            self._observe_cpu()
         return last_flush, last_retry
+
+    def _usage_sources(self) -> builtins.list[tuple[str, str, str, Callable[[], CgroupStats]]]:
+        """For the metrics scrape (in a worker thread): every sandbox holding resources, with a reader."""
+        return [
+            (sb.id, sb.state, sb.spec.qos, functools.partial(self.backend.stats, live))
+            for sb in list(self.sandboxes.values())
+            if (live := sb.live) is not None and sb.state in ("running", "paused")
+        ]
+
+    def _observe_cpu(self) -> None:
+        """Feed admission the CPU time latency-sensitive sandboxes used: all sandboxes' (one counter
+        that keeps what stopped ones used) minus best-effort ones' (alive, plus what those that
+        stopped had used when last seen)."""
+        best_effort = {
+            sb.id: self.backend.cpu_seconds(sb.live)
+            for sb in self.sandboxes.values()
+            if sb.spec.qos == "best_effort" and sb.live is not None and sb.state in ("running", "paused")
+        }
+        for gone in self._best_effort_cpu.keys() - best_effort.keys():
+            self._best_effort_retired += self._best_effort_cpu[gone]
+        self._best_effort_cpu = best_effort
+        used = self.backend.cpu_seconds(None) - sum(best_effort.values()) - self._best_effort_retired
+        self.admission.observe_cpu(used, time.monotonic())
 
     async def _auto_pause(self, sandbox_id: str) -> None:
         with contextlib.suppress(WrongStateError):  # a request came in meanwhile

@@ -115,6 +115,13 @@ class Cgroups:
             cpu_seconds=_read_int(self.root / "cpuacct" / rel / "cpuacct.usage") / 1e9,
         )
 
+    def cpu_seconds(self, rel: str) -> float:
+        """CPU time used by the cgroup and its descendants, dead ones included (one file read)."""
+        rel = rel.lstrip("/")
+        if self.mode == "v2":
+            return _read_keyed(self.root / rel / "cpu.stat").get("usage_usec", 0) / 1e6
+        return _read_int(self.root / "cpuacct" / rel / "cpuacct.usage") / 1e9
+
     def create(
         self, rel: str, *, memory: int, cpu_quota_us: int, cpu_period_us: int, pids: int, best_effort: bool = False
     ) -> list[Path]:
