@@ -26,6 +26,7 @@ except ImportError:  # package not installed: use the source tree
     import sandfleet.runtime.agent as agent_mod
 
 from sandfleet.runtime.agent import (
+    AGENT_VERSION,
     SCOPE_DESCENDANTS,
     AgentChannel,
     ChannelClosedError,
@@ -163,7 +164,7 @@ def test_build_is_cached(agent_bin: Path) -> None:
 
 
 async def test_hello_and_ping(agent: Agent) -> None:
-    assert await agent.channel.wait_hello(5) == "sandfleet-agent/1"
+    assert await agent.channel.wait_hello(5) == AGENT_VERSION
     assert await agent.channel.ping(5) < 1
 
 
@@ -306,7 +307,7 @@ async def test_channel_loss_and_handoff(agent: Agent) -> None:
             await asyncio.sleep(0.01)
     assert sock is not None
     agent.channel = AgentChannel(sock)
-    assert await agent.channel.wait_hello(5) == "sandfleet-agent/1"
+    assert await agent.channel.wait_hello(5) == AGENT_VERSION
     out, _, info = await run(agent, ["echo", "again"])
     assert (out, info.exit_code) == (b"again\n", 0)
     assert _alive(survivor.pid)  # processes outlive the daemon

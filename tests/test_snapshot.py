@@ -5,15 +5,17 @@ How long a fork of 16 takes is measured in bench/ (`fork`), not asserted here.
 
 from __future__ import annotations
 
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from sandfleet import Client, Mount, Sandbox, SandboxError
-from sandfleet.errors import InvalidArgumentError, SnapshotNotFoundError
+from sandfleet.errors import InvalidArgumentError, SnapshotNotFoundError, WrongStateError
 
 from conftest import Daemon, wait_until
-from leakcheck import residue
+from leakcheck import _cgroup_parent, residue
 
 COUNTER = "echo $$ > /tmp/counter.pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
 
@@ -177,3 +179,61 @@ def test_no_residue_after_snapshots_and_forks(own_daemon: Daemon) -> None:
         time.sleep(0.2)
     assert residue(own_daemon) == baseline
     assert not any((own_daemon.state_dir / "snapshots").iterdir())
+
+
+def test_no_window_on_the_scratch_during_restore_and_children_are_not_reforked(daemon: Daemon, fleet: Client) -> None:
+    """While criu restores a child, its code never reaches the scratch; a restored child refuses a
+    snapshot with a clear error (its source can be forked any number of times)."""
+    probe = "while true; do ls /dev/.sandfleet/upper >/dev/null 2>&1 && echo WIN >> /tmp/win; done"
+    with fleet.create(image="busybox") as parent:
+        parent.start(probe)
+        time.sleep(0.3)
+        children = _ok(parent.fork(3))
+        try:
+            time.sleep(0.3)
+            for box in (parent, *children):
+                assert box.exec("cat /tmp/win").exit_code == 1  # never opened, not even during restore
+            child = children[0]
+            assert child.exec("cat /proc/self/uid_map").stdout.split() == ["0", "100000", "65536"]
+            # its own cgroup namespace, rooted at its own cgroups: no host cgroup path shows
+            assert all(line.endswith(":/") for line in child.exec("cat /proc/self/cgroup").stdout.split())
+            with pytest.raises(WrongStateError, match="restored from a snapshot"):
+                child.fork(1)
+            assert child.exec("echo still fine").stdout == "still fine\n"
+        finally:
+            for c in children:
+                c.stop()
+    snapshots = daemon.state_dir / "snapshots"
+    assert snapshots.stat().st_mode & 0o777 == 0o700  # sandboxes' files and memory: root only
+
+
+def test_snapshot_survives_a_daemon_restart_and_a_stuck_agent_loses_nothing(own_daemon: Daemon) -> None:
+    own_daemon.config.write_text(
+        own_daemon.config.read_text().replace("[container]\n", "[container]\nstart_timeout = 2\n")
+    )
+    own_daemon.start()
+    with own_daemon.client() as c:
+        sb = c.create(image="busybox")
+        sb.exec("echo kept > /root/state")
+        snap = sb.snapshot()
+    own_daemon.kill()
+    own_daemon.start()
+    with own_daemon.client() as c:
+        sb = c.get(sb.id)
+        assert [s.id for s in c.snapshots()] == [snap.id]
+        (child,) = _ok(c.restore(snap.id))
+        assert child.exec("cat /root/state").stdout == "kept\n"
+        child.stop()
+
+        # An agent that cannot answer REOPEN in time (frozen from outside): the snapshot fails, the
+        # sandbox stays, and once the agent moves its channel the daemon carries on over it.
+        freezer = Path("/sys/fs/cgroup/freezer") / _cgroup_parent(own_daemon) / sb.id / "freezer.state"
+        freezer.write_text("FROZEN")
+        timer = threading.Timer(3.0, lambda: freezer.write_text("THAWED"))
+        timer.start()
+        with pytest.raises(SandboxError):
+            sb.snapshot()
+        timer.join()
+        assert wait_until(lambda: sb.exec("cat /root/state").stdout == "kept\n", timeout=15)
+        assert c.get(sb.id).info.state == "running"
+        sb.stop()

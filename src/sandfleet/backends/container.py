@@ -29,11 +29,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandfleet.backends.base import LiveSandbox
-from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError
+from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError, WrongStateError
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec
 from sandfleet.runtime import cgroups, criu, files, mounts, oci, proc, seccomp
 from sandfleet.runtime.agent import (
+    AGENT_VERSION,
     AgentChannel,
     ChannelClosedError,
     build_agent,
@@ -97,6 +98,7 @@ class ContainerBackend:
         self.launcher_path: Path | None = None
         self._seccomp_fd: int | None = None  # the compiled filter, in a sealed memfd the launcher preads
         self._launcher: LauncherServer | None = None
+        self._restores = asyncio.Semaphore(16)  # criu restores at once (each a few CPU-heavy processes)
 
     @property
     def uses_launcher(self) -> bool:
@@ -536,6 +538,18 @@ class ContainerBackend:
         """
         tool = self._criu()
         assert self.agent_path is not None
+        if sandbox.channel.agent_version != AGENT_VERSION:
+            raise WrongStateError(
+                f"sandbox {sandbox.id} runs {sandbox.channel.agent_version}, from before the daemon was upgraded; "
+                f"snapshots need {AGENT_VERSION}"
+            )
+        if sandbox.runtime.get("restored"):
+            # criu checks a tree's namespaces from inside its user namespace, where it may not read a
+            # non-dumpable init whose memory was set up by criu itself (owned by the host's user
+            # namespace); making the agent dumpable for that would open its fds to sandboxed code.
+            raise WrongStateError(
+                f"sandbox {sandbox.id} was itself restored from a snapshot: snapshot or fork its source instead"
+            )
         pid = sandbox.agent_pid
         try:
             mountinfo = await asyncio.to_thread(Path(f"/proc/{pid}/mountinfo").read_text)
@@ -555,8 +569,8 @@ class ContainerBackend:
         try:
             await channel.reopen(timeout=self.config.start_timeout)
         except (TimeoutError, ChannelClosedError) as exc:
-            await self._take_new_channel(sandbox)
-            raise InternalError(f"the agent of {sandbox.id} did not hand over its channel") from exc
+            await self._take_new_channel(sandbox)  # it may still have moved; if not, the sandbox is lost
+            raise UnavailableError(f"the agent of {sandbox.id} did not hand over its channel") from exc
         try:
             await asyncio.to_thread(self.cgroups.freeze, rel)
             try:
@@ -581,31 +595,49 @@ class ContainerBackend:
                 await asyncio.to_thread(self._thaw_quietly, sandbox.id)
         finally:
             await self._take_new_channel(sandbox)
+        if channel.closed:
+            raise UnavailableError(f"sandbox {sandbox.id} was lost while its snapshot was taken")
         return {
             "layers": sandbox.runtime.get("layers", []),
             "externals": externals,
             "agent_key": agent_key,
+            "agent": self.agent_path.parent.name,  # the build: criu maps this very binary back
             # The restored agent still runs the snapshot's execs: new ids start past theirs.
             "next_id": max(next_id, channel.next_id) + 1024,
         }
 
     async def _take_new_channel(self, sandbox: LiveSandbox) -> None:
-        """After a reopen: adopt the socketpair the agent offers on fd 4 (or close the channel)."""
+        """After a reopen: adopt the socketpair the agent offers on fd 4; failing that, the sandbox is lost."""
         for _ in range(250):
+            if sandbox.channel.closed:
+                return
             try:
                 sock = await asyncio.to_thread(grab_handoff_channel, sandbox.agent_pid)
             except OSError:
                 await asyncio.sleep(0.02)
                 continue
-            sandbox.channel.adopt_socket(sock)
+            try:
+                sandbox.channel.adopt_socket(sock)
+            except ChannelClosedError:
+                sock.close()
+                return
             with contextlib.suppress(TimeoutError, ChannelClosedError):
                 await sandbox.channel.ping(timeout=5)  # the agent parks fd 4 again on its first message
             return
         log.error("sandbox %s: the agent offered no new channel after a reopen", sandbox.id)
-        sandbox.channel.close()
+        sandbox.channel.fail("the agent offered no new channel after a reopen")
 
     async def restore(self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
         tool = self._criu()
+        assert self._launcher is not None and self.agent_path is not None
+        if meta.get("agent") != self.agent_path.parent.name:
+            raise WrongStateError("the snapshot was taken with another build of the agent (before an upgrade)")
+        async with self._restores:
+            return await self._restore(sandbox_id, spec, source, meta, tool)
+
+    async def _restore(
+        self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any], tool: criu.Criu
+    ) -> LiveSandbox:
         assert self._launcher is not None
         digests = [str(d) for d in meta["layers"]]
         try:
@@ -614,7 +646,7 @@ class ContainerBackend:
             raise InternalError(f"a layer of the snapshot is corrupt: {exc}") from exc
         except OSError as exc:
             raise InternalError(f"preparing the sandbox failed: {exc}") from exc
-        runtime: dict[str, Any] = {"layers": digests}
+        runtime: dict[str, Any] = {"layers": digests, "restored": True}
         sdir = prepared.sdir
         log_file = sdir / "restore.log"
         try:
@@ -635,7 +667,11 @@ class ContainerBackend:
                 agent_key=str(meta["agent_key"]),
                 pid_file=sdir / "agent.pid",
                 log=log_file,
+                action_script=sdir / "criu-action.sh",
+                cgroup_root=self.cgroups.path_for(sandbox_id),
+                cgroup_controllers=[] if self.cgroups.mode == "v2" else list(cgroups.V1_JOINED),
             )
+            await asyncio.to_thread(criu.Criu.write_action_script, sdir / "criu-action.sh", sdir / "scratch")
             placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # no channel: the agent has its own
             try:
                 pid = await self._launcher.launch(args, channel_fd=placeholder, bind_fds=[], timeout=60)
@@ -659,6 +695,7 @@ class ContainerBackend:
             channel = AgentChannel(sock, first_id=int(meta.get("next_id", 1)))
             try:
                 await channel.wait_hello(timeout=self.config.start_timeout)
+                await channel.forget()  # the parent's execs run on here, but nobody asks for them
                 await channel.ping(timeout=self.config.start_timeout)
             except (TimeoutError, ChannelClosedError) as exc:
                 channel.close()
@@ -698,6 +735,7 @@ class ContainerBackend:
         channel = AgentChannel(sock)
         try:
             await channel.wait_hello(timeout=5)
+            await channel.forget()  # execs of the previous daemon (orphaned already, unless it died mid-snapshot)
             await channel.ping(timeout=5)
         except (TimeoutError, ChannelClosedError):
             channel.close()

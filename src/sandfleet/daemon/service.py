@@ -227,6 +227,9 @@ class SnapshotRecord:
     deleted: bool = False  # asked to go; its files go once no restore reads them
 
 
+MAX_SNAPSHOTS_PER_SANDBOX = 16
+
+
 def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
@@ -677,6 +680,10 @@ class SandboxManager:
         async with sb.pause_lock:
             if sb.state != "running" or sb.live is not live:
                 raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
+            if len(self.list_snapshots(sandbox_id)) >= MAX_SNAPSHOTS_PER_SANDBOX:
+                raise ResourceExhaustedError(
+                    f"sandbox {sandbox_id} has {MAX_SNAPSHOTS_PER_SANDBOX} snapshots already: delete one first"
+                )
             snapshot_id = "snap-" + secrets.token_hex(8)
             path = self.snapshot_dir / snapshot_id
             t0 = time.perf_counter()
@@ -689,6 +696,8 @@ class SandboxManager:
                 )
                 record = {"info": info.model_dump(mode="json"), "spec": sb.spec.model_dump(mode="json"), "meta": meta}
                 await asyncio.to_thread((path / "snapshot.json").write_text, json.dumps(record))
+                if sb.state != "running":  # stopped meanwhile (stop does not wait for the pause lock)
+                    raise WrongStateError(f"sandbox {sandbox_id} stopped while its snapshot was taken")
             except BaseException:
                 await asyncio.to_thread(shutil.rmtree, path, True)
                 raise
@@ -729,7 +738,9 @@ class SandboxManager:
         """Keep the snapshots of sandboxes that were adopted; delete every other one."""
         if self.snapshot_dir is None:
             return
-        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        # Root only: snapshots hold sandboxes' files (owned by their uids) and memory.
+        self.snapshot_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.snapshot_dir, 0o700)
         for path in await asyncio.to_thread(lambda: sorted(self.snapshot_dir.iterdir()) if self.snapshot_dir else []):
             try:
                 record = json.loads(await asyncio.to_thread((path / "snapshot.json").read_text))

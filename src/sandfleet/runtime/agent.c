@@ -36,14 +36,14 @@
 #endif
 
 enum {
-	M_EXEC = 1, M_STDIN = 2, M_SIGNAL = 3, M_PING = 4, M_REOPEN = 5,
+	M_EXEC = 1, M_STDIN = 2, M_SIGNAL = 3, M_PING = 4, M_REOPEN = 5, M_FORGET = 6,
 	M_STARTED = 10, M_STDOUT = 11, M_STDERR = 12, M_EXIT = 13, M_ERROR = 14, M_PONG = 15, M_HELLO = 16,
 };
 enum { F_STDIN_PIPE = 1, F_SETSID = 2 };
 enum { X_TIMED_OUT = 1, X_OUT_TRUNC = 2, X_ERR_TRUNC = 4 };
 enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN }; /* epoll event kinds */
 
-#define VERSION "sandfleet-agent/1"
+#define VERSION "sandfleet-agent/2" /* 2: REOPEN and FORGET */
 #define MAXPAY 65536
 #define CHAN 3
 #define HANDOFF 4
@@ -634,6 +634,11 @@ static void handle_chan(void)
 			break;
 		case M_PING:
 			chan_send(M_PONG, id, NULL, 0, NULL, 0);
+			break;
+		case M_FORGET: /* a daemon that never knew our running execs (adopted, restored) */
+			for (size_t i = 0; i < nex; i++)
+				if (ex[i])
+					ex[i]->orphan = 1;
 			break;
 		case M_REOPEN:
 			reconnect(0);

@@ -24,7 +24,7 @@ from typing import Literal
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
 LAUNCHER_SOURCE = Path(__file__).with_name("launcher.c")
 LAUNCHER_NAME = "sandfleet-run"  # <= 15 bytes: it is also the command name the orphan reaper matches
-AGENT_VERSION = "sandfleet-agent/1"
+AGENT_VERSION = "sandfleet-agent/2"  # 2: REOPEN, FORGET
 
 # daemon -> agent
 MSG_EXEC = 1
@@ -32,6 +32,7 @@ MSG_STDIN = 2
 MSG_SIGNAL = 3
 MSG_PING = 4
 MSG_REOPEN = 5  # move to a fresh socketpair offered on fd 4 (before a snapshot); same execs go on
+MSG_FORGET = 6  # orphan every running exec: they belong to a daemon (or a snapshot's parent) that is gone
 # agent -> daemon
 MSG_STARTED = 10
 MSG_STDOUT = 11
@@ -388,7 +389,8 @@ class AgentChannel:
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._hello: asyncio.Future[str] | None = None
         self._next_id = first_id
-        self._reopened: asyncio.Future[None] | None = None  # EOF of the old socket during reopen()
+        self._reopening = False  # between reopen() and adopt_socket()
+        self._reopened: asyncio.Future[None] | None = None  # EOF of the old socket after reopen()
         self._sends_held = False  # reopen() holds _send_lock until adopt_socket()
         self._send_lock = asyncio.Lock()
         self._send_waiter: asyncio.Future[None] | None = None
@@ -483,23 +485,26 @@ class AgentChannel:
         """Ask the agent to move to a socketpair of its own (offered on its fd 4) and close this one.
 
         Before a checkpoint: the agent's end of a channel the daemon made is a socket of the host's
-        network namespace that criu cannot dump, a pair the agent made is. Output of running execs
-        queues in the new pair until `adopt_socket()` takes it over.
+        network namespace that criu cannot dump, a pair the agent made is. Sends wait from here
+        until `adopt_socket()` (or `fail()`); output of running execs queues in the new pair. From
+        here on, the old socket's EOF means the agent moved, never that it died, even after a timeout.
         """
         self._check_open()
+        self._reopening = True
         self._reopened = self._loop.create_future()
-        try:
-            async with asyncio.timeout(timeout):
-                await self._send(encode_message(MSG_REOPEN, 0))
-                # Sends wait (holding the lock) until adopt_socket(): the old socket is dead.
-                await self._send_lock.acquire()
-                self._sends_held = True
-                await asyncio.shield(self._reopened)
-        except BaseException:
-            self._release_sends()
-            raise
-        finally:
-            self._reopened = None
+        async with asyncio.timeout(timeout):
+            await self._send_lock.acquire()  # first: no queued sender may write after REOPEN
+            self._sends_held = True
+            await self._send_unlocked(encode_message(MSG_REOPEN, 0))
+            await asyncio.shield(self._reopened)
+
+    async def forget(self) -> None:
+        """Tell the agent that execs it still runs belong to nobody we know (after adopt or restore)."""
+        await self._send(encode_message(MSG_FORGET, 0))
+
+    def fail(self, reason: str) -> None:
+        """Give up on the channel as if the agent had gone (on_close runs: the sandbox is lost)."""
+        self._shutdown(ChannelClosedError(reason))
 
     def _release_sends(self) -> None:
         if self._sends_held:
@@ -509,6 +514,7 @@ class AgentChannel:
     def adopt_socket(self, sock: socket.socket) -> None:
         """Carry on over the agent's new channel (after `reopen()`), with every exec still attached."""
         self._check_open()
+        self._reopening = False
         self._loop.remove_reader(self._fd)
         self._sock.close()
         sock.setblocking(False)
@@ -536,29 +542,33 @@ class AgentChannel:
 
     async def _send(self, data: bytes) -> None:
         async with self._send_lock:  # datagrams must not interleave their add_writer waits
-            self._check_open()
-            try:
-                self._sock.send(data)  # fast path; SEQPACKET sends are all-or-nothing
-                return
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError as exc:
-                self._shutdown(exc)
-                raise ChannelClosedError(str(exc)) from exc
-            waiter = asyncio.ensure_future(self._loop.sock_sendall(self._sock, data))
-            self._send_waiter = waiter
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self._closed and (task is None or task.cancelling() == 0):
-                    raise ChannelClosedError("agent channel closed during send") from None
-                raise
-            except OSError as exc:
-                self._shutdown(exc)
-                raise ChannelClosedError(str(exc)) from exc
-            finally:
-                self._send_waiter = None
+            await self._send_unlocked(data)
+
+    async def _send_unlocked(self, data: bytes) -> None:
+        """Send one datagram; the caller holds _send_lock."""
+        self._check_open()
+        try:
+            self._sock.send(data)  # fast path; SEQPACKET sends are all-or-nothing
+            return
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            self._shutdown(exc)
+            raise ChannelClosedError(str(exc)) from exc
+        waiter = asyncio.ensure_future(self._loop.sock_sendall(self._sock, data))
+        self._send_waiter = waiter
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and (task is None or task.cancelling() == 0):
+                raise ChannelClosedError("agent channel closed during send") from None
+            raise
+        except OSError as exc:
+            self._shutdown(exc)
+            raise ChannelClosedError(str(exc)) from exc
+        finally:
+            self._send_waiter = None
 
     def _send_nowait(self, data: bytes) -> None:
         """Best-effort send from a callback (used only for cleanup kills)."""
@@ -581,9 +591,9 @@ class AgentChannel:
                 self._shutdown(exc)
                 return
             if not data:
-                if self._reopened is not None:  # the agent moved to its new pair as asked
+                if self._reopening:  # the agent moved to its new pair as asked
                     self._loop.remove_reader(self._fd)
-                    if not self._reopened.done():
+                    if self._reopened is not None and not self._reopened.done():
                         self._reopened.set_result(None)
                     return
                 self._shutdown(ChannelClosedError("agent closed the channel"))

@@ -139,14 +139,34 @@ class Criu:
         agent_key: str,
         pid_file: Path,
         log: Path,
+        action_script: Path,
+        cgroup_root: str,
+        cgroup_controllers: list[str],
     ) -> list[str]:
-        """The restore command for the launcher to run once it has made `scratch` and `rootfs`."""
+        """The restore command for the launcher to run once it has made `scratch` and `rootfs`.
+
+        `action_script` (see `write_action_script`) closes the scratch again before any task runs.
+        """
         argv = [*self.command(), "restore", "-D", str(images), "--root", str(rootfs), "--restore-detached"]
-        argv += ["--pidfile", str(pid_file), "--log-file", str(log), "-v2", "--manage-cgroups=ignore"]
+        argv += ["--pidfile", str(pid_file), "--log-file", str(log), "-v2"]
+        # criu moves the tasks into the new sandbox's cgroups (made by the daemon, with its limits)
+        # and recreates the cgroup namespace inside the user namespace, so a child can be forked again.
+        argv += ["--manage-cgroups=soft"]
+        for controller in cgroup_controllers or [""]:
+            argv += ["--cgroup-root", f"{controller}:{cgroup_root}" if controller else cgroup_root]
         argv += ["--inherit-fd", f"fd[{AGENT_FD}]:{agent_key}"]
+        argv += ["--action-script", str(action_script)]
         for point, key in externals.items():
             argv += ["--external", f"mnt[{key}]:{self._source(point, scratch, shared)}"]
         return argv
+
+    @staticmethod
+    def write_action_script(path: Path, scratch: Path) -> None:
+        """criu binds /dev from the scratch as the restored root, so the launcher opens the scratch
+        to 0711 for the restore; this hook closes it to 0700 at pre-resume, before a single restored
+        task runs again."""
+        path.write_text(f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" != pre-resume ] || exec chmod 0700 "{scratch}"\n')
+        os.chmod(path, 0o700)
 
     @staticmethod
     def _source(point: str, scratch: Path, shared: Path) -> str:

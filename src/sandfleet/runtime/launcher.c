@@ -613,9 +613,6 @@ static int restore_stage(int to_launcher)
 		snprintf(buf, sizeof buf, "%s/cgroup.procs", cgroups[i]);
 		write_file(buf, "0");
 	}
-	/* criu and the restored tree see the sandbox's cgroup as their root */
-	if (unshare(CLONE_NEWCGROUP) < 0)
-		fail("unshare cgroup namespace");
 	snprintf(scratch, sizeof scratch, "%s/scratch", dir);
 	snprintf(rootfs, sizeof rootfs, "%s/rootfs", dir);
 	/* 0711 while criu binds /dev from it as the restored root (whose uid does not own it) */
@@ -643,7 +640,7 @@ static int restore_stage(int to_launcher)
 		errno = EIO;
 		fail("criu restore failed (status %d)", status);
 	}
-	if (chmod(scratch, 0700) < 0)
+	if (chmod(scratch, 0700) < 0) /* criu's pre-resume script did already; never leave it open */
 		fail("close the scratch tmpfs");
 	int fd = open(pid_file, O_RDONLY | O_CLOEXEC);
 	ssize_t n = fd < 0 ? -1 : read(fd, buf, 32);
