@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -73,6 +74,18 @@ class _Prepared:
     lowers: list[str]  # bottom -> top
     cgroup_dirs: list[str]  # launcher only: cgroup directories the sandbox joins
     binds: list[tuple[int, oci.BindMount]]  # launcher only: pinned O_PATH fds of the sources
+    cgroup_writes: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # launcher: limits to write
+
+    def cgroup_args(self) -> list[str]:
+        """The launcher makes the cgroups and writes their limits (in C: no Python per file)."""
+        args = []
+        for d in self.cgroup_dirs:
+            args += ["--cg-dir", d]
+        for path, value in self.cgroup_writes:
+            args += ["--cg-write", f"{path}={value}"]
+        for d in self.cgroup_dirs:
+            args += ["--cgroup", d]
+        return args
 
 
 def _nofile_limit() -> int:
@@ -234,7 +247,7 @@ class ContainerBackend:
             if self.uses_launcher:
                 (sdir / "scratch").mkdir()
                 (sdir / "rootfs").mkdir()
-                joined = self.cgroups.create(
+                plan = self.cgroups.plan(
                     self.cgroups.path_for(sandbox_id),
                     memory=limits.memory,
                     cpu_quota_us=limits.cpu_quota_us,
@@ -242,7 +255,8 @@ class ContainerBackend:
                     pids=limits.pids,
                     best_effort=limits.best_effort,
                 )
-                return _Prepared(sdir, lowers, [str(d) for d in joined], pinned)
+                writes = [(str(path), value) for path, value in plan.writes]
+                return _Prepared(sdir, lowers, [str(d) for d in plan.dirs], pinned, writes)
             staged = [self._stage_bind(sdir, i, fd, bind) for i, (fd, bind) in enumerate(pinned)]
             rootfs = mounts.mount_rootfs(sdir, lowers, disk_bytes=spec.resources.disk, owner=self.config.uid_base)
             cfg = oci.ContainerConfig(
@@ -268,7 +282,13 @@ class ContainerBackend:
     async def _prepare_uncancellable(
         self, sandbox_id: str, spec: SandboxSpec, digests: list[str], binds: list[tuple[str, str, oci.BindMount]]
     ) -> _Prepared:
-        """`_prepare` in a worker thread; if we are cancelled meanwhile, undo what it made once it is done."""
+        """`_prepare` in a worker thread; if we are cancelled meanwhile, undo what it made once it is done.
+
+        The common case (layers mounted already, no bind mounts, the launcher making the cgroups) is
+        three mkdirs: done right here, since a thread hop costs more than that.
+        """
+        if self.uses_launcher and not binds and all(self.layers.mounted(d) for d in digests):
+            return self._prepare(sandbox_id, spec, digests, binds)
         task = asyncio.ensure_future(asyncio.to_thread(self._prepare, sandbox_id, spec, digests, binds))
         try:
             return await asyncio.shield(task)
@@ -336,8 +356,7 @@ class ContainerBackend:
         args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192)), "--qos", spec.qos]
         for lower in reversed(prepared.lowers):  # overlay wants the top layer first
             args += ["--lower", lower]
-        for cgroup_dir in prepared.cgroup_dirs:
-            args += ["--cgroup", cgroup_dir]
+        args += prepared.cgroup_args()
         for i, (_fd, bind) in enumerate(prepared.binds):
             args += ["--bind", f"{6 + i}:{'ro' if bind.read_only else 'rw'}:{bind.target}"]
         try:
@@ -655,8 +674,7 @@ class ContainerBackend:
             args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192))]
             for lower in reversed(prepared.lowers):
                 args += ["--lower", lower]
-            for cgroup_dir in prepared.cgroup_dirs:
-                args += ["--cgroup", cgroup_dir]
+            args += prepared.cgroup_args()
             args.append("--")
             args += tool.restore_argv(
                 source / "img",

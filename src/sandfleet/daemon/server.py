@@ -143,6 +143,9 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     # The runtime's detached helpers exit a moment after `crun run` returns; reap them as they go
     # rather than leaving zombies until the next sweep.
     loop.add_signal_handler(signal.SIGCHLD, proc.reap_orphans)
+    # A burst of exits (stop_many of thousands) fills the loop's wakeup pipe: that only coalesces
+    # wakeups, so it must not print a traceback per signal.
+    signal.set_wakeup_fd(signal.set_wakeup_fd(-1), warn_on_full_buffer=False)
 
     async def run_servers() -> None:
         async with asyncio.TaskGroup() as tg:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import codecs
+import collections
 import contextlib
 import errno
 import functools
@@ -181,6 +182,11 @@ class Session:
     dead: bool = False
 
 
+# How many Sandbox objects are in each state, kept as states change: admission and the gauges
+# need the number running or paused on every create, and counting 5,000 entries each time shows.
+STATE_COUNTS: collections.Counter[str] = collections.Counter()
+
+
 @dataclass
 class Sandbox:
     id: str
@@ -204,6 +210,21 @@ class Sandbox:
     # Paused on request (not by the idle policy): kept past its idle TTL, e.g. while its trainer is
     # preempted; max_lifetime still applies.
     held: bool = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and not self.__dict__.get("_forgotten"):
+            old = self.__dict__.get("state")
+            if old != value:
+                if old is not None:
+                    STATE_COUNTS[old] -= 1
+                STATE_COUNTS[value] += 1
+        super().__setattr__(name, value)
+
+    def forget(self) -> None:
+        """No longer tracked (dropped from the manager): out of the state counts."""
+        if not self.__dict__.get("_forgotten"):
+            STATE_COUNTS[self.state] -= 1
+            self.__dict__["_forgotten"] = True
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(
@@ -301,6 +322,7 @@ class SandboxManager:
         self.metrics.track_sandboxes(self._usage_sources)
         self._best_effort_cpu: dict[str, float] = {}  # CPU seconds of each best-effort sandbox, last seen
         self._best_effort_retired = 0.0  # what best-effort sandboxes that have stopped had used
+        self._best_effort_ids: set[str] = set()  # running or paused best-effort sandboxes
         self._stopping = False
         self.started_at = time.time()
 
@@ -372,6 +394,8 @@ class SandboxManager:
                     live.channel.on_close = lambda _ch, sid=row.id: self._on_agent_lost(sid)
                     self.sandboxes[row.id] = sb
                     self._event(row.id, "adopted", {"agent_pid": live.agent_pid})
+                    if spec.qos == "best_effort":
+                        self._best_effort_ids.add(row.id)
                     continue
             if row.state in ("running", "paused", "creating", "stopping"):
                 await self.backend.cleanup(row.id, row.runtime)
@@ -392,13 +416,12 @@ class SandboxManager:
         self.metrics.alive.set(self.running_count())
 
     def running_count(self) -> int:
-        return sum(1 for s in self.sandboxes.values() if s.state == "running")
+        return STATE_COUNTS["running"]
 
     def node_count(self) -> int:
         """Sandboxes holding node resources: running or paused, being created, and warm in pools."""
         pooled = self.pools.pooled() if self.pools is not None else 0
-        held = sum(1 for s in self.sandboxes.values() if s.state in ("running", "paused"))
-        return held + self._creating + pooled
+        return STATE_COUNTS["running"] + STATE_COUNTS["paused"] + self._creating + pooled
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -529,6 +552,7 @@ class SandboxManager:
                 await self.state.insert(_row(sb, {}))
             except BaseException:
                 self.sandboxes.pop(sandbox_id, None)
+                sb.forget()
                 finished.set()
                 raise
             try:
@@ -574,6 +598,8 @@ class SandboxManager:
             except SandboxError:
                 await self.stop(sb.id, reason="invalid user")
                 raise
+        if sb.spec.qos == "best_effort":
+            self._best_effort_ids.add(sb.id)
         self._event(sb.id, "created", created)
         self.metrics.created.inc()
         self.metrics.create_seconds.observe(time.perf_counter() - t0)
@@ -582,7 +608,8 @@ class SandboxManager:
     async def _forget(self, sb: Sandbox) -> None:
         """Persist a terminal state; drop the row at once when nothing is retained."""
         if self.stopped_retention <= 0:
-            self.sandboxes.pop(sb.id, None)
+            if self.sandboxes.pop(sb.id, None) is not None:
+                sb.forget()
             await self._flush_events()
             await self.state.delete([sb.id])
         else:
@@ -915,7 +942,8 @@ class SandboxManager:
             elif sb.state == "running" and spec_expired(sb, now):
                 self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
             elif sb.state in ("stopped", "failed") and sb.stopped_at and now - sb.stopped_at > self.stopped_retention:
-                self.sandboxes.pop(sb.id, None)
+                if self.sandboxes.pop(sb.id, None) is not None:
+                    sb.forget()
                 await self.state.delete([sb.id])
         if time.monotonic() - last_flush > 5:
             dirty, self._dirty_activity = self._dirty_activity, {}
@@ -944,11 +972,13 @@ class SandboxManager:
         """Feed admission the CPU time latency-sensitive sandboxes used: all sandboxes' (one counter
         that keeps what stopped ones used) minus best-effort ones' (alive, plus what those that
         stopped had used when last seen)."""
-        best_effort = {
-            sb.id: self.backend.cpu_seconds(sb.live)
-            for sb in self.sandboxes.values()
-            if sb.spec.qos == "best_effort" and sb.live is not None and sb.state in ("running", "paused")
-        }
+        best_effort = {}
+        for sandbox_id in list(self._best_effort_ids):
+            sb = self.sandboxes.get(sandbox_id)
+            if sb is None or sb.live is None or sb.state not in ("running", "paused"):
+                self._best_effort_ids.discard(sandbox_id)
+                continue
+            best_effort[sandbox_id] = self.backend.cpu_seconds(sb.live)
         for gone in self._best_effort_cpu.keys() - best_effort.keys():
             self._best_effort_retired += self._best_effort_cpu[gone]
         self._best_effort_cpu = best_effort

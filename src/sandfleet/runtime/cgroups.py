@@ -27,6 +27,13 @@ ALLOWED_DEVICES: tuple[str, ...] = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:
 ALLOWED_DEVICES += ("c 5:0 rwm", "c 5:2 rwm", "c 136:* rwm")  # tty, ptmx, devpts
 
 Mode = Literal["v1", "v2", "hybrid"]
+DEFAULT_CFS_PERIOD_US = 100_000  # what a new v1 cpu cgroup starts with
+
+
+@dataclass(frozen=True)
+class CgroupPlan:
+    dirs: list[Path]  # made in this order; the sandbox's first process joins each
+    writes: list[tuple[Path, str]]  # limits, written in this order once the dirs exist
 
 
 def detect(root: Path = CGROUP_ROOT) -> Mode:
@@ -80,6 +87,8 @@ class Cgroups:
         self.mode: Mode = detect(root)
         self.parent = "/" + parent.strip("/")
         self._hierarchies: list[Path] | None = None
+        self._features: dict[str, bool] = {}
+        self._v2_parent_ready = False
 
     def path_for(self, sandbox_id: str) -> str:
         return f"{self.parent}/{sandbox_id}"
@@ -122,49 +131,57 @@ class Cgroups:
             return _read_keyed(self.root / rel / "cpu.stat").get("usage_usec", 0) / 1e6
         return _read_int(self.root / "cpuacct" / rel / "cpuacct.usage") / 1e9
 
-    def create(
+    def plan(
         self, rel: str, *, memory: int, cpu_quota_us: int, cpu_period_us: int, pids: int, best_effort: bool = False
-    ) -> list[Path]:
-        """Make the sandbox cgroup with its limits; return the directories its first process joins.
+    ) -> CgroupPlan:
+        """What making the sandbox cgroup with its limits takes: directories, then (file, value) writes.
 
         Memory and memory+swap get the same limit (no swap beyond the limit, as crun does with
-        `swap == limit`). Raises OSError; the caller removes a half-made cgroup with `remove()`.
+        `swap == limit`). The launcher carries the plan out (in C, as part of the launch); the caller
+        removes a half-made cgroup with `remove()`.
         """
         rel = rel.lstrip("/")
         if self.mode == "v2":
             d = self.root / rel
-            self._enable_v2_controllers(d.parent)
-            d.mkdir(exist_ok=True)
-            _write(d / "memory.max", str(memory))
-            if (d / "memory.swap.max").exists():
-                _write(d / "memory.swap.max", "0")
-            _write(d / "cpu.max", f"{cpu_quota_us} {cpu_period_us}")
+            if not self._v2_parent_ready:
+                self._enable_v2_controllers(d.parent)
+                self._v2_parent_ready = True
+            writes = [(d / "memory.max", str(memory))]
+            if self._has("memory.swap.max"):
+                writes.append((d / "memory.swap.max", "0"))
+            writes.append((d / "cpu.max", f"{cpu_quota_us} {cpu_period_us}"))
             if best_effort:
-                _write(d / "cpu.weight", "1")
-            _write(d / "pids.max", str(pids))
-            return [d]
-        dirs = [hierarchy / rel for hierarchy in self._joined_hierarchies()]
-        for d in dirs:
-            try:
-                d.mkdir()
-            except FileNotFoundError:
-                d.mkdir(parents=True, exist_ok=True)  # the first sandbox: make our parent too
+                writes.append((d / "cpu.weight", "1"))
+            writes.append((d / "pids.max", str(pids)))
+            return CgroupPlan([d], writes)
+        dirs = [hierarchy / rel for hierarchy in self._joined_hierarchies()]  # the launcher makes missing parents
         mem, cpu, pid_dir, dev = (self.root / c / rel for c in ("memory", "cpu", "pids", "devices"))
-        if (mem / "memory.swappiness").exists():
-            _write(mem / "memory.swappiness", "100")  # a paused sandbox's pages go to swap first
-        _write(mem / "memory.limit_in_bytes", str(memory))
-        if (mem / "memory.memsw.limit_in_bytes").exists():
-            _write(mem / "memory.memsw.limit_in_bytes", str(memory))
-        _write(cpu / "cpu.cfs_period_us", str(cpu_period_us))
-        _write(cpu / "cpu.cfs_quota_us", str(cpu_quota_us))
+        writes = []
+        if self._has("memory/memory.swappiness"):
+            writes.append((mem / "memory.swappiness", "100"))  # a paused sandbox's pages go to swap first
+        writes.append((mem / "memory.limit_in_bytes", str(memory)))
+        if self._has("memory/memory.memsw.limit_in_bytes"):
+            writes.append((mem / "memory.memsw.limit_in_bytes", str(memory)))
+        if cpu_period_us != DEFAULT_CFS_PERIOD_US:
+            # Each write re-checks the bandwidth of every task group on the node: skip the no-op one.
+            writes.append((cpu / "cpu.cfs_period_us", str(cpu_period_us)))
+        writes.append((cpu / "cpu.cfs_quota_us", str(cpu_quota_us)))
         if best_effort:
-            _write(cpu / "cpu.shares", "2")  # the lowest weight: CPU left over by everyone else
-        _write(pid_dir / "pids.max", str(pids))
-        if dev.is_dir():
-            _write(dev / "devices.deny", "a")
-            for rule in ALLOWED_DEVICES:
-                _write(dev / "devices.allow", rule)
-        return dirs
+            writes.append((cpu / "cpu.shares", "2"))  # the lowest weight: CPU left over by everyone else
+        writes.append((pid_dir / "pids.max", str(pids)))
+        if self._has("devices"):
+            writes.append((dev / "devices.deny", "a"))
+            writes += [(dev / "devices.allow", rule) for rule in ALLOWED_DEVICES]
+        return CgroupPlan(dirs, writes)
+
+    def _has(self, rel: str) -> bool:
+        """Whether the kernel offers this controller file (the parent's copy; asked once)."""
+        if rel not in self._features:
+            if self.mode == "v2":
+                self._features[rel] = (self.root / self.parent.lstrip("/") / rel).exists() or (self.root / rel).exists()
+            else:
+                self._features[rel] = (self.root / rel).exists()
+        return self._features[rel]
 
     def _joined_hierarchies(self) -> list[Path]:
         """The distinct v1 hierarchies a sandbox joins (cpu and cpuacct are usually one), found once."""

@@ -8,7 +8,8 @@
  *   launcher (real root, the daemon's mount namespace)
  *     reads the seccomp BPF (fd 5), detaches each bind-mount source with open_tree (fds 6..)
  *     fork + unshare(CLONE_NEWNS) -> stage 1 (real root, a private copy of the daemon's mount namespace)
- *       1 cgroups: joins the sandbox's cgroups (the daemon made them and wrote the limits)
+ *     makes the sandbox's cgroups and writes their limits (the daemon's plan: --cg-dir, --cg-write)
+ *       1 cgroups: joins the sandbox's cgroups
  *       2 rlimits, oom_score_adj
  *       3 rootfs: tmpfs scratch (size and inode cap) + overlay over the EROFS layers; bind mounts
  *            attached under the rootfs, resolved with RESOLVE_IN_ROOT. These mounts exist only in
@@ -39,6 +40,8 @@
  *   --lower P        a read-only layer, top first (repeatable)
  *   --disk BYTES --inodes N --nofile N --uid BASE --hostname H
  *   --cgroup DIR     a cgroup directory to join (repeatable)
+ *   --cg-dir DIR, --cg-write FILE=VALUE   make the sandbox's cgroups and write their limits first,
+ *                    in order (the daemon computes them: runtime/cgroups.py plan())
  *   --qos latency_sensitive|best_effort
  *   --bind FD:ro|rw:TARGET   an O_PATH fd of an already-checked source (repeatable)
  *   --restore SNAP -- CRIU...  restore a snapshot instead of starting an agent (see restore_stage)
@@ -85,8 +88,8 @@ static const char *dir, *pid_file, *hostname = "sandbox";
 static const char *empty_dir;		     /* server mode: an empty read-only tmpfs masked dirs bind */
 static const char *sysfs_template;	     /* server mode: a sysfs every sandbox binds read-only */
 static int best_effort;			     /* --qos best_effort: SCHED_IDLE for every process */
-static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS];
-static int n_lowers, n_cgroups;
+static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS], *cg_dirs[MAX_ITEMS], *cg_writes[MAX_ITEMS];
+static int n_lowers, n_cgroups, n_cg_dirs, n_cg_writes;
 static unsigned long long disk = 256ULL << 20, inodes = 65536;
 static unsigned long nofile = 4096, uid_base = 100000;
 static struct {
@@ -721,6 +724,10 @@ static void parse_args(int argc, char **argv)
 			pid_file = v;
 		else if (!strcmp(a, "--lower") && n_lowers < MAX_ITEMS)
 			lowers[n_lowers++] = v;
+		else if (!strcmp(a, "--cg-dir") && n_cg_dirs < MAX_ITEMS)
+			cg_dirs[n_cg_dirs++] = v;
+		else if (!strcmp(a, "--cg-write") && n_cg_writes < MAX_ITEMS && strchr(v, '='))
+			cg_writes[n_cg_writes++] = v;
 		else if (!strcmp(a, "--cgroup") && n_cgroups < MAX_ITEMS)
 			cgroups[n_cgroups++] = v;
 		else if (!strcmp(a, "--disk"))
@@ -755,8 +762,36 @@ static void parse_args(int argc, char **argv)
 
 /* Start one sandbox (fds: 3 channel, 4 agent binary, 6.. bind sources; the filter already read)
  * and report its agent's pid. Returns the exit status. */
+/* The sandbox's cgroups with their limits (the daemon removes them if the launch fails). */
+static void make_cgroups(void)
+{
+	for (int i = 0; i < n_cg_dirs; i++) {
+		if (mkdir(cg_dirs[i], 0755) == 0 || errno == EEXIST)
+			continue;
+		/* The first sandbox under the daemon's parent (or the parent went with an idle daemon's
+		 * close): mkdir -p. */
+		char path[PATH_MAX];
+		snprintf(path, sizeof path, "%s", cg_dirs[i]);
+		int ok = errno == ENOENT;
+		for (char *p = path + 1; ok && (p = strchr(p, '/')); p++) {
+			*p = '\0';
+			ok = mkdir(path, 0755) == 0 || errno == EEXIST;
+			*p = '/';
+		}
+		if (!ok || (mkdir(cg_dirs[i], 0755) < 0 && errno != EEXIST))
+			fail("make cgroup %s", cg_dirs[i]);
+	}
+	for (int i = 0; i < n_cg_writes; i++) {
+		char path[PATH_MAX];
+		const char *eq = strchr(cg_writes[i], '=');
+		snprintf(path, sizeof path, "%.*s", (int)(eq - cg_writes[i]), cg_writes[i]);
+		write_file(path, eq + 1);
+	}
+}
+
 static int launch(void)
 {
+	make_cgroups();
 	/* Detached copies of the bind sources, made here in the daemon's mount namespace where the
 	 * daemon pinned them; stage 1 attaches them under the new root. */
 	for (int i = 0; i < n_binds; i++) {

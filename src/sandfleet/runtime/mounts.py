@@ -112,6 +112,10 @@ class LayerMounts:
             layer.refs += 1
             return layer.path
 
+    def mounted(self, digest: str) -> bool:
+        """Whether `acquire` would only count a reference (no mount, nothing that blocks)."""
+        return digest in self._layers
+
     def release(self, digest: str) -> None:
         with self._lock:
             layer = self._layers.get(digest)
