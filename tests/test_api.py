@@ -44,6 +44,7 @@ from sandfleet.errors import (
     UnavailableError,
     WrongStateError,
 )
+from sandfleet.images import LayerStore
 
 from conftest import IMAGES, Daemon, destroy_daemon, make_daemon
 
@@ -352,6 +353,12 @@ def test_live_responses_match_the_spec(http: httpx.Client, contract: Contract) -
         contract.check(http.delete(f"/v1/snapshots/{snap['id']}"), 200)
         contract.error(http.get(f"/v1/snapshots/{snap['id']}"), "not_found")
         contract.error(http.post(f"/v1/sandboxes/{sid}/fork", json={"count": 0}), "invalid_argument")
+        packed = contract.check(http.post(f"/v1/sandboxes/{sid}/pack", json={"image": "api-packed:v1"}), 201)
+        assert packed["name"] == "api-packed" and len(packed["layers"]) >= 2
+        LayerStore(IMAGES).remove_image("api-packed:v1")
+        contract.error(
+            http.post(f"/v1/sandboxes/{sid}/pack", json={"image": "x", "exclude": ["rel"]}), "invalid_argument"
+        )
     finally:
         stopped = contract.check(http.request("DELETE", f"/v1/sandboxes/{sid}", json={"reason": "api-test"}), 200)
     assert stopped["state"] == "stopped" and stopped["stop_reason"] == "api-test"

@@ -13,8 +13,9 @@ import pytest
 
 from sandfleet import Client, Mount, Sandbox, SandboxError
 from sandfleet.errors import InvalidArgumentError, SnapshotNotFoundError, WrongStateError
+from sandfleet.images import LayerStore
 
-from conftest import Daemon, wait_until
+from conftest import IMAGES, Daemon, wait_until
 from leakcheck import _cgroup_parent, residue
 
 COUNTER = "echo $$ > /tmp/counter.pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
@@ -237,3 +238,28 @@ def test_snapshot_survives_a_daemon_restart_and_a_stuck_agent_loses_nothing(own_
         assert wait_until(lambda: sb.exec("cat /root/state").stdout == "kept\n", timeout=15)
         assert c.get(sb.id).info.state == "running"
         sb.stop()
+
+
+def test_pack_a_live_sandbox_into_an_image(daemon: Daemon, fleet: Client) -> None:
+    """pack-diff: the sandbox's changes become one new layer over its own; excluded paths are scrubbed."""
+    with fleet.create(image="busybox") as sb:
+        sb.exec(
+            "mkdir -p /opt/env/bin && echo 'echo tool v1' > /opt/env/bin/tool && chmod +x /opt/env/bin/tool"
+            " && rm /etc/hostname && mkdir -p /root/.cache && echo junk > /root/.cache/pip"
+            " && echo secret > /root/answer.txt && echo 'history' > /root/.ash_history"
+        )
+        info = sb.pack("packed-env:v1", exclude=["/root/.cache", "/root/answer.txt", "/root/.ash_history"])
+        base = [i for i in fleet.images() if (i.name, i.tag) == ("busybox", "latest")][0]
+        assert info.layers[:-1] == base.layers and len(info.layers) == len(base.layers) + 1
+        assert sb.exec("cat /root/answer.txt").stdout == "secret\n"  # the source keeps running as it was
+    with fleet.create(image="packed-env:v1") as child:
+        assert child.exec("/opt/env/bin/tool").stdout == "tool v1\n"
+        assert child.exec("test -e /etc/hostname").exit_code == 1  # deleted in the source: a whiteout
+        for scrubbed in ("/root/.cache", "/root/answer.txt", "/root/.ash_history"):
+            assert child.exec(f"test -e {scrubbed}").exit_code == 1
+        assert child.exec("ls -ld /opt/env/bin/tool").stdout.split()[2] == "root"  # ownership kept
+    with fleet.create(image="busybox") as plain:
+        assert plain.exec("test -e /etc/hostname").exit_code == 0  # the base image is untouched
+    LayerStore(IMAGES).remove_image("packed-env:v1")
+    with fleet.create(image="busybox") as other, pytest.raises(InvalidArgumentError):
+        other.pack("bad ref!")

@@ -279,6 +279,24 @@ def snapshot(sandbox_id: str, socket: SocketOpt = None) -> None:
 
 
 @app.command()
+def pack(
+    sandbox_id: str,
+    image: Annotated[str, typer.Argument(help="name:tag of the new image")],
+    exclude: Annotated[
+        list[str] | None, typer.Option(help="absolute path whose changes to leave out, repeatable")
+    ] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Save a sandbox's changes as a new image (its layers + one layer of what it changed)."""
+    with _client(socket) as fleet:
+        try:
+            info = fleet.get(sandbox_id).pack(image, exclude=exclude or [])
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+        console.print(f"{info.name}:{info.tag}  ({len(info.layers)} layers, {info.size / 2**20:.1f} MiB)")
+
+
+@app.command()
 def fork(
     source: Annotated[str, typer.Argument(help="a sandbox id (forked as it is now) or a snapshot id (snap-...)")],
     count: Annotated[int, typer.Option("-n", "--count", help="how many children")] = 1,

@@ -481,3 +481,14 @@ class ForkRequest(_Model):
     labels: dict[str, str] = Field(
         default_factory=dict, description="labels of the new sandboxes (added to the source's labels)"
     )
+
+
+class PackRequest(_Model):
+    """Turn a live sandbox's changes into a new image: its layers plus one layer of what it changed."""
+
+    image: str = Field(description="name:tag of the new image (replaced if it exists)")
+    exclude: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="absolute paths whose changes are left out (caches, shell history, answer files)",
+    )

@@ -60,6 +60,9 @@ class Backend(Protocol):
         """Checkpoint a running sandbox (processes, memory, writable layer) into the empty directory
         `target`; it keeps running. Returns what `restore` needs besides the directory."""
 
+    async def export_writable_layer(self, sandbox: LiveSandbox, dest: Path) -> None:
+        """Copy what the sandbox changed above its layers (overlay upper, whiteouts kept) to `dest`."""
+
     async def restore(self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
         """Start a new sandbox from a snapshot; on failure leave nothing behind and raise SandboxError."""
 

@@ -593,12 +593,7 @@ class ContainerBackend:
         try:
             await asyncio.to_thread(self.cgroups.freeze, rel)
             try:
-                scratch = f"/proc/{pid}/root{criu.SCRATCH_MOUNT}"
-                done = await proc.spawn(["cp", "-a", "--", f"{scratch}/upper", f"{scratch}/dev", str(fs)], timeout=300)
-                if done.returncode != 0:
-                    raise InternalError(
-                        f"copying the writable layer failed: {done.stderr.decode(errors='replace')[-500:]}"
-                    )
+                await self._copy_scratch(sandbox, ["upper", "dev"], fs)
                 argv = tool.dump_argv(
                     pid,
                     images,
@@ -624,6 +619,38 @@ class ContainerBackend:
             # The restored agent still runs the snapshot's execs: new ids start past theirs.
             "next_id": max(next_id, channel.next_id) + 1024,
         }
+
+    async def _copy_scratch(self, sandbox: LiveSandbox, parts: list[str], dest: Path) -> None:
+        """`cp -a` parts of a (frozen) sandbox's scratch tmpfs into `dest`: whiteouts, xattrs, owners kept."""
+        if not self.uses_launcher:
+            raise InvalidArgumentError("this needs the launcher runtime (container.runtime = 'launcher')")
+        scratch = f"/proc/{sandbox.agent_pid}/root{criu.SCRATCH_MOUNT}"
+        done = await proc.spawn(["cp", "-a", "--", *(f"{scratch}/{part}" for part in parts), str(dest)], timeout=600)
+        if done.returncode != 0:
+            why = done.stderr.decode(errors="replace")[-500:]
+            raise InternalError(f"copying the writable layer of {sandbox.id} failed: {why}")
+
+    async def export_writable_layer(self, sandbox: LiveSandbox, dest: Path) -> None:
+        """Copy the sandbox's writable layer, as overlayfs keeps it, to `dest` (made here).
+
+        The sandbox is frozen meanwhile, so the copy is of one moment. Overlay whiteouts (0/0
+        character devices) and opaque-directory xattrs are kept, so the copy works as a layer
+        above the sandbox's own layers; ownership stays shifted (root inside = uid_base).
+        """
+        rel = self.cgroups.path_for(sandbox.id)
+        was_frozen = await asyncio.to_thread(self.cgroups.frozen, rel)
+        staging = dest.parent / f".{dest.name}.copy"
+        await asyncio.to_thread(staging.mkdir, 0o700, True)
+        try:
+            await asyncio.to_thread(self.cgroups.freeze, rel)
+            try:
+                await self._copy_scratch(sandbox, ["upper"], staging)
+            finally:
+                if not was_frozen:
+                    await asyncio.to_thread(self._thaw_quietly, sandbox.id)
+            await asyncio.to_thread((staging / "upper").rename, dest)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, staging, True)
 
     async def _take_new_channel(self, sandbox: LiveSandbox) -> None:
         """After a reopen: adopt the socketpair the agent offers on fd 4; failing that, the sandbox is lost."""

@@ -265,6 +265,13 @@ class AsyncSandbox:
         call = b.Call("POST", b.sandbox_path(self.id) + "/snapshots", timeout=max(self._c.timeout, 600))
         return await self._c._model(SnapshotInfo, call)
 
+    async def pack(self, image: str, *, exclude: Sequence[str] = ()) -> ImageInfo:
+        """Save this sandbox's changes as image `name:tag` (its layers + one new layer); `exclude`d paths
+        keep their base content. Create sandboxes from it with `fleet.create(image=...)`."""
+        body = {"image": image, "exclude": list(exclude)}
+        call = b.Call("POST", b.sandbox_path(self.id) + "/pack", json=body, timeout=max(self._c.timeout, 1800))
+        return await self._c._model(ImageInfo, call)
+
     async def fork(
         self, count: int = 1, labels: Mapping[str, str] | None = None
     ) -> builtins.list[AsyncSandbox | SandboxError]:

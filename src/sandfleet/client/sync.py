@@ -260,6 +260,13 @@ class Sandbox:
         call = b.Call("POST", b.sandbox_path(self.id) + "/snapshots", timeout=max(self._c.timeout, 600))
         return self._c._model(SnapshotInfo, call)
 
+    def pack(self, image: str, *, exclude: Sequence[str] = ()) -> ImageInfo:
+        """Save this sandbox's changes as image `name:tag` (its layers + one new layer); `exclude`d paths
+        keep their base content. Create sandboxes from it with `fleet.create(image=...)`."""
+        body = {"image": image, "exclude": list(exclude)}
+        call = b.Call("POST", b.sandbox_path(self.id) + "/pack", json=body, timeout=max(self._c.timeout, 1800))
+        return self._c._model(ImageInfo, call)
+
     def fork(self, count: int = 1, labels: Mapping[str, str] | None = None) -> builtins.list[Sandbox | SandboxError]:
         """`count` copies of this sandbox as it is now, each isolated from it and from each other."""
         return self._c._batch(b.call_fork(self.id, count, labels, max(self._c.timeout, 600)))

@@ -49,6 +49,7 @@ from sandfleet.models import (
     ImageList,
     LabelsRequest,
     Ok,
+    PackRequest,
     ProcessInfo,
     ProcessList,
     SandboxInfo,
@@ -257,6 +258,10 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def fork(sandbox_id: str, req: Annotated[ForkRequest | None, Body()] = None) -> CreateBatchResult:
         req = req or ForkRequest()
         return _batch_result(await manager.fork(sandbox_id, req.count, req.labels))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pack", response_model=ImageInfo, status_code=201)
+    async def pack(sandbox_id: str, req: PackRequest) -> ImageInfo:
+        return _image_info(await manager.pack(sandbox_id, req.image, req.exclude))
 
     @app.get("/v1/snapshots", response_model=SnapshotList)
     async def list_snapshots(sandbox_id: str | None = None) -> SnapshotList:

@@ -46,7 +46,7 @@ from sandfleet.errors import (
     UnavailableError,
     WrongStateError,
 )
-from sandfleet.images import ImageBuildError, ImageManifest, InvalidRefError, LayerStore
+from sandfleet.images import ImageBuildError, ImageManifest, InvalidRefError, LayerRef, LayerStore, parse_ref
 from sandfleet.images import ImageNotFoundError as StoreImageNotFound
 from sandfleet.models import (
     ExecEvent,
@@ -824,6 +824,51 @@ class SandboxManager:
             if rec is not None:
                 await self._drop_snapshot(rec)
 
+    # -- pack: a live sandbox's changes as a new image ----------------------------------------------
+
+    async def pack(self, sandbox_id: str, ref: str, exclude: builtins.list[str]) -> ImageManifest:
+        """A new image: the sandbox's layers plus one new layer holding what it changed.
+
+        `exclude`: absolute paths whose changes are dropped (build caches, shell history, answer
+        files): under them the new image shows the base layers' content, as before the sandbox ran.
+        The manifest's recipe records which sandbox (and image) it was packed from, and when.
+        """
+        try:
+            name, tag = parse_ref(ref)
+        except InvalidRefError as exc:
+            raise InvalidArgumentError(f"invalid image reference {ref!r}: {exc}") from exc
+        scrub = [_inside_path(path) for path in exclude]
+        sb, live = await self._ready(sandbox_id)
+        base = await asyncio.to_thread(self._layer_refs, [str(d) for d in live.runtime.get("layers", [])])
+        staging = self.store.tmp_dir / f"pack-{secrets.token_hex(8)}"
+        sb.inflight += 1  # not paused by the idle policy meanwhile
+        try:
+            await self.backend.export_writable_layer(live, staging)
+            for rel in scrub:
+                await asyncio.to_thread(_scrub, staging, rel)
+            layer = await self.store.add_layer_from_dir(
+                staging, f"changes of sandbox {sandbox_id}", kind="layer", shift_ids=False
+            )
+        finally:
+            sb.inflight -= 1
+            await asyncio.to_thread(shutil.rmtree, staging, True)
+        recipe = {"packed_from": sandbox_id, "image": sb.spec.image, "excluded": scrub, "packed_at": time.time()}
+        layers = [*base, layer]
+        manifest = await asyncio.to_thread(self.store.put_manifest, name, tag, layers, recipe=json.dumps(recipe))
+        self._event(sandbox_id, "packed", {"image": manifest.ref, "layer": layer.digest, "bytes": layer.size})
+        return manifest
+
+    def _layer_refs(self, digests: builtins.list[str]) -> builtins.list[LayerRef]:
+        known = {x.digest: x for m in self.store.list_images() for x in m.layers}
+        out = []
+        for digest in digests:
+            ref = known.get(digest)
+            if ref is None:
+                size = self.store.layer_path(digest).stat().st_size
+                ref = LayerRef(digest=digest, size=size, kind="layer")
+            out.append(ref)
+        return out
+
     # -- pause and resume ---------------------------------------------------------------------------
 
     async def usage(self, sandbox_id: str) -> Usage:
@@ -1441,3 +1486,28 @@ def _tree_bytes(path: Path) -> int:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total
+
+
+def _inside_path(path: str) -> str:
+    """An absolute path inside the sandbox, normalised, as a relative path of its root."""
+    if not path.startswith("/") or "\0" in path:
+        raise InvalidArgumentError(f"excluded path {path!r} must be absolute")
+    norm = os.path.normpath(path).lstrip("/")
+    if not norm or norm == "." or norm.split("/")[0] == "..":
+        raise InvalidArgumentError(f"excluded path {path!r} must name something below /")
+    return norm
+
+
+def _scrub(root: Path, rel: str) -> None:
+    """Drop `rel` from a copied writable layer, never following a symlink the sandbox made."""
+    parts = rel.split("/")
+    cur = root
+    for part in parts[:-1]:
+        cur = cur / part
+        if cur.is_symlink() or not cur.is_dir():
+            return  # nothing of the layer lies below a symlink or a file
+    final = cur / parts[-1]
+    if final.is_dir() and not final.is_symlink():
+        shutil.rmtree(final)
+    elif os.path.lexists(final):
+        final.unlink()

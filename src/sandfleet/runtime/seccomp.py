@@ -116,7 +116,6 @@ _ERRNO_ACTION = 0x00050000
 _OPS = {"SCMP_CMP_NE": 1, "SCMP_CMP_LT": 2, "SCMP_CMP_LE": 3, "SCMP_CMP_EQ": 4, "SCMP_CMP_GE": 5}
 _OPS.update({"SCMP_CMP_GT": 6, "SCMP_CMP_MASKED_EQ": 7})
 _ARCHES = {"SCMP_ARCH_X86_64": b"x86_64", "SCMP_ARCH_X86": b"x86", "SCMP_ARCH_X32": b"x32"}
-_SCMP_FLTATR_CTL_OPTIMIZE = 8  # enum scmp_filter_attr
 
 
 def _action(rule: dict[str, Any]) -> int:
@@ -152,16 +151,11 @@ def compile_bpf(profile: dict[str, Any]) -> bytes:
         ctypes.POINTER(_ArgCmp),
     ]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
 
     ctx = lib.seccomp_init(_ACTIONS[profile["defaultAction"]])
     if not ctx:
         raise SeccompUnavailableError("seccomp_init failed")
     try:
-        # A binary tree of syscall numbers instead of one long chain: the kernel runs the filter for
-        # every syscall number when it installs it (to cache the always-allowed ones), once per
-        # sandbox, and a short path makes that ~10x cheaper (libseccomp >= 2.5; older: a chain).
-        lib.seccomp_attr_set(ctx, _SCMP_FLTATR_CTL_OPTIMIZE, 2)
         native = lib.seccomp_arch_native()
         for arch in profile.get("architectures", []):
             token = lib.seccomp_arch_resolve_name(_ARCHES[arch])
