@@ -23,6 +23,8 @@ import shutil
 import signal
 import socket
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -329,14 +331,7 @@ class ContainerBackend:
             except (TimeoutError, ChannelClosedError) as exc:
                 channel.close()
                 raise UnavailableError("sandbox agent did not come up") from exc
-            return LiveSandbox(
-                id=sandbox_id,
-                channel=channel,
-                agent_pid=pid,
-                agent_start_time=runtime["agent_start_time"],
-                uid_base=self.config.uid_base,
-                runtime=runtime,
-            )
+            return self._live(sandbox_id, channel, runtime)
         except BaseException as exc:
             ours.close()
             await asyncio.shield(self.cleanup(sandbox_id, runtime))
@@ -652,16 +647,36 @@ class ContainerBackend:
         finally:
             await asyncio.to_thread(shutil.rmtree, staging, True)
 
+    @staticmethod
+    async def _grab_channel(
+        pid: int, seconds: float, until: Callable[[], bool] = lambda: False
+    ) -> socket.socket | None:
+        """The channel an agent offers on its fd 4 (after losing or moving its old one), polled for up
+        to `seconds`; None if it offers none (or `until()` says to stop waiting)."""
+        deadline = time.monotonic() + seconds
+        while not until():
+            try:
+                return await asyncio.to_thread(grab_handoff_channel, pid)
+            except OSError:
+                if time.monotonic() > deadline:
+                    return None
+                await asyncio.sleep(0.01)
+        return None
+
+    def _live(self, sandbox_id: str, channel: AgentChannel, runtime: dict[str, Any]) -> LiveSandbox:
+        return LiveSandbox(
+            id=sandbox_id,
+            channel=channel,
+            agent_pid=runtime["agent_pid"],
+            agent_start_time=runtime.get("agent_start_time"),
+            uid_base=self.config.uid_base,
+            runtime=runtime,
+        )
+
     async def _take_new_channel(self, sandbox: LiveSandbox) -> None:
         """After a reopen: adopt the socketpair the agent offers on fd 4; failing that, the sandbox is lost."""
-        for _ in range(250):
-            if sandbox.channel.closed:
-                return
-            try:
-                sock = await asyncio.to_thread(grab_handoff_channel, sandbox.agent_pid)
-            except OSError:
-                await asyncio.sleep(0.02)
-                continue
+        sock = await self._grab_channel(sandbox.agent_pid, 5.0, until=lambda: sandbox.channel.closed)
+        if sock is not None:
             try:
                 sandbox.channel.adopt_socket(sock)
             except ChannelClosedError:
@@ -669,6 +684,8 @@ class ContainerBackend:
                 return
             with contextlib.suppress(TimeoutError, ChannelClosedError):
                 await sandbox.channel.ping(timeout=5)  # the agent parks fd 4 again on its first message
+            return
+        if sandbox.channel.closed:
             return
         log.error("sandbox %s: the agent offered no new channel after a reopen", sandbox.id)
         sandbox.channel.fail("the agent offered no new channel after a reopen")
@@ -728,13 +745,7 @@ class ContainerBackend:
                 os.close(placeholder)
             runtime["agent_pid"] = pid
             runtime["agent_start_time"] = proc.process_start_time(pid)
-            sock: socket.socket | None = None
-            for _ in range(250):
-                try:
-                    sock = await asyncio.to_thread(grab_handoff_channel, pid)
-                    break
-                except OSError:
-                    await asyncio.sleep(0.01)
+            sock = await self._grab_channel(pid, 2.5)
             if sock is None:
                 raise UnavailableError("the restored agent offered no channel")
             channel = AgentChannel(sock, first_id=int(meta.get("next_id", 1)))
@@ -745,14 +756,7 @@ class ContainerBackend:
             except (TimeoutError, ChannelClosedError) as exc:
                 channel.close()
                 raise UnavailableError("the restored agent did not answer") from exc
-            return LiveSandbox(
-                id=sandbox_id,
-                channel=channel,
-                agent_pid=pid,
-                agent_start_time=runtime["agent_start_time"],
-                uid_base=self.config.uid_base,
-                runtime=runtime,
-            )
+            return self._live(sandbox_id, channel, runtime)
         except BaseException as exc:
             await asyncio.shield(self.cleanup(sandbox_id, runtime))
             if isinstance(exc, SandboxError | asyncio.CancelledError):
@@ -768,13 +772,8 @@ class ContainerBackend:
         if not isinstance(pid, int) or proc.process_start_time(pid) != runtime.get("agent_start_time"):
             return None
         await asyncio.to_thread(self._thaw_quietly, sandbox_id)  # paused when the old daemon died
-        sock: socket.socket | None = None
-        for _ in range(100):  # the agent notices the old channel's EOF and offers a new one at fd 4
-            try:
-                sock = await asyncio.to_thread(grab_handoff_channel, pid)
-                break
-            except OSError:
-                await asyncio.sleep(0.02)
+        # The agent notices the old channel's EOF and offers a new one at fd 4.
+        sock = await self._grab_channel(pid, 2.0)
         if sock is None:
             return None
         channel = AgentChannel(sock)
@@ -790,14 +789,7 @@ class ContainerBackend:
         for digest in digests if isinstance(digests, list) else []:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.layers.acquire, digest, self.store.layer_path(digest))
-        return LiveSandbox(
-            id=sandbox_id,
-            channel=channel,
-            agent_pid=pid,
-            agent_start_time=runtime.get("agent_start_time"),
-            uid_base=self.config.uid_base,
-            runtime=runtime,
-        )
+        return self._live(sandbox_id, channel, runtime)
 
     # -- introspection ------------------------------------------------------------------------
 
