@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from sandfleet.runtime import cgroups, seccomp
+from sandfleet.runtime import cgroups, criu, seccomp
 
 APT = "apt-get install -y"
 
@@ -105,6 +105,12 @@ def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check
         yield Check("libseccomp", "ok", "compiles the sandbox seccomp filter")
     except seccomp.SeccompUnavailableError as exc:
         yield Check("libseccomp", "fail", f"{exc}: {APT} libseccomp2")
+    try:
+        tool = criu.Criu()
+        ver = _version([*tool.command(), "--version"])
+        yield Check("criu", "ok", f"{tool.binary} {ver} (snapshot, restore, fork)".strip())
+    except criu.CriuUnavailableError as exc:
+        yield Check("criu", "warn", f"{exc}; snapshots and forks are unavailable until it is")
     libc_a = any(Path(p).exists() for p in ("/usr/lib/x86_64-linux-gnu/libc.a", "/usr/lib/aarch64-linux-gnu/libc.a"))
     yield Check(
         "static libc",
