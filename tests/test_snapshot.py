@@ -263,3 +263,21 @@ def test_pack_a_live_sandbox_into_an_image(daemon: Daemon, fleet: Client) -> Non
     LayerStore(IMAGES).remove_image("packed-env:v1")
     with fleet.create(image="busybox") as other, pytest.raises(InvalidArgumentError):
         other.pack("bad ref!")
+
+
+def test_external_mounts_are_classified_from_mountinfo(fleet: Client, daemon: Daemon) -> None:
+    """Everything a launcher sandbox mounts from outside is named for criu; a host bind is refused."""
+    from sandfleet.runtime.criu import Criu
+
+    with fleet.create(image="busybox") as sb:
+        pid = int((daemon.run_dir / "sandboxes" / sb.id / "agent.pid").read_text())
+        mountinfo = Path(f"/proc/{pid}/mountinfo").read_text()
+    ext = Criu.external_mounts(mountinfo)
+    assert ext["/dev"] == {"key": "ext_dev", "kind": "scratch", "root": "/dev"}
+    assert ext["/dev/.sandfleet"]["kind"] == "scratch" and ext["/dev/.sandfleet"]["root"] == "/"
+    assert ext["/dev/null"]["kind"] == "device" and ext["/proc/kmsg"]["root"] == "/null"
+    assert ext["/sys"]["kind"] == "sysfs" and ext["/sys/firmware"]["kind"] == "empty"
+    assert "/proc" not in ext and "/" not in ext and "/dev/pts" not in ext
+    host_bind = "99 66 8:1 /srv/data /data rw,relatime - ext4 /dev/sda1 rw"
+    with pytest.raises(ValueError, match="/data"):
+        Criu.external_mounts(mountinfo + host_bind + "\n")

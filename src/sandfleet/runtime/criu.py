@@ -26,17 +26,6 @@ from sandfleet.runtime import proc
 DEFAULT_ROOT = Path("/opt/sandfleet/criu")
 AGENT_FD = 4  # where the restorer finds the agent binary (the launcher's fd 4)
 
-# Mount points of a launcher sandbox whose source lies outside its mount namespace.
-_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-_NULL_MASKS = (
-    "/proc/keys",
-    "/proc/timer_list",
-    "/proc/kpagecgroup",
-    "/proc/kpagecount",
-    "/proc/kpageflags",
-    "/proc/kmsg",
-)
-_EMPTY_MASKS = ("/proc/acpi", "/sys/firmware", "/sys/kernel/debug", "/sys/fs/cgroup")
 SCRATCH_MOUNT = "/dev/.sandfleet"
 
 
@@ -80,26 +69,37 @@ class Criu:
             await asyncio.to_thread(_write_private, Path("/run/criu.kdat"), done.stdout)
 
     @staticmethod
-    def external_mounts(mountinfo: str) -> dict[str, str]:
-        """mount point -> external key, for the mounts of a sandbox whose source is outside it."""
-        points = {line.split()[4] for line in mountinfo.splitlines() if len(line.split()) > 4}
-        wanted = ["/dev", "/dev/shm", SCRATCH_MOUNT, "/sys", *(f"/dev/{d}" for d in _DEVICES)]
-        wanted += [*_NULL_MASKS, *_EMPTY_MASKS]
-        out = {}
-        for point in wanted:
-            if point in points:
-                out[point] = "ext" + re.sub(r"[^a-z0-9]", "_", point)
-        unknown = (
-            points
-            - set(wanted)
-            - {"/", "/proc", "/dev/pts", "/dev/mqueue"}
-            - {
-                "/proc/bus",
-                "/proc/fs",
-                "/proc/irq",
-                "/proc/sys",
-            }
-        )
+    def external_mounts(mountinfo: str) -> dict[str, dict[str, str]]:
+        """The mounts of a sandbox whose source is outside its namespace, classified from its
+        mountinfo by filesystem: mount point -> {key (criu's name for it), kind, root (within the
+        source filesystem)}. Kinds: `scratch` (/dev, /dev/shm, /dev/.sandfleet: the writable
+        layer's tmpfs), `device` (host device nodes, also over masked /proc files), `sysfs` (the
+        shared read-only one), `empty` (the shared empty tmpfs over masked directories). proc,
+        devpts, mqueue and the rootfs are the sandbox's own; anything else (a bind mount of a host
+        directory) cannot be carried and raises ValueError.
+        """
+        out: dict[str, dict[str, str]] = {}
+        unknown = []
+        for line in mountinfo.splitlines():
+            fields = line.split()
+            if "-" not in fields:
+                continue
+            sep = fields.index("-")
+            root, point, fstype, source = fields[3], fields[4], fields[sep + 1], fields[sep + 2]
+            if fstype in ("proc", "devpts", "mqueue") or (point == "/" and fstype == "overlay"):
+                continue
+            if fstype == "devtmpfs":
+                kind = "device"
+            elif fstype == "sysfs":
+                kind = "sysfs"
+            elif fstype == "tmpfs" and source == "sandfleet-scratch":
+                kind = "scratch"
+            elif fstype == "tmpfs" and source == "sandfleet-empty":
+                kind = "empty"
+            else:
+                unknown.append(point)
+                continue
+            out[point] = {"key": "ext" + re.sub(r"[^a-z0-9]", "_", point), "kind": kind, "root": root}
         if unknown:
             raise ValueError(f"mounts a snapshot cannot carry: {', '.join(sorted(unknown))}")
         return out
@@ -117,15 +117,22 @@ class Criu:
             os.close(fd)
 
     def dump_argv(
-        self, pid: int, images: Path, *, externals: dict[str, str], agent_key: str, freezer: str | None, log: Path
+        self,
+        pid: int,
+        images: Path,
+        *,
+        externals: dict[str, dict[str, str]],
+        agent_key: str,
+        freezer: str | None,
+        log: Path,
     ) -> list[str]:
         argv = [*self.command(), "dump", "-t", str(pid), "-D", str(images), "--leave-running"]
         argv += ["--log-file", str(log), "-v2", "--external", agent_key]
         if freezer is not None:
             # Already frozen by us (the writable layer is copied meanwhile); criu leaves it frozen.
             argv += ["--freeze-cgroup", freezer]
-        for point, key in externals.items():
-            argv += ["--external", f"mnt[{point}]:{key}"]
+        for point, ext in externals.items():
+            argv += ["--external", f"mnt[{point}]:{ext['key']}"]
         return argv
 
     def restore_argv(
@@ -135,7 +142,7 @@ class Criu:
         rootfs: Path,
         scratch: Path,
         shared: Path,
-        externals: dict[str, str],
+        externals: dict[str, dict[str, str]],
         agent_key: str,
         pid_file: Path,
         log: Path,
@@ -156,8 +163,8 @@ class Criu:
             argv += ["--cgroup-root", f"{controller}:{cgroup_root}" if controller else cgroup_root]
         argv += ["--inherit-fd", f"fd[{AGENT_FD}]:{agent_key}"]
         argv += ["--action-script", str(action_script)]
-        for point, key in externals.items():
-            argv += ["--external", f"mnt[{key}]:{self._source(point, scratch, shared)}"]
+        for ext in externals.values():
+            argv += ["--external", f"mnt[{ext['key']}]:{self._source(ext, scratch, shared)}"]
         return argv
 
     @staticmethod
@@ -169,17 +176,15 @@ class Criu:
         os.chmod(path, 0o700)
 
     @staticmethod
-    def _source(point: str, scratch: Path, shared: Path) -> str:
-        if point == SCRATCH_MOUNT:
-            return str(scratch)
-        if point in ("/dev", "/dev/shm"):
-            return str(scratch) + point
-        if point.startswith("/dev/"):
-            return point  # the host's device node
-        if point == "/sys":
+    def _source(ext: dict[str, str], scratch: Path, shared: Path) -> str:
+        """Where the new sandbox's copy of an external mount comes from (a path in the launcher's namespace)."""
+        root = ext["root"].rstrip("/")
+        if ext["kind"] == "scratch":
+            return str(scratch) + root
+        if ext["kind"] == "device":
+            return "/dev" + root  # the host's node (/dev/null also backs the masked /proc files)
+        if ext["kind"] == "sysfs":
             return str(shared / "sysfs")
-        if point in _NULL_MASKS:
-            return "/dev/null"
         return str(shared / "empty")
 
 
