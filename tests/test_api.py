@@ -44,7 +44,6 @@ from sandfleet.errors import (
     UnavailableError,
     WrongStateError,
 )
-from sandfleet.images import LayerStore
 
 from conftest import IMAGES, Daemon, destroy_daemon, make_daemon
 
@@ -355,7 +354,9 @@ def test_live_responses_match_the_spec(http: httpx.Client, contract: Contract) -
         contract.error(http.post(f"/v1/sandboxes/{sid}/fork", json={"count": 0}), "invalid_argument")
         packed = contract.check(http.post(f"/v1/sandboxes/{sid}/pack", json={"image": "api-packed:v1"}), 201)
         assert packed["name"] == "api-packed" and len(packed["layers"]) >= 2
-        LayerStore(IMAGES).remove_image("api-packed:v1")
+        contract.check(http.delete("/v1/images/api-packed:v1"), 200)
+        contract.error(http.delete("/v1/images/api-packed:v1"), "not_found")
+        contract.check(http.post("/v1/images/gc", params={"min_age": 3600}), 200)
         contract.error(
             http.post(f"/v1/sandboxes/{sid}/pack", json={"image": "x", "exclude": ["rel"]}), "invalid_argument"
         )

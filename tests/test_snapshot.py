@@ -281,3 +281,26 @@ def test_external_mounts_are_classified_from_mountinfo(fleet: Client, daemon: Da
     host_bind = "99 66 8:1 /srv/data /data rw,relatime - ext4 /dev/sda1 rw"
     with pytest.raises(ValueError, match="/data"):
         Criu.external_mounts(mountinfo + host_bind + "\n")
+
+
+def test_image_gc_never_deletes_a_layer_in_use(daemon: Daemon, fleet: Client) -> None:
+    with fleet.create(image="busybox") as sb:
+        sb.exec("echo v1 > /root/version")
+        packed = sb.pack("gc-test:v1")
+    layer = packed.layers[-1]
+    layer_file = IMAGES / "layers" / ("sha256-" + layer.removeprefix("sha256:") + ".erofs")
+    user = fleet.create(image="gc-test:v1")
+    try:
+        fleet.delete_image("gc-test:v1")
+        assert layer not in fleet.gc_images(min_age=0).removed  # a running sandbox uses it
+        assert layer_file.exists()
+        user.snapshot()  # kept with its owner, and so is the layer
+        assert layer not in fleet.gc_images(min_age=0).removed
+        assert user.exec("cat /root/version").stdout == "v1\n"
+    finally:
+        user.stop()
+    res = fleet.gc_images(min_age=0)
+    assert layer in res.removed and res.bytes > 0 and not layer_file.exists()
+    assert all(d not in res.removed for i in fleet.images() for d in i.layers)  # named images keep theirs
+    with fleet.create(image="busybox") as still:
+        assert still.exec("echo ok").stdout == "ok\n"

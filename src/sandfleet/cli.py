@@ -344,6 +344,31 @@ def images_list(ctx: typer.Context, socket: SocketOpt = None) -> None:
     console.print(table)
 
 
+@images_app.command("rm")
+def images_rm(refs: Annotated[list[str], typer.Argument(help="name:tag")], socket: SocketOpt = None) -> None:
+    """Delete images (their layers go at the next `sandfleet images gc` once nothing uses them)."""
+    with _client(socket) as fleet:
+        for ref in refs:
+            try:
+                fleet.delete_image(ref)
+            except SandboxError as exc:
+                raise _fail(exc) from exc
+
+
+@images_app.command("gc")
+def images_gc(
+    min_age: Annotated[float, typer.Option(help="keep layers younger than this many seconds")] = 600.0,
+    socket: SocketOpt = None,
+) -> None:
+    """Delete layer files no image, sandbox or snapshot uses."""
+    with _client(socket) as fleet:
+        try:
+            res = fleet.gc_images(min_age)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+    console.print(f"removed {len(res.removed)} layers, {res.bytes / 2**20:.1f} MiB freed")
+
+
 @images_app.command("build")
 def images_build(
     refs: Annotated[list[str], typer.Argument(help="built-in images: busybox, debian:bookworm, python:3.11")],

@@ -492,3 +492,8 @@ class PackRequest(_Model):
         max_length=256,
         description="absolute paths whose changes are left out (caches, shell history, answer files)",
     )
+
+
+class GcResult(_Model):
+    removed: list[str] = Field(description="digests of the layer files deleted")
+    bytes: int = Field(description="disk freed")

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
@@ -24,6 +25,7 @@ from sandfleet.models import (
     ExecResult,
     FileInfo,
     FileList,
+    GcResult,
     IdList,
     ImageInfo,
     ImageList,
@@ -116,6 +118,14 @@ class AsyncClient:
     async def images(self) -> list[ImageInfo]:
 
         return (await self._model(ImageList, b.Call("GET", "/v1/images"))).images
+
+    async def delete_image(self, ref: str) -> None:
+        """Delete an image's manifest (its layers go at the next `gc_images` once nothing uses them)."""
+        await self._send(b.Call("DELETE", "/v1/images/" + quote(ref, safe="")))
+
+    async def gc_images(self, min_age: float = 600.0) -> GcResult:
+        """Delete layer files no image, sandbox or snapshot uses (and older than `min_age` seconds)."""
+        return await self._model(GcResult, b.Call("POST", "/v1/images/gc", params={"min_age": min_age}))
 
     async def build_image(self, ref: str, timeout: float = 1800) -> ImageInfo:
         return await self._model(ImageInfo, b.Call("POST", "/v1/images/build", params={"ref": ref}, timeout=timeout))

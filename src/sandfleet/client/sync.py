@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
@@ -23,6 +24,7 @@ from sandfleet.models import (
     ExecResult,
     FileInfo,
     FileList,
+    GcResult,
     IdList,
     ImageInfo,
     ImageList,
@@ -115,6 +117,14 @@ class Client:
     def images(self) -> list[ImageInfo]:
 
         return (self._model(ImageList, b.Call("GET", "/v1/images"))).images
+
+    def delete_image(self, ref: str) -> None:
+        """Delete an image's manifest (its layers go at the next `gc_images` once nothing uses them)."""
+        self._send(b.Call("DELETE", "/v1/images/" + quote(ref, safe="")))
+
+    def gc_images(self, min_age: float = 600.0) -> GcResult:
+        """Delete layer files no image, sandbox or snapshot uses (and older than `min_age` seconds)."""
+        return self._model(GcResult, b.Call("POST", "/v1/images/gc", params={"min_age": min_age}))
 
     def build_image(self, ref: str, timeout: float = 1800) -> ImageInfo:
         return self._model(ImageInfo, b.Call("POST", "/v1/images/build", params={"ref": ref}, timeout=timeout))

@@ -43,6 +43,7 @@ from sandfleet.models import (
     FileInfo,
     FileList,
     ForkRequest,
+    GcResult,
     Health,
     IdList,
     ImageInfo,
@@ -504,6 +505,16 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def images() -> ImageList:
         manifests = await asyncio.to_thread(manager.store.list_images)
         return ImageList(images=[_image_info(m) for m in manifests])
+
+    @app.delete("/v1/images/{ref:path}", response_model=Ok)
+    async def delete_image(ref: str) -> Ok:
+        await manager.delete_image(ref)
+        return Ok()
+
+    @app.post("/v1/images/gc", response_model=GcResult)
+    async def gc_images(min_age: Annotated[float, Query(ge=0)] = 600.0) -> GcResult:
+        removed, freed = await manager.gc_images(min_age)
+        return GcResult(removed=removed, bytes=freed)
 
     @app.post("/v1/images/build", response_model=ImageInfo)
     async def build_image(ref: str) -> ImageInfo:

@@ -110,6 +110,10 @@ class WarmPools:
     def pooled(self) -> int:
         return sum(len(p.ready) + p.filling for p in self.pools.values())
 
+    def layer_digests(self) -> set[str]:
+        """Layers the ready members run on (image garbage collection keeps them)."""
+        return {str(d) for p in self.pools.values() for live in p.ready for d in live.runtime.get("layers", [])}
+
     def sizes(self) -> dict[str, int]:
         return {p.key.describe(): len(p.ready) for p in self.pools.values()}
 

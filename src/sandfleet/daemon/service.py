@@ -858,6 +858,29 @@ class SandboxManager:
         self._event(sandbox_id, "packed", {"image": manifest.ref, "layer": layer.digest, "bytes": layer.size})
         return manifest
 
+    async def delete_image(self, ref: str) -> None:
+        try:
+            await asyncio.to_thread(self.store.remove_image, ref)
+        except InvalidRefError as exc:
+            raise InvalidArgumentError(f"invalid image reference {ref!r}: {exc}") from exc
+        except StoreImageNotFound as exc:
+            raise ImageNotFoundError(f"image {ref} not found") from exc
+
+    async def gc_images(self, min_age: float = 600.0) -> tuple[builtins.list[str], int]:
+        """Delete layers nothing refers to: no image, no sandbox of this daemon, no snapshot."""
+        keep: set[str] = set()
+        for sb in self.sandboxes.values():
+            if sb.live is not None and sb.state in ("creating", "running", "paused", "stopping"):
+                keep.update(str(d) for d in sb.live.runtime.get("layers", []))
+        for rec in self.snapshots.values():
+            keep.update(str(d) for d in rec.meta.get("layers", []))
+        if self.pools is not None:
+            keep.update(self.pools.layer_digests())
+        removed, freed = await asyncio.to_thread(self.store.gc, keep, min_age=min_age)
+        if removed:
+            log.info("image gc removed %d layers (%d bytes)", len(removed), freed)
+        return removed, freed
+
     def _layer_refs(self, digests: builtins.list[str]) -> builtins.list[LayerRef]:
         known = {x.digest: x for m in self.store.list_images() for x in m.layers}
         out = []

@@ -241,6 +241,29 @@ class LayerStore:
                 raise
             parent = parent.parent
 
+    def gc(self, keep: set[str], *, min_age: float = 600.0) -> tuple[list[str], int]:
+        """Delete layer files no manifest names and `keep` (layers in use: mounted, of live
+        sandboxes, of snapshots) does not hold; layers younger than `min_age` seconds are left
+        alone (a build or pack may be about to name them). Returns (digests removed, bytes freed).
+
+        A sandbox still running on a removed layer is unaffected: its mount holds the file.
+        """
+        referenced = {layer.digest for m in self.list_images() for layer in m.layers} | keep
+        removed, freed, now = [], 0, time.time()
+        for path in sorted(self.layers_dir.glob("sha256-*.erofs")):
+            digest = "sha256:" + path.name.removeprefix("sha256-").removesuffix(".erofs")
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if digest in referenced or now - st.st_mtime < min_age:
+                continue
+            path.unlink(missing_ok=True)
+            self._sizes.pop(digest, None)
+            removed.append(digest)
+            freed += st.st_size
+        return removed, freed
+
     # ------------------------------------------------------------------ building
 
     @contextlib.asynccontextmanager
