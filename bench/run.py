@@ -1021,46 +1021,38 @@ def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
     sf = res["sandfleet"]
     tables = []
     base = sf["create_to_first_exec"]["create_plus_first_exec"]
+
+    def sandfleet_row(label: str, st: dict[str, Any], note: str) -> list[str]:
+        """One sandfleet line of the cycle table, with its ratios to the cold create."""
+        ratios = [f(st["p50_ms"] / base["p50_ms"], 2), f(st["mean_ms"] / base["mean_ms"], 2)]
+        return [label, f(st["p50_ms"]), f(st["p99_ms"]), f(st["mean_ms"]), *ratios, note]
+
+    cold = sf["create_to_first_exec"]
     rows = [
-        [
+        sandfleet_row(
             'sandfleet SDK: create + exec("true")',
-            f(base["p50_ms"]),
-            f(base["p99_ms"]),
-            f(base["mean_ms"]),
-            "1.00",
-            "1.00",
-            f"create p50 {f(sf['create_to_first_exec']['create']['p50_ms'])} ms + first exec p50 "
-            f"{f(sf['create_to_first_exec']['first_exec']['p50_ms'])} ms",
-        ]
+            base,
+            f"create p50 {f(cold['create']['p50_ms'])} ms + first exec p50 {f(cold['first_exec']['p50_ms'])} ms",
+        )
     ]
     if "pooled_create_to_first_exec" in sf:
         pooled = sf["pooled_create_to_first_exec"]
-        pb = pooled["create_plus_first_exec"]
         rows.append(
-            [
+            sandfleet_row(
                 'sandfleet SDK, warm pool: create + exec("true")',
-                f(pb["p50_ms"]),
-                f(pb["p99_ms"]),
-                f(pb["mean_ms"]),
-                f(pb["p50_ms"] / base["p50_ms"], 2),
-                f(pb["mean_ms"] / base["mean_ms"], 2),
+                pooled["create_plus_first_exec"],
                 f"create p50 {f(pooled['create']['p50_ms'])} ms + first exec p50 "
                 f"{f(pooled['first_exec']['p50_ms'])} ms; one create every 0.2 s (the CPUs idle in between)",
-            ]
+            )
         )
     if "pooled_groups" in sf:
         pg = sf["pooled_groups"]
-        gb = pg["create_plus_first_exec"]
         rows.append(
-            [
+            sandfleet_row(
                 f'sandfleet SDK, warm pool, groups of {pg["group"]} back to back: create + exec("true")',
-                f(gb["p50_ms"]),
-                f(gb["p99_ms"]),
-                f(gb["mean_ms"]),
-                f(gb["p50_ms"] / base["p50_ms"], 2),
-                f(gb["mean_ms"] / base["mean_ms"], 2),
+                pg["create_plus_first_exec"],
                 f"create p50 {f(pg['create']['p50_ms'])} ms; {pg['groups']} groups, the pool refilled between them",
-            ]
+            )
         )
     for name, pr in res["peers"]["cycle"].items():
         if pr["status"] == "ok":

@@ -46,7 +46,7 @@ from sandfleet.errors import (
     UnavailableError,
     WrongStateError,
 )
-from sandfleet.images import ImageBuildError, ImageManifest, InvalidRefError, LayerRef, LayerStore, parse_ref
+from sandfleet.images import ImageBuildError, ImageManifest, InvalidRefError, LayerRef, LayerStore, fsutil, parse_ref
 from sandfleet.images import ImageNotFoundError as StoreImageNotFound
 from sandfleet.models import (
     ExecEvent,
@@ -717,7 +717,7 @@ class SandboxManager:
             try:
                 meta = await self.backend.snapshot(live, path)
                 seconds = time.perf_counter() - t0
-                size = await asyncio.to_thread(_tree_bytes, path)
+                size = await asyncio.to_thread(fsutil.disk_usage, path)
                 info = SnapshotInfo(
                     id=snapshot_id, sandbox_id=sb.id, created_at=time.time(), size_bytes=size, seconds=round(seconds, 4)
                 )
@@ -1494,21 +1494,6 @@ def file_info(st: FileStat) -> FileInfo:
         mtime=st.mtime,
         link_target=st.link_target,
     )
-
-
-def _tree_bytes(path: Path) -> int:
-    """Bytes a directory tree holds on disk (hard links counted once)."""
-    total, seen = 0, set()
-    for root, dirs, names in os.walk(path):
-        for name in dirs + names:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
 
 
 def _inside_path(path: str) -> str:

@@ -154,6 +154,21 @@ def tree_size(root: Path) -> int:
     return total
 
 
+def disk_usage(root: Path) -> int:
+    """Bytes ``root`` takes on disk (allocated blocks: sparse files count what they hold; hard
+    links once), unlike ``tree_size``'s apparent size."""
+    total, seen = 0, set()
+    for path in _walk_all(root):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
+
+
 def rmtree(path: Path) -> None:
     """Remove a staging tree; tolerate it being absent."""
     if path.is_symlink() or path.is_file():
