@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from sandfleet.client import AsyncClient, AsyncSandbox, Client, Sandbox  # noqa: E402
 from sandfleet.errors import (  # noqa: E402
+    DataLossError,
     ImageNotFoundError,
     InvalidArgumentError,
     NotFoundError,
@@ -27,6 +28,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "Client",
+    "DataLossError",
     "ExecEvent",
     "ExecResult",
     "ImageNotFoundError",

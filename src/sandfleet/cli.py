@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sandfleet.client import Client, Sandbox
+from sandfleet.client import AsyncClient, Client, Sandbox
 from sandfleet.errors import SandboxError
 from sandfleet.models import Resources, SandboxSpec
 
@@ -30,8 +30,13 @@ err_console = Console(stderr=True)
 SocketOpt = Annotated[Path | None, typer.Option("--socket", envvar="SANDFLEET_SOCKET", help="daemon socket")]
 
 
-def _client(socket: Path | None) -> Client:
-    return Client(socket)
+def _client(socket: Path | None, timeout: float | None = None) -> Client:
+    return Client(socket) if timeout is None else Client(socket, timeout=timeout)
+
+
+def _spinner() -> Progress:
+    """Progress for long daemon calls that report no fraction (push, import)."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
 
 
 def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
@@ -92,7 +97,10 @@ def serve(
 
 @app.command()
 def create(
-    image: Annotated[str, typer.Option(help="image reference")] = "busybox",
+    image: Annotated[str | None, typer.Option(help="image reference (default busybox unless --layer)")] = None,
+    layer: Annotated[
+        list[str] | None, typer.Option(help="a layer or image stacked on top, bottom -> top; repeatable")
+    ] = None,
     cpu: float = 1.0,
     memory: str = "1GiB",
     disk: str = "1GiB",
@@ -106,6 +114,7 @@ def create(
     try:
         spec = SandboxSpec(
             image=image,
+            layers=layer or [],
             resources=Resources(cpu=cpu, memory=memory, disk=disk, pids=pids),
             labels=_pairs(label, "label"),
             env=_pairs(env, "env"),
@@ -208,7 +217,7 @@ def list_(
         table.add_row(
             s.id,
             s.state,
-            s.spec.image,
+            s.spec.environment(),
             f"{r.cpu:g}",
             f"{r.memory / 1024**2:.0f}MiB",
             f"{now - s.created_at:.0f}s",
@@ -338,10 +347,39 @@ def images_list(ctx: typer.Context, socket: SocketOpt = None) -> None:
         table.add_row(
             f"{i.name}:{i.tag}",
             str(len(i.layers)),
-            f"{i.size / 1024**2:.1f}MiB",
+            f"{i.size / 1024**2:.1f}MiB" + (" (on demand)" if i.on_demand else ""),
             time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created)),
         )
     console.print(table)
+
+
+@images_app.command("push")
+def images_push(refs: Annotated[list[str], typer.Argument(help="name:tag")], socket: SocketOpt = None) -> None:
+    """Publish local images to the daemon's shared store as on-demand layers."""
+    with _client(socket, timeout=3600) as fleet, _spinner() as progress:
+        for ref in refs:
+            task = progress.add_task(f"{ref}: pushing", total=None)
+            try:
+                info = fleet.push_image(ref)
+            except SandboxError as exc:
+                raise _fail(exc) from exc
+            progress.update(task, total=1, completed=1, description=f"{ref}: {info.size / 2**20:.1f} MiB shared")
+
+
+@images_app.command("import")
+def images_import(
+    source: Annotated[Path, typer.Argument(help="a `docker save` tarball, an OCI image layout dir, or its tar")],
+    ref: Annotated[str | None, typer.Option(help="name:tag (default: the archive's own tag)")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Import an OCI or Docker image: each layer becomes an EROFS layer (small ones merged)."""
+    with _client(socket, timeout=3600) as fleet, _spinner() as progress:
+        task = progress.add_task(f"{source}: importing", total=None)
+        try:
+            info = fleet.import_image(str(source.resolve()), ref)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+        progress.update(task, total=1, completed=1, description=f"{info.name}:{info.tag}: {len(info.layers)} layer(s)")
 
 
 @images_app.command("rm")
@@ -371,26 +409,46 @@ def images_gc(
 
 @images_app.command("build")
 def images_build(
-    refs: Annotated[list[str], typer.Argument(help="built-in images: busybox, debian:bookworm, python:3.11")],
+    targets: Annotated[
+        list[str],
+        typer.Argument(help="recipe files (TOML), or built-in images: busybox, debian:bookworm, python:3.11"),
+    ],
     state_dir: Annotated[Path, typer.Option(help="daemon state directory")] = Path("/var/lib/sandfleet"),
+    image_dir: Annotated[Path | None, typer.Option(help="the daemon's layer store (default STATE_DIR/images)")] = None,
+    socket: SocketOpt = None,
 ) -> None:
-    """Build images into the local layer store, with progress."""
-    from sandfleet.images import ImageError, LayerStore
+    """Build images into the daemon's layer store, with progress: one cached layer per recipe step.
 
-    store = LayerStore(state_dir / "images")
+    Recipe steps that run commands (run, pip) do so in build sandboxes of the daemon at --socket.
+    """
+    from sandfleet.images import ImageError, LayerStore
+    from sandfleet.images.recipe import Recipe, build_recipe
+
+    store = LayerStore(image_dir or state_dir / "images")
 
     async def build_all() -> None:
         with Progress(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
         ) as progress:
-            for ref in refs:
-                task = progress.add_task(ref, total=1.0)
+            for target in targets:
+                task = progress.add_task(target, total=1.0)
 
-                def report(stage: str, frac: float, task: TaskID = task, ref: str = ref) -> None:
-                    progress.update(task, completed=frac, description=f"{ref}: {stage}")
+                def report(stage: str, frac: float, task: TaskID = task, target: str = target) -> None:
+                    progress.update(task, completed=frac, description=f"{target}: {stage}")
 
-                m = await store.ensure(ref, progress=report)
-                progress.update(task, completed=1.0, description=f"{ref}: {len(m.layers)} layer(s) ready")
+                if target.endswith(".toml"):
+                    result = await build_recipe(
+                        Recipe.load(Path(target)),
+                        store,
+                        client_factory=lambda: AsyncClient(socket),
+                        progress=report,
+                    )
+                    m = result.manifest
+                    done = f"{m.ref}: {len(m.layers)} layer(s), {result.cache_hits}/{len(result.steps)} from cache"
+                else:
+                    m = await store.ensure(target, progress=report)
+                    done = f"{target}: {len(m.layers)} layer(s) ready"
+                progress.update(task, completed=1.0, description=done)
 
     try:
         asyncio.run(build_all())

@@ -12,6 +12,7 @@
     ├── UnauthenticatedError          unauthenticated    missing or bad bearer token
     ├── PermissionDeniedError         permission_denied  the sandbox refused (e.g. EACCES on a file)
     ├── UnavailableError              unavailable        daemon or sandbox channel unreachable (retryable)
+    ├── DataLossError                 data_loss          a stored layer or snapshot is corrupt or truncated
     └── InternalError                 internal           a bug or a runtime failure
 
 On the wire an error is `{"error": {"code", "message", "retryable"}}`; codes never carry class paths.
@@ -94,6 +95,11 @@ class UnavailableError(SandboxError):
     retryable = True
 
 
+class DataLossError(SandboxError):
+    code = "data_loss"
+    http_status = 500
+
+
 class InternalError(SandboxError):
     code = "internal"
     http_status = 500
@@ -111,6 +117,7 @@ WIRE_CODES: dict[str, type[SandboxError]] = {
         UnauthenticatedError,
         PermissionDeniedError,
         UnavailableError,
+        DataLossError,
         InternalError,
     )
 }

@@ -156,11 +156,26 @@ class Mount(_Model):
         return v
 
 
+_IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9._-]+)?$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
 class SandboxSpec(_Model):
     """Everything needed to create a sandbox."""
 
     backend: Backend = "container"
-    image: str = Field("busybox", description="image reference, e.g. 'busybox', 'debian:bookworm'")
+    image: str | None = Field(
+        None,
+        description="image reference, e.g. 'busybox', 'debian:bookworm'; the bottom of the layer stack. "
+        "Default 'busybox' unless `layers` is given",
+    )
+    layers: list[str] = Field(
+        default_factory=list,
+        max_length=32,
+        description="layers stacked on top of `image` at create time, bottom -> top: image refs "
+        "('toolkit/harness:3.1', each contributes its whole stack) or layer digests ('sha256:...'); "
+        "an upper layer's files (and whiteouts) win over a lower one's",
+    )
     resources: Resources = Field(default_factory=Resources)
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
@@ -182,10 +197,30 @@ class SandboxSpec(_Model):
 
     @field_validator("image")
     @classmethod
-    def _image(cls, v: str) -> str:
-        if not re.match(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9._-]+)?$", v):
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and not _IMAGE_REF_RE.match(v):
             raise ValueError(f"invalid image reference {v!r}")
         return v
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[str]) -> list[str]:
+        for ref in v:
+            is_digest = ref.startswith("sha256:")
+            if not (_DIGEST_RE.match(ref) if is_digest else _IMAGE_REF_RE.match(ref)):
+                raise ValueError(f"invalid layer {ref!r}: expected name[:tag] or sha256:<64 hex>")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_image(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("image") is None and not data.get("layers"):
+            return {**data, "image": "busybox"}
+        return data
+
+    def environment(self) -> str:
+        """The layer stack this spec asks for, as one string (pools and metrics key on it)."""
+        return "+".join([self.image or "", *self.layers]) if self.layers else self.image or ""
 
     @field_validator("env")
     @classmethod
@@ -355,8 +390,14 @@ class ImageInfo(_Model):
     name: str
     tag: str
     layers: list[str]
-    size: int
+    size: int = Field(description="bytes of the layer files (for on-demand layers: metadata plus data blobs)")
     created: float
+    on_demand: bool = Field(False, description="its file data is read on demand from the shared store")
+
+
+class ImportRequest(_Model):
+    path: str = Field(description="a `docker save` tarball, an OCI image layout directory or its tar (daemon's host)")
+    ref: str | None = Field(None, description="name:tag for the image; default: the archive's own tag")
 
 
 class StopRequest(_Model):
@@ -373,6 +414,7 @@ class ErrorBody(_Model):
         "unauthenticated",
         "permission_denied",
         "unavailable",
+        "data_loss",
         "internal",
     ]
     message: str

@@ -75,5 +75,8 @@ class Backend(Protocol):
     def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
         """CPU time a sandbox has used; None: all of this backend's sandboxes, stopped ones included."""
 
+    async def unmount_unused_layers(self) -> int:
+        """Unmount read-only layers no sandbox uses, so their files can be deleted; how many."""
+
     def leftovers(self) -> dict[str, list[str]]:
         """Node-level residue not owned by any live sandbox (for leak checks and `doctor`)."""

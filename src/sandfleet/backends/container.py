@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -32,7 +33,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandfleet.backends.base import LiveSandbox
-from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError, WrongStateError
+from sandfleet.errors import (
+    DataLossError,
+    InternalError,
+    InvalidArgumentError,
+    SandboxError,
+    UnavailableError,
+    WrongStateError,
+)
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec
 from sandfleet.runtime import cgroups, criu, files, mounts, oci, proc, seccomp
@@ -170,6 +178,9 @@ class ContainerBackend:
         await asyncio.to_thread(self.layers.unmount_unused)
         await asyncio.to_thread(self.cgroups.remove_parent_if_empty)
 
+    async def unmount_unused_layers(self) -> int:
+        return await asyncio.to_thread(self.layers.unmount_unused)
+
     # -- create ---------------------------------------------------------------------------
 
     def _check_mounts(self, spec: SandboxSpec) -> list[tuple[str, str, oci.BindMount]]:
@@ -224,6 +235,14 @@ class ContainerBackend:
         mounts.mount(f"/proc/self/fd/{fd}", str(staging), None, mounts.MS_BIND)
         return oci.BindMount(str(staging), bind.target, bind.read_only)
 
+    def _open_layer(self, digest: str) -> tuple[Path, Path | None]:
+        """A layer about to be mounted on this node: its verified image file, and its data blob if
+        the layer is on demand (blocking: the first use hashes the file once)."""
+        path = self.store.verified_layer_path(digest)
+        blob = self.store.blob_path(digest)
+        self.store.touch(path)
+        return path, blob
+
     def _prepare(
         self, sandbox_id: str, spec: SandboxSpec, digests: list[str], binds: list[tuple[str, str, oci.BindMount]]
     ) -> _Prepared:
@@ -239,7 +258,7 @@ class ContainerBackend:
             for root, rel, bind in binds:
                 pinned.append((self._pin_bind(root, rel, bind), bind))
             for digest in digests:
-                lowers.append(self.layers.acquire(digest, self.store.layer_path(digest)))
+                lowers.append(self.layers.acquire(digest, functools.partial(self._open_layer, digest)))
             limits = oci.ContainerLimits(
                 cpu=spec.resources.cpu,
                 memory=spec.resources.memory,
@@ -308,7 +327,7 @@ class ContainerBackend:
         try:
             prepared = await self._prepare_uncancellable(sandbox_id, spec, [x.digest for x in image.layers], binds)
         except LayerCorruptError as exc:
-            raise InternalError(f"image {image.name}:{image.tag} has a corrupt layer: {exc}") from exc
+            raise DataLossError(f"image {image.name}:{image.tag} has a corrupt layer: {exc}") from exc
         except OSError as exc:
             raise InternalError(f"preparing the sandbox failed: {exc}") from exc
         runtime: dict[str, Any] = {"layers": [layer.digest for layer in image.layers]}
@@ -706,7 +725,7 @@ class ContainerBackend:
         try:
             prepared = await self._prepare_uncancellable(sandbox_id, spec, digests, [])
         except LayerCorruptError as exc:
-            raise InternalError(f"a layer of the snapshot is corrupt: {exc}") from exc
+            raise DataLossError(f"a layer of the snapshot is corrupt: {exc}") from exc
         except OSError as exc:
             raise InternalError(f"preparing the sandbox failed: {exc}") from exc
         runtime: dict[str, Any] = {"layers": digests, "restored": True}
@@ -788,7 +807,7 @@ class ContainerBackend:
         digests = runtime.get("layers", [])
         for digest in digests if isinstance(digests, list) else []:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.layers.acquire, digest, self.store.layer_path(digest))
+                await asyncio.to_thread(self.layers.acquire, digest, functools.partial(self._open_layer, digest))
         return self._live(sandbox_id, channel, runtime)
 
     # -- introspection ------------------------------------------------------------------------

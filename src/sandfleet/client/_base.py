@@ -85,7 +85,7 @@ def exec_timeout(timeout: float | None, default: float) -> float | None:
 def spec_from(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> SandboxSpec:
     try:
         if spec is not None and kwargs:
-            return SandboxSpec.model_validate({**spec.model_dump(), **kwargs})
+            return SandboxSpec.model_validate({**spec.model_dump(exclude_unset=True), **kwargs})
         if spec is not None:
             return spec
         return SandboxSpec.model_validate(kwargs)
@@ -194,13 +194,15 @@ def _sb(sandbox_id: str, suffix: str = "") -> str:
     return sandbox_path(sandbox_id) + suffix
 
 
+# Fields the caller left unset are not sent: the daemon fills them from the image's defaults
+# (an OCI image's WorkingDir and User) before its own.
 def call_create(spec: SandboxSpec, timeout: float) -> Call:
-    return Call("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"), timeout=timeout)
+    return Call("POST", "/v1/sandboxes", json=spec.model_dump(mode="json", exclude_unset=True), timeout=timeout)
 
 
 def call_create_batch(specs: Sequence[SandboxSpec], concurrency: int, timeout: float) -> Call:
     body = CreateBatchRequest(specs=list(specs), concurrency=concurrency)
-    return Call("POST", "/v1/sandboxes/batch", json=body.model_dump(mode="json"), timeout=timeout)
+    return Call("POST", "/v1/sandboxes/batch", json=body.model_dump(mode="json", exclude_unset=True), timeout=timeout)
 
 
 def snapshot_path(snapshot_id: str) -> str:

@@ -28,6 +28,7 @@ from sandfleet.models import (
     IdList,
     ImageInfo,
     ImageList,
+    ImportRequest,
     ProcessInfo,
     ProcessList,
     SandboxEvent,
@@ -128,6 +129,16 @@ class Client:
 
     def build_image(self, ref: str, timeout: float = 1800) -> ImageInfo:
         return self._model(ImageInfo, b.Call("POST", "/v1/images/build", params={"ref": ref}, timeout=timeout))
+
+    def push_image(self, ref: str, timeout: float = 1800) -> ImageInfo:
+        """Publish a local image to the daemon's shared store as on-demand layers (other nodes
+        then use it without copying its file data)."""
+        return self._model(ImageInfo, b.Call("POST", "/v1/images/push", params={"ref": ref}, timeout=timeout))
+
+    def import_image(self, path: str, ref: str | None = None, timeout: float = 1800) -> ImageInfo:
+        """Import a `docker save` tarball or an OCI image layout (a path on the daemon's host)."""
+        body = ImportRequest(path=path, ref=ref).model_dump(mode="json")
+        return self._model(ImageInfo, b.Call("POST", "/v1/images/import", json=body, timeout=timeout))
 
     # -- sandboxes
 

@@ -48,6 +48,7 @@ from sandfleet.models import (
     IdList,
     ImageInfo,
     ImageList,
+    ImportRequest,
     LabelsRequest,
     Ok,
     PackRequest,
@@ -84,7 +85,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "not_found"),
         (409, "wrong_state"),
         (429, "resource_exhausted"),
-        (500, "internal"),
+        (500, "internal, data_loss"),
         (503, "unavailable"),
         (504, "timeout"),
     )
@@ -110,8 +111,9 @@ def _image_info(m: Any) -> ImageInfo:
         name=m.name,
         tag=m.tag,
         layers=[x.digest for x in m.layers],
-        size=sum(x.size for x in m.layers),
+        size=sum(x.size + (x.blob_size or 0) for x in m.layers),
         created=m.created,
+        on_demand=any(x.blob is not None for x in m.layers),
     )
 
 
@@ -515,6 +517,14 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def gc_images(min_age: Annotated[float, Query(ge=0)] = 600.0) -> GcResult:
         removed, freed = await manager.gc_images(min_age)
         return GcResult(removed=removed, bytes=freed)
+
+    @app.post("/v1/images/push", response_model=ImageInfo)
+    async def push_image(ref: str) -> ImageInfo:
+        return _image_info(await manager.push_image(ref))
+
+    @app.post("/v1/images/import", response_model=ImageInfo)
+    async def import_image(req: ImportRequest) -> ImageInfo:
+        return _image_info(await manager.import_image(req.path, req.ref))
 
     @app.post("/v1/images/build", response_model=ImageInfo)
     async def build_image(ref: str) -> ImageInfo:

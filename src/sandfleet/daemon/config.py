@@ -25,6 +25,19 @@ class DaemonConfig(BaseModel):
     tcp: str | None = Field(None, description="optional HOST:PORT to also listen on; requires `token`")
     token: str | None = Field(None, description="bearer token required on TCP (the socket is protected by mode 0600)")
     image_dir: Path | None = Field(None, description="layer store root; default <state_dir>/images")
+    shared_image_dir: Path | None = Field(
+        None,
+        description="a shared layer store (NFS, CephFS, ... mount) to use images from in place: their metadata "
+        "is copied here, their file data read on demand (`sandfleet images push` publishes to it)",
+    )
+    import_dirs: list[Path] | None = Field(
+        None,
+        description="directories `images import` may read archives from (None: any path on the node; the API "
+        "is root's socket or a bearer token, both in full control of the node)",
+    )
+    image_cache_max: ByteSize | None = Field(
+        None, description="cap on the local copies of shared-store layers; least recently used unused ones go"
+    )
     max_sandboxes: int = Field(10000, ge=1, description="admission limit: running sandboxes on this node")
     cpu_overcommit: float = Field(
         32.0, gt=0, description="admit while the sum of CPU requests stays under this many times the node's CPUs"
@@ -59,6 +72,8 @@ class DaemonConfig(BaseModel):
     def _tcp_needs_token(self) -> DaemonConfig:
         if self.tcp and not self.token:
             raise ValueError("listening on TCP requires a bearer token (token = ...)")
+        if self.shared_image_dir is not None and "," in str(self.shared_image_dir):
+            raise ValueError("shared_image_dir must not contain a comma (it goes into mount options)")
         return self
 
     @property

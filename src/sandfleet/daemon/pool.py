@@ -38,7 +38,8 @@ class PoolConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image: str = Field(description="image reference, as callers will ask for it")
+    image: str | None = Field("busybox", description="image reference, as callers will ask for it")
+    layers: list[str] = Field(default_factory=list, description="layers on top of `image`, as callers ask for them")
     resources: Resources = Field(default_factory=Resources)
     size: int = Field(8, ge=0, le=10000, description="sandboxes kept ready")
 
@@ -46,12 +47,16 @@ class PoolConfig(BaseModel):
 @dataclass(frozen=True)
 class PoolKey:
     backend: str
-    image: str
+    image: str | None
+    layers: tuple[str, ...]
     resources: Resources
+
+    def spec(self) -> SandboxSpec:
+        return SandboxSpec(backend=self.backend, image=self.image, layers=list(self.layers), resources=self.resources)
 
     def describe(self) -> str:
         r = self.resources
-        return f"{self.image} cpu={r.cpu:g} mem={r.memory} pids={r.pids} disk={r.disk}"
+        return f"{self.spec().environment()} cpu={r.cpu:g} mem={r.memory} pids={r.pids} disk={r.disk}"
 
 
 @dataclass
@@ -69,7 +74,7 @@ def pool_key(spec: SandboxSpec) -> PoolKey | None:
     at start; pools hold latency-sensitive sandboxes)."""
     if spec.mounts or spec.hostname is not None or spec.qos != "latency_sensitive":
         return None
-    return PoolKey(spec.backend, spec.image, spec.resources)
+    return PoolKey(spec.backend, spec.image, tuple(spec.layers), spec.resources)
 
 
 class WarmPools:
@@ -78,7 +83,7 @@ class WarmPools:
         *,
         backend: Backend,
         admission: Admission,
-        resolve_image: Callable[[str], Awaitable[ImageManifest]],
+        resolve_environment: Callable[[SandboxSpec], Awaitable[ImageManifest]],
         new_id: Callable[[], str],
         sandbox_count: Callable[[], int],
         configured: list[PoolConfig],
@@ -89,7 +94,7 @@ class WarmPools:
     ) -> None:
         self.backend = backend
         self.admission = admission
-        self.resolve_image = resolve_image
+        self.resolve_environment = resolve_environment
         self.new_id = new_id
         self.sandbox_count = sandbox_count
         self.adaptive_max = adaptive_max
@@ -98,7 +103,10 @@ class WarmPools:
         self.debounce = debounce
         self.pools: dict[PoolKey, _Pool] = {}
         for cfg in configured:
-            key = PoolKey(backend.name, cfg.image, cfg.resources)
+            key = pool_key(
+                SandboxSpec(backend=backend.name, image=cfg.image, layers=cfg.layers, resources=cfg.resources)
+            )
+            assert key is not None
             self.pools.setdefault(key, _Pool(key)).configured += cfg.size
         self._dead: list[tuple[PoolKey, LiveSandbox]] = []
         self._wake = asyncio.Event()
@@ -164,7 +172,7 @@ class WarmPools:
                         break
                     pool.filling += 1
                     await self._slots.acquire()
-                    spawn(self._fill_one(pool), f"pool-fill-{pool.key.image}")
+                    spawn(self._fill_one(pool), f"pool-fill-{pool.key.describe()}")
             self._wake.clear()
             try:
                 async with asyncio.timeout(0.25):
@@ -183,8 +191,8 @@ class WarmPools:
             self.admission.admit(self.sandbox_count(), key.resources)
             self.admission.commit(key.resources)
             committed = True
-            image = await self.resolve_image(key.image)
-            spec = SandboxSpec(backend=key.backend, image=key.image, resources=key.resources)
+            spec = key.spec()
+            image = await self.resolve_environment(spec)
             live = await self.backend.create(self.new_id(), spec, image)
             if self._closing:
                 await self.backend.destroy(live)

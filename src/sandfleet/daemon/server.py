@@ -86,7 +86,12 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     config.run_dir.mkdir(parents=True, exist_ok=True)
     state = StateStore(config.state_dir / "state.db")
     await state.open()
-    store = LayerStore(config.images_root, uid_base=config.container.uid_base)
+    store = LayerStore(
+        config.images_root,
+        uid_base=config.container.uid_base,
+        shared=config.shared_image_dir,
+        cache_max=config.image_cache_max,
+    )
     backend = ContainerBackend(config.container, state_dir=config.state_dir, run_dir=config.run_dir, store=store)
     await backend.start()
     zram = config.zram_size if config.zram_size is not None else _mem_total() // 4
@@ -115,12 +120,13 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         reaper_interval=config.reaper_interval,
         build_missing_images=config.build_missing_images,
         snapshot_dir=config.state_dir / "snapshots",
+        import_dirs=config.import_dirs,
     )
     if config.pools or config.pool_adaptive_max:
         manager.pools = WarmPools(
             backend=backend,
             admission=admission,
-            resolve_image=manager.resolve_image,
+            resolve_environment=manager.resolve_environment,
             new_id=new_sandbox_id,
             sandbox_count=manager.node_count,
             configured=config.pools,

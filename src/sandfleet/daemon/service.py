@@ -33,6 +33,7 @@ from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.pool import WarmPools
 from sandfleet.daemon.state import SandboxRow, StateStore
 from sandfleet.errors import (
+    DataLossError,
     ImageNotFoundError,
     InternalError,
     InvalidArgumentError,
@@ -46,8 +47,19 @@ from sandfleet.errors import (
     UnavailableError,
     WrongStateError,
 )
-from sandfleet.images import ImageBuildError, ImageManifest, InvalidRefError, LayerRef, LayerStore, fsutil, parse_ref
+from sandfleet.images import (
+    ImageBuildError,
+    ImageError,
+    ImageManifest,
+    InvalidRefError,
+    LayerCorruptError,
+    LayerRef,
+    LayerStore,
+    fsutil,
+    parse_ref,
+)
 from sandfleet.images import ImageNotFoundError as StoreImageNotFound
+from sandfleet.images.recipe import prune_build_cache
 from sandfleet.models import (
     ExecEvent,
     ExecRequest,
@@ -93,6 +105,12 @@ _FILE_ERRORS: dict[str, type[SandboxError]] = {
     "no_space": ResourceExhaustedError,
     "io_error": InternalError,
 }
+
+
+def _resolves_under(path: Path, roots: list[Path]) -> bool:
+    """Whether `path`, symlinks resolved, is one of `roots` or below one (blocking)."""
+    real = os.path.realpath(path)
+    return any(real == r or real.startswith(r.rstrip("/") + "/") for r in map(os.path.realpath, roots))
 
 
 def new_sandbox_id() -> str:
@@ -249,6 +267,8 @@ class SnapshotRecord:
 
 
 MAX_SNAPSHOTS_PER_SANDBOX = 16
+# Lower layers of one overlay: the mount options (one ~100-byte path per layer) must fit a page.
+MAX_LAYERS = 32
 
 
 def _decode(data: bytes) -> str:
@@ -300,6 +320,7 @@ class SandboxManager:
         reaper_interval: float = 1.0,
         build_missing_images: bool = True,
         snapshot_dir: Path | None = None,
+        import_dirs: builtins.list[Path] | None = None,
     ) -> None:
         self.backend = backend
         self.store = store
@@ -311,7 +332,11 @@ class SandboxManager:
         self.build_missing_images = build_missing_images
         self.sandboxes: dict[str, Sandbox] = {}
         self.snapshot_dir = snapshot_dir
+        self.import_dirs = import_dirs
         self.snapshots: dict[str, SnapshotRecord] = {}
+        # The last resolution of each environment asked for (SandboxSpec.environment()): a warm
+        # pool's hand-out takes the image's env/workdir/user defaults from here, without I/O.
+        self._environments: dict[str, ImageManifest] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.pools = pools
@@ -483,6 +508,61 @@ class SandboxManager:
         except ImageBuildError as exc:
             raise InternalError(f"building image {ref} failed: {exc}") from exc
 
+    async def resolve_environment(self, spec: SandboxSpec) -> ImageManifest:
+        """The layer stack a spec asks for: `image`'s layers, then each of `layers` (an image ref
+        adds its whole stack, a digest one layer), bottom -> top. A layer named twice keeps its
+        upper position. Environment defaults (env, workdir, user) of later entries win."""
+        if not spec.layers:
+            assert spec.image is not None
+            m = await self.resolve_image(spec.image)
+            self._environments[spec.environment()] = m
+            return m
+        stack: builtins.list[LayerRef] = []
+        env: dict[str, str] = {}
+        workdir = user = None
+        for ref in ([spec.image] if spec.image else []) + spec.layers:
+            if ref.startswith("sha256:"):
+                layer = await asyncio.to_thread(self._layer_by_digest, ref)
+                stack.append(layer)
+                continue
+            m = await self.resolve_image(ref)
+            stack.extend(m.layers)
+            env.update(m.env)
+            workdir, user = m.workdir or workdir, m.user or user
+        last = {x.digest: i for i, x in enumerate(stack)}
+        layers = [x for i, x in enumerate(stack) if last[x.digest] == i]
+        if len(layers) > MAX_LAYERS:
+            raise InvalidArgumentError(f"the environment has {len(layers)} layers; at most {MAX_LAYERS}")
+        m = ImageManifest(
+            name="environment", tag="stack", layers=layers, created=time.time(), env=env, workdir=workdir, user=user
+        )
+        self._environments[spec.environment()] = m
+        return m
+
+    def _layer_by_digest(self, digest: str) -> LayerRef:
+        ref = self.store.layer_ref(digest)
+        if ref is not None:
+            return ref
+        try:
+            size = self.store.layer_path(digest).stat().st_size
+        except LayerCorruptError as exc:
+            if self.store.has_layer(digest):
+                raise DataLossError(str(exc)) from exc
+            raise ImageNotFoundError(f"image layer {digest} not found in the layer store") from exc
+        return LayerRef(digest=digest, size=size, kind="layer")
+
+    @staticmethod
+    def _with_image_defaults(spec: SandboxSpec, image: ImageManifest) -> SandboxSpec:
+        """The spec with the image's environment defaults filled in where the caller set none."""
+        update: dict[str, Any] = {}
+        if image.env:
+            update["env"] = {**image.env, **spec.env}
+        if image.workdir and "workdir" not in spec.model_fields_set:
+            update["workdir"] = image.workdir
+        if image.user and "user" not in spec.model_fields_set:
+            update["user"] = image.user.split(":", 1)[0]
+        return spec.model_copy(update=update) if update else spec
+
     async def create_batch(self, specs: list[SandboxSpec], concurrency: int) -> list[SandboxInfo | SandboxError]:
         """Create each spec, `concurrency` at a time; each item succeeds or fails on its own."""
         limit = asyncio.Semaphore(concurrency)
@@ -509,12 +589,13 @@ class SandboxManager:
                 return await self._hand_out(spec, live)
         self._admit(spec)
         try:
-            image = await self.resolve_image(spec.image)
+            image = await self.resolve_environment(spec)
         except BaseException:
             self._creating -= 1
             self.admission.release(spec.resources)
             raise
-        created = {"image": spec.image, "layers": [x.digest for x in image.layers]}
+        spec = self._with_image_defaults(spec, image)
+        created = {"image": spec.environment(), "layers": [x.digest for x in image.layers]}
         return await self._start_admitted(spec, lambda sid: self.backend.create(sid, spec, image), created)
 
     def _check_backend(self, spec: SandboxSpec) -> None:
@@ -581,13 +662,16 @@ class SandboxManager:
         """Give a warm sandbox to this caller (its budget is already committed) and make it theirs."""
         t0 = time.perf_counter()
         now = time.time()
+        image = self._environments.get(spec.environment())  # resolved when the pool filled
+        if image is not None:
+            spec = self._with_image_defaults(spec, image)
         sb = Sandbox(live.id, spec, "running", now, now, live=live)
         sb.created.set()
         self.sandboxes[sb.id] = sb
         live.channel.on_close = lambda _ch: self._on_agent_lost(sb.id)
         await self.state.insert(_row(sb, live.runtime))
         self.metrics.pool_hits.inc()
-        await self._settle_create(sb, live, {"image": spec.image, "pooled": True}, t0)
+        await self._settle_create(sb, live, {"image": spec.environment(), "pooled": True}, t0)
         return sb.info()
 
     async def _settle_create(self, sb: Sandbox, live: LiveSandbox, created: dict[str, Any], t0: float) -> None:
@@ -852,11 +936,49 @@ class SandboxManager:
         finally:
             sb.inflight -= 1
             await asyncio.to_thread(shutil.rmtree, staging, True)
-        recipe = {"packed_from": sandbox_id, "image": sb.spec.image, "excluded": scrub, "packed_at": time.time()}
+        recipe = {
+            "packed_from": sandbox_id,
+            "image": sb.spec.environment(),
+            "excluded": scrub,
+            "packed_at": time.time(),
+        }
         layers = [*base, layer]
         manifest = await asyncio.to_thread(self.store.put_manifest, name, tag, layers, recipe=json.dumps(recipe))
         self._event(sandbox_id, "packed", {"image": manifest.ref, "layer": layer.digest, "bytes": layer.size})
         return manifest
+
+    async def push_image(self, ref: str) -> ImageManifest:
+        """Publish a local image to the shared store as on-demand layers."""
+        if self.store.shared is None:
+            raise InvalidArgumentError("no shared store is configured (shared_image_dir)")
+        try:
+            return await self.store.push(ref)
+        except InvalidRefError as exc:
+            raise InvalidArgumentError(f"invalid image reference {ref!r}: {exc}") from exc
+        except StoreImageNotFound as exc:
+            raise ImageNotFoundError(f"image {ref} not found") from exc
+        except LayerCorruptError as exc:
+            raise DataLossError(str(exc)) from exc
+        except ImageError as exc:
+            raise InternalError(f"pushing {ref} failed: {exc}") from exc
+
+    async def import_image(self, path: str, ref: str | None) -> ImageManifest:
+        """An OCI image (docker save tarball, OCI layout or its tar) on this host, as an image."""
+        from sandfleet.images.oci import OciImportError, import_image
+
+        source = Path(path)
+        if not source.is_absolute() or not await asyncio.to_thread(source.exists):
+            raise InvalidArgumentError(f"import source {path!r} must be an absolute path that exists on the node")
+        if self.import_dirs is not None and not await asyncio.to_thread(_resolves_under, source, self.import_dirs):
+            raise InvalidArgumentError(f"import source {path!r} is not under the daemon's import_dirs")
+        try:
+            return await import_image(self.store, source, ref)
+        except InvalidRefError as exc:
+            raise InvalidArgumentError(f"invalid image reference: {exc}") from exc
+        except OciImportError as exc:
+            raise InvalidArgumentError(f"cannot import {path}: {exc}") from exc
+        except ImageError as exc:  # building the EROFS layers failed
+            raise InternalError(f"importing {path} failed: {exc}") from exc
 
     async def delete_image(self, ref: str) -> None:
         try:
@@ -876,21 +998,19 @@ class SandboxManager:
             keep.update(str(d) for d in rec.meta.get("layers", []))
         if self.pools is not None:
             keep.update(self.pools.layer_digests())
+        # A mounted layer's file cannot really go (the mount holds it): unmount the unused ones first.
+        await self.backend.unmount_unused_layers()
         removed, freed = await asyncio.to_thread(self.store.gc, keep, min_age=min_age)
+        if self.store.cache_max is not None:
+            trimmed, trimmed_bytes = await asyncio.to_thread(self.store.trim, self.store.cache_max, keep)
+            removed, freed = removed + trimmed, freed + trimmed_bytes
         if removed:
+            await asyncio.to_thread(prune_build_cache, self.store)  # recipe steps whose layer went
             log.info("image gc removed %d layers (%d bytes)", len(removed), freed)
         return removed, freed
 
     def _layer_refs(self, digests: builtins.list[str]) -> builtins.list[LayerRef]:
-        known = {x.digest: x for m in self.store.list_images() for x in m.layers}
-        out = []
-        for digest in digests:
-            ref = known.get(digest)
-            if ref is None:
-                size = self.store.layer_path(digest).stat().st_size
-                ref = LayerRef(digest=digest, size=size, kind="layer")
-            out.append(ref)
-        return out
+        return [self._layer_by_digest(digest) for digest in digests]
 
     # -- pause and resume ---------------------------------------------------------------------------
 

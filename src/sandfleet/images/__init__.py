@@ -14,11 +14,14 @@ from .models import (
     canonical_ref,
     parse_ref,
 )
+from .oci import OciImportError, import_image
+from .recipe import BuildResult, Recipe, RecipeError, StepResult, build_recipe
 from .store import LayerStore, ProgressFn
 
 __all__ = [
     "BUILTIN_IMAGES",
     "BuildContext",
+    "BuildResult",
     "Builder",
     "DiffStats",
     "ImageBuildError",
@@ -30,10 +33,16 @@ __all__ = [
     "LayerKind",
     "LayerRef",
     "LayerStore",
+    "OciImportError",
     "ProgressFn",
+    "Recipe",
+    "RecipeError",
+    "StepResult",
+    "build_recipe",
     "canonical_ref",
     "debian_mirror",
     "diff_trees",
+    "import_image",
     "parse_ref",
     "register_builtin",
     "shift_ownership",

@@ -52,7 +52,7 @@ async def run(
     return text
 
 
-async def mkfs_erofs(src: Path, dest: Path) -> None:
+async def mkfs_erofs(src: Path, dest: Path, *, blobdev: Path | None = None, chunk_size: int = 0) -> None:
     """Pack ``src`` into an EROFS image at ``dest``.
 
     Compression choice, measured on the debian:bookworm minbase tree (178 MB, 2 cores):
@@ -68,10 +68,15 @@ async def mkfs_erofs(src: Path, dest: Path) -> None:
     UUID removes the other source of randomness.
     xattrs (overlay opaque markers, file caps) and 0/0 char-device whiteouts are kept by
     mkfs.erofs by default.
+
+    With `blobdev`, file data goes uncompressed into that separate blob, indexed in chunks of
+    `chunk_size` bytes, and `dest` holds only metadata (an on-demand layer, mounted with
+    ``device=<blob>``). Chunked files cannot be compressed in erofs-utils 1.5.
     """
+    layout = [f"--blobdev={blobdev}", f"--chunksize={chunk_size}"] if blobdev is not None else ["-zlz4hc"]
     await run(
         "mkfs.erofs",
-        "-zlz4hc",
+        *layout,
         "-U00000000-0000-0000-0000-000000000000",
         "--quiet",
         str(dest),

@@ -45,6 +45,13 @@ class LayerRef(BaseModel):
     size: int = Field(ge=0)
     kind: LayerKind
     description: str = ""
+    blob: str | None = Field(
+        None,
+        pattern=DIGEST_RE.pattern,
+        description="on-demand layer: the file data lives in this blob of the shared store and `digest` names "
+        "only the (small) metadata image, which is read locally",
+    )
+    blob_size: int | None = Field(None, ge=0)
 
 
 class ImageManifest(BaseModel):
@@ -57,6 +64,9 @@ class ImageManifest(BaseModel):
     layers: list[LayerRef]
     created: float
     recipe: str = ""
+    env: dict[str, str] = Field(default_factory=dict, description="environment defaults (an OCI config's Env)")
+    workdir: str | None = Field(None, description="default working directory (an OCI config's WorkingDir)")
+    user: str | None = Field(None, description="default user (an OCI config's User)")
 
     @property
     def ref(self) -> str:

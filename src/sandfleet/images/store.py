@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 import weakref
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 from . import fsutil
 from .models import (
     DIGEST_RE,
+    ImageError,
     ImageManifest,
     ImageNotFoundError,
     LayerCorruptError,
@@ -44,14 +46,15 @@ def _digest_file(path: Path) -> tuple[str, int]:
     return "sha256:" + h.hexdigest(), size
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes, *, sync: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         os.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -59,26 +62,55 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+# Chunk index granularity of on-demand layers. File data is still packed at 4 KiB alignment in the
+# blob (small files are not padded to a chunk) and read page by page; a large chunk keeps the local
+# metadata image small (8 bytes of index per chunk).
+BLOB_CHUNK = 1 << 20
+
+
+def _layer_name(digest: str) -> str:
+    return "sha256-" + digest.removeprefix("sha256:") + ".erofs"
+
+
+def _blob_name(digest: str) -> str:
+    return "sha256-" + digest.removeprefix("sha256:") + ".blob"
+
+
 class LayerStore:
     """Layers live in ``root/layers/sha256-<hex>.erofs``; manifests in ``root/images/<name>/<tag>.json``.
 
     ``uid_base`` is the host uid that maps to uid 0 inside sandboxes; layer files are
     stored with ids already shifted by it, so no idmapped mounts are needed at run time.
+
+    ``shared`` is an optional second store of the same layout on a shared filesystem (NFS, CephFS,
+    3FS in production), plus ``blobs/``. Images found only there are used in place: their
+    metadata images are copied into this (local) store when first needed, and their file data
+    stays in the shared blob, which the kernel reads page by page as sandboxes touch files
+    (EROFS's extra-device mode), so a 5 GB image never moves 5 GB. The node's page cache is the
+    data cache; ``cache_max`` caps the local copies of shared layers (least recently used go).
     """
 
-    def __init__(self, root: Path, *, uid_base: int = 100000) -> None:
+    def __init__(
+        self, root: Path, *, uid_base: int = 100000, shared: Path | None = None, cache_max: int | None = None
+    ) -> None:
         self.root = Path(root)
         self.uid_base = uid_base
+        self.shared = Path(shared) if shared is not None else None
+        self.cache_max = cache_max
         self.layers_dir = self.root / "layers"
         self.images_dir = self.root / "images"
         self.tmp_dir = self.root / "tmp"
+        self.verified_dir = self.root / "verified"
         # Per event loop: an asyncio.Lock binds to the loop it first waits on.
         self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
             weakref.WeakKeyDictionary()
         )
-        # digest -> size as recorded in manifests / at creation; avoids rescanning manifests.
+        # digest -> the layer's record in a manifest (size, blob); avoids rescanning manifests.
+        self._refs: dict[str, LayerRef] = {}
         self._sizes: dict[str, int] = {}
-        for d in (self.layers_dir, self.images_dir, self.tmp_dir):
+        self._fetch_lock = threading.Lock()
+        self.fetched_bytes = 0  # metadata (and whole eager layers) copied from the shared store
+        for d in (self.layers_dir, self.images_dir, self.tmp_dir, self.verified_dir):
             d.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ lookups
@@ -87,22 +119,32 @@ class LayerStore:
         return self.images_dir / name / f"{tag}.json"
 
     def resolve(self, ref: str) -> ImageManifest:
-        """Return the manifest for ``name[:tag]`` (tag defaults to ``latest``)."""
+        """Return the manifest for ``name[:tag]`` (tag defaults to ``latest``): local, else shared."""
         name, tag = parse_ref(ref)
-        path = self._manifest_path(name, tag)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise ImageNotFoundError(f"image {name}:{tag} not found") from None
-        m = ImageManifest.model_validate_json(data)
-        if (m.name, m.tag) != (name, tag):
-            raise ImageNotFoundError(f"manifest at {path} names {m.ref}, not {name}:{tag}")
-        self._remember(m.layers)
-        return m
+        roots = [self.images_dir] + ([self.shared / "images"] if self.shared is not None else [])
+        for images_dir in roots:
+            path = images_dir / name / f"{tag}.json"
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            m = ImageManifest.model_validate_json(data)
+            if (m.name, m.tag) != (name, tag):
+                raise ImageNotFoundError(f"manifest at {path} names {m.ref}, not {name}:{tag}")
+            self._remember(m.layers)
+            return m
+        raise ImageNotFoundError(f"image {name}:{tag} not found")
 
     def _remember(self, layers: list[LayerRef]) -> None:
         for layer in layers:
+            self._refs[layer.digest] = layer
             self._sizes[layer.digest] = layer.size
+
+    def layer_ref(self, digest: str) -> LayerRef | None:
+        """The record of a layer some manifest (local or shared) names, or None."""
+        if digest not in self._refs:
+            self.list_images()
+        return self._refs.get(digest)
 
     def has_image(self, ref: str) -> bool:
         try:
@@ -112,18 +154,97 @@ class LayerStore:
         return True
 
     def layer_path(self, digest: str) -> Path:
-        """Path of a layer file; checks existence and (cheaply) size against the manifests' record."""
+        """Path of a layer file; checks existence and (cheaply) size against the manifests' record.
+
+        A layer only the shared store has is copied here first (for an on-demand layer that is
+        its small metadata image; the data stays in the shared blob, see `blob_path`).
+        """
         if not DIGEST_RE.match(digest):
             raise LayerCorruptError(f"malformed layer digest {digest!r}")
-        path = self.layers_dir / ("sha256-" + digest.removeprefix("sha256:") + ".erofs")
+        path = self.layers_dir / _layer_name(digest)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            raise LayerCorruptError(f"layer {digest} missing ({path})") from None
+            if not self._fetch(digest, path):
+                raise LayerCorruptError(f"layer {digest} missing ({path})") from None
+            size = path.stat().st_size
         expected = self._recorded_size(digest)
         if expected is not None and size != expected:
             raise LayerCorruptError(f"layer {digest} has size {size}, expected {expected}")
         return path
+
+    def has_layer(self, digest: str) -> bool:
+        """Whether a layer file for `digest` exists here or in the shared store (intact or not)."""
+        name = _layer_name(digest)
+        return (self.layers_dir / name).exists() or (
+            self.shared is not None and (self.shared / "layers" / name).exists()
+        )
+
+    def blob_path(self, digest: str) -> Path | None:
+        """The shared-store blob holding an on-demand layer's file data; None for a self-contained layer."""
+        ref = self.layer_ref(digest)
+        if ref is None or ref.blob is None:
+            return None
+        if self.shared is None:
+            raise LayerCorruptError(f"layer {digest} reads its data from a shared store, and none is configured")
+        path = self.shared / "blobs" / _blob_name(ref.blob)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise LayerCorruptError(f"data blob {ref.blob} of layer {digest} missing ({path})") from None
+        if size != ref.blob_size:
+            raise LayerCorruptError(f"data blob {ref.blob} of layer {digest} has size {size}, expected {ref.blob_size}")
+        return path
+
+    def verified_layer_path(self, digest: str) -> Path:
+        """`layer_path`, with the file's sha256 checked once per file version (blocking).
+
+        A flipped bit in an uncompressed layer would otherwise show up as silently wrong file
+        content in every sandbox. The check is remembered by (inode, size, mtime) in
+        ``verified/``, so it costs one read of the layer per node, not one per create. An
+        on-demand layer's blob is checked by size only: hashing it would read what the mode
+        exists to leave unread.
+        """
+        path = self.layer_path(digest)
+        st = path.stat()
+        stamp = f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+        marker = self.verified_dir / digest.removeprefix("sha256:")
+        with contextlib.suppress(OSError):
+            if marker.read_text() == stamp:
+                return path
+        actual, _ = _digest_file(path)
+        if actual != digest:
+            raise LayerCorruptError(f"layer {digest} is corrupt: its content hashes to {actual}")
+        _atomic_write(marker, stamp.encode(), sync=False)
+        return path
+
+    def _fetch(self, digest: str, dest: Path) -> bool:
+        """Copy a layer file from the shared store, checking its digest; False if it has none."""
+        if self.shared is None:
+            return False
+        src = self.shared / "layers" / _layer_name(digest)
+        with self._fetch_lock:
+            if dest.exists():
+                return True
+            tmp = self.tmp_dir / f"fetch-{uuid.uuid4().hex}"
+            try:
+                h = hashlib.sha256()
+                with open(src, "rb") as fin, open(tmp, "wb") as fout:
+                    while chunk := fin.read(1 << 20):
+                        h.update(chunk)
+                        fout.write(chunk)
+                        self.fetched_bytes += len(chunk)
+                if "sha256:" + h.hexdigest() != digest:
+                    raise LayerCorruptError(f"layer {digest} in the shared store is corrupt ({src})")
+                os.chmod(tmp, 0o444)
+                os.rename(tmp, dest)
+            except FileNotFoundError:
+                return False
+            finally:
+                tmp.unlink(missing_ok=True)
+        if self.cache_max is not None:
+            self.trim(self.cache_max, keep={digest})
+        return True
 
     def layer_paths(self, manifest: ImageManifest) -> list[Path]:
         """Layer files bottom -> top, each size-checked against the manifest."""
@@ -148,21 +269,27 @@ class LayerStore:
         if actual != digest:
             raise LayerCorruptError(f"layer {digest} hashes to {actual}")
 
-    def list_images(self) -> list[ImageManifest]:
-        """All readable manifests, sorted by ref. Unparseable ones are logged and skipped."""
-        out: list[ImageManifest] = []
-        for path in sorted(self.images_dir.rglob("*.json")):
-            if path.name.startswith("."):
-                continue
-            try:
-                m = ImageManifest.model_validate_json(path.read_bytes())
-            except (OSError, ValidationError) as exc:
-                log.warning("skipping unreadable manifest %s: %s", path, exc)
-                continue
-            self._remember(m.layers)
-            out.append(m)
-        out.sort(key=lambda m: (m.name, m.tag))
-        return out
+    def list_images(self, *, shared: bool = True) -> list[ImageManifest]:
+        """All readable manifests (local, then the shared store's unless shadowed), sorted by ref.
+
+        Unparseable ones are logged and skipped.
+        """
+        found: dict[tuple[str, str], ImageManifest] = {}
+        roots = [self.images_dir]
+        if shared and self.shared is not None:
+            roots.append(self.shared / "images")
+        for images_dir in roots:
+            for path in sorted(images_dir.rglob("*.json")):
+                if path.name.startswith("."):
+                    continue
+                try:
+                    m = ImageManifest.model_validate_json(path.read_bytes())
+                except (OSError, ValidationError) as exc:
+                    log.warning("skipping unreadable manifest %s: %s", path, exc)
+                    continue
+                self._remember(m.layers)
+                found.setdefault((m.name, m.tag), m)
+        return [found[k] for k in sorted(found)]
 
     # ------------------------------------------------------------------ writes
 
@@ -205,6 +332,9 @@ class LayerStore:
         *,
         recipe: str = "",
         created: float | None = None,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
     ) -> ImageManifest:
         """Atomically write (or replace) the manifest for ``name:tag``; layers must be stored."""
         parse_ref(f"{name}:{tag}")
@@ -218,6 +348,9 @@ class LayerStore:
             layers=list(layers),
             created=time.time() if created is None else created,
             recipe=recipe,
+            env=env or {},
+            workdir=workdir,
+            user=user,
         )
         _atomic_write(self._manifest_path(name, tag), m.model_dump_json(indent=2).encode() + b"\n")
         return m
@@ -263,6 +396,102 @@ class LayerStore:
             removed.append(digest)
             freed += st.st_size
         return removed, freed
+
+    def trim(self, max_bytes: int, keep: set[str]) -> tuple[list[str], int]:
+        """Drop local copies of shared-store layers, least recently mounted first, until the local
+        layer files take at most `max_bytes`; never one in `keep` (in use) and never a layer the
+        shared store does not hold (it could not be fetched again). Returns (digests, bytes freed).
+        """
+        if self.shared is None:
+            return [], 0
+        files = []
+        total = 0
+        for path in self.layers_dir.glob("sha256-*.erofs"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            total += st.st_size
+            files.append((st.st_atime, st.st_size, path))
+        removed, freed = [], 0
+        for _atime, size, path in sorted(files):
+            if total <= max_bytes:
+                break
+            digest = "sha256:" + path.name.removeprefix("sha256-").removesuffix(".erofs")
+            if digest in keep or not (self.shared / "layers" / path.name).exists():
+                continue
+            path.unlink(missing_ok=True)
+            (self.verified_dir / digest.removeprefix("sha256:")).unlink(missing_ok=True)
+            total -= size
+            freed += size
+            removed.append(digest)
+        return removed, freed
+
+    @staticmethod
+    def touch(path: Path) -> None:
+        """Mark a layer file as used now (its atime orders `trim`); the mtime, which the
+        verification stamp covers, is kept."""
+        with contextlib.suppress(OSError):
+            os.utime(path, (time.time(), path.stat().st_mtime))
+
+    # ------------------------------------------------------------------ shared store
+
+    async def push(self, ref: str, progress: ProgressFn | None = None) -> ImageManifest:
+        """Publish a local image to the shared store, each layer as an on-demand layer: a small
+        metadata image plus a blob of its file data (uncompressed, so pages can be read in place).
+
+        Layers already in the shared store are not converted again; the shared manifest is
+        written last, so readers never see an image with missing layers.
+        """
+        if self.shared is None:
+            raise ImageError("no shared store is configured")
+        m = self.resolve(ref)
+        for d in ("layers", "blobs", "images", "tmp"):
+            await asyncio.to_thread((self.shared / d).mkdir, parents=True, exist_ok=True)
+        out: list[LayerRef] = []
+        for i, layer in enumerate(m.layers):
+            if progress is not None:
+                progress(f"{m.ref}: layer {i + 1}/{len(m.layers)}", i / len(m.layers))
+            out.append(await self._push_layer(layer))
+        shared_manifest = ImageManifest(**{**m.model_dump(), "layers": out})
+        path = self.shared / "images" / m.name / f"{m.tag}.json"
+        data = shared_manifest.model_dump_json(indent=2).encode() + b"\n"
+        await asyncio.to_thread(_atomic_write, path, data)
+        self._remember(out)
+        if progress is not None:
+            progress(f"{m.ref}: published", 1.0)
+        return shared_manifest
+
+    async def _push_layer(self, layer: LayerRef) -> LayerRef:
+        assert self.shared is not None
+        if layer.blob is not None:
+            return layer  # already an on-demand layer of the shared store
+        work = self.shared / "tmp" / uuid.uuid4().hex
+        await asyncio.to_thread(work.mkdir)
+        try:
+            meta, blob = work / "meta.erofs", work / "data.blob"
+            # The layer file is mounted and re-packed as it is: ids (already shifted), xattrs,
+            # whiteouts and opaque markers carry over.
+            async with fsutil.mounted_erofs(self.layer_path(layer.digest), work / "mnt") as mnt:
+                await fsutil.mkfs_erofs(mnt, meta, blobdev=blob, chunk_size=BLOB_CHUNK)
+            meta_digest, meta_size = await asyncio.to_thread(_digest_file, meta)
+            blob_digest, blob_size = await asyncio.to_thread(_digest_file, blob)
+            for src, dest in (
+                (meta, self.shared / "layers" / _layer_name(meta_digest)),
+                (blob, self.shared / "blobs" / _blob_name(blob_digest)),
+            ):
+                os.chmod(src, 0o444)
+                os.rename(src, dest)
+        finally:
+            await asyncio.shield(asyncio.to_thread(fsutil.rmtree, work))
+        return LayerRef(
+            digest=meta_digest,
+            size=meta_size,
+            kind=layer.kind,
+            description=f"{layer.description} (on demand; was {layer.digest})",
+            blob=blob_digest,
+            blob_size=blob_size,
+        )
 
     # ------------------------------------------------------------------ building
 

@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,11 @@ class _Layer:
     refs: int
 
 
+# Opens a layer for mounting: its EROFS image file and, for an on-demand layer, the blob that
+# holds its file data (else None). Called only when the layer is not mounted yet.
+LayerOpener = Callable[[], tuple[Path, Path | None]]
+
+
 class LayerMounts:
     """Read-only EROFS layers, each mounted once (straight from its file, no loop device) and shared."""
 
@@ -100,14 +106,22 @@ class LayerMounts:
         self._layers: dict[str, _Layer] = {}
         self._lock = threading.Lock()
 
-    def acquire(self, digest: str, image_file: Path) -> str:
+    def acquire(self, digest: str, open_layer: LayerOpener) -> str:
         with self._lock:
             layer = self._layers.get(digest)
             if layer is None:
                 target = self.root / digest.replace(":", "-")
                 target.mkdir(parents=True, exist_ok=True)
                 if not os.path.ismount(target):
-                    mount(str(image_file), str(target), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID)
+                    image_file, blob = open_layer()
+                    if blob is not None and "," in str(blob):
+                        raise MountError(errno.EINVAL, f"blob path {blob} has a comma (mount option separator)")
+                    data = f"device={blob}" if blob is not None else None
+                    try:
+                        mount(str(image_file), str(target), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, data)
+                    except BaseException:
+                        os.rmdir(target)
+                        raise
                 layer = self._layers[digest] = _Layer(str(target), 0)
             layer.refs += 1
             return layer.path

@@ -1,0 +1,190 @@
+"""Environments stacked from layers at create time, on-demand layers from a shared store, corrupt layers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandfleet import Client, DataLossError, ImageNotFoundError
+from sandfleet.images import LayerStore
+
+from conftest import IMAGES, Daemon, destroy_daemon, make_daemon, wait_until
+from leakcheck import residue
+
+
+def _layer_of(fleet: Client, script: str, ref: str) -> str:
+    """A one-off layer on busybox: what `script` changes, packed; returns the new layer's digest."""
+    with fleet.create(image="busybox") as sb:
+        res = sb.exec(script)
+        assert res.exit_code == 0, res.stderr
+        info = sb.pack(ref)
+    LayerStore(IMAGES).remove_image(ref)  # the layer stays; only the digest is used below
+    return info.layers[-1]
+
+
+@pytest.fixture(scope="module")
+def two_layers(daemon: Daemon) -> tuple[str, str]:
+    with daemon.client() as fleet:
+        low = _layer_of(fleet, "echo low > /etc/which && echo a > /only-low && rm /bin/vi", "t/low:1")
+        high = _layer_of(fleet, "echo high > /etc/which && mkdir /high && echo b > /high/f", "t/high:1")
+    return low, high
+
+
+def test_layer_order_decides_precedence(fleet: Client, two_layers: tuple[str, str]) -> None:
+    low, high = two_layers
+    with fleet.create(image="busybox", layers=[low, high]) as sb:
+        assert sb.exec("cat /etc/which /only-low /high/f").stdout == "high\na\nb\n"
+        assert sb.exec("test -e /bin/vi").exit_code == 1  # low's whiteout still hides busybox's file
+        assert sb.info.spec.environment() == f"busybox+{low}+{high}"
+    with fleet.create(image="busybox", layers=[high, low]) as sb:
+        assert sb.exec("cat /etc/which").stdout == "low\n"
+    # The same layer twice keeps its upper position.
+    with fleet.create(image="busybox", layers=[low, high, low]) as sb:
+        assert sb.exec("cat /etc/which").stdout == "low\n"
+
+
+def test_layers_without_an_image_and_unknown_layers(fleet: Client, two_layers: tuple[str, str]) -> None:
+    low, _ = two_layers
+    busybox = next(i for i in fleet.images() if (i.name, i.tag) == ("busybox", "latest"))
+    with fleet.create(layers=["busybox", low]) as sb:
+        assert sb.info.spec.image is None
+        assert sb.exec("cat /etc/which").stdout == "low\n"
+    with fleet.create(layers=[*busybox.layers]) as sb:  # digests only
+        assert sb.exec("test -e /etc/which").exit_code == 1
+    with pytest.raises(ImageNotFoundError):
+        fleet.create(image="busybox", layers=["sha256:" + "0" * 64])
+    with pytest.raises(ImageNotFoundError):
+        fleet.create(image="busybox", layers=["no/such-layer:1"])
+
+
+def test_image_defaults_apply_unless_the_spec_sets_them(fleet: Client) -> None:
+    store = LayerStore(IMAGES)
+    base = store.resolve("busybox")
+    store.put_manifest(
+        "t/defaults", "1", base.layers, env={"GREETING": "hi", "PATH": "/bin:/sbin"}, workdir="/tmp", user="nobody"
+    )
+    try:
+        with fleet.create(image="t/defaults:1") as sb:
+            assert sb.exec("echo $GREETING; pwd; id -u").stdout == "hi\n/tmp\n65534\n"
+        with fleet.create(image="t/defaults:1", env={"GREETING": "yo"}, workdir="/", user="root") as sb:
+            assert sb.exec("echo $GREETING; pwd; id -u").stdout == "yo\n/\n0\n"
+    finally:
+        store.remove_image("t/defaults:1")
+
+
+def test_corrupt_or_truncated_layer_is_data_loss_and_leaves_nothing(daemon: Daemon, fleet: Client) -> None:
+    digest = _layer_of(fleet, "head -c 300000 /dev/urandom > /blob", "t/corrupt:1")
+    path = IMAGES / "layers" / ("sha256-" + digest.removeprefix("sha256:") + ".erofs")
+    assert wait_until(lambda: not residue(daemon).sandbox_dirs)
+    before = residue(daemon)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the content hash can tell
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    try:
+        with pytest.raises(DataLossError, match="corrupt"):
+            fleet.create(image="busybox", layers=[digest])
+        path.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+        with pytest.raises(DataLossError):
+            fleet.create(image="busybox", layers=[digest])
+        after = residue(daemon)
+        assert (after.mounts, after.cgroups, after.sandbox_dirs, after.processes) == (
+            before.mounts,
+            before.cgroups,
+            before.sandbox_dirs,
+            before.processes,
+        )
+        layer_mounts = [ln for ln in daemon.mountinfo().splitlines() if digest.removeprefix("sha256:") in ln]
+        assert layer_mounts == []
+    finally:
+        path.unlink()
+
+
+# -- on demand from a shared store ------------------------------------------------------------------
+
+
+@pytest.fixture
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Path]]:
+    if os.geteuid() != 0:
+        pytest.skip("the container tier needs root")
+    shared = tmp_path_factory.mktemp("shared-store")
+    # A tiny local cache: every unused local copy of a shared layer goes at the next trim.
+    d = make_daemon("shared", f'shared_image_dir = "{shared}"\nimage_cache_max = 1\n')
+    d.start()
+    yield d, shared
+    destroy_daemon(d)
+
+
+def _resident(path: Path) -> int:
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True)
+    return int(out.stdout.split()[0])
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_on_demand_layer_reads_only_what_the_sandbox_touches(shared_daemon: tuple[Daemon, Path]) -> None:
+    d, shared = shared_daemon
+    with d.client() as fleet:
+        with fleet.create(image="busybox") as sb:
+            # 40 files of 1 MiB: a task reads one of them.
+            sb.exec("mkdir /data && for i in $(seq 1 40); do head -c 1048576 /dev/urandom > /data/f$i; done")
+            sb.exec("echo small > /data/small")
+            sb.pack("t/ondemand:1")
+        local = LayerStore(IMAGES, shared=shared)
+        pushed = asyncio.run(local.push("t/ondemand:1"))
+        local.remove_image("t/ondemand:1")  # from here on only the shared store has the image
+        top = pushed.layers[-1]
+        assert top.blob is not None and top.blob_size is not None and top.blob_size > 40 * 2**20
+        assert top.size < 2**20  # the metadata image is what a node copies
+        blob = shared / "blobs" / ("sha256-" + top.blob.removeprefix("sha256:") + ".blob")
+        _evict(blob)
+        assert _resident(blob) == 0
+        assert "t/ondemand:1" in [f"{i.name}:{i.tag}" for i in fleet.images()]
+        with fleet.create(image="t/ondemand:1") as sb:
+            assert sb.exec("cat /data/small").stdout == "small\n"
+            assert sb.exec("wc -c < /data/f7").stdout.strip() == "1048576"  # size: metadata only
+            digest = sb.exec("md5sum /data/f3").stdout.split()[0]
+            read = _resident(blob)
+            assert 2**20 <= read <= 8 * 2**20, read  # one file of 40, plus the kernel's readahead
+        with fleet.create(image="t/ondemand:1") as sb:  # a second sandbox: the node's page cache
+            assert sb.exec("md5sum /data/f3").stdout.split()[0] == digest
+            local_meta = IMAGES / "layers" / ("sha256-" + top.digest.removeprefix("sha256:") + ".erofs")
+            assert local_meta.exists() and local_meta.stat().st_size == top.size
+            fleet.gc_images(min_age=1e9)  # only the cache trim can remove anything: the layer is in use
+            assert local_meta.exists()
+        assert wait_until(lambda: not residue(d).sandbox_dirs and not residue(d).mounts)
+        # Over the cache limit and unused: the local copy goes, and comes back when needed.
+        assert top.digest in fleet.gc_images(min_age=1e9).removed
+        assert not local_meta.exists()
+        with fleet.create(image="t/ondemand:1") as sb:
+            assert sb.exec("md5sum /data/f3").stdout.split()[0] == digest
+        assert local_meta.exists()
+
+
+def test_shared_blob_missing_is_data_loss(shared_daemon: tuple[Daemon, Path]) -> None:
+    d, shared = shared_daemon
+    with d.client() as fleet:
+        with fleet.create(image="busybox") as sb:
+            sb.exec("echo x > /x")
+            sb.pack("t/ondemand-missing:1")
+        local = LayerStore(IMAGES, shared=shared)
+        pushed = asyncio.run(local.push("t/ondemand-missing:1"))
+        local.remove_image("t/ondemand-missing:1")
+        top = pushed.layers[-1]
+        assert top.blob is not None
+        (shared / "blobs" / ("sha256-" + top.blob.removeprefix("sha256:") + ".blob")).unlink()
+        with pytest.raises(DataLossError, match="blob"):
+            fleet.create(image="t/ondemand-missing:1")
+        assert wait_until(lambda: not residue(d).sandbox_dirs)
