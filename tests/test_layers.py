@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -10,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet import Client, DataLossError, ImageNotFoundError
-from sandfleet.images import LayerStore
+from sandfleet import Client, DataLossError, ImageNotFoundError, InvalidArgumentError
+from sandfleet.images import ImageNotFoundError as StoreImageNotFound
+from sandfleet.images import LayerRef, LayerStore
 
 from conftest import IMAGES, Daemon, destroy_daemon, make_daemon, wait_until
 from leakcheck import residue
@@ -43,9 +46,23 @@ def test_layer_order_decides_precedence(fleet: Client, two_layers: tuple[str, st
         assert sb.info.spec.environment() == f"busybox+{low}+{high}"
     with fleet.create(image="busybox", layers=[high, low]) as sb:
         assert sb.exec("cat /etc/which").stdout == "low\n"
-    # The same layer twice keeps its upper position.
+    # The same layer twice keeps its first, lowest position (a base shared by two stacked images
+    # stays under both): the stack is busybox, low, high.
     with fleet.create(image="busybox", layers=[low, high, low]) as sb:
-        assert sb.exec("cat /etc/which").stdout == "low\n"
+        assert sb.exec("cat /etc/which").stdout == "high\n"
+    # An image whose manifest repeats a layer (a recipe's no-op step, say) starts the same way.
+    store = LayerStore(IMAGES)
+    base = store.resolve("busybox").layers
+    lo, hi = (LayerRef(digest=d, size=store.layer_path(d).stat().st_size, kind="layer") for d in (low, high))
+    store.put_manifest("t/dup", "1", [*base, lo, *base, hi, lo])
+    try:
+        with fleet.create(image="t/dup:1") as sb:
+            assert sb.exec("cat /etc/which").stdout == "high\n"
+    finally:
+        store.remove_image("t/dup:1")
+    # More than 32 layers is refused up front.
+    with pytest.raises(InvalidArgumentError, match="at most 32"):
+        fleet.create(image="busybox", layers=[low, high] + [f"sha256:{i:064x}" for i in range(40)])
 
 
 def test_layers_without_an_image_and_unknown_layers(fleet: Client, two_layers: tuple[str, str]) -> None:
@@ -65,16 +82,31 @@ def test_layers_without_an_image_and_unknown_layers(fleet: Client, two_layers: t
 def test_image_defaults_apply_unless_the_spec_sets_them(fleet: Client) -> None:
     store = LayerStore(IMAGES)
     base = store.resolve("busybox")
-    store.put_manifest(
-        "t/defaults", "1", base.layers, env={"GREETING": "hi", "PATH": "/bin:/sbin"}, workdir="/tmp", user="nobody"
-    )
+    base_env = {"GREETING": "hi", "PATH": "/bin:/sbin"}
+    store.put_manifest("t/defaults", "1", base.layers, env=base_env, workdir="/tmp", user="nobody")
     try:
         with fleet.create(image="t/defaults:1") as sb:
             assert sb.exec("echo $GREETING; pwd; id -u").stdout == "hi\n/tmp\n65534\n"
-        with fleet.create(image="t/defaults:1", env={"GREETING": "yo"}, workdir="/", user="root") as sb:
+        spec = {"env": {"GREETING": "yo", "TOKEN": "secret"}, "workdir": "/", "user": "root"}
+        with fleet.create(image="t/defaults:1", labels={"agent": "a7"}, **spec) as sb:
             assert sb.exec("echo $GREETING; pwd; id -u").stdout == "yo\n/\n0\n"
+            sb.pack("t/defaults-packed:1")
+        # A packed image keeps its source image's defaults (not the caller's env) and records who built it.
+        packed = store.resolve("t/defaults-packed:1")
+        assert (packed.env, packed.workdir, packed.user) == (base_env, "/tmp", "nobody")
+        assert json.loads(packed.recipe)["labels"] == {"agent": "a7"}
+        # An imported image may carry defaults a spec could not: the create says so, and costs nothing.
+        store.put_manifest("t/defaults", "2", base.layers, env={"java.home": "/opt/jdk"}, workdir="app")
+        with pytest.raises(InvalidArgumentError, match="defaults"):
+            fleet.create(image="t/defaults:2")
+        with fleet.create(image="t/defaults:1", workdir="/", user="root") as sb:  # the node is fine
+            assert sb.exec("echo $GREETING").stdout == "hi\n"
     finally:
         store.remove_image("t/defaults:1")
+        with contextlib.suppress(StoreImageNotFound):
+            store.remove_image("t/defaults:2")
+        with contextlib.suppress(StoreImageNotFound):
+            store.remove_image("t/defaults-packed:1")
 
 
 def test_corrupt_or_truncated_layer_is_data_loss_and_leaves_nothing(daemon: Daemon, fleet: Client) -> None:

@@ -6,6 +6,8 @@ The archives are built here with tarfile, so every whiteout, opaque dir and esca
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import gzip
 import hashlib
 import io
@@ -19,7 +21,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +31,12 @@ from typing import Any
 import pytest
 
 from sandfleet import Client, InvalidArgumentError
-from sandfleet.images import ImageManifest, ImageNotFoundError, InvalidRefError, LayerStore
+from sandfleet.images import ImageManifest, ImageNotFoundError, InvalidRefError, LayerStore, oci
 from sandfleet.images.builders import mounted_layers
+from sandfleet.images.models import LayerRef
 from sandfleet.images.oci import OciImportError, OciRefError, import_image, normalise_ref
 
-from conftest import Daemon
+from conftest import Daemon, destroy_daemon, make_daemon
 
 UID_BASE = 100000
 MTIME = 1_600_000_000
@@ -742,6 +747,335 @@ async def test_entry_replacing_symlink_is_not_followed(tmp_path: Path) -> None:
     assert (outside / "victim").read_text() == "precious"
 
 
+# --------------------------------------------------------------------------- unsafe archives
+
+
+@contextlib.contextmanager
+def fifo_unblocker(fifo: Path, after: float = 5.0) -> Iterator[None]:
+    """Should an import open() the FIFO (the bug), that blocks until a writer comes: open the write
+    end after a while, so such a test fails instead of hanging."""
+    done = threading.Event()
+
+    def unblock() -> None:
+        while not done.wait(after):
+            with contextlib.suppress(OSError):  # ENXIO: no reader waiting (yet)
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _layout_blob_names(layout: Path, desc: dict[str, Any]) -> tuple[str, list[str]]:
+    manifest = json.loads((layout / "blobs/sha256" / desc["digest"][7:]).read_bytes())
+    return manifest["config"]["digest"][7:], [d["digest"][7:] for d in manifest["layers"]]
+
+
+def docker_save_dir(root: Path, layer_paths: list[str], config: dict[str, Any], tags: list[str]) -> Path:
+    """An unpacked legacy ``docker save``: the caller puts the layer files at ``layer_paths``."""
+    root.mkdir(parents=True)
+    raw = json.dumps(config).encode()
+    cfg_name = sha(raw)[7:] + ".json"
+    (root / cfg_name).write_bytes(raw)
+    (root / "manifest.json").write_text(json.dumps([{"Config": cfg_name, "RepoTags": tags, "Layers": layer_paths}]))
+    return root
+
+
+@needs_root
+async def test_archive_dir_symlinks_and_fifos_are_refused(tmp_path: Path) -> None:
+    """An OCI layout or unpacked docker save is read only beneath its directory: a member that is
+    a symlink (even to a file of the right content) or a FIFO, or reached through a symlinked dir,
+    is refused, so the daemon never reads host files for the caller nor blocks on a FIFO."""
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "backup.tar").write_bytes(layer_tar(file_("shadow", "root:$6$secret")))
+
+    # docker save without diff_ids (allowed) whose layer.tar points at a host file
+    save = docker_save_dir(tmp_path / "save", ["abc/layer.tar"], {"os": "linux", "config": {}}, ["leak:1"])
+    (save / "abc").mkdir()
+    (save / "abc/layer.tar").symlink_to("../../secret/backup.tar")
+    with pytest.raises(OciImportError, match=r"abc/layer.tar in .* is a symlink"):
+        await import_image(store, save)
+    # ... or through a symlinked directory
+    (save / "abc/layer.tar").unlink()
+    (save / "abc").rmdir()
+    (save / "abc").symlink_to(secret)
+    (secret / "layer.tar").write_bytes((secret / "backup.tar").read_bytes())
+    with pytest.raises(OciImportError, match=r"abc in .* is a symlink, not a directory; refusing"):
+        await import_image(store, save)
+    # the same archive with a real layer.tar imports
+    (save / "abc").unlink()
+    (save / "abc").mkdir()
+    (save / "abc/layer.tar").write_bytes(layer_tar(file_("f", "fine")))
+    m = await import_image(store, save)
+    assert (await mounted_tree(store, m, tmp_path / "mnt"))["f"].data == b"fine"
+
+    # OCI layout: a blob that is a symlink to a host file, even one with the very digest
+    layout = tmp_path / "layout"
+    layer = layer_tar(file_("f", "payload"))
+    desc = oci_manifest(layout, [layer], compress="none")
+    oci_layout(layout, [desc])
+    _, (layer_hex,) = _layout_blob_names(layout, desc)
+    blob = layout / "blobs/sha256" / layer_hex
+    outside = secret / "same-content"
+    outside.write_bytes(layer)
+    blob.unlink()
+    blob.symlink_to(outside)
+    with pytest.raises(OciImportError, match=r"blobs/sha256/[0-9a-f]+ in .* is a symlink"):
+        await import_image(store, layout, "leak:2")
+    # the metadata files too
+    index = (layout / "index.json").read_bytes()
+    (outside.parent / "index.json").write_bytes(index)
+    (layout / "index.json").unlink()
+    (layout / "index.json").symlink_to(outside.parent / "index.json")
+    with pytest.raises(OciImportError, match=r"index.json in .* is a symlink"):
+        await import_image(store, layout, "leak:3")
+    (layout / "index.json").unlink()
+    (layout / "index.json").write_bytes(index)
+
+    # a FIFO in place of a blob: refused at once, not a thread blocked forever
+    blob.unlink()
+    os.mkfifo(blob)
+    with fifo_unblocker(blob), pytest.raises(OciImportError, match=r"is a FIFO"):
+        await asyncio.wait_for(import_image(store, layout, "fifo:1"), 60)
+    assert [m.ref for m in store.list_images()] == ["leak:1"]
+    assert_clean(store)
+
+
+async def test_archive_source_must_be_file_or_dir(tmp_path: Path) -> None:
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    fifo = tmp_path / "image.tar"
+    os.mkfifo(fifo)
+    with fifo_unblocker(fifo), pytest.raises(OciImportError, match=r"image.tar is a FIFO; an image is a tar archive"):
+        await asyncio.wait_for(import_image(store, fifo, "x:1"), 60)
+    # the path itself must not be a symlink: it is opened once, and that is what gets imported
+    real = docker_save(tmp_path / "real.tar", [DockerImage(["x:1"], [layer_tar(file_("f", "x"))])])
+    (tmp_path / "link.tar").symlink_to(real)
+    with pytest.raises(OciImportError, match="link.tar is a symlink"):
+        await import_image(store, tmp_path / "link.tar")
+    with pytest.raises(OciImportError, match="no such file"):
+        await import_image(store, tmp_path / "nope/x.tar")
+    assert_clean(store)
+
+
+@needs_root
+async def test_import_within_dirs(tmp_path: Path) -> None:
+    """``within`` is checked on the opened file: a path that resolves elsewhere is refused."""
+    allowed, other = tmp_path / "allowed", tmp_path / "other"
+    allowed.mkdir()
+    other.mkdir()
+    archive = docker_save(other / "save.tar", [DockerImage(["in:1"], [layer_tar(file_("f", "x"))])])
+    (allowed / "via").symlink_to(other)  # a symlinked dir on the way: followed, then checked
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    with pytest.raises(OciImportError, match="is not under any of"):
+        await import_image(store, allowed / "via/save.tar", within=[allowed])
+    shutil.move(archive, allowed / "save.tar")
+    assert (await import_image(store, allowed / "save.tar", within=[allowed])).ref == "in:1"
+    assert_clean(store)
+
+
+# --------------------------------------------------------------------------- resource caps
+
+
+@needs_root
+async def test_caps(tmp_path: Path) -> None:
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+
+    def archive(name: str, *layers: bytes, gzip_layers: set[int] | None = None) -> Path:
+        image = DockerImage([f"{name}:1"], list(layers), gzip_layers=gzip_layers or set())
+        return docker_save(tmp_path / f"{name}.tar", [image])
+
+    many = archive("many", layer_tar(*(file_(f"f{i}", "x") for i in range(20))))
+    with pytest.raises(OciImportError, match="has more than 10 entries"):
+        await import_image(store, many, max_layer_entries=10)
+    await import_image(store, many, max_layer_entries=20)
+
+    # counted uncompressed: 10 MiB of zeros gzip to ~10 KiB
+    bomb = archive("bomb", layer_tar(file_("zeros", bytes(10 << 20))), gzip_layers={0})
+    assert bomb.stat().st_size < 100 * KIB
+    with pytest.raises(OciImportError, match=r"unpacks to more than 1048576 bytes \(max_layer_bytes\)"):
+        await import_image(store, bomb, max_layer_bytes=1 << 20)
+
+    two = archive("two", layer_tar(file_("a", os.urandom(30 * KIB))), layer_tar(file_("b", os.urandom(30 * KIB))))
+    with pytest.raises(OciImportError, match=r"the image unpacks to more than 65536 bytes \(max_import_bytes\)"):
+        await import_image(store, two, max_layer_bytes=64 * KIB, max_import_bytes=64 * KIB)
+    await import_image(store, two, max_layer_bytes=64 * KIB, max_import_bytes=128 * KIB)
+
+    # after the end-of-archive marker: some padding is fine, megabytes of it are not
+    padded = archive("padded", layer_tar(file_("f", "x")) + bytes(64 * KIB))
+    await import_image(store, padded)
+    junk = archive("junk", layer_tar(file_("f", "x")) + b"\x01" * (2 << 20))
+    with pytest.raises(OciImportError, match="bytes of data after the end of the tar archive"):
+        await import_image(store, junk)
+    assert sorted(m.ref for m in store.list_images()) == ["many:1", "padded:1", "two:1"]
+    assert_clean(store)
+
+
+@needs_root
+async def test_tar_headers_are_bounded(tmp_path: Path) -> None:
+    """tarfile reads extension headers into memory whole and sparse maps without bound: capped/refused."""
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    big_xattr = layer_tar(file_("f", "x", user_big="a" * (9 << 20)))
+    path = docker_save(tmp_path / "hdr.tar", [DockerImage(["hdr:1"], [big_xattr])])
+    with pytest.raises(OciImportError, match="tar extension header of"):
+        await import_image(store, path)
+    info, body = file_("sparse", "x")
+    info.pax_headers = {"GNU.sparse.map": "0,1", "GNU.sparse.size": "1", "GNU.sparse.name": "sparse"}
+    path = docker_save(tmp_path / "sparse.tar", [DockerImage(["sparse:1"], [layer_tar((info, body))])])
+    with pytest.raises(OciImportError, match="'sparse' is a sparse file entry"):
+        await import_image(store, path)
+    assert_clean(store)
+
+
+@needs_root
+async def test_stream_members_are_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a layer must not keep a TarInfo per entry (tarfile's stream mode does by default)."""
+    layout = tmp_path / "layout"  # a directory: no outer tar, whose members are rightly kept
+    oci_layout(layout, [oci_manifest(layout, [layer_tar(*(file_(f"f{i}", "x") for i in range(500)))])])
+    kept: list[int] = []
+    real_next = tarfile.TarFile.next
+
+    def spy(self: tarfile.TarFile) -> tarfile.TarInfo | None:
+        kept.append(len(self.members))  # type: ignore[attr-defined]
+        return real_next(self)
+
+    monkeypatch.setattr(tarfile.TarFile, "next", spy)
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    await import_image(store, layout, "many:1")
+    assert len(kept) > 500 and max(kept) <= 1
+
+
+# --------------------------------------------------------------------------- host errors
+
+
+@needs_root
+async def test_host_errors_are_not_the_archives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while unpacking is the host's trouble (the daemon's `internal`), not an
+    OciImportError (`invalid_argument`); a name the filesystem can't hold is the archive's."""
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    long_name = docker_save(tmp_path / "long.tar", [DockerImage(["long:1"], [layer_tar(file_("x" * 300, "y"))])])
+    with pytest.raises(OciImportError, match="cannot unpack 'x+'"):
+        await import_image(store, long_name)
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shutil, "copyfileobj", full)
+    archive = docker_save(tmp_path / "ok.tar", [DockerImage(["ok:1"], [layer_tar(file_("f", "x"))])])
+    with pytest.raises(OSError) as err:
+        await import_image(store, archive)
+    assert err.value.errno == errno.ENOSPC and not isinstance(err.value, OciImportError)
+    assert store.list_images() == []
+    assert_clean(store)
+
+
+# --------------------------------------------------------------------------- gc during an import
+
+
+@needs_root
+async def test_gc_during_import_keeps_its_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers of an import in progress are named by no manifest: their fresh mtime keeps gc off.
+    The first layer is made to look long stored (as when an identical layer existed before,
+    whose file add_layer_from_dir keeps as it is)."""
+    layers = [layer_tar(file_(f"f{i}", str(i))) for i in range(3)]
+    archive = docker_save(tmp_path / "save.tar", [DockerImage(["gc:1"], layers)])
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    real_add = store.add_layer_from_dir
+    long_ago = time.time() - 3600
+
+    async def add_as_if_stored_long_ago(*args: Any, **kwargs: Any) -> LayerRef:
+        ref = await real_add(*args, **kwargs)
+        if "base" in kwargs.values():
+            os.utime(store.layer_path(ref.digest), (long_ago, long_ago))
+        return ref
+
+    removed: list[str] = []
+
+    def gc_when_unpacking_the_last(stage: str, fraction: float) -> None:
+        if stage.startswith("layer 3/3"):  # layer 1 is packed by now (layer 2's group waited for it)
+            removed.extend(store.gc(set(), min_age=600)[0])
+
+    monkeypatch.setattr(store, "add_layer_from_dir", add_as_if_stored_long_ago)
+    m = await import_image(store, archive, merge_below=0, progress=gc_when_unpacking_the_last)
+    assert removed == [] and len(m.layers) == 3
+    assert sorted(p for p in await mounted_tree(store, m, tmp_path / "mnt")) == ["f0", "f1", "f2"]
+
+    # An import outlasting gc's min_age: its finished layers are refreshed while it runs.
+    store = LayerStore(tmp_path / "store2", uid_base=UID_BASE)
+    real_add = store.add_layer_from_dir
+    added: list[str] = []
+
+    async def recording_add(*args: Any, **kwargs: Any) -> LayerRef:
+        ref = await real_add(*args, **kwargs)
+        added.append(ref.digest)
+        return ref
+
+    real_unpack = oci._unpack_blob
+
+    def slow_last_layer(src: Any, blob: Any, dest: Path, *args: Any) -> Any:
+        if dest.name == "layer-2":  # the first layer is packed by now
+            os.utime(store.layer_path(added[0]), (long_ago, long_ago))  # as if the import began long ago
+            time.sleep(1.0)  # meanwhile the refresher runs
+            removed.extend(store.gc(set(), min_age=600)[0])
+        return real_unpack(src, blob, dest, *args)
+
+    monkeypatch.setattr(store, "add_layer_from_dir", recording_add)
+    monkeypatch.setattr(oci, "_LAYER_REFRESH_SECONDS", 0.02)
+    monkeypatch.setattr(oci, "_unpack_blob", slow_last_layer)
+    m = await import_image(store, archive, merge_below=0)
+    assert removed == [] and [layer.digest for layer in m.layers] == added
+    assert_clean(store)
+
+
+# --------------------------------------------------------------------------- layer count
+
+
+def _many_layers(n: int) -> list[bytes]:
+    """n layers each overwriting ``shared``, adding ``l<i>``, whiting out ``l<i-5>`` and adding to
+    ``d``, which every 7th layer makes opaque."""
+    out = []
+    for i in range(n):
+        members = [file_("shared", str(i)), file_(f"l{i}", str(i)), dir_("d"), file_(f"d/{i}", str(i))]
+        if i >= 5:
+            members.append(whiteout(f"l{i - 5}"))
+        if i % 7 == 0:
+            members.append(opaque("d"))
+        out.append(layer_tar(*members))
+    return out
+
+
+@needs_root
+async def test_layer_count_is_capped(tmp_path: Path) -> None:
+    archive = docker_save(tmp_path / "save.tar", [DockerImage(["many:1"], _many_layers(40))])
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    trees = {}
+    for max_layers in (32, 3, 1):
+        m = await import_image(store, archive, f"many:{max_layers}", merge_below=0, max_layers=max_layers)
+        assert len(m.layers) == max_layers
+        # the bottom layers stay as they are; the top ones are merged into the last
+        assert [layer.description.count("sha256:") for layer in m.layers] == [1] * (max_layers - 1) + [
+            40 - max_layers + 1
+        ]
+        trees[max_layers] = await mounted_tree(store, m, tmp_path / f"m{max_layers}")
+    tree = trees[1]
+    assert tree["shared"].data == b"39"
+    assert sorted(p for p in tree if p.startswith("l")) == [f"l{i}" for i in range(35, 40)]
+    assert sorted(p for p in tree if p.startswith("d/")) == [f"d/{i}" for i in range(35, 40)]
+    assert trees[32] == trees[3] == trees[1]
+
+    # merge_below groups count too: small layers merge first, the cap applies to what is left
+    m = await import_image(store, archive, "many:small", merge_below=2**30, max_layers=32)
+    assert len(m.layers) == 1
+    with pytest.raises(ValueError, match="max_layers"):
+        await import_image(store, archive, "many:0", max_layers=0)
+    assert_clean(store)
+
+
 # --------------------------------------------------------------------------- real tools
 
 
@@ -812,3 +1146,26 @@ def test_import_through_the_api_and_run_a_sandbox(daemon: Daemon, fleet: Client,
             fleet.import_image(str(tmp_path / "junk.tar"))
     finally:
         fleet.delete_image("team/app:2")
+
+
+def test_import_dirs_limit_where_archives_come_from(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the container tier needs root")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    d = make_daemon("imports", f'import_dirs = ["{allowed}"]\n')
+    try:
+        d.start()
+        layer = layer_tar(dir_("etc"), file_("etc/motd", "hi"))
+        outside = docker_save(tmp_path / "outside.tar", [DockerImage(["t/imp:1"], [layer])])
+        (allowed / "link.tar").symlink_to(outside)  # a way out through a symlink is no way out
+        with d.client() as fleet:
+            for path in (outside, allowed / "link.tar"):
+                with pytest.raises(InvalidArgumentError):
+                    fleet.import_image(str(path))
+            inside = docker_save(allowed / "inside.tar", [DockerImage(["t/imp:1"], [layer])])
+            info = fleet.import_image(str(inside))
+            assert (info.name, info.tag) == ("t/imp", "1")
+            fleet.delete_image("t/imp:1")
+    finally:
+        destroy_daemon(d)

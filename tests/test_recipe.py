@@ -4,9 +4,14 @@ run in build sandboxes of a real daemon (run, pip; apt is host-side but slow).""
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import json
 import os
 import subprocess
+import tarfile
 import uuid
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,17 +19,23 @@ import pytest
 
 from sandfleet import AsyncClient, Client
 from sandfleet.images import LayerStore
+from sandfleet.images import recipe as recipe_module
 from sandfleet.images.builders import mounted_layers
 from sandfleet.images.recipe import (
     BUILD_LABEL,
     BuildResult,
     CopyStep,
     GitStep,
+    PipStep,
     Recipe,
     RecipeError,
     RunStep,
     build_recipe,
+    glibc_version_in,
+    hash_tree,
     prune_build_cache,
+    read_debian_info,
+    stage_copy,
 )
 
 from conftest import IMAGES, Daemon, wait_until
@@ -67,6 +78,42 @@ def _hits(result: BuildResult) -> list[bool]:
     return [s.cache_hit for s in result.steps[1:]]
 
 
+def _wheel(where: Path, name: str, requires: list[str]) -> Path:
+    """A pure wheel of ``name`` 1.0 whose metadata requires ``requires``."""
+    dist = f"{name.replace('-', '_')}-1.0"
+    files = {
+        f"{name.replace('-', '_')}/__init__.py": b"",
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode()
+        + b"".join(f"Requires-Dist: {r}\n".encode() for r in requires),
+        f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [
+        f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}\n"
+        for n, d in files.items()
+    ]
+    files[f"{dist}.dist-info/RECORD"] = "".join([*record, f"{dist}.dist-info/RECORD,,\n"]).encode()
+    path = where / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+    return path
+
+
+def _sdist(where: Path, name: str, marker: Path) -> Path:
+    """An sdist of ``name`` 1.0 whose in-tree build backend creates ``marker`` when anything runs it
+    (no build requirements: nothing to fetch, so nothing but a refusal stops it)."""
+    tree = where / f"{name}-1.0"
+    _write(
+        tree / "pyproject.toml",
+        '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n',
+    )
+    _write(tree / "backend.py", f"open({str(marker)!r}, 'w').close()\n")
+    path = where / f"{name}-1.0.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(tree, arcname=tree.name)
+    return path
+
+
 # --------------------------------------------------------------------------- parsing
 
 
@@ -100,6 +147,23 @@ HEAD = 'ref = "a:1"\nbase = "busybox"\n'
         (HEAD + '[[step]]\ncopy = { src = "x", dest = "rel" }\n', r"step 1 \(copy\): copy.dest: dest must be absolute"),
         (HEAD + '[[step]]\nrun = "ls"\nname = "UPPER:1"\n', r"step 1 \(run\): name: invalid"),
         (HEAD + '[[step]]\npip = ["--index-url=http://x"]\n', "options are not allowed"),
+        # Only wheels: anything pip would build (running its code on the host) is refused early.
+        (HEAD + '[[step]]\npip = ["x @ https://e.invalid/x-1.0.tar.gz"]\n', r"must be an http\(s\) URL of a \.whl"),
+        (HEAD + '[[step]]\npip = ["x @ file:///tmp/x-1.0-py3-none-any.whl"]\n', r"http\(s\) URL of a \.whl"),
+        (HEAD + '[[step]]\npip = ["./src"]\n', "give a project name.*wheels only.*run step"),
+        (HEAD + '[[step]]\npip = ["/tmp/x-1.0.tar.gz"]\n', "give a project name"),
+        (HEAD + '[[step]]\npip = ["x-1.0.tar.gz"]\n', "give a project name"),
+        (HEAD + '[[step]]\npip = ["git+https://e.invalid/x"]\n', "expected a version spec"),
+        (HEAD + '[[step]]\npip = ["x==1 @ https://e.invalid/x.whl"]\n', "expected a version spec"),
+        (HEAD + '[[step]]\npip = ["six --index-url=http://x"]\n', "expected a version spec"),
+        # The daemon's own validators (sandfleet.models), so the image's defaults are usable.
+        (HEAD + 'workdir = "/a\\u0000b"\n', "workdir: path must be absolute and contain no NUL byte"),
+        (HEAD + 'workdir = "rel"\n', "workdir: path must be absolute"),
+        (HEAD + 'user = "Bad User"\n', "user: invalid user 'Bad User'"),
+        (HEAD + 'env = { "1X" = "v" }\n', "env: invalid environment variable name '1X'"),
+        (HEAD + '[[step]]\nrun = "ls"\nenv = { A = "\\u0000" }\n', r"step 1 \(run\): env: .* contains a NUL byte"),
+        (HEAD + '[[step]]\nrun = "ls"\ncwd = "/a\\u0000"\n', r"step 1 \(run\): cwd: path must be absolute"),
+        (HEAD + '[[step]]\napt = ["jq\\n"]\n', "invalid Debian package name"),
         (HEAD + '[[step]]\napt = ["jq,evil"]\n', r"step 1 \(apt\): apt: invalid Debian package name 'jq,evil'"),
         ('ref = "Not A Ref!"\nbase = "busybox"\n', "ref: invalid image name"),
         ('ref = "a:1"\nbase = "busybox:bad tag"\n', "base: invalid image tag"),
@@ -111,6 +175,101 @@ HEAD = 'ref = "a:1"\nbase = "busybox"\n'
 def test_parse_errors_are_clear(text: str, message: str) -> None:
     with pytest.raises(RecipeError, match=message):
         Recipe.parse(text)
+
+
+def test_pip_requirements_that_resolve_to_wheels_are_accepted() -> None:
+    reqs = [
+        "six==1.16.0",
+        " requests[socks] >= 2.0 ; python_version > '3.8'",
+        "x @ https://e.invalid/wheels/x-1.0-py3-none-any.whl#sha256=00",
+        "x @ https://e.invalid/x-1.0-py3-none-any.whl ; sys_platform == 'linux'",
+    ]
+    step = Recipe.parse(HEAD + f"[[step]]\npip = {json.dumps(reqs)}\n").steps[0]
+    assert isinstance(step, PipStep) and len(step.pip) == 4
+
+
+# --------------------------------------------------------------------------- host-side helpers
+
+
+def _debian_root(root: Path, codename: str, packages: list[str]) -> Path:
+    _write(root / "etc/os-release", f'ID=debian\nVERSION_CODENAME="{codename}"\n')
+    paras = [f"Package: {p}\nStatus: install ok installed\nArchitecture: amd64\n" for p in packages]
+    _write(root / "var/lib/dpkg/status", "\n".join(paras))
+    return root
+
+
+def test_debian_info_from_the_stack_must_be_plain_names(tmp_path: Path) -> None:
+    # The stack may be an imported image: its dpkg status and os-release end up in mmdebstrap's
+    # argv, where "--include=a,b" adds packages and a "suite" may be an option.
+    info = read_debian_info(_debian_root(tmp_path / "ok", "bookworm", ["jq", "libc6"]), "amd64")
+    assert info is not None and (info.suite, info.packages) == ("bookworm", ["jq", "libc6"])
+    for n, bad in enumerate(["jq,evil", "/tmp/evil.deb", "jq=1.0", "-x", "jq\tx"]):
+        with pytest.raises(RecipeError, match="dpkg/status lists an invalid package"):
+            read_debian_info(_debian_root(tmp_path / f"bad{n}", "bookworm", ["jq", bad]), "amd64")
+    with pytest.raises(RecipeError, match="invalid VERSION_CODENAME '--setup-hook=x'"):
+        read_debian_info(_debian_root(tmp_path / "suite", "--setup-hook=x", ["jq"]), "amd64")
+
+
+def test_glibc_version_is_read_inside_the_image(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    _write(
+        root / "usr/lib/aarch64-linux-gnu/libc.so.6",
+        "\0junk GNU C Library (Debian GLIBC 2.31-13) stable release version 2.31.\n",
+    )
+    os.symlink("usr/lib", root / "lib")
+    assert glibc_version_in(root) == (2, 31)
+    # An absolute link is the image's, not the host's: nothing is found through it.
+    other = tmp_path / "other"
+    (other / "usr").mkdir(parents=True)
+    os.symlink("/usr/lib", other / "usr/lib")
+    assert glibc_version_in(other) is None
+    tags = recipe_module._manylinux_platforms((2, 17), "x86_64")
+    assert tags[:2] == ["manylinux_2_17_x86_64", "manylinux2014_x86_64"] and tags[-1] == "manylinux1_x86_64"
+
+
+@needs_root
+def test_copy_source_edited_while_copying_is_keyed_by_what_was_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "recipe/tree"
+    _write(src / "a", "old\n")
+    _write(src / "b", "b\n", 0o755)
+    real_read = os.read
+
+    def edit_after_reading(fd: int, n: int) -> bytes:
+        data = real_read(fd, n)
+        if data == b"old\n":
+            (src / "a").write_text("new\n")  # the edit lands after the copy read the file
+        return data
+
+    monkeypatch.setattr(recipe_module.os, "read", edit_after_reading)
+    staging = tmp_path / "staging"
+    n, digest = stage_copy(tmp_path / "recipe", "tree", staging, "/opt/t", [])
+    monkeypatch.undo()
+    assert n == 3 and (staging / "opt/t/a").read_text() == "old\n"
+    assert digest == hash_tree(staging / "opt/t", []) != hash_tree(src, [])
+
+
+@needs_root
+def test_copy_walk_does_not_follow_a_directory_swapped_for_a_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = tmp_path / "recipe"
+    _write(base / "tree/sub/f", "f\n")
+    _write(tmp_path / "secret/id_rsa", "key\n")
+    real_open = os.open
+
+    def swap_then_open(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if path == "sub" and dir_fd is not None:  # after the walk saw a directory there
+            os.rename(base / "tree/sub", base / "sub.old")
+            os.symlink(tmp_path / "secret", base / "tree/sub")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(recipe_module.os, "open", swap_then_open)
+    with pytest.raises(OSError, match="Not a directory"):  # O_DIRECTORY | O_NOFOLLOW on a symlink
+        stage_copy(base, "tree", tmp_path / "staging", "/t", [])
+    monkeypatch.undo()
+    assert not (tmp_path / "staging/t/sub/id_rsa").exists()
 
 
 # --------------------------------------------------------------------------- host-side steps
@@ -192,6 +351,13 @@ async def test_host_side_errors_name_the_step(tmp_path: Path) -> None:
     await fails('[[step]]\npip = ["six"]\n', r"step 1 \(pip\): no python3 in the stack below")
     await fails('[[step]]\nrun = "true"\n', r"step 1 \(run\): needs a running daemon")
     await fails('[[step]]\ngit = { url = "nope", dest = "/x" }\n', r"step 1 \(git\): git ls-remote failed")
+    # Copy sources stay inside the recipe's directory, symlinks resolved.
+    (tmp_path / "inside").mkdir()
+    os.symlink("/root", tmp_path / "inside/home")
+    os.symlink("/etc/hostname", tmp_path / "hostname")
+    outside = r"step 1 \(copy\): source .* is .*, outside the recipe's directory"
+    for src in ["/etc/hostname", "../..", "inside/../..", "inside/home", "inside/home/.ssh", "hostname"]:
+        await fails(f'[[step]]\ncopy = {{ src = "{src}", dest = "/x" }}\n', outside)
     with pytest.raises(RecipeError, match="base: image nonexistent:1 not found"):
         await build_recipe(Recipe.parse('ref = "a:1"\nbase = "nonexistent:1"\n'), store)
     assert not store.has_image("test-recipe/err:1")
@@ -262,6 +428,29 @@ async def test_run_step_packs_the_build_sandbox_and_depends_on_the_stack_below(
     assert fleet.list(labels={BUILD_LABEL: ref}, state="running") == []
 
 
+async def test_a_layer_made_twice_stays_where_it_first_is(
+    tmp_path: Path, store: LayerStore, fleet: Client, factory: Callable[[], AsyncClient], cleanup_images: list[str]
+) -> None:
+    # The second copy makes the same layer as the first; an overlay cannot stack it twice, and the
+    # daemon keeps a layer named twice at its first position, so the recipe does too.
+    ref = "test-recipe/twice:1"
+    cleanup_images.append(ref)
+    _write(tmp_path / "f", uuid.uuid4().hex)
+    recipe = Recipe.parse(
+        f'ref = "{ref}"\nbase = "busybox"\n'
+        '[[step]]\ncopy = { src = "f", dest = "/etc/f" }\n'
+        '[[step]]\ncopy = { src = "f", dest = "/etc/f" }\n'
+        '[[step]]\nrun = "cat /etc/f > /etc/g"\n',
+        tmp_path,
+    )
+    result = await build_recipe(recipe, store, client_factory=factory)
+    assert _hits(result) == [False, True, False] and result.steps[1].layer == result.steps[2].layer
+    layers = [x.digest for x in result.manifest.layers]
+    assert layers == [result.steps[i].layer for i in (0, 1, 3)]
+    with fleet.create(image=ref) as sb:
+        assert sb.exec("cat /etc/g").stdout == (tmp_path / "f").read_text()
+
+
 async def test_failing_or_cancelled_run_step_leaves_no_sandbox(
     tmp_path: Path, store: LayerStore, fleet: Client, factory: Callable[[], AsyncClient]
 ) -> None:
@@ -307,6 +496,29 @@ async def test_pip_step_installs_wheels_offline(
         assert sb.exec("python3 -m pip --version").exit_code != 0  # the bootstrap pip was not installed
     with fleet.create(image="python:3.11") as sb:
         assert sb.exec('python3 -c "import six"').exit_code != 0
+
+
+async def test_pip_step_never_builds_source_on_the_host(
+    tmp_path: Path, store: LayerStore, factory: Callable[[], AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Wheels only, even for the host's own Python version: building an sdist would run its
+    # setup.py here, as root. A direct URL in a wheel's dependencies is built by pip even with
+    # --only-binary=:all:, so the requirement strings' check is not enough on its own.
+    idx = tmp_path / "index"
+    idx.mkdir()
+    ran = tmp_path / "setup-py-ran"
+    evil = _sdist(idx, "sandfleet-test-evil", ran)
+    _wheel(idx, "sandfleet-test-innocent", [f"sandfleet-test-evil @ {evil.as_uri()}"])
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(idx))
+    for req, message in [
+        ("sandfleet-test-innocent==1.0", "refusing to build sandfleet-test-evil"),
+        ("sandfleet-test-evil==1.0", r"(?s)No matching distribution.*without a wheel for python 3\.11.*run step"),
+    ]:
+        recipe = Recipe.parse(f'ref = "test-recipe/pip-src:1"\nbase = "python:3.11"\n[[step]]\npip = ["{req}"]\n')
+        with pytest.raises(RecipeError, match=message):
+            await build_recipe(recipe, store, client_factory=factory)
+        assert not ran.exists()
 
 
 @pytest.mark.slow

@@ -78,5 +78,8 @@ class Backend(Protocol):
     async def unmount_unused_layers(self) -> int:
         """Unmount read-only layers no sandbox uses, so their files can be deleted; how many."""
 
+    def busy_layers(self) -> set[str]:
+        """Digests of the layers mounted or being mounted on this node (their files must stay)."""
+
     def leftovers(self) -> dict[str, list[str]]:
         """Node-level residue not owned by any live sandbox (for leak checks and `doctor`)."""

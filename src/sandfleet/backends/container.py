@@ -181,6 +181,9 @@ class ContainerBackend:
     async def unmount_unused_layers(self) -> int:
         return await asyncio.to_thread(self.layers.unmount_unused)
 
+    def busy_layers(self) -> set[str]:
+        return self.layers.busy()
+
     # -- create ---------------------------------------------------------------------------
 
     def _check_mounts(self, spec: SandboxSpec) -> list[tuple[str, str, oci.BindMount]]:

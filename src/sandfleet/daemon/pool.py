@@ -38,7 +38,9 @@ class PoolConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image: str | None = Field("busybox", description="image reference, as callers will ask for it")
+    image: str | None = Field(
+        None, description="image reference, as callers will ask for it (default busybox unless `layers` is given)"
+    )
     layers: list[str] = Field(default_factory=list, description="layers on top of `image`, as callers ask for them")
     resources: Resources = Field(default_factory=Resources)
     size: int = Field(8, ge=0, le=10000, description="sandboxes kept ready")

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from pydantic import ValidationError
+
 from sandfleet.backends.base import Backend, LiveSandbox
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.metrics import Metrics
@@ -107,10 +109,10 @@ _FILE_ERRORS: dict[str, type[SandboxError]] = {
 }
 
 
-def _resolves_under(path: Path, roots: list[Path]) -> bool:
-    """Whether `path`, symlinks resolved, is one of `roots` or below one (blocking)."""
-    real = os.path.realpath(path)
-    return any(real == r or real.startswith(r.rstrip("/") + "/") for r in map(os.path.realpath, roots))
+def _first_of_each(layers: list[LayerRef]) -> list[LayerRef]:
+    """A stack without repeats. A layer named twice (two images on one base) keeps its first,
+    lowest position: the shared base stays at the bottom, under what each image changed."""
+    return list({x.digest: x for x in layers}.values())  # a dict keeps each key's first slot
 
 
 def new_sandbox_id() -> str:
@@ -269,6 +271,8 @@ class SnapshotRecord:
 MAX_SNAPSHOTS_PER_SANDBOX = 16
 # Lower layers of one overlay: the mount options (one ~100-byte path per layer) must fit a page.
 MAX_LAYERS = 32
+MAX_REMEMBERED_ENVIRONMENTS = 1024
+CACHE_TRIM_INTERVAL = 60.0
 
 
 def _decode(data: bytes) -> str:
@@ -337,6 +341,7 @@ class SandboxManager:
         # The last resolution of each environment asked for (SandboxSpec.environment()): a warm
         # pool's hand-out takes the image's env/workdir/user defaults from here, without I/O.
         self._environments: dict[str, ImageManifest] = {}
+        self._last_trim = time.monotonic()
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.pools = pools
@@ -398,7 +403,14 @@ class SandboxManager:
         rows = await self.state.all()
         known = {r.id for r in rows}
         for row in rows:
-            spec = SandboxSpec.model_validate(row.spec)
+            try:
+                spec = SandboxSpec.model_validate(row.spec)
+            except ValidationError:
+                # A row this version cannot read must not keep the daemon from starting.
+                log.exception("sandbox %s: unreadable spec in the state store; removing it", row.id)
+                await self.backend.cleanup(row.id, row.runtime)
+                await self.state.delete([row.id])
+                continue
             sb = Sandbox(
                 row.id,
                 spec,
@@ -515,7 +527,10 @@ class SandboxManager:
         if not spec.layers:
             assert spec.image is not None
             m = await self.resolve_image(spec.image)
-            self._environments[spec.environment()] = m
+            if len({x.digest for x in m.layers}) < len(m.layers):  # the overlay refuses a repeated lower
+                m = m.model_copy(update={"layers": _first_of_each(m.layers)})
+            self._check_layer_count(m)
+            self._remember_environment(spec, m)
             return m
         stack: builtins.list[LayerRef] = []
         env: dict[str, str] = {}
@@ -529,15 +544,30 @@ class SandboxManager:
             stack.extend(m.layers)
             env.update(m.env)
             workdir, user = m.workdir or workdir, m.user or user
-        last = {x.digest: i for i, x in enumerate(stack)}
-        layers = [x for i, x in enumerate(stack) if last[x.digest] == i]
-        if len(layers) > MAX_LAYERS:
-            raise InvalidArgumentError(f"the environment has {len(layers)} layers; at most {MAX_LAYERS}")
         m = ImageManifest(
-            name="environment", tag="stack", layers=layers, created=time.time(), env=env, workdir=workdir, user=user
+            name="environment",
+            tag="stack",
+            layers=_first_of_each(stack),
+            created=time.time(),
+            env=env,
+            workdir=workdir,
+            user=user,
         )
-        self._environments[spec.environment()] = m
+        self._check_layer_count(m)
+        self._remember_environment(spec, m)
         return m
+
+    @staticmethod
+    def _check_layer_count(image: ImageManifest) -> None:
+        if len(image.layers) > MAX_LAYERS:
+            raise InvalidArgumentError(f"the environment has {len(image.layers)} layers; at most {MAX_LAYERS}")
+
+    def _remember_environment(self, spec: SandboxSpec, image: ImageManifest) -> None:
+        key = spec.environment()
+        self._environments.pop(key, None)
+        self._environments[key] = image  # most recent last
+        if len(self._environments) > MAX_REMEMBERED_ENVIRONMENTS:
+            del self._environments[next(iter(self._environments))]
 
     def _layer_by_digest(self, digest: str) -> LayerRef:
         ref = self.store.layer_ref(digest)
@@ -553,7 +583,8 @@ class SandboxManager:
 
     @staticmethod
     def _with_image_defaults(spec: SandboxSpec, image: ImageManifest) -> SandboxSpec:
-        """The spec with the image's environment defaults filled in where the caller set none."""
+        """The spec with the image's environment defaults filled in where the caller set none,
+        validated like the caller's own fields (an imported image may carry anything)."""
         update: dict[str, Any] = {}
         if image.env:
             update["env"] = {**image.env, **spec.env}
@@ -561,7 +592,14 @@ class SandboxManager:
             update["workdir"] = image.workdir
         if image.user and "user" not in spec.model_fields_set:
             update["user"] = image.user.split(":", 1)[0]
-        return spec.model_copy(update=update) if update else spec
+        if not update:
+            return spec
+        try:
+            merged = SandboxSpec.model_validate({**spec.model_dump(exclude_unset=True), **update})
+        except ValidationError as exc:
+            errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise InvalidArgumentError(f"the image's defaults are not valid ({errors}); set them in the spec") from exc
+        return merged
 
     async def create_batch(self, specs: list[SandboxSpec], concurrency: int) -> list[SandboxInfo | SandboxError]:
         """Create each spec, `concurrency` at a time; each item succeeds or fails on its own."""
@@ -584,9 +622,12 @@ class SandboxManager:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_backend(spec)
         if self.pools is not None:
+            pooled = self._environments.get(spec.environment())  # resolved when the pool filled
+            # Before taking a member: a spec the image's defaults make invalid must not cost one.
+            effective = self._with_image_defaults(spec, pooled) if pooled is not None else spec
             live = self.pools.take(spec)
             if live is not None:
-                return await self._hand_out(spec, live)
+                return await self._hand_out(effective, live)
         self._admit(spec)
         try:
             image = await self.resolve_environment(spec)
@@ -662,9 +703,6 @@ class SandboxManager:
         """Give a warm sandbox to this caller (its budget is already committed) and make it theirs."""
         t0 = time.perf_counter()
         now = time.time()
-        image = self._environments.get(spec.environment())  # resolved when the pool filled
-        if image is not None:
-            spec = self._with_image_defaults(spec, image)
         sb = Sandbox(live.id, spec, "running", now, now, live=live)
         sb.created.set()
         self.sandboxes[sb.id] = sb
@@ -938,12 +976,26 @@ class SandboxManager:
             await asyncio.to_thread(shutil.rmtree, staging, True)
         recipe = {
             "packed_from": sandbox_id,
+            "labels": sb.spec.labels,  # who built it: the job / agent that owned the sandbox
             "image": sb.spec.environment(),
             "excluded": scrub,
             "packed_at": time.time(),
         }
         layers = [*base, layer]
-        manifest = await asyncio.to_thread(self.store.put_manifest, name, tag, layers, recipe=json.dumps(recipe))
+        # The source image's defaults carry over; the caller's own env (maybe secrets) does not.
+        source = self._environments.get(sb.spec.environment())
+        manifest = await asyncio.to_thread(
+            functools.partial(
+                self.store.put_manifest,
+                name,
+                tag,
+                layers,
+                recipe=json.dumps(recipe),
+                env=source.env if source else None,
+                workdir=source.workdir if source else None,
+                user=source.user if source else None,
+            )
+        )
         self._event(sandbox_id, "packed", {"image": manifest.ref, "layer": layer.digest, "bytes": layer.size})
         return manifest
 
@@ -969,10 +1021,9 @@ class SandboxManager:
         source = Path(path)
         if not source.is_absolute() or not await asyncio.to_thread(source.exists):
             raise InvalidArgumentError(f"import source {path!r} must be an absolute path that exists on the node")
-        if self.import_dirs is not None and not await asyncio.to_thread(_resolves_under, source, self.import_dirs):
-            raise InvalidArgumentError(f"import source {path!r} is not under the daemon's import_dirs")
         try:
-            return await import_image(self.store, source, ref)
+            # `within` is checked on the opened file, so a path swapped after any check cannot escape.
+            return await import_image(self.store, source, ref, within=self.import_dirs)
         except InvalidRefError as exc:
             raise InvalidArgumentError(f"invalid image reference: {exc}") from exc
         except OciImportError as exc:
@@ -1000,14 +1051,21 @@ class SandboxManager:
             keep.update(self.pools.layer_digests())
         # A mounted layer's file cannot really go (the mount holds it): unmount the unused ones first.
         await self.backend.unmount_unused_layers()
+        keep |= self.backend.busy_layers()  # and never one a create is mounting right now
         removed, freed = await asyncio.to_thread(self.store.gc, keep, min_age=min_age)
-        if self.store.cache_max is not None:
-            trimmed, trimmed_bytes = await asyncio.to_thread(self.store.trim, self.store.cache_max, keep)
-            removed, freed = removed + trimmed, freed + trimmed_bytes
+        trimmed, trimmed_bytes = await self._trim_image_cache(keep)
+        removed, freed = removed + trimmed, freed + trimmed_bytes
         if removed:
             await asyncio.to_thread(prune_build_cache, self.store)  # recipe steps whose layer went
             log.info("image gc removed %d layers (%d bytes)", len(removed), freed)
         return removed, freed
+
+    async def _trim_image_cache(self, keep: set[str]) -> tuple[builtins.list[str], int]:
+        """Hold the local copies of shared-store layers to `image_cache_max` (unmounted ones only)."""
+        if self.store.cache_max is None:
+            return [], 0
+        keep = keep | self.backend.busy_layers()
+        return await asyncio.to_thread(self.store.trim, self.store.cache_max, keep)
 
     def _layer_refs(self, digests: builtins.list[str]) -> builtins.list[LayerRef]:
         return [self._layer_by_digest(digest) for digest in digests]
@@ -1143,6 +1201,9 @@ class SandboxManager:
             last_flush = time.monotonic()
         if self.pools is not None:
             await self.pools.shrink()
+        if self.store.cache_max is not None and time.monotonic() - self._last_trim > CACHE_TRIM_INTERVAL:
+            self._last_trim = time.monotonic()
+            await self._trim_image_cache(set())
         procmod.reap_orphans()
         with contextlib.suppress(OSError):
             self._observe_cpu()

@@ -7,11 +7,22 @@ read-only layers, with no tar handling at sandbox start.
 
 Runs of small layers are merged into one EROFS layer (fewer overlay lower dirs, fewer mounts and
 lookups per path); the merge keeps whiteouts and opaque markers, since they may hide content of
-the layers below the merged run.
+the layers below the merged run. An image of more layers than the daemon can stack (32) also has
+its topmost layers merged into one.
 
 Layer tars are untrusted: entry paths must be relative without ``..``, the staging tree is only
 ever touched through directory fds opened with ``O_NOFOLLOW``, and an entry that would be written
-through a symlink is rejected, so nothing outside the staging dir can be reached.
+through a symlink is rejected, so nothing outside the staging dir can be reached. Entry count,
+uncompressed bytes (per layer and per import), tar header sizes and trailing data are capped, so
+a hostile layer can't exhaust the daemon's memory or disk.
+
+The archive itself is read through one fd opened without following a symlink and checked to be a
+regular file or directory (a FIFO would block the daemon's threads); inside a directory, every
+member is opened beneath that fd, component by component, never through a symlink, so an archive
+can't make the daemon read host files.
+
+Errors: OciImportError for what is wrong with the archive (format, digests, paths, caps); an
+OSError of the host (ENOSPC, EIO, EMFILE...) propagates as it is, since it is not the caller's fault.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -69,6 +80,31 @@ _MAX_INDEX_DEPTH = 4
 _DIR_FD_CACHE = 64
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+# Caps on what one import may unpack; import_image takes overrides. Entries: each costs inodes and
+# bookkeeping (dir mtimes, whiteouts) while its layer unpacks. Bytes: of uncompressed tar, which
+# is what lands in the staging dir (a small gzip can expand a thousandfold).
+MAX_ENTRIES_PER_LAYER = 2_000_000
+MAX_LAYER_BYTES = 64 << 30
+MAX_IMPORT_BYTES = 256 << 30
+# The daemon runs environments of at most 32 layers (service.MAX_LAYERS: one overlay's mount
+# options must fit a page), so an import merges layers down to this many.
+MAX_LAYERS = 32
+# After a layer tar's end-of-archive marker only padding follows (tools pad to a 10 KiB record);
+# more than this is junk, and draining it unbounded would let a blob stream on forever.
+_MAX_TRAILING = 1 << 20
+# A pax or GNU long-name header is read into memory whole: real ones hold a path or some xattrs.
+_MAX_TAR_HEADER = 8 << 20
+# Extension headers preceding one entry (pax, GNU long name and link): tarfile recurses per
+# header, holding each in memory; real tars use at most three.
+_MAX_TAR_HEADER_CHAIN = 8
+# Global pax headers accumulate for the rest of the archive and are copied into every entry.
+_MAX_GLOBAL_PAX = 1 << 20
+# Members of the archive (docker save / oci-archive) itself: a few per layer in real ones.
+_MAX_ARCHIVE_MEMBERS = 100_000
+# While an import runs, its finished layers are named by no manifest yet: refreshing their
+# mtime this often keeps LayerStore.gc's min_age (600 s by default) from deleting them.
+_LAYER_REFRESH_SECONDS = 60.0
 
 _INDEX_TYPES = frozenset(
     {"application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json"}
@@ -111,6 +147,59 @@ class OciRefError(OciImportError, InvalidRefError):
 
 class _Reader(Protocol):
     def read(self, size: int, /) -> bytes: ...
+
+
+# --------------------------------------------------------------------------- tar headers
+
+_EXTENSION_TYPES = frozenset(
+    {tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE}
+)
+_header_chain = threading.local()  # extension headers being processed by this thread's tarfile
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's TarInfo, minus the ways a hostile tar makes tarfile itself use unbounded memory.
+
+    tarfile reads a pax or GNU long-name header into memory whole and recurses once per such
+    header; it keeps global pax headers for the rest of the archive; and it builds a sparse
+    file's map from as many extension blocks or map lines as the tar holds. So: headers are
+    capped in size, in number per entry and (global ones) in total; sparse entries are refused
+    (no image tool writes them). The hooks are tarfile's private methods, stable since 3.x.
+    """
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            _sparse_unsupported(self)
+        if self.type not in _EXTENSION_TYPES:
+            return cast(tarfile.TarInfo, super()._proc_member(tar))  # type: ignore[misc]  # private, untyped
+        if self.size > _MAX_TAR_HEADER:
+            raise OciImportError(f"a tar extension header of {self.size} bytes (at most {_MAX_TAR_HEADER})")
+        if self.type == tarfile.XGLTYPE:
+            held = sum(len(k) + len(v) for k, v in tar.pax_headers.items())
+            if held + self.size > _MAX_GLOBAL_PAX:
+                raise OciImportError(f"global pax headers of more than {_MAX_GLOBAL_PAX} bytes")
+        depth: int = getattr(_header_chain, "depth", 0)
+        if depth >= _MAX_TAR_HEADER_CHAIN:
+            raise OciImportError(f"more than {_MAX_TAR_HEADER_CHAIN} tar extension headers in a row")
+        _header_chain.depth = depth + 1
+        try:
+            return cast(tarfile.TarInfo, super()._proc_member(tar))  # type: ignore[misc]  # private, untyped
+        finally:
+            _header_chain.depth = depth
+
+    # pax sparse formats 0.0, 0.1 and 1.0 (1.0 reads its map from the entry's data, unbounded)
+    def _proc_gnusparse_00(self, entry: tarfile.TarInfo, *_: object) -> None:
+        _sparse_unsupported(entry)
+
+    def _proc_gnusparse_01(self, entry: tarfile.TarInfo, *_: object) -> None:
+        _sparse_unsupported(entry)
+
+    def _proc_gnusparse_10(self, entry: tarfile.TarInfo, *_: object) -> None:
+        _sparse_unsupported(entry)
+
+
+def _sparse_unsupported(entry: tarfile.TarInfo) -> None:
+    raise OciImportError(f"{entry.name!r} is a sparse file entry, which is not supported")
 
 
 # --------------------------------------------------------------------------- archive metadata
@@ -283,43 +372,128 @@ class _Source(Protocol):
     def close(self) -> None: ...
 
 
-class _DirSource:
-    """An OCI image layout (or an unpacked ``docker save``) directory."""
+def _reopen(pfd: int) -> int:
+    """A readable fd of the file behind the ``O_PATH`` fd ``pfd``. Through its /proc magic link,
+    which names the inode itself: nothing swapped in at the path meanwhile can be opened instead.
+    Only now is the file opened for real, after fstat said it is a regular file, so a FIFO can't
+    block and a device node (say /dev/watchdog, whose open arms it) is never opened at all."""
+    fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    os.set_blocking(fd, True)  # O_NONBLOCK only so a leased file fails instead of hanging the open
+    return fd
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+
+def _kind(st: os.stat_result) -> str:
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device node"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "not a regular file"
+
+
+class _DirSource:
+    """An OCI image layout (or an unpacked ``docker save``) directory.
+
+    Its metadata (docker save ``Layers``, whose paths carry no digest) names members by path, so
+    every member is opened beneath the directory's fd one component at a time, never through a
+    symlink, and must be a regular file: a symlink could otherwise make the root daemon read any
+    host file, and a FIFO would block its thread forever.
+    """
+
+    def __init__(self, fd: int, root: Path) -> None:
+        self.fd = fd  # O_PATH, owned
+        self.root = root  # for messages only
+
+    def _lookup(self, path: str) -> int | None:
+        """An ``O_PATH`` fd of the member at ``path`` (not followed if a symlink), None if missing."""
+        parts = _archive_path(path).split("/")
+        fd = self.fd
+        try:
+            for i, name in enumerate(parts[:-1]):
+                try:
+                    child = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except FileNotFoundError:
+                    return None
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                        raise
+                    st = os.lstat(name, dir_fd=fd)
+                    raise OciImportError(
+                        f"{'/'.join(parts[: i + 1])} in {self.root} is {_kind(st)}, not a directory; "
+                        f"refusing to read {path} through it"
+                    ) from None
+                if fd != self.fd:
+                    os.close(fd)
+                fd = child
+            try:
+                return os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                return None
+        finally:
+            if fd != self.fd:
+                os.close(fd)
 
     def has(self, path: str) -> bool:
-        return (self.root / _archive_path(path)).is_file()
+        pfd = self._lookup(path)
+        if pfd is None:
+            return False
+        os.close(pfd)
+        return True
 
     def open(self, path: str) -> IO[bytes]:
+        pfd = self._lookup(path)
+        if pfd is None:
+            raise OciImportError(f"{path} is missing from {self.root}")
         try:
-            return open(self.root / _archive_path(path), "rb")
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise OciImportError(f"{path} is missing from {self.root}") from None
+            st = os.fstat(pfd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OciImportError(
+                    f"{path} in {self.root} is {_kind(st)}; the members of an image directory must be regular files"
+                )
+            return os.fdopen(_reopen(pfd), "rb")
+        finally:
+            os.close(pfd)
 
     def close(self) -> None:
-        pass
+        os.close(self.fd)
 
 
 class _TarSource:
     """A tar of either format; members are read in place (tarfile seeks), not unpacked first."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, file: IO[bytes], path: Path) -> None:
         self.path = path
+        self._file = file  # owned: tarfile does not close a file it was given
         try:
-            self._tar = tarfile.open(path, "r:*")  # noqa: SIM115 (open for the source's lifetime)
-        except (tarfile.TarError, EOFError, zlib.error) as exc:
+            self._tar = tarfile.open(fileobj=file, mode="r:*", tarinfo=_BoundedTarInfo)  # noqa: SIM115 (for the source's lifetime)
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            file.close()
             raise OciImportError(f"{path} is neither a tar archive nor an OCI layout directory: {exc}") from None
+        except BaseException:
+            file.close()
+            raise
         try:
             self._members: dict[str, tarfile.TarInfo] = {}
-            for m in self._tar.getmembers():
+            count = 0
+            while (m := self._tar.next()) is not None:
+                count += 1
+                if count > _MAX_ARCHIVE_MEMBERS:
+                    raise OciImportError(f"{path} has more than {_MAX_ARCHIVE_MEMBERS} members; not an image archive")
                 parts = [p for p in m.name.split("/") if p not in ("", ".")]
                 if parts and ".." not in parts:
                     self._members["/".join(parts)] = m
-        except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
-            self._tar.close()
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            self.close()
             raise OciImportError(f"{path}: unreadable tar archive: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
 
     def has(self, path: str) -> bool:
         m = self._members.get(_archive_path(path))
@@ -329,6 +503,7 @@ class _TarSource:
         member = self._members.get(_archive_path(path))
         f = None
         if member is not None:
+            # A link member resolves by name within this tar (tarfile never looks at the host).
             with contextlib.suppress(KeyError):  # a symlink or hard link member whose target is missing
                 f = self._tar.extractfile(member)
         if f is None:
@@ -336,15 +511,46 @@ class _TarSource:
         return f
 
     def close(self) -> None:
-        self._tar.close()
+        try:
+            self._tar.close()
+        finally:
+            self._file.close()
 
 
-def _open_source(path: Path) -> _Source:
-    if path.is_dir():
-        return _DirSource(path)
-    if not path.exists():
-        raise OciImportError(f"{path}: no such file or directory")
-    return _TarSource(path)
+def _open_source(path: Path, within: Sequence[Path] | None) -> _Source:
+    """Open the archive once; everything after reads through that fd, not the path.
+
+    The last component must not be a symlink, and with ``within`` the file opened must lie in
+    one of those directories: checked on the open fd, so a path swapped after the caller's own
+    check of it can't redirect the import.
+    """
+    try:
+        pfd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise OciImportError(f"{path}: no such file or directory") from None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENAMETOOLONG):
+            raise
+        raise OciImportError(f"{path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(pfd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise OciImportError(
+                f"{path} is {_kind(st)}; an image is a tar archive (a regular file) or an OCI layout directory"
+            )
+        if within is not None:
+            real = os.readlink(f"/proc/self/fd/{pfd}")
+            roots = [os.path.realpath(r) for r in within]
+            if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
+                raise OciImportError(f"{path} (opened as {real}) is not under any of {', '.join(roots)}")
+        if stat.S_ISDIR(st.st_mode):
+            src: _Source = _DirSource(pfd, path)
+            pfd = -1  # the source owns it now
+            return src
+        return _TarSource(os.fdopen(_reopen(pfd), "rb"), path)
+    finally:
+        if pfd >= 0:
+            os.close(pfd)
 
 
 # --------------------------------------------------------------------------- manifests
@@ -496,20 +702,28 @@ def _candidates(src: _Source, source: Path) -> list[_Candidate]:
 
 
 class _Digesting(io.RawIOBase):
-    """Passes a stream through, hashing (sha256) and counting what is read."""
+    """Passes a stream through, hashing (sha256) and counting what is read; with a ``limit``,
+    raises OciImportError(``too_big``) as soon as more than that many bytes come through."""
 
-    def __init__(self, src: _Reader) -> None:
+    def __init__(self, src: _Reader, limit: int | None = None, too_big: str = "") -> None:
         super().__init__()
         self._src = src
         self._sha = hashlib.sha256()
         self.size = 0
+        self._limit = limit
+        self._too_big = too_big
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: WriteableBuffer) -> int:
         view = memoryview(buffer).cast("B")
-        data = self._src.read(len(view))
+        want = len(view)
+        if self._limit is not None:
+            want = min(want, self._limit - self.size + 1)  # one byte past the limit tells it is exceeded
+        data = self._src.read(want)
+        if self._limit is not None and self.size + len(data) > self._limit:
+            raise OciImportError(self._too_big)
         view[: len(data)] = data
         self._sha.update(data)
         self.size += len(data)
@@ -520,9 +734,13 @@ class _Digesting(io.RawIOBase):
         return "sha256:" + self._sha.hexdigest()
 
 
-def _drain(stream: _Reader) -> None:
-    while stream.read(_CHUNK):
-        pass
+def _drain(stream: _Reader, what: str) -> None:
+    """Read what follows the tar's end: it counts towards the digests, but only padding belongs there."""
+    left = _MAX_TRAILING
+    while data := stream.read(min(_CHUNK, left + 1)):
+        left -= len(data)
+        if left < 0:
+            raise OciImportError(f"{what}: more than {_MAX_TRAILING} bytes of data after the end of the tar archive")
 
 
 @contextlib.contextmanager
@@ -579,7 +797,10 @@ def _zstd(stream: _Reader, what: str) -> Iterator[_Reader]:
             yield out
         return
     with zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True, closefd=False) as reader:
-        yield cast(_Reader, reader)
+        try:
+            yield cast(_Reader, reader)
+        except zstandard.ZstdError as exc:  # a corrupt blob: the archive's fault, like a gzip error
+            raise OciImportError(f"{what}: {exc}") from exc
 
 
 @contextlib.contextmanager
@@ -605,19 +826,41 @@ class _Unpacked:
     dir_times: dict[str, int]
 
 
-def _unpack_blob(src: _Source, blob: _LayerBlob, dest: Path, stop: threading.Event) -> _Unpacked:
-    """Unpack one layer blob into the fresh staging dir ``dest``, verifying what the archive states."""
+# What a malformed layer blob raises while it is decompressed and parsed. OSError in general is
+# not among them: reading the archive or writing the staging dir fails that way for reasons of the
+# host (EIO, ENOSPC), and gzip's BadGzipFile, which is one, is the archive's.
+_FORMAT_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)
+
+
+@dataclass(frozen=True)
+class _Caps:
+    entries: int  # per layer
+    layer_bytes: int  # uncompressed, per layer
+    import_bytes: int  # uncompressed, all layers of the import
+
+
+def _unpack_blob(
+    src: _Source, blob: _LayerBlob, dest: Path, stop: threading.Event, caps: _Caps, imported: int
+) -> _Unpacked:
+    """Unpack one layer blob into the fresh staging dir ``dest``, verifying what the archive states.
+    ``imported``: uncompressed bytes of the import's layers so far."""
     what = f"layer {blob.digest or blob.path}"
+    if caps.import_bytes - imported < caps.layer_bytes:
+        limit = max(caps.import_bytes - imported, 0)
+        too_big = f"{what}: the image unpacks to more than {caps.import_bytes} bytes (max_import_bytes)"
+    else:
+        limit = caps.layer_bytes
+        too_big = f"{what} unpacks to more than {caps.layer_bytes} bytes (max_layer_bytes)"
     with src.open(blob.path) as raw:
         stored = _Digesting(raw)
         buffered = io.BufferedReader(stored, _CHUNK)
         try:
             with _decompressed(buffered, what) as tar_stream:
-                plain = _Digesting(tar_stream)
-                times = _LayerWriter(dest, what, stop).unpack(plain)
-                _drain(plain)  # the tar's trailing padding counts towards its digest
-            _drain(buffered)
-        except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
+                plain = _Digesting(tar_stream, limit, too_big)
+                times = _LayerWriter(dest, what, stop, caps.entries).unpack(plain)
+                _drain(plain, what)  # the tar's trailing padding counts towards its digest
+            _drain(buffered, what)  # after the compressed stream's end
+        except _FORMAT_ERRORS as exc:
             raise OciImportError(f"{what}: {exc}") from exc
     if blob.size is not None and stored.size != blob.size:
         raise OciImportError(f"{what} is {stored.size} bytes, expected {blob.size}: the archive is corrupt")
@@ -675,6 +918,31 @@ def _entry_parts(name: str, what: str) -> tuple[str, ...]:
     return parts
 
 
+# errnos that writing an entry into the staging dir fails with because of the entry itself (a
+# name too long for the filesystem, too many hard links to one file, an xattr too large, a path
+# clash our checks did not foresee); any other (ENOSPC, EIO, EMFILE, EPERM...) is the host's.
+_ENTRY_ERRNOS = frozenset(
+    {
+        errno.ENAMETOOLONG,
+        errno.EMLINK,
+        errno.E2BIG,
+        errno.ERANGE,
+        errno.EFBIG,
+        errno.EINVAL,
+        errno.EEXIST,
+        errno.ENOTEMPTY,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ELOOP,
+    }
+)
+
+
+def _entry_fault(exc: OSError) -> bool:
+    """Whether an OSError while unpacking an entry is the layer's fault (else the host's)."""
+    return isinstance(exc, gzip.BadGzipFile) or exc.errno in _ENTRY_ERRNOS
+
+
 class _LayerWriter:
     """Unpacks one layer tar into an empty staging dir, in overlayfs form.
 
@@ -682,13 +950,15 @@ class _LayerWriter:
     ``.wh.NAME`` next to a NAME of the same tar makes NAME, if it is a directory, opaque.
     """
 
-    def __init__(self, root: Path, what: str, stop: threading.Event) -> None:
+    def __init__(self, root: Path, what: str, stop: threading.Event, max_entries: int) -> None:
         self.root = root
         self.what = what
         self.stop = stop
+        self.max_entries = max_entries
         self.whited: set[tuple[str, ...]] = set()
         self.times: dict[str, int] = {}  # dir mtimes, applied once all children exist
-        self.skipped: list[str] = []
+        self.skipped: list[str] = []  # the first few, for the log
+        self.n_skipped = 0
         # Open fds of recently used dirs: resolving each entry's parent component by component
         # (O_NOFOLLOW needs that) would otherwise cost most of the unpack time.
         self.fds: OrderedDict[tuple[str, ...], int] = OrderedDict()
@@ -699,24 +969,38 @@ class _LayerWriter:
         self.times[""] = time.time_ns()
         self.fds[()] = os.open(self.root, _DIR_FLAGS)
         try:
-            with tarfile.open(fileobj=stream, mode="r|") as tar:
-                for member in tar:
+            with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:
+                count = 0
+                while (member := tar.next()) is not None:
+                    # tarfile keeps every TarInfo it read (~0.5 KB each) in tar.members, which
+                    # stream mode never needs back: without this a layer of 10M entries takes GBs.
+                    tar.members.clear()  # type: ignore[attr-defined]  # (not in typeshed)
+                    count += 1
+                    if count > self.max_entries:
+                        raise OciImportError(
+                            f"{self.what} has more than {self.max_entries} entries (max_layer_entries)"
+                        )
                     if self.stop.is_set():
                         raise OciImportError(f"{self.what}: import cancelled")
                     while len(self.fds) > _DIR_FD_CACHE:  # not inside _dir: its callers hold fds
                         self._evict_oldest()
                     try:
                         self._entry(tar, member)
-                    except (OSError, ValueError, OverflowError) as exc:
+                    except (ValueError, OverflowError) as exc:  # e.g. a NUL in a name, a huge mtime
+                        raise OciImportError(f"{self.what}: cannot unpack {member.name!r}: {exc}") from exc
+                    except OSError as exc:
+                        if not _entry_fault(exc):
+                            exc.add_note(f"while unpacking {member.name!r} of {self.what}")
+                            raise
                         raise OciImportError(f"{self.what}: cannot unpack {member.name!r}: {exc}") from exc
         finally:
             self._forget_dirs(keep_root=False)
-        if self.skipped:
+        if self.n_skipped:
             log.warning(
                 "%s: skipped %d device node(s) or unknown entries: %s",
                 self.what,
-                len(self.skipped),
-                ", ".join(self.skipped[:5]) + (" ..." if len(self.skipped) > 5 else ""),
+                self.n_skipped,
+                ", ".join(self.skipped) + (" ..." if self.n_skipped > len(self.skipped) else ""),
             )
         return self.times
 
@@ -740,7 +1024,9 @@ class _LayerWriter:
         elif base.startswith(_WHITEOUT_PREFIX):
             self._whiteout(parts[:-1], base.removeprefix(_WHITEOUT_PREFIX))
         elif m.ischr() or m.isblk() or not (m.isreg() or m.isdir() or m.issym() or m.islnk() or m.isfifo()):
-            self.skipped.append(m.name)  # the sandbox's /dev is provided at run time
+            self.n_skipped += 1  # the sandbox's /dev is provided at run time
+            if len(self.skipped) < 5:
+                self.skipped.append(m.name)
         else:
             self._create(tar, m, self._dir(parts[:-1], create=True), parts)
 
@@ -1050,6 +1336,10 @@ async def _blocking(stop: threading.Event, fn: Callable[_P, _T], *args: _P.args,
         raise
 
 
+def _touch_layer(store: LayerStore, digest: str) -> None:
+    os.utime(store.layer_path(digest))  # mtime now: gc(min_age) leaves it alone for that long
+
+
 async def _pack(store: LayerStore, group: _Group, index: int) -> LayerRef:
     if index == 0:
         await asyncio.to_thread(_strip_overlay_markers, group.path)
@@ -1058,8 +1348,29 @@ async def _pack(store: LayerStore, group: _Group, index: int) -> LayerRef:
     ref = await store.add_layer_from_dir(
         group.path, f"{what} {', '.join(group.digests)}", kind="base" if index == 0 else "layer"
     )
+    # No manifest names the layer until the import ends, and if an identical layer was stored
+    # already, add_layer_from_dir kept that file with its old mtime: without this a concurrent
+    # gc could delete it at once.
+    await asyncio.to_thread(_touch_layer, store, ref.digest)
     await asyncio.to_thread(fsutil.rmtree, group.path)
     return ref
+
+
+async def _keep_fresh(store: LayerStore, refs: list[LayerRef]) -> None:
+    """Refresh the mtimes of the import's finished layers until cancelled (once the manifest
+    names them): a long import (one big layer can take many minutes) would otherwise outlast
+    gc's min_age for its first layers."""
+
+    def touch_all(digests: list[str]) -> None:
+        for digest in digests:
+            try:
+                _touch_layer(store, digest)
+            except (OSError, ImageError) as exc:  # put_manifest checks the layers exist
+                log.warning("cannot refresh layer %s: %s", digest, exc)
+
+    while True:
+        await asyncio.sleep(_LAYER_REFRESH_SECONDS)
+        await asyncio.to_thread(touch_all, [r.digest for r in refs])
 
 
 async def _import_layers(
@@ -1067,32 +1378,46 @@ async def _import_layers(
     src: _Source,
     plan: _Plan,
     work: Path,
+    *,
     merge_below: int,
+    max_layers: int,
+    caps: _Caps,
     ctx: BuildContext,
     stop: threading.Event,
-) -> tuple[list[LayerRef], list[str]]:
-    """Unpack the layers bottom -> top, merging runs of small ones; the mkfs of one group overlaps
-    the unpacking of the next (mkfs.erofs is another process, so it gets the other core)."""
-    refs: list[LayerRef] = []
+    refs: list[LayerRef],
+) -> list[str]:
+    """Unpack the layers bottom -> top into ``refs``, merging runs of small ones; the mkfs of one
+    group overlaps the unpacking of the next (mkfs.erofs is another process, so it gets the other
+    core). Returns the digests of the OCI layers.
+
+    At most ``max_layers`` groups: once the last one is open, every remaining layer goes into it.
+    That merges the top layers, which are typically the small, image-specific ones, and needs no
+    look-ahead, so a layer's mkfs still starts as soon as its group is complete.
+    """
     digests: list[str] = []
     group: _Group | None = None
     packing: asyncio.Task[LayerRef] | None = None
+    flushed = 0  # groups handed to packing
+    imported = 0  # uncompressed bytes so far
 
     async def flush(g: _Group) -> None:
-        nonlocal packing
+        nonlocal packing, flushed
         if packing is not None:
             refs.append(await asyncio.shield(packing))  # if cancelled: the finally below lets it finish
         packing = asyncio.create_task(_pack(store, g, len(refs)))
+        flushed += 1
 
     n = len(plan.layers)
     try:
         for i, blob in enumerate(plan.layers):
             ctx.report(f"layer {i + 1}/{n}: unpacking {blob.digest or blob.path}", 0.05 + 0.9 * i / n)
             dest = work / f"layer-{i}"
-            unpacked = await _blocking(stop, _unpack_blob, src, blob, dest, stop)
+            unpacked = await _blocking(stop, _unpack_blob, src, blob, dest, stop, caps, imported)
+            imported += unpacked.size
             digests.append(unpacked.digest)
             small = unpacked.size < merge_below
-            if group is not None and small:
+            no_room = flushed + (group is not None) >= max_layers  # no new group may start
+            if group is not None and (small or no_room):
                 await _blocking(stop, _merge_into, dest, group.path)
                 group.dir_times.update(unpacked.dir_times)
                 group.digests.append(unpacked.digest)
@@ -1100,7 +1425,7 @@ async def _import_layers(
             if group is not None:
                 await flush(group)
             group = _Group(dest, unpacked.dir_times, [unpacked.digest])
-            if not small:
+            if not small and flushed + 1 < max_layers:  # else it stays open: the rest go into it
                 await flush(group)
                 group = None
         if group is not None:
@@ -1111,7 +1436,7 @@ async def _import_layers(
     finally:
         if packing is not None:  # failed or cancelled while a group was packing: let it finish first
             await asyncio.gather(packing, return_exceptions=True)
-    return refs, digests
+    return digests
 
 
 async def import_image(
@@ -1120,6 +1445,11 @@ async def import_image(
     ref: str | None = None,
     *,
     merge_below: int = 16 * 2**20,
+    max_layers: int = MAX_LAYERS,
+    max_layer_entries: int = MAX_ENTRIES_PER_LAYER,
+    max_layer_bytes: int = MAX_LAYER_BYTES,
+    max_import_bytes: int = MAX_IMPORT_BYTES,
+    within: Sequence[Path] | None = None,
     progress: ProgressFn | None = None,
 ) -> ImageManifest:
     """Import an image from a ``docker save`` tar, an OCI layout dir or an ``oci-archive`` tar.
@@ -1127,25 +1457,48 @@ async def import_image(
     ``ref`` names the stored image and, if the archive holds several, selects one of them (by
     RepoTags or ref-name annotation); without it the archive's own name is used, normalised
     (see ``normalise_ref``). An existing image of that name is replaced. Consecutive layers of
-    less than ``merge_below`` uncompressed bytes become one EROFS layer (0: never merge).
+    less than ``merge_below`` uncompressed bytes become one EROFS layer (0: never merge), and
+    the topmost layers are merged further if needed to make at most ``max_layers``.
+
+    A layer may have at most ``max_layer_entries`` tar entries and ``max_layer_bytes`` of
+    uncompressed tar, all layers together ``max_import_bytes``. ``source`` must not be a
+    symlink; with ``within``, the file or directory opened must lie under one of those dirs.
+
     Raises OciImportError (OciRefError if a ref is needed or matches nothing), InvalidRefError
-    for a malformed ``ref``.
+    for a malformed ``ref``, ValueError for a ``max_layers`` below 1; OSError for trouble of the
+    host (a full disk, an I/O error), ImageError if packing a layer fails.
     """
+    if max_layers < 1:
+        raise ValueError(f"max_layers must be at least 1, not {max_layers}")
     source = Path(source)
+    caps = _Caps(max_layer_entries, max_layer_bytes, max_import_bytes)
     ctx = BuildContext(store=store, workdir=store.tmp_dir / f"import-{uuid.uuid4().hex[:12]}", progress=progress)
     stop = threading.Event()
     started = time.monotonic()
     ctx.report(f"reading {source}", 0.0)
     await asyncio.to_thread(ctx.workdir.mkdir)
+    layers: list[LayerRef] = []
+    refresher = asyncio.create_task(_keep_fresh(store, layers))
     try:
-        src = await _blocking(stop, _open_source, source)
+        src = await _blocking(stop, _open_source, source, within)
         try:
             candidates = await _blocking(stop, _candidates, src, source)
             chosen, target = _select(candidates, ref, source)
             plan = await _blocking(stop, chosen.load)
             if not plan.layers:
                 raise OciImportError(f"the image {target} in {source} has no layers")
-            layers, digests = await _import_layers(store, src, plan, ctx.workdir, merge_below, ctx, stop)
+            digests = await _import_layers(
+                store,
+                src,
+                plan,
+                ctx.workdir,
+                merge_below=merge_below,
+                max_layers=max_layers,
+                caps=caps,
+                ctx=ctx,
+                stop=stop,
+                refs=layers,
+            )
         finally:
             src.close()
         run = plan.config.config or _RunConfig()
@@ -1166,6 +1519,8 @@ async def import_image(
             user=run.user or None,
         )
     finally:
+        refresher.cancel()
+        await asyncio.gather(refresher, return_exceptions=True)
         await asyncio.shield(asyncio.to_thread(fsutil.rmtree, ctx.workdir))
     log.info(
         "imported %s from %s: %d OCI layers as %d EROFS layers in %.1fs",
@@ -1179,4 +1534,14 @@ async def import_image(
     return manifest
 
 
-__all__ = ["OPAQUE_XATTR", "OciImportError", "OciRefError", "import_image", "normalise_ref"]
+__all__ = [
+    "MAX_ENTRIES_PER_LAYER",
+    "MAX_IMPORT_BYTES",
+    "MAX_LAYERS",
+    "MAX_LAYER_BYTES",
+    "OPAQUE_XATTR",
+    "OciImportError",
+    "OciRefError",
+    "import_image",
+    "normalise_ref",
+]

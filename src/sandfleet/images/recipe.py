@@ -12,10 +12,12 @@ A recipe is a TOML file (``Recipe.load``)::
     apt = ["git", "python3-pip"]          # host-side mmdebstrap of the stack's packages + these,
                                           # diffed against the stack (Debian-based stacks only)
     [[step]]
-    pip = ["six==1.16.0"]                 # wheels fetched on the host, installed offline in a
-                                          # build sandbox (needs python3 in the stack, not pip)
+    pip = ["six==1.16.0"]                 # wheels (only: nothing is built on the host) fetched on
+                                          # the host, installed offline in a build sandbox (needs
+                                          # python3 in the stack, not pip)
     [[step]]
     copy = { src = "harness", dest = "/opt/harness", exclude = ["__pycache__"] }
+                                          # src: inside the recipe's directory, symlinks resolved
     name = "toolkit/harness:3.1"          # optional on any step: publish its layer as an image
     [[step]]
     git = { url = "../repo", rev = "v1.2", dest = "/work/repo", keep_git = false }
@@ -26,7 +28,7 @@ A recipe is a TOML file (``Recipe.load``)::
 
 Caching: every step's layer is recorded in ``<store>/build-cache/<key>.json`` (a LayerRef),
 ``key`` being the sha256 of the step's inputs. ``copy`` and ``git`` layers do not depend on what
-is below them (the key is their inputs plus the content hash of the copied tree / the resolved
+is below them (the key is their inputs plus the content hash of the tree as copied / the resolved
 commit), so changing a lower layer does not rebuild them; ``apt``, ``pip`` and ``run`` keys
 include the digests of every layer below. An entry whose layer file is gone (GC'd) is a miss.
 ``build_recipe`` writes the image's manifest, with a JSON record of each step's key and hit.
@@ -41,9 +43,9 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import posixpath
 import re
-import shutil
 import stat
 import sys
 import time
@@ -54,6 +56,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -67,7 +70,7 @@ from pydantic import (
 )
 
 from sandfleet.errors import SandboxError
-from sandfleet.models import ExecResult, Resources
+from sandfleet.models import ExecResult, Resources, SandboxSpec, _check_abs_path, _check_env
 
 from . import fsutil
 from .builders import DEBIAN_SUITE, debian_mirror, mounted_layers, trim_debian_rootfs
@@ -116,6 +119,8 @@ class RecipeError(ImageError):
 
 
 # =========================================================================== recipe models
+# Env, paths and users are checked by the daemon's own validators (sandfleet.models), so a recipe
+# accepts exactly what the daemon will accept from the image and the build sandboxes.
 
 
 def _check_ref(v: str) -> str:
@@ -125,22 +130,78 @@ def _check_ref(v: str) -> str:
         raise ValueError(str(exc)) from None
 
 
-def _check_env(v: dict[str, str]) -> dict[str, str]:
-    for key, value in v.items():
-        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key) or "\0" in value:
-            raise ValueError(f"invalid environment variable {key!r}")
+def _check_user(v: str) -> str:
+    # The daemon's own rule (SandboxSpec.user has no standalone checker): an image whose default
+    # user the daemon would refuse must not get built.
+    try:
+        SandboxSpec.model_validate({"user": v})
+    except ValidationError as exc:
+        raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
     return v
 
 
+_SUITE_RE = re.compile(r"^[a-z][a-z0-9-]*$")
 _APT_PKG_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]+(:[a-z0-9-]+)?(=[A-Za-z0-9.+~:-]+)?$")
 
 
 def _check_packages(v: list[str]) -> list[str]:
     # They end up in mmdebstrap's comma-separated --include: nothing but package names.
     for pkg in v:
-        if not _APT_PKG_RE.match(pkg):
+        if not _APT_PKG_RE.fullmatch(pkg):
             raise ValueError(f"invalid Debian package name {pkg!r}")
     return v
+
+
+# A PEP 508 project name with optional extras; what follows is checked by _check_requirement.
+_PIP_NAME_RE = re.compile(r"^\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(\[[A-Za-z0-9._,\s-]*\])?\s*")
+# pip takes a "name" with an archive extension for a file name (relative to its cwd).
+_ARCHIVE_EXTS = (".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz", ".tar.xz", ".txz", ".tar.lz", ".tlz")
+_WHEELS_ONLY = (
+    "The pip step installs wheels only, as building an sdist or source tree runs its code, which "
+    "must not happen on the host: copy the source in (copy or git step) and build it in a run step."
+)
+# Runs the host's pip with source builds refused: pip prepares the metadata of every sdist, source
+# tree or VCS checkout it meets (running its setup.py or build backend) even with
+# --only-binary=:all: when the requirement, or a dependency in a wheel's metadata, is a direct URL.
+# The first argument is the directory to run in. Fails closed: if pip's internals move, the
+# import fails and so does the step.
+_PIP_GUARD = """\
+import os, sys
+os.chdir(sys.argv.pop(1))
+from pip._internal.distributions.sdist import SourceDistribution
+from pip._internal.exceptions import InstallationError
+
+def refuse(self, *args, **kwargs):
+    raise InstallationError(f"sandfleet: refusing to build {self.req} from source on the host (wheels only)")
+
+SourceDistribution.prepare_distribution_metadata = refuse
+from pip._internal.cli.main import main
+sys.exit(main())
+"""
+
+
+def _check_requirement(req: str) -> str:
+    """A requirement pip resolves to wheels alone: ``name[extras] <version spec> ; markers``, or
+    ``name @ https://.../name-1.0-py3-none-any.whl``. Paths, sdist and VCS URLs are refused here,
+    before pip (which would build them on the host even with --only-binary=:all:) sees them."""
+    if req.lstrip().startswith("-"):
+        # Options would be passed to pip on the host: not something a recipe may smuggle in.
+        raise ValueError(f"invalid requirement {req!r} (options are not allowed)")
+    m = _PIP_NAME_RE.match(req)
+    if m is None or m.group(1).lower().endswith(_ARCHIVE_EXTS):
+        raise ValueError(f"invalid requirement {req!r}: give a project name such as 'six==1.16.0'. {_WHEELS_ONLY}")
+    rest = req[m.end() :]
+    if rest.startswith("@"):
+        url, *markers = rest[1:].split(None, 1) or [""]
+        if not (re.match(r"^https?://", url, re.IGNORECASE) and urlsplit(url).path.endswith(".whl")):
+            raise ValueError(
+                f"invalid requirement {req!r}: 'name @ URL' must be an http(s) URL of a .whl. {_WHEELS_ONLY}"
+            )
+        if markers and not markers[0].startswith(";"):
+            raise ValueError(f"invalid requirement {req!r}: only markers (; ...) may follow the URL")
+    elif (rest and rest[0] not in "<>=!~(;") or "@" in rest.partition(";")[0]:
+        raise ValueError(f"invalid requirement {req!r}: expected a version spec or markers after the name")
+    return req
 
 
 def _check_dest(v: str) -> str:
@@ -161,7 +222,7 @@ class _Strict(BaseModel):
 class MmdebstrapSpec(_Strict):
     """A Debian root filesystem bootstrapped on the host (the base layer of the image)."""
 
-    suite: str = Field(DEBIAN_SUITE, pattern=r"^[a-z][a-z0-9-]*$", description="Debian suite, e.g. 'bookworm'")
+    suite: str = Field(DEBIAN_SUITE, pattern=_SUITE_RE.pattern, description="Debian suite, e.g. 'bookworm'")
     packages: list[str] = Field(default_factory=list, description="extra packages (mmdebstrap --include)")
     variant: Literal["minbase", "required", "important", "standard"] = Field(
         "minbase", description="mmdebstrap --variant"
@@ -207,9 +268,7 @@ class PipStep(_Step):
     @classmethod
     def _requirements(cls, v: list[str]) -> list[str]:
         for req in v:
-            # Options would be passed to pip on the host: not something a recipe may smuggle in.
-            if not req.strip() or req.lstrip().startswith("-"):
-                raise ValueError(f"invalid requirement {req!r} (options are not allowed)")
+            _check_requirement(req)
         return v
 
 
@@ -283,16 +342,13 @@ class RunStep(_Step):
     @field_validator("cwd")
     @classmethod
     def _cwd(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith("/"):
-            raise ValueError(f"cwd must be absolute: {v!r}")
-        return v
+        return None if v is None else _check_abs_path(v)
 
     @field_validator("exclude")
     @classmethod
     def _exclude(cls, v: list[str]) -> list[str]:
         for p in v:
-            if not p.startswith("/"):
-                raise ValueError(f"exclude paths must be absolute: {p!r}")
+            _check_abs_path(p)
         return v
 
 
@@ -364,19 +420,16 @@ class Recipe(BaseModel):
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_env(v)
 
+    # The daemon's checks (sandfleet.models), so the image's defaults are ones it accepts.
     @field_validator("workdir")
     @classmethod
     def _workdir(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith("/"):
-            raise ValueError(f"workdir must be absolute: {v!r}")
-        return v
+        return None if v is None else _check_abs_path(v)
 
     @field_validator("user")
     @classmethod
     def _user(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[a-z_][a-z0-9_-]*\$?$|^[0-9]+$", v):
-            raise ValueError(f"invalid user {v!r}")
-        return v
+        return None if v is None else _check_user(v)
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _source: str = PrivateAttr("")
@@ -508,47 +561,129 @@ def _excluded(rel: str, name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(rel, p) for p in patterns)
 
 
-def _walk_source(src: Path, exclude: list[str]) -> list[tuple[str, os.stat_result]]:
-    """(relative path, lstat) of src and everything below it, sorted, minus excluded entries."""
-    st = os.lstat(src)
-    out: list[tuple[str, os.stat_result]] = [("", st)]
-    if not stat.S_ISDIR(st.st_mode):
-        return out
+# Every open of a copy step's source refuses symlinks and, below the top, is relative to an open
+# directory. O_NONBLOCK: a FIFO swapped in for a file must not hang the build (fstat rejects it).
+_O_SRC = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_O_SRC_DIR = _O_SRC | os.O_DIRECTORY
+_O_DEST = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_COPY_CHUNK = 1024**2
 
-    def walk(rel: str) -> None:
-        for name in sorted(os.listdir(src / rel if rel else src)):
+
+def _copy_tree(fd: int, out: Path | None, exclude: list[str]) -> tuple[int, str]:
+    """Hash the file or tree open at ``fd`` and, unless ``out`` is None, copy it to ``out``;
+    return (entries, content hash). Blocking; ``fd`` stays the caller's.
+
+    The walk never follows a symlink (symlinks are copied as links), so renaming or replacing
+    things in the source meanwhile cannot make it read outside the tree; and the hash is of
+    exactly the bytes and modes written, so an edit during the copy cannot end up in a layer
+    cached under the previous content's key.
+
+    The hash covers names, types, permission bits, file contents and link targets, in sorted
+    order. Owners and mtimes are left out on purpose: the layer makes everything root's, and a
+    fresh checkout or `touch` should not invalidate the cache when nothing actually changed.
+    """
+    h = hashlib.sha256()
+    count = 0
+    dir_times: list[tuple[Path, os.stat_result]] = []
+
+    def record(rel: str, st: os.stat_result, payload: bytes) -> None:
+        nonlocal count
+        count += 1
+        h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode):o}\0".encode(errors="surrogateescape"))
+        h.update(payload + b"\n")
+
+    def copy_file(src_fd: int, rel: str, st: os.stat_result) -> None:
+        fh = hashlib.sha256()
+        dst = None if out is None else os.open(out / rel if rel else out, _O_DEST, 0o600)
+        try:
+            while chunk := os.read(src_fd, _COPY_CHUNK):
+                fh.update(chunk)
+                view = memoryview(chunk)
+                while dst is not None and view:
+                    view = view[os.write(dst, view) :]
+            if dst is not None:
+                os.fchmod(dst, stat.S_IMODE(st.st_mode))
+                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            if dst is not None:
+                os.close(dst)
+        record(rel, st, fh.digest())
+
+    def entry(entry_fd: int, rel: str) -> None:
+        # The type and mode of what was opened, not of an earlier lstat: that is what is copied.
+        st = os.fstat(entry_fd)
+        if stat.S_ISREG(st.st_mode):
+            copy_file(entry_fd, rel, st)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise RecipeError(f"{rel or 'the source'}: only files, directories and symlinks can be copied")
+        record(rel, st, b"")
+        if out is not None:
+            d = out / rel if rel else out
+            d.mkdir(exist_ok=not rel)  # the top may be the staging root itself (dest = "/")
+            os.chmod(d, stat.S_IMODE(st.st_mode))
+            dir_times.append((d, st))
+        for name in sorted(os.listdir(entry_fd)):
             r = f"{rel}/{name}" if rel else name
             if _excluded(r, name, exclude):
                 continue
-            est = os.lstat(src / r)
-            mode = est.st_mode
-            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                raise RecipeError(f"{src / r}: only files, directories and symlinks can be copied")
-            out.append((r, est))
-            if stat.S_ISDIR(mode):
-                walk(r)
+            lst = os.stat(name, dir_fd=entry_fd, follow_symlinks=False)
+            if stat.S_ISLNK(lst.st_mode):
+                target = os.readlink(name, dir_fd=entry_fd)
+                if out is not None:
+                    os.symlink(target, out / r)
+                record(r, lst, os.fsencode(target))
+            elif stat.S_ISDIR(lst.st_mode) or stat.S_ISREG(lst.st_mode):
+                child = os.open(name, _O_SRC_DIR if stat.S_ISDIR(lst.st_mode) else _O_SRC, dir_fd=entry_fd)
+                try:
+                    entry(child, r)
+                finally:
+                    os.close(child)
+            else:
+                raise RecipeError(f"{r}: only files, directories and symlinks can be copied")
 
-    walk("")
-    return out
+    entry(fd, "")
+    for d, st in reversed(dir_times):  # children are in place: restore the dirs' mtimes last
+        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return count, h.hexdigest()
 
 
 def hash_tree(src: Path, exclude: list[str]) -> str:
-    """Content hash of a tree: names, types, permission bits, file contents, link targets.
+    """Content hash of the file or directory ``src`` (not a symlink), as a copy step keys it."""
+    fd = os.open(src, _O_SRC)
+    try:
+        return _copy_tree(fd, None, exclude)[1]
+    finally:
+        os.close(fd)
 
-    Owners and mtimes are left out on purpose: the layer makes everything root's, and a fresh
-    checkout or `touch` should not invalidate the cache when nothing actually changed.
+
+def _open_source(base_dir: Path, src: str) -> int:
+    """An fd of the copy source ``base_dir/src`` (symlinks resolved), which must be in ``base_dir``.
+
+    A recipe may come from someone else: it must not bake the builder's files (``/root/.ssh``,
+    ``../../etc``, a symlink to them) into an image. The real path is checked again on the open
+    fd, so replacing a directory on the way by a symlink after the first check gains nothing.
     """
-    h = hashlib.sha256()
-    for rel, st in _walk_source(src, exclude):
-        mode = st.st_mode
-        h.update(f"{rel}\0{stat.S_IFMT(mode)}\0{stat.S_IMODE(mode):o}\0".encode())
-        if stat.S_ISREG(mode):
-            with open(src / rel if rel else src, "rb") as f:
-                h.update(hashlib.file_digest(f, "sha256").digest())
-        elif stat.S_ISLNK(mode):
-            h.update(os.readlink(src / rel).encode())
-        h.update(b"\n")
-    return h.hexdigest()
+    base = os.path.realpath(base_dir)
+
+    def inside(path: str) -> bool:
+        return path == base or path.startswith(base.rstrip("/") + "/")
+
+    real = os.path.realpath(base_dir / src)
+    if not inside(real):
+        raise RecipeError(f"source {src!r} is {real}, outside the recipe's directory {base}")
+    try:
+        fd = os.open(real, _O_SRC)
+    except FileNotFoundError:
+        raise RecipeError(f"source {real} does not exist") from None
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if not inside(opened):
+            raise RecipeError(f"source {src!r} is {opened}, outside the recipe's directory {base}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # Modes for directories a step creates as parents of its dest. In overlayfs the topmost layer's
@@ -593,32 +728,22 @@ def _normalize_checkout_modes(root: Path) -> None:
                 os.chmod(path, 0o755 if st.st_mode & 0o111 else 0o644)
 
 
-def stage_copy(src: Path, staging: Path, dest: str, exclude: list[str]) -> int:
-    """Lay out ``src`` at ``staging/dest`` (blocking); return the number of entries copied."""
+def stage_copy(base_dir: Path, src: str, staging: Path, dest: str, exclude: list[str]) -> tuple[int, str]:
+    """Lay out ``base_dir/src`` at ``staging/dest`` (blocking); return the number of entries
+    copied and the content hash of what was copied (see ``_copy_tree``)."""
     dest_rel = dest.lstrip("/")
-    entries = _walk_source(src, exclude)
-    if not dest_rel and not stat.S_ISDIR(entries[0][1].st_mode):
-        raise RecipeError(f"{src} is a file: dest must name the file, not /")
-    _make_parents(staging, dest_rel)
-    dir_times: list[tuple[Path, os.stat_result]] = []
-    for rel, st in entries:
-        s = src / rel if rel else src
-        d = staging / dest_rel / rel if rel else staging / dest_rel
-        mode = st.st_mode
-        if stat.S_ISDIR(mode):
-            d.mkdir(exist_ok=True)
-            os.chmod(d, stat.S_IMODE(mode))
-            dir_times.append((d, st))
-        elif stat.S_ISLNK(mode):
-            os.symlink(os.readlink(s), d)
-        else:
-            shutil.copy2(s, d, follow_symlinks=False)
+    fd = _open_source(base_dir, src)
+    try:
+        if not dest_rel and not stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise RecipeError(f"{src} is a file: dest must name the file, not /")
+        _make_parents(staging, dest_rel)
+        n, digest = _copy_tree(fd, staging / dest_rel, exclude)
+    finally:
+        os.close(fd)
     if not dest_rel:
         os.chmod(staging, 0o755)  # the image's / keeps standard metadata whatever src's is
-    _own_by_root(staging)
-    for d, st in reversed(dir_times):  # children are in place: restore the dirs' mtimes last
-        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
-    return len(entries)
+    _own_by_root(staging)  # lchown and chmod leave the mtimes _copy_tree restored alone
+    return n, digest
 
 
 def _resolve_in_root(root: Path, rel: str, hops: int = 16) -> Path | None:
@@ -656,7 +781,13 @@ class DebianInfo:
 
 
 def read_debian_info(root: Path, native_arch: str) -> DebianInfo | None:
-    """Suite and installed packages of a mounted Debian root, or None if it is not Debian-based."""
+    """Suite and installed packages of a mounted Debian root, or None if it is not Debian-based.
+
+    The stack may come from an imported image or a run step, so its files are untrusted: they go
+    into mmdebstrap's argv (the suite as an argument, the packages joined by commas into
+    --include), and a suite like ``--setup-hook=...`` or a "package" ``/tmp/x.deb`` or ``a,b``
+    would be obeyed there. Anything that is not a plain name raises RecipeError.
+    """
     status = _resolve_in_root(root, "var/lib/dpkg/status")
     os_release = _resolve_in_root(root, "etc/os-release")
     if status is None or os_release is None:
@@ -670,6 +801,8 @@ def read_debian_info(root: Path, native_arch: str) -> DebianInfo | None:
     suite = fields.get("VERSION_CODENAME", "")
     if "debian" not in ids or not suite:
         return None
+    if not _SUITE_RE.fullmatch(suite):
+        raise RecipeError(f"the stack's /etc/os-release has an invalid VERSION_CODENAME {suite!r}")
     packages = []
     for para in re.split(r"\n\s*\n", status.read_text(errors="replace")):
         info: dict[str, str] = {}
@@ -681,7 +814,12 @@ def read_debian_info(root: Path, native_arch: str) -> DebianInfo | None:
         if info.get("Status", "").split()[-1:] != ["installed"] or "Package" not in info:
             continue
         arch = info.get("Architecture", "all")
-        packages.append(info["Package"] if arch in (native_arch, "all") else f"{info['Package']}:{arch}")
+        pkg = info["Package"] if arch in (native_arch, "all") else f"{info['Package']}:{arch}"
+        # The user's packages pass the same check (_check_packages). Failing is better than
+        # dropping the entry: the apt layer's dpkg database would silently forget the package.
+        if not _APT_PKG_RE.fullmatch(pkg) or "=" in pkg:
+            raise RecipeError(f"the stack's /var/lib/dpkg/status lists an invalid package {pkg!r}")
+        packages.append(pkg)
     return DebianInfo(suite=suite, packages=sorted(set(packages)))
 
 
@@ -725,6 +863,39 @@ def python_version_in(root: Path) -> tuple[int, int] | None:
             if m:
                 return int(m.group(1)), int(m.group(2))
     return None
+
+
+def glibc_version_in(root: Path) -> tuple[int, int] | None:
+    """``(major, minor)`` of the glibc in a mounted stack (from its libc.so.6), or None."""
+    cands = ["lib64/libc.so.6", "usr/lib64/libc.so.6", "lib/libc.so.6", "usr/lib/libc.so.6"]
+    for libdir in ("usr/lib", "lib"):
+        real = _resolve_in_root(root, libdir)  # inside the image, even through an absolute link
+        if real is not None and real.is_dir():
+            cands += sorted(f"{libdir}/{e.name}/libc.so.6" for e in os.scandir(real) if "-linux-gnu" in e.name)
+    for cand in cands:
+        path = _resolve_in_root(root, cand)
+        if path is None or not path.is_file():
+            continue
+        with open(path, "rb") as f:
+            head = f.read(64 * 1024**2)  # a libc is a few MB; the image's file may be anything
+        m = re.search(rb"GNU C Library [^\n]*?release version (\d+)\.(\d+)", head)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    return None
+
+
+def _manylinux_platforms(glibc: tuple[int, int], arch: str) -> list[str]:
+    """pip --platform values for the wheels that run on ``glibc``: pip does not widen a
+    manylinux_2_N tag to the older ones itself. With the legacy names of 2.17, 2.12 and 2.5."""
+    if glibc[0] != 2:
+        return []
+    legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+    tags = []
+    for minor in range(glibc[1], 4, -1):
+        tags.append(f"manylinux_2_{minor}_{arch}")
+        if minor in legacy:
+            tags.append(f"{legacy[minor]}_{arch}")
+    return tags
 
 
 def _tail(result_stdout: str, result_stderr: str) -> str:
@@ -821,6 +992,19 @@ class _Ctx:
         await asyncio.to_thread(self._cache_put, key, layer)
         return layer, False
 
+    def push(self, layer: LayerRef) -> bool:
+        """Put ``layer`` on top of the stack, unless the stack has it already: return whether it did.
+
+        An overlay cannot mount a layer twice, and the daemon keeps the first (lowest) occurrence
+        of a layer named twice in an environment; the stack keeps that one too, so it is always
+        mountable and exactly what build sandboxes run on. Moving the layer up instead would put
+        it above layers that were built on top of it.
+        """
+        if any(x.digest == layer.digest for x in self.stack):
+            return False
+        self.stack.append(layer)
+        return True
+
     def below(self) -> list[str]:
         return [x.digest for x in self.stack]
 
@@ -871,7 +1055,8 @@ async def build_recipe(
                     published = await _publish_step(ctx, i, kind, key, step.name, layer)
             except (ImageError, SandboxError, OSError) as exc:
                 raise RecipeError(f"step {i} ({kind}): {exc}") from exc
-            ctx.stack.append(layer)
+            if not ctx.push(layer):
+                log.info("step %d (%s): layer %s is in the stack below already; it stays there", i, kind, layer.digest)
             results.append(
                 StepResult(
                     index=i,
@@ -976,7 +1161,8 @@ async def _build_base(ctx: _Ctx) -> StepResult:
 
             # ensure() builds built-in images (busybox, debian, python) on first use.
             manifest = await store.ensure(base, sub)
-            ctx.stack = list(manifest.layers)
+            for x in manifest.layers:  # one naming a layer twice (imported, say) keeps the first
+                ctx.push(x)
             ctx.env, ctx.image_workdir, ctx.image_user = dict(manifest.env), manifest.workdir, manifest.user
             if not ctx.stack:
                 raise RecipeError(f"image {base} has no layers")
@@ -1017,24 +1203,20 @@ async def _mmdebstrap_base(ctx: _Ctx, spec: MmdebstrapSpec) -> LayerRef:
 async def _step_copy(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]:
     assert isinstance(step, CopyStep)
     spec = step.spec
-    src = (ctx.recipe.base_dir / spec.src).resolve()
-    if not (src.exists() or src.is_symlink()):
-        raise RecipeError(f"source {src} does not exist")
-    ctx.report(i, "copy", f"hashing {spec.src}", 0.1)
-    digest = await asyncio.to_thread(hash_tree, src, spec.exclude)
+    staging = ctx.scratch(f"step{i}-copy")
+    ctx.report(i, "copy", f"staging {spec.src} -> {spec.dest}", 0.1)
+    # Copied first and keyed by what was copied, even when the key then hits: hashing the source
+    # and copying it separately would store an edit made in between under the old content's key.
+    n, digest = await asyncio.to_thread(stage_copy, ctx.recipe.base_dir, spec.src, staging, spec.dest, spec.exclude)
     # No digests of the stack below: a copy layer's content does not depend on it.
     key = _cache_key("copy", tree=digest, dest=spec.dest, exclude=spec.exclude)
 
     async def build() -> LayerRef:
-        staging = ctx.scratch(f"step{i}-copy")
-        ctx.report(i, "copy", f"staging {spec.src} -> {spec.dest}", 0.3)
-        n = await asyncio.to_thread(stage_copy, src, staging, spec.dest, spec.exclude)
         ctx.report(i, "copy", "mkfs.erofs", 0.7)
-        layer = await ctx.store.add_layer_from_dir(staging, f"copy {spec.src} -> {spec.dest} ({n} entries)")
-        await asyncio.to_thread(fsutil.rmtree, staging)
-        return layer
+        return await ctx.store.add_layer_from_dir(staging, f"copy {spec.src} -> {spec.dest} ({n} entries)")
 
     layer, hit = await ctx.cached(key, build)
+    await asyncio.to_thread(fsutil.rmtree, staging)
     return key, layer, hit
 
 
@@ -1184,9 +1366,9 @@ async def _in_build_sandbox(
     The sandbox is stopped and the temporary pack manifest deleted whatever happens (error,
     cancellation); a sandbox whose create reply was lost is found by its build labels.
     """
+    # The stack names no layer twice (_Ctx.push): the daemon takes it as it is, no dedupe rule
+    # to agree on, and the packed image must sit on exactly it.
     below = ctx.below()
-    # The daemon keeps only the upper copy of a layer named twice; so do we, to compare.
-    below = [d for n, d in enumerate(below) if d not in below[n + 1 :]]
     if len(below) > MAX_BUILD_LAYERS:
         raise RecipeError(
             f"the stack below has {len(below)} layers; a build sandbox takes at most {MAX_BUILD_LAYERS}: "
@@ -1298,30 +1480,42 @@ async def _step_pip(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]
         paths = [store.layer_path(x.digest) for x in ctx.stack]
         async with mounted_layers(paths, ctx.scratch(f"step{i}-pip-lower")) as lower:
             target = await asyncio.to_thread(python_version_in, lower)
+            glibc = await asyncio.to_thread(glibc_version_in, lower)
         if target is None:
             raise RecipeError(
                 "no python3 in the stack below; use a base such as python:3.11 or an apt step with python3"
             )
         ctx.get_client()  # fail fast, before downloading, if there is no daemon
         host_dir = ctx.scratch(f"step{i}-pip")
-        wheels, boot = host_dir / "wheels", host_dir / "bootstrap"
-        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-        ctx.report(i, "pip", f"fetching wheels for python {target[0]}.{target[1]}", 0.1)
+        wheels, boot, cwd = host_dir / "wheels", host_dir / "bootstrap", ctx.scratch(f"step{i}-pip-cwd")
+        await asyncio.to_thread(cwd.mkdir, parents=True)
+        # Wheels only, whatever the image's Python: building an sdist (or a source tree, a VCS
+        # URL) runs its setup.py / build backend, which must not happen as root on the node.
+        # --only-binary=:all: alone does not stop pip from building a direct URL, even one in a
+        # wheel's dependencies; the guard does. Run from an empty directory, so that no name is
+        # taken for a file there.
+        pip = [sys.executable, "-c", _PIP_GUARD, str(cwd), "--disable-pip-version-check"]
+        python = f"{target[0]}.{target[1]}"
+        # The image's libc decides which manylinux wheels run in it, not the host's; without a
+        # glibc found, pip's default is the host's platform.
+        platforms = _manylinux_platforms(glibc, platform.machine()) if glibc else []
+        ctx.report(i, "pip", f"fetching wheels for python {python}", 0.1)
         try:
-            if target == sys.version_info[:2]:
-                # Same Python as the host: `pip wheel` also turns sdists into wheels here, where
-                # build dependencies can be downloaded (the sandbox has no network).
-                await fsutil.run(
-                    *pip, "wheel", "--quiet", "--wheel-dir", str(wheels), "--", *step.pip, what="pip wheel"
-                )
-            else:
-                abi = f"cp{target[0]}{target[1]}"
-                await fsutil.run(
-                    *pip, "download", "--quiet", "--only-binary=:all:", "--dest", str(wheels),
-                    "--python-version", f"{target[0]}.{target[1]}", "--implementation", "cp",
-                    "--abi", abi, "--abi", "abi3", "--abi", "none", "--", *step.pip,
-                    what="pip download",
-                )  # fmt: skip
+            await fsutil.run(
+                *pip, "download", "--quiet", "--only-binary=:all:", "--dest", str(wheels),
+                "--python-version", python, "--implementation", "cp",
+                "--abi", f"cp{target[0]}{target[1]}", "--abi", "abi3", "--abi", "none",
+                *[arg for tag in platforms for arg in ("--platform", tag)],
+                "--", *step.pip, what="pip download",
+            )  # fmt: skip
+        except ImageError as exc:
+            where = f"python {python}" + (f", glibc {glibc[0]}.{glibc[1]}" if glibc else "")
+            raise RecipeError(f"{exc}\nA requirement without a wheel for {where}? {_WHEELS_ONLY}") from None
+        # pip only ever downloads here: anything but wheels would mean the guard failed.
+        others = sorted(p.name for p in wheels.iterdir() if not p.name.endswith(".whl"))
+        if others:
+            raise RecipeError(f"pip download fetched non-wheels {others}: {_WHEELS_ONLY}")
+        try:
             # The image need not have pip: the host's pip version, as a wheel, runs straight from
             # the zip (`python3 pip.whl/pip install`) and is not installed into the layer.
             await fsutil.run(

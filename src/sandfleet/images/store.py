@@ -76,6 +76,16 @@ def _blob_name(digest: str) -> str:
     return "sha256-" + digest.removeprefix("sha256:") + ".blob"
 
 
+def _publish_once(src: Path, dest: Path) -> None:
+    """Move a finished file into the shared store unless an identical one (same digest, so same
+    name) is already there: replacing it would pull a file other nodes have mounted from under them
+    (NFS answers ESTALE to the old handle)."""
+    if dest.exists():
+        return
+    os.chmod(src, 0o444)
+    os.rename(src, dest)
+
+
 class LayerStore:
     """Layers live in ``root/layers/sha256-<hex>.erofs``; manifests in ``root/images/<name>/<tag>.json``.
 
@@ -206,17 +216,22 @@ class LayerStore:
         exists to leave unread.
         """
         path = self.layer_path(digest)
-        st = path.stat()
-        stamp = f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
-        marker = self.verified_dir / digest.removeprefix("sha256:")
         with contextlib.suppress(OSError):
-            if marker.read_text() == stamp:
+            if (self.verified_dir / digest.removeprefix("sha256:")).read_text() == self._stamp(path):
                 return path
         actual, _ = _digest_file(path)
         if actual != digest:
             raise LayerCorruptError(f"layer {digest} is corrupt: its content hashes to {actual}")
-        _atomic_write(marker, stamp.encode(), sync=False)
+        self._stamp_verified(path, digest)
         return path
+
+    @staticmethod
+    def _stamp(path: Path) -> str:
+        st = path.stat()
+        return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+
+    def _stamp_verified(self, path: Path, digest: str) -> None:
+        _atomic_write(self.verified_dir / digest.removeprefix("sha256:"), self._stamp(path).encode(), sync=False)
 
     def _fetch(self, digest: str, dest: Path) -> bool:
         """Copy a layer file from the shared store, checking its digest; False if it has none."""
@@ -242,8 +257,7 @@ class LayerStore:
                 return False
             finally:
                 tmp.unlink(missing_ok=True)
-        if self.cache_max is not None:
-            self.trim(self.cache_max, keep={digest})
+            self._stamp_verified(dest, digest)  # just hashed while copying
         return True
 
     def layer_paths(self, manifest: ImageManifest) -> list[Path]:
@@ -391,11 +405,16 @@ class LayerStore:
                 continue
             if digest in referenced or now - st.st_mtime < min_age:
                 continue
-            path.unlink(missing_ok=True)
-            self._sizes.pop(digest, None)
+            self._forget(path, digest)
             removed.append(digest)
             freed += st.st_size
         return removed, freed
+
+    def _forget(self, path: Path, digest: str) -> None:
+        path.unlink(missing_ok=True)
+        (self.verified_dir / digest.removeprefix("sha256:")).unlink(missing_ok=True)
+        self._sizes.pop(digest, None)
+        self._refs.pop(digest, None)
 
     def trim(self, max_bytes: int, keep: set[str]) -> tuple[list[str], int]:
         """Drop local copies of shared-store layers, least recently mounted first, until the local
@@ -420,8 +439,7 @@ class LayerStore:
             digest = "sha256:" + path.name.removeprefix("sha256-").removesuffix(".erofs")
             if digest in keep or not (self.shared / "layers" / path.name).exists():
                 continue
-            path.unlink(missing_ok=True)
-            (self.verified_dir / digest.removeprefix("sha256:")).unlink(missing_ok=True)
+            self._forget(path, digest)
             total -= size
             freed += size
             removed.append(digest)
@@ -445,7 +463,7 @@ class LayerStore:
         """
         if self.shared is None:
             raise ImageError("no shared store is configured")
-        m = self.resolve(ref)
+        m = await asyncio.to_thread(self.resolve, ref)
         for d in ("layers", "blobs", "images", "tmp"):
             await asyncio.to_thread((self.shared / d).mkdir, parents=True, exist_ok=True)
         out: list[LayerRef] = []
@@ -472,7 +490,8 @@ class LayerStore:
             meta, blob = work / "meta.erofs", work / "data.blob"
             # The layer file is mounted and re-packed as it is: ids (already shifted), xattrs,
             # whiteouts and opaque markers carry over.
-            async with fsutil.mounted_erofs(self.layer_path(layer.digest), work / "mnt") as mnt:
+            source = await asyncio.to_thread(self.layer_path, layer.digest)
+            async with fsutil.mounted_erofs(source, work / "mnt") as mnt:
                 await fsutil.mkfs_erofs(mnt, meta, blobdev=blob, chunk_size=BLOB_CHUNK)
             meta_digest, meta_size = await asyncio.to_thread(_digest_file, meta)
             blob_digest, blob_size = await asyncio.to_thread(_digest_file, blob)
@@ -480,8 +499,7 @@ class LayerStore:
                 (meta, self.shared / "layers" / _layer_name(meta_digest)),
                 (blob, self.shared / "blobs" / _blob_name(blob_digest)),
             ):
-                os.chmod(src, 0o444)
-                os.rename(src, dest)
+                await asyncio.to_thread(_publish_once, src, dest)
         finally:
             await asyncio.shield(asyncio.to_thread(fsutil.rmtree, work))
         return LayerRef(
@@ -519,7 +537,9 @@ class LayerStore:
         name, tag = parse_ref(ref)
         key = f"{name}:{tag}"
         with contextlib.suppress(ImageNotFoundError):
-            return self.resolve(key)
+            if self.shared is None:
+                return self.resolve(key)  # a local file read: cheaper inline than a thread hop
+            return await asyncio.to_thread(self.resolve, key)  # may read the shared filesystem
         builder = BUILTIN_IMAGES.get(key)
         if builder is None:
             raise ImageNotFoundError(f"image {key} not found and no built-in recipe for it")

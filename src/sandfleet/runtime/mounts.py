@@ -105,26 +105,45 @@ class LayerMounts:
         self.root = root
         self._layers: dict[str, _Layer] = {}
         self._lock = threading.Lock()
+        # One lock per layer being mounted: opening a layer the first time can take long (hashing
+        # a large file, fetching from a shared store) and must not stall acquires of other layers.
+        self._mounting: dict[str, threading.Lock] = {}
 
     def acquire(self, digest: str, open_layer: LayerOpener) -> str:
         with self._lock:
             layer = self._layers.get(digest)
-            if layer is None:
-                target = self.root / digest.replace(":", "-")
+            if layer is not None:
+                layer.refs += 1
+                return layer.path
+            mounting = self._mounting.setdefault(digest, threading.Lock())
+        with mounting:
+            with self._lock:
+                layer = self._layers.get(digest)
+                if layer is not None:  # mounted by the acquire we waited for
+                    layer.refs += 1
+                    return layer.path
+            target = self.root / digest.replace(":", "-")
+            if not os.path.ismount(target):
+                image_file, blob = open_layer()
+                if blob is not None and "," in str(blob):
+                    raise MountError(errno.EINVAL, f"blob path {blob} has a comma (mount option separator)")
                 target.mkdir(parents=True, exist_ok=True)
-                if not os.path.ismount(target):
-                    image_file, blob = open_layer()
-                    if blob is not None and "," in str(blob):
-                        raise MountError(errno.EINVAL, f"blob path {blob} has a comma (mount option separator)")
+                try:
                     data = f"device={blob}" if blob is not None else None
-                    try:
-                        mount(str(image_file), str(target), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, data)
-                    except BaseException:
-                        os.rmdir(target)
-                        raise
-                layer = self._layers[digest] = _Layer(str(target), 0)
-            layer.refs += 1
+                    mount(str(image_file), str(target), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, data)
+                except BaseException:
+                    os.rmdir(target)
+                    raise
+            with self._lock:
+                layer = self._layers.setdefault(digest, _Layer(str(target), 0))
+                layer.refs += 1
+                self._mounting.pop(digest, None)  # (a failed mount leaves its idle lock for the next try)
             return layer.path
+
+    def busy(self) -> set[str]:
+        """Layers mounted or being mounted (their files must stay)."""
+        with self._lock:
+            return set(self._layers) | set(self._mounting)
 
     def mounted(self, digest: str) -> bool:
         """Whether `acquire` would only count a reference (no mount, nothing that blocks)."""
