@@ -176,6 +176,7 @@ def test_on_demand_layer_reads_only_what_the_sandbox_touches(shared_daemon: tupl
             sb.pack("t/ondemand:1")
         local = LayerStore(IMAGES, shared=shared)
         pushed = asyncio.run(local.push("t/ondemand:1"))
+        assert asyncio.run(local.push("t/ondemand:1")).layers == pushed.layers  # converted once, reused
         local.remove_image("t/ondemand:1")  # from here on only the shared store has the image
         top = pushed.layers[-1]
         assert top.blob is not None and top.blob_size is not None and top.blob_size > 40 * 2**20

@@ -450,7 +450,8 @@ class LayerStore:
         """Mark a layer file as used now (its atime orders `trim`); the mtime, which the
         verification stamp covers, is kept."""
         with contextlib.suppress(OSError):
-            os.utime(path, (time.time(), path.stat().st_mtime))
+            # In nanoseconds: a float mtime would round it and void the verification stamp.
+            os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
 
     # ------------------------------------------------------------------ shared store
 
@@ -464,7 +465,7 @@ class LayerStore:
         if self.shared is None:
             raise ImageError("no shared store is configured")
         m = await asyncio.to_thread(self.resolve, ref)
-        for d in ("layers", "blobs", "images", "tmp"):
+        for d in ("layers", "blobs", "images", "tmp", "converted"):
             await asyncio.to_thread((self.shared / d).mkdir, parents=True, exist_ok=True)
         out: list[LayerRef] = []
         for i, layer in enumerate(m.layers):
@@ -484,6 +485,26 @@ class LayerStore:
         assert self.shared is not None
         if layer.blob is not None:
             return layer  # already an on-demand layer of the shared store
+        # mkfs stamps its build time into the metadata image, so converting the same layer twice
+        # gives two digests: remember each conversion, and images sharing a base share it here too.
+        record = self.shared / "converted" / (layer.digest.removeprefix("sha256:") + ".json")
+        with contextlib.suppress(OSError, ValidationError):
+            done = LayerRef.model_validate_json(await asyncio.to_thread(record.read_bytes))
+            if await asyncio.to_thread(self._shared_has, done):
+                return done
+        pushed = await self._convert_layer(layer)
+        data = pushed.model_dump_json().encode()
+        await asyncio.to_thread(_atomic_write, record, data)
+        return pushed
+
+    def _shared_has(self, layer: LayerRef) -> bool:
+        assert self.shared is not None and layer.blob is not None
+        return (self.shared / "layers" / _layer_name(layer.digest)).exists() and (
+            self.shared / "blobs" / _blob_name(layer.blob)
+        ).exists()
+
+    async def _convert_layer(self, layer: LayerRef) -> LayerRef:
+        assert self.shared is not None
         work = self.shared / "tmp" / uuid.uuid4().hex
         await asyncio.to_thread(work.mkdir)
         try:
