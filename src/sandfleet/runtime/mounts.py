@@ -98,6 +98,21 @@ class _Layer:
 LayerOpener = Callable[[], tuple[Path, Path | None]]
 
 
+def _mount_erofs(image_file: Path, target: Path, blob: Path | None) -> None:
+    flags = MS_RDONLY | MS_NODEV | MS_NOSUID
+    if blob is None:
+        mount(str(image_file), str(target), "erofs", flags)
+        return
+    # `directio` reads the blob around the page cache: EROFS caches the file data itself, and a
+    # buffered blob would hold every page a second time. Kernels before 6.13 lack the option.
+    try:
+        mount(str(image_file), str(target), "erofs", flags, f"device={blob},directio")
+    except MountError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        mount(str(image_file), str(target), "erofs", flags, f"device={blob}")
+
+
 class LayerMounts:
     """Read-only EROFS layers, each mounted once (straight from its file, no loop device) and shared."""
 
@@ -129,8 +144,7 @@ class LayerMounts:
                     raise MountError(errno.EINVAL, f"blob path {blob} has a comma (mount option separator)")
                 target.mkdir(parents=True, exist_ok=True)
                 try:
-                    data = f"device={blob}" if blob is not None else None
-                    mount(str(image_file), str(target), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, data)
+                    _mount_erofs(image_file, target, blob)
                 except BaseException:
                     os.rmdir(target)
                     raise
