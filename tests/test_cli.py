@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,36 @@ def test_demo_rollout(daemon: Daemon, image: str) -> None:
     r = sf(daemon, "demo", "--sandboxes", "3", "--image", image, "--socket", str(daemon.socket), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3/3 rollouts solved" in r.stdout
+
+
+def test_images_build_recipe_import_and_layers(daemon: Daemon, tmp_path: Path) -> None:
+    """`images build recipe.toml` (a run step in a build sandbox), `create --layer`, `images import`."""
+    from conftest import IMAGES
+
+    marker = os.urandom(4).hex()  # so the shared store's build cache cannot answer for this test
+    (tmp_path / "tool").mkdir()
+    (tmp_path / "tool" / "tk").write_text(f"#!/bin/sh\necho tk {marker}\n")
+    (tmp_path / "env.toml").write_text(
+        f'ref = "t/cli-env:1"\nbase = "busybox"\n'
+        f'[[step]]\ncopy = {{ src = "tool", dest = "/opt/tool" }}\nname = "t/cli-tool:{marker}"\n'
+        f'[[step]]\nrun = "chmod +x /opt/tool/tk && echo {marker} > /built"\n'
+    )
+    r = sf(daemon, "images", "build", str(tmp_path / "env.toml"), "--image-dir", str(IMAGES), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "t/cli-env:1" in r.stdout and "1/3 from cache" in r.stdout, r.stdout  # the base image was there
+    r = sf(daemon, "images", "build", str(tmp_path / "env.toml"), "--image-dir", str(IMAGES))
+    assert r.returncode == 0 and "3/3 from cache" in r.stdout, r.stdout + r.stderr
+
+    sid = sf(daemon, "create", "--image", "t/cli-env:1").stdout.strip()
+    r = sf(daemon, "exec", sid, "cat /built && /opt/tool/tk")
+    assert r.stdout == f"{marker}\ntk {marker}\n", r.stderr
+    sf(daemon, "rm", sid)
+    # The named step is a layer of its own: stack it on busybox at create time.
+    sid = sf(daemon, "create", "--image", "busybox", "--layer", f"t/cli-tool:{marker}").stdout.strip()
+    assert sf(daemon, "exec", sid, "test -x /opt/tool/tk || echo not-executable").stdout == "not-executable\n"
+    sf(daemon, "rm", sid)
+
+    r = sf(daemon, "images", "import", str(tmp_path / "missing.tar"))
+    assert r.returncode == 2 and "invalid_argument" in r.stderr and "Traceback" not in r.stderr
+    for ref in ("t/cli-env:1", f"t/cli-tool:{marker}"):
+        assert sf(daemon, "images", "rm", ref).returncode == 0
