@@ -15,8 +15,12 @@ Measures
   (b) bytes read from a shared store (a local directory standing in for NFS) for a task that touches a
       few files of the image: the image is pushed as on-demand layers (a small metadata image + a blob
       of file data per layer), a daemon whose local store is empty creates a sandbox from it with a cold
-      page cache, the task runs, and the page-cache residency (`fincore`) of the image's files in the
-      shared store is what was read. Also the time to first exec from the shared store vs an eager full
+      page cache, and the task runs. The daemon mounts each layer with EROFS's `directio` option (the
+      blob is read around the page cache; EROFS caches the file data in the page cache of the layer's
+      own files), so what was read is the metadata images (copied whole to the node) plus the page-cache
+      residency (mincore(2), as `fincore` reports it) of every file inside the image's layer mounts,
+      reached in the daemon's mount namespace through /proc/<pid>/root. The blobs' own residency is
+      reported as a check (~0). Also the time to first exec from the shared store vs an eager full
       copy of the same files, and the bytes each writes locally.
 
 The environment is built once into a private layer store under /var/lib/sandfleet/bench-env
@@ -31,10 +35,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import json
 import math
+import mmap
 import os
 import random
 import shutil
@@ -48,7 +54,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from run import machine_info, pct, remove_cgroup_tree, stats, version_of
+from run import machine_info, pct, print_tables, remove_cgroup_tree, stats, version_of
 from sandfleet.daemon.process import DaemonProcess
 from sandfleet.errors import SandboxError
 from sandfleet.images import LayerRef, LayerStore, fsutil
@@ -141,10 +147,69 @@ def run_cmd(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[bytes]:
     return r
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore(2): only the lowest bit of each byte is defined
+
+
+def _os_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def resident_fd(fd: int, size: int) -> int:
+    """Bytes of the open file in the page cache, in whole pages: what fincore(1) reports (mmap +
+    mincore: mapping reads nothing, and nothing is touched)."""
+    if size == 0:
+        return 0
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        raise _os_error("mmap")
+    try:
+        vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
+        if _libc.mincore(addr, size, vec) != 0:
+            raise _os_error("mincore")
+        return vec.raw.translate(_LOW_BIT).count(1) * PAGE
+    finally:
+        _libc.munmap(addr, size)
+
+
 def resident(path: Path) -> int:
     """Bytes of `path` in the page cache: what has been read from it since it was last evicted."""
-    out = run_cmd(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)]).stdout
-    return int(out.split()[0])
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        return resident_fd(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def tree_resident(root: Path) -> dict[str, int]:
+    """Page-cache residency summed over every regular file under `root` (scandir, symlinks not
+    followed): files, their bytes, how many have any page cached, and the bytes cached."""
+    out = {"files": 0, "file_bytes": 0, "files_with_cached_pages": 0, "resident_bytes": 0}
+    stack = [str(root)]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif e.is_file(follow_symlinks=False):
+                    fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW)
+                    try:
+                        size = os.fstat(fd).st_size
+                        res = resident_fd(fd, size)
+                    finally:
+                        os.close(fd)
+                    out["files"] += 1
+                    out["file_bytes"] += size
+                    out["files_with_cached_pages"] += res > 0
+                    out["resident_bytes"] += res
+    return out
 
 
 def evict(path: Path) -> None:
@@ -467,6 +532,11 @@ class BenchDaemon:
     def start(self) -> None:
         self.process.start(120)
 
+    def layer_mount(self, digest: str) -> Path:
+        """Where the daemon mounted layer `digest`, seen from here: it mounts layers in a private mount
+        namespace, at <run_dir>/layers/<digest with ':' replaced by '-'>."""
+        return Path(f"/proc/{self.process.pid}/root{self.root / 'run'}/layers/{digest.replace(':', '-')}")
+
     def stop(self, labels: dict[str, str]) -> None:
         """Stop our sandboxes through the API (the daemon keeps sandboxes across restarts), then it."""
         if self.process.alive():
@@ -643,6 +713,19 @@ def unmount_under(root: Path) -> None:
         subprocess.run(["umount", "-l", point], capture_output=True)
 
 
+def layer_files_read(d: BenchDaemon, env: Env) -> dict[str, dict[str, int]]:
+    """Per layer of the image, what the page cache holds of the files inside the daemon's mount of it.
+    With `directio` the blob is read around the page cache and EROFS caches the file data it read in
+    its own files' pages: on a fresh mount, that is what was read from the blob (readahead included)."""
+    out = {}
+    for layer in env.meta["layers"]:
+        mnt = d.layer_mount(layer["on_demand"]["metadata_digest"])
+        if os.stat(mnt).st_dev == os.stat(mnt.parent).st_dev:  # not mounted: it would count as 0 read
+            raise RuntimeError(f"layer {layer['name']} is not mounted at {mnt}")
+        out[layer["name"]] = tree_resident(mnt)
+    return out
+
+
 def evict_all(paths: list[Path]) -> int:
     """Evict the files, return what stayed resident (should be 0: nothing may hold them mapped)."""
     for p in paths:
@@ -693,7 +776,10 @@ def bench_ondemand(
         t4 = time.perf_counter()
         if r.exit_code != 0 or r.stdout != TASK_OUTPUT:
             raise RuntimeError(f"task failed: {r}")
-        read = {f"{name} {what}": resident(p) for name, what, p in files}
+        shared_resident = {f"{name} {what}": resident(p) for name, what, p in files}
+        ts = time.perf_counter()
+        layer_files = layer_files_read(d, env)
+        scan_s = time.perf_counter() - ts
         # A second sandbox on the same node: layers mounted, the touched pages cached.
         t5 = time.perf_counter()
         sb2 = fleet.create(image=REF, labels=labels)
@@ -703,6 +789,13 @@ def bench_ondemand(
         sb.stop()
         sb2.stop()
     written = fsutil.disk_usage(local) + (fsutil.disk_usage(shared) if eager else 0)
+    metadata_read = sum(v for k, v in shared_resident.items() if k.endswith(" metadata"))
+    blob_resident = {k.removesuffix(" blob"): v for k, v in shared_resident.items() if k.endswith(" blob")}
+    if not eager and sum(blob_resident.values()) > 4 * MIB:
+        print(f"    warning: the blobs are in the page cache ({blob_resident}): not mounted with directio?", flush=True)
+    # On demand: the metadata images (fetched whole) + the file data EROFS read from the blobs. Eager:
+    # the copy read every file of the image in the shared store (buffered: their page-cache residency).
+    read = metadata_read + sum(x["resident_bytes"] for x in layer_files.values())
     row.update(
         {
             "copy_s": round(t1 - t0, 3),
@@ -711,8 +804,12 @@ def bench_ondemand(
             "time_to_first_exec_s": round(t3 - t0, 3),
             "task_ms": ms(t4 - t3),
             "second_sandbox_create_plus_task_ms": ms(t6 - t5),
-            "bytes_read_from_shared": sum(read.values()),
-            "bytes_read_by_file": read,
+            "bytes_read_from_shared": sum(shared_resident.values()) if eager else read,
+            "metadata_images_read": metadata_read,
+            "layer_files_read": layer_files,  # eager: read from the local copy of the blobs
+            "layer_files_scan_s": round(scan_s, 2),
+            "blob_page_cache_residency": blob_resident,  # on demand: should be ~0 (direct I/O)
+            "shared_store_page_cache_residency": shared_resident,
             "bytes_written_locally": written,
             "metadata_copied_to_local_store": fsutil.disk_usage(local / "layers"),
         }
@@ -732,6 +829,7 @@ def summarize_ondemand(env: Env, rows: list[dict[str, Any]]) -> dict[str, Any]:
         return pct([r[key] for r in rows if r["kind"] == kind], 0.5)
 
     od_read = med("ondemand", "bytes_read_from_shared")
+    ods = [r for r in rows if r["kind"] == "ondemand"]
     return {
         "image_bytes_in_shared_store": image,
         "metadata_bytes": meta_bytes,
@@ -739,6 +837,8 @@ def summarize_ondemand(env: Env, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "task": TASK,
         "bytes_read_median": int(od_read),
         "fraction_of_image_read": round(od_read / image, 5),
+        "ondemand_metadata_images_read_median": int(med("ondemand", "metadata_images_read")),
+        "ondemand_blob_page_cache_residency_max": max(sum(r["blob_page_cache_residency"].values()) for r in ods),
         "ondemand_time_to_first_exec_s": round(med("ondemand", "time_to_first_exec_s"), 3),
         "eager_time_to_first_exec_s": round(med("eager", "time_to_first_exec_s"), 3),
         "eager_copy_s": round(med("eager", "copy_s"), 3),
@@ -884,17 +984,20 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
             f"({each(ods, 'bytes_read_from_shared', 1 / MIB, 1)} MiB)",
         ],
         [
-            "  of which metadata images (copied whole to the node) / blob pages",
-            f"{mib(sum(v for k, v in ods[0]['bytes_read_by_file'].items() if k.endswith('metadata')))} / "
-            f"{mib(sum(v for k, v in ods[0]['bytes_read_by_file'].items() if k.endswith('blob')))} MiB (run 1)",
+            "  of which metadata images (copied whole to the node) / file data from the blobs",
+            f"{mib(ods[0]['metadata_images_read'])} / "
+            f"{mib(sum(x['resident_bytes'] for x in ods[0]['layer_files_read'].values()))} MiB (run 1)",
         ],
         [
-            "  blob pages read per layer (run 1)",
+            "  file data read per layer: page cache of the files in the layer's mount (run 1)",
             ", ".join(
-                f"{k.removesuffix(' blob')} {v / MIB:.2f} MiB"
-                for k, v in ods[0]["bytes_read_by_file"].items()
-                if k.endswith("blob")
+                f"{k} {x['resident_bytes'] / MIB:.2f} MiB ({x['files_with_cached_pages']:,} of {x['files']:,} files)"
+                for k, x in ods[0]["layer_files_read"].items()
             ),
+        ],
+        [
+            "  the blobs' own page-cache residency (read with direct I/O: should be 0; each run)",
+            " / ".join(f"{sum(x['blob_page_cache_residency'].values()) / MIB:.2f}" for x in ods) + " MiB",
         ],
         [
             "**time to first exec, on demand, cold page cache** (s, each run)",
@@ -1002,14 +1105,24 @@ def write_markdown(res: dict[str, Any], tbls: list[tuple[str, list[str], list[li
             "headline gives the ratio against it too, so the figure does not rest on the scratch fs choice.",
         ],
         2: [
-            'The shared store is a directory on the same local disk, standing in for NFS: "bytes read" is '
-            "the page-cache residency (`fincore`) of the image's metadata images and blobs after evicting "
-            "them (fsync + `posix_fadvise(DONTNEED)`) and running create + first exec + the task, so it "
-            "includes the kernel's readahead. Each run starts a daemon whose local store is empty. "
+            "The shared store is a directory on the same local disk, standing in for NFS. The daemon mounts "
+            "each on-demand layer with EROFS's `directio` option (`device=<blob>,directio`): the blob is read "
+            "with direct I/O, around the page cache, and EROFS keeps the file data it read in the page cache "
+            'of the layer\'s own files. So "bytes read" is the metadata images (fetched whole by the node: '
+            "their page-cache residency in the shared store) plus the page-cache residency (mmap + "
+            "`mincore(2)`, what `fincore` reports) of every regular file inside the image's layer mounts, "
+            "walked in the daemon's mount namespace through `/proc/<daemon pid>/root`, after create + first "
+            "exec + the task. It counts whole 4 KiB pages and includes readahead, which now happens per file "
+            "inside EROFS (the file's own readahead window, not a window over the blob). Each run starts a "
+            "daemon whose local store is empty, so it mounts the layers fresh and EROFS's cache starts empty; "
+            "the metadata images and blobs are evicted from the page cache before each run all the same "
+            "(fsync + `posix_fadvise(DONTNEED)`). The blobs' own page-cache residency is reported as a check "
+            "that nothing read them buffered. "
             "The eager run copies the same metadata images and blobs to the local disk (as fast as this disk "
             "copies, with no network: over real NFS the copy would take longer) and then creates the sandbox "
             "from the copy. Bytes written locally: the node's layer-store directory (metadata images fetched) "
-            "plus, for eager, the copy.",
+            "plus, for eager, the copy; the eager run's bytes read from the shared store are the page-cache "
+            "residency of the files it copied (all of them).",
             f"Task: `{TASK}`.",
         ],
     }
@@ -1021,20 +1134,6 @@ def write_markdown(res: dict[str, Any], tbls: list[tuple[str, list[str], list[li
         for note in notes.get(i, []):
             lines += [note, ""]
     path.write_text("\n".join(lines))
-
-
-def print_tables(tbls: list[tuple[str, list[str], list[list[str]]]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(160, shutil.get_terminal_size().columns))
-    for title, header, rows in tbls:
-        t = Table(title=title, title_justify="left")
-        for i, h in enumerate(header):
-            t.add_column(h, justify="left" if i == 0 or h in ("notes", "value") else "right", overflow="fold")
-        for row in rows:
-            t.add_row(*row)
-        console.print(t)
 
 
 # --------------------------------------------------------------------------- main
@@ -1058,9 +1157,9 @@ def main() -> int:
         fsutil.rmtree(ENV_ROOT)
         print(f"removed {ENV_ROOT}")
         return 0
-    for tool in ("bwrap", "tar", "fincore", "mkfs.erofs"):
+    for tool in ("bwrap", "tar", "mkfs.erofs"):
         if shutil.which(tool) is None:
-            print(f"{tool} is missing (apt-get install -y bubblewrap util-linux erofs-utils tar)")
+            print(f"{tool} is missing (apt-get install -y bubblewrap erofs-utils tar)")
             return 2
     shape = QUICK if args.quick else FULL
 
@@ -1081,7 +1180,6 @@ def main() -> int:
         "bwrap": version_of(["bwrap", "--version"]),
         "tar": version_of(["tar", "--version"]),
         "erofs-utils": version_of(["dpkg-query", "-W", "-f", "erofs-utils ${Version}", "erofs-utils"]),
-        "util-linux (fincore)": version_of(["fincore", "--version"]),
     }
     res["meta"]["worktree"] = worktree_state()
     fs = subprocess.run(["findmnt", "-no", "SOURCE,FSTYPE", "--target", str(ENV_ROOT)], capture_output=True, text=True)
@@ -1147,7 +1245,7 @@ def main() -> int:
         args.results.mkdir(parents=True, exist_ok=True)
         (args.results / "layers.json").write_text(json.dumps(res, indent=2) + "\n")
         write_markdown(res, tbls, args.results / "layers.md")
-        print_tables(tbls)
+        print_tables(tbls, text_columns=("notes", "value"))
         print(f"wrote {args.results / 'layers.json'} and {args.results / 'layers.md'} ({res['meta']['wall_s']} s)")
         return 0
     finally:

@@ -1228,7 +1228,10 @@ def write_markdown(res: dict[str, Any], tables: list[tuple[str, list[str], list[
     path.write_text("\n".join(lines))
 
 
-def print_tables(tables: list[tuple[str, list[str], list[list[str]]]]) -> None:
+def print_tables(
+    tables: list[tuple[str, list[str], list[list[str]]]], text_columns: Sequence[str] = ("notes", "target")
+) -> None:
+    """Rich tables on the terminal: the first column and `text_columns` left-aligned, numbers right."""
     from rich.console import Console
     from rich.table import Table
 
@@ -1236,7 +1239,7 @@ def print_tables(tables: list[tuple[str, list[str], list[list[str]]]]) -> None:
     for title, header, rows in tables:
         t = Table(title=title, title_justify="left")
         for i, h in enumerate(header):
-            t.add_column(h, justify="left" if i == 0 or h in ("notes", "target") else "right", overflow="fold")
+            t.add_column(h, justify="left" if i == 0 or h in text_columns else "right", overflow="fold")
         for row in rows:
             t.add_row(*row)
         console.print(t)
