@@ -79,7 +79,18 @@ def test_layers_without_an_image_and_unknown_layers(fleet: Client, two_layers: t
         fleet.create(image="busybox", layers=["no/such-layer:1"])
 
 
-def test_image_defaults_apply_unless_the_spec_sets_them(fleet: Client) -> None:
+def _admitted_memory(d: Daemon) -> float:
+    """The admission's committed memory limits, from the daemon's /metrics."""
+    import httpx
+
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.socket))) as http:
+        text = http.get("http://sandfleet/metrics").text
+    return float(
+        next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("sandfleet_admission_memory_limits_bytes"))
+    )
+
+
+def test_image_defaults_apply_unless_the_spec_sets_them(daemon: Daemon, fleet: Client) -> None:
     store = LayerStore(IMAGES)
     base = store.resolve("busybox")
     base_env = {"GREETING": "hi", "PATH": "/bin:/sbin"}
@@ -97,8 +108,11 @@ def test_image_defaults_apply_unless_the_spec_sets_them(fleet: Client) -> None:
         assert json.loads(packed.recipe)["labels"] == {"agent": "a7"}
         # An imported image may carry defaults a spec could not: the create says so, and costs nothing.
         store.put_manifest("t/defaults", "2", base.layers, env={"java.home": "/opt/jdk"}, workdir="app")
-        with pytest.raises(InvalidArgumentError, match="defaults"):
-            fleet.create(image="t/defaults:2")
+        committed = fleet.health()["sandboxes_running"], _admitted_memory(daemon)
+        for _ in range(3):
+            with pytest.raises(InvalidArgumentError, match="defaults"):
+                fleet.create(image="t/defaults:2")
+        assert (fleet.health()["sandboxes_running"], _admitted_memory(daemon)) == committed  # no budget kept
         with fleet.create(image="t/defaults:1", workdir="/", user="root") as sb:  # the node is fine
             assert sb.exec("echo $GREETING").stdout == "hi\n"
     finally:

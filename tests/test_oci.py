@@ -1169,3 +1169,27 @@ def test_import_dirs_limit_where_archives_come_from(tmp_path: Path) -> None:
             fleet.delete_image("t/imp:1")
     finally:
         destroy_daemon(d)
+
+
+@needs_root
+async def test_deep_paths_link_loops_and_bad_config_values(tmp_path: Path) -> None:
+    """Trees deeper than MAX_PATH_DEPTH and archives whose links loop are refused cleanly; config
+    values no sandbox spec accepts are dropped from the defaults instead of poisoning the image."""
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    deep = "/".join(["d"] * 300)
+    archive = docker_save(tmp_path / "deep.tar", [DockerImage(["deep:1"], [layer_tar(file_(f"{deep}/f", "x"))])])
+    with pytest.raises(OciImportError, match="deeper than"):
+        await import_image(store, archive)
+    loop = tmp_path / "loop.tar"
+    with tarfile.open(loop, "w") as tar:
+        for name, target in (("manifest.json", "x"), ("x", "manifest.json")):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+    with pytest.raises(OciImportError):
+        await import_image(store, loop, "loop:1")
+    assert_clean(store)
+    layer = layer_tar(dir_("etc"), file_("etc/motd", "hi"))
+    config = image_config([layer], Env=["java.home=/opt/jdk", "OK=1"], WorkingDir="relative", User="not a user")
+    m = await import_image(store, docker_save(tmp_path / "cfg.tar", [DockerImage(["cfg:1"], [layer], config)]))
+    assert (m.env, m.workdir, m.user) == ({"OK": "1"}, None, None)

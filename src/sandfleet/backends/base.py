@@ -7,6 +7,7 @@ to the in-sandbox agent, and a way to open the sandbox's root directory for file
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -80,6 +81,10 @@ class Backend(Protocol):
 
     def busy_layers(self) -> set[str]:
         """Digests of the layers mounted or being mounted on this node (their files must stay)."""
+
+    def remove_layer_if_idle(self, digest: str, remove: Callable[[], None]) -> bool:
+        """Run `remove` (which deletes the layer's file) unless the layer is mounted or being
+        mounted, atomically with respect to mounting it; whether it ran."""
 
     def leftovers(self) -> dict[str, list[str]]:
         """Node-level residue not owned by any live sandbox (for leak checks and `doctor`)."""

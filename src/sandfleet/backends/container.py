@@ -184,6 +184,9 @@ class ContainerBackend:
     def busy_layers(self) -> set[str]:
         return self.layers.busy()
 
+    def remove_layer_if_idle(self, digest: str, remove: Callable[[], None]) -> bool:
+        return self.layers.remove_if_idle(digest, remove)
+
     # -- create ---------------------------------------------------------------------------
 
     def _check_mounts(self, spec: SandboxSpec) -> list[tuple[str, str, oci.BindMount]]:
@@ -247,20 +250,30 @@ class ContainerBackend:
         return path, blob
 
     def _prepare(
-        self, sandbox_id: str, spec: SandboxSpec, digests: list[str], binds: list[tuple[str, str, oci.BindMount]]
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        digests: list[str],
+        binds: list[tuple[str, str, oci.BindMount]],
+        acquired: list[str] | None = None,
     ) -> _Prepared:
         """Blocking part of create (mounts, cgroups, files); runs in a worker thread.
 
         On failure everything made here is undone before the error propagates.
         """
         sdir = self.sandboxes_dir / sandbox_id
-        sdir.mkdir(mode=0o711)  # traversable by the sandbox root uid, not listable
-        lowers: list[str] = []
+        lowers: list[str] = list(acquired or [])  # `acquired`: references taken by the caller
+        try:
+            sdir.mkdir(mode=0o711)  # traversable by the sandbox root uid, not listable
+        except BaseException:
+            for digest in digests[: len(lowers)]:
+                self.layers.release(digest)
+            raise
         pinned: list[tuple[int, oci.BindMount]] = []
         try:
             for root, rel, bind in binds:
                 pinned.append((self._pin_bind(root, rel, bind), bind))
-            for digest in digests:
+            for digest in digests[len(lowers) :]:
                 lowers.append(self.layers.acquire(digest, functools.partial(self._open_layer, digest)))
             limits = oci.ContainerLimits(
                 cpu=spec.resources.cpu,
@@ -311,8 +324,10 @@ class ContainerBackend:
         The common case (layers mounted already, no bind mounts, the launcher making the cgroups) is
         three mkdirs: done right here, since a thread hop costs more than that.
         """
-        if self.uses_launcher and not binds and all(self.layers.mounted(d) for d in digests):
-            return self._prepare(sandbox_id, spec, digests, binds)
+        if self.uses_launcher and not binds:
+            lowers = self.layers.acquire_mounted(digests)  # atomically: a concurrent gc may unmount
+            if lowers is not None:
+                return self._prepare(sandbox_id, spec, digests, binds, lowers)
         task = asyncio.ensure_future(asyncio.to_thread(self._prepare, sandbox_id, spec, digests, binds))
         try:
             return await asyncio.shield(task)

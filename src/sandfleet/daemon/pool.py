@@ -69,6 +69,7 @@ class _Pool:
     filling: int = 0
     rate: float = 0.0  # creates/s, exponentially weighted
     last_demand: float = 0.0
+    image: ImageManifest | None = None  # what the last member was made from (its env/workdir/user defaults)
 
 
 def pool_key(spec: SandboxSpec) -> PoolKey | None:
@@ -134,6 +135,12 @@ class WarmPools:
         return pool.configured + adaptive
 
     # -- hand-out -----------------------------------------------------------------------------
+
+    def image(self, spec: SandboxSpec) -> ImageManifest | None:
+        """The environment the members of `spec`'s pool were made from (None: no member yet)."""
+        key = pool_key(spec)
+        pool = self.pools.get(key) if key is not None else None
+        return pool.image if pool is not None else None
 
     def take(self, spec: SandboxSpec) -> LiveSandbox | None:
         """A ready sandbox for `spec`, or None; records demand either way."""
@@ -202,6 +209,7 @@ class WarmPools:
                 return
             live.channel.on_close = lambda _ch: self._wake.set()
             await self._warm_up(live)
+            pool.image = image
             pool.ready.append(live)
             committed = False  # the budget now travels with the pooled sandbox
         except ResourceExhaustedError:

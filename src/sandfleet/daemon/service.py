@@ -271,7 +271,6 @@ class SnapshotRecord:
 MAX_SNAPSHOTS_PER_SANDBOX = 16
 # Lower layers of one overlay: the mount options (one ~100-byte path per layer) must fit a page.
 MAX_LAYERS = 32
-MAX_REMEMBERED_ENVIRONMENTS = 1024
 CACHE_TRIM_INTERVAL = 60.0
 
 
@@ -338,9 +337,6 @@ class SandboxManager:
         self.snapshot_dir = snapshot_dir
         self.import_dirs = import_dirs
         self.snapshots: dict[str, SnapshotRecord] = {}
-        # The last resolution of each environment asked for (SandboxSpec.environment()): a warm
-        # pool's hand-out takes the image's env/workdir/user defaults from here, without I/O.
-        self._environments: dict[str, ImageManifest] = {}
         self._last_trim = time.monotonic()
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -523,14 +519,13 @@ class SandboxManager:
     async def resolve_environment(self, spec: SandboxSpec) -> ImageManifest:
         """The layer stack a spec asks for: `image`'s layers, then each of `layers` (an image ref
         adds its whole stack, a digest one layer), bottom -> top. A layer named twice keeps its
-        upper position. Environment defaults (env, workdir, user) of later entries win."""
+        first, lowest position. Environment defaults (env, workdir, user) of later entries win."""
         if not spec.layers:
             assert spec.image is not None
             m = await self.resolve_image(spec.image)
             if len({x.digest for x in m.layers}) < len(m.layers):  # the overlay refuses a repeated lower
                 m = m.model_copy(update={"layers": _first_of_each(m.layers)})
             self._check_layer_count(m)
-            self._remember_environment(spec, m)
             return m
         stack: builtins.list[LayerRef] = []
         env: dict[str, str] = {}
@@ -554,20 +549,12 @@ class SandboxManager:
             user=user,
         )
         self._check_layer_count(m)
-        self._remember_environment(spec, m)
         return m
 
     @staticmethod
     def _check_layer_count(image: ImageManifest) -> None:
         if len(image.layers) > MAX_LAYERS:
             raise InvalidArgumentError(f"the environment has {len(image.layers)} layers; at most {MAX_LAYERS}")
-
-    def _remember_environment(self, spec: SandboxSpec, image: ImageManifest) -> None:
-        key = spec.environment()
-        self._environments.pop(key, None)
-        self._environments[key] = image  # most recent last
-        if len(self._environments) > MAX_REMEMBERED_ENVIRONMENTS:
-            del self._environments[next(iter(self._environments))]
 
     def _layer_by_digest(self, digest: str) -> LayerRef:
         ref = self.store.layer_ref(digest)
@@ -622,7 +609,7 @@ class SandboxManager:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_backend(spec)
         if self.pools is not None:
-            pooled = self._environments.get(spec.environment())  # resolved when the pool filled
+            pooled = self.pools.image(spec)  # what the pool's members were made from
             # Before taking a member: a spec the image's defaults make invalid must not cost one.
             effective = self._with_image_defaults(spec, pooled) if pooled is not None else spec
             live = self.pools.take(spec)
@@ -631,11 +618,11 @@ class SandboxManager:
         self._admit(spec)
         try:
             image = await self.resolve_environment(spec)
+            spec = self._with_image_defaults(spec, image)
         except BaseException:
             self._creating -= 1
             self.admission.release(spec.resources)
             raise
-        spec = self._with_image_defaults(spec, image)
         created = {"image": spec.environment(), "layers": [x.digest for x in image.layers]}
         return await self._start_admitted(spec, lambda sid: self.backend.create(sid, spec, image), created)
 
@@ -983,7 +970,9 @@ class SandboxManager:
         }
         layers = [*base, layer]
         # The source image's defaults carry over; the caller's own env (maybe secrets) does not.
-        source = self._environments.get(sb.spec.environment())
+        source: ImageManifest | None = None
+        with contextlib.suppress(SandboxError):  # the image may be gone since: no defaults then
+            source = await self.resolve_environment(sb.spec)
         manifest = await asyncio.to_thread(
             functools.partial(
                 self.store.put_manifest,
@@ -1061,11 +1050,13 @@ class SandboxManager:
         return removed, freed
 
     async def _trim_image_cache(self, keep: set[str]) -> tuple[builtins.list[str], int]:
-        """Hold the local copies of shared-store layers to `image_cache_max` (unmounted ones only)."""
-        if self.store.cache_max is None:
+        """Hold the local copies of shared-store layers to `image_cache_max`: over it, unused
+        layers are unmounted (a mounted file frees nothing), then the least recently used go."""
+        limit = self.store.cache_max
+        if limit is None or await asyncio.to_thread(self.store.local_bytes) <= limit:
             return [], 0
-        keep = keep | self.backend.busy_layers()
-        return await asyncio.to_thread(self.store.trim, self.store.cache_max, keep)
+        await self.backend.unmount_unused_layers()
+        return await asyncio.to_thread(self.store.trim, limit, keep, self.backend.remove_layer_if_idle)
 
     def _layer_refs(self, digests: builtins.list[str]) -> builtins.list[LayerRef]:
         return [self._layer_by_digest(digest) for digest in digests]

@@ -56,6 +56,8 @@ from typing import IO, TYPE_CHECKING, ParamSpec, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
+from sandfleet.models import SandboxSpec, _check_abs_path, _check_env
+
 from . import fsutil
 from .builders import BuildContext
 from .models import DIGEST_RE, ImageError, ImageManifest, InvalidRefError, LayerRef, parse_ref
@@ -84,6 +86,7 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # Caps on what one import may unpack; import_image takes overrides. Entries: each costs inodes and
 # bookkeeping (dir mtimes, whiteouts) while its layer unpacks. Bytes: of uncompressed tar, which
 # is what lands in the staging dir (a small gzip can expand a thousandfold).
+MAX_PATH_DEPTH = 256
 MAX_ENTRIES_PER_LAYER = 2_000_000
 MAX_LAYER_BYTES = 64 << 30
 MAX_IMPORT_BYTES = 256 << 30
@@ -504,8 +507,12 @@ class _TarSource:
         f = None
         if member is not None:
             # A link member resolves by name within this tar (tarfile never looks at the host).
-            with contextlib.suppress(KeyError):  # a symlink or hard link member whose target is missing
+            try:
                 f = self._tar.extractfile(member)
+            except KeyError:  # a symlink or hard link member whose target is missing
+                pass
+            except RecursionError:  # link members that point at each other
+                raise OciImportError(f"{path} in {self.path} is a loop of links") from None
         if f is None:
             raise OciImportError(f"{path} is missing from {self.path}")
         return f
@@ -915,7 +922,37 @@ def _entry_parts(name: str, what: str) -> tuple[str, ...]:
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
     if ".." in parts:
         raise OciImportError(f"{what}: path {name!r} leaves the layer ('..')")
+    if len(parts) > MAX_PATH_DEPTH:  # deeper trees only serve to exhaust recursion and fds
+        raise OciImportError(f"{what}: path {name[:200]!r}... is deeper than {MAX_PATH_DEPTH} directories")
     return parts
+
+
+def _sandbox_defaults(run: _RunConfig) -> tuple[dict[str, str], str | None, str | None]:
+    """The config's Env, WorkingDir and User as sandbox defaults: only values a SandboxSpec would
+    accept (the daemon validates them again at create); others are dropped with a warning, since
+    a caller cannot unset an image's env key from the spec."""
+    env: dict[str, str] = {}
+    for item in run.env or []:
+        key, _, value = item.partition("=")
+        try:
+            env.update(_check_env({key: value}))
+        except ValueError as exc:
+            log.warning("image config: dropping Env entry: %s", exc)
+    workdir = run.working_dir or None
+    if workdir is not None:
+        try:
+            _check_abs_path(workdir)
+        except ValueError as exc:
+            log.warning("image config: dropping WorkingDir: %s", exc)
+            workdir = None
+    user = run.user or None
+    if user is not None:
+        try:
+            SandboxSpec(user=user.split(":", 1)[0])
+        except ValidationError:
+            log.warning("image config: dropping User %r: not a user name or uid a sandbox accepts", user)
+            user = None
+    return env, workdir, user
 
 
 # errnos that writing an entry into the staging dir fails with because of the entry itself (a
@@ -1501,12 +1538,7 @@ async def import_image(
             )
         finally:
             src.close()
-        run = plan.config.config or _RunConfig()
-        env: dict[str, str] = {}
-        for item in run.env or []:
-            key, _, value = item.partition("=")
-            if key:
-                env[key] = value
+        env, workdir, user = _sandbox_defaults(plan.config.config or _RunConfig())
         recipe = {"imported_from": str(source.absolute()), "oci_layers": digests, "config_digest": plan.config_digest}
         name, tag = parse_ref(target)
         manifest = store.put_manifest(
@@ -1515,8 +1547,8 @@ async def import_image(
             layers,
             recipe=json.dumps(recipe),
             env=env,
-            workdir=run.working_dir or None,
-            user=run.user or None,
+            workdir=workdir,
+            user=user,
         )
     finally:
         refresher.cancel()
@@ -1536,6 +1568,7 @@ async def import_image(
 
 __all__ = [
     "MAX_ENTRIES_PER_LAYER",
+    "MAX_PATH_DEPTH",
     "MAX_IMPORT_BYTES",
     "MAX_LAYERS",
     "MAX_LAYER_BYTES",

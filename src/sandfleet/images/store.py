@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -77,13 +78,14 @@ def _blob_name(digest: str) -> str:
 
 
 def _publish_once(src: Path, dest: Path) -> None:
-    """Move a finished file into the shared store unless an identical one (same digest, so same
+    """Put a finished file into the shared store unless an identical one (same digest, so same
     name) is already there: replacing it would pull a file other nodes have mounted from under them
-    (NFS answers ESTALE to the old handle)."""
-    if dest.exists():
-        return
+    (NFS answers ESTALE to the old handle). link() fails if the name exists, atomically, where
+    rename() would replace it."""
     os.chmod(src, 0o444)
-    os.rename(src, dest)
+    with contextlib.suppress(FileExistsError):
+        os.link(src, dest)
+    src.unlink()
 
 
 class LayerStore:
@@ -416,10 +418,21 @@ class LayerStore:
         self._sizes.pop(digest, None)
         self._refs.pop(digest, None)
 
-    def trim(self, max_bytes: int, keep: set[str]) -> tuple[list[str], int]:
+    def local_bytes(self) -> int:
+        """Bytes of the layer files in this (local) store."""
+        total = 0
+        for path in self.layers_dir.glob("sha256-*.erofs"):
+            with contextlib.suppress(FileNotFoundError):
+                total += path.stat().st_size
+        return total
+
+    def trim(
+        self, max_bytes: int, keep: set[str], guard: Callable[[str, Callable[[], None]], bool] | None = None
+    ) -> tuple[list[str], int]:
         """Drop local copies of shared-store layers, least recently mounted first, until the local
         layer files take at most `max_bytes`; never one in `keep` (in use) and never a layer the
-        shared store does not hold (it could not be fetched again). Returns (digests, bytes freed).
+        shared store does not hold (it could not be fetched again). `guard(digest, remove)` runs the
+        removal only if nothing started mounting the layer meanwhile. Returns (digests, bytes freed).
         """
         if self.shared is None:
             return [], 0
@@ -439,7 +452,11 @@ class LayerStore:
             digest = "sha256:" + path.name.removeprefix("sha256-").removesuffix(".erofs")
             if digest in keep or not (self.shared / "layers" / path.name).exists():
                 continue
-            self._forget(path, digest)
+            remove = functools.partial(self._forget, path, digest)
+            if guard is not None and not guard(digest, remove):
+                continue
+            if guard is None:
+                remove()
             total -= size
             freed += size
             removed.append(digest)

@@ -120,9 +120,10 @@ class LayerMounts:
         self.root = root
         self._layers: dict[str, _Layer] = {}
         self._lock = threading.Lock()
-        # One lock per layer being mounted: opening a layer the first time can take long (hashing
-        # a large file, fetching from a shared store) and must not stall acquires of other layers.
-        self._mounting: dict[str, threading.Lock] = {}
+        # Layers being mounted: a lock of their own and how many acquires wait on it. Opening a
+        # layer the first time can take long (hashing a large file, fetching it from a shared
+        # store) and must not stall acquires of other layers. The entry goes with its last waiter.
+        self._mounting: dict[str, tuple[threading.Lock, list[int]]] = {}
 
     def acquire(self, digest: str, open_layer: LayerOpener) -> str:
         with self._lock:
@@ -130,38 +131,65 @@ class LayerMounts:
             if layer is not None:
                 layer.refs += 1
                 return layer.path
-            mounting = self._mounting.setdefault(digest, threading.Lock())
-        with mounting:
+            lock, waiters = self._mounting.setdefault(digest, (threading.Lock(), [0]))
+            waiters[0] += 1
+        try:
+            with lock:
+                return self._mount_once(digest, open_layer)
+        finally:
             with self._lock:
-                layer = self._layers.get(digest)
-                if layer is not None:  # mounted by the acquire we waited for
-                    layer.refs += 1
-                    return layer.path
-            target = self.root / digest.replace(":", "-")
-            if not os.path.ismount(target):
-                image_file, blob = open_layer()
-                if blob is not None and "," in str(blob):
-                    raise MountError(errno.EINVAL, f"blob path {blob} has a comma (mount option separator)")
-                target.mkdir(parents=True, exist_ok=True)
-                try:
-                    _mount_erofs(image_file, target, blob)
-                except BaseException:
-                    os.rmdir(target)
-                    raise
-            with self._lock:
-                layer = self._layers.setdefault(digest, _Layer(str(target), 0))
+                waiters[0] -= 1
+                if not waiters[0]:
+                    del self._mounting[digest]
+
+    def _mount_once(self, digest: str, open_layer: LayerOpener) -> str:
+        with self._lock:
+            layer = self._layers.get(digest)
+            if layer is not None:  # mounted by the acquire we waited for
                 layer.refs += 1
-                self._mounting.pop(digest, None)  # (a failed mount leaves its idle lock for the next try)
-            return layer.path
+                return layer.path
+        target = self.root / digest.replace(":", "-")
+        if not os.path.ismount(target):
+            image_file, blob = open_layer()
+            if blob is not None and "," in str(blob):
+                raise MountError(errno.EINVAL, f"blob path {blob} has a comma (mount option separator)")
+            target.mkdir(parents=True, exist_ok=True)
+            try:
+                _mount_erofs(image_file, target, blob)
+            except BaseException:
+                os.rmdir(target)
+                raise
+        with self._lock:
+            layer = self._layers.setdefault(digest, _Layer(str(target), 0))
+            layer.refs += 1
+        return layer.path
+
+    def acquire_mounted(self, digests: list[str]) -> list[str] | None:
+        """References to all of `digests` if every one is mounted (nothing that blocks), else none."""
+        with self._lock:
+            layers = [self._layers.get(d) for d in digests]
+            if any(layer is None for layer in layers):
+                return None
+            paths = []
+            for layer in layers:
+                assert layer is not None
+                layer.refs += 1
+                paths.append(layer.path)
+            return paths
 
     def busy(self) -> set[str]:
         """Layers mounted or being mounted (their files must stay)."""
         with self._lock:
             return set(self._layers) | set(self._mounting)
 
-    def mounted(self, digest: str) -> bool:
-        """Whether `acquire` would only count a reference (no mount, nothing that blocks)."""
-        return digest in self._layers
+    def remove_if_idle(self, digest: str, remove: Callable[[], None]) -> bool:
+        """Run `remove` (deleting the layer's file) unless the layer is mounted or being mounted;
+        under the lock, so no acquire can start using the file halfway."""
+        with self._lock:
+            if digest in self._layers or digest in self._mounting:
+                return False
+            remove()
+            return True
 
     def release(self, digest: str) -> None:
         with self._lock:
