@@ -540,16 +540,17 @@ def _open_source(path: Path, within: Sequence[Path] | None) -> _Source:
             raise
         raise OciImportError(f"{path}: {exc.strerror}") from None
     try:
-        st = os.fstat(pfd)
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-            raise OciImportError(
-                f"{path} is {_kind(st)}; an image is a tar archive (a regular file) or an OCI layout directory"
-            )
+        # Where first, then what: a caller must not learn the type of a file outside `within`.
         if within is not None:
             real = os.readlink(f"/proc/self/fd/{pfd}")
             roots = [os.path.realpath(r) for r in within]
             if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
                 raise OciImportError(f"{path} (opened as {real}) is not under any of {', '.join(roots)}")
+        st = os.fstat(pfd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise OciImportError(
+                f"{path} is {_kind(st)}; an image is a tar archive (a regular file) or an OCI layout directory"
+            )
         if stat.S_ISDIR(st.st_mode):
             src: _Source = _DirSource(pfd, path)
             pfd = -1  # the source owns it now
@@ -1541,14 +1542,10 @@ async def import_image(
         env, workdir, user = _sandbox_defaults(plan.config.config or _RunConfig())
         recipe = {"imported_from": str(source.absolute()), "oci_layers": digests, "config_digest": plan.config_digest}
         name, tag = parse_ref(target)
-        manifest = store.put_manifest(
-            name,
-            tag,
-            layers,
-            recipe=json.dumps(recipe),
-            env=env,
-            workdir=workdir,
-            user=user,
+        manifest = await asyncio.to_thread(
+            partial(
+                store.put_manifest, name, tag, layers, recipe=json.dumps(recipe), env=env, workdir=workdir, user=user
+            )
         )
     finally:
         refresher.cancel()
