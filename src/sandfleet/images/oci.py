@@ -1374,6 +1374,17 @@ async def _blocking(stop: threading.Event, fn: Callable[_P, _T], *args: _P.args,
         raise
 
 
+async def _open_cancellable(source: Path, within: Sequence[Path] | None) -> _Source:
+    """`_open_source` in a thread; cancelled meanwhile, the source it opened anyway is closed."""
+    task = asyncio.ensure_future(asyncio.to_thread(_open_source, source, within))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            (await task).close()
+        raise
+
+
 def _touch_layer(store: LayerStore, digest: str) -> None:
     os.utime(store.layer_path(digest))  # mtime now: gc(min_age) leaves it alone for that long
 
@@ -1518,7 +1529,7 @@ async def import_image(
     layers: list[LayerRef] = []
     refresher = asyncio.create_task(_keep_fresh(store, layers))
     try:
-        src = await _blocking(stop, _open_source, source, within)
+        src = await _open_cancellable(source, within)
         try:
             candidates = await _blocking(stop, _candidates, src, source)
             chosen, target = _select(candidates, ref, source)
