@@ -64,6 +64,7 @@ ByteSize = Annotated[
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 _HOSTNAME_RE = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_USER_RE = re.compile(r"^[a-z_][a-z0-9_-]*\$?$|^[0-9]+$")
 
 Backend = Literal["fncall", "container", "microvm", "vm"]
 QoS = Literal["latency_sensitive", "best_effort"]
@@ -74,7 +75,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _check_env(env: dict[str, str]) -> dict[str, str]:
+def check_env(env: dict[str, str]) -> dict[str, str]:
     for key, value in env.items():
         if not _ENV_KEY_RE.match(key):
             raise ValueError(f"invalid environment variable name {key!r}")
@@ -83,7 +84,14 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _check_abs_path(path: str) -> str:
+def check_user(user: str) -> str:
+    """A user name (as in /etc/passwd) or a numeric uid."""
+    if not _USER_RE.match(user):
+        raise ValueError(f"invalid user {user!r}")
+    return user
+
+
+def check_abs_path(path: str) -> str:
     if not path.startswith("/") or "\0" in path:
         raise ValueError(f"path must be absolute and contain no NUL byte: {path!r}")
     return path
@@ -145,7 +153,7 @@ class Mount(_Model):
     @field_validator("source", "target")
     @classmethod
     def _paths(cls, v: str) -> str:
-        return _check_abs_path(v)
+        return check_abs_path(v)
 
     @field_validator("target")
     @classmethod
@@ -225,12 +233,12 @@ class SandboxSpec(_Model):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
+        return check_env(v)
 
     @field_validator("workdir")
     @classmethod
     def _workdir(cls, v: str) -> str:
-        return _check_abs_path(v)
+        return check_abs_path(v)
 
     @field_validator("hostname")
     @classmethod
@@ -252,9 +260,7 @@ class SandboxSpec(_Model):
     @field_validator("user")
     @classmethod
     def _user(cls, v: str) -> str:
-        if not re.match(r"^[a-z_][a-z0-9_-]*\$?$|^[0-9]+$", v):
-            raise ValueError(f"invalid user {v!r}")
-        return v
+        return check_user(v)
 
 
 class SandboxInfo(_Model):
@@ -303,12 +309,12 @@ class ExecRequest(_Model):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
+        return check_env(v)
 
     @field_validator("cwd")
     @classmethod
     def _cwd(cls, v: str | None) -> str | None:
-        return None if v is None else _check_abs_path(v)
+        return None if v is None else check_abs_path(v)
 
 
 class ExecResult(_Model):

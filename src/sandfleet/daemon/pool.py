@@ -136,15 +136,13 @@ class WarmPools:
 
     # -- hand-out -----------------------------------------------------------------------------
 
-    def image(self, spec: SandboxSpec) -> ImageManifest | None:
-        """The environment the members of `spec`'s pool were made from (None: no member yet)."""
-        key = pool_key(spec)
+    def image(self, key: PoolKey | None) -> ImageManifest | None:
+        """The environment the members of pool `key` were made from (None: no member yet)."""
         pool = self.pools.get(key) if key is not None else None
         return pool.image if pool is not None else None
 
-    def take(self, spec: SandboxSpec) -> LiveSandbox | None:
-        """A ready sandbox for `spec`, or None; records demand either way."""
-        key = pool_key(spec)
+    def take(self, key: PoolKey | None) -> LiveSandbox | None:
+        """A ready sandbox of pool `key` (`pool_key(spec)`), or None; records demand either way."""
         if key is None or (key not in self.pools and self.adaptive_max == 0):
             return None
         pool = self.pools.setdefault(key, _Pool(key))

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from sandfleet.backends.base import Backend, LiveSandbox
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.metrics import Metrics
-from sandfleet.daemon.pool import WarmPools
+from sandfleet.daemon.pool import WarmPools, pool_key
 from sandfleet.daemon.state import SandboxRow, StateStore
 from sandfleet.errors import (
     DataLossError,
@@ -58,6 +58,7 @@ from sandfleet.images import (
     LayerRef,
     LayerStore,
     fsutil,
+    oci,
     parse_ref,
 )
 from sandfleet.images import ImageNotFoundError as StoreImageNotFound
@@ -557,16 +558,12 @@ class SandboxManager:
             raise InvalidArgumentError(f"the environment has {len(image.layers)} layers; at most {MAX_LAYERS}")
 
     def _layer_by_digest(self, digest: str) -> LayerRef:
-        ref = self.store.layer_ref(digest)
-        if ref is not None:
-            return ref
         try:
-            size = self.store.layer_path(digest).stat().st_size
+            return self.store.layer_ref_or_file(digest)
         except LayerCorruptError as exc:
             if self.store.has_layer(digest):
                 raise DataLossError(str(exc)) from exc
             raise ImageNotFoundError(f"image layer {digest} not found in the layer store") from exc
-        return LayerRef(digest=digest, size=size, kind="layer")
 
     @staticmethod
     def _with_image_defaults(spec: SandboxSpec, image: ImageManifest) -> SandboxSpec:
@@ -609,10 +606,11 @@ class SandboxManager:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_backend(spec)
         if self.pools is not None:
-            pooled = self.pools.image(spec)  # what the pool's members were made from
+            key = pool_key(spec)
+            pooled = self.pools.image(key)  # what the pool's members were made from
             # Before taking a member: a spec the image's defaults make invalid must not cost one.
             effective = self._with_image_defaults(spec, pooled) if pooled is not None else spec
-            live = self.pools.take(spec)
+            live = self.pools.take(key)
             if live is not None:
                 return await self._hand_out(effective, live)
         self._admit(spec)
@@ -1005,17 +1003,15 @@ class SandboxManager:
 
     async def import_image(self, path: str, ref: str | None) -> ImageManifest:
         """An OCI image (docker save tarball, OCI layout or its tar) on this host, as an image."""
-        from sandfleet.images.oci import OciImportError, import_image
-
         source = Path(path)
         if not source.is_absolute() or not await asyncio.to_thread(source.exists):
             raise InvalidArgumentError(f"import source {path!r} must be an absolute path that exists on the node")
         try:
             # `within` is checked on the opened file, so a path swapped after any check cannot escape.
-            return await import_image(self.store, source, ref, within=self.import_dirs)
+            return await oci.import_image(self.store, source, ref, within=self.import_dirs)
         except InvalidRefError as exc:
             raise InvalidArgumentError(f"invalid image reference: {exc}") from exc
-        except OciImportError as exc:
+        except oci.OciImportError as exc:
             raise InvalidArgumentError(f"cannot import {path}: {exc}") from exc
         except ImageError as exc:  # building the EROFS layers failed
             raise InternalError(f"importing {path} failed: {exc}") from exc

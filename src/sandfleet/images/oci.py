@@ -56,7 +56,7 @@ from typing import IO, TYPE_CHECKING, ParamSpec, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
-from sandfleet.models import SandboxSpec, _check_abs_path, _check_env
+from sandfleet.models import check_abs_path, check_env, check_user
 
 from . import fsutil
 from .builders import BuildContext
@@ -467,6 +467,12 @@ class _DirSource:
         os.close(self.fd)
 
 
+# What a malformed tar archive or layer blob raises while it is decompressed and parsed. OSError in general is
+# not among them: reading the archive or writing the staging dir fails that way for reasons of the
+# host (EIO, ENOSPC), and gzip's BadGzipFile, which is one, is the archive's.
+_FORMAT_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)
+
+
 class _TarSource:
     """A tar of either format; members are read in place (tarfile seeks), not unpacked first."""
 
@@ -475,7 +481,7 @@ class _TarSource:
         self._file = file  # owned: tarfile does not close a file it was given
         try:
             self._tar = tarfile.open(fileobj=file, mode="r:*", tarinfo=_BoundedTarInfo)  # noqa: SIM115 (for the source's lifetime)
-        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        except _FORMAT_ERRORS as exc:
             file.close()
             raise OciImportError(f"{path} is neither a tar archive nor an OCI layout directory: {exc}") from None
         except BaseException:
@@ -491,7 +497,7 @@ class _TarSource:
                 parts = [p for p in m.name.split("/") if p not in ("", ".")]
                 if parts and ".." not in parts:
                     self._members["/".join(parts)] = m
-        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        except _FORMAT_ERRORS as exc:
             self.close()
             raise OciImportError(f"{path}: unreadable tar archive: {exc}") from None
         except BaseException:
@@ -834,12 +840,6 @@ class _Unpacked:
     dir_times: dict[str, int]
 
 
-# What a malformed layer blob raises while it is decompressed and parsed. OSError in general is
-# not among them: reading the archive or writing the staging dir fails that way for reasons of the
-# host (EIO, ENOSPC), and gzip's BadGzipFile, which is one, is the archive's.
-_FORMAT_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)
-
-
 @dataclass(frozen=True)
 class _Caps:
     entries: int  # per layer
@@ -936,21 +936,21 @@ def _sandbox_defaults(run: _RunConfig) -> tuple[dict[str, str], str | None, str 
     for item in run.env or []:
         key, _, value = item.partition("=")
         try:
-            env.update(_check_env({key: value}))
+            env.update(check_env({key: value}))
         except ValueError as exc:
             log.warning("image config: dropping Env entry: %s", exc)
     workdir = run.working_dir or None
     if workdir is not None:
         try:
-            _check_abs_path(workdir)
+            check_abs_path(workdir)
         except ValueError as exc:
             log.warning("image config: dropping WorkingDir: %s", exc)
             workdir = None
     user = run.user or None
     if user is not None:
         try:
-            SandboxSpec(user=user.split(":", 1)[0])
-        except ValidationError:
+            check_user(user.split(":", 1)[0])
+        except ValueError:
             log.warning("image config: dropping User %r: not a user name or uid a sandbox accepts", user)
             user = None
     return env, workdir, user

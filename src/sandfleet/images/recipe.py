@@ -70,7 +70,7 @@ from pydantic import (
 )
 
 from sandfleet.errors import SandboxError
-from sandfleet.models import ExecResult, Resources, SandboxSpec, _check_abs_path, _check_env
+from sandfleet.models import ExecResult, Resources, check_abs_path, check_env, check_user
 
 from . import fsutil
 from .builders import DEBIAN_SUITE, debian_mirror, mounted_layers, trim_debian_rootfs
@@ -128,16 +128,6 @@ def _check_ref(v: str) -> str:
         return canonical_ref(v)
     except InvalidRefError as exc:
         raise ValueError(str(exc)) from None
-
-
-def _check_user(v: str) -> str:
-    # The daemon's own rule (SandboxSpec.user has no standalone checker): an image whose default
-    # user the daemon would refuse must not get built.
-    try:
-        SandboxSpec.model_validate({"user": v})
-    except ValidationError as exc:
-        raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
-    return v
 
 
 _SUITE_RE = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -328,7 +318,7 @@ class RunStep(_Step):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
+        return check_env(v)
 
     cwd: str | None = Field(
         None, description="working directory of the command (default: the recipe's workdir, else /)"
@@ -342,13 +332,13 @@ class RunStep(_Step):
     @field_validator("cwd")
     @classmethod
     def _cwd(cls, v: str | None) -> str | None:
-        return None if v is None else _check_abs_path(v)
+        return None if v is None else check_abs_path(v)
 
     @field_validator("exclude")
     @classmethod
     def _exclude(cls, v: list[str]) -> list[str]:
         for p in v:
-            _check_abs_path(p)
+            check_abs_path(p)
         return v
 
 
@@ -418,18 +408,18 @@ class Recipe(BaseModel):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
+        return check_env(v)
 
     # The daemon's checks (sandfleet.models), so the image's defaults are ones it accepts.
     @field_validator("workdir")
     @classmethod
     def _workdir(cls, v: str | None) -> str | None:
-        return None if v is None else _check_abs_path(v)
+        return None if v is None else check_abs_path(v)
 
     @field_validator("user")
     @classmethod
     def _user(cls, v: str | None) -> str | None:
-        return None if v is None else _check_user(v)
+        return None if v is None else check_user(v)
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _source: str = PrivateAttr("")

@@ -98,8 +98,9 @@ class LayerStore:
     3FS in production), plus ``blobs/``. Images found only there are used in place: their
     metadata images are copied into this (local) store when first needed, and their file data
     stays in the shared blob, which the kernel reads page by page as sandboxes touch files
-    (EROFS's extra-device mode), so a 5 GB image never moves 5 GB. The node's page cache is the
-    data cache; ``cache_max`` caps the local copies of shared layers (least recently used go).
+    (EROFS's extra-device mode, with direct I/O), so a 5 GB image never moves 5 GB. EROFS's cache
+    of the layers' files is the node's data cache; ``cache_max`` caps the local copies of shared
+    layers (least recently used go).
     """
 
     def __init__(
@@ -119,13 +120,17 @@ class LayerStore:
         )
         # digest -> the layer's record in a manifest (size, blob); avoids rescanning manifests.
         self._refs: dict[str, LayerRef] = {}
+        self._unnamed: dict[str, LayerRef] = {}  # layers no manifest names, as `layer_ref_or_file` saw them
         self._sizes: dict[str, int] = {}
         self._fetch_lock = threading.Lock()
-        self.fetched_bytes = 0  # metadata (and whole eager layers) copied from the shared store
         for d in (self.layers_dir, self.images_dir, self.tmp_dir, self.verified_dir):
             d.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ lookups
+
+    def _manifest_roots(self) -> list[Path]:
+        """Where manifests are looked up: here first, then the shared store."""
+        return [self.images_dir] + ([self.shared / "images"] if self.shared is not None else [])
 
     def _manifest_path(self, name: str, tag: str) -> Path:
         return self.images_dir / name / f"{tag}.json"
@@ -133,8 +138,7 @@ class LayerStore:
     def resolve(self, ref: str) -> ImageManifest:
         """Return the manifest for ``name[:tag]`` (tag defaults to ``latest``): local, else shared."""
         name, tag = parse_ref(ref)
-        roots = [self.images_dir] + ([self.shared / "images"] if self.shared is not None else [])
-        for images_dir in roots:
+        for images_dir in self._manifest_roots():
             path = images_dir / name / f"{tag}.json"
             try:
                 data = path.read_bytes()
@@ -157,6 +161,17 @@ class LayerStore:
         if digest not in self._refs:
             self.list_images()
         return self._refs.get(digest)
+
+    def layer_ref_or_file(self, digest: str) -> LayerRef:
+        """`layer_ref`, else a record made from the layer's file (a layer no image names: a recipe
+        step's, a digest a caller stacks by hand), remembered so that the next lookup scans no
+        manifests. Raises LayerCorruptError if there is no such file."""
+        ref = self._unnamed.get(digest) or self.layer_ref(digest)
+        if ref is None:
+            ref = LayerRef(digest=digest, size=self.layer_path(digest).stat().st_size, kind="layer")
+            self._unnamed[digest] = ref
+            self._sizes[digest] = ref.size
+        return ref
 
     def has_image(self, ref: str) -> bool:
         try:
@@ -250,7 +265,6 @@ class LayerStore:
                     while chunk := fin.read(1 << 20):
                         h.update(chunk)
                         fout.write(chunk)
-                        self.fetched_bytes += len(chunk)
                 if "sha256:" + h.hexdigest() != digest:
                     raise LayerCorruptError(f"layer {digest} in the shared store is corrupt ({src})")
                 os.chmod(tmp, 0o444)
@@ -285,16 +299,13 @@ class LayerStore:
         if actual != digest:
             raise LayerCorruptError(f"layer {digest} hashes to {actual}")
 
-    def list_images(self, *, shared: bool = True) -> list[ImageManifest]:
+    def list_images(self) -> list[ImageManifest]:
         """All readable manifests (local, then the shared store's unless shadowed), sorted by ref.
 
         Unparseable ones are logged and skipped.
         """
         found: dict[tuple[str, str], ImageManifest] = {}
-        roots = [self.images_dir]
-        if shared and self.shared is not None:
-            roots.append(self.shared / "images")
-        for images_dir in roots:
+        for images_dir in self._manifest_roots():
             for path in sorted(images_dir.rglob("*.json")):
                 if path.name.startswith("."):
                     continue
@@ -417,6 +428,7 @@ class LayerStore:
         (self.verified_dir / digest.removeprefix("sha256:")).unlink(missing_ok=True)
         self._sizes.pop(digest, None)
         self._refs.pop(digest, None)
+        self._unnamed.pop(digest, None)
 
     def local_bytes(self) -> int:
         """Bytes of the layer files in this (local) store."""
