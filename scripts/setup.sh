@@ -5,12 +5,13 @@ cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 
 # libseccomp2 (compiles the sandbox seccomp filter), gcc + libc6-dev (the static launcher and
-# in-sandbox agent), erofs-utils (layers), busybox-static (busybox image), mmdebstrap (debian/python
+# in-sandbox agent), musl-tools (the agent against musl: it starts in half the time of a static glibc
+# binary on a VM), erofs-utils (layers), busybox-static (busybox image), mmdebstrap (debian/python
 # images), crun and runc (optional OCI runtimes, tested too), bubblewrap (a benchmark peer),
 # iproute2 (network checks), util-linux and mount (mkswap, swapon: compressed swap for paused sandboxes;
 # nsenter and fincore in tests), git (recipes' git steps), zstd (zstd-compressed
 # OCI layers when the zstandard module is absent).
-PACKAGES=(libseccomp2 gcc libc6-dev erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd)
+PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from sandfleet.daemon.process import DaemonProcess, DaemonStartError
 from sandfleet.errors import SandboxError
 
 IMAGES = Path(os.environ.get("SANDFLEET_TEST_IMAGES", "/var/lib/sandfleet/images"))
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 @dataclass
@@ -56,6 +58,20 @@ class Daemon:
 
     def log(self) -> str:
         return self.process.log()
+
+
+def agent_pid(d: Daemon, sandbox_id: str) -> int:
+    """The host pid of a sandbox's init, its agent: the process of its pids cgroup whose parent is
+    outside that cgroup (the launcher's worker may still be in it for a moment after a create)."""
+    parent = str(tomllib.loads(d.config.read_text())["container"]["cgroup_parent"]).strip("/")
+    hierarchy = CGROUP_ROOT / "pids" if (CGROUP_ROOT / "pids").is_dir() else CGROUP_ROOT
+    members = {int(p) for p in (hierarchy / parent / sandbox_id / "cgroup.procs").read_text().split()}
+    for pid in members:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        if ppid not in members and stat[stat.find("(") + 1 : stat.rfind(")")] == "sandfleet-agent":
+            return pid
+    raise LookupError(f"no agent in the cgroup of {sandbox_id}")
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 15.0, interval: float = 0.05) -> bool:

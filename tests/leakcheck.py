@@ -71,7 +71,8 @@ def loop_devices() -> int:
 class Residue:
     mounts: tuple[str, ...]
     cgroups: tuple[str, ...]
-    sandbox_dirs: tuple[str, ...]
+    sandbox_dirs: tuple[str, ...]  # restores and OCI runtimes have one; launcher creates none
+    sandbox_ids: tuple[str, ...]  # sandboxes with a cgroup left, in any hierarchy
     runtime_state: tuple[str, ...]
     state_rows: int
     processes: int
@@ -110,6 +111,7 @@ def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
         mounts=mounts,
         cgroups=cgroups,
         sandbox_dirs=tuple(sorted(os.listdir(sandboxes_dir))) if sandboxes_dir.exists() else (),
+        sandbox_ids=tuple(sorted({c.split("/", 1)[1] for c in cgroups})),
         runtime_state=tuple(sorted(os.listdir(crun_root))) if crun_root.exists() else (),
         state_rows=rows,
         processes=len(sandbox_processes(parent)),

@@ -126,7 +126,7 @@ def test_image_defaults_apply_unless_the_spec_sets_them(daemon: Daemon, fleet: C
 def test_corrupt_or_truncated_layer_is_data_loss_and_leaves_nothing(daemon: Daemon, fleet: Client) -> None:
     digest = _layer_of(fleet, "head -c 300000 /dev/urandom > /blob", "t/corrupt:1")
     path = IMAGES / "layers" / ("sha256-" + digest.removeprefix("sha256:") + ".erofs")
-    assert wait_until(lambda: not residue(daemon).sandbox_dirs)
+    assert wait_until(lambda: not residue(daemon).sandbox_ids)
     before = residue(daemon)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the content hash can tell
@@ -215,7 +215,7 @@ def test_on_demand_layer_reads_only_what_the_sandbox_touches(shared_daemon: tupl
             assert local_meta.exists() and local_meta.stat().st_size == top.size
             fleet.gc_images(min_age=1e9)  # only the cache trim can remove anything: the layer is in use
             assert local_meta.exists()
-        assert wait_until(lambda: not residue(d).sandbox_dirs and not residue(d).mounts)
+        assert wait_until(lambda: not residue(d).sandbox_ids and not residue(d).mounts)
         # Over the cache limit and unused: the local copy goes, and comes back when needed.
         assert top.digest in fleet.gc_images(min_age=1e9).removed
         assert not local_meta.exists()
@@ -238,4 +238,4 @@ def test_shared_blob_missing_is_data_loss(shared_daemon: tuple[Daemon, Path]) ->
         (shared / "blobs" / ("sha256-" + top.blob.removeprefix("sha256:") + ".blob")).unlink()
         with pytest.raises(DataLossError, match="blob"):
             fleet.create(image="t/ondemand-missing:1")
-        assert wait_until(lambda: not residue(d).sandbox_dirs)
+        assert wait_until(lambda: not residue(d).sandbox_ids)

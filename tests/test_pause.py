@@ -13,7 +13,7 @@ import pytest
 from sandfleet import Client, Resources, Sandbox, SandboxSpec
 from sandfleet.errors import SandboxNotFoundError, WrongStateError
 
-from conftest import Daemon, wait_until
+from conftest import Daemon, agent_pid, wait_until
 from leakcheck import _cgroup_parent, residue
 
 MiB = 1024**2
@@ -33,7 +33,7 @@ def _frozen(d: Daemon, sandbox_id: str) -> bool:
 
 def _inside(d: Daemon, sb: Sandbox, path: str) -> str:
     """Read a sandbox file from the host, through its init's root: no request, so no resume."""
-    pid = int((d.run_dir / "sandboxes" / sb.id / "agent.pid").read_text())
+    pid = agent_pid(d, sb.id)
     try:
         return Path(f"/proc/{pid}/root{path}").read_text()
     except FileNotFoundError:
@@ -175,7 +175,7 @@ def test_paused_sandbox_survives_a_daemon_restart(own_daemon: Daemon) -> None:
 
 
 def _agent_pid(d: Daemon, sb: Sandbox) -> int:
-    return int((d.run_dir / "sandboxes" / sb.id / "agent.pid").read_text())
+    return agent_pid(d, sb.id)
 
 
 def test_qos_classes_set_scheduling_and_cpu_weight(daemon: Daemon, fleet: Client) -> None:

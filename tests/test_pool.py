@@ -11,7 +11,7 @@ import pytest
 
 from sandfleet import Client, Resources
 
-from conftest import Daemon, destroy_daemon, make_daemon
+from conftest import Daemon, agent_pid, destroy_daemon, make_daemon
 from leakcheck import residue
 
 POOL = '[[pools]]\nimage = "busybox"\nsize = 3\n[pools.resources]\nmemory = "128MiB"\n'
@@ -40,10 +40,10 @@ def pooled() -> Iterator[Daemon]:
 def test_hand_out_and_refill(pooled: Daemon) -> None:
     with pooled.client() as fleet:
         _wait_ready(fleet, 3)
-        ready_dirs = set(residue(pooled).sandbox_dirs)
-        assert len(ready_dirs) == 3
+        ready = set(residue(pooled).sandbox_ids)
+        assert len(ready) == 3
         sb = fleet.create(image="busybox", resources=SHAPE, labels={"who": "a"}, env={"X": "1"}, user="nobody")
-        assert sb.id in ready_dirs  # served from the pool
+        assert sb.id in ready  # served from the pool
         assert any(e.kind == "created" and e.data.get("pooled") for e in sb.events())
         # The caller's spec applies to the pooled sandbox: env, user, labels.
         assert sb.exec("echo $X; id -u").stdout == "1\n65534\n"
@@ -51,7 +51,7 @@ def test_hand_out_and_refill(pooled: Daemon) -> None:
         _wait_ready(fleet, 3)  # refilled
         # Another shape is created cold and leaves the pool alone.
         other = fleet.create(image="busybox", resources=Resources(memory="64MiB"))
-        assert other.id not in ready_dirs
+        assert other.id not in ready
         assert _ready(fleet) == 3
         other.stop()
         sb.stop()
@@ -81,16 +81,16 @@ def test_pool_is_drained_at_shutdown_and_cleaned_after_a_crash() -> None:
     try:
         with d.client() as fleet:
             _wait_ready(fleet, 3)
-            crashed = set(residue(d).sandbox_dirs)
+            crashed = set(residue(d).sandbox_ids)
         d.kill()  # pooled sandboxes have no state rows: residue for the next start
         d.start()
         with d.client() as fleet:
             _wait_ready(fleet, 3)
-            now = set(residue(d).sandbox_dirs)
+            now = set(residue(d).sandbox_ids)
             assert len(now) == 3 and not (now & crashed)
         d.stop()  # graceful: the pool is destroyed
         r = residue(d, daemon_alive=False)
-        assert r.sandbox_dirs == () and r.cgroups == () and r.processes == 0, r
+        assert r.sandbox_dirs == () and r.sandbox_ids == () and r.processes == 0, r
     finally:
         destroy_daemon(d)
 
@@ -98,11 +98,11 @@ def test_pool_is_drained_at_shutdown_and_cleaned_after_a_crash() -> None:
 def test_a_pooled_sandbox_that_dies_is_replaced_and_cleaned(pooled: Daemon) -> None:
     with pooled.client() as fleet:
         _wait_ready(fleet, 3)
-        victim = sorted(residue(pooled).sandbox_dirs)[0]
-        pid = int((pooled.run_dir / "sandboxes" / victim / "agent.pid").read_text())
+        victim = sorted(residue(pooled).sandbox_ids)[0]
+        pid = agent_pid(pooled, victim)
         os.kill(pid, signal.SIGKILL)
         deadline = time.time() + 30
-        while victim in residue(pooled).sandbox_dirs:
+        while victim in residue(pooled).sandbox_ids:
             assert time.time() < deadline, "the dead pooled sandbox was not cleaned up"
             time.sleep(0.05)
         _wait_ready(fleet, 3)

@@ -12,18 +12,13 @@ import pytest
 
 from sandfleet.errors import SandboxError, SandboxNotFoundError
 
-from conftest import Daemon, wait_until
+from conftest import Daemon, agent_pid, wait_until
 from leakcheck import _cgroup_parent, residue
 
 
 def _agent_pids(d: Daemon) -> dict[str, int]:
-    """Sandbox id -> agent pid, from the runtime's pid files."""
-    out = {}
-    for sdir in (d.run_dir / "sandboxes").iterdir():
-        pid_file = sdir / "agent.pid"
-        if pid_file.exists():
-            out[sdir.name] = int(pid_file.read_text())
-    return out
+    """Sandbox id -> agent pid, found through the sandboxes' cgroups."""
+    return {sandbox_id: agent_pid(d, sandbox_id) for sandbox_id in residue(d).sandbox_ids}
 
 
 def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:

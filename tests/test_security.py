@@ -26,7 +26,7 @@ import pytest
 from sandfleet import Client, Mount, Sandbox
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError
 
-from conftest import Daemon
+from conftest import IMAGES, Daemon
 
 T = TypeVar("T")
 HOST_SLEEP = str(31000 + os.getpid() % 1000)  # argv of a host process the sandbox must not see
@@ -170,6 +170,70 @@ def test_cannot_see_host_files(sandbox: Sandbox) -> None:
     finally:
         for m in markers:
             m.unlink(missing_ok=True)
+
+
+ESCAPE_PROBE = r"""
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdio.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static int err(long rc) { return rc == 0 ? 0 : errno; }
+int main(void) {
+    /* Namespace and mount calls that could reach what lies under the sandbox's root. */
+    int ns = open("/proc/self/ns/mnt", O_RDONLY);
+    printf("setns %d\n", err(setns(ns, CLONE_NEWNS)));
+    printf("umount %d\n", err(umount2("/", MNT_DETACH)));
+    printf("unshare %d\n", err(unshare(CLONE_NEWUSER | CLONE_NEWNS)));
+    printf("pivot_root %d\n", err(syscall(SYS_pivot_root, ".", ".")));
+    printf("open_tree %d\n", syscall(SYS_open_tree, AT_FDCWD, "/", 1) >= 0 ? 0 : errno);
+    /* The classic chroot escape (root keeps CAP_SYS_CHROOT): chroot into a subdirectory, keep a
+     * directory outside it, climb with "..", chroot there. */
+    mkdir("/escape-jail", 0755);
+    int outside = open("/", O_PATH | O_DIRECTORY);
+    printf("chroot %d\n", err(chroot("/escape-jail")));
+    fchdir(outside);
+    for (int i = 0; i < 64; i++)
+        chdir("..");
+    chroot(".");
+    printf("root:");
+    DIR *d = opendir("/");
+    for (struct dirent *e; d && (e = readdir(d));)
+        printf(" %s", e->d_name);
+    printf("\n");
+    return 0;
+}
+"""
+
+
+def test_root_cannot_be_left(daemon: Daemon, sandbox: Sandbox, tmp_path: Path) -> None:
+    """The sandbox's root is its rootfs moved over a near-empty template namespace: no namespace or
+    mount call gets underneath it, climbing out of a nested chroot ends at the same root, and
+    /proc/self/mountinfo shows only the sandbox's own mounts, naming no host path."""
+    src, probe = tmp_path / "probe.c", tmp_path / "probe"
+    src.write_text(ESCAPE_PROBE)
+    subprocess.run(["gcc", "-O1", "-static", "-o", str(probe), str(src)], check=True)
+    sandbox.files.write("/probe", probe.read_bytes(), mode=0o755)
+    before = set(ok(sandbox, "ls -a /").split())
+    out = dict(line.split(" ", 1) for line in ok(sandbox, "/probe").splitlines())
+    for call in ("setns", "umount", "unshare", "pivot_root", "open_tree"):
+        assert out[call] != "0", f"{call} succeeded inside the sandbox"
+    assert out["chroot"] == "0"  # control: the sandbox's root may chroot, so the climb was really tried
+    assert set(out["root:"].split()) == before | {"escape-jail"}
+    host_only = set(os.listdir("/")) - IMAGE_DIRS
+    assert host_only and not host_only & set(out["root:"].split())
+
+    mountinfo = ok(sandbox, "cat /proc/self/mountinfo")
+    assert str(daemon.run_dir) in daemon.mountinfo()  # control: the host's table names the run dir
+    for host_path in (str(daemon.run_dir), str(daemon.state_dir), str(IMAGES)):
+        assert host_path not in mountinfo
+    assert "sandfleet-template" not in mountinfo
+    assert [line.split()[4] for line in mountinfo.splitlines()].count("/") == 1
 
 
 # -- other sandboxes ---------------------------------------------------------------------------------

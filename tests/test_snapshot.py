@@ -15,7 +15,7 @@ from sandfleet import Client, Mount, Sandbox, SandboxError
 from sandfleet.errors import InvalidArgumentError, SnapshotNotFoundError, WrongStateError
 from sandfleet.images import LayerStore
 
-from conftest import IMAGES, Daemon, wait_until
+from conftest import IMAGES, Daemon, agent_pid, wait_until
 from leakcheck import _cgroup_parent, residue
 
 COUNTER = "echo $$ > /tmp/counter.pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
@@ -270,7 +270,7 @@ def test_external_mounts_are_classified_from_mountinfo(fleet: Client, daemon: Da
     from sandfleet.runtime.criu import Criu
 
     with fleet.create(image="busybox") as sb:
-        pid = int((daemon.run_dir / "sandboxes" / sb.id / "agent.pid").read_text())
+        pid = agent_pid(daemon, sb.id)
         mountinfo = Path(f"/proc/{pid}/mountinfo").read_text()
     ext = Criu.external_mounts(mountinfo)
     assert ext["/dev"] == {"key": "ext_dev", "kind": "scratch", "root": "/dev"}

@@ -80,7 +80,7 @@ class ContainerBackendConfig(BaseModel):
 
 @dataclass(frozen=True)
 class _Prepared:
-    sdir: Path
+    sdir: Path | None  # the sandbox's directory; launcher creates have none
     lowers: list[str]  # bottom -> top
     cgroup_dirs: list[str]  # launcher only: cgroup directories the sandbox joins
     binds: list[tuple[int, oci.BindMount]]  # launcher only: pinned O_PATH fds of the sources
@@ -256,19 +256,31 @@ class ContainerBackend:
         digests: list[str],
         binds: list[tuple[str, str, oci.BindMount]],
         acquired: list[str] | None = None,
+        *,
+        own_dir: bool = False,
     ) -> _Prepared:
         """Blocking part of create (mounts, cgroups, files); runs in a worker thread.
 
         On failure everything made here is undone before the error propagates.
         """
-        sdir = self.sandboxes_dir / sandbox_id
         lowers: list[str] = list(acquired or [])  # `acquired`: references taken by the caller
-        try:
-            sdir.mkdir(mode=0o711)  # traversable by the sandbox root uid, not listable
-        except BaseException:
-            for digest in digests[: len(lowers)]:
-                self.layers.release(digest)
-            raise
+        # Launcher creates need no directory: the scratch and the rootfs are mounted on mount
+        # points of the launcher's template namespace, so a create makes and a stop removes no
+        # directory on the host's disk. Restores (criu's log, pid file and action script) and OCI
+        # runtimes (the bundle) have one.
+        sdir: Path | None = None
+        if own_dir or not self.uses_launcher:
+            sdir = self.sandboxes_dir / sandbox_id
+            try:
+                sdir.mkdir(mode=0o711)  # traversable by the sandbox root uid, not listable
+                if self.uses_launcher:
+                    (sdir / "scratch").mkdir()
+                    (sdir / "rootfs").mkdir()
+            except BaseException:
+                for digest in digests[: len(lowers)]:
+                    self.layers.release(digest)
+                shutil.rmtree(sdir, ignore_errors=True)
+                raise
         pinned: list[tuple[int, oci.BindMount]] = []
         try:
             for root, rel, bind in binds:
@@ -282,8 +294,6 @@ class ContainerBackend:
                 best_effort=spec.qos == "best_effort",
             )
             if self.uses_launcher:
-                (sdir / "scratch").mkdir()
-                (sdir / "rootfs").mkdir()
                 plan = self.cgroups.plan(
                     self.cgroups.path_for(sandbox_id),
                     memory=limits.memory,
@@ -292,8 +302,8 @@ class ContainerBackend:
                     pids=limits.pids,
                     best_effort=limits.best_effort,
                 )
-                writes = [(str(path), value) for path, value in plan.writes]
-                return _Prepared(sdir, lowers, [str(d) for d in plan.dirs], pinned, writes)
+                return _Prepared(sdir, lowers, plan.dirs, pinned, plan.writes)
+            assert sdir is not None
             staged = [self._stage_bind(sdir, i, fd, bind) for i, (fd, bind) in enumerate(pinned)]
             rootfs = mounts.mount_rootfs(sdir, lowers, disk_bytes=spec.resources.disk, owner=self.config.uid_base)
             cfg = oci.ContainerConfig(
@@ -317,18 +327,26 @@ class ContainerBackend:
             raise
 
     async def _prepare_uncancellable(
-        self, sandbox_id: str, spec: SandboxSpec, digests: list[str], binds: list[tuple[str, str, oci.BindMount]]
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        digests: list[str],
+        binds: list[tuple[str, str, oci.BindMount]],
+        *,
+        own_dir: bool = False,
     ) -> _Prepared:
         """`_prepare` in a worker thread; if we are cancelled meanwhile, undo what it made once it is done.
 
-        The common case (layers mounted already, no bind mounts, the launcher making the cgroups) is
-        three mkdirs: done right here, since a thread hop costs more than that.
+        The common case (layers mounted already, no bind mounts, the launcher making the cgroups)
+        touches no file: done right here, since a thread hop costs more than that.
         """
-        if self.uses_launcher and not binds:
+        if self.uses_launcher and not binds and not own_dir:
             lowers = self.layers.acquire_mounted(digests)  # atomically: a concurrent gc may unmount
             if lowers is not None:
                 return self._prepare(sandbox_id, spec, digests, binds, lowers)
-        task = asyncio.ensure_future(asyncio.to_thread(self._prepare, sandbox_id, spec, digests, binds))
+        task = asyncio.ensure_future(
+            asyncio.to_thread(functools.partial(self._prepare, sandbox_id, spec, digests, binds, own_dir=own_dir))
+        )
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -355,6 +373,7 @@ class ContainerBackend:
                 if self.uses_launcher:
                     pid = await self._launch(sandbox_id, spec, prepared, theirs.fileno())
                 else:
+                    assert prepared.sdir is not None
                     pid = await self._run_oci(sandbox_id, prepared.sdir, theirs.fileno())
             finally:
                 theirs.close()
@@ -382,8 +401,7 @@ class ContainerBackend:
         """Start the agent with the launcher server; return its pid."""
         assert self._launcher is not None
         disk = spec.resources.disk
-        args = ["--dir", str(prepared.sdir), "--uid", str(self.config.uid_base)]
-        args += ["--pid-file", str(prepared.sdir / "agent.pid")]
+        args = ["--uid", str(self.config.uid_base)]
         args += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile_limit())]
         args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192)), "--qos", spec.qos]
         for lower in reversed(prepared.lowers):  # overlay wants the top layer first
@@ -558,9 +576,11 @@ class ContainerBackend:
 
     def _teardown_files(self, sandbox_id: str, digests: list[str]) -> None:
         sdir = self.sandboxes_dir / sandbox_id
-        mounts.unmount_rootfs(sdir)
-        shutil.rmtree(sdir, ignore_errors=True)
-        shutil.rmtree(self.runtime_root / sandbox_id, ignore_errors=True)
+        if os.path.lexists(sdir):  # launcher creates have none (restores and OCI runtimes do)
+            mounts.unmount_rootfs(sdir)
+            shutil.rmtree(sdir, ignore_errors=True)
+        if not self.uses_launcher:
+            shutil.rmtree(self.runtime_root / sandbox_id, ignore_errors=True)
         cg = self.cgroups.path_for(sandbox_id)
         with contextlib.suppress(OSError):
             self.cgroups.remove(cg)
@@ -741,13 +761,14 @@ class ContainerBackend:
         assert self._launcher is not None
         digests = [str(d) for d in meta["layers"]]
         try:
-            prepared = await self._prepare_uncancellable(sandbox_id, spec, digests, [])
+            prepared = await self._prepare_uncancellable(sandbox_id, spec, digests, [], own_dir=True)
         except LayerCorruptError as exc:
             raise DataLossError(f"a layer of the snapshot is corrupt: {exc}") from exc
         except OSError as exc:
             raise InternalError(f"preparing the sandbox failed: {exc}") from exc
         runtime: dict[str, Any] = {"layers": digests, "restored": True}
         sdir = prepared.sdir
+        assert sdir is not None
         log_file = sdir / "restore.log"
         try:
             disk = spec.resources.disk

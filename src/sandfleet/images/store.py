@@ -122,6 +122,10 @@ class LayerStore:
         self._refs: dict[str, LayerRef] = {}
         self._unnamed: dict[str, LayerRef] = {}  # layers no manifest names, as `layer_ref_or_file` saw them
         self._sizes: dict[str, int] = {}
+        # Parsed manifests by path, valid while the file's (inode, size, mtime) stay the same: every
+        # create resolves its image, and a stat costs a fraction of a read and a validation.
+        # Manifests are replaced, never edited in place, and nobody mutates a returned one.
+        self._manifests: dict[Path, tuple[tuple[int, int, int], ImageManifest]] = {}
         self._fetch_lock = threading.Lock()
         for d in (self.layers_dir, self.images_dir, self.tmp_dir, self.verified_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -141,6 +145,14 @@ class LayerStore:
         for images_dir in self._manifest_roots():
             path = images_dir / name / f"{tag}.json"
             try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            version = (st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._manifests.get(path)
+            if cached is not None and cached[0] == version:
+                return cached[1]
+            try:
                 data = path.read_bytes()
             except FileNotFoundError:
                 continue
@@ -148,6 +160,9 @@ class LayerStore:
             if (m.name, m.tag) != (name, tag):
                 raise ImageNotFoundError(f"manifest at {path} names {m.ref}, not {name}:{tag}")
             self._remember(m.layers)
+            if len(self._manifests) >= 4096:
+                self._manifests.clear()
+            self._manifests[path] = (version, m)
             return m
         raise ImageNotFoundError(f"image {name}:{tag} not found")
 

@@ -10,6 +10,7 @@ import ctypes
 import errno
 import hashlib
 import os
+import shutil
 import signal as _signal
 import socket
 import stat
@@ -98,14 +99,19 @@ class ExecStartError(AgentError):
 # ---- build -------------------------------------------------------------------------------
 
 
-def build_static(source_path: Path, cache_dir: Path, name: str) -> Path:
+def build_static(source_path: Path, cache_dir: Path, name: str, *, prefer_musl: bool = False) -> Path:
     """Compile a C source statically to ``cache_dir/<hash>/<name>`` (content-addressed, reused if present).
 
     The file name is kept as given because it is the process's command name (`comm`), which the
-    orphan reaper matches on.
+    orphan reaper matches on. With `prefer_musl`, musl-gcc (Debian's musl-tools) is used when installed:
+    a static glibc binary runs dozens of CPUID instructions at start (cache and feature probing), and
+    each one traps to the hypervisor on a VM, so exec of the glibc-built agent costs ~0.5 ms against
+    ~0.24 ms for the musl build, once per sandbox.
     """
+    compiler = "musl-gcc" if prefer_musl and shutil.which("musl-gcc") else "gcc"
     source = source_path.read_bytes()
-    target = cache_dir / hashlib.sha256(source).hexdigest()[:16] / name
+    key = hashlib.sha256(compiler.encode() + b"\0" + source).hexdigest()[:16]
+    target = cache_dir / key / name
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -113,12 +119,12 @@ def build_static(source_path: Path, cache_dir: Path, name: str) -> Path:
     os.close(fd)
     try:
         res = subprocess.run(
-            ["gcc", "-O2", "-static", "-Wall", "-Wextra", "-o", tmp, str(source_path)],
+            [compiler, "-O2", "-static", "-Wall", "-Wextra", "-o", tmp, str(source_path)],
             capture_output=True,
             text=True,
         )
         if res.returncode != 0:
-            raise AgentBuildError(f"gcc failed on {source_path.name} ({res.returncode}):\n{res.stderr}")
+            raise AgentBuildError(f"{compiler} failed on {source_path.name} ({res.returncode}):\n{res.stderr}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)  # atomic: concurrent builders just overwrite with identical bytes
     finally:
@@ -129,7 +135,7 @@ def build_static(source_path: Path, cache_dir: Path, name: str) -> Path:
 
 def build_agent(cache_dir: Path) -> Path:
     """The in-sandbox agent (agent.c), built once per source version."""
-    return build_static(AGENT_SOURCE, cache_dir, "agent")
+    return build_static(AGENT_SOURCE, cache_dir, "agent", prefer_musl=True)
 
 
 def build_launcher(cache_dir: Path) -> Path:

@@ -32,8 +32,9 @@ DEFAULT_CFS_PERIOD_US = 100_000  # what a new v1 cpu cgroup starts with
 
 @dataclass(frozen=True)
 class CgroupPlan:
-    dirs: list[Path]  # made in this order; the sandbox's first process joins each
-    writes: list[tuple[Path, str]]  # limits, written in this order once the dirs exist
+    # Paths as strings: made per create and only handed to the launcher's command line.
+    dirs: list[str]  # made in this order; the sandbox's first process joins each
+    writes: list[tuple[str, str]]  # (file, value): limits, written in this order once the dirs exist
 
 
 def detect(root: Path = CGROUP_ROOT) -> Mode:
@@ -141,37 +142,38 @@ class Cgroups:
         removes a half-made cgroup with `remove()`.
         """
         rel = rel.lstrip("/")
+        root = str(self.root)
         if self.mode == "v2":
-            d = self.root / rel
             if not self._v2_parent_ready:
-                self._enable_v2_controllers(d.parent)
+                self._enable_v2_controllers((self.root / rel).parent)
                 self._v2_parent_ready = True
-            writes = [(d / "memory.max", str(memory))]
+            d = f"{root}/{rel}"
+            writes = [(f"{d}/memory.max", str(memory))]
             if self._has("memory.swap.max"):
-                writes.append((d / "memory.swap.max", "0"))
-            writes.append((d / "cpu.max", f"{cpu_quota_us} {cpu_period_us}"))
+                writes.append((f"{d}/memory.swap.max", "0"))
+            writes.append((f"{d}/cpu.max", f"{cpu_quota_us} {cpu_period_us}"))
             if best_effort:
-                writes.append((d / "cpu.weight", "1"))
-            writes.append((d / "pids.max", str(pids)))
+                writes.append((f"{d}/cpu.weight", "1"))
+            writes.append((f"{d}/pids.max", str(pids)))
             return CgroupPlan([d], writes)
-        dirs = [hierarchy / rel for hierarchy in self._joined_hierarchies()]  # the launcher makes missing parents
-        mem, cpu, pid_dir, dev = (self.root / c / rel for c in ("memory", "cpu", "pids", "devices"))
+        dirs = [f"{hierarchy}/{rel}" for hierarchy in self._joined_hierarchies()]  # the launcher makes missing parents
+        mem, cpu, pid_dir, dev = (f"{root}/{c}/{rel}" for c in ("memory", "cpu", "pids", "devices"))
         writes = []
         if self._has("memory/memory.swappiness"):
-            writes.append((mem / "memory.swappiness", "100"))  # a paused sandbox's pages go to swap first
-        writes.append((mem / "memory.limit_in_bytes", str(memory)))
+            writes.append((f"{mem}/memory.swappiness", "100"))  # a paused sandbox's pages go to swap first
+        writes.append((f"{mem}/memory.limit_in_bytes", str(memory)))
         if self._has("memory/memory.memsw.limit_in_bytes"):
-            writes.append((mem / "memory.memsw.limit_in_bytes", str(memory)))
+            writes.append((f"{mem}/memory.memsw.limit_in_bytes", str(memory)))
         if cpu_period_us != DEFAULT_CFS_PERIOD_US:
             # Each write re-checks the bandwidth of every task group on the node: skip the no-op one.
-            writes.append((cpu / "cpu.cfs_period_us", str(cpu_period_us)))
-        writes.append((cpu / "cpu.cfs_quota_us", str(cpu_quota_us)))
+            writes.append((f"{cpu}/cpu.cfs_period_us", str(cpu_period_us)))
+        writes.append((f"{cpu}/cpu.cfs_quota_us", str(cpu_quota_us)))
         if best_effort:
-            writes.append((cpu / "cpu.shares", "2"))  # the lowest weight: CPU left over by everyone else
-        writes.append((pid_dir / "pids.max", str(pids)))
+            writes.append((f"{cpu}/cpu.shares", "2"))  # the lowest weight: CPU left over by everyone else
+        writes.append((f"{pid_dir}/pids.max", str(pids)))
         if self._has("devices"):
-            writes.append((dev / "devices.deny", "a"))
-            writes += [(dev / "devices.allow", rule) for rule in ALLOWED_DEVICES]
+            writes.append((f"{dev}/devices.deny", "a"))
+            writes += [(f"{dev}/devices.allow", rule) for rule in ALLOWED_DEVICES]
         return CgroupPlan(dirs, writes)
 
     def _has(self, rel: str) -> bool:

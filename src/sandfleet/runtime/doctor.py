@@ -93,10 +93,11 @@ def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check
         ("busybox", "busybox-static", "fail"),
         ("mmdebstrap", "mmdebstrap", "warn"),
         ("gcc", "gcc libc6-dev", "fail"),
+        ("musl-gcc", "musl-tools", "warn"),  # the agent against musl: faster exec per sandbox
     ):
         path = shutil.which(binary)
         if path:
-            ver = _version([binary, "--version"]) if binary not in ("busybox", "mkfs.erofs") else ""
+            ver = _version([binary, "--version"]) if binary not in ("busybox", "mkfs.erofs", "musl-gcc") else ""
             yield Check(binary, "ok", f"{path} {ver}".strip())
         else:
             yield Check(binary, need, f"not found: {APT} {pkg}")  # type: ignore[arg-type]

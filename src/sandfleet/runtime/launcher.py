@@ -45,7 +45,7 @@ class LauncherServer:
         self._send_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        for name in ("sysfs", "empty"):
+        for name in ("sysfs", "empty", "template"):  # template: only mounted in the server's template namespace
             (self.shared_dir / name).mkdir(mode=0o555, parents=True, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:

@@ -113,6 +113,7 @@ class _ArgCmp(ctypes.Structure):
 
 _ACTIONS = {"SCMP_ACT_ALLOW": 0x7FFF0000, "SCMP_ACT_KILL": 0x00000000}
 _ERRNO_ACTION = 0x00050000
+_ATTR_OPTIMIZE = 8  # SCMP_FLTATR_CTL_OPTIMIZE (libseccomp >= 2.5)
 _OPS = {"SCMP_CMP_NE": 1, "SCMP_CMP_LT": 2, "SCMP_CMP_LE": 3, "SCMP_CMP_EQ": 4, "SCMP_CMP_GE": 5}
 _OPS.update({"SCMP_CMP_GT": 6, "SCMP_CMP_MASKED_EQ": 7})
 _ARCHES = {"SCMP_ARCH_X86_64": b"x86_64", "SCMP_ARCH_X86": b"x86", "SCMP_ARCH_X32": b"x32"}
@@ -151,11 +152,17 @@ def compile_bpf(profile: dict[str, Any]) -> bytes:
         ctypes.POINTER(_ArgCmp),
     ]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
 
     ctx = lib.seccomp_init(_ACTIONS[profile["defaultAction"]])
     if not ctx:
         raise SeccompUnavailableError("seccomp_init failed")
     try:
+        # A binary search over syscall numbers instead of a linear chain of compares. Installing a
+        # filter makes the kernel evaluate it for every syscall number of every arch (to cache the
+        # always-allowed ones), once per sandbox: the tree takes ~90 us off each create. Older
+        # libseccomp lacks the attribute and keeps the chain.
+        lib.seccomp_attr_set(ctx, _ATTR_OPTIMIZE, 2)
         native = lib.seccomp_arch_native()
         for arch in profile.get("architectures", []):
             token = lib.seccomp_arch_resolve_name(_ARCHES[arch])
