@@ -40,6 +40,15 @@ def test_exit_codes(sandbox: Sandbox) -> None:
     assert r.exit_code == 128 + 15 or r.signal == 15
 
 
+def test_script_without_shebang_runs_with_sh(sandbox: Sandbox) -> None:
+    """As with glibc's execvp, by path and through PATH (the agent may be built against musl)."""
+    sandbox.files.write("/bin/noshebang", b'echo "scripted $1"\n', mode=0o755)
+    assert sandbox.exec(["/bin/noshebang", "a"]).stdout == "scripted a\n"
+    assert sandbox.exec(["noshebang", "b"]).stdout == "scripted b\n"
+    sandbox.files.write("/tmp/notexec", b"echo no\n", mode=0o644)
+    assert sandbox.exec(["/tmp/notexec"]).exit_code != 0  # control: not executable, not run
+
+
 def test_stdout_and_stderr_are_separate(sandbox: Sandbox) -> None:
     r = sandbox.exec("echo out1; echo err1 >&2; echo out2; printf err2 >&2")
     assert r.stdout == "out1\nout2\n"

@@ -624,6 +624,37 @@ def test_bind_targets_reserved_for_the_sandbox_itself(fleet: Client, shared: Pat
         fleet.create(image="busybox", mounts=[unchecked])
 
 
+def test_bind_targets_through_image_symlinks(fleet: Client, shared: Path) -> None:
+    """A target is checked where it resolves inside the image: an image's symlink cannot aim a bind
+    at /, /dev, /dev/shm, /proc/sys or a bound device node, with or without a trailing slash."""
+    (shared / "marker").write_text("shared\n")
+    with fleet.create(image="busybox") as sb:
+        ok(sb, "mkdir -p /mnt /srv/ok && ln -s /dev/shm /mnt/shm && ln -s /proc/sys /mnt/psys && ln -s / /mnt/root")
+        ok(sb, "ln -s /srv/ok /mnt/fine && ln -s /dev/null /mnt/null && touch /srv/file && ln -s /srv/file /mnt/file")
+        sb.pack("t/symlinks:1")
+    try:
+        for target in ("/mnt/shm", "/mnt/shm/", "/mnt/psys", "/mnt/root", "/mnt/root/", "/mnt/root/dev"):
+            with pytest.raises(InvalidArgumentError, match="mount target"):
+                fleet.create(image="t/symlinks:1", mounts=[Mount(source=str(shared), target=target)])
+        with pytest.raises(InvalidArgumentError, match="mount target"):  # a file onto a bound device node
+            fleet.create(image="t/symlinks:1", mounts=[Mount(source=str(shared / "marker"), target="/mnt/null")])
+        # Controls: a symlink to an ordinary directory or file is followed, and the bind works.
+        with fleet.create(
+            image="t/symlinks:1",
+            mounts=[Mount(source=str(shared), target="/mnt/fine", read_only=True)],
+        ) as sb:
+            assert ok(sb, "cat /srv/ok/marker") == "shared\n"
+        with pytest.raises(InvalidArgumentError, match="mount target"):  # a file target must not be a symlink
+            fleet.create(image="t/symlinks:1", mounts=[Mount(source=str(shared / "marker"), target="/mnt/file")])
+        with fleet.create(
+            image="t/symlinks:1",
+            mounts=[Mount(source=str(shared / "marker"), target="/srv/file", read_only=True)],
+        ) as sb:
+            assert ok(sb, "cat /srv/file") == "shared\n"
+    finally:
+        fleet.delete_image("t/symlinks:1")
+
+
 def test_launcher_restarts_if_it_dies(daemon: Daemon, fleet: Client) -> None:
     servers = [
         int(pid)

@@ -122,10 +122,10 @@ class LayerStore:
         self._refs: dict[str, LayerRef] = {}
         self._unnamed: dict[str, LayerRef] = {}  # layers no manifest names, as `layer_ref_or_file` saw them
         self._sizes: dict[str, int] = {}
-        # Parsed manifests by path, valid while the file's (inode, size, mtime) stay the same: every
-        # create resolves its image, and a stat costs a fraction of a read and a validation.
-        # Manifests are replaced, never edited in place, and nobody mutates a returned one.
-        self._manifests: dict[Path, tuple[tuple[int, int, int], ImageManifest]] = {}
+        # Parsed manifests by path, valid while the file's (device, inode, size, mtime, ctime) stay
+        # the same: every create resolves its image, and a stat costs a fraction of a read and a
+        # validation. Manifests are replaced, never edited in place, and nobody mutates a returned one.
+        self._manifests: dict[Path, tuple[tuple[int, ...], ImageManifest]] = {}
         self._fetch_lock = threading.Lock()
         for d in (self.layers_dir, self.images_dir, self.tmp_dir, self.verified_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -148,7 +148,7 @@ class LayerStore:
                 st = os.stat(path)
             except FileNotFoundError:
                 continue
-            version = (st.st_ino, st.st_size, st.st_mtime_ns)
+            version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             cached = self._manifests.get(path)
             if cached is not None and cached[0] == version:
                 return cached[1]

@@ -5,7 +5,7 @@
  * Each datagram is `u32 type, u32 id` (little-endian) + payload; see agent.py
  * for the authoritative description of every message.
  *
- * Build: gcc -O2 -static -Wall -Wextra -o agent agent.c
+ * Build: musl-gcc (or gcc) -O2 -static -Wall -Wextra -o agent agent.c
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -375,6 +375,42 @@ static size_t alloc_slot(void)
 struct child_err { int err, stage; };
 static const char *stage_names[] = { "setup", "chdir", "setgroups", "setgid", "setuid", "exec" };
 
+/* A file that is neither a binary nor starts with "#!" is run by /bin/sh, as glibc's execvp does
+ * (musl's does not, and the agent is built against musl where it can be). `search` is the request's
+ * PATH value. Returns only if that fails too, with errno ENOEXEC. */
+static void exec_as_script(char **argv, char **envp, const char *search)
+{
+	static char found[4096];
+	const char *file = argv[0];
+	if (!strchr(file, '/')) {
+		file = NULL;
+		for (const char *p = search; *p;) {
+			const char *end = strchrnul(p, ':');
+			int n = end == p ? snprintf(found, sizeof found, "%s", argv[0])
+					 : snprintf(found, sizeof found, "%.*s/%s", (int)(end - p), p, argv[0]);
+			if (n > 0 && n < (int)sizeof found && access(found, X_OK) == 0) {
+				file = found;
+				break;
+			}
+			p = *end ? end + 1 : end;
+		}
+	}
+	if (file) {
+		int argc = 0;
+		while (argv[argc])
+			argc++;
+		char **sh = calloc((size_t)argc + 2, sizeof *sh);
+		if (sh) {
+			sh[0] = "sh";
+			sh[1] = (char *)file;
+			for (int i = 1; i < argc; i++)
+				sh[i + 1] = argv[i];
+			execve("/bin/sh", sh, envp);
+		}
+	}
+	errno = ENOEXEC;
+}
+
 static void __attribute__((noreturn)) child_fail(int fd, int stage)
 {
 	struct child_err ce = { errno, stage };
@@ -479,6 +515,8 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 		char *penv[2] = { (char *)path, NULL };
 		environ = penv;
 		execvpe(argv[0], argv, envp);
+		if (errno == ENOEXEC)
+			exec_as_script(argv, envp, path + 5);
 		child_fail(ep[1], 5);
 	}
 	if (!(flags & F_SETSID))

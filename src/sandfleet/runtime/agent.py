@@ -110,7 +110,9 @@ def build_static(source_path: Path, cache_dir: Path, name: str, *, prefer_musl: 
     """
     compiler = "musl-gcc" if prefer_musl and shutil.which("musl-gcc") else "gcc"
     source = source_path.read_bytes()
-    key = hashlib.sha256(compiler.encode() + b"\0" + source).hexdigest()[:16]
+    # A gcc build keeps the key it always had (a snapshot names the agent build it can be restored
+    # with); a musl build is another build of the same source.
+    key = hashlib.sha256(source if compiler == "gcc" else b"musl-gcc\0" + source).hexdigest()[:16]
     target = cache_dir / key / name
     if target.exists():
         return target

@@ -5,15 +5,16 @@
  * as `crun run` with the config that runtime/oci.py writes, in this order, without JSON, libseccomp
  * or a runtime state directory, in about a millisecond.
  *
- *   launcher worker (real root, the daemon's mount namespace)
- *     reads the seccomp BPF (fd 5), detaches each bind-mount source with open_tree (fds 6..)
+ *   launcher worker (real root, the daemon's mount namespace; the seccomp BPF read from fd 5 once,
+ *   by the server)
+ *     detaches each bind-mount source with open_tree (fds 6..)
  *     makes the sandbox's cgroups and writes their limits (the daemon's plan: --cg-dir, --cg-write)
- *       1 cgroups: joins the sandbox's cgroups        } server mode: the worker does these for
- *       2 rlimits, oom_score_adj                      } itself, stage 1 inherits them; it also
- *                                                       detaches each layer with open_tree
  *     fork -> stage 1 (real root)
- *       server mode: a private copy of the launch template's mount namespace (make_template), the
- *       layers attached at /l/N; standalone: a private copy of the daemon's mount namespace
+ *       1 cgroups: joins the sandbox's cgroups
+ *       2 rlimits, oom_score_adj
+ *       server mode: detaches each layer with open_tree, then enters a private copy of the launch
+ *       template's mount namespace (make_template) and attaches them at /l/N; standalone: a private
+ *       copy of the daemon's mount namespace
  *       3 rootfs: tmpfs scratch (size and inode cap) + overlay over the EROFS layers; bind mounts
  *            attached under the rootfs, resolved with RESOLVE_IN_ROOT. These mounts exist only in
  *            this namespace and its copies: the kernel removes them with the sandbox, and no other
@@ -99,7 +100,7 @@ static const char *sysfs_template;	     /* server mode: a sysfs every sandbox bi
 static int template_ns = -1;		     /* server mode: the launch template mount namespace (see make_template) */
 static int best_effort;			     /* --qos best_effort: SCHED_IDLE for every process */
 static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS], *cg_dirs[MAX_ITEMS], *cg_writes[MAX_ITEMS];
-static int lower_trees[MAX_ITEMS]; /* template mode: detached copies of the layers (open_tree) */
+static int lower_trees[MAX_ITEMS]; /* template mode: detached copies of the layers (stage 1, open_tree) */
 static int n_lowers, n_cgroups, n_cg_dirs, n_cg_writes;
 static unsigned long long disk = 256ULL << 20, inodes = 65536;
 static unsigned long nofile = 4096, uid_base = 100000;
@@ -480,15 +481,16 @@ static int same_file(const struct stat *a, const struct stat *b)
 
 /* A bind mount may not replace the root or land in /proc, /sys or /dev, also not through a symlink
  * of the image: those are set up next, by path, and must be ours. `target` is an O_PATH fd of the
- * target and `rel` its path, both resolved in the rootfs `root`; the check walks up from the target's
- * directory with ".." (which crosses mounts) to the rootfs, comparing each directory with those
- * three. No /proc needed: in server mode this runs in the launch template's namespace, which has none. */
+ * target as the mount will see it, `rel` its path, both resolved in the rootfs `root`. The check
+ * walks up with ".." (which crosses mounts) from the target's real directory to the rootfs,
+ * comparing each directory with those three: for a directory, its own ".."; for a file, the
+ * directory named by `rel`, whose last component must then be the file itself, not a symlink to a
+ * file elsewhere. No /proc needed: in server mode this runs in the launch template's namespace. */
 static int allowed_bind_target(int root, int target, const char *rel)
 {
 	static const char *reserved[] = {"proc", "sys", "dev"};
 	struct stat top, st, res[3];
-	int have[3];
-	char parent[PATH_MAX];
+	int have[3], cur;
 	if (fstat(root, &top) < 0 || fstat(target, &st) < 0 || same_file(&st, &top))
 		return 0;
 	for (int i = 0; i < 3; i++) {
@@ -499,13 +501,24 @@ static int allowed_bind_target(int root, int target, const char *rel)
 		if (have[i] && same_file(&st, &res[i]))
 			return 0;
 	}
-	snprintf(parent, sizeof parent, "%s", rel);
-	for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--)
-		parent[n - 1] = '\0';
-	char *slash = strrchr(parent, '/');
-	if (slash)
-		*slash = '\0';
-	int cur = in_root(root, slash && parent[0] ? parent : ".", O_PATH | O_DIRECTORY);
+	if (S_ISDIR(st.st_mode)) {
+		cur = openat(target, "..", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	} else {
+		char parent[PATH_MAX];
+		struct stat last;
+		snprintf(parent, sizeof parent, "%s", rel);
+		for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--)
+			parent[n - 1] = '\0';
+		char *slash = strrchr(parent, '/');
+		const char *base = slash ? slash + 1 : parent;
+		if (slash)
+			*slash = '\0';
+		cur = in_root(root, slash && parent[0] ? parent : ".", O_PATH | O_DIRECTORY);
+		if (cur >= 0 && (fstatat(cur, base, &last, AT_SYMLINK_NOFOLLOW) < 0 || !same_file(&last, &st))) {
+			close(cur);
+			return 0;
+		}
+	}
 	for (int depth = 0; cur >= 0 && depth < 4096; depth++) {
 		if (fstat(cur, &st) < 0)
 			break;
@@ -576,10 +589,17 @@ static int stage1(int to_launcher, int from_launcher)
 {
 	char buf[PATH_MAX + 64], scratch[PATH_MAX], rootfs[PATH_MAX];
 	if (template_ns >= 0) {
-		/* A private copy of the launch template (the worker has joined the cgroups and set the
-		 * limits for us): the layers, detached in the daemon's namespace by the worker, are
-		 * attached at /l/N; the scratch and the rootfs go on /s and /r. */
+		/* Still in the daemon's namespace (with /proc and the cgroup filesystems): join the
+		 * cgroups, take the limits and detach a copy of each layer mount. Then a private copy of
+		 * the launch template, where the layers are attached at /l/N and the scratch and the
+		 * rootfs go on /s and /r. */
 		static char lower_paths[MAX_ITEMS][16];
+		join_and_limit();
+		for (int i = 0; i < n_lowers; i++) {
+			lower_trees[i] = (int)syscall(SYS_open_tree, AT_FDCWD, lowers[i], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+			if (lower_trees[i] < 0)
+				fail("open_tree layer %s", lowers[i]);
+		}
 		if (setns(template_ns, CLONE_NEWNS) < 0 || unshare(CLONE_NEWNS) < 0)
 			fail("enter a copy of the launch template");
 		for (int i = 0; i < n_lowers; i++) {
@@ -869,17 +889,6 @@ static void make_cgroups(void)
 static int launch(void)
 {
 	make_cgroups();
-	if (template_ns >= 0 && !restore_dir) {
-		/* This worker is thrown away after the launch: it joins the sandbox's cgroups and takes its
-		 * limits itself, so that stage 1 (in the template's namespace, without /proc or cgroupfs)
-		 * inherits them; and it detaches the layers here, where the daemon mounted them. */
-		join_and_limit();
-		for (int i = 0; i < n_lowers; i++) {
-			lower_trees[i] = (int)syscall(SYS_open_tree, AT_FDCWD, lowers[i], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
-			if (lower_trees[i] < 0)
-				fail("open_tree layer %s", lowers[i]);
-		}
-	}
 	/* Detached copies of the bind sources, made here in the daemon's mount namespace where the
 	 * daemon pinned them; stage 1 attaches them under the new root. */
 	for (int i = 0; i < n_binds; i++) {
@@ -1004,6 +1013,15 @@ static void mount_sysfs_and_empty(const char *sys_path, const char *empty_path)
 		fail("mount the empty tmpfs on %s", empty_path);
 }
 
+static int high_fd(int fd, const char *what)
+{
+	int high = fd < 0 ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, SERVER_FD_MIN);
+	if (high < 0)
+		fail("keep %s at fd %d or above (is RLIMIT_NOFILE that low?)", what, SERVER_FD_MIN);
+	close(fd);
+	return high;
+}
+
 /* The launch template: a mount namespace, made once, whose root is a small read-only tmpfs holding
  * only what a launch needs: mount points for the scratch (/s), the rootfs (/r) and the layers
  * (/l/0..), the host's harmless device nodes (/dev/null, ...: bound, so a snapshot sees them as the
@@ -1083,21 +1101,14 @@ static void make_template(const char *shared_dir)
 	}
 	close(p[0]);
 	snprintf(ns_path, sizeof ns_path, "/proc/%d/ns/mnt", builder);
-	template_ns = open(ns_path, O_RDONLY | O_CLOEXEC);
+	int ns = open(ns_path, O_RDONLY | O_CLOEXEC);
 	kill(builder, SIGKILL);
 	waitpid(builder, NULL, 0);
-	if (template_ns < 0)
+	if (ns < 0)
 		fail("open the launch template's namespace");
-	sysfs_template = "/sys";
+	template_ns = high_fd(ns, "the launch template's namespace");
+	sysfs_template = "/sys"; /* paths in the template, where stage 2 runs */
 	empty_dir = "/empty";
-}
-
-static int high_fd(int fd)
-{
-	int high = fd < 0 ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, SERVER_FD_MIN);
-	if (fd >= 0)
-		close(fd);
-	return high;
 }
 
 static void mount_shared(const char *shared_dir)
@@ -1105,11 +1116,10 @@ static void mount_shared(const char *shared_dir)
 	char sys_path[PATH_MAX], empty_path[PATH_MAX];
 	snprintf(sys_path, sizeof sys_path, "%s/sysfs", shared_dir);
 	snprintf(empty_path, sizeof empty_path, "%s/empty", shared_dir);
-	host_net = high_fd(open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC));
+	host_net = high_fd(open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC), "the daemon's network namespace");
 	if (unshare(CLONE_NEWNET) < 0)
 		fail("unshare the shared sysfs's network namespace");
 	make_template(shared_dir);
-	template_ns = high_fd(template_ns);
 	/* The same two in the daemon's namespace, for criu restores (which start there) and as the
 	 * sign the daemon waits for: once the empty tmpfs is mounted, the server is ready. */
 	mount_sysfs_and_empty(sys_path, empty_path);
