@@ -1000,10 +1000,6 @@ static int launch(void)
  * filter. Each message is one launch: its payload the NUL-separated arguments above, its
  * SCM_RIGHTS fds [reply, channel, bind sources...]. A forked worker carries it out and writes
  * "P<pid>" or the error to the reply fd; the server itself never waits, so launches overlap. */
-/* The server's shared mounts, made once in the daemon's mount namespace: a read-only sysfs of a
- * network namespace with nothing in it but loopback (the server itself moves into that namespace
- * and so keeps it, and its `lo`, alive; every sandbox still gets a network namespace of its own in
- * stage 1), and an empty read-only tmpfs that masked directories bind. */
 static void mount_sysfs_and_empty(const char *sys_path, const char *empty_path)
 {
 	if (mount("sysfs", sys_path, "sysfs", MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL) < 0)
@@ -1025,11 +1021,12 @@ static int high_fd(int fd, const char *what)
 /* The launch template: a mount namespace, made once, whose root is a small read-only tmpfs holding
  * only what a launch needs: mount points for the scratch (/s), the rootfs (/r) and the layers
  * (/l/0..), the host's harmless device nodes (/dev/null, ...: bound, so a snapshot sees them as the
- * host's), a sysfs of the server's empty network namespace (/sys) and the empty tmpfs (/empty).
- * Stage 1 starts from a copy of it instead of the daemon's namespace: copying it is cheap whatever
- * the host mounts, and stage 2 can move the rootfs over its root and chroot (no pivot_root, which
- * costs in proportion to every thread on the node) with nothing of the host underneath. A builder
- * child makes it and pivots into it; the server keeps the namespace by an fd. */
+ * host's), a sysfs of the server's empty network namespace (/sys), the empty tmpfs (/empty) and a
+ * procfs of an empty pid namespace (/proc). Stage 1 starts from a copy of it instead of the
+ * daemon's namespace: copying it is cheap whatever the host mounts, and stage 2 can move the rootfs
+ * over its root and chroot (no pivot_root, which costs in proportion to every thread on the node)
+ * with nothing of the host's filesystem underneath. A builder child makes it and pivots into it;
+ * the server keeps the namespace by an fd. */
 static void make_template(const char *shared_dir)
 {
 	int p[2];
@@ -1111,6 +1108,10 @@ static void make_template(const char *shared_dir)
 	empty_dir = "/empty";
 }
 
+/* Made once at server start: the server moves into a network namespace with nothing in it but
+ * loopback (so keeping it, and its `lo`, alive; every sandbox still gets a network namespace of its
+ * own in stage 1), builds the launch template there, and mounts a read-only sysfs of that namespace
+ * and an empty read-only tmpfs in the daemon's mount namespace too, for restores to bind. */
 static void mount_shared(const char *shared_dir)
 {
 	char sys_path[PATH_MAX], empty_path[PATH_MAX];
