@@ -6,7 +6,16 @@ import posixpath
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 _UNITS = {
     "": 1,
@@ -97,6 +106,12 @@ def check_abs_path(path: str) -> str:
     return path
 
 
+# Field types that carry these checks, for every model (here, recipes, imports) that takes such values.
+EnvVars = Annotated[dict[str, str], AfterValidator(check_env)]
+AbsPath = Annotated[str, AfterValidator(check_abs_path)]
+UserName = Annotated[str, AfterValidator(check_user)]
+
+
 DEFAULT_CPU_REQUEST = 0.1
 
 
@@ -146,14 +161,9 @@ RESERVED_TARGETS = ("/proc", "/sys", "/dev")  # the sandbox's own, set up after 
 class Mount(_Model):
     """A host path bind-mounted into the sandbox; the daemon only allows paths under its allowlist."""
 
-    source: str = Field(description="absolute host path, under the daemon's `mount_allowlist`")
-    target: str = Field(description="absolute path inside the sandbox")
+    source: AbsPath = Field(description="absolute host path, under the daemon's `mount_allowlist`")
+    target: AbsPath = Field(description="absolute path inside the sandbox")
     read_only: bool = True
-
-    @field_validator("source", "target")
-    @classmethod
-    def _paths(cls, v: str) -> str:
-        return check_abs_path(v)
 
     @field_validator("target")
     @classmethod
@@ -185,9 +195,9 @@ class SandboxSpec(_Model):
         "an upper layer's files (and whiteouts) win over a lower one's",
     )
     resources: Resources = Field(default_factory=Resources)
-    env: dict[str, str] = Field(default_factory=dict)
-    workdir: str = "/"
-    user: str = Field("root", description="default user for commands: a name or a numeric uid")
+    env: EnvVars = Field(default_factory=dict)
+    workdir: AbsPath = "/"
+    user: UserName = Field("root", description="default user for commands: a name or a numeric uid")
     hostname: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     idle_ttl: float | None = Field(600.0, gt=0, description="stop after this many idle seconds")
@@ -230,16 +240,6 @@ class SandboxSpec(_Model):
         """The layer stack this spec asks for, as one string (pools and metrics key on it)."""
         return "+".join([self.image or "", *self.layers]) if self.layers else self.image or ""
 
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env(v)
-
-    @field_validator("workdir")
-    @classmethod
-    def _workdir(cls, v: str) -> str:
-        return check_abs_path(v)
-
     @field_validator("hostname")
     @classmethod
     def _hostname(cls, v: str | None) -> str | None:
@@ -256,11 +256,6 @@ class SandboxSpec(_Model):
             if not _LABEL_KEY_RE.match(key) or len(value) > 256:
                 raise ValueError(f"invalid label {key!r}={value!r}")
         return v
-
-    @field_validator("user")
-    @classmethod
-    def _user(cls, v: str) -> str:
-        return check_user(v)
 
 
 class SandboxInfo(_Model):
@@ -286,8 +281,8 @@ class Usage(_Model):
 
 class ExecRequest(_Model):
     command: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
+    env: EnvVars = Field(default_factory=dict)
+    cwd: AbsPath | None = None
     user: str | None = None
     stdin: str | None = Field(None, description="text fed to the command's standard input")
     timeout: float | None = Field(60.0, gt=0, le=86400, description="seconds; kills the process tree")
@@ -305,16 +300,6 @@ class ExecRequest(_Model):
         if any("\0" in item for item in items):
             raise ValueError("command contains a NUL byte")
         return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env(v)
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd(cls, v: str | None) -> str | None:
-        return None if v is None else check_abs_path(v)
 
 
 class ExecResult(_Model):

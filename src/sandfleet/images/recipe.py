@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -70,7 +71,7 @@ from pydantic import (
 )
 
 from sandfleet.errors import SandboxError
-from sandfleet.models import ExecResult, Resources, check_abs_path, check_env, check_user
+from sandfleet.models import AbsPath, EnvVars, ExecResult, Resources, UserName
 
 from . import fsutil
 from .builders import DEBIAN_SUITE, debian_mirror, mounted_layers, trim_debian_rootfs
@@ -205,6 +206,11 @@ def _check_dest(v: str) -> str:
     return norm
 
 
+ImageRef = Annotated[str, AfterValidator(_check_ref)]
+Dest = Annotated[str, AfterValidator(_check_dest)]
+Packages = Annotated[list[str], AfterValidator(_check_packages)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -213,15 +219,10 @@ class MmdebstrapSpec(_Strict):
     """A Debian root filesystem bootstrapped on the host (the base layer of the image)."""
 
     suite: str = Field(DEBIAN_SUITE, pattern=_SUITE_RE.pattern, description="Debian suite, e.g. 'bookworm'")
-    packages: list[str] = Field(default_factory=list, description="extra packages (mmdebstrap --include)")
+    packages: Packages = Field(default_factory=list, description="extra packages (mmdebstrap --include)")
     variant: Literal["minbase", "required", "important", "standard"] = Field(
         "minbase", description="mmdebstrap --variant"
     )
-
-    @field_validator("packages")
-    @classmethod
-    def _packages(cls, v: list[str]) -> list[str]:
-        return _check_packages(v)
 
 
 class MmdebstrapBase(_Strict):
@@ -229,23 +230,15 @@ class MmdebstrapBase(_Strict):
 
 
 class _Step(_Strict):
-    name: str | None = Field(None, description="also publish this step's layer as a one-layer image of this name:tag")
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str | None) -> str | None:
-        return None if v is None else _check_ref(v)
+    name: ImageRef | None = Field(
+        None, description="also publish this step's layer as a one-layer image of this name:tag"
+    )
 
 
 class AptStep(_Step):
     """Debian packages, installed by a host-side mmdebstrap diffed against the stack below."""
 
-    apt: list[str] = Field(min_length=1, description="package names (optionally pkg=version)")
-
-    @field_validator("apt")
-    @classmethod
-    def _packages(cls, v: list[str]) -> list[str]:
-        return _check_packages(v)
+    apt: Packages = Field(min_length=1, description="package names (optionally pkg=version)")
 
 
 class PipStep(_Step):
@@ -264,15 +257,10 @@ class PipStep(_Step):
 
 class CopySpec(_Strict):
     src: str = Field(description="host file or directory, relative to the recipe file")
-    dest: str = Field(description="absolute path in the image (a directory src's contents go there)")
+    dest: Dest = Field(description="absolute path in the image (a directory src's contents go there)")
     exclude: list[str] = Field(
         default_factory=list, description="glob patterns matched against names and relative paths"
     )
-
-    @field_validator("dest")
-    @classmethod
-    def _dest(cls, v: str) -> str:
-        return _check_dest(v)
 
 
 class CopyStep(_Step):
@@ -287,13 +275,8 @@ class CopyStep(_Step):
 class GitSpec(_Strict):
     url: str = Field(description="clone URL, or a path (relative to the recipe file)")
     rev: str = Field("HEAD", description="commit, branch or tag")
-    dest: str = Field(description="absolute path of the checkout in the image")
+    dest: Dest = Field(description="absolute path of the checkout in the image")
     keep_git: bool = Field(False, description="keep the .git directory in the layer")
-
-    @field_validator("dest")
-    @classmethod
-    def _dest(cls, v: str) -> str:
-        return _check_dest(v)
 
     @field_validator("rev")
     @classmethod
@@ -313,33 +296,15 @@ class RunStep(_Step):
     """A shell command in a build sandbox on the stack so far; its changes become the layer."""
 
     run: str = Field(min_length=1, description="shell command (/bin/sh -c)")
-    env: dict[str, str] = Field(default_factory=dict, description="environment of the command (over the recipe's)")
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env(v)
-
-    cwd: str | None = Field(
+    env: EnvVars = Field(default_factory=dict, description="environment of the command (over the recipe's)")
+    cwd: AbsPath | None = Field(
         None, description="working directory of the command (default: the recipe's workdir, else /)"
     )
     timeout: float = Field(3600.0, gt=0, le=86400, description="seconds before the command is killed")
-    exclude: list[str] = Field(
+    exclude: list[AbsPath] = Field(
         default_factory=list, description="absolute paths whose changes are left out of the layer (caches)"
     )
     resources: Resources | None = Field(None, description="build sandbox resources (default BUILD_RESOURCES)")
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd(cls, v: str | None) -> str | None:
-        return None if v is None else check_abs_path(v)
-
-    @field_validator("exclude")
-    @classmethod
-    def _exclude(cls, v: list[str]) -> list[str]:
-        for p in v:
-            check_abs_path(p)
-        return v
 
 
 _STEP_MODELS: dict[str, type[_Step]] = {
@@ -390,44 +355,24 @@ class Recipe(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    ref: str = Field(description="name:tag of the image to produce")
+    ref: ImageRef = Field(description="name:tag of the image to produce")
     base: Base = Field(
         description="an image ref (built-ins such as 'busybox' are built on demand), a layer digest "
         "'sha256:...', or a table { mmdebstrap = { suite, packages, variant } }"
     )
     steps: list[Step] = Field(default_factory=list, alias="step", description="[[step]] tables, bottom -> top")
-    env: dict[str, str] = Field(
+    # The daemon's own field types (sandfleet.models), so the image's defaults are ones it accepts.
+    env: EnvVars = Field(
         default_factory=dict,
         description="environment defaults of the image (over the base image's); also the environment of run steps",
     )
-    workdir: str | None = Field(None, description="default working directory of the image (and of run steps)")
-    user: str | None = Field(
+    workdir: AbsPath | None = Field(None, description="default working directory of the image (and of run steps)")
+    user: UserName | None = Field(
         None, description="default user of sandboxes from the image (build steps always run as root)"
     )
 
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env(v)
-
-    # The daemon's checks (sandfleet.models), so the image's defaults are ones it accepts.
-    @field_validator("workdir")
-    @classmethod
-    def _workdir(cls, v: str | None) -> str | None:
-        return None if v is None else check_abs_path(v)
-
-    @field_validator("user")
-    @classmethod
-    def _user(cls, v: str | None) -> str | None:
-        return None if v is None else check_user(v)
-
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _source: str = PrivateAttr("")
-
-    @field_validator("ref")
-    @classmethod
-    def _ref(cls, v: str) -> str:
-        return _check_ref(v)
 
     @field_validator("base")
     @classmethod
