@@ -10,8 +10,9 @@ export DEBIAN_FRONTEND=noninteractive
 # images), crun and runc (optional OCI runtimes, tested too), bubblewrap (a benchmark peer),
 # iproute2 (network checks), util-linux and mount (mkswap, swapon: compressed swap for paused sandboxes;
 # nsenter and fincore in tests), git (recipes' git steps), zstd (zstd-compressed
-# OCI layers when the zstandard module is absent).
-PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd)
+# OCI layers when the zstandard module is absent), podman (the OCI import test imports archives it
+# saves; a benchmark peer too).
+PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd podman)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
