@@ -43,6 +43,11 @@ class Daemon:
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def cgroup_parent(self) -> str:
+        """The `container.cgroup_parent` of its config, without slashes at either end."""
+        return str(tomllib.loads(self.config.read_text())["container"]["cgroup_parent"]).strip("/")
+
     def client(self, **kw: object) -> Client:
         return Client(self.socket, **kw)  # type: ignore[arg-type]
 
@@ -63,9 +68,8 @@ class Daemon:
 def agent_pid(d: Daemon, sandbox_id: str) -> int:
     """The host pid of a sandbox's init, its agent: the process of its pids cgroup whose parent is
     outside that cgroup (the launcher's worker may still be in it for a moment after a create)."""
-    parent = str(tomllib.loads(d.config.read_text())["container"]["cgroup_parent"]).strip("/")
     hierarchy = CGROUP_ROOT / "pids" if (CGROUP_ROOT / "pids").is_dir() else CGROUP_ROOT
-    members = {int(p) for p in (hierarchy / parent / sandbox_id / "cgroup.procs").read_text().split()}
+    members = {int(p) for p in (hierarchy / d.cgroup_parent / sandbox_id / "cgroup.procs").read_text().split()}
     for pid in members:
         stat = Path(f"/proc/{pid}/stat").read_text()
         ppid = int(stat[stat.rfind(")") + 2 :].split()[1])

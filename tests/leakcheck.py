@@ -13,12 +13,6 @@ from conftest import Daemon
 SANDBOX_UID_BASE = 100000
 
 
-def _cgroup_parent(d: Daemon) -> str:
-    m = re.search(r'cgroup_parent = "([^"]+)"', d.config.read_text())
-    assert m
-    return m.group(1).strip("/")
-
-
 def net_namespaces() -> set[int]:
     out = set()
     for pid in os.listdir("/proc"):
@@ -88,7 +82,7 @@ def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
         mounts = tuple(
             line.split()[4] for line in d.mountinfo().splitlines() if line.split()[4].startswith(str(sandboxes_dir))
         )
-    parent = _cgroup_parent(d)
+    parent = d.cgroup_parent
     cgroups = tuple(
         sorted(
             f"{ctrl.name}/{child.name}"

@@ -14,13 +14,13 @@ from sandfleet import Client, Resources, Sandbox, SandboxSpec
 from sandfleet.errors import SandboxNotFoundError, WrongStateError
 
 from conftest import Daemon, agent_pid, wait_until
-from leakcheck import _cgroup_parent, residue
+from leakcheck import residue
 
 MiB = 1024**2
 
 
 def _cgroup_file(d: Daemon, controller: str, sandbox_id: str, name: str) -> Path:
-    return Path("/sys/fs/cgroup") / controller / _cgroup_parent(d) / sandbox_id / name
+    return Path("/sys/fs/cgroup") / controller / d.cgroup_parent / sandbox_id / name
 
 
 def _memory(d: Daemon, sandbox_id: str) -> int:

@@ -13,7 +13,7 @@ import pytest
 from sandfleet.errors import SandboxError, SandboxNotFoundError
 
 from conftest import Daemon, agent_pid, wait_until
-from leakcheck import _cgroup_parent, residue
+from leakcheck import residue
 
 
 def _agent_pids(d: Daemon) -> dict[str, int]:
@@ -94,7 +94,7 @@ def test_restart_cleans_half_created_and_orphaned_residue(own_daemon: Daemon) ->
     # Residue with no state row at all: a sandbox dir and a cgroup from a crash before the insert.
     orphan = "sb-0000000000orphan"
     (d.run_dir / "sandboxes" / orphan).mkdir(parents=True)
-    cg = Path("/sys/fs/cgroup/memory") / _cgroup_parent(d) / orphan
+    cg = Path("/sys/fs/cgroup/memory") / d.cgroup_parent / orphan
     cg.mkdir(parents=True)
 
     d.start()

@@ -15,7 +15,6 @@ import socket
 import stat
 import subprocess
 import time
-import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 from sandfleet import Client, Mount, Sandbox
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError
 
-from conftest import IMAGES, Daemon
+from conftest import IMAGES, Daemon, agent_pid
 
 T = TypeVar("T")
 HOST_SLEEP = str(31000 + os.getpid() % 1000)  # argv of a host process the sandbox must not see
@@ -58,19 +57,9 @@ def ok(sb: Sandbox, cmd: str, **kw: object) -> str:
     return out
 
 
-def cgroup_parent(daemon: Daemon) -> str:
-    return str(tomllib.loads(daemon.config.read_text())["container"]["cgroup_parent"]).strip("/")
-
-
-def sandbox_host_pids(daemon: Daemon, sandbox_id: str) -> list[int]:
-    """Host pids of every process of a sandbox (from its pids cgroup), agent first."""
-    procs = Path("/sys/fs/cgroup/pids") / cgroup_parent(daemon) / sandbox_id / "cgroup.procs"
-    return sorted(int(p) for p in procs.read_text().split())
-
-
 def host_root_of(daemon: Daemon, sandbox_id: str) -> Path:
     """The sandbox's root filesystem as the host reaches it: /proc/<agent pid>/root."""
-    return Path(f"/proc/{sandbox_host_pids(daemon, sandbox_id)[0]}/root")
+    return Path(f"/proc/{agent_pid(daemon, sandbox_id)}/root")
 
 
 def host_pids_by_cmdline(needle: bytes) -> list[int]:
@@ -385,7 +374,7 @@ def test_read_only_mount_is_read_only(fleet: Client, shared: Path) -> None:
 def test_mount_allowlist(daemon: Daemon, fleet: Client, shared: Path) -> None:
     (shared / "to-etc").symlink_to("/etc")
     sandboxes_dir = daemon.run_dir / "sandboxes"
-    cg = Path("/sys/fs/cgroup/pids") / cgroup_parent(daemon)
+    cg = Path("/sys/fs/cgroup/pids") / daemon.cgroup_parent
 
     def snapshot() -> tuple[set[str], set[str], set[str]]:
         return (
@@ -595,7 +584,7 @@ def test_bind_target_that_cannot_take_the_mount_is_invalid_and_leaves_nothing(
     daemon: Daemon, fleet: Client, shared: Path
 ) -> None:
     sandboxes_dir = daemon.run_dir / "sandboxes"
-    cg = Path("/sys/fs/cgroup/pids") / cgroup_parent(daemon)
+    cg = Path("/sys/fs/cgroup/pids") / daemon.cgroup_parent
     before = set(os.listdir(sandboxes_dir)), {p.name for p in cg.iterdir() if p.is_dir()} if cg.exists() else set()
     # a directory onto a file of the image
     with pytest.raises(InvalidArgumentError, match="/bin/busybox"):

@@ -16,7 +16,7 @@ from sandfleet.errors import InvalidArgumentError, SnapshotNotFoundError, WrongS
 from sandfleet.images import LayerStore
 
 from conftest import IMAGES, Daemon, agent_pid, wait_until
-from leakcheck import _cgroup_parent, residue
+from leakcheck import residue
 
 COUNTER = "echo $$ > /tmp/counter.pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
 
@@ -228,7 +228,7 @@ def test_snapshot_survives_a_daemon_restart_and_a_stuck_agent_loses_nothing(own_
 
         # An agent that cannot answer REOPEN in time (frozen from outside): the snapshot fails, the
         # sandbox stays, and once the agent moves its channel the daemon carries on over it.
-        freezer = Path("/sys/fs/cgroup/freezer") / _cgroup_parent(own_daemon) / sb.id / "freezer.state"
+        freezer = Path("/sys/fs/cgroup/freezer") / own_daemon.cgroup_parent / sb.id / "freezer.state"
         freezer.write_text("FROZEN")
         timer = threading.Timer(3.0, lambda: freezer.write_text("THAWED"))
         timer.start()
