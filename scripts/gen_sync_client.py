@@ -18,9 +18,17 @@ REPLACEMENTS = [
         '"""`Client`: the blocking SDK. Generated from aio.py by scripts/gen_sync_client.py: do not edit."""',
     ),
     ("AsyncIterator", "Iterator"),
+    ("AsyncGenerator", "Generator"),
     ("AsyncHTTPTransport", "HTTPTransport"),
+    ("httpx.AsyncBaseTransport", "httpx.BaseTransport"),
     ("httpx.AsyncClient", "httpx.Client"),
     ("AsyncClient", "Client"),
+    ("AsyncEventStream", "EventStream"),
+    ("__aiter__", "__iter__"),
+    ("__anext__", "__next__"),
+    ("await anext(", "next("),
+    ("await self._items.aclose()", "self._items.close()"),
+    ("`aclose()`", "`close()`"),
     ("AsyncSandbox", "Sandbox"),
     ("AsyncProcess", "Process"),
     ("AsyncSession", "Session"),
@@ -32,7 +40,8 @@ REPLACEMENTS = [
     ("await self._http.aclose()", "self._http.close()"),
     ("async with self._http.stream", "with self._http.stream"),
     ("await resp.aread()", "resp.read()"),
-    ("async for line in resp.aiter_lines()", "for line in resp.iter_lines()"),
+    ("resp.aiter_lines()", "resp.iter_lines()"),
+    ("await b.next_line(", "b.next_line_sync("),
     ("await asyncio.to_thread(b.local_tar, Path(local))", "b.local_tar(Path(local))"),
     ("await asyncio.to_thread(b.extract_tar, data, Path(local))", "b.extract_tar(data, Path(local))"),
     ("await b.gather_bounded(", "b.gather_bounded_sync("),
@@ -53,6 +62,15 @@ def generate() -> str:
     text = (CLIENT / "aio.py").read_text()
     for old, new in REPLACEMENTS:
         text = text.replace(old, new)
+    # Renamed imports (AsyncGenerator -> Generator) may fall out of order: let isort put them back.
+    text = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--select", "I", "--fix", "--quiet", "--exit-zero"]
+        + ["--stdin-filename", str(CLIENT / "sync.py"), "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     # Lines get shorter without `async`/`await`: let the formatter re-wrap them.
     formatted = subprocess.run(
         [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(CLIENT / "sync.py"), "-"],

@@ -88,7 +88,9 @@ def wait_until(predicate: Callable[[], object], timeout: float = 15.0, interval:
     return False
 
 
-def make_daemon(name: str, extra: str = "") -> Daemon:
+def make_daemon(name: str, extra: str = "", *, images: Path | None = None) -> Daemon:
+    """A daemon of its own in a temp dir (not started). `images`: a layer store of its own instead of
+    the shared one; `extra`: more top-level config lines."""
     root = Path(tempfile.mkdtemp(prefix=f"sandfleet-{name}-"))
     os.chmod(root, 0o755)
     d = Daemon(root, root / "sandfleet.sock", root / "state", root / "run", root / "config.toml")
@@ -96,7 +98,7 @@ def make_daemon(name: str, extra: str = "") -> Daemon:
     # A cgroup parent of its own: daemons clean up unknown cgroups under their parent at start.
     d.config.write_text(
         f'socket = "{d.socket}"\nstate_dir = "{d.state_dir}"\nrun_dir = "{d.run_dir}"\n'
-        f'image_dir = "{IMAGES}"\nstopped_retention = 0\nreaper_interval = 0.2\n'
+        f'image_dir = "{images or IMAGES}"\nstopped_retention = 0\nreaper_interval = 0.2\n'
         + extra
         + f'[container]\ncgroup_parent = "/sandfleet-test-{root.name}"\nmount_allowlist = ["{root / "shared"}"]\n'
     )
@@ -114,7 +116,7 @@ def destroy_daemon(d: Daemon) -> None:
             d.start()
         if d.process.started:
             with d.client(timeout=120) as c:
-                for s in c.list(state="running"):
+                for s in c.list():  # live ones: running, paused (frozen, they would outlive us), ...
                     c.get(s.id).stop()
     except (SandboxError, DaemonStartError):
         pass

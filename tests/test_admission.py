@@ -71,7 +71,7 @@ def test_memory_gate_counts_limits_and_releases_them(small_node: Daemon) -> None
                 fleet.create(big.model_copy(update={"image": "no-such-image"}))
         first = fleet.create(big)
         with pytest.raises(ResourceExhaustedError, match="memory"):
-            fleet.create(big)
+            fleet.create(big, timeout=1)  # a create waits for capacity, up to its timeout
         second = fleet.create(small)  # still fits under the budget
         first.stop()
         third = fleet.create(big)  # the stopped sandbox's limit was released
@@ -120,7 +120,7 @@ def test_cpu_requests_are_admitted_up_to_the_overcommit(cpu_node: Daemon) -> Non
     with cpu_node.client() as fleet:
         a, b = fleet.create(asks), fleet.create(asks)
         with pytest.raises(ResourceExhaustedError, match="CPU is fully committed") as refused:
-            fleet.create(asks)
+            fleet.create(asks, timeout=1)
         assert refused.value.retryable
         # the default request is small (min(cpu, 0.1)): an idle-shaped sandbox still fits
         small = fleet.create(image="busybox", resources=Resources(memory="64MiB"))
@@ -139,7 +139,7 @@ def test_cpu_load_of_latency_sensitive_sandboxes_gates_creates_best_effort_does_
 
     def refused() -> bool:
         try:
-            fleet.create(spec).stop()
+            fleet.create(spec, timeout=0.5).stop()  # no waiting for capacity here: the refusal itself
             return False
         except ResourceExhaustedError as exc:
             assert "saturated" in exc.message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,48 @@ def test_images_build_recipe_import_and_layers(daemon: Daemon, tmp_path: Path) -
     assert r.returncode == 2 and "invalid_argument" in r.stderr and "Traceback" not in r.stderr
     for ref in ("t/cli-env:1", f"t/cli-tool:{marker}"):
         assert sf(daemon, "images", "rm", ref).returncode == 0
+
+
+def test_images_build_takes_the_daemons_config_and_prints_each_step(daemon: Daemon, tmp_path: Path) -> None:
+    """`images build --config` finds the daemon's socket and store in its config (no --socket, no
+    --image-dir, even with $SANDFLEET_SOCKET elsewhere); off a terminal it prints every step and a
+    run step's output; flags override the config."""
+    nonce = os.urandom(4).hex()
+    (tmp_path / "f").write_text(nonce)
+    (tmp_path / "env.toml").write_text(
+        f'ref = "t/cli-config:1"\nbase = "busybox"\nworkdir = "/srv/{nonce}"\n'
+        '[[step]]\ncopy = { src = "f", dest = "/etc/f" }\n'
+        f'[[step]]\nrun = "echo hello-{nonce}; echo warn-{nonce} >&2; mkdir -p /srv/{nonce}"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SANDFLEET_SOCKET"}
+    env.update(COLUMNS="80", SANDFLEET_SOCKET="/nonexistent/sandfleet.sock")  # the config wins over it
+
+    def build(*flags: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "sandfleet", "images", "build", str(tmp_path / "env.toml"), *flags]
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+    try:
+        r = build("--config", str(daemon.config))
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        assert re.search(r"step 0/2 base: cache hit sha256:[0-9a-f]{64} \(\d+\.\d\ds\)", r.stdout), r.stdout
+        assert re.search(r"step 1/2 copy: built sha256:[0-9a-f]{64} \(\d+\.\d\ds\)", r.stdout), r.stdout
+        assert re.search(r"step 2/2 run: built sha256:[0-9a-f]{64} \(\d+\.\d\ds\)", r.stdout), r.stdout
+        assert f"  [2] hello-{nonce}" in lines and f"  [2 stderr] warn-{nonce}" in lines, r.stdout
+        # the output comes before the step is reported done, and long lines are not wrapped
+        assert lines.index(f"  [2] hello-{nonce}") < next(i for i, x in enumerate(lines) if "step 2/2 run" in x)
+        assert "t/cli-config:1: 3 layer(s), 1/3 from cache" in r.stdout
+
+        r = build("--config", str(daemon.config))
+        assert r.returncode == 0 and r.stdout.count("cache hit") == 3, r.stdout + r.stderr
+        assert f"hello-{nonce}" not in r.stdout and "3/3 from cache" in r.stdout
+
+        # A flag overrides the config: this socket has no daemon, so the (fresh) run step fails.
+        (tmp_path / "f").write_text(nonce + "-2")
+        r = build("--config", str(daemon.config), "--socket", str(tmp_path / "no-daemon.sock"))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "cannot reach the sandfleet daemon" in r.stderr and "no-daemon.sock" in r.stderr, r.stderr
+        r = build("--config", str(tmp_path / "missing.toml"))
+        assert r.returncode == 2 and "--config" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        sf(daemon, "images", "rm", "t/cli-config:1")

@@ -13,7 +13,7 @@ from sandfleet.client.sync import Process
 from sandfleet.models import ProcessInfo
 
 if TYPE_CHECKING:
-    from sandfleet import Sandbox
+    from sandfleet import Client, Sandbox
 
     from conftest import Daemon
 
@@ -109,9 +109,17 @@ def test_invalid_requests(sandbox: Sandbox) -> None:
     with pytest.raises((InvalidArgumentError, ValueError)):
         sandbox.exec([])
     with pytest.raises((InvalidArgumentError, ValueError)):
-        sandbox.exec("true", cwd="relative")
+        sandbox.exec("true", cwd="")
     with pytest.raises((InvalidArgumentError, ValueError)):
         sandbox.exec("true", env={"BAD-NAME": "1"})
+
+
+def test_relative_cwd_is_taken_from_the_workdir(fleet: Client) -> None:
+    with fleet.create(image="busybox", workdir="/tmp", idle_ttl=60) as sb:
+        sb.exec("mkdir -p /tmp/sub")
+        assert sb.exec("pwd", cwd="sub").stdout == "/tmp/sub\n"
+        assert sb.exec("pwd", cwd="../etc").stdout == "/etc\n"
+        assert sb.exec("pwd", cwd=".").stdout == "/tmp\n"
 
 
 def test_timeout_kills_whole_process_tree(sandbox: Sandbox) -> None:

@@ -179,7 +179,7 @@ def test_read_errors(sandbox: Sandbox) -> None:
         sandbox.files.write("/tmp/fifo", b"x")
 
 
-@pytest.mark.parametrize("path", ["etc/passwd", "./etc/passwd", "", "/etc/../etc/passwd", "/tmp/a\0b"])
+@pytest.mark.parametrize("path", ["", "/etc/../etc/passwd", "/tmp/a\0b"])
 def test_invalid_paths(sandbox: Sandbox, path: str) -> None:
     with pytest.raises(InvalidArgumentError):
         sandbox.files.read(path)

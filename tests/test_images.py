@@ -7,15 +7,19 @@ import contextlib
 import os
 import stat
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from sandfleet import Client
 from sandfleet.images import (
     BUILTIN_IMAGES,
     BuildContext,
     Builder,
+    ImageBuildError,
+    ImageManifest,
     ImageNotFoundError,
     InvalidRefError,
     LayerCorruptError,
@@ -25,7 +29,7 @@ from sandfleet.images import (
     parse_ref,
     shift_ownership,
 )
-from sandfleet.images.builders import build_busybox
+from sandfleet.images.builders import alias, build_busybox, stage_busybox
 
 UID_BASE = 100000
 
@@ -179,6 +183,73 @@ def test_truncated_layer_is_corrupt(tmp_path: Path) -> None:
         store.layer_path("sha256:nothex")
 
 
+def _flip_in_place(path: Path, offset: int) -> None:
+    """Flip one byte of a file where it lies, then put its mode, atime and mtime back (ns exact)."""
+    st = os.stat(path)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.chmod(path, stat.S_IMODE(st.st_mode))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+async def test_verification_is_voided_by_any_change_to_the_layer_file_but_not_by_its_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sandfleet.images import store as store_module
+
+    store = LayerStore(tmp_path / "store", uid_base=UID_BASE)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob").write_bytes(os.urandom(300_000))
+    layer = await store.add_layer_from_dir(src, "random")
+    hashed: list[Path] = []
+    real = store_module._hash_unchanging
+
+    def counting(path: Path, digest: str) -> str:
+        hashed.append(path)
+        return real(path, digest)
+
+    monkeypatch.setattr(store_module, "_hash_unchanging", counting)
+    assert not store.is_verified(layer.digest)
+    path = store.verified_layer_path(layer.digest)
+    assert len(hashed) == 1 and store.is_verified(layer.digest)
+
+    # The store's own bookkeeping (the LRU use stamp) leaves the file, its ctime included, alone.
+    before = os.stat(path)
+    store.touch(path)
+    after = os.stat(path)
+    assert (after.st_ctime_ns, after.st_mtime_ns, after.st_atime_ns) == (
+        before.st_ctime_ns,
+        before.st_mtime_ns,
+        before.st_atime_ns,
+    )
+    assert (store.used_dir / layer.digest.removeprefix("sha256:")).stat().st_mtime >= before.st_mtime
+    assert store.verified_layer_path(layer.digest) == path and len(hashed) == 1
+    # A recently used layer outlives gc's min_age even though the file itself is old.
+    os.utime(store.used_dir / layer.digest.removeprefix("sha256:"))
+    old = time.time() - 7200
+    stamp = store.verified_dir / layer.digest.removeprefix("sha256:")
+    os.utime(path, (old, old))  # changes the ctime: the next check hashes again (intact: fine)
+    assert store.gc(set(), min_age=600) == ([], 0)
+    assert store.verified_layer_path(layer.digest) == path and len(hashed) == 2
+    assert stamp.read_text().startswith("v2 ")
+
+    # Bytes flipped in place, with size, inode, mode and mtime put back: hashed again, and refused.
+    _flip_in_place(path, path.stat().st_size // 2)
+    assert not store.is_verified(layer.digest)
+    with pytest.raises(LayerCorruptError, match="corrupt"):
+        store.verified_layer_path(layer.digest)
+    assert len(hashed) == 3
+    with pytest.raises(LayerCorruptError, match="corrupt"):  # no stamp was written for the bad content
+        LayerStore(tmp_path / "store", uid_base=UID_BASE).verified_layer_path(layer.digest)
+
+
 async def test_put_manifest_slash_name(tmp_path: Path) -> None:
     store = LayerStore(tmp_path, uid_base=UID_BASE)
     src = tmp_path / "src"
@@ -191,6 +262,119 @@ async def test_put_manifest_slash_name(tmp_path: Path) -> None:
     assert [i.ref for i in store.list_images()] == ["base/debian:v1"]
     store.remove_image("base/debian:v1")
     assert not (tmp_path / "images/base").exists()
+
+
+def _busybox_with(marker: str, calls: list[str]) -> Callable[[BuildContext], Awaitable[list[LayerRef]]]:
+    async def build(ctx: BuildContext) -> list[LayerRef]:
+        calls.append(marker)
+        rootfs = ctx.workdir / "rootfs"
+        await asyncio.to_thread(stage_busybox, rootfs)
+        (rootfs / "etc/marker").write_text(marker)
+        return [await ctx.store.add_layer_from_dir(rootfs, f"busybox {marker}", kind="base")]
+
+    return build
+
+
+async def test_an_outdated_builtin_image_is_rebuilt_and_its_old_layers_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    store = LayerStore(tmp_path, uid_base=UID_BASE)
+    # Version 1, as recorded before builders had versions: the recipe string alone.
+    monkeypatch.setitem(BUILTIN_IMAGES, "t-builtin:1", Builder(recipe="t one", build=_busybox_with("v1", calls)))
+    monkeypatch.setitem(BUILTIN_IMAGES, "t-builtin:latest", alias("t-builtin:1"))
+    v1 = await store.ensure("t-builtin:1")
+    assert (await store.ensure("t-builtin")).layers == v1.layers
+    assert calls == ["v1"] and v1.recipe == "t one"
+
+    v2_builder = Builder(recipe="t two", build=_busybox_with("v2", calls), version=2, legacy_recipes=("t one",))
+    monkeypatch.setitem(BUILTIN_IMAGES, "t-builtin:1", v2_builder)
+    v2 = await store.ensure("t-builtin:1")
+    assert calls == ["v1", "v2"] and v2.recipe == "t two [builder v2]" and v2.layers != v1.layers
+    assert await store.ensure("t-builtin:1") == v2 and calls == ["v1", "v2"]  # current now: not again
+    # The alias follows its target without building anything itself.
+    assert (await store.ensure("t-builtin:latest")).layers == v2.layers and len(calls) == 2
+    # The old layer stays for whatever still uses it (a running sandbox, a snapshot) until gc.
+    assert store.layer_path(v1.layers[0].digest).exists()
+    assert v1.layers[0].digest in store.gc(set(), min_age=0)[0]
+
+    # A third version whose build fails: the stored image keeps serving, and the rebuild is not
+    # tried on every request.
+    async def broken(ctx: BuildContext) -> list[LayerRef]:
+        calls.append("v3")
+        raise ImageBuildError("mirror unreachable")
+
+    monkeypatch.setitem(BUILTIN_IMAGES, "t-builtin:1", Builder(recipe="t three", build=broken, version=3))
+    stages: list[str] = []
+    assert await store.ensure("t-builtin:1", lambda s, f: stages.append(s)) == v2
+    assert await store.ensure("t-builtin:1") == v2
+    assert calls == ["v1", "v2", "v3"] and "rebuild failed" in stages[-1]
+
+    # An image of a built-in name that its builder did not make (imported, say) is never replaced.
+    monkeypatch.setitem(BUILTIN_IMAGES, "t-builtin:1", Builder(recipe="t four", build=broken, version=4))
+    store.put_manifest("t-builtin", "1", v2.layers, recipe="imported from app.tar")
+    assert (await store.ensure("t-builtin:1")).recipe == "imported from app.tar"
+    store.put_manifest("t-builtin", "latest", v2.layers, recipe="imported")
+    assert (await store.ensure("t-builtin:latest")).recipe == "imported"
+    assert calls == ["v1", "v2", "v3"]
+
+
+def test_python_builder_versions() -> None:
+    builder = BUILTIN_IMAGES["python:3.11"]
+    assert builder.version >= 2 and builder.manifest_recipe.endswith(f"[builder v{builder.version}]")
+    old = "debian:bookworm + diff(mmdebstrap --include=python3)"  # what nodes built before
+    manifest = ImageManifest(name="python", tag="3.11", layers=[], created=0.0, recipe=old)
+    store = LayerStore.__new__(LayerStore)  # outdated() needs no store for a plain builder
+    assert builder.outdated(store, manifest)
+    assert not builder.outdated(store, manifest.model_copy(update={"recipe": builder.manifest_recipe}))
+    for pkg in ("python3", "python-is-python3", "python3-pip", "python3-venv"):
+        assert pkg in builder.recipe
+
+
+def _pure_wheel(where: Path, name: str) -> Path:
+    """A pure-Python wheel of `name` 1.0 (a module that prints its name)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-1.0"
+    files = {
+        f"{name}.py": f"print({name!r})\n".encode(),
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+        f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [
+        f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}\n"
+        for n, d in files.items()
+    ]
+    files[f"{dist}.dist-info/RECORD"] = "".join([*record, f"{dist}.dist-info/RECORD,,\n"]).encode()
+    path = where / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+    return path
+
+
+def test_python_image_has_python_pip_and_venv(fleet: Client, tmp_path: Path) -> None:
+    """What users of a python image expect, with no network: `python`, pip, venv, pip install."""
+    wheel = _pure_wheel(tmp_path, "sandfleet_wheel_test")
+    fleet.build_image("python:3.11")  # (re)built on first use: minutes with a cold cache
+    with fleet.create(image="python:3.11", idle_ttl=300) as sb:
+        r = sb.exec("python --version")
+        assert r.exit_code == 0 and r.stdout.startswith("Python 3.11."), r.stdout + r.stderr
+        r = sb.exec("python -m venv /tmp/v && /tmp/v/bin/python -m pip --version", timeout=180)
+        assert r.exit_code == 0 and "/tmp/v/" in r.stdout, r.stdout + r.stderr
+        r = sb.exec("pip --version")
+        assert r.exit_code == 0 and "(python 3.11)" in r.stdout, r.stdout + r.stderr
+        assert sb.exec("ls /usr/lib/python3*/EXTERNALLY-MANAGED").exit_code != 0
+        # pip installs into the image's Python as in any python image (no PEP 668 refusal).
+        sb.files.write(f"/tmp/{wheel.name}", wheel.read_bytes())
+        r = sb.exec(f"pip install --no-index /tmp/{wheel.name} && cd / && python -m sandfleet_wheel_test", timeout=180)
+        assert r.exit_code == 0 and r.stdout.endswith("sandfleet_wheel_test\n"), r.stdout + r.stderr
+        r = sb.exec("/tmp/v/bin/pip install --no-index /tmp/" + wheel.name, timeout=180)
+        assert r.exit_code == 0, r.stdout + r.stderr
+    info = next(i for i in fleet.images() if (i.name, i.tag) == ("python", "3.11"))
+    assert len(info.layers) == 2
 
 
 # --------------------------------------------------------------------------- ownership / diff

@@ -151,6 +151,38 @@ def test_corrupt_or_truncated_layer_is_data_loss_and_leaves_nothing(daemon: Daem
         path.unlink()
 
 
+def test_bytes_flipped_in_place_after_verification_with_the_mtime_put_back_are_data_loss(
+    daemon: Daemon, fleet: Client
+) -> None:
+    """The verification record must not be fooled by a writer that restores the mtime: the ctime
+    changes anyway. Before, the create succeeded and reads of the flipped page died with SIGBUS."""
+    digest = _layer_of(fleet, "head -c 300000 /dev/urandom > /blob", "t/flipped:1")
+    path = IMAGES / "layers" / ("sha256-" + digest.removeprefix("sha256:") + ".erofs")
+    hexdigest = digest.removeprefix("sha256:")
+    try:
+        with fleet.create(image="busybox", layers=[digest]) as sb:  # mounted, so hashed and stamped
+            assert sb.exec("wc -c < /blob").stdout.strip() == "300000"
+        assert LayerStore(IMAGES).is_verified(digest)
+        assert wait_until(lambda: not residue(daemon).sandbox_ids)
+        fleet.gc_images(min_age=1e9)  # unmounts unused layers; min_age keeps every file
+        assert wait_until(lambda: hexdigest not in daemon.mountinfo())
+        st = os.stat(path)
+        os.chmod(path, 0o644)
+        with open(path, "r+b") as f:  # in place: same inode, same size
+            f.seek(st.st_size // 2)
+            byte = f.read(1)
+            f.seek(st.st_size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.chmod(path, 0o444)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (os.stat(path).st_ino, os.stat(path).st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+        with pytest.raises(DataLossError, match="corrupt"):
+            fleet.create(image="busybox", layers=[digest])
+        assert hexdigest not in daemon.mountinfo()
+    finally:
+        path.unlink(missing_ok=True)
+
+
 # -- on demand from a shared store ------------------------------------------------------------------
 
 

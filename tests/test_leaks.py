@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,10 +25,10 @@ def _wait_settled(d: Daemon, baseline_procs: int, timeout: float = 20.0) -> None
 
 
 @pytest.fixture
-def leak_daemon() -> Daemon:
+def leak_daemon() -> Iterator[Daemon]:
     d = make_daemon("leak")
     d.start()
-    yield d  # type: ignore[misc]
+    yield d
     destroy_daemon(d)
 
 
@@ -71,7 +72,7 @@ def test_no_residue_after_500_cycles_and_failed_creates(leak_daemon: Daemon) -> 
         assert after.runtime_state == ()
         assert after.state_rows == 0
         assert after.processes == before.processes
-        assert after.loops == before.loops
+        assert after.loops <= before.loops  # a host-wide count: other work on the node may free some
         assert after.zombies == ()
         # Network namespaces come and go with other processes on the host; ours must not pile up.
         assert after.netns <= before.netns + 2
@@ -105,5 +106,5 @@ def test_no_residue_after_a_5000_sandbox_burst(leak_daemon: Daemon) -> None:
         after = residue(d)
         assert after.cgroups == () and after.sandbox_dirs == () and after.state_rows == 0
         assert after.mounts == before.mounts and after.processes == before.processes
-        assert after.zombies == () and after.loops == before.loops
+        assert after.zombies == () and after.loops <= before.loops
         assert after.netns <= before.netns + 2

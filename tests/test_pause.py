@@ -166,8 +166,10 @@ def test_paused_sandbox_survives_a_daemon_restart(own_daemon: Daemon) -> None:
     d.start()
     with d.client() as fleet:
         again = fleet.get(sb.id)
-        assert again.info.state == "running" and not _frozen(d, sb.id)
-        assert again.exec("cat /task/x").stdout == "before"
+        # paused on request: paused again once adopted (its agent was thawed to hand over its channel)
+        assert wait_until(lambda: again.refresh().state == "paused" and _frozen(d, sb.id), 10)
+        assert again.exec("cat /task/x").stdout == "before"  # any request resumes it
+        assert again.refresh().state == "running" and not _frozen(d, sb.id)
         again.stop()
 
 

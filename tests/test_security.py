@@ -8,12 +8,16 @@ daemon; everything a test creates on the host is removed again.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shlex
 import shutil
 import socket
 import stat
+import struct
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,7 +27,7 @@ from typing import TypeVar
 import pytest
 
 from sandfleet import Client, Mount, Sandbox
-from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError
+from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, WrongStateError
 
 from conftest import IMAGES, Daemon, agent_pid
 
@@ -433,8 +437,9 @@ def test_mount_allowlist_cannot_be_raced_by_a_sandbox(fleet: Client, shared: Pat
 
 
 def test_proc_hardening(sandbox: Sandbox) -> None:
+    assert Path("/sys/kernel/vmcoreinfo").read_text().strip()  # control: the host's is not empty
     for path in ("/proc/kpagecgroup", "/proc/kpageflags", "/proc/kpagecount", "/proc/kcore", "/proc/keys",
-                 "/proc/sysrq-trigger", "/proc/timer_list"):  # fmt: skip
+                 "/proc/sysrq-trigger", "/proc/timer_list", "/sys/kernel/vmcoreinfo"):  # fmt: skip
         code, out, _ = sh(sandbox, f"head -c 64 {path} | wc -c")
         assert out.strip() == "0", (path, out)
     # a recursive grep over the masked files terminates quietly
@@ -669,3 +674,301 @@ def _cmdline(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
     except OSError:
         return []
+
+
+# -- snapshot and fork: criu never acts on host paths a sandbox chose ---------------------------------
+
+HOLDER = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+/* holder OP PATH ...: opens each PATH at the next fd from 3 (w: create and write "data", f: a FIFO
+ * read-write, p: the symlink itself (O_PATH), d: a directory), touches /tmp/held, then waits. */
+int main(int argc, char **argv) {
+    for (int i = 1; i + 1 < argc; i += 2) {
+        int fd;
+        if (argv[i][0] == 'w') {
+            fd = open(argv[i + 1], O_CREAT | O_RDWR | O_TRUNC, 0644);
+            if (fd >= 0 && write(fd, "data\n", 5) != 5)
+                return 2;
+        } else if (argv[i][0] == 'f') {
+            fd = open(argv[i + 1], O_RDWR);
+        } else if (argv[i][0] == 'p') {
+            fd = open(argv[i + 1], O_PATH | O_NOFOLLOW);
+        } else {
+            fd = open(argv[i + 1], O_RDONLY | O_DIRECTORY);
+        }
+        if (fd < 0) {
+            perror(argv[i + 1]);
+            return 1;
+        }
+    }
+    close(open("/tmp/held", O_CREAT | O_WRONLY, 0644));
+    for (;;)
+        pause();
+}
+"""
+
+# inotify events that mean "something was made, changed or removed here"
+_IN_CHANGES = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class DirWatch:
+    """Every change in one host directory, even one undone a moment later (criu removes the ghost
+    files it made once the restore is over)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        assert _libc.inotify_add_watch(self.fd, os.fsencode(path), _IN_CHANGES) >= 0
+
+    def events(self) -> list[tuple[int, str]]:
+        out: list[tuple[int, str]] = []
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return out
+            pos = 0
+            while pos < len(buf):
+                _wd, mask, _cookie, size = struct.unpack_from("iIII", buf, pos)
+                name = buf[pos + 16 : pos + 16 + size].rstrip(b"\0").decode(errors="replace")
+                out.append((mask, name))
+                pos += 16 + size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@pytest.fixture(scope="module")
+def holder(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    d = tmp_path_factory.mktemp("holder")
+    (d / "holder.c").write_text(HOLDER)
+    subprocess.run(["gcc", "-O1", "-static", "-o", str(d / "holder"), str(d / "holder.c")], check=True)
+    return (d / "holder").read_bytes()
+
+
+@pytest.fixture
+def victim_dir() -> Iterator[Path]:
+    """A host directory like /tmp (anyone may create files, sticky), holding one root-only file:
+    what a sandbox must never touch."""
+    d = Path(tempfile.mkdtemp(prefix="sandfleet-victim-"))
+    os.chmod(d, 0o1777)
+    victim = d / f"victim-{uuid.uuid4().hex[:8]}"
+    victim.write_text("host data\n")
+    os.chmod(victim, 0o600)
+    yield d
+    shutil.rmtree(d)
+
+
+def _hold(sb: Sandbox, holder: bytes, setup: str, args: str, then: str) -> None:
+    """Run the holder in the background (opened files at fds 3..), then change the tree under it."""
+    sb.files.write("/holder", holder, mode=0o755)
+    ok(sb, f"rm -f /tmp/held; {setup}")
+    sb.start(f"exec /holder {args}")
+    assert wait_for(lambda: sh(sb, "test -e /tmp/held")[0] == 0), "the holder did not start"
+    ok(sb, then)
+
+
+def _ghost_variants(victim_dir: Path) -> dict[str, tuple[str, str, str]]:
+    host = str(victim_dir)
+    climb = "../" * 24 + host.lstrip("/")  # from anywhere, relative, to the victim directory
+    victim = next(victim_dir.iterdir()).name
+    return {
+        # a deleted file whose directory became an absolute symlink to a host directory
+        "absolute-symlink": ("mkdir -p /tmp/d", "w /tmp/d/F", f"rm -rf /tmp/d && ln -s {host} /tmp/d"),
+        # the same through a relative symlink that climbs out of wherever criu assembles the tree
+        "relative-symlink": ("mkdir -p /tmp/d", "w /tmp/d/F", f"rm -rf /tmp/d && ln -s {climb} /tmp/d"),
+        # a deleted FIFO: criu mknods it
+        "fifo-ghost": ("mkdir -p /tmp/d && mkfifo /tmp/d/P", "f /tmp/d/P", f"rm -rf /tmp/d && ln -s {host} /tmp/d"),
+        # a deleted symlink (criu recreates it: ghost 1, /tmp/s.cr.1.ghost), and a deleted file whose
+        # ghost path runs through it
+        "symlink-ghost": (
+            f"mkdir -p /tmp/s.cr.1.ghost && ln -s {host} /tmp/s",
+            "p /tmp/s w /tmp/s.cr.1.ghost/F",
+            "rm -rf /tmp/s /tmp/s.cr.1.ghost",
+        ),
+        # a deleted directory named like the host file: criu makes it with mkdir -p, fails, and its
+        # cleanup unlinks what is there
+        "dir-ghost-deletion": (
+            f"mkdir -p /tmp/d/{victim}",
+            f"d /tmp/d/{victim}",
+            f"rm -rf /tmp/d && ln -s {host} /tmp/d",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "variant", ["absolute-symlink", "relative-symlink", "fifo-ghost", "symlink-ghost", "dir-ghost-deletion"]
+)
+def test_fork_refuses_deleted_files_criu_would_recreate_through_a_symlink(
+    sandbox: Sandbox, holder: bytes, victim_dir: Path, variant: str
+) -> None:
+    """criu recreates a deleted file that is still open ("ghost") by path, as host root, before it
+    enters the sandbox's mount namespace, and unlinks it again afterwards: a symlink the sandbox
+    planted on that path would point both at the host. The snapshot is refused instead, with a
+    typed error naming the file, and nothing on the host is made, changed or removed."""
+    setup, args, then = _ghost_variants(victim_dir)[variant]
+    _hold(sandbox, holder, setup, args, then)
+    before = {p.name: (p.lstat(), p.read_bytes()) for p in victim_dir.iterdir()}
+    watch = DirWatch(victim_dir)
+    try:
+        try:
+            outcome: list[Sandbox | SandboxError] | SandboxError = sandbox.fork(1)
+        except SandboxError as exc:
+            outcome = exc
+        events = watch.events()
+    finally:
+        watch.close()
+        for child in outcome if isinstance(outcome, list) else []:
+            if isinstance(child, Sandbox):
+                child.stop()
+    after = {p.name: (p.lstat(), p.read_bytes()) for p in victim_dir.iterdir()}
+    assert not events, f"the host directory changed during the fork: {events}"
+    assert after.keys() == before.keys()
+    for name, (st, data) in before.items():
+        assert (after[name][0].st_mode, after[name][0].st_uid, after[name][1]) == (st.st_mode, st.st_uid, data)
+    assert isinstance(outcome, WrongStateError), outcome
+    assert "deleted" in outcome.message and ("/tmp/d" in outcome.message or "/tmp/s" in outcome.message)
+    assert ok(sandbox, "echo still here") == "still here\n"  # the refusal left the sandbox running
+    with pytest.raises(WrongStateError, match="deleted"):
+        sandbox.snapshot()
+
+
+def test_fork_carries_deleted_files_that_are_still_open(sandbox: Sandbox, holder: bytes) -> None:
+    """Control for the refusals above: deleted files, FIFOs and directories still held open, with
+    no symlink on their way, fork fine, and the child reads the file through its descriptor."""
+    _hold(
+        sandbox,
+        holder,
+        "mkdir -p /tmp/d /tmp/e/sub && mkfifo /tmp/d/P",
+        "w /tmp/d/F f /tmp/d/P d /tmp/e/sub",
+        "rm -rf /tmp/d /tmp/e",
+    )
+    (child,) = sandbox.fork(1)
+    assert isinstance(child, Sandbox), child
+    try:
+        pid = ok(child, "pidof holder").strip()
+        assert ok(child, f"cat /proc/{pid}/fd/3") == "data\n"
+        assert ok(child, f"readlink /proc/{pid}/fd/5").strip() == "/tmp/e/sub (deleted)"
+        assert sh(child, "ls /tmp/d /tmp/e")[0] != 0  # still deleted in the child
+    finally:
+        child.stop()
+
+
+def test_forked_sandbox_mountinfo_names_no_host_path(daemon: Daemon, fleet: Client) -> None:
+    """A restored sandbox's mount table is as opaque as a fresh one's: its overlay names its layers
+    and writable layer by short relative paths, never the daemon's run directory, a layer file or a
+    sandbox directory, and its writable layer shows the same 0700 as a fresh sandbox's."""
+    with fleet.create(image="busybox") as parent:
+        (child,) = parent.fork(1)
+        assert isinstance(child, Sandbox), child
+        try:
+            fresh, forked = ok(parent, "cat /proc/self/mountinfo"), ok(child, "cat /proc/self/mountinfo")
+        finally:
+            child.stop()
+    assert str(daemon.run_dir) in daemon.mountinfo()  # control: the host's table names the run dir
+    for table in (fresh, forked):
+        for host_path in (str(daemon.run_dir), str(daemon.state_dir), str(IMAGES), "sha256", "sandboxes",
+                          parent.id, child.id, "sandfleet-template"):  # fmt: skip
+            assert host_path not in table, (host_path, table)
+        scratch = [line.split(" - ")[1] for line in table.splitlines() if " sandfleet-scratch " in line]
+        assert scratch and all("mode=700" in opts for opts in scratch), scratch
+        roots = [line for line in table.splitlines() if line.split()[4] == "/"]
+        assert len(roots) == 1 and " - overlay " in roots[0], roots
+    assert "lowerdir=l/0" in forked and "upperdir=s/upper" in forked  # relative to the restore's own dir
+
+
+USER_COUNTS_PROBE = r"""
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/fanotify.h>
+#include <sys/inotify.h>
+#include <unistd.h>
+/* probe hold inotify|fanotify: take instances until the kernel refuses, print how many and the
+ * errno, then keep them. probe one: print the errno (0: fine) of one more of each. */
+static int one(int fanotify) {
+    int fd = fanotify ? fanotify_init(FAN_CLASS_NOTIF | FAN_REPORT_FID, O_RDONLY) : inotify_init1(IN_CLOEXEC);
+    return fd < 0 ? errno : 0;
+}
+int main(int argc, char **argv) {
+    if (argc > 2 && !strcmp(argv[1], "hold")) {
+        int fanotify = !strcmp(argv[2], "fanotify"), n = 0, err;
+        while ((err = one(fanotify)) == 0 && n < 100000)
+            n++;
+        printf("%d %d\n", n, err);
+        fflush(stdout);
+        for (;;)
+            pause();
+    }
+    printf("%d %d\n", one(0), one(1));
+    return 0;
+}
+"""
+
+
+def _owner_of_userns(pid: int) -> int:
+    import fcntl
+
+    fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
+    try:
+        buf = bytearray(4)
+        fcntl.ioctl(fd, 0xB704, buf)  # NS_GET_OWNER_UID
+        return int.from_bytes(buf, "little")
+    finally:
+        os.close(fd)
+
+
+def _hold_all(sb: Sandbox, what: str) -> tuple[int, int]:
+    sb.start(f"exec /probe hold {what} > /tmp/held-{what}")
+    assert wait_for(lambda: ok(sb, f"cat /tmp/held-{what}").strip(), timeout=20), f"no {what} probe output"
+    count, err = ok(sb, f"cat /tmp/held-{what}").split()
+    return int(count), int(err)
+
+
+def _host_can(what: str) -> int:
+    """errno of one more inotify instance or fanotify group for host root (this test process); 0: fine."""
+    fd = _libc.fanotify_init(0, os.O_RDONLY) if what == "fanotify" else _libc.inotify_init1(os.O_CLOEXEC)
+    if fd < 0:
+        return ctypes.get_errno()
+    os.close(fd)
+    return 0
+
+
+def test_per_user_kernel_counts_are_each_sandboxs_own(daemon: Daemon, fleet: Client, tmp_path: Path) -> None:
+    """The kernel charges a user namespace's per-user counts (inotify instances, fanotify groups,
+    ...) to the namespace's owner. Each sandbox's namespace has an owner uid of its own (a forked
+    one too), so a sandbox that takes every inotify instance and fanotify group it may have leaves
+    the host's root and its siblings theirs."""
+    src, probe = tmp_path / "probe.c", tmp_path / "probe"
+    src.write_text(USER_COUNTS_PROBE)
+    subprocess.run(["gcc", "-O1", "-static", "-o", str(probe), str(src)], check=True)
+    limit = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
+    groups = int(Path("/proc/sys/fs/fanotify/max_user_groups").read_text())
+    with fleet.create(image="busybox") as a, fleet.create(image="busybox") as b:
+        for sb in (a, b):
+            sb.files.write("/probe", probe.read_bytes(), mode=0o755)
+        (c,) = b.fork(1)  # a restored sandbox
+        assert isinstance(c, Sandbox), c
+        try:
+            owners = [_owner_of_userns(agent_pid(daemon, sb.id)) for sb in (a, b, c)]
+            assert len(set(owners)) == 3 and all(2_000_000_000 <= o < 2_000_000_000 + (1 << 27) for o in owners)
+            assert ok(c, "cat /proc/self/uid_map").split() == ["0", "100000", "65536"]
+            for hog in (a, c):
+                count, err = _hold_all(hog, "inotify")
+                assert err == errno.EMFILE and count >= limit - 4, (hog.id, count, err)  # the whole limit
+            count, err = _hold_all(a, "fanotify")
+            assert err == errno.EMFILE and count >= groups - 4, (count, err)
+            # host root, the sibling and a fresh sandbox still get theirs
+            assert _host_can("inotify") == 0 and _host_can("fanotify") == 0
+            assert ok(b, "/probe one").split() == ["0", "0"]
+            with fleet.create(image="busybox") as d:
+                d.files.write("/probe", probe.read_bytes(), mode=0o755)
+                assert ok(d, "/probe one").split() == ["0", "0"]
+            assert ok(a, "/probe one").split() == [str(errno.EMFILE), str(errno.EMFILE)]  # control: a is out
+        finally:
+            c.stop()

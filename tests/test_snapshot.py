@@ -5,6 +5,10 @@ How long a fork of 16 takes is measured in bench/ (`fork`), not asserted here.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -24,6 +28,10 @@ COUNTER = "echo $$ > /tmp/counter.pid; i=0; while true; do i=$((i+1)); echo $i >
 def _count(sb: Sandbox) -> int:
     out = sb.exec("cat /tmp/count").stdout.strip()
     return int(out) if out else 0
+
+
+def _counts_past(sb: Sandbox, n: int) -> bool:
+    return _count(sb) > n
 
 
 def _ok(results: list[Sandbox | SandboxError]) -> list[Sandbox]:
@@ -54,7 +62,7 @@ def test_fork_children_continue_from_the_parent_state_and_are_isolated(daemon: D
                 # process state: the counter kept its value and keeps counting
                 first = _count(child)
                 assert before <= first <= at_fork + 50
-                assert wait_until(lambda c=child, f=first: _count(c) > f + 5)
+                assert wait_until(functools.partial(_counts_past, child, first + 5))
                 assert "while true" in child.exec("ps").stdout
                 pid_namespaces.add(child.exec("readlink /proc/self/ns/pid").stdout.strip())
             pid_namespaces.add(parent.exec("readlink /proc/self/ns/pid").stdout.strip())
@@ -76,7 +84,7 @@ def test_fork_children_continue_from_the_parent_state_and_are_isolated(daemon: D
                 child.stop()
 
 
-def test_snapshot_restore_later_and_deleted_with_its_owner(daemon: Daemon, fleet: Client) -> None:
+def test_snapshot_restore_later_and_outlives_its_owner(daemon: Daemon, fleet: Client) -> None:
     sb = fleet.create(image="busybox")
     sb.exec("echo before > /root/state")
     snap = sb.snapshot()
@@ -93,7 +101,12 @@ def test_snapshot_restore_later_and_deleted_with_its_owner(daemon: Daemon, fleet
     finally:
         child.stop()
 
-    sb.stop()
+    sb.stop()  # the snapshot stays until it is deleted (or its ttl runs out)
+    assert [s.id for s in fleet.snapshots(sandbox_id=sb.id)] == [snap.id]
+    (later,) = _ok(fleet.restore(snap.id))
+    assert later.exec("cat /root/state").stdout == "before\n"
+    later.stop()
+    fleet.delete_snapshot(snap.id)
     assert not (daemon.state_dir / "snapshots" / snap.id).exists()
     assert fleet.snapshots(sandbox_id=sb.id) == []
     with pytest.raises(SnapshotNotFoundError):
@@ -121,7 +134,7 @@ def test_fork_a_paused_sandbox(fleet: Client) -> None:
             for child in children:
                 assert child.info.state == "running"
                 first = _count(child)
-                assert first > 5 and wait_until(lambda c=child, f=first: _count(c) > f)
+                assert first > 5 and wait_until(functools.partial(_counts_past, child, first))
         finally:
             for child in children:
                 child.stop()
@@ -175,6 +188,7 @@ def test_no_residue_after_snapshots_and_forks(own_daemon: Daemon) -> None:
         for k in kids:
             k.stop()
         parent.stop()
+        c.delete_snapshot(snap.id)  # snapshots outlive their sandbox
     deadline = time.time() + 20
     while time.time() < deadline and residue(own_daemon) != baseline:
         time.sleep(0.2)
@@ -294,13 +308,145 @@ def test_image_gc_never_deletes_a_layer_in_use(daemon: Daemon, fleet: Client) ->
         fleet.delete_image("gc-test:v1")
         assert layer not in fleet.gc_images(min_age=0).removed  # a running sandbox uses it
         assert layer_file.exists()
-        user.snapshot()  # kept with its owner, and so is the layer
+        snap = user.snapshot()  # the snapshot keeps the layer too, even once its sandbox is gone
         assert layer not in fleet.gc_images(min_age=0).removed
         assert user.exec("cat /root/version").stdout == "v1\n"
     finally:
         user.stop()
+    assert layer not in fleet.gc_images(min_age=0).removed
+    fleet.delete_snapshot(snap.id)
     res = fleet.gc_images(min_age=0)
     assert layer in res.removed and res.bytes > 0 and not layer_file.exists()
     assert all(d not in res.removed for i in fleet.images() for d in i.layers)  # named images keep theirs
     with fleet.create(image="busybox") as still:
         assert still.exec("echo ok").stdout == "ok\n"
+
+
+def test_restore_refuses_a_snapshot_taken_before_its_paths_were_checked(own_daemon: Daemon) -> None:
+    """A snapshot records that every path its restore creates by name was checked against the
+    sandbox (`paths_checked`); one without that mark (from before the check existed) is refused."""
+    own_daemon.start()
+    with own_daemon.client() as c:
+        sb = c.create(image="busybox")
+        snap = sb.snapshot()
+    checked = own_daemon.state_dir / "snapshots" / snap.id / "snapshot.json"
+    record = json.loads(checked.read_text())
+    assert record["meta"]["paths_checked"] == 1
+    own_daemon.kill()
+    del record["meta"]["paths_checked"]
+    checked.write_text(json.dumps(record))
+    own_daemon.start()
+    with own_daemon.client() as c:
+        (refused,) = c.restore(snap.id)
+        assert isinstance(refused, WrongStateError) and "take a new snapshot" in refused.message
+        (child,) = _ok(c.restore(c.get(sb.id).snapshot().id))  # control: a new one restores
+        child.stop()
+        c.get(sb.id).stop()
+
+
+def test_restore_refuses_a_symlink_where_the_scratch_is_bound_from(
+    daemon: Daemon, fleet: Client, tmp_path: Path
+) -> None:
+    """criu binds the restored sandbox's /dev and /dev/shm from the new scratch by path, as host
+    root, and what is there was copied from the snapshot: a symlink there (which a sandbox cannot
+    make: both are mount points in it; here the snapshot is edited on the host) is refused, and no
+    host directory is bound into the child."""
+    (tmp_path / "host-only").write_text("host\n")
+    with fleet.create(image="busybox") as sb:
+        snap = sb.snapshot()
+        try:
+            shm = daemon.state_dir / "snapshots" / snap.id / "fs" / "dev" / "shm"
+            shm.rmdir()
+            shm.symlink_to(tmp_path)
+            (result,) = fleet.restore(snap.id)
+            if not isinstance(result, SandboxError):
+                leaked = result.exec("ls /dev/shm").stdout
+                result.stop()
+                raise AssertionError(f"restored with /dev/shm bound from {tmp_path}: {leaked!r}")
+            assert "not a directory of the writable layer" in result.message, result
+        finally:
+            fleet.delete_snapshot(snap.id)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host-only"]
+
+
+# -- criu images, read without criu ---------------------------------------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _msg(*fields: tuple[int, int | bytes]) -> bytes:
+    out = b""
+    for number, value in fields:
+        if isinstance(value, bytes):
+            out += _varint(number << 3 | 2) + _varint(len(value)) + value
+        else:
+            out += _varint(number << 3) + _varint(value)
+    return out
+
+
+def _image(path: Path, magic: int, *messages: bytes) -> None:
+    path.write_bytes(struct.pack("<II", 0x54564319, magic) + b"".join(struct.pack("<I", len(m)) + m for m in messages))
+
+
+def test_restore_paths_are_read_from_the_images_and_checked(tmp_path: Path) -> None:
+    """The image reader and the check behind the snapshot refusal, on hand-made images: each ghost's
+    path is walked in the tree, and only real directories (or missing ones) on its own mount pass."""
+    from sandfleet.runtime import criu
+
+    tree, img = tmp_path / "tree", tmp_path / "img"
+    (tree / "tmp" / "ok").mkdir(parents=True)
+    (tree / "tmp" / "link").symlink_to("/etc")
+    img.mkdir()
+    root = os.open(tree, os.O_PATH | os.O_DIRECTORY)
+    try:
+        with open(f"/proc/self/fdinfo/{root}") as f:
+            mnt = int(next(line for line in f if line.startswith("mnt_id:")).split()[1])
+        ghosts = {  # file id -> (name, mode)
+            1: (b"/tmp/ok/F", 0o100644),  # fine: a real directory
+            2: (b"/tmp/gone/sub/F", 0o100644),  # fine: criu goes up to /tmp
+            3: (b"/tmp/link/F", 0o100644),  # through a symlink
+            4: (b"/tmp/dir", 0o40755),  # a directory ghost: made under its own name
+            5: (b"/tmp/dir/F", 0o10644),  # a FIFO inside that one
+            6: (b"/tmp/ok/L", 0o120777),  # a symlink
+            7: (b"/tmp/ok/D", 0o20644),  # a device node
+        }
+        files = [_msg((1, 1), (2, fid), (3, _msg((6, name), (7, mnt * 2)))) for fid, (name, _) in ghosts.items()]
+        files.append(_msg((1, 1), (2, 8), (3, _msg((6, b"/tmp/ok/link_remap.8"), (7, mnt * 2)))))
+        _image(img / "files.img", 0x56303138, *files)
+        remaps = [_msg((1, fid), (2, fid), (3, 1)) for fid in ghosts]
+        remaps.append(_msg((1, 1), (2, 8), (3, 0)))  # a link remap
+        _image(img / "remap-fpath.img", 0x59133954, *remaps)
+        for fid, (_, mode) in ghosts.items():
+            _image(img / f"ghost-file-{fid:x}.img", 0x52583605, _msg((1, 0), (2, 0), (3, mode)))
+        _image(img / "mountpoints-1.img", 0x55563928, _msg((2, mnt), (7, b"/")))
+
+        assert [r.path for r in criu.restore_remaps(img)][:5] == [
+            b"/tmp/ok/F.cr.1.ghost", b"/tmp/gone/sub/F.cr.2.ghost", b"/tmp/link/F.cr.3.ghost", b"/tmp/dir",
+            b"/tmp/dir/F.cr.5.ghost",
+        ]  # fmt: skip
+        problems = criu.unsafe_restore_paths(img, root)
+        assert len(problems) == 5, problems
+        assert "/tmp/link/F" in problems[0] and "/tmp/link, which is now a symlink" in problems[0]
+        assert "/tmp/dir/F" in problems[1] and "inside /tmp/dir" in problems[1]
+        assert "deleted symlink /tmp/ok/L" in problems[2] and "device node /tmp/ok/D" in problems[3]
+        assert "link remap" in problems[4]
+        # on another mount than the one the image names
+        _image(img / "mountpoints-1.img", 0x55563928, _msg((2, mnt + 1), (7, b"/")))
+        for fid in (1, 2):
+            _image(img / "remap-fpath.img", 0x59133954, _msg((1, fid), (2, fid), (3, 1)))
+            assert "mount the snapshot does not know" in criu.unsafe_restore_paths(img, root)[0]
+        _image(img / "remap-fpath.img", 0x59133954)
+        assert criu.unsafe_restore_paths(img, root) == []
+        (img / "files.img").write_bytes(b"\0" * 12)
+        _image(img / "remap-fpath.img", 0x59133954, remaps[0])
+        with pytest.raises(criu.ImageError):
+            criu.unsafe_restore_paths(img, root)
+    finally:
+        os.close(root)

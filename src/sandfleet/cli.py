@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -413,47 +414,119 @@ def images_build(
         list[str],
         typer.Argument(help="recipe files (TOML), or built-in images: busybox, debian:bookworm, python:3.11"),
     ],
-    state_dir: Annotated[Path, typer.Option(help="daemon state directory")] = Path("/var/lib/sandfleet"),
-    image_dir: Annotated[Path | None, typer.Option(help="the daemon's layer store (default STATE_DIR/images)")] = None,
-    socket: SocketOpt = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="the daemon's config file (as for `sandfleet serve --config`): its socket, state_dir, "
+            "image_dir, shared_image_dir and container.uid_base are used; the flags below override it"
+        ),
+    ] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="daemon state directory (default: the config's, else /var/lib/sandfleet)")
+    ] = None,
+    image_dir: Annotated[
+        Path | None, typer.Option(help="the daemon's layer store (default: the config's, else STATE_DIR/images)")
+    ] = None,
+    socket: Annotated[
+        Path | None,
+        typer.Option(
+            "--socket",
+            help="daemon socket (default: the config's, else $SANDFLEET_SOCKET, else /run/sandfleet/sandfleet.sock)",
+        ),
+    ] = None,
 ) -> None:
-    """Build images into the daemon's layer store, with progress: one cached layer per recipe step.
+    """Build images into the daemon's layer store: one cached layer per recipe step.
 
-    Recipe steps that run commands (run, pip) do so in build sandboxes of the daemon at --socket.
+    Recipe steps that run commands (run, pip) do so in build sandboxes of the daemon at the socket.
+    Each step is printed as it finishes (index, kind, cache hit or built, layer digest, seconds),
+    with the output of `run` steps as it comes; on a terminal, with a progress bar as well.
     """
+    from sandfleet.daemon.config import DEFAULT_SOCKET, DaemonConfig
     from sandfleet.images import ImageError, LayerStore
-    from sandfleet.images.recipe import Recipe, build_recipe
-
-    store = LayerStore(image_dir or state_dir / "images")
-
-    async def build_all() -> None:
-        with Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
-        ) as progress:
-            for target in targets:
-                task = progress.add_task(target, total=1.0)
-
-                def report(stage: str, frac: float, task: TaskID = task, target: str = target) -> None:
-                    progress.update(task, completed=frac, description=f"{target}: {stage}")
-
-                if target.endswith(".toml"):
-                    result = await build_recipe(
-                        Recipe.load(Path(target)),
-                        store,
-                        client_factory=lambda: AsyncClient(socket),
-                        progress=report,
-                    )
-                    m = result.manifest
-                    done = f"{m.ref}: {len(m.layers)} layer(s), {result.cache_hits}/{len(result.steps)} from cache"
-                else:
-                    m = await store.ensure(target, progress=report)
-                    done = f"{target}: {len(m.layers)} layer(s) ready"
-                progress.update(task, completed=1.0, description=done)
+    from sandfleet.images.recipe import Recipe, StepResult, build_recipe
 
     try:
-        asyncio.run(build_all())
+        cfg = DaemonConfig.load(config, state_dir=state_dir, image_dir=image_dir)
+    except (OSError, ValueError) as exc:  # unreadable file, bad TOML, invalid settings
+        raise typer.BadParameter(f"--config {config}: {exc}") from exc
+    env_socket = os.environ.get("SANDFLEET_SOCKET")
+    if socket is None:
+        if config is not None and "socket" in cfg.model_fields_set:
+            socket = cfg.socket
+        else:
+            socket = Path(env_socket) if env_socket else DEFAULT_SOCKET
+    daemon_socket = socket
+    store = LayerStore(
+        cfg.images_root,
+        uid_base=cfg.container.uid_base,
+        shared=cfg.shared_image_dir,
+        cache_max=cfg.image_cache_max,
+    )
+    interactive = console.is_terminal
+
+    async def build_all(out: Console, progress: Progress | None) -> None:
+        def say(text: str) -> None:
+            out.print(text, markup=False, highlight=False, soft_wrap=True)
+
+        for target in targets:
+            task = progress.add_task(target, total=1.0) if progress is not None else None
+            last_stage = [""]
+
+            def report(
+                stage: str,
+                frac: float,
+                task: TaskID | None = task,
+                target: str = target,
+                last_stage: list[str] = last_stage,
+            ) -> None:
+                if progress is not None and task is not None:
+                    progress.update(task, completed=frac, description=f"{target}: {stage}")
+                elif not target.endswith(".toml") and stage != last_stage[0]:
+                    last_stage[0] = stage  # a built-in image: its few stages, once each
+                    say(f"{target}: {stage}")
+
+            if target.endswith(".toml"):
+                recipe = Recipe.load(Path(target))
+                total = len(recipe.steps)
+
+                def on_step(r: StepResult, target: str = target, total: int = total) -> None:
+                    what = "cache hit" if r.cache_hit else "built"
+                    named = f" -> {r.name}" if r.name else ""
+                    say(f"{target}: step {r.index}/{total} {r.kind}: {what} {r.layer} ({r.seconds:.2f}s){named}")
+
+                def on_output(index: int, stream: str, line: str) -> None:
+                    say(f"  [{index}{'' if stream == 'stdout' else ' stderr'}] {line}")
+
+                if not interactive:
+                    say(f"{target}: building {recipe.ref} ({total} step(s))")
+                result = await build_recipe(
+                    recipe,
+                    store,
+                    client_factory=lambda: AsyncClient(daemon_socket),
+                    progress=report,
+                    on_step=on_step,
+                    on_output=on_output,
+                )
+                m = result.manifest
+                done = f"{m.ref}: {len(m.layers)} layer(s), {result.cache_hits}/{len(result.steps)} from cache"
+            else:
+                m = await store.ensure(target, progress=report)
+                done = f"{target}: {len(m.layers)} layer(s) ready"
+            if progress is not None and task is not None:
+                progress.update(task, completed=1.0, description=done)
+            else:
+                say(done)
+
+    try:
+        if interactive:
+            with Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
+            ) as progress:
+                asyncio.run(build_all(progress.console, progress))
+        else:
+            asyncio.run(build_all(console, None))
     except ImageError as exc:
-        err_console.print(f"[red]error[/red]: {exc}")
+        err_console.print(f"[red]error[/red]: {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from exc
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import posixpath
 import re
 from typing import Annotated, Any, Literal
@@ -84,35 +85,96 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Bounds on what one request may carry: an error message never echoes more than SHOWN characters of
+# an input, and every string a sandbox keeps (env, labels, paths) has a size the node can afford.
+SHOWN = 80
+MAX_PATH = 4096
+MAX_ENV_VALUE = 16 * 1024
+MAX_ENV_TOTAL = 32 * 1024
+MAX_ENV_VARS = 256
+MAX_LABELS = 64
+MAX_LABEL_VALUE = 256
+MAX_COMMAND = 32 * 1024  # an exec's command; argv, env and cwd travel in one 64 KiB agent message
+MAX_SESSION_COMMAND = 1024**2  # a session command travels as a script, in chunks
+MAX_STDIN = 32 * 1024**2
+MAX_REF = 255
+
+
+def shown(value: object) -> str:
+    """`value` for an error message: repr'd, and cut to SHOWN characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
+
+
 def check_env(env: dict[str, str]) -> dict[str, str]:
+    if len(env) > MAX_ENV_VARS:
+        raise ValueError(f"at most {MAX_ENV_VARS} environment variables")
+    total = 0
     for key, value in env.items():
-        if not _ENV_KEY_RE.match(key):
-            raise ValueError(f"invalid environment variable name {key!r}")
+        if len(key) > 256 or not _ENV_KEY_RE.match(key):
+            raise ValueError(f"invalid environment variable name {shown(key)}")
         if "\0" in value:
             raise ValueError(f"environment variable {key} contains a NUL byte")
+        if len(value) > MAX_ENV_VALUE:
+            raise ValueError(f"environment variable {key} is longer than {MAX_ENV_VALUE} characters")
+        total += len(key) + len(value) + 2
+    if total > MAX_ENV_TOTAL:
+        raise ValueError(f"the environment is larger than {MAX_ENV_TOTAL} characters in all")
     return env
 
 
 def check_user(user: str) -> str:
     """A user name (as in /etc/passwd) or a numeric uid."""
-    if not _USER_RE.match(user):
-        raise ValueError(f"invalid user {user!r}")
+    if len(user) > 64 or not _USER_RE.match(user):
+        raise ValueError(f"invalid user {shown(user)}")
     return user
 
 
 def check_abs_path(path: str) -> str:
-    if not path.startswith("/") or "\0" in path:
-        raise ValueError(f"path must be absolute and contain no NUL byte: {path!r}")
+    if not path.startswith("/") or "\0" in path or len(path) > MAX_PATH:
+        raise ValueError(f"path must be absolute, at most {MAX_PATH} characters, with no NUL byte: {shown(path)}")
     return path
 
+
+def check_path(path: str) -> str:
+    """A path inside the sandbox: absolute, or relative to the sandbox's working directory."""
+    if not path or "\0" in path or len(path) > MAX_PATH:
+        raise ValueError(f"path must be non-empty, at most {MAX_PATH} characters, with no NUL byte: {shown(path)}")
+    return path
+
+
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    if len(labels) > MAX_LABELS:
+        raise ValueError(f"at most {MAX_LABELS} labels")
+    for key, value in labels.items():
+        if not _LABEL_KEY_RE.match(key) or len(value) > MAX_LABEL_VALUE:
+            raise ValueError(
+                f"invalid label {shown(key)}: keys are 1-63 characters of [A-Za-z0-9._/-] starting with a letter "
+                f"or digit, values at most {MAX_LABEL_VALUE} characters"
+            )
+    return labels
+
+
+def check_idempotency_key(key: str) -> str:
+    if not _IDEMPOTENCY_RE.match(key):
+        raise ValueError("an idempotency key is 1-128 characters of [A-Za-z0-9._:-]")
+    return key
+
+
+_IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 # Field types that carry these checks, for every model (here, recipes, imports) that takes such values.
 EnvVars = Annotated[dict[str, str], AfterValidator(check_env)]
 AbsPath = Annotated[str, AfterValidator(check_abs_path)]
+SandboxPath = Annotated[str, AfterValidator(check_path)]
 UserName = Annotated[str, AfterValidator(check_user)]
+Labels = Annotated[dict[str, str], AfterValidator(check_labels)]
+IdempotencyKey = Annotated[str, AfterValidator(check_idempotency_key)]
+Encoding = Literal["utf-8", "base64"]
 
 
 DEFAULT_CPU_REQUEST = 0.1
+MAX_SECONDS = 10 * 365 * 86400.0  # ten years: any lifetime longer is "none"
 
 
 class Resources(_Model):
@@ -199,16 +261,19 @@ class SandboxSpec(_Model):
     workdir: AbsPath = "/"
     user: UserName = Field("root", description="default user for commands: a name or a numeric uid")
     hostname: str | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
-    idle_ttl: float | None = Field(600.0, gt=0, description="stop after this many idle seconds")
-    max_lifetime: float | None = Field(None, gt=0, description="stop this many seconds after creation")
+    labels: Labels = Field(default_factory=dict)
+    idle_ttl: float | None = Field(600.0, gt=0, le=MAX_SECONDS, description="stop after this many idle seconds")
+    max_lifetime: float | None = Field(None, gt=0, le=MAX_SECONDS, description="stop this many seconds after creation")
     qos: QoS = Field(
         "latency_sensitive",
         description="latency_sensitive: normal scheduling (and its own core-scheduling cookie on SMT hosts); "
         "best_effort: SCHED_IDLE and the lowest CPU weight, so it only gets CPU nobody else wants",
     )
     pause_after: float | None = Field(
-        None, gt=0, description="pause (freeze, push memory out) after this many idle seconds; any request resumes"
+        None,
+        gt=0,
+        le=MAX_SECONDS,
+        description="pause (freeze, push memory out) after this many idle seconds; any request resumes",
     )
     network: Literal["none"] = Field("none", description="network policy; 'none' = loopback only")
     mounts: list[Mount] = Field(default_factory=list, max_length=16)
@@ -216,8 +281,8 @@ class SandboxSpec(_Model):
     @field_validator("image")
     @classmethod
     def _image(cls, v: str | None) -> str | None:
-        if v is not None and not _IMAGE_REF_RE.match(v):
-            raise ValueError(f"invalid image reference {v!r}")
+        if v is not None and (len(v) > MAX_REF or not _IMAGE_REF_RE.match(v)):
+            raise ValueError(f"invalid image reference {shown(v)}")
         return v
 
     @field_validator("layers")
@@ -225,8 +290,8 @@ class SandboxSpec(_Model):
     def _layers(cls, v: list[str]) -> list[str]:
         for ref in v:
             is_digest = ref.startswith("sha256:")
-            if not (_DIGEST_RE.match(ref) if is_digest else _IMAGE_REF_RE.match(ref)):
-                raise ValueError(f"invalid layer {ref!r}: expected name[:tag] or sha256:<64 hex>")
+            if len(ref) > MAX_REF or not (_DIGEST_RE.match(ref) if is_digest else _IMAGE_REF_RE.match(ref)):
+                raise ValueError(f"invalid layer {shown(ref)}: expected name[:tag] or sha256:<64 hex>")
         return v
 
     @model_validator(mode="before")
@@ -244,17 +309,7 @@ class SandboxSpec(_Model):
     @classmethod
     def _hostname(cls, v: str | None) -> str | None:
         if v is not None and not _HOSTNAME_RE.match(v):
-            raise ValueError(f"invalid hostname {v!r}")
-        return v
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        if len(v) > 64:
-            raise ValueError("at most 64 labels")
-        for key, value in v.items():
-            if not _LABEL_KEY_RE.match(key) or len(value) > 256:
-                raise ValueError(f"invalid label {key!r}={value!r}")
+            raise ValueError(f"invalid hostname {shown(v)}")
         return v
 
 
@@ -279,14 +334,52 @@ class Usage(_Model):
     pids_limit_hits: int
 
 
-class ExecRequest(_Model):
+def _check_b64(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            base64.b64decode(value, validate=True)
+        except ValueError as exc:
+            raise ValueError("not valid base64") from exc
+    return value
+
+
+Base64 = Annotated[str, AfterValidator(_check_b64)]
+
+
+class _Stdin(_Model):
+    """Standard input fed to a command, then closed: text, or bytes as base64."""
+
+    stdin: str | None = Field(None, max_length=MAX_STDIN, description="text fed to the command's standard input")
+    stdin_b64: Base64 | None = Field(
+        None, max_length=MAX_STDIN * 4 // 3 + 4, description="bytes (base64) fed to its standard input"
+    )
+    keep_stdin_open: bool = Field(
+        False,
+        description="keep the command's standard input open after `stdin` for writes through the stdin "
+        "endpoint (background processes and session commands); closed when the caller closes it",
+    )
+
+    def stdin_bytes(self) -> bytes | None:
+        if self.stdin_b64 is not None:
+            return base64.b64decode(self.stdin_b64)
+        return None if self.stdin is None else self.stdin.encode()
+
+    @model_validator(mode="after")
+    def _one_stdin(self) -> _Stdin:
+        if self.stdin is not None and self.stdin_b64 is not None:
+            raise ValueError("give stdin or stdin_b64, not both")
+        return self
+
+
+class ExecRequest(_Stdin):
     command: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
     env: EnvVars = Field(default_factory=dict)
-    cwd: AbsPath | None = None
-    user: str | None = None
-    stdin: str | None = Field(None, description="text fed to the command's standard input")
+    cwd: SandboxPath | None = Field(None, description="absolute, or relative to the sandbox's working directory")
+    user: UserName | None = None
     timeout: float | None = Field(60.0, gt=0, le=86400, description="seconds; kills the process tree")
     output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
+    merge_stderr: bool = Field(False, description="standard error goes to standard output (one stream, in order)")
+    encoding: Encoding = Field("utf-8", description="how output comes back: utf-8 text, or base64 of the raw bytes")
     background: bool = False
 
     @field_validator("command")
@@ -299,18 +392,22 @@ class ExecRequest(_Model):
         items = [v] if isinstance(v, str) else v
         if any("\0" in item for item in items):
             raise ValueError("command contains a NUL byte")
+        if sum(len(item) + 1 for item in items) > MAX_COMMAND:
+            raise ValueError(f"command is longer than {MAX_COMMAND} characters: write a script file and run it")
         return v
 
 
 class ExecResult(_Model):
     exit_code: int
-    stdout: str
-    stderr: str
+    stdout: str = Field(description="text, or base64 when `encoding` is base64")
+    stderr: str = Field(description="text, or base64 when `encoding` is base64")
     duration: float = Field(description="seconds from start to exit")
     timed_out: bool = False
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     signal: int | None = None
+    oom_killed: bool = Field(False, description="the kernel's OOM killer ended it (the memory limit was hit)")
+    encoding: Encoding = "utf-8"
 
     @property
     def truncated(self) -> bool:
@@ -320,12 +417,23 @@ class ExecResult(_Model):
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    @property
+    def stdout_bytes(self) -> bytes:
+        """stdout as bytes (exact when the exec asked for `encoding="base64"`)."""
+        return base64.b64decode(self.stdout) if self.encoding == "base64" else self.stdout.encode()
+
+    @property
+    def stderr_bytes(self) -> bytes:
+        return base64.b64decode(self.stderr) if self.encoding == "base64" else self.stderr.encode()
+
 
 class ExecEvent(_Model):
-    """One line of a streamed exec: output chunks, then exactly one `exit` carrying the result."""
+    """One line of a streamed exec: output chunks, then exactly one `exit` carrying the result.
+    `heartbeat` lines come while nothing else does, so a client can tell a quiet command from a
+    daemon that stopped answering."""
 
-    type: Literal["stdout", "stderr", "exit"]
-    data: str = ""
+    type: Literal["stdout", "stderr", "exit", "heartbeat"]
+    data: str = Field("", description="text, or base64 when the exec's `encoding` is base64")
     result: ExecResult | None = None
 
 
@@ -343,18 +451,58 @@ class SessionInfo(_Model):
     id: str
     shell: str
     created_at: float
+    busy: bool = Field(False, description="a command is running in it")
 
 
-class SessionRunRequest(_Model):
-    command: str
+class SessionRunRequest(_Stdin):
+    command: str = Field(min_length=1, max_length=MAX_SESSION_COMMAND)
     timeout: float | None = Field(60.0, gt=0, le=86400)
     output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2)
+    merge_stderr: bool = False
+    encoding: Encoding = "utf-8"
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: str) -> str:
+        if "\0" in v:
+            raise ValueError("command contains a NUL byte")
+        if not v.strip():
+            raise ValueError("command must not be empty")
+        return v
 
 
 class SessionCreateRequest(_Model):
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
-    user: str | None = None
+    env: EnvVars = Field(default_factory=dict)
+    cwd: SandboxPath | None = None
+    user: UserName | None = None
+
+
+class LifetimeUpdate(_Model):
+    """New lifetimes of live sandboxes; a field left out is kept, `null` removes that limit."""
+
+    idle_ttl: float | None = Field(None, gt=0, le=MAX_SECONDS)
+    max_lifetime: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="seconds after creation (not after this call)"
+    )
+
+
+class LifetimeManyRequest(LifetimeUpdate):
+    labels: Labels = Field(description="sandboxes carrying all of these labels")
+
+    @field_validator("labels")
+    @classmethod
+    def _some(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("give at least one label")
+        return v
+
+
+class FileEvent(_Model):
+    """One change under a watched directory (`GET .../files/watch`, a line each)."""
+
+    type: Literal["create", "modify", "delete", "rename_from", "rename_to", "chmod", "overflow", "heartbeat"]
+    path: str = ""
+    is_dir: bool = False
 
 
 class FileInfo(_Model):
@@ -387,12 +535,17 @@ class ImageInfo(_Model):
 
 
 class ImportRequest(_Model):
-    path: str = Field(description="a `docker save` tarball, an OCI image layout directory or its tar (daemon's host)")
-    ref: str | None = Field(None, description="name:tag for the image; default: the archive's own tag")
+    path: str = Field(
+        max_length=MAX_PATH,
+        description="a `docker save` tarball, an OCI image layout directory or its tar (daemon's host)",
+    )
+    ref: str | None = Field(
+        None, max_length=MAX_REF, description="name:tag for the image; default: the archive's own tag"
+    )
 
 
 class StopRequest(_Model):
-    reason: str = "user"
+    reason: str = Field("user", max_length=256)
 
 
 class ErrorBody(_Model):
@@ -428,6 +581,17 @@ class CreateBatchRequest(_Model):
 
     specs: list[SandboxSpec] = Field(min_length=1, max_length=MAX_BATCH)
     concurrency: int = Field(16, ge=1, le=64, description="creates the daemon runs at once for this batch")
+    idempotency_keys: list[IdempotencyKey | None] | None = Field(
+        None,
+        max_length=MAX_BATCH,
+        description="one per spec (or null): a retried batch returns the sandbox each key already made",
+    )
+
+    @model_validator(mode="after")
+    def _keys_match(self) -> CreateBatchRequest:
+        if self.idempotency_keys is not None and len(self.idempotency_keys) != len(self.specs):
+            raise ValueError("idempotency_keys must have one entry per spec")
+        return self
 
 
 class CreateBatchItem(_Model):
@@ -442,8 +606,8 @@ class CreateBatchResult(_Model):
 
 
 class StopManyRequest(_Model):
-    labels: dict[str, str]
-    reason: str = "user"
+    labels: Labels
+    reason: str = Field("user", max_length=256)
 
 
 class StopManyResult(_Model):
@@ -451,7 +615,7 @@ class StopManyResult(_Model):
 
 
 class LabelsRequest(_Model):
-    labels: dict[str, str] = Field(min_length=1, description="sandboxes carrying all of these labels")
+    labels: Labels = Field(min_length=1, description="sandboxes carrying all of these labels")
 
 
 class IdList(_Model):
@@ -494,13 +658,23 @@ MAX_FORK = 64
 
 
 class SnapshotInfo(_Model):
-    """A checkpoint of a running sandbox: its processes with their memory, and its writable layer."""
+    """A checkpoint of a running sandbox: its processes with their memory, and its writable layer.
+    It outlives the sandbox: kept until deleted or until `expires_at`."""
 
     id: str
-    sandbox_id: str = Field(description="the sandbox it was taken from; the snapshot is deleted with it")
+    sandbox_id: str = Field(description="the sandbox it was taken from (which may have stopped since)")
     created_at: float
     size_bytes: int = Field(description="bytes on the node's disk (memory images + writable layer)")
     seconds: float = Field(description="how long taking it took (the sandbox is frozen meanwhile)")
+    labels: dict[str, str] = Field(default_factory=dict, description="the snapshot's own labels")
+    expires_at: float | None = Field(None, description="when the node deletes it (None: kept until deleted)")
+
+
+class SnapshotRequest(_Model):
+    ttl: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="seconds to keep it (default: the node's snapshot_retention)"
+    )
+    labels: Labels = Field(default_factory=dict)
 
 
 class SnapshotList(_Model):
@@ -511,16 +685,19 @@ class ForkRequest(_Model):
     """New sandboxes from one snapshot (restore) or one live sandbox (fork), each on its own."""
 
     count: int = Field(1, ge=1, le=MAX_FORK, description="how many sandboxes to start")
-    labels: dict[str, str] = Field(
+    labels: Labels = Field(
         default_factory=dict, description="labels of the new sandboxes (added to the source's labels)"
+    )
+    idempotency_key: IdempotencyKey | None = Field(
+        None, description="a retried fork or restore with the same key returns the sandboxes it already made"
     )
 
 
 class PackRequest(_Model):
     """Turn a live sandbox's changes into a new image: its layers plus one layer of what it changed."""
 
-    image: str = Field(description="name:tag of the new image (replaced if it exists)")
-    exclude: list[str] = Field(
+    image: str = Field(max_length=MAX_REF, description="name:tag of the new image (replaced if it exists)")
+    exclude: list[AbsPath] = Field(
         default_factory=list,
         max_length=256,
         description="absolute paths whose changes are left out (caches, shell history, answer files)",

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sandfleet.images import ImageManifest
-from sandfleet.models import SandboxSpec
-from sandfleet.runtime.agent import AgentChannel
+from sandfleet.models import Resources, SandboxSpec
+from sandfleet.runtime.agent import AgentChannel, ExecProcess
 from sandfleet.runtime.cgroups import CgroupStats
 
 
@@ -28,6 +28,9 @@ class LiveSandbox:
     agent_start_time: int | None
     uid_base: int
     runtime: dict[str, Any] = field(default_factory=dict)
+    # A restored child's handles on the execs it kept from its parent (sessions, background
+    # processes), by exec id; the service turns them into its own records.
+    inherited: dict[int, ExecProcess] = field(default_factory=dict)
 
 
 class Backend(Protocol):
@@ -66,6 +69,13 @@ class Backend(Protocol):
 
     async def restore(self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
         """Start a new sandbox from a snapshot; on failure leave nothing behind and raise SandboxError."""
+
+    async def recover(self, sandbox_id: str) -> tuple[LiveSandbox, Resources] | None:
+        """After the state database was lost: take back a sandbox found running on the node (by its
+        cgroup and agent), with the resources its limits say; None if there is nothing to take."""
+
+    def mount_points(self, sandbox: LiveSandbox) -> frozenset[str]:
+        """Paths inside the sandbox that something is mounted on (never removed by the files API)."""
 
     def open_root(self, sandbox: LiveSandbox) -> int:
         """An O_PATH directory fd of the sandbox's root filesystem (caller closes it)."""

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import resource
+import secrets
 import shutil
 import signal
 import socket
@@ -42,7 +43,7 @@ from sandfleet.errors import (
     WrongStateError,
 )
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
-from sandfleet.models import SandboxSpec
+from sandfleet.models import Resources, SandboxSpec
 from sandfleet.runtime import cgroups, criu, files, mounts, oci, proc, seccomp
 from sandfleet.runtime.agent import (
     AGENT_VERSION,
@@ -98,10 +99,54 @@ class _Prepared:
         return args
 
 
-def _nofile_limit() -> int:
-    # Never above our own hard limit: without CAP_SYS_RESOURCE (as on this host) a sandbox could
-    # not be given more, and every create would fail.
-    return min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+def _file_max() -> int:
+    try:
+        with open("/proc/sys/fs/file-max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+FILE_MAX = _file_max()
+FILES_SHARE = 0.25  # of the host's file-max that one sandbox's processes may hold by descriptors
+
+
+@functools.cache
+def _nofile_limit(pids: int) -> int:
+    """RLIMIT_NOFILE (hard) for a sandbox's processes, sized against the host: all `pids` of them
+    at their limit hold at most a quarter of file-max (never below 256, never above 4096, never
+    above our own hard limit: without CAP_SYS_RESOURCE, as on this host, a sandbox could not be
+    given more). Files a sandbox keeps mapped after closing them are charged to its memory cgroup
+    instead (the daemon raises file-max so that memory is what binds)."""
+    share = int(FILES_SHARE * FILE_MAX / max(1, pids))
+    return max(256, min(4096, share, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+# The uids that own sandboxes' user namespaces (launcher runtime): one per live sandbox, picked at
+# random from a range no host process or file uses (and below 2^31, clear of any id map). The kernel
+# charges a user namespace's per-user counts (inotify instances, fanotify groups, mqueue bytes,
+# queued signals, namespaces) to its owner, so each sandbox has its own instead of sharing host
+# root's with every other sandbox and the host. The owner uid is a capability: a host process
+# running as it could enter the sandbox's user namespace with every capability there.
+OWNER_BASE = 2_000_000_000
+OWNER_SPAN = 1 << 27
+NS_GET_OWNER_UID = 0xB704  # _IO(0xb7, 0x4)
+
+
+def userns_owner(pid: int) -> int | None:
+    """The uid that owns the user namespace of process `pid` (None if it is gone)."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        buf = bytearray(4)
+        fcntl.ioctl(fd, NS_GET_OWNER_UID, buf)
+        return int.from_bytes(buf, "little")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class ContainerBackend:
@@ -122,6 +167,8 @@ class ContainerBackend:
         self._seccomp_fd: int | None = None  # the compiled filter, in a sealed memfd the launcher preads
         self._launcher: LauncherServer | None = None
         self._restores = asyncio.Semaphore(16)  # criu restores at once (each a few CPU-heavy processes)
+        self._shim_path: Path | None = None  # criu's preload shim (criu_shim.c)
+        self._owners: set[int] = set()  # user-namespace owner uids of live (and starting) sandboxes
 
     @property
     def uses_launcher(self) -> bool:
@@ -161,6 +208,10 @@ class ContainerBackend:
             except LaunchError as exc:
                 self._launcher = None
                 raise UnavailableError(exc.message) from exc
+            try:
+                self._shim_path = await asyncio.to_thread(criu.build_shim, self.state_dir / "criu-shim")
+            except (criu.ShimBuildError, OSError) as exc:
+                raise UnavailableError(str(exc)) from exc
             tool = criu.Criu(self.config.criu_root)
             with contextlib.suppress(criu.CriuUnavailableError, OSError, TimeoutError):
                 await tool.prime_kernel_cache()  # snapshots work without it, only slower
@@ -186,6 +237,26 @@ class ContainerBackend:
 
     def remove_layer_if_idle(self, digest: str, remove: Callable[[], None]) -> bool:
         return self.layers.remove_if_idle(digest, remove)
+
+    # -- user-namespace owners ------------------------------------------------------------
+
+    def _new_owner(self) -> int:
+        """An owner uid for a new sandbox's user namespace: none other alive has it."""
+        while True:
+            owner = OWNER_BASE + secrets.randbelow(OWNER_SPAN)
+            if owner not in self._owners:
+                self._owners.add(owner)
+                return owner
+
+    def _keep_owner(self, runtime: dict[str, Any]) -> None:
+        owner = runtime.get("userns_owner")
+        if isinstance(owner, int):
+            self._owners.add(owner)
+
+    def _release_owner(self, runtime: dict[str, Any]) -> None:
+        owner = runtime.get("userns_owner")
+        if isinstance(owner, int):
+            self._owners.discard(owner)
 
     # -- create ---------------------------------------------------------------------------
 
@@ -273,9 +344,9 @@ class ContainerBackend:
             sdir = self.sandboxes_dir / sandbox_id
             try:
                 sdir.mkdir(mode=0o711)  # traversable by the sandbox root uid, not listable
-                if self.uses_launcher:
-                    (sdir / "scratch").mkdir()
-                    (sdir / "rootfs").mkdir()
+                if self.uses_launcher:  # a restore's scratch and rootfs (the launcher adds l/N)
+                    (sdir / "s").mkdir()
+                    (sdir / "r").mkdir()
             except BaseException:
                 for digest in digests[: len(lowers)]:
                     self.layers.release(digest)
@@ -314,7 +385,7 @@ class ContainerBackend:
                 cgroup_path=self.cgroups.path_for(sandbox_id),
                 uid_base=self.config.uid_base,
                 binds=tuple(staged),
-                nofile=_nofile_limit(),
+                nofile=_nofile_limit(spec.resources.pids),
             )
             (sdir / "config.json").write_text(json.dumps(oci.build(cfg)))
             for fd, _bind in pinned:
@@ -367,11 +438,13 @@ class ContainerBackend:
         except OSError as exc:
             raise InternalError(f"preparing the sandbox failed: {exc}") from exc
         runtime: dict[str, Any] = {"layers": [layer.digest for layer in image.layers]}
+        if self.uses_launcher:
+            runtime["userns_owner"] = self._new_owner()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             try:
                 if self.uses_launcher:
-                    pid = await self._launch(sandbox_id, spec, prepared, theirs.fileno())
+                    pid = await self._launch(sandbox_id, spec, prepared, theirs.fileno(), runtime["userns_owner"])
                 else:
                     assert prepared.sdir is not None
                     pid = await self._run_oci(sandbox_id, prepared.sdir, theirs.fileno())
@@ -397,12 +470,14 @@ class ContainerBackend:
                 raise InternalError(f"starting the sandbox failed: {exc}") from exc
             raise
 
-    async def _launch(self, sandbox_id: str, spec: SandboxSpec, prepared: _Prepared, channel_fd: int) -> int:
+    async def _launch(
+        self, sandbox_id: str, spec: SandboxSpec, prepared: _Prepared, channel_fd: int, owner: int
+    ) -> int:
         """Start the agent with the launcher server; return its pid."""
         assert self._launcher is not None
         disk = spec.resources.disk
-        args = ["--uid", str(self.config.uid_base)]
-        args += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile_limit())]
+        args = ["--uid", str(self.config.uid_base), "--owner", str(owner)]
+        args += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile_limit(spec.resources.pids))]
         args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192)), "--qos", spec.qos]
         for lower in reversed(prepared.lowers):  # overlay wants the top layer first
             args += ["--lower", lower]
@@ -421,6 +496,8 @@ class ContainerBackend:
         except LaunchError as exc:
             if exc.invalid:
                 raise InvalidArgumentError(exc.message) from exc
+            if exc.unavailable:
+                raise UnavailableError(f"the sandbox was not started: {exc.message}") from exc
             raise InternalError(f"starting the sandbox failed: {exc.message}") from exc
 
     async def _run_oci(self, sandbox_id: str, sdir: Path, channel_fd: int) -> int:
@@ -564,6 +641,7 @@ class ContainerBackend:
                 )
         digests = runtime.get("layers", [])
         await asyncio.to_thread(self._teardown_files, sandbox_id, digests if isinstance(digests, list) else [])
+        self._release_owner(runtime)  # its namespace is gone with its last process
 
     async def _kill_cgroup(self, sandbox_id: str) -> None:
         rel = self.cgroups.path_for(sandbox_id)
@@ -592,7 +670,7 @@ class ContainerBackend:
     def _criu(self) -> criu.Criu:
         if not self.uses_launcher:
             raise InvalidArgumentError("snapshots need the launcher runtime (container.runtime = 'launcher')")
-        tool = criu.Criu(self.config.criu_root)
+        tool = criu.Criu(self.config.criu_root, shim=self._shim_path)
         try:
             tool.command()
         except criu.CriuUnavailableError as exc:
@@ -629,7 +707,19 @@ class ContainerBackend:
             raise InvalidArgumentError(f"sandbox {sandbox.id} cannot be snapshotted: {exc}") from exc
         except OSError as exc:
             raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
-        agent_key = criu.Criu.external_file_key(self.agent_path)
+        # The agent binary as the sandbox maps it: criu names it by its mount (in the namespace of the
+        # daemon that started the sandbox, perhaps not this one) and inode, and a restore gives this
+        # daemon's copy back in its place, so it must be this very file.
+        try:
+            exe = Path(f"/proc/{pid}/exe")
+            if not os.path.samestat(os.stat(exe), os.stat(self.agent_path)):
+                raise WrongStateError(
+                    f"sandbox {sandbox.id} runs another build of the agent than this daemon's (started before an "
+                    "upgrade): it cannot be snapshotted"
+                )
+            agent_key = criu.Criu.external_file_key(exe)
+        except OSError as exc:
+            raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
         rel = self.cgroups.path_for(sandbox.id)
         images, fs = target / "img", target / "fs"
         images.mkdir(parents=True)
@@ -657,6 +747,8 @@ class ContainerBackend:
                 done = await proc.spawn(argv, timeout=300)
                 if done.returncode != 0:
                     raise InternalError(f"criu dump failed ({done.returncode}): {_criu_error(log_file)}")
+                # Still frozen: the tree the images were taken from is the one checked.
+                await self._check_restore_paths(sandbox, images)
             finally:
                 await asyncio.to_thread(self._thaw_quietly, sandbox.id)
         finally:
@@ -670,7 +762,36 @@ class ContainerBackend:
             "agent": self.agent_path.parent.name,  # the build: criu maps this very binary back
             # The restored agent still runs the snapshot's execs: new ids start past theirs.
             "next_id": max(next_id, channel.next_id) + 1024,
+            # Every path a restore creates by name was checked (restores refuse snapshots without).
+            "paths_checked": 1,
         }
+
+    async def _check_restore_paths(self, sandbox: LiveSandbox, images: Path) -> None:
+        """Refuse a snapshot whose restore would create or remove a file through a path the sandbox
+        controls (see criu.unsafe_restore_paths): an open file that was deleted is recreated by
+        criu, by name, as host root, before the restored tree is confined to its own root."""
+        if not await asyncio.to_thread((images / "remap-fpath.img").exists):
+            return  # nothing is recreated by path (the common case)
+        t0 = time.perf_counter()
+        try:
+            root = os.open(f"/proc/{sandbox.agent_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
+        try:
+            problems = await asyncio.to_thread(criu.unsafe_restore_paths, images, root)
+        except (criu.ImageError, OSError) as exc:
+            raise InternalError(f"checking the snapshot of {sandbox.id} failed: {exc}") from exc
+        finally:
+            os.close(root)
+        log.debug("sandbox %s: restore paths checked in %.2f ms", sandbox.id, (time.perf_counter() - t0) * 1000)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise WrongStateError(
+                f"sandbox {sandbox.id} cannot be snapshotted: {problems[0]}{more}. A restore recreates such "
+                "a file by that path before the new sandbox is confined to its root, so it would land outside "
+                "it. Close the file (or end the process holding it open), or put a real directory back on its "
+                "path, then snapshot or fork again"
+            )
 
     async def _copy_scratch(self, sandbox: LiveSandbox, parts: list[str], dest: Path) -> None:
         """`cp -a` parts of a (frozen) sandbox's scratch tmpfs into `dest`: whiteouts, xattrs, owners kept."""
@@ -752,6 +873,11 @@ class ContainerBackend:
         assert self._launcher is not None and self.agent_path is not None
         if meta.get("agent") != self.agent_path.parent.name:
             raise WrongStateError("the snapshot was taken with another build of the agent (before an upgrade)")
+        if not meta.get("paths_checked"):
+            raise WrongStateError(
+                "the snapshot was taken before snapshots were checked for files a restore would recreate "
+                "outside the sandbox (an upgrade): take a new snapshot"
+            )
         async with self._restores:
             return await self._restore(sandbox_id, spec, source, meta, tool)
 
@@ -766,13 +892,15 @@ class ContainerBackend:
             raise DataLossError(f"a layer of the snapshot is corrupt: {exc}") from exc
         except OSError as exc:
             raise InternalError(f"preparing the sandbox failed: {exc}") from exc
-        runtime: dict[str, Any] = {"layers": digests, "restored": True}
+        owner = self._new_owner()
+        runtime: dict[str, Any] = {"layers": digests, "restored": True, "userns_owner": owner}
         sdir = prepared.sdir
         assert sdir is not None
         log_file = sdir / "restore.log"
         try:
             disk = spec.resources.disk
             args = ["--restore", str(source), "--dir", str(sdir), "--pid-file", str(sdir / "agent.pid")]
+            args += ["--uid", str(self.config.uid_base), "--owner", str(owner)]
             args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192))]
             for lower in reversed(prepared.lowers):
                 args += ["--lower", lower]
@@ -780,8 +908,8 @@ class ContainerBackend:
             args.append("--")
             args += tool.restore_argv(
                 source / "img",
-                rootfs=sdir / "rootfs",
-                scratch=sdir / "scratch",
+                rootfs=sdir / "r",
+                scratch=sdir / "s",
                 shared=self.run_dir / "shared",
                 externals=dict(meta["externals"]),
                 agent_key=str(meta["agent_key"]),
@@ -791,30 +919,40 @@ class ContainerBackend:
                 cgroup_root=self.cgroups.path_for(sandbox_id),
                 cgroup_controllers=[] if self.cgroups.mode == "v2" else list(cgroups.V1_JOINED),
             )
-            await asyncio.to_thread(criu.Criu.write_action_script, sdir / "criu-action.sh", sdir / "scratch")
+            await asyncio.to_thread(criu.Criu.write_action_script, sdir / "criu-action.sh", sdir / "s")
             placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # no channel: the agent has its own
             try:
                 pid = await self._launcher.launch(args, channel_fd=placeholder, bind_fds=[], timeout=60)
             except TimeoutError as exc:
                 raise UnavailableError("restoring the snapshot timed out") from exc
             except LaunchError as exc:
+                if exc.unavailable:
+                    raise UnavailableError(f"the snapshot was not restored: {exc.message}") from exc
                 raise InternalError(f"restoring the snapshot failed: {exc.message}: {_criu_error(log_file)}") from exc
             finally:
                 os.close(placeholder)
             runtime["agent_pid"] = pid
             runtime["agent_start_time"] = proc.process_start_time(pid)
+            if userns_owner(pid) != owner:  # criu made the namespace; the shim makes it the sandbox's own
+                raise InternalError("the restored sandbox's user namespace is not owned by its own uid")
             sock = await self._grab_channel(pid, 2.5)
             if sock is None:
                 raise UnavailableError("the restored agent offered no channel")
             channel = AgentChannel(sock, first_id=int(meta.get("next_id", 1)))
+            # The parent's sessions and background processes go on here under the same exec ids:
+            # their handles exist before the agent is told to drop every other exec.
+            keep = [int(i) for i in meta.get("keep_execs", [])]
+            inherited = {exec_id: channel.attach(exec_id, -1) for exec_id in keep}
             try:
                 await channel.wait_hello(timeout=self.config.start_timeout)
-                await channel.forget()  # the parent's execs run on here, but nobody asks for them
+                await channel.forget(keep)  # the parent's other execs run on here, but nobody asks for them
                 await channel.ping(timeout=self.config.start_timeout)
             except (TimeoutError, ChannelClosedError) as exc:
                 channel.close()
                 raise UnavailableError("the restored agent did not answer") from exc
-            return self._live(sandbox_id, channel, runtime)
+            live = self._live(sandbox_id, channel, runtime)
+            live.inherited = inherited
+            return live
         except BaseException as exc:
             await asyncio.shield(self.cleanup(sandbox_id, runtime))
             if isinstance(exc, SandboxError | asyncio.CancelledError):
@@ -847,7 +985,58 @@ class ContainerBackend:
         for digest in digests if isinstance(digests, list) else []:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.layers.acquire, digest, functools.partial(self._open_layer, digest))
+        self._keep_owner(runtime)  # never handed to another sandbox while this one lives
         return self._live(sandbox_id, channel, runtime)
+
+    async def recover(self, sandbox_id: str) -> tuple[LiveSandbox, Resources] | None:
+        """A sandbox running on the node that the daemon has no record of (its state database was
+        lost): its agent is the cgroup's `sandfleet-agent` whose parent is outside the cgroup."""
+        rel = self.cgroups.path_for(sandbox_id)
+        agent = await asyncio.to_thread(self._find_agent, rel)
+        if agent is None:
+            return None
+        runtime: dict[str, Any] = {"agent_pid": agent, "agent_start_time": proc.process_start_time(agent), "layers": []}
+        owner = userns_owner(agent)
+        if owner is not None and OWNER_BASE <= owner < OWNER_BASE + OWNER_SPAN:
+            runtime["userns_owner"] = owner
+        live = await self.adopt(sandbox_id, runtime)
+        if live is None:
+            return None
+        memory, cpu, pids = await asyncio.to_thread(self.cgroups.limits, rel)
+        fields: dict[str, Any] = {}
+        if memory is not None and 16 * 1024**2 <= memory <= 2**40:
+            fields["memory"] = memory
+        if cpu is not None and 0 < cpu <= 256:
+            fields["cpu"] = round(cpu, 3)
+            fields["cpu_request"] = min(round(cpu, 3), 0.1)
+        if pids is not None and 8 <= pids <= 32768:
+            fields["pids"] = pids
+        try:
+            resources = Resources.model_validate(fields)
+        except ValueError:
+            resources = Resources()
+        return live, resources
+
+    def _find_agent(self, rel: str) -> int | None:
+        members = set(self.cgroups.procs(rel))
+        for pid in members:
+            try:
+                stat_text = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            name = stat_text[stat_text.find("(") + 1 : stat_text.rfind(")")]
+            ppid = int(stat_text[stat_text.rfind(")") + 2 :].split()[1])
+            if name == "sandfleet-agent" and ppid not in members:
+                return pid
+        return None
+
+    def mount_points(self, sandbox: LiveSandbox) -> frozenset[str]:
+        """Where the sandbox has mounts, as paths inside it (from its agent's mountinfo)."""
+        try:
+            text = Path(f"/proc/{sandbox.agent_pid}/mountinfo").read_text()
+        except OSError as exc:
+            raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
+        return files.mount_points(text)
 
     # -- introspection ------------------------------------------------------------------------
 

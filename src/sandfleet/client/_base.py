@@ -3,19 +3,33 @@
 Each API call is described as a `Call` (method, path, params, body, expected model); the sync and
 async clients only differ in how they send it. Transport errors and wire errors are mapped to the
 `SandboxError` tree here, so both clients raise the same exceptions.
+
+Deadlines. Every request waits at most the client's `timeout` for an answer unless its call takes a
+`timeout=` of its own (image builds, imports, pushes and `pack` default to `BUILD_TIMEOUT`). A
+command whose own timeout fits in the client's is run by the one-response exec endpoint, which gets
+that timeout plus `EXEC_MARGIN` (so the daemon's `timed_out=true` answer wins); a command with no
+timeout, or a longer one, is streamed, and there the client's timeout bounds *silence* (the daemon
+sends a heartbeat every `HEARTBEAT_INTERVAL` seconds while nothing else happens), never less than
+`MIN_SILENCE`. Calls that retry (create, create_many, fork, restore) keep to one deadline for all
+their attempts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import random
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -24,20 +38,62 @@ from pydantic import BaseModel, ValidationError
 from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
+    ResourceExhaustedError,
     SandboxError,
     SandboxTimeoutError,
     UnavailableError,
+    WrongStateError,
     error_from_wire,
 )
-from sandfleet.models import CreateBatchItem, CreateBatchRequest, ExecEvent, ExecRequest, ForkRequest, SandboxSpec
+from sandfleet.models import (
+    CreateBatchItem,
+    CreateBatchRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEvent,
+    ForkRequest,
+    LifetimeManyRequest,
+    LifetimeUpdate,
+    ProcessInfo,
+    SandboxSpec,
+    SessionCreateRequest,
+    SessionRunRequest,
+    SnapshotRequest,
+    check_idempotency_key,
+)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 DEFAULT_SOCKET = "/run/sandfleet/sandfleet.sock"
 DEFAULT_TIMEOUT = 60.0
-# Extra HTTP time on top of a command's own timeout, so the daemon's answer (timed_out=true) wins.
-EXEC_MARGIN = 10.0
+# Extra HTTP time on top of a command's own timeout, so the daemon's answer wins: its timed_out=true,
+# or its typed error once its own deadline (the command's timeout + 15 s) passes.
+EXEC_MARGIN = 20.0
+# Image builds, imports, pushes and pack: their own, longer default (seconds).
+BUILD_TIMEOUT = 1800.0
+# The daemon sends a heartbeat line this often while a stream has nothing else to say...
+HEARTBEAT_INTERVAL = 5.0
+# ...so a stream silent for the client's timeout, but never less than this, is a daemon gone quiet.
+MIN_SILENCE = 2 * HEARTBEAT_INTERVAL + 2.0
+# Retried calls: backoff from BACKOFF_FIRST doubling to BACKOFF_MAX (with jitter); another attempt is
+# only made when at least MIN_ATTEMPT seconds of the call's deadline are left for it.
+BACKOFF_FIRST = 0.05
+BACKOFF_MAX = 1.0
+MIN_ATTEMPT = 0.5
+
+
+class Unset(Enum):
+    """The type of `UNSET`: "argument not given", where None already means something (no limit)."""
+
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = Unset.UNSET
 
 
 @dataclass(frozen=True)
@@ -48,7 +104,9 @@ class Call:
     json: Any = None
     content: bytes | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
-    # "default": the client's timeout; None: wait as long as it takes (e.g. exec with timeout=None).
+    # A one-response call: seconds to wait for the answer ("default": the client's timeout).
+    # A streamed call: seconds the whole stream may last (None or "default": as long as the daemon
+    # keeps talking; silence is bounded by `silence_limit` of the client's timeout).
     timeout: float | None | Literal["default"] = "default"
 
 
@@ -76,30 +134,272 @@ class Endpoint:
         return f"unix socket {self.socket}" if self.socket else self.url
 
 
+# -- deadlines ----------------------------------------------------------------------------------------
+
+
+def check_timeout(timeout: float | None, default: float) -> float:
+    """A call's own `timeout=` (None: the client's), refused unless positive."""
+    seconds = default if timeout is None else timeout
+    if not seconds > 0:
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, not {seconds!r}")
+    return float(seconds)
+
+
 def exec_timeout(timeout: float | None, default: float) -> float | None:
     if timeout is None:
         return None
     return max(default, timeout + EXEC_MARGIN)
 
 
+def one_response(command_timeout: float | None, client_timeout: float) -> bool:
+    """Whether a command runs through the one-response endpoint (its timeout fits in the client's)
+    rather than a stream whose heartbeats prove the daemon alive however long the command runs."""
+    return command_timeout is not None and command_timeout <= client_timeout
+
+
+def request_timeout(call: Call, client_timeout: float) -> float:
+    """Seconds a one-response call waits for its answer."""
+    return client_timeout if call.timeout is None or call.timeout == "default" else call.timeout
+
+
+def silence_limit(client_timeout: float) -> float:
+    """How long a stream may go without a line before the daemon counts as gone."""
+    return max(client_timeout, MIN_SILENCE)
+
+
+def stream_timeouts(client_timeout: float) -> httpx.Timeout:
+    """httpx timeouts of a streamed call: each read may wait for the silence limit (heartbeats
+    arrive well within it), the rest the client's timeout."""
+    return httpx.Timeout(client_timeout, read=silence_limit(client_timeout))
+
+
+def stream_deadline(call: Call, start: float) -> float | None:
+    """The monotonic time a streamed call must be over by (None: no limit but the silence one)."""
+    return None if call.timeout is None or call.timeout == "default" else start + call.timeout
+
+
+def _silence_error(waited: float, deadline_passed: bool) -> SandboxTimeoutError:
+    if deadline_passed:
+        return SandboxTimeoutError("the daemon's stream outlasted the call's deadline")
+    return SandboxTimeoutError(
+        f"the daemon sent nothing for {waited:.1f} s (not even a heartbeat): it stopped answering"
+    )
+
+
+async def next_line(lines: AsyncIterator[str], silence: float, deadline: float | None) -> str | None:
+    """The next line of a stream (None at its end), or SandboxTimeoutError once it has been silent
+    for `silence` seconds or runs past `deadline` (the caller then closes the connection)."""
+    wait = silence if deadline is None else min(silence, deadline - time.monotonic())
+    if wait <= 0:
+        raise _silence_error(0.0, True)
+    try:
+        async with asyncio.timeout(wait):
+            return await anext(lines, None)
+    except TimeoutError as exc:
+        raise _silence_error(wait, wait < silence) from exc
+
+
+def next_line_sync(lines: Iterator[str], silence: float, deadline: float | None) -> str | None:
+    """The blocking counterpart of `next_line`: httpx's read timeout (the silence limit, see
+    `stream_timeouts`) bounds each read on the socket; a line that comes too late still counts as
+    silence, and the deadline is checked between lines."""
+    start = time.monotonic()
+    if deadline is not None and start >= deadline:
+        raise _silence_error(0.0, True)
+    line = next(lines, None)
+    now = time.monotonic()
+    if now - start > silence:
+        raise _silence_error(now - start, False)
+    if deadline is not None and now > deadline:
+        raise _silence_error(now - start, True)
+    return line
+
+
+class Deadline:
+    """The time a retried call may take in all, and the backoff between its attempts."""
+
+    def __init__(self, seconds: float, *, retry_refusals_for: float | None = None) -> None:
+        now = time.monotonic()
+        self.end = now + seconds
+        self.refusals_end = self.end if retry_refusals_for is None else min(self.end, now + retry_refusals_for)
+        self._backoff = BACKOFF_FIRST
+        self.delay = self._jittered()
+
+    def _jittered(self) -> float:
+        return self._backoff * random.uniform(0.5, 1.0)
+
+    def remaining(self) -> float:
+        return self.end - time.monotonic()
+
+    def attempt_timeout(self, per_request: float) -> float:
+        """An attempt waits the client's timeout, or what is left of the deadline if less."""
+        return max(0.001, min(per_request, self.remaining()))
+
+    def _room(self, refused: bool) -> float:
+        """Seconds left to wait before the last attempt that still gets MIN_ATTEMPT seconds."""
+        return (self.refusals_end if refused else self.end) - time.monotonic() - MIN_ATTEMPT
+
+    def allows(self, refused: bool) -> bool:
+        """Whether another attempt fits (a refusal's retries may stop sooner: `retry_refusals_for`)."""
+        return self._room(refused) > 0
+
+    def backoff(self, refused: bool = False) -> float:
+        """The delay to sleep before the next attempt (cut so that attempt still fits); the next one
+        is longer."""
+        delay = min(self.delay, max(0.0, self._room(refused)))
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+        self.delay = self._jittered()
+        return delay
+
+
+def new_idempotency_key() -> str:
+    return uuid.uuid4().hex
+
+
+def idempotency_key(key: str | None) -> str:
+    """The caller's key (checked), or a fresh one."""
+    if key is None:
+        return new_idempotency_key()
+    try:
+        return check_idempotency_key(key)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(str(exc)) from exc
+
+
+def transport_cause(exc: SandboxError) -> BaseException | None:
+    """The transport exception a SandboxError was raised from (`map_transport_error`), if any."""
+    cause = exc.__cause__
+    return cause if isinstance(cause, httpx.HTTPError | OSError) else None
+
+
+def request_sent(cause: BaseException) -> bool:
+    """False when the request surely never reached the daemon: no connection was made."""
+    return not isinstance(
+        cause,
+        httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout | FileNotFoundError | ConnectionRefusedError,
+    )
+
+
+@dataclass
+class CreateAttempts:
+    """The retry state of one create (or one spec of a batch, a fork, a restore): its idempotency
+    key, and whether an earlier attempt may have made the sandbox (the request reached the daemon
+    and its answer was lost), in which case only an answer for the same key settles it."""
+
+    key: str
+    in_doubt: bool = False
+
+    def retry_reason(self, exc: SandboxError) -> Literal["refused", "lost"] | None:
+        """Why `exc` calls for another attempt with the same key, or None if it does not."""
+        cause = transport_cause(exc)
+        if cause is None:  # the daemon answered: whatever an earlier attempt did is settled
+            self.in_doubt = False
+            return "refused" if isinstance(exc, ResourceExhaustedError) else None
+        if request_sent(cause):
+            self.in_doubt = True
+        # A refused connection before anything was sent is a missing daemon: fail fast, unless an
+        # earlier attempt's outcome is still unknown (a restarting daemon answers again shortly).
+        return "lost" if self.in_doubt else None
+
+    def final(self, exc: SandboxError) -> SandboxError:
+        """The error to give up with: `exc`, or (outcome unknown) one saying which key settles it."""
+        if not self.in_doubt:
+            return exc
+        err = type(exc)(
+            f"{exc.message} (the daemon may have acted on it: repeat the call with "
+            f"idempotency_key={self.key!r} to get what it made, if anything)"
+        )
+        err.__cause__ = exc
+        return err
+
+
+# -- request bodies -----------------------------------------------------------------------------------
+
+
+def _validated(model: type[M], what: str, data: Mapping[str, Any]) -> M:
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError as exc:
+        raise InvalidArgumentError(f"invalid {what}: {exc}") from exc
+
+
 def spec_from(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> SandboxSpec:
-    try:
-        if spec is not None and kwargs:
-            return SandboxSpec.model_validate({**spec.model_dump(exclude_unset=True), **kwargs})
-        if spec is not None:
-            return spec
-        return SandboxSpec.model_validate(kwargs)
-    except ValidationError as exc:
-        raise InvalidArgumentError(f"invalid sandbox spec: {exc}") from exc
+    if spec is not None and not kwargs:
+        return spec
+    merged = {**spec.model_dump(exclude_unset=True), **kwargs} if spec is not None else kwargs
+    return _validated(SandboxSpec, "sandbox spec", merged)
 
 
-def exec_body(command: str | list[str], *, timeout: float | None, **kw: Any) -> dict[str, Any]:
-    """The exec request body: unset options are left to the daemon's defaults; `timeout=None` means none."""
-    fields = {k: v for k, v in kw.items() if v is not None} | {"timeout": timeout}
-    try:
-        return ExecRequest.model_validate({"command": command, **fields}).model_dump(mode="json")
-    except ValidationError as exc:
-        raise InvalidArgumentError(f"invalid exec request: {exc}") from exc
+def _stdin_fields(stdin: str | bytes | None, keep_stdin_open: bool) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if isinstance(stdin, bytes | bytearray | memoryview):
+        fields["stdin_b64"] = base64.b64encode(bytes(stdin)).decode()
+    elif stdin is not None:
+        fields["stdin"] = stdin
+    if keep_stdin_open:
+        fields["keep_stdin_open"] = True
+    return fields
+
+
+def _output_fields(output_limit: int | None, merge_stderr: bool, binary: bool) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if output_limit is not None:
+        fields["output_limit"] = output_limit
+    if merge_stderr:
+        fields["merge_stderr"] = True
+    if binary:
+        fields["encoding"] = "base64"
+    return fields
+
+
+def exec_body(
+    command: str | list[str],
+    *,
+    timeout: float | None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    user: str | None = None,
+    stdin: str | bytes | None = None,
+    keep_stdin_open: bool = False,
+    output_limit: int | None = None,
+    merge_stderr: bool = False,
+    binary: bool = False,
+) -> dict[str, Any]:
+    """The exec request body: options left at their defaults are not sent (the daemon's defaults
+    apply); `timeout=None` means none. `stdin` text travels as is, bytes as base64; `binary` asks for
+    output as base64 of the raw bytes (`ExecResult.stdout_bytes`)."""
+    fields: dict[str, Any] = {"command": command, "timeout": timeout}
+    if env:
+        fields["env"] = dict(env)
+    if cwd is not None:
+        fields["cwd"] = cwd
+    if user is not None:
+        fields["user"] = user
+    fields |= _stdin_fields(stdin, keep_stdin_open) | _output_fields(output_limit, merge_stderr, binary)
+    return _validated(ExecRequest, "exec request", fields).model_dump(mode="json", exclude_unset=True)
+
+
+def session_run_body(
+    command: str,
+    *,
+    timeout: float | None,
+    output_limit: int | None = None,
+    stdin: str | bytes | None = None,
+    keep_stdin_open: bool = False,
+    merge_stderr: bool = False,
+    binary: bool = False,
+) -> dict[str, Any]:
+    """A session command's request body (as `exec_body`)."""
+    fields: dict[str, Any] = {"command": command, "timeout": timeout}
+    fields |= _stdin_fields(stdin, keep_stdin_open) | _output_fields(output_limit, merge_stderr, binary)
+    return _validated(SessionRunRequest, "session command", fields).model_dump(mode="json", exclude_unset=True)
+
+
+def as_bytes(data: bytes | str) -> bytes:
+    return data.encode() if isinstance(data, str) else bytes(data)
+
+
+# -- responses ----------------------------------------------------------------------------------------
 
 
 def raise_for(response_status: int, body: bytes, endpoint: Endpoint) -> None:
@@ -119,17 +419,57 @@ def decode(model: type[M], body: bytes) -> M:
         raise InternalError(f"malformed response from the daemon: {exc}") from exc
 
 
-def decode_event(line: bytes) -> ExecEvent:
-    data = json.loads(line)
-    if data.get("type") == "error":
+def _stream_item(model: type[M], line: bytes) -> M:
+    """One line of an ndjson stream; an `error` line is the error the daemon hit mid-stream."""
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        raise InternalError(f"malformed stream line from the daemon: {line[:200]!r}") from exc
+    if isinstance(data, dict) and data.get("type") == "error":
         raise error_from_wire(data)
-    return ExecEvent.model_validate(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InternalError(f"malformed stream line from the daemon: {exc}") from exc
+
+
+def decode_event(line: bytes) -> ExecEvent:
+    return _stream_item(ExecEvent, line)
+
+
+def exec_event(line: bytes) -> ExecEvent | None:
+    """A command stream's event; None for a heartbeat (it only proves the daemon alive)."""
+    event = _stream_item(ExecEvent, line)
+    return None if event.type == "heartbeat" else event
+
+
+def file_event(line: bytes) -> FileEvent | None:
+    """A watch stream's event; None for a heartbeat."""
+    event = _stream_item(FileEvent, line)
+    return None if event.type == "heartbeat" else event
+
+
+def exit_result(event: ExecEvent) -> ExecResult:
+    if event.result is None:
+        raise InternalError("the daemon sent an exit event without a result")
+    return event.result
+
+
+def no_exit() -> UnavailableError:
+    return UnavailableError("the daemon's stream ended before the command's exit (the daemon or sandbox went away)")
+
+
+def finished(info: ProcessInfo) -> ProcessInfo:
+    """A waited-on process's info; one that ended without a result is an error, not a silent None."""
+    if not info.running and info.result is None:
+        raise WrongStateError(f"process {info.id} ended without a result (its sandbox stopped)")
+    return info
 
 
 def map_transport_error(exc: Exception, endpoint: Endpoint) -> SandboxError:
     if isinstance(exc, httpx.TimeoutException):
         return SandboxTimeoutError(f"request to the sandfleet daemon timed out ({type(exc).__name__})")
-    if isinstance(exc, (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError)):
+    if isinstance(exc, httpx.ConnectError | FileNotFoundError | ConnectionRefusedError):
         return UnavailableError(
             f"cannot reach the sandfleet daemon at {endpoint.describe()} (is `sandfleet serve` running?)"
         )
@@ -181,44 +521,82 @@ def extract_tar(data: bytes, dest: Path) -> None:
 
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_OCTET_STREAM = {"content-type": "application/octet-stream"}
+
+
+def _id(kind: str, value: str) -> str:
+    """An id as one path segment, refusing ids that could not name anything (or would change the route)."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise InvalidArgumentError(f"invalid {kind} id {value!r}")
+    return quote(value, safe="")
 
 
 def sandbox_path(sandbox_id: str) -> str:
     """`/v1/sandboxes/<id>`, refusing ids that could not name a sandbox (or would change the route)."""
-    if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
-        raise InvalidArgumentError(f"invalid sandbox id {sandbox_id!r}")
-    return "/v1/sandboxes/" + quote(sandbox_id, safe="")
+    return "/v1/sandboxes/" + _id("sandbox", sandbox_id)
 
 
 def _sb(sandbox_id: str, suffix: str = "") -> str:
     return sandbox_path(sandbox_id) + suffix
 
 
+def snapshot_path(snapshot_id: str) -> str:
+    return "/v1/snapshots/" + _id("snapshot", snapshot_id)
+
+
+def process_path(sandbox_id: str, process_id: str) -> str:
+    return _sb(sandbox_id, "/processes/" + _id("process", process_id))
+
+
+def session_path(sandbox_id: str, session_id: str) -> str:
+    return _sb(sandbox_id, "/sessions/" + _id("session", session_id))
+
+
 # Fields the caller left unset are not sent: the daemon fills them from the image's defaults
 # (an OCI image's WorkingDir and User) before its own.
-def call_create(spec: SandboxSpec, timeout: float) -> Call:
-    return Call("POST", "/v1/sandboxes", json=spec.model_dump(mode="json", exclude_unset=True), timeout=timeout)
+def call_create(spec: SandboxSpec, key: str, timeout: float) -> Call:
+    return Call(
+        "POST",
+        "/v1/sandboxes",
+        json=spec.model_dump(mode="json", exclude_unset=True),
+        headers={"idempotency-key": key},
+        timeout=timeout,
+    )
 
 
-def call_create_batch(specs: Sequence[SandboxSpec], concurrency: int, timeout: float) -> Call:
-    body = CreateBatchRequest(specs=list(specs), concurrency=concurrency)
+def call_create_batch(specs: Sequence[SandboxSpec], keys: Sequence[str], concurrency: int, timeout: float) -> Call:
+    body = CreateBatchRequest(specs=list(specs), concurrency=concurrency, idempotency_keys=list(keys))
     return Call("POST", "/v1/sandboxes/batch", json=body.model_dump(mode="json", exclude_unset=True), timeout=timeout)
 
 
-def snapshot_path(snapshot_id: str) -> str:
-    if not isinstance(snapshot_id, str) or not _ID_RE.match(snapshot_id):
-        raise InvalidArgumentError(f"invalid snapshot id {snapshot_id!r}")
-    return "/v1/snapshots/" + snapshot_id
+def _fork_body(count: int, labels: Mapping[str, str] | None, key: str) -> dict[str, Any]:
+    body = _validated(
+        ForkRequest, "fork request", {"count": count, "labels": dict(labels or {}), "idempotency_key": key}
+    )
+    return body.model_dump(mode="json")
 
 
-def call_fork(sandbox_id: str, count: int, labels: Mapping[str, str] | None, timeout: float) -> Call:
-    body = ForkRequest(count=count, labels=dict(labels or {}))
-    return Call("POST", sandbox_path(sandbox_id) + "/fork", json=body.model_dump(mode="json"), timeout=timeout)
+def call_fork(sandbox_id: str, count: int, labels: Mapping[str, str] | None, key: str, timeout: float) -> Call:
+    return Call("POST", _sb(sandbox_id, "/fork"), json=_fork_body(count, labels, key), timeout=timeout)
 
 
-def call_restore(snapshot_id: str, count: int, labels: Mapping[str, str] | None, timeout: float) -> Call:
-    body = ForkRequest(count=count, labels=dict(labels or {}))
-    return Call("POST", snapshot_path(snapshot_id) + "/restore", json=body.model_dump(mode="json"), timeout=timeout)
+def call_restore(snapshot_id: str, count: int, labels: Mapping[str, str] | None, key: str, timeout: float) -> Call:
+    return Call("POST", snapshot_path(snapshot_id) + "/restore", json=_fork_body(count, labels, key), timeout=timeout)
+
+
+def call_snapshot(sandbox_id: str, ttl: float | None, labels: Mapping[str, str] | None, timeout: float) -> Call:
+    """No body unless a ttl or labels are given (the node's retention applies)."""
+    fields: dict[str, Any] = {}
+    if ttl is not None:
+        fields["ttl"] = ttl
+    if labels:
+        fields["labels"] = dict(labels)
+    body = _validated(SnapshotRequest, "snapshot request", fields).model_dump(mode="json") if fields else None
+    return Call("POST", _sb(sandbox_id, "/snapshots"), json=body, timeout=timeout)
+
+
+def call_snapshots(sandbox_id: str | None) -> Call:
+    return Call("GET", "/v1/snapshots", params={"sandbox_id": sandbox_id} if sandbox_id else None)
 
 
 def item_error(item: CreateBatchItem) -> SandboxError:
@@ -228,13 +606,49 @@ def item_error(item: CreateBatchItem) -> SandboxError:
 
 
 def call_list(labels: Mapping[str, str] | None, state: str | None) -> Call:
+    """`state` None: the daemon's default, live sandboxes (creating, running, paused, stopping)."""
     params: list[tuple[str, Any]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-    if state:
+    if state is not None:
         params.append(("state", state))
     return Call("GET", "/v1/sandboxes", params=params)
 
 
+def _lifetimes(idle_ttl: float | None | Unset, max_lifetime: float | None | Unset) -> dict[str, Any]:
+    fields = {
+        name: value
+        for name, value in (("idle_ttl", idle_ttl), ("max_lifetime", max_lifetime))
+        if not isinstance(value, Unset)
+    }
+    if not fields:
+        raise InvalidArgumentError("give idle_ttl or max_lifetime (None removes that limit)")
+    return fields
+
+
+def call_set_lifetime(sandbox_id: str, idle_ttl: float | None | Unset, max_lifetime: float | None | Unset) -> Call:
+    """Only the limits given are sent (an explicit None as null: remove that limit)."""
+    body = _validated(LifetimeUpdate, "lifetime update", _lifetimes(idle_ttl, max_lifetime))
+    return Call("PATCH", sandbox_path(sandbox_id), json=body.model_dump(mode="json", exclude_unset=True))
+
+
+def call_set_lifetimes(
+    labels: Mapping[str, str], idle_ttl: float | None | Unset, max_lifetime: float | None | Unset
+) -> Call:
+    fields = {"labels": dict(labels), **_lifetimes(idle_ttl, max_lifetime)}
+    body = _validated(LifetimeManyRequest, "lifetime update", fields)
+    return Call("POST", "/v1/sandboxes/lifetimes", json=body.model_dump(mode="json", exclude_unset=True))
+
+
+def call_labels(action: Literal["pause", "resume"], labels: Mapping[str, str], timeout: float) -> Call:
+    return Call("POST", f"/v1/sandboxes/{action}", json={"labels": dict(labels)}, timeout=timeout)
+
+
+def call_pack(sandbox_id: str, image: str, exclude: Sequence[str], timeout: float) -> Call:
+    return Call("POST", _sb(sandbox_id, "/pack"), json={"image": image, "exclude": list(exclude)}, timeout=timeout)
+
+
 def call_exec(sandbox_id: str, body: dict[str, Any], default_timeout: float, *, stream: bool = False) -> Call:
+    """One response: wait the command's timeout plus EXEC_MARGIN. Streamed: the same bounds the whole
+    stream (none without a command timeout); silence is bounded by the client (see `silence_limit`)."""
     return Call(
         "POST",
         _sb(sandbox_id, "/exec/stream" if stream else "/exec"),
@@ -243,14 +657,43 @@ def call_exec(sandbox_id: str, body: dict[str, Any], default_timeout: float, *, 
     )
 
 
+def call_start(sandbox_id: str, body: dict[str, Any]) -> Call:
+    return Call("POST", _sb(sandbox_id, "/processes"), json=body)
+
+
+def call_wait(sandbox_id: str, process_id: str, timeout: float) -> Call:
+    if not timeout >= 0:
+        raise InvalidArgumentError(f"wait timeout must be >= 0 seconds, not {timeout!r}")
+    return Call("GET", process_path(sandbox_id, process_id), params={"wait": timeout}, timeout=timeout + EXEC_MARGIN)
+
+
+def call_kill(sandbox_id: str, process_id: str, signal: int) -> Call:
+    return Call("DELETE", process_path(sandbox_id, process_id), params={"signal": signal})
+
+
+def call_stdin(base_path: str, data: bytes, close: bool) -> Call:
+    """Write bytes to a command's standard input (`close`: then close it)."""
+    return Call("POST", base_path + "/stdin", params={"close": str(close).lower()}, content=data, headers=_OCTET_STREAM)
+
+
+def call_session_create(sandbox_id: str, env: Mapping[str, str] | None, cwd: str | None, user: str | None) -> Call:
+    fields: dict[str, Any] = {"env": dict(env or {})}
+    if cwd is not None:
+        fields["cwd"] = cwd
+    if user is not None:
+        fields["user"] = user
+    body = _validated(SessionCreateRequest, "session request", fields)
+    return Call("POST", _sb(sandbox_id, "/sessions"), json=body.model_dump(mode="json", exclude_unset=True))
+
+
 def call_session_run(
-    sandbox_id: str, session_id: str, command: str, timeout: float | None, output_limit: int, default_timeout: float
+    sandbox_id: str, session_id: str, body: dict[str, Any], default_timeout: float, *, stream: bool = False
 ) -> Call:
     return Call(
         "POST",
-        _sb(sandbox_id, f"/sessions/{session_id}/run"),
-        json={"command": command, "timeout": timeout, "output_limit": output_limit},
-        timeout=exec_timeout(timeout, default_timeout),
+        session_path(sandbox_id, session_id) + ("/run/stream" if stream else "/run"),
+        json=body,
+        timeout=exec_timeout(body.get("timeout"), default_timeout),
     )
 
 
@@ -258,13 +701,7 @@ def call_write(sandbox_id: str, path: str, data: bytes, mode: int, user: str | N
     params: dict[str, Any] = {"path": path, "mode": mode, "append": str(append).lower()}
     if user:
         params["user"] = user
-    return Call(
-        "PUT",
-        _sb(sandbox_id, "/files/content"),
-        params=params,
-        content=data,
-        headers={"content-type": "application/octet-stream"},
-    )
+    return Call("PUT", _sb(sandbox_id, "/files/content"), params=params, content=data, headers=_OCTET_STREAM)
 
 
 def call_read(sandbox_id: str, path: str, offset: int, length: int | None) -> Call:
@@ -274,6 +711,26 @@ def call_read(sandbox_id: str, path: str, offset: int, length: int | None) -> Ca
     return Call("GET", _sb(sandbox_id, "/files/content"), params=params)
 
 
+def call_list_files(sandbox_id: str, path: str) -> Call:
+    return Call("GET", _sb(sandbox_id, "/files/list"), params={"path": path})
+
+
+def call_stat(sandbox_id: str, path: str, follow_symlinks: bool) -> Call:
+    params = {"path": path, "follow_symlinks": str(follow_symlinks).lower()}
+    return Call("GET", _sb(sandbox_id, "/files/stat"), params=params)
+
+
+def call_mkdir(sandbox_id: str, path: str, parents: bool, mode: int, user: str | None) -> Call:
+    params: dict[str, Any] = {"path": path, "parents": str(parents).lower(), "mode": mode}
+    if user:
+        params["user"] = user
+    return Call("POST", _sb(sandbox_id, "/files/mkdir"), params=params)
+
+
+def call_remove(sandbox_id: str, path: str, recursive: bool) -> Call:
+    return Call("DELETE", _sb(sandbox_id, "/files"), params={"path": path, "recursive": str(recursive).lower()})
+
+
 def call_upload(sandbox_id: str, path: str, data: bytes, user: str | None) -> Call:
     params: dict[str, Any] = {"path": path}
     if user:
@@ -281,3 +738,13 @@ def call_upload(sandbox_id: str, path: str, data: bytes, user: str | None) -> Ca
     return Call(
         "PUT", _sb(sandbox_id, "/files/tar"), params=params, content=data, headers={"content-type": "application/x-tar"}
     )
+
+
+def call_download(sandbox_id: str, path: str) -> Call:
+    return Call("GET", _sb(sandbox_id, "/files/tar"), params={"path": path})
+
+
+def call_watch(sandbox_id: str, path: str, recursive: bool) -> Call:
+    """A stream with no end of its own (None): it lasts until the caller stops reading."""
+    params = {"path": path, "recursive": str(recursive).lower()}
+    return Call("GET", _sb(sandbox_id, "/files/watch"), params=params, timeout=None)

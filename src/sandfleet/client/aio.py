@@ -7,22 +7,24 @@ import builtins
 import functools
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
 
 from sandfleet.client import _base as b
-from sandfleet.errors import ResourceExhaustedError, SandboxError, SandboxNotFoundError
+from sandfleet.client._base import UNSET, Unset
+from sandfleet.errors import SandboxError, SandboxNotFoundError
 from sandfleet.models import (
     CreateBatchResult,
     EventList,
     ExecEvent,
     ExecResult,
+    FileEvent,
     FileInfo,
     FileList,
     GcResult,
@@ -30,6 +32,7 @@ from sandfleet.models import (
     ImageInfo,
     ImageList,
     ImportRequest,
+    Ok,
     ProcessInfo,
     ProcessList,
     SandboxEvent,
@@ -37,6 +40,7 @@ from sandfleet.models import (
     SandboxList,
     SandboxSpec,
     SessionInfo,
+    SessionList,
     SnapshotInfo,
     SnapshotList,
     StopManyResult,
@@ -44,10 +48,18 @@ from sandfleet.models import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 class AsyncClient:
-    """Talks to a sandfleet daemon. `async with AsyncClient() as fleet: sb = await fleet.create(...)`."""
+    """Talks to a sandfleet daemon. `async with AsyncClient() as fleet: sb = await fleet.create(...)`.
+
+    `timeout` (seconds) is the deadline of every call that has none of its own: a daemon that stops
+    answering raises `SandboxTimeoutError` after it, streams included (there it bounds silence, never
+    below `b.MIN_SILENCE`: the daemon sends heartbeats while a command is quiet). `transport`
+    replaces the HTTP transport (tests pass an `httpx.MockTransport`); `socket`/`url` then only name
+    the daemon in errors.
+    """
 
     def __init__(
         self,
@@ -56,12 +68,14 @@ class AsyncClient:
         url: str | None = None,
         token: str | None = None,
         timeout: float = b.DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.endpoint = b.Endpoint.resolve(socket, url, token)
-        self.timeout = timeout
-        transport = httpx.AsyncHTTPTransport(uds=self.endpoint.socket) if self.endpoint.socket else None
+        self.timeout = b.check_timeout(timeout, b.DEFAULT_TIMEOUT)
+        if transport is None and self.endpoint.socket:
+            transport = httpx.AsyncHTTPTransport(uds=self.endpoint.socket)
         self._http = httpx.AsyncClient(
-            base_url=self.endpoint.url, transport=transport, timeout=timeout, headers=self.endpoint.headers()
+            base_url=self.endpoint.url, transport=transport, timeout=self.timeout, headers=self.endpoint.headers()
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -84,11 +98,9 @@ class AsyncClient:
                 json=call.json,
                 content=call.content,
                 headers=dict(call.headers),
-                timeout=self.timeout if call.timeout == "default" else call.timeout,
+                timeout=b.request_timeout(call, self.timeout),
             )
-        except httpx.HTTPError as exc:
-            raise b.map_transport_error(exc, self.endpoint) from exc
-        except OSError as exc:
+        except (httpx.HTTPError, OSError) as exc:
             raise b.map_transport_error(exc, self.endpoint) from exc
         b.raise_for(resp.status_code, resp.content, self.endpoint)
         return resp.content
@@ -96,17 +108,70 @@ class AsyncClient:
     async def _model(self, model: type[M], call: b.Call) -> M:
         return b.decode(model, await self._send(call))
 
-    async def _stream_lines(self, call: b.Call) -> AsyncIterator[bytes]:
+    async def _stream(self, call: b.Call, decode: Callable[[bytes], T | None]) -> AsyncGenerator[T | None, None]:
+        """None once the daemon answered (the stream is open), then the items of its ndjson stream,
+        `decode`d (None: a heartbeat, swallowed). Silence longer than the client's timeout (see
+        `b.silence_limit`) or a stream outlasting `call.timeout` raises SandboxTimeoutError; leaving
+        (an error, a timeout, the generator closed or dropped) closes the connection, and the daemon
+        ends what the stream was for."""
+        silence = b.silence_limit(self.timeout)
+        deadline = b.stream_deadline(call, time.monotonic())
         try:
-            timeout = self.timeout if call.timeout == "default" else call.timeout
-            async with self._http.stream(call.method, call.path, json=call.json, timeout=timeout) as resp:
+            async with self._http.stream(
+                call.method,
+                call.path,
+                params=call.params,
+                json=call.json,
+                content=call.content,
+                headers=dict(call.headers),
+                timeout=b.stream_timeouts(self.timeout),
+            ) as resp:
                 if resp.status_code >= 400:
                     b.raise_for(resp.status_code, await resp.aread(), self.endpoint)
-                async for line in resp.aiter_lines():
-                    if line:
-                        yield line.encode()
-        except httpx.HTTPError as exc:
+                yield None
+                lines = resp.aiter_lines()
+                while (line := await b.next_line(lines, silence, deadline)) is not None:
+                    if line and (item := decode(line.encode())) is not None:
+                        yield item
+        except (httpx.HTTPError, OSError) as exc:
             raise b.map_transport_error(exc, self.endpoint) from exc
+
+    def _events(self, call: b.Call, decode: Callable[[bytes], T | None]) -> AsyncEventStream[T]:
+        return AsyncEventStream(self._stream(call, decode))
+
+    async def _streamed_result(self, call: b.Call) -> ExecResult:
+        """Run a command through its streaming endpoint and return its result (the `exit` event's)."""
+        result: ExecResult | None = None
+        async with self._events(call, b.exec_event) as events:
+            async for event in events:
+                if event.type == "exit":
+                    result = b.exit_result(event)
+        if result is None:
+            raise b.no_exit()
+        return result
+
+    async def _retrying(
+        self,
+        make: Callable[[str, float], b.Call],
+        model: type[M],
+        attempts: b.CreateAttempts,
+        deadline: b.Deadline,
+        refusals: bool,
+    ) -> M:
+        """Send `make(key, attempt_timeout)` until an answer settles it: a lost answer (timeout, broken
+        connection) is retried with the same idempotency key, a full node's refusal too when
+        `refusals`, each while the deadline leaves room; then the last error is raised."""
+        while True:
+            try:
+                return await self._model(model, make(attempts.key, deadline.attempt_timeout(self.timeout)))
+            except SandboxError as exc:
+                reason = attempts.retry_reason(exc)
+                if reason is None or (reason == "refused" and not refusals) or not deadline.allows(reason == "refused"):
+                    final = attempts.final(exc)
+                    if final is exc:
+                        raise
+                    raise final from exc
+                await asyncio.sleep(deadline.backoff(reason == "refused"))
 
     # -- node
 
@@ -116,8 +181,8 @@ class AsyncClient:
         result: dict[str, Any] = json.loads(await self._send(b.Call("GET", "/v1/health")))
         return result
 
-    async def images(self) -> list[ImageInfo]:
-
+    async def images(self) -> builtins.list[ImageInfo]:
+        """The node's images."""
         return (await self._model(ImageList, b.Call("GET", "/v1/images"))).images
 
     async def delete_image(self, ref: str) -> None:
@@ -128,27 +193,51 @@ class AsyncClient:
         """Delete layer files no image, sandbox or snapshot uses (and older than `min_age` seconds)."""
         return await self._model(GcResult, b.Call("POST", "/v1/images/gc", params={"min_age": min_age}))
 
-    async def build_image(self, ref: str, timeout: float = 1800) -> ImageInfo:
-        return await self._model(ImageInfo, b.Call("POST", "/v1/images/build", params={"ref": ref}, timeout=timeout))
+    async def build_image(self, ref: str, timeout: float = b.BUILD_TIMEOUT) -> ImageInfo:
+        """Build a built-in image (`busybox`, `debian:bookworm`, `python:3.11`); waits up to `timeout`
+        seconds (default 30 minutes, whatever the client's timeout)."""
+        call = b.Call("POST", "/v1/images/build", params={"ref": ref}, timeout=b.check_timeout(timeout, 0))
+        return await self._model(ImageInfo, call)
 
-    async def push_image(self, ref: str, timeout: float = 1800) -> ImageInfo:
+    async def push_image(self, ref: str, timeout: float = b.BUILD_TIMEOUT) -> ImageInfo:
         """Publish a local image to the daemon's shared store as on-demand layers (other nodes
-        then use it without copying its file data)."""
-        return await self._model(ImageInfo, b.Call("POST", "/v1/images/push", params={"ref": ref}, timeout=timeout))
+        then use it without copying its file data); waits up to `timeout` seconds (default 30 minutes)."""
+        call = b.Call("POST", "/v1/images/push", params={"ref": ref}, timeout=b.check_timeout(timeout, 0))
+        return await self._model(ImageInfo, call)
 
-    async def import_image(self, path: str, ref: str | None = None, timeout: float = 1800) -> ImageInfo:
-        """Import a `docker save` tarball or an OCI image layout (a path on the daemon's host)."""
+    async def import_image(self, path: str, ref: str | None = None, timeout: float = b.BUILD_TIMEOUT) -> ImageInfo:
+        """Import a `docker save` tarball or an OCI image layout (a path on the daemon's host); waits up
+        to `timeout` seconds (default 30 minutes)."""
         body = ImportRequest(path=path, ref=ref).model_dump(mode="json")
-        return await self._model(ImageInfo, b.Call("POST", "/v1/images/import", json=body, timeout=timeout))
+        call = b.Call("POST", "/v1/images/import", json=body, timeout=b.check_timeout(timeout, 0))
+        return await self._model(ImageInfo, call)
 
     # -- sandboxes
 
     async def create(
-        self, spec: SandboxSpec | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        spec: SandboxSpec | None = None,
+        *,
+        timeout: float | None = None,
+        idempotency_key: str | None = None,
+        **fields: Any,
     ) -> AsyncSandbox:
-        """Create a sandbox from a spec or from SandboxSpec fields (`image=..., resources=...`)."""
-        spec = b.spec_from(spec, fields)
-        info = await self._model(SandboxInfo, b.call_create(spec, timeout or max(self.timeout, 600)))
+        """Create a sandbox from a spec or from SandboxSpec fields (`image=..., resources=...`).
+
+        Waits for capacity: a full node's refusal (`ResourceExhaustedError`) is retried with backoff
+        until `timeout` (default: the client's) runs out, then the last refusal is raised (each
+        attempt waits at most the client's timeout, and only starts with `b.MIN_ATTEMPT` s left). Every
+        attempt carries one Idempotency-Key (`idempotency_key`, or a fresh one), so an attempt whose
+        answer was lost (timeout, broken connection, a daemon restart) is retried without ever making
+        a second sandbox. An error raised while the outcome is unknown names the key: repeat the
+        create with it to get the sandbox if it was made.
+        """
+        full = b.spec_from(spec, fields)
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
+        deadline = b.Deadline(b.check_timeout(timeout, self.timeout))
+        info = await self._retrying(
+            lambda key, t: b.call_create(full, key, t), SandboxInfo, attempts, deadline, refusals=True
+        )
         return AsyncSandbox(self, info)
 
     async def create_many(
@@ -157,48 +246,59 @@ class AsyncClient:
         *,
         concurrency: int = 16,
         batch_size: int = 64,
-        retry_for: float = 60.0,
+        timeout: float | None = None,
+        retry_for: float | None = None,
     ) -> builtins.list[AsyncSandbox | SandboxError]:
         """Create one sandbox per spec; one result per spec, in order: the sandbox or its SandboxError.
 
         Specs travel `batch_size` to a request (one round trip per batch, not per sandbox), two
         requests in flight, and the daemon runs `concurrency` creates of each batch at once. Each
-        item succeeds or fails on its own. Refusals of a full node (`ResourceExhaustedError`) are
-        retried with backoff for up to `retry_for` seconds (nothing else is: after a timeout or a
-        broken connection the create may have happened, and a retry would duplicate it).
+        item succeeds or fails on its own. Everything is over within `timeout` (default: the client's).
+        Refusals of a full node (`ResourceExhaustedError`) are retried with backoff for up to
+        `retry_for` seconds (default: until the timeout). Each spec has its own idempotency key, sent
+        again on its retries, so a batch whose answer was lost is retried without duplicates.
         """
+        specs = builtins.list(specs)
+        attempts = [b.CreateAttempts(b.new_idempotency_key()) for _ in specs]
+        deadline = b.Deadline(b.check_timeout(timeout, self.timeout), retry_refusals_for=retry_for)
         results: dict[int, AsyncSandbox | SandboxError] = {}
-        pending = builtins.list(enumerate(specs))
-        deadline = time.monotonic() + retry_for
-        delay = 0.05
+        pending = builtins.list(range(len(specs)))
         while pending:
+            per_request = deadline.attempt_timeout(self.timeout)
             chunks = [pending[i : i + batch_size] for i in range(0, len(pending), batch_size)]
-            calls = [functools.partial(self._create_batch, chunk, concurrency) for chunk in chunks]
+            calls = [
+                functools.partial(
+                    self._create_batch, [(i, specs[i], attempts[i].key) for i in chunk], concurrency, per_request
+                )
+                for chunk in chunks
+            ]
             pending = []
+            only_refused = True
             for chunk_results in await b.gather_bounded(2, calls):
-                for index, spec, outcome in chunk_results:
-                    if isinstance(outcome, ResourceExhaustedError) and time.monotonic() + delay <= deadline:
-                        pending.append((index, spec))
-                    else:
-                        results[index] = outcome
+                for index, outcome in chunk_results:
+                    if isinstance(outcome, SandboxError):
+                        reason = attempts[index].retry_reason(outcome)
+                        if reason is not None and deadline.allows(reason == "refused"):
+                            pending.append(index)
+                            only_refused = only_refused and reason == "refused"
+                            continue
+                        outcome = attempts[index].final(outcome)
+                    results[index] = outcome
             if pending:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(deadline.backoff(only_refused))
         return [results[i] for i in range(len(specs))]
 
     async def _create_batch(
-        self, chunk: Sequence[tuple[int, SandboxSpec]], concurrency: int
-    ) -> builtins.list[tuple[int, SandboxSpec, AsyncSandbox | SandboxError]]:
+        self, chunk: Sequence[tuple[int, SandboxSpec, str]], concurrency: int, timeout: float
+    ) -> builtins.list[tuple[int, AsyncSandbox | SandboxError]]:
+        call = b.call_create_batch([spec for _, spec, _ in chunk], [key for *_, key in chunk], concurrency, timeout)
         try:
-            reply = await self._model(
-                CreateBatchResult,
-                b.call_create_batch([spec for _, spec in chunk], concurrency, max(self.timeout, 600)),
-            )
+            reply = await self._model(CreateBatchResult, call)
         except SandboxError as exc:
-            return [(index, spec, exc) for index, spec in chunk]
+            return [(index, exc) for index, _, _ in chunk]
         return [
-            (index, spec, AsyncSandbox(self, item.sandbox) if item.sandbox else b.item_error(item))
-            for (index, spec), item in zip(chunk, reply.results, strict=True)
+            (index, AsyncSandbox(self, item.sandbox) if item.sandbox else b.item_error(item))
+            for (index, _, _), item in zip(chunk, reply.results, strict=True)
         ]
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
@@ -206,40 +306,105 @@ class AsyncClient:
         return AsyncSandbox(self, await self._model(SandboxInfo, b.Call("GET", b.sandbox_path(sandbox_id))))
 
     async def list(self, labels: Mapping[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
-
+        """Sandboxes carrying all of `labels`, in `state`: creating, running, paused, stopping,
+        stopped, failed, `live` (the first four) or `all`; None (the default) lists live ones only."""
         return (await self._model(SandboxList, b.call_list(labels, state))).sandboxes
 
     async def stop_many(self, labels: Mapping[str, str], reason: str = "user") -> builtins.list[str]:
-
+        """Stop every live sandbox with these labels; the ids stopped."""
         call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": dict(labels), "reason": reason})
         return (await self._model(StopManyResult, call)).stopped
 
-    async def pause_many(self, labels: Mapping[str, str]) -> builtins.list[str]:
-        """Pause every running sandbox with these labels (a preempted trainer's whole job); the ids paused."""
-        call = b.Call("POST", "/v1/sandboxes/pause", json={"labels": dict(labels)}, timeout=max(self.timeout, 600))
+    async def pause_many(self, labels: Mapping[str, str], *, timeout: float | None = None) -> builtins.list[str]:
+        """Pause every running sandbox with these labels (a preempted trainer's whole job); the ids
+        paused. Waits up to `timeout` seconds (default: the client's)."""
+        call = b.call_labels("pause", labels, b.check_timeout(timeout, self.timeout))
         return (await self._model(IdList, call)).sandboxes
 
-    async def resume_many(self, labels: Mapping[str, str]) -> builtins.list[str]:
-        """Resume every paused sandbox with these labels; the ids resumed."""
-        call = b.Call("POST", "/v1/sandboxes/resume", json={"labels": dict(labels)}, timeout=max(self.timeout, 600))
+    async def resume_many(self, labels: Mapping[str, str], *, timeout: float | None = None) -> builtins.list[str]:
+        """Resume every paused sandbox with these labels; the ids resumed (`timeout` as `pause_many`)."""
+        call = b.call_labels("resume", labels, b.check_timeout(timeout, self.timeout))
         return (await self._model(IdList, call)).sandboxes
+
+    async def set_lifetimes(
+        self,
+        labels: Mapping[str, str],
+        *,
+        idle_ttl: float | None | Unset = UNSET,
+        max_lifetime: float | None | Unset = UNSET,
+    ) -> builtins.list[str]:
+        """Change the idle TTL and/or max lifetime (seconds after creation) of every live sandbox with
+        these labels; only the limits given change, None removes one. The ids changed."""
+        return (await self._model(IdList, b.call_set_lifetimes(labels, idle_ttl, max_lifetime))).sandboxes
 
     async def restore(
-        self, snapshot_id: str, count: int = 1, labels: Mapping[str, str] | None = None
+        self,
+        snapshot_id: str,
+        count: int = 1,
+        labels: Mapping[str, str] | None = None,
+        *,
+        idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> builtins.list[AsyncSandbox | SandboxError]:
-        """`count` new sandboxes from a snapshot (processes, memory, files); one result per child, in order."""
-        return await self._batch(b.call_restore(snapshot_id, count, labels, max(self.timeout, 600)))
+        """`count` new sandboxes from a snapshot (processes, memory, files); one result per child, in
+        order. Works after the snapshot's sandbox stopped. A lost answer is retried with the same
+        idempotency key (given, or a fresh one) within `timeout` (default: the client's)."""
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
+        deadline = b.Deadline(b.check_timeout(timeout, self.timeout))
+        reply = await self._retrying(
+            lambda key, t: b.call_restore(snapshot_id, count, labels, key, t),
+            CreateBatchResult,
+            attempts,
+            deadline,
+            refusals=False,
+        )
+        return self._batch(reply)
 
     async def snapshots(self, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
-        params = {"sandbox_id": sandbox_id} if sandbox_id else None
-        return (await self._model(SnapshotList, b.Call("GET", "/v1/snapshots", params=params))).snapshots
+        """The node's snapshots (of one sandbox, live or stopped, when `sandbox_id` is given)."""
+        return (await self._model(SnapshotList, b.call_snapshots(sandbox_id))).snapshots
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._send(b.Call("DELETE", b.snapshot_path(snapshot_id)))
 
-    async def _batch(self, call: b.Call) -> builtins.list[AsyncSandbox | SandboxError]:
-        reply = await self._model(CreateBatchResult, call)
+    def _batch(self, reply: CreateBatchResult) -> builtins.list[AsyncSandbox | SandboxError]:
         return [AsyncSandbox(self, item.sandbox) if item.sandbox else b.item_error(item) for item in reply.results]
+
+
+class AsyncEventStream(Generic[T]):
+    """A stream of the daemon's (a command's output, a directory's changes): an `AsyncIterator` of
+    its events, heartbeats swallowed. It opens at `async with` (or the first iteration) and closes
+    when the `async with` is left, on `aclose()`, at its end or on an error; closing it ends what
+    it was for on the daemon (a streamed command is killed, a watch removed)."""
+
+    def __init__(self, items: AsyncGenerator[T | None, None]) -> None:
+        self._items = items  # None first, once the daemon answered; then the events
+        self._opened = False
+
+    async def open(self) -> AsyncEventStream[T]:
+        """Send the request and wait for the daemon's answer (a watch is in place once this returns)."""
+        if not self._opened:
+            self._opened = True
+            await anext(self._items, None)
+        return self
+
+    def __aiter__(self) -> AsyncEventStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        await self.open()
+        while (item := await anext(self._items)) is None:
+            pass
+        return item
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+
+    async def __aenter__(self) -> AsyncEventStream[T]:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class AsyncSandbox:
@@ -281,23 +446,50 @@ class AsyncSandbox:
         self.info = await self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/resume"))
         return self.info
 
-    async def snapshot(self) -> SnapshotInfo:
-        """Checkpoint processes, memory and files; the sandbox keeps running (a paused one stays paused)."""
-        call = b.Call("POST", b.sandbox_path(self.id) + "/snapshots", timeout=max(self._c.timeout, 600))
+    async def set_lifetime(
+        self, *, idle_ttl: float | None | Unset = UNSET, max_lifetime: float | None | Unset = UNSET
+    ) -> SandboxInfo:
+        """Change this sandbox's idle TTL and/or max lifetime (seconds after creation, not after this
+        call). Only the limits given change; None removes that limit."""
+        self.info = await self._c._model(SandboxInfo, b.call_set_lifetime(self.id, idle_ttl, max_lifetime))
+        return self.info
+
+    async def snapshot(
+        self, *, ttl: float | None = None, labels: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> SnapshotInfo:
+        """Checkpoint processes, memory and files; the sandbox keeps running (a paused one stays paused).
+        The snapshot outlives the sandbox: kept `ttl` seconds (default: the node's retention) or until
+        deleted; `labels` are its own. Waits up to `timeout` seconds (default: the client's)."""
+        call = b.call_snapshot(self.id, ttl, labels, b.check_timeout(timeout, self._c.timeout))
         return await self._c._model(SnapshotInfo, call)
 
-    async def pack(self, image: str, *, exclude: Sequence[str] = ()) -> ImageInfo:
+    async def pack(self, image: str, *, exclude: Sequence[str] = (), timeout: float = b.BUILD_TIMEOUT) -> ImageInfo:
         """Save this sandbox's changes as image `name:tag` (its layers + one new layer); `exclude`d paths
-        keep their base content. Create sandboxes from it with `fleet.create(image=...)`."""
-        body = {"image": image, "exclude": list(exclude)}
-        call = b.Call("POST", b.sandbox_path(self.id) + "/pack", json=body, timeout=max(self._c.timeout, 1800))
-        return await self._c._model(ImageInfo, call)
+        keep their base content. Create sandboxes from it with `fleet.create(image=...)`. A build:
+        waits up to `timeout` seconds (default 30 minutes, whatever the client's timeout)."""
+        return await self._c._model(ImageInfo, b.call_pack(self.id, image, exclude, b.check_timeout(timeout, 0)))
 
     async def fork(
-        self, count: int = 1, labels: Mapping[str, str] | None = None
+        self,
+        count: int = 1,
+        labels: Mapping[str, str] | None = None,
+        *,
+        idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> builtins.list[AsyncSandbox | SandboxError]:
-        """`count` copies of this sandbox as it is now, each isolated from it and from each other."""
-        return await self._c._batch(b.call_fork(self.id, count, labels, max(self._c.timeout, 600)))
+        """`count` copies of this sandbox as it is now, each isolated from it and from each other (with
+        its sessions and background processes, under the same ids). A lost answer is retried with
+        the same idempotency key (given, or a fresh one) within `timeout` (default: the client's)."""
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
+        deadline = b.Deadline(b.check_timeout(timeout, self._c.timeout))
+        reply = await self._c._retrying(
+            lambda key, t: b.call_fork(self.id, count, labels, key, t),
+            CreateBatchResult,
+            attempts,
+            deadline,
+            refusals=False,
+        )
+        return self._c._batch(reply)
 
     async def stop(self, reason: str = "user") -> SandboxInfo:
         """Stop the sandbox; stopping one that is already gone (TTL, stop_many) is not an error."""
@@ -316,45 +508,66 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         user: str | None = None,
-        stdin: str | None = None,
+        stdin: str | bytes | None = None,
         timeout: float | None = 60.0,
         output_limit: int | None = None,
+        merge_stderr: bool = False,
+        binary: bool = False,
     ) -> ExecResult:
-        """Run a command to completion. A string runs under /bin/sh -c; a list is an argv."""
+        """Run a command to completion. A string runs under /bin/sh -c; a list is an argv.
+
+        `cwd` may be relative (to the sandbox's working directory). `stdin` is text, or bytes.
+        `merge_stderr` sends standard error into stdout (one stream, in order). `binary` returns
+        output as base64 of the raw bytes: read `result.stdout_bytes` / `stderr_bytes`.
+        `timeout` (seconds, None: none) kills the command's process tree. A command whose timeout is
+        None or longer than the client's is streamed, so a daemon that stops answering raises
+        `SandboxTimeoutError` after the client's timeout of silence rather than hanging.
+        """
         body = b.exec_body(
             command,
-            env=dict(env) if env else None,
+            env=env,
             cwd=cwd,
             user=user,
             stdin=stdin,
             timeout=timeout,
             output_limit=output_limit,
+            merge_stderr=merge_stderr,
+            binary=binary,
         )
-        return await self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
+        if b.one_response(timeout, self._c.timeout):
+            return await self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
+        return await self._c._streamed_result(b.call_exec(self.id, body, self._c.timeout, stream=True))
 
-    async def exec_stream(
+    def exec_stream(
         self,
         command: str | builtins.list[str],
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         user: str | None = None,
-        stdin: str | None = None,
+        stdin: str | bytes | None = None,
         timeout: float | None = 60.0,
         output_limit: int | None = None,
-    ) -> AsyncIterator[ExecEvent]:
-        """Yield stdout/stderr chunks as they arrive, then one `exit` event with the result."""
+        merge_stderr: bool = False,
+        binary: bool = False,
+    ) -> AsyncEventStream[ExecEvent]:
+        """Stream the command's stdout/stderr chunks as they arrive, then one `exit` event with the
+        result (options as `exec`; with `binary`, each chunk's `data` is base64): `async for ev in
+        sb.exec_stream(cmd)`. The command starts at the first iteration (or `async with`); heartbeats
+        are swallowed; a daemon silent for the client's timeout raises `SandboxTimeoutError`. Leaving
+        early (`async with`, `aclose()`) closes the stream and the daemon kills the command."""
         body = b.exec_body(
             command,
-            env=dict(env) if env else None,
+            env=env,
             cwd=cwd,
             user=user,
             stdin=stdin,
             timeout=timeout,
             output_limit=output_limit,
+            merge_stderr=merge_stderr,
+            binary=binary,
         )
-        async for line in self._c._stream_lines(b.call_exec(self.id, body, self._c.timeout, stream=True)):
-            yield b.decode_event(line)
+        return self._c._events(b.call_exec(self.id, body, self._c.timeout, stream=True), b.exec_event)
 
     async def start(
         self,
@@ -363,30 +576,52 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         user: str | None = None,
+        stdin: str | bytes | None = None,
+        keep_stdin_open: bool = False,
         timeout: float | None = None,
         output_limit: int | None = None,
+        merge_stderr: bool = False,
+        binary: bool = False,
     ) -> AsyncProcess:
-        """Start a background process (its own session); returns a handle to wait on or kill."""
+        """Start a background process (its own session); returns a handle to wait on, kill or feed.
+        `stdin` is written first; with `keep_stdin_open` its standard input then stays open for
+        `process.write_stdin(...)` until `process.close_stdin()`."""
         body = b.exec_body(
-            command, env=dict(env) if env else None, cwd=cwd, user=user, timeout=timeout, output_limit=output_limit
+            command,
+            env=env,
+            cwd=cwd,
+            user=user,
+            stdin=stdin,
+            keep_stdin_open=keep_stdin_open,
+            timeout=timeout,
+            output_limit=output_limit,
+            merge_stderr=merge_stderr,
+            binary=binary,
         )
-        info = await self._c._model(ProcessInfo, b.Call("POST", b.sandbox_path(self.id) + "/processes", json=body))
-        return AsyncProcess(self, info)
+        return AsyncProcess(self, await self._c._model(ProcessInfo, b.call_start(self.id, body)))
 
     async def processes(self) -> builtins.list[ProcessInfo]:
-
+        """The sandbox's background processes (running and finished)."""
         return (await self._c._model(ProcessList, b.Call("GET", b.sandbox_path(self.id) + "/processes"))).processes
 
     async def session(
         self, *, env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None
     ) -> AsyncSession:
         """Open a persistent shell: commands share cwd, environment and shell variables."""
-        body = {"env": dict(env or {}), "cwd": cwd, "user": user}
-        info = await self._c._model(SessionInfo, b.Call("POST", b.sandbox_path(self.id) + "/sessions", json=body))
+        info = await self._c._model(SessionInfo, b.call_session_create(self.id, env, cwd, user))
+        return AsyncSession(self, info)
+
+    async def sessions(self) -> builtins.list[SessionInfo]:
+        """The sandbox's open sessions (a fork or restore child has its parent's, under the same ids)."""
+        return (await self._c._model(SessionList, b.Call("GET", b.sandbox_path(self.id) + "/sessions"))).sessions
+
+    async def attach_session(self, session_id: str) -> AsyncSession:
+        """A handle on an existing session (opened by another process, or inherited by a fork child)."""
+        info = await self._c._model(SessionInfo, b.Call("GET", b.session_path(self.id, session_id)))
         return AsyncSession(self, info)
 
     async def events(self, after: int = 0) -> builtins.list[SandboxEvent]:
-
+        """The sandbox's event log after sequence number `after`."""
         call = b.Call("GET", b.sandbox_path(self.id) + "/events", params={"after": after})
         return (await self._c._model(EventList, call)).events
 
@@ -397,20 +632,29 @@ class AsyncProcess:
         self.info = info
         self.id = info.id
 
+    def __repr__(self) -> str:
+        return f"<AsyncProcess {self.id} in {self._sb.id}>"
+
     async def wait(self, timeout: float = 60.0) -> ProcessInfo:
-        call = b.Call(
-            "GET",
-            b.sandbox_path(self._sb.id) + f"/processes/{self.id}",
-            params={"wait": timeout},
-            timeout=timeout + b.EXEC_MARGIN,
-        )
-        self.info = await self._sb._c._model(ProcessInfo, call)
+        """Wait up to `timeout` seconds for the process to exit: its info, with `result` once it has
+        (`running` stays True if it is still running then). Raises `WrongStateError` if its sandbox
+        stopped before it finished."""
+        self.info = b.finished(await self._sb._c._model(ProcessInfo, b.call_wait(self._sb.id, self.id, timeout)))
         return self.info
 
     async def kill(self, signal: int = 9) -> ProcessInfo:
-        call = b.Call("DELETE", b.sandbox_path(self._sb.id) + f"/processes/{self.id}", params={"signal": signal})
-        self.info = await self._sb._c._model(ProcessInfo, call)
+        """Send `signal` to the process's tree; its state once the signal took effect."""
+        self.info = await self._sb._c._model(ProcessInfo, b.call_kill(self._sb.id, self.id, signal))
         return self.info
+
+    async def write_stdin(self, data: bytes | str, *, close: bool = False) -> None:
+        """Write to the process's standard input (started with `keep_stdin_open=True`); `close`
+        then closes it."""
+        await self._sb._c._model(Ok, b.call_stdin(b.process_path(self._sb.id, self.id), b.as_bytes(data), close))
+
+    async def close_stdin(self) -> None:
+        """Close the process's standard input (it reads end-of-file)."""
+        await self.write_stdin(b"", close=True)
 
 
 class AsyncSession:
@@ -419,22 +663,95 @@ class AsyncSession:
         self.info = info
         self.id = info.id
 
+    def __repr__(self) -> str:
+        return f"<AsyncSession {self.id} in {self._sb.id}>"
+
     async def __aenter__(self) -> AsyncSession:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def run(self, command: str, *, timeout: float | None = 60.0, output_limit: int = 1024**2) -> ExecResult:
-        call = b.call_session_run(self._sb.id, self.id, command, timeout, output_limit, self._sb._c.timeout)
-        return await self._sb._c._model(ExecResult, call)
+    async def refresh(self) -> SessionInfo:
+        """The session's current info (`busy` while a command runs in it)."""
+        self.info = await self._sb._c._model(SessionInfo, b.Call("GET", b.session_path(self._sb.id, self.id)))
+        return self.info
+
+    async def run(
+        self,
+        command: str,
+        *,
+        timeout: float | None = 60.0,
+        output_limit: int | None = None,
+        stdin: str | bytes | None = None,
+        keep_stdin_open: bool = False,
+        merge_stderr: bool = False,
+        binary: bool = False,
+    ) -> ExecResult:
+        """Run a command in the session's shell (its cwd, environment and variables carry over).
+
+        `stdin` (text or bytes) is fed to the command; with `keep_stdin_open` its standard input stays
+        open for `session.write_stdin(...)` until `session.close_stdin()`. `merge_stderr` and `binary`
+        as `exec`. A timed-out command is killed, the shell lives on. A command whose timeout is None
+        or longer than the client's is streamed (heartbeats prove the daemon alive), so a daemon that
+        stops answering raises `SandboxTimeoutError` after the client's timeout of silence.
+        """
+        body = b.session_run_body(
+            command,
+            timeout=timeout,
+            output_limit=output_limit,
+            stdin=stdin,
+            keep_stdin_open=keep_stdin_open,
+            merge_stderr=merge_stderr,
+            binary=binary,
+        )
+        c = self._sb._c
+        if b.one_response(timeout, c.timeout):
+            return await c._model(ExecResult, b.call_session_run(self._sb.id, self.id, body, c.timeout))
+        return await c._streamed_result(b.call_session_run(self._sb.id, self.id, body, c.timeout, stream=True))
+
+    def run_stream(
+        self,
+        command: str,
+        *,
+        timeout: float | None = 60.0,
+        output_limit: int | None = None,
+        stdin: str | bytes | None = None,
+        keep_stdin_open: bool = False,
+        merge_stderr: bool = False,
+        binary: bool = False,
+    ) -> AsyncEventStream[ExecEvent]:
+        """`run`, streaming stdout/stderr chunks as they arrive, then one `exit` event with the result
+        (heartbeats swallowed; see `exec_stream`)."""
+        body = b.session_run_body(
+            command,
+            timeout=timeout,
+            output_limit=output_limit,
+            stdin=stdin,
+            keep_stdin_open=keep_stdin_open,
+            merge_stderr=merge_stderr,
+            binary=binary,
+        )
+        c = self._sb._c
+        return c._events(b.call_session_run(self._sb.id, self.id, body, c.timeout, stream=True), b.exec_event)
+
+    async def write_stdin(self, data: bytes | str, *, close: bool = False) -> None:
+        """Write to the standard input of the command running in the session (started with `stdin`
+        or `keep_stdin_open`); `close` then closes it."""
+        call = b.call_stdin(b.session_path(self._sb.id, self.id), b.as_bytes(data), close)
+        await self._sb._c._model(Ok, call)
+
+    async def close_stdin(self) -> None:
+        """Close the running command's standard input (it reads end-of-file)."""
+        await self.write_stdin(b"", close=True)
 
     async def close(self) -> None:
-        await self._sb._c._send(b.Call("DELETE", b.sandbox_path(self._sb.id) + f"/sessions/{self.id}"))
+        await self._sb._c._send(b.Call("DELETE", b.session_path(self._sb.id, self.id)))
 
 
 class AsyncFiles:
-    """File operations inside the sandbox; paths are absolute sandbox paths."""
+    """File operations inside the sandbox; paths are absolute, or relative to the sandbox's working
+    directory."""
 
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
@@ -448,21 +765,15 @@ class AsyncFiles:
     async def write(
         self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None, append: bool = False
     ) -> FileInfo:
-        raw = data.encode() if isinstance(data, str) else data
-        return await self._sb._c._model(FileInfo, b.call_write(self._sb.id, path, raw, mode, user, append))
+        call = b.call_write(self._sb.id, path, b.as_bytes(data), mode, user, append)
+        return await self._sb._c._model(FileInfo, call)
 
     async def list(self, path: str = "/") -> builtins.list[FileInfo]:
-
-        call = b.Call("GET", b.sandbox_path(self._sb.id) + "/files/list", params={"path": path})
-        return (await self._sb._c._model(FileList, call)).files
+        """The entries of directory `path`."""
+        return (await self._sb._c._model(FileList, b.call_list_files(self._sb.id, path))).files
 
     async def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
-        call = b.Call(
-            "GET",
-            b.sandbox_path(self._sb.id) + "/files/stat",
-            params={"path": path, "follow_symlinks": str(follow_symlinks).lower()},
-        )
-        return await self._sb._c._model(FileInfo, call)
+        return await self._sb._c._model(FileInfo, b.call_stat(self._sb.id, path, follow_symlinks))
 
     async def exists(self, path: str) -> bool:
         from sandfleet.errors import NotFoundError
@@ -474,20 +785,10 @@ class AsyncFiles:
         return True
 
     async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755, user: str | None = None) -> FileInfo:
-        params: dict[str, Any] = {"path": path, "parents": str(parents).lower(), "mode": mode}
-        if user:
-            params["user"] = user
-        call = b.Call("POST", b.sandbox_path(self._sb.id) + "/files/mkdir", params=params)
-        return await self._sb._c._model(FileInfo, call)
+        return await self._sb._c._model(FileInfo, b.call_mkdir(self._sb.id, path, parents, mode, user))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self._sb._c._send(
-            b.Call(
-                "DELETE",
-                b.sandbox_path(self._sb.id) + "/files",
-                params={"path": path, "recursive": str(recursive).lower()},
-            )
-        )
+        await self._sb._c._send(b.call_remove(self._sb.id, path, recursive))
 
     async def upload(self, local: str | os.PathLike[str], path: str, *, user: str | None = None) -> None:
         """Copy a local file or directory's contents into the sandbox directory `path` (as a tar)."""
@@ -500,4 +801,12 @@ class AsyncFiles:
         await asyncio.to_thread(b.extract_tar, data, Path(local))
 
     async def download_tar(self, path: str) -> bytes:
-        return await self._sb._c._send(b.Call("GET", b.sandbox_path(self._sb.id) + "/files/tar", params={"path": path}))
+        return await self._sb._c._send(b.call_download(self._sb.id, path))
+
+    def watch(self, path: str = ".", *, recursive: bool = True) -> AsyncEventStream[FileEvent]:
+        """Changes under directory `path` as they happen: create, modify, delete, rename_from /
+        rename_to, chmod, and `overflow` when the kernel dropped events (re-scan then). The watch is
+        in place once `async with sb.files.watch(path) as changes:` is entered (or at the first
+        iteration), and lasts until it is left (or `aclose()`), which closes the stream. Heartbeats
+        are swallowed; a daemon silent for the client's timeout raises `SandboxTimeoutError`."""
+        return self._sb._c._events(b.call_watch(self._sb.id, path, recursive), b.file_event)

@@ -8,38 +8,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 import secrets
 import tempfile
-from collections.abc import AsyncIterator, Iterator
-from typing import IO, Annotated, Any, BinaryIO, cast
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Annotated, Any, BinaryIO, Literal, cast
 
-from fastapi import Body, FastAPI, Query, Request
+from fastapi import BackgroundTasks, Body, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandfleet import __version__
-from sandfleet.daemon.service import SandboxManager, file_info
+from sandfleet.daemon.service import EventStream, SandboxManager, file_info
+from sandfleet.daemon.state import StateDiskFullError
 from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     SandboxError,
     UnauthenticatedError,
 )
 from sandfleet.models import (
+    MAX_PATH,
+    MAX_REF,
     CreateBatchItem,
     CreateBatchRequest,
     CreateBatchResult,
     ErrorBody,
     ErrorResponse,
     EventList,
+    ExecEvent,
     ExecRequest,
     ExecResult,
+    FileEvent,
     FileInfo,
     FileList,
     ForkRequest,
@@ -50,6 +60,8 @@ from sandfleet.models import (
     ImageList,
     ImportRequest,
     LabelsRequest,
+    LifetimeManyRequest,
+    LifetimeUpdate,
     Ok,
     PackRequest,
     ProcessInfo,
@@ -64,6 +76,7 @@ from sandfleet.models import (
     SessionRunRequest,
     SnapshotInfo,
     SnapshotList,
+    SnapshotRequest,
     StopManyRequest,
     StopManyResult,
     StopRequest,
@@ -92,8 +105,107 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+ImageRefParam = Annotated[str, Path(max_length=MAX_REF, description="name:tag")]
+ImageRefQuery = Annotated[str, Query(max_length=MAX_REF, description="name:tag")]
+MAX_JSON_BODY = 64 * 1024**2  # the largest JSON request (32 MiB of stdin, as base64)
+HEARTBEAT = 5.0  # seconds between heartbeat lines on a quiet stream
+
+
 def _error_response(exc: SandboxError) -> JSONResponse:
     return JSONResponse({"error": exc.to_wire()}, status_code=exc.http_status)
+
+
+def _check_text(value: object) -> None:
+    """A JSON value must hold only strings that are valid Unicode: a lone UTF-16 surrogate
+    (`"\\ud800"`) decodes into Python but can be neither stored nor answered."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate (C speed)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+class CheckedRoute(APIRoute):
+    """Every JSON body is bounded, strict UTF-8 and free of lone surrogates before FastAPI parses
+    it into the request model: bad input is a 400 and never reaches the service."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            has_json = "json" in request.headers.get("content-type", "")
+            if request.method in ("POST", "PUT", "PATCH", "DELETE") and has_json:
+                if int(request.headers.get("content-length") or 0) > MAX_JSON_BODY:
+                    raise InvalidArgumentError(f"request body larger than {MAX_JSON_BODY} bytes")
+                body = bytearray()
+                async for chunk in request.stream():
+                    body.extend(chunk)
+                    if len(body) > MAX_JSON_BODY:
+                        raise InvalidArgumentError(f"request body larger than {MAX_JSON_BODY} bytes")
+                try:
+                    text = bytes(body).decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise InvalidArgumentError(f"request body is not UTF-8 (byte {exc.start})") from None
+                if text.strip():
+                    try:
+                        _check_text(json.loads(text))
+                    except UnicodeEncodeError:
+                        raise InvalidArgumentError(
+                            "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+                        ) from None
+                    except ValueError:
+                        pass  # not JSON: FastAPI says so, as a 400
+                request._body = bytes(body)  # FastAPI reads the body from here
+            return await handler(request)
+
+        return checked
+
+
+def _stream(events: EventStream[Any], beat: bytes) -> StreamingResponse:
+    """An ndjson response of `events`; closing them is the response's background task too, so a client
+    that left before the first byte (the body never iterated) still releases what they hold."""
+    return StreamingResponse(
+        _lines(events, beat), media_type="application/x-ndjson", background=BackgroundTask(events.aclose)
+    )
+
+
+async def _lines(events: AsyncIterator[BaseModel], beat: bytes, interval: float = HEARTBEAT) -> AsyncIterator[bytes]:
+    """ndjson lines of `events`, a heartbeat line whenever none came for `interval` seconds (so
+    a client can tell a quiet stream from a daemon that stopped), an error line on a SandboxError;
+    leaving early (the client went away) closes `events`, which cleans up behind it."""
+    it = events.__aiter__()
+    nxt: asyncio.Future[BaseModel] = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=interval)
+            if not done:
+                yield beat
+                continue
+            try:
+                ev = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield ev.model_dump_json(exclude_none=True).encode() + b"\n"
+            nxt = asyncio.ensure_future(it.__anext__())
+    except SandboxError as exc:
+        yield json.dumps({"type": "error", "error": exc.to_wire()}).encode() + b"\n"
+    except Exception as exc:  # noqa: BLE001 (the stream's status line went out already)
+        log.exception("stream failed")
+        yield json.dumps({"type": "error", "error": InternalError(f"stream failed: {exc}"[:300]).to_wire()}).encode()
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
 
 
 def _parse_labels(label: list[str]) -> dict[str, str]:
@@ -124,6 +236,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         responses=_ERRORS,
         description="Elastic sandboxes for agentic RL: the node daemon's API.",
     )
+    app.router.route_class = CheckedRoute
     metrics = manager.metrics
 
     @app.exception_handler(SandboxError)
@@ -135,8 +248,8 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
         parts = []
         for err in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {err.get('msg')}")
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")[:100]
+            parts.append(f"{loc}: {str(err.get('msg'))[:300]}")  # never the (unbounded) input itself
         metrics.http_errors.labels(code="invalid_argument").inc()
         return _error_response(InvalidArgumentError("; ".join(parts) or "invalid request"))
 
@@ -146,7 +259,9 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
             return _error_response(NotFoundError("no such endpoint"))
         if exc.status_code == 405:
             return _error_response(InvalidArgumentError("method not allowed on this endpoint"))
-        return _error_response(InternalError(str(exc.detail)))
+        if 400 <= exc.status_code < 500:  # e.g. a body FastAPI could not parse
+            return _error_response(InvalidArgumentError(f"bad request: {exc.detail}"[:300]))
+        return _error_response(InternalError(str(exc.detail)[:300]))
 
     @app.middleware("http")
     async def _unexpected(request: Request, call_next: Any) -> Any:
@@ -154,10 +269,18 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         # Exception handler, and uvicorn then drops the client's keep-alive connection.
         try:
             return await call_next(request)
+        except (StateDiskFullError, OSError) as exc:
+            if isinstance(exc, StateDiskFullError) or exc.errno == errno.ENOSPC:
+                metrics.http_errors.labels(code="resource_exhausted").inc()
+                log.warning("no space left serving %s %s: %s", request.method, request.url.path, exc)
+                return _error_response(ResourceExhaustedError(f"the node's disk is full: {exc}"[:300]))
+            log.exception("unexpected error serving %s %s", request.method, request.url.path)
+            metrics.http_errors.labels(code="internal").inc()
+            return _error_response(InternalError(f"internal error: {exc}"[:300]))
         except Exception as exc:
             log.exception("unexpected error serving %s %s", request.method, request.url.path)
             metrics.http_errors.labels(code="internal").inc()
-            return _error_response(InternalError(f"internal error: {exc}"[:500]))
+            return _error_response(InternalError(f"internal error: {exc}"[:300]))
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus its default 422 responses: validation errors here are 400s."""
@@ -210,20 +333,56 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
 
     # -- sandboxes ------------------------------------------------------------------------------
 
+    def _acked(background: BackgroundTasks, ids: list[str]) -> None:
+        """Once the answer naming these sandboxes has gone out: they were heard (see `ack`)."""
+        background.add_task(manager.ack, ids)
+
     @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
-    async def create(spec: SandboxSpec) -> SandboxInfo:
-        return await manager.create(spec)
+    async def create(
+        spec: SandboxSpec,
+        background: BackgroundTasks,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias="Idempotency-Key",
+                max_length=128,
+                pattern=r"^[A-Za-z0-9._:-]{1,128}$",
+                description="a retried create with the same key returns the sandbox the first one made",
+            ),
+        ] = None,
+    ) -> SandboxInfo:
+        info = await manager.create(spec, idempotency_key=idempotency_key)
+        _acked(background, [info.id])
+        return info
 
     @app.post("/v1/sandboxes/batch", response_model=CreateBatchResult)
-    async def create_batch(req: CreateBatchRequest) -> CreateBatchResult:
-        return _batch_result(await manager.create_batch(req.specs, req.concurrency))
+    async def create_batch(req: CreateBatchRequest, background: BackgroundTasks) -> CreateBatchResult:
+        results = await manager.create_batch(req.specs, req.concurrency, req.idempotency_keys)
+        _acked(background, [r.id for r in results if isinstance(r, SandboxInfo)])
+        return _batch_result(results)
 
     @app.get("/v1/sandboxes", response_model=SandboxList)
     async def list_sandboxes(
-        label: Annotated[list[str], Query()] = [],  # noqa: B006
-        state: SandboxState | None = None,
-    ) -> SandboxList:
-        return SandboxList(sandboxes=manager.list(_parse_labels(label), state))
+        label: Annotated[list[str], Query(max_length=64)] = [],  # noqa: B006
+        state: Annotated[
+            SandboxState | Literal["live", "all"] | None,
+            Query(description="one state, `live` (the default: not stopped or failed) or `all`"),
+        ] = None,
+    ) -> Response:
+        # Each sandbox on its own: one that cannot be encoded is left out (and logged), never the
+        # reason nobody can list.
+        items = []
+        for info in manager.list(_parse_labels(label), state):
+            try:
+                items.append(info.model_dump_json().encode())
+            except (ValueError, UnicodeError):
+                log.exception("sandbox %s cannot be listed", info.id)
+        return Response(b'{"sandboxes":[' + b",".join(items) + b"]}", media_type="application/json")
+
+    @app.post("/v1/sandboxes/lifetimes", response_model=IdList)
+    async def update_lifetimes(req: LifetimeManyRequest) -> IdList:
+        fields = {k: getattr(req, k) for k in req.model_fields_set & {"idle_ttl", "max_lifetime"}}
+        return IdList(sandboxes=await manager.update_lifetimes(req.labels, fields))
 
     @app.post("/v1/sandboxes/stop", response_model=StopManyResult)
     async def stop_many(req: StopManyRequest) -> StopManyResult:
@@ -254,21 +413,29 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     # -- snapshots and forks ----------------------------------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/snapshots", response_model=SnapshotInfo, status_code=201)
-    async def snapshot(sandbox_id: str) -> SnapshotInfo:
-        return await manager.snapshot(sandbox_id)
+    async def snapshot(sandbox_id: str, req: Annotated[SnapshotRequest | None, Body()] = None) -> SnapshotInfo:
+        req = req or SnapshotRequest()
+        return await manager.snapshot(sandbox_id, ttl=req.ttl, labels=req.labels)
 
     @app.post("/v1/sandboxes/{sandbox_id}/fork", response_model=CreateBatchResult)
-    async def fork(sandbox_id: str, req: Annotated[ForkRequest | None, Body()] = None) -> CreateBatchResult:
+    async def fork(
+        sandbox_id: str, background: BackgroundTasks, req: Annotated[ForkRequest | None, Body()] = None
+    ) -> CreateBatchResult:
         req = req or ForkRequest()
-        return _batch_result(await manager.fork(sandbox_id, req.count, req.labels))
+        results = await manager.fork(sandbox_id, req.count, req.labels, idempotency_key=req.idempotency_key)
+        _acked(background, [r.id for r in results if isinstance(r, SandboxInfo)])
+        return _batch_result(results)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pack", response_model=ImageInfo, status_code=201)
     async def pack(sandbox_id: str, req: PackRequest) -> ImageInfo:
         return _image_info(await manager.pack(sandbox_id, req.image, req.exclude))
 
     @app.get("/v1/snapshots", response_model=SnapshotList)
-    async def list_snapshots(sandbox_id: str | None = None) -> SnapshotList:
-        return SnapshotList(snapshots=manager.list_snapshots(sandbox_id))
+    async def list_snapshots(
+        sandbox_id: str | None = None,
+        label: Annotated[list[str], Query(max_length=64)] = [],  # noqa: B006
+    ) -> SnapshotList:
+        return SnapshotList(snapshots=manager.list_snapshots(sandbox_id, _parse_labels(label)))
 
     @app.get("/v1/snapshots/{snapshot_id}", response_model=SnapshotInfo)
     async def get_snapshot(snapshot_id: str) -> SnapshotInfo:
@@ -280,13 +447,22 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return Ok()
 
     @app.post("/v1/snapshots/{snapshot_id}/restore", response_model=CreateBatchResult)
-    async def restore(snapshot_id: str, req: Annotated[ForkRequest | None, Body()] = None) -> CreateBatchResult:
+    async def restore(
+        snapshot_id: str, background: BackgroundTasks, req: Annotated[ForkRequest | None, Body()] = None
+    ) -> CreateBatchResult:
         req = req or ForkRequest()
-        return _batch_result(await manager.restore(snapshot_id, req.count, req.labels))
+        results = await manager.restore(snapshot_id, req.count, req.labels, idempotency_key=req.idempotency_key)
+        _acked(background, [r.id for r in results if isinstance(r, SandboxInfo)])
+        return _batch_result(results)
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def get(sandbox_id: str) -> SandboxInfo:
         return manager.get(sandbox_id)
+
+    @app.patch("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    async def update_lifetime(sandbox_id: str, req: LifetimeUpdate) -> SandboxInfo:
+        fields = {k: getattr(req, k) for k in req.model_fields_set & {"idle_ttl", "max_lifetime"}}
+        return await manager.update_lifetime(sandbox_id, fields)
 
     @app.delete("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def stop(sandbox_id: str, req: Annotated[StopRequest | None, Body()] = None) -> SandboxInfo:
@@ -306,24 +482,16 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def exec_(sandbox_id: str, req: ExecRequest) -> ExecResult:
         return await manager.exec(sandbox_id, req)
 
-    @app.post(
-        "/v1/sandboxes/{sandbox_id}/exec/stream",
-        response_class=StreamingResponse,
-        responses={200: {"content": {"application/x-ndjson": {}}, "description": "ExecEvent per line"}},
-    )
+    beat = ExecEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
+    ndjson: dict[int | str, dict[str, Any]] = {
+        200: {"content": {"application/x-ndjson": {}}, "description": "one JSON object per line"}
+    }
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec/stream", response_class=StreamingResponse, responses=ndjson)
     async def exec_stream(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
+        """ExecEvent lines: output chunks, then one `exit`; `heartbeat` every 5 s while quiet."""
         events = await manager.exec_stream(sandbox_id, req)
-
-        async def lines() -> AsyncIterator[bytes]:
-            try:
-                async for ev in events:
-                    yield ev.model_dump_json(exclude_none=True).encode() + b"\n"
-            except SandboxError as exc:
-                yield json.dumps({"type": "error", "error": exc.to_wire()}).encode() + b"\n"
-            finally:
-                await events.aclose()  # a client gone mid-stream: the command is killed, not left running
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return _stream(events, beat)
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes", response_model=ProcessInfo, status_code=201)
     async def start_process(sandbox_id: str, req: ExecRequest) -> ProcessInfo:
@@ -345,6 +513,14 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     ) -> ProcessInfo:
         return await manager.kill_process(sandbox_id, process_id, signal)
 
+    raw_body = {"requestBody": {"content": {"application/octet-stream": {}}, "required": False}}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/stdin", response_model=Ok, openapi_extra=raw_body)
+    async def process_stdin(request: Request, sandbox_id: str, process_id: str, close: bool = False) -> Ok:
+        """Bytes for the process's standard input (started with keep_stdin_open); `close` ends it."""
+        await manager.write_process_stdin(sandbox_id, process_id, await _body(request), close)
+        return Ok()
+
     # -- sessions ---------------------------------------------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/sessions", response_model=SessionInfo, status_code=201)
@@ -358,9 +534,29 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     async def list_sessions(sandbox_id: str) -> SessionList:
         return SessionList(sessions=manager.list_sessions(sandbox_id))
 
+    @app.get("/v1/sandboxes/{sandbox_id}/sessions/{session_id}", response_model=SessionInfo)
+    async def get_session(sandbox_id: str, session_id: str) -> SessionInfo:
+        return manager.get_session(sandbox_id, session_id)
+
     @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run", response_model=ExecResult)
     async def session_run(sandbox_id: str, session_id: str, req: SessionRunRequest) -> ExecResult:
-        return await manager.session_run(sandbox_id, session_id, req.command, req.timeout, req.output_limit)
+        return await manager.session_run(sandbox_id, session_id, req)
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run/stream",
+        response_class=StreamingResponse,
+        responses=ndjson,
+    )
+    async def session_run_stream(sandbox_id: str, session_id: str, req: SessionRunRequest) -> StreamingResponse:
+        """ExecEvent lines, as for exec/stream."""
+        events = await manager.session_run_stream(sandbox_id, session_id, req)
+        return _stream(events, beat)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session_id}/stdin", response_model=Ok, openapi_extra=raw_body)
+    async def session_stdin(request: Request, sandbox_id: str, session_id: str, close: bool = False) -> Ok:
+        """Bytes for the standard input of the command running in the session; `close` ends it."""
+        await manager.write_session_stdin(sandbox_id, session_id, await _body(request), close)
+        return Ok()
 
     @app.delete("/v1/sandboxes/{sandbox_id}/sessions/{session_id}", response_model=Ok)
     async def close_session(sandbox_id: str, session_id: str) -> Ok:
@@ -414,7 +610,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
             fs.write(path, data, mode=mode, uid=owner.uid, gid=owner.gid, append=append)
             return file_info(fs.stat(path, follow_symlinks=True))
 
-        return await manager.file_op(sandbox_id, op, ("file_write", {"path": path, "bytes": len(data)}))
+        return await manager.file_op(sandbox_id, op, ("file_write", {"path": path, "bytes": len(data)}), mutating=True)
 
     @app.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=FileList)
     async def list_files(sandbox_id: str, path: str = "/") -> FileList:
@@ -439,7 +635,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
             fs.mkdir(path, parents=parents, mode=mode, uid=owner.uid, gid=owner.gid)
             return file_info(fs.stat(path))
 
-        return await manager.file_op(sandbox_id, op, ("mkdir", {"path": path}))
+        return await manager.file_op(sandbox_id, op, ("mkdir", {"path": path}), mutating=True)
 
     @app.delete("/v1/sandboxes/{sandbox_id}/files", response_model=Ok)
     async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Ok:
@@ -447,6 +643,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
             sandbox_id,
             lambda fs: fs.remove(path, recursive=recursive),
             ("file_remove", {"path": path, "recursive": recursive}),
+            mutating=True,
         )
         return Ok()
 
@@ -456,27 +653,12 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         responses={200: {"content": {"application/x-tar": {}}}},
     )
     async def download(sandbox_id: str, path: str = "/") -> StreamingResponse:
-        def op(fs: SandboxFS) -> IO[bytes]:
-            # Spooled: at most 16 MiB of an archive in daemon memory, the rest in a temp file.
-            spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=16 * 1024**2)  # noqa: SIM115
-            try:
-                fs.write_tar(path, spool)
-                spool.seek(0)
-            except BaseException:
-                spool.close()
-                raise
-            return spool
-
-        spool = await manager.file_op(sandbox_id, op)
-
-        def chunks() -> Iterator[bytes]:
-            try:
-                while chunk := spool.read(1024**2):
-                    yield chunk
-            finally:
-                spool.close()
-
-        return StreamingResponse(chunks(), media_type="application/x-tar")
+        """A tar of a file or directory, streamed as it is read (never spooled on the node); a
+        sparse file counts by what it really stores, and a tree larger than the sandbox could hold
+        is refused."""
+        limit = manager.download_limit(sandbox_id)
+        chunks = await manager.file_stream(sandbox_id, lambda fs: fs.iter_tar(path, max_bytes=limit))
+        return StreamingResponse(chunks, media_type="application/x-tar")
 
     @app.put(
         "/v1/sandboxes/{sandbox_id}/files/tar",
@@ -485,12 +667,14 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     )
     async def upload(request: Request, sandbox_id: str, path: str = "/", user: str | None = None) -> Ok:
         owner = await manager.file_owner(sandbox_id, user)
+        # Never more than the sandbox's writable layer could take (plus the tar's own headers).
+        cap = manager.disk_limit(sandbox_id) + manager.disk_limit(sandbox_id) // 8 + 1024**2
         with tempfile.SpooledTemporaryFile(max_size=8 * 1024**2) as spool:
             size = 0
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > 4 * MAX_FILE_BODY:
-                    raise InvalidArgumentError("tar upload too large")
+                if size > cap:
+                    raise InvalidArgumentError(f"tar upload larger than the sandbox's disk allows ({cap} bytes)")
                 await asyncio.to_thread(spool.write, chunk)
             spool.seek(0)
             tar_stream = cast(BinaryIO, spool)
@@ -498,8 +682,21 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
             def op(fs: SandboxFS) -> None:
                 fs.upload_tar(path, tar_stream, uid=owner.uid, gid=owner.gid)
 
-            await manager.file_op(sandbox_id, op, ("upload", {"path": path, "bytes": size}))
+            await manager.file_op(sandbox_id, op, ("upload", {"path": path, "bytes": size}), mutating=True)
         return Ok()
+
+    file_beat = FileEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/watch", response_class=StreamingResponse, responses=ndjson)
+    async def watch(
+        sandbox_id: str,
+        path: Annotated[str, Query(min_length=1, max_length=MAX_PATH, pattern=r"^[^\x00]+$")] = ".",
+        recursive: bool = True,
+    ) -> StreamingResponse:
+        """FileEvent lines for changes under a directory (create, modify, delete, rename_from,
+        rename_to, chmod; overflow when events were lost), until the client goes away."""
+        events = await manager.watch(sandbox_id, path, recursive)
+        return _stream(events, file_beat)
 
     # -- images -----------------------------------------------------------------------------------
 
@@ -509,7 +706,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return ImageList(images=[_image_info(m) for m in manifests])
 
     @app.delete("/v1/images/{ref:path}", response_model=Ok)
-    async def delete_image(ref: str) -> Ok:
+    async def delete_image(ref: ImageRefParam) -> Ok:
         await manager.delete_image(ref)
         return Ok()
 
@@ -519,7 +716,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return GcResult(removed=removed, bytes=freed)
 
     @app.post("/v1/images/push", response_model=ImageInfo)
-    async def push_image(ref: str) -> ImageInfo:
+    async def push_image(ref: ImageRefQuery) -> ImageInfo:
         return _image_info(await manager.push_image(ref))
 
     @app.post("/v1/images/import", response_model=ImageInfo)
@@ -527,7 +724,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         return _image_info(await manager.import_image(req.path, req.ref))
 
     @app.post("/v1/images/build", response_model=ImageInfo)
-    async def build_image(ref: str) -> ImageInfo:
+    async def build_image(ref: ImageRefQuery) -> ImageInfo:
         return _image_info(await manager.resolve_image(ref))
 
     return app

@@ -61,6 +61,22 @@ class DaemonConfig(BaseModel):
         0, ge=0, le=10000, description="extra warm sandboxes per image+shape, sized to the recent create rate"
     )
     pool_refill_concurrency: int = Field(2, ge=1, le=64, description="pool creates in flight at once")
+    snapshot_dir: Path | None = Field(
+        None,
+        description="where snapshots are kept (default <state_dir>/snapshots); a directory shared by nodes "
+        "lets any of them restore a snapshot (same agent build and uid_base)",
+    )
+    snapshot_retention: float | None = Field(
+        None, gt=0, description="seconds a snapshot is kept unless its own ttl says otherwise (None: until deleted)"
+    )
+    snapshot_max_bytes: ByteSize | None = Field(
+        None, description="disk the node's snapshots may use in all; past it, new snapshots are refused"
+    )
+    ksm: bool = Field(
+        True,
+        description="let restored and forked sandboxes share their identical memory pages (KSM): children of "
+        "one snapshot then cost little more than one; the kernel's ksmd scans them (its CPU is capped)",
+    )
     zram_size: ByteSize | None = Field(
         None,
         description="compressed swap the daemon sets up for paused sandboxes when the host has no swap "

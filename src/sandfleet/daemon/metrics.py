@@ -41,6 +41,9 @@ class Metrics:
         self.exec_seconds = Histogram(
             "sandfleet_exec_seconds", "Exec latency in the daemon", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.agent_unresponsive = Counter(
+            "sandfleet_agent_unresponsive", "Sandboxes whose agent stopped answering (reported once each)", registry=r
+        )
         self.oom_kills = Counter("sandfleet_oom_kills", "Processes killed by a sandbox memory limit", registry=r)
         self.http_errors = Counter("sandfleet_api_errors", "API errors by wire code", ["code"], registry=r)
         self.daemon_rss = Gauge("sandfleet_daemon_rss_bytes", "Resident memory of the daemon", registry=r)

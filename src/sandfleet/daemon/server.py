@@ -26,7 +26,7 @@ from sandfleet.daemon.config import DaemonConfig
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.pool import WarmPools
 from sandfleet.daemon.service import SandboxManager, new_sandbox_id
-from sandfleet.daemon.state import StateStore
+from sandfleet.daemon.state import StateError, StateStore
 from sandfleet.images import LayerStore
 from sandfleet.runtime import cgroups, mounts, proc, swap
 
@@ -47,9 +47,48 @@ def prepare_process(config: DaemonConfig) -> None:
     hybrid = cgroups.detect() == "hybrid" and config.container.runtime == "crun"
     mounts.enter_private_namespace(hide_hybrid_cgroup2=hybrid)
     proc.become_subreaper()
+    _raise_file_max()
     # One channel fd per sandbox (plus transient ones): lift the soft limit to the hard one.
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+KSM = Path("/sys/kernel/mm/ksm")
+# ksmd's own tuning (kernel >= 6.8): aim at a full scan of mergeable memory every 30 s, never above
+# a quarter of a core; older kernels get a fixed rate instead.
+KSM_SETTINGS = (("advisor_mode", "scan-time"), ("advisor_target_scan_time", "30"), ("advisor_max_cpu", "25"),
+                ("smart_scan", "1"), ("run", "1"))  # fmt: skip
+KSM_FALLBACK = (("pages_to_scan", "1000"), ("sleep_millisecs", "20"), ("run", "1"))
+
+
+def enable_ksm() -> bool:
+    """Start the kernel's same-page merging. Only memory that asks for it is scanned: restored
+    sandboxes (the launcher marks criu's tree with PR_SET_MEMORY_MERGE), so fresh ones cost nothing."""
+    settings = KSM_SETTINGS if (KSM / "advisor_mode").exists() else KSM_FALLBACK
+    try:
+        for name, value in settings:
+            (KSM / name).write_text(value)
+    except OSError as exc:
+        log.warning("KSM is not available (forked sandboxes will not share memory): %s", exc)
+        return False
+    return True
+
+
+def _raise_file_max() -> None:
+    """Make memory, not the host's file table, what bounds the files sandboxes keep open: every open
+    file is charged to its sandbox's memory cgroup (~200 bytes), so file-max is raised (never
+    lowered) to one file per 256 bytes of RAM, as systemd hosts do (they set it to the maximum)."""
+    want = _mem_total() // 256
+    path = "/proc/sys/fs/file-max"
+    try:
+        with open(path) as f:
+            current = int(f.read())
+        if current < want:
+            with open(path, "w") as f:
+                f.write(str(want))
+            log.info("fs.file-max raised from %d to %d", current, want)
+    except (OSError, ValueError) as exc:
+        log.warning("could not raise fs.file-max: %s", exc)
 
 
 def _mem_total() -> int:
@@ -85,7 +124,10 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     config.state_dir.mkdir(parents=True, exist_ok=True)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     state = StateStore(config.state_dir / "state.db")
-    await state.open()
+    try:
+        await state.open()
+    except StateError as exc:
+        raise SystemExit(f"sandfleet: cannot open the state database {state.path}: {exc}") from exc
     store = LayerStore(
         config.images_root,
         uid_base=config.container.uid_base,
@@ -94,6 +136,8 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     )
     backend = ContainerBackend(config.container, state_dir=config.state_dir, run_dir=config.run_dir, store=store)
     await backend.start()
+    if config.ksm:
+        await asyncio.to_thread(enable_ksm)
     zram = config.zram_size if config.zram_size is not None else _mem_total() // 4
     try:
         log.info("%s", await asyncio.to_thread(swap.ensure_compressed_swap, zram))
@@ -119,7 +163,9 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         stopped_retention=config.stopped_retention,
         reaper_interval=config.reaper_interval,
         build_missing_images=config.build_missing_images,
-        snapshot_dir=config.state_dir / "snapshots",
+        snapshot_dir=config.snapshot_dir or config.state_dir / "snapshots",
+        snapshot_retention=config.snapshot_retention,
+        snapshot_max_bytes=config.snapshot_max_bytes,
         import_dirs=config.import_dirs,
     )
     if config.pools or config.pool_adaptive_max:

@@ -18,6 +18,7 @@ from . import fsutil
 from .models import LayerRef
 
 if TYPE_CHECKING:
+    from .models import ImageManifest
     from .store import LayerStore, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -55,12 +56,40 @@ class BuildContext:
         return cb
 
 
+_BUILDER_VERSION_RE = re.compile(r" \[builder v(\d+)\]$")
+
+
 @dataclass(frozen=True)
 class Builder:
-    """A built-in recipe. ``build`` returns the full layer stack, bottom -> top."""
+    """A built-in recipe. ``build`` returns the full layer stack, bottom -> top.
+
+    The manifest records ``manifest_recipe``: ``recipe``, plus ``[builder vN]`` from version 2 on.
+    A stored image is rebuilt (`LayerStore.ensure`) when it is `outdated`: made by an older
+    version of this builder (a lower ``[builder vN]``, or a recipe string in ``legacy_recipes``,
+    the versions from before it was numbered), or when ``stale`` says so. An image of the same name
+    that the builder did not make (imported, pushed) is never replaced. The old layers stay in the
+    store: sandboxes and snapshots using them keep working, and `images gc` removes them once
+    nothing does.
+    """
 
     recipe: str
     build: Callable[[BuildContext], Awaitable[list[LayerRef]]]
+    version: int = 1
+    legacy_recipes: tuple[str, ...] = ()
+    stale: Callable[[LayerStore, ImageManifest], bool] | None = None
+
+    @property
+    def manifest_recipe(self) -> str:
+        return self.recipe if self.version <= 1 else f"{self.recipe} [builder v{self.version}]"
+
+    def outdated(self, store: LayerStore, manifest: ImageManifest) -> bool:
+        """Whether `manifest` (of this builder's ref) was made by an older version of it."""
+        if self.stale is not None:
+            return self.stale(store, manifest)
+        if manifest.recipe in self.legacy_recipes:
+            return True
+        found = _BUILDER_VERSION_RE.search(manifest.recipe)
+        return found is not None and int(found.group(1)) < self.version
 
 
 # --------------------------------------------------------------------------- helpers
@@ -242,24 +271,46 @@ async def build_debian(ctx: BuildContext) -> list[LayerRef]:
 # --------------------------------------------------------------------------- python
 
 
-async def build_python(ctx: BuildContext) -> list[LayerRef]:
-    """debian:bookworm + one layer holding exactly what ``apt install python3`` adds.
+# What users of a python image expect: `python`, pip and venv (Debian splits them out of python3).
+PYTHON_PACKAGES = ("python3", "python-is-python3", "python3-pip", "python3-venv")
+PYTHON_RECIPE = (
+    f"debian:{DEBIAN_SUITE} + diff(mmdebstrap --include={','.join(PYTHON_PACKAGES)}), no EXTERNALLY-MANAGED marker"
+)
+# Bump when what the python image holds changes: nodes that have an older one rebuild it.
+PYTHON_BUILDER_VERSION = 2
+PYTHON_LEGACY_RECIPES = (f"debian:{DEBIAN_SUITE} + diff(mmdebstrap --include=python3)",)  # version 1
 
-    A second minbase+python3 bootstrap is diffed against the *stored* debian layer (mounted),
+
+def drop_externally_managed(root: Path) -> list[Path]:
+    """Remove Debian's PEP 668 marker, so `pip install` into the image's Python works as in any
+    python image (a sandbox is the environment to install into; there is no system to protect)."""
+    removed = []
+    for marker in sorted(root.glob("usr/lib/python3*/EXTERNALLY-MANAGED")):
+        marker.unlink()
+        removed.append(marker)
+    return removed
+
+
+async def build_python(ctx: BuildContext) -> list[LayerRef]:
+    """debian:bookworm + one layer holding exactly what ``apt install python3 python-is-python3
+    python3-pip python3-venv`` adds, without the EXTERNALLY-MANAGED marker.
+
+    A second minbase+python bootstrap is diffed against the *stored* debian layer (mounted),
     not a fresh debootstrap, so the result is correct even if the mirror moved in between.
     """
     store = ctx.store
     mirror = await asyncio.to_thread(debian_mirror)
     full = ctx.workdir / "rootfs"
-    ctx.report("python:3.11: mmdebstrap minbase + python3", 0.0)
+    ctx.report(f"python:3.11: mmdebstrap minbase + {' '.join(PYTHON_PACKAGES)}", 0.0)
     # The full python bootstrap doesn't need the debian layer until the diff, so run it
     # alongside a (possibly cold) debian build: ~30 s instead of ~50 s cold on 2 cores.
     async with asyncio.TaskGroup() as tg:
         base_task = tg.create_task(store.ensure(f"debian:{DEBIAN_SUITE}", ctx.sub(0.0, 0.6)))
-        tg.create_task(mmdebstrap(full, mirror, include=["python3"]))
+        tg.create_task(mmdebstrap(full, mirror, include=PYTHON_PACKAGES))
     base = base_task.result()
     ctx.report("python:3.11: shifting ids", 0.7)
     await asyncio.to_thread(trim_debian_rootfs, full)
+    await asyncio.to_thread(drop_externally_managed, full)
     # The stored debian layer is already id-shifted; shift the full tree the same way so the
     # diff compares like with like, then pack the diff without shifting again.
     await asyncio.to_thread(fsutil.shift_ownership, full, store.uid_base)
@@ -271,7 +322,8 @@ async def build_python(ctx: BuildContext) -> list[LayerRef]:
     ctx.report("python:3.11: mkfs.erofs", 0.9)
     layer = await store.add_layer_from_dir(
         out,
-        f"apt install python3 on debian {DEBIAN_SUITE} (+{stats.added} ~{stats.changed} -{stats.removed})",
+        f"apt install {' '.join(PYTHON_PACKAGES)} on debian {DEBIAN_SUITE} "
+        f"(+{stats.added} ~{stats.changed} -{stats.removed})",
         kind="layer",
         shift_ids=False,
     )
@@ -279,19 +331,38 @@ async def build_python(ctx: BuildContext) -> list[LayerRef]:
 
 
 def alias(target: str) -> Builder:
-    """A recipe that just points at another (built-in) ref."""
+    """A recipe that just points at another (built-in) ref; stale once the target's layers moved
+    on (the target was rebuilt) or the target itself is outdated."""
+    recipe = f"alias of {target}"
 
     async def build(ctx: BuildContext) -> list[LayerRef]:
         m = await ctx.store.ensure(target, ctx.sub(0.0, 1.0))
         return list(m.layers)
 
-    return Builder(recipe=f"alias of {target}", build=build)
+    def stale(store: LayerStore, manifest: ImageManifest) -> bool:
+        from .models import ImageError, canonical_ref
+
+        if manifest.recipe != recipe:
+            return False  # not made by this alias (imported under the name, say): left alone
+        try:
+            current = store.resolve(target)
+        except ImageError:
+            return True
+        builder = BUILTIN_IMAGES.get(canonical_ref(target))
+        return current.layers != manifest.layers or (builder is not None and builder.outdated(store, current))
+
+    return Builder(recipe=recipe, build=build, stale=stale)
 
 
 BUILTIN_IMAGES: dict[str, Builder] = {
     "busybox:latest": Builder(recipe="host busybox-static + applet symlinks", build=build_busybox),
     f"debian:{DEBIAN_SUITE}": Builder(recipe=f"mmdebstrap --variant=minbase {DEBIAN_SUITE}", build=build_debian),
-    "python:3.11": Builder(recipe=f"debian:{DEBIAN_SUITE} + diff(mmdebstrap --include=python3)", build=build_python),
+    "python:3.11": Builder(
+        recipe=PYTHON_RECIPE,
+        build=build_python,
+        version=PYTHON_BUILDER_VERSION,
+        legacy_recipes=PYTHON_LEGACY_RECIPES,
+    ),
     "debian:latest": alias(f"debian:{DEBIAN_SUITE}"),
     "python:latest": alias("python:3.11"),
 }

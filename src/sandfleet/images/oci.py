@@ -1386,7 +1386,9 @@ async def _open_cancellable(source: Path, within: Sequence[Path] | None) -> _Sou
 
 
 def _touch_layer(store: LayerStore, digest: str) -> None:
-    os.utime(store.layer_path(digest))  # mtime now: gc(min_age) leaves it alone for that long
+    # A use stamp (never the layer file itself, whose ctime its verification keys on): gc's
+    # min_age leaves the layer alone for that long.
+    store.touch(store.layer_path(digest))
 
 
 async def _pack(store: LayerStore, group: _Group, index: int) -> LayerRef:

@@ -6,7 +6,8 @@ A recipe is a TOML file (``Recipe.load``)::
     base = "debian:bookworm"              # image ref (built-ins are built on demand), layer digest
     # base = { mmdebstrap = { suite = "bookworm", packages = ["python3"], variant = "minbase" } }
     env = { LANG = "C.UTF-8" }            # optional: image env defaults (over the base image's),
-    workdir = "/work"                     #   also used by run steps; user = "..." for the image only
+    workdir = "/work"                     #   also used by run steps (see below); user = "..." for
+                                          #   the image only
 
     [[step]]
     apt = ["git", "python3-pip"]          # host-side mmdebstrap of the stack's packages + these,
@@ -25,6 +26,12 @@ A recipe is a TOML file (``Recipe.load``)::
     run = "make -C /opt/harness install"  # /bin/sh -c in a build sandbox on the stack so far;
     env = { K = "V" }                     # its writable layer, packed, is the step's layer
     cwd = "/opt/harness"                  # optional, as are timeout, exclude and resources
+
+Working directory of ``run`` steps: the step's ``cwd`` if it sets one (it must exist); else the
+image's workdir (the recipe's, else the base image's) once it exists in the stack, and ``/`` before
+that, so a step may create the workdir (``git clone ... /work/repo``, ``mkdir -p /work``): nothing is
+created for it, and steps after it run there. The image's sandboxes start in the workdir, so some
+step should create it.
 
 Caching: every step's layer is recorded in ``<store>/build-cache/<key>.json`` (a LayerRef),
 ``key`` being the sha256 of the step's inputs. ``copy`` and ``git`` layers do not depend on what
@@ -70,7 +77,7 @@ from pydantic import (
     field_validator,
 )
 
-from sandfleet.errors import SandboxError
+from sandfleet.errors import NotFoundError, SandboxError
 from sandfleet.models import AbsPath, EnvVars, ExecResult, Resources, UserName
 
 from . import fsutil
@@ -298,7 +305,9 @@ class RunStep(_Step):
     run: str = Field(min_length=1, description="shell command (/bin/sh -c)")
     env: EnvVars = Field(default_factory=dict, description="environment of the command (over the recipe's)")
     cwd: AbsPath | None = Field(
-        None, description="working directory of the command (default: the recipe's workdir, else /)"
+        None,
+        description="working directory of the command, which must exist (default: the image's workdir "
+        "once a step below made it, else /)",
     )
     timeout: float = Field(3600.0, gt=0, le=86400, description="seconds before the command is killed")
     exclude: list[AbsPath] = Field(
@@ -860,6 +869,8 @@ class _Ctx:
     env: dict[str, str] = field(default_factory=dict)
     image_workdir: str | None = None
     image_user: str | None = None
+    on_step: Callable[[StepResult], None] | None = None
+    on_output: Callable[[int, str, str], None] | None = None
 
     @property
     def cache_dir(self) -> Path:
@@ -874,6 +885,20 @@ class _Ctx:
             self.progress(f"[{index}/{total - 1}] {kind}: {stage}", overall)
         except Exception:  # a broken progress callback must not fail the build
             log.exception("progress callback failed")
+
+    def step_done(self, result: StepResult) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(result)
+            except Exception:  # a broken callback must not fail the build
+                log.exception("on_step callback failed")
+
+    def output(self, index: int, stream: str, line: str) -> None:
+        if self.on_output is not None:
+            try:
+                self.on_output(index, stream, line)
+            except Exception:
+                log.exception("on_output callback failed")
 
     # ------------------------------------------------------------------ cache
 
@@ -906,18 +931,15 @@ class _Ctx:
             tmp.unlink(missing_ok=True)
 
     def _touch(self, layers: list[LayerRef]) -> None:
-        # LayerStore.gc spares layers whose mtime is younger than its min_age (600 s by default).
-        # A cached layer no manifest names yet could otherwise be deleted between its cache hit
-        # and the final manifest. Only such layers are touched, and at most every 5 minutes: the
-        # daemon's verification stamp covers the mtime, so each touch costs one re-hash.
-        now = time.time()
+        # LayerStore.gc spares layers stored or used (LayerStore.touch) within its min_age (600 s
+        # by default). A cached layer no manifest names yet could otherwise be deleted between its
+        # cache hit and the final manifest. The use stamp is a file of its own: the layer file is
+        # not touched, so its verification stays valid.
         for layer in layers:
             if self.store.layer_ref(layer.digest) is not None:
                 continue
             with contextlib.suppress(OSError, ImageError):
-                path = self.store.layer_path(layer.digest)
-                if now - path.stat().st_mtime > 300:
-                    os.utime(path, (now, now))
+                self.store.touch(self.store.layer_path(layer.digest))
 
     async def cached(self, key: str, build: Callable[[], Awaitable[LayerRef]]) -> tuple[LayerRef, bool]:
         hit = await asyncio.to_thread(self._cache_get, key)
@@ -962,19 +984,26 @@ async def build_recipe(
     *,
     client_factory: Callable[[], AsyncClient] | None = None,
     progress: ProgressFn | None = None,
+    on_step: Callable[[StepResult], None] | None = None,
+    on_output: Callable[[int, str, str], None] | None = None,
 ) -> BuildResult:
     """Build ``recipe`` into ``store``: one layer per step, reusing cached layers; write the manifest.
 
     ``client_factory`` makes an ``AsyncClient`` to the daemon that uses ``store``; it is called at
     most once, on the first pip/run step that misses the cache, and the client is closed at the
     end. Without it such steps raise RecipeError. Raises RecipeError naming the failing step.
+
+    ``on_step(result)`` is called as each step (the base first, index 0) is done; with
+    ``on_output(index, stream, line)`` a run step's output is streamed to it line by line
+    (``stream`` is "stdout" or "stderr", ``line`` without its newline) as the command runs.
     """
-    ctx = _Ctx(recipe, store, client_factory, progress)
+    ctx = _Ctx(recipe, store, client_factory, progress, on_step=on_step, on_output=on_output)
     ctx.workdir = store.tmp_dir / f"recipe-{ctx.build_id}"
     await asyncio.to_thread(ctx.workdir.mkdir, parents=True)
     results: list[StepResult] = []
     try:
         results.append(await _build_base(ctx))
+        ctx.step_done(results[-1])
         ctx.env.update(recipe.env)
         ctx.image_workdir = recipe.workdir or ctx.image_workdir
         ctx.image_user = recipe.user or ctx.image_user
@@ -1005,6 +1034,7 @@ async def build_recipe(
                 )
             )
             ctx.report(i, kind, "cached" if hit else "built", 1.0)
+            ctx.step_done(results[-1])
         name, tag = parse_ref(recipe.ref)
         record = {
             "recipe": recipe.ref,
@@ -1374,6 +1404,59 @@ def _check_exec(what: str, result: ExecResult) -> None:
 # --------------------------------------------------------------------------- run
 
 
+async def _is_dir(sb: AsyncSandbox, path: str) -> bool:
+    """Whether `path` is a directory in the sandbox (following symlinks); True when unsure, so that
+    the exec reports what is wrong with it."""
+    try:
+        return (await sb.files.stat(path, follow_symlinks=True)).type == "dir"
+    except NotFoundError:
+        return False
+    except SandboxError as exc:
+        log.debug("stat %s in the build sandbox: %s", path, exc)
+        return True
+
+
+class _Lines:
+    """Splits a stream's chunks into lines; keeps the last `keep` characters for error messages."""
+
+    def __init__(self, keep: int = 64 * 1024) -> None:
+        self.partial = ""
+        self.tail = ""
+        self.keep = keep
+
+    def feed(self, data: str) -> list[str]:
+        self.tail = (self.tail + data)[-self.keep :]
+        *lines, self.partial = (self.partial + data).split("\n")
+        return lines
+
+    def flush(self) -> list[str]:
+        rest, self.partial = self.partial, ""
+        return [rest] if rest else []
+
+
+async def _exec_streaming(
+    ctx: _Ctx, i: int, sb: AsyncSandbox, command: str, *, env: dict[str, str], cwd: str, timeout: float
+) -> ExecResult:
+    """Run a step's command; with an output callback, streamed to it line by line."""
+    if ctx.on_output is None:
+        return await sb.exec(command, env=env, cwd=cwd, timeout=timeout, output_limit=1024**2)
+    streams = {"stdout": _Lines(), "stderr": _Lines()}
+    result: ExecResult | None = None
+    async for ev in sb.exec_stream(command, env=env, cwd=cwd, timeout=timeout, output_limit=1024**2):
+        if ev.type in streams:
+            for line in streams[ev.type].feed(ev.data):
+                ctx.output(i, ev.type, line)
+        elif ev.type == "exit":
+            result = ev.result
+    for name, lines in streams.items():
+        for line in lines.flush():
+            ctx.output(i, name, line)
+    if result is None:
+        raise RecipeError("the command's output stream ended without its exit status")
+    # What streamed is the output; the final event need not repeat it.
+    return result.model_copy(update={"stdout": streams["stdout"].tail, "stderr": streams["stderr"].tail})
+
+
 async def _step_run(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]:
     assert isinstance(step, RunStep)
     env = {**ctx.env, **step.env}
@@ -1382,7 +1465,9 @@ async def _step_run(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]
 
     async def work(sb: AsyncSandbox) -> None:
         ctx.report(i, "run", step.run.splitlines()[0][:80], 0.2)
-        result = await sb.exec(step.run, env=env, cwd=cwd, timeout=step.timeout, output_limit=1024**2)
+        # The image's workdir until a step has made it: /, so that a step can make it.
+        run_cwd = cwd if step.cwd is not None or cwd == "/" or await _is_dir(sb, cwd) else "/"
+        result = await _exec_streaming(ctx, i, sb, step.run, env=env, cwd=run_cwd, timeout=step.timeout)
         _check_exec("command", result)
 
     async def build() -> LayerRef:

@@ -17,6 +17,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -32,9 +33,16 @@ from .models import (
     parse_ref,
 )
 
+if TYPE_CHECKING:
+    from .builders import Builder
+
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, float], None]
+
+# After a failed rebuild of an outdated built-in image, the stored one is used this long before
+# the rebuild is tried again.
+REBUILD_RETRY_SECONDS = 600.0
 
 
 def _digest_file(path: Path) -> tuple[str, int]:
@@ -45,6 +53,32 @@ def _digest_file(path: Path) -> tuple[str, int]:
             h.update(chunk)
             size += len(chunk)
     return "sha256:" + h.hexdigest(), size
+
+
+def _file_version(st: os.stat_result) -> str:
+    """What a layer file's verification stamp records. Of these, the ctime is the one no writer can
+    restore (see `LayerStore.verified_layer_path`). The leading tag retires stamps of older formats."""
+    return f"v2 {st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
+def _hash_unchanging(path: Path, digest: str) -> str:
+    """Hash a layer file and check it against `digest`; return the `_file_version` of what was hashed.
+    A file changed while it was hashed is hashed again (the stamp must describe the bytes hashed)."""
+    for _ in range(3):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            before = _file_version(os.fstat(f.fileno()))
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            after = _file_version(os.fstat(f.fileno()))
+        if before == after:
+            break
+    else:
+        raise LayerCorruptError(f"layer {digest} keeps changing while it is hashed ({path})")
+    actual = "sha256:" + h.hexdigest()
+    if actual != digest:
+        raise LayerCorruptError(f"layer {digest} is corrupt: its content hashes to {actual}")
+    return after
 
 
 def _atomic_write(path: Path, data: bytes, *, sync: bool = True) -> None:
@@ -114,6 +148,7 @@ class LayerStore:
         self.images_dir = self.root / "images"
         self.tmp_dir = self.root / "tmp"
         self.verified_dir = self.root / "verified"
+        self.used_dir = self.root / "used"  # per layer: a file whose mtime is when it was last used
         # Per event loop: an asyncio.Lock binds to the loop it first waits on.
         self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
             weakref.WeakKeyDictionary()
@@ -127,7 +162,8 @@ class LayerStore:
         # validation. Manifests are replaced, never edited in place, and nobody mutates a returned one.
         self._manifests: dict[Path, tuple[tuple[int, ...], ImageManifest]] = {}
         self._fetch_lock = threading.Lock()
-        for d in (self.layers_dir, self.images_dir, self.tmp_dir, self.verified_dir):
+        self._rebuild_failed: dict[str, float] = {}  # built-in ref -> when rebuilding it last failed
+        for d in (self.layers_dir, self.images_dir, self.tmp_dir, self.verified_dir, self.used_dir):
             d.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ lookups
@@ -242,28 +278,35 @@ class LayerStore:
         """`layer_path`, with the file's sha256 checked once per file version (blocking).
 
         A flipped bit in an uncompressed layer would otherwise show up as silently wrong file
-        content in every sandbox. The check is remembered by (inode, size, mtime) in
-        ``verified/``, so it costs one read of the layer per node, not one per create. An
-        on-demand layer's blob is checked by size only: hashing it would read what the mode
-        exists to leave unread.
+        content (or SIGBUS) in every sandbox. The check is remembered in ``verified/`` by the
+        file's (device, inode, size, mtime, ctime), so it costs one read of the layer per node, not
+        one per create. The ctime is what a writer cannot put back: any change to the file's content
+        or metadata sets it to now, and only the clock can set it back (an mtime restored with
+        utime still changes it). So the store never changes a layer file once it is verified: its
+        use stamps live in ``used/``. An on-demand layer's blob is checked by size only: hashing
+        it would read what the mode exists to leave unread.
         """
         path = self.layer_path(digest)
+        stamp = self.verified_dir / digest.removeprefix("sha256:")
         with contextlib.suppress(OSError):
-            if (self.verified_dir / digest.removeprefix("sha256:")).read_text() == self._stamp(path):
+            if stamp.read_text() == _file_version(path.stat()):
                 return path
-        actual, _ = _digest_file(path)
-        if actual != digest:
-            raise LayerCorruptError(f"layer {digest} is corrupt: its content hashes to {actual}")
-        self._stamp_verified(path, digest)
+        version = _hash_unchanging(path, digest)
+        _atomic_write(stamp, version.encode(), sync=False)
         return path
 
-    @staticmethod
-    def _stamp(path: Path) -> str:
-        st = path.stat()
-        return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+    def is_verified(self, digest: str) -> bool:
+        """Whether `verified_layer_path` would take the layer file as already hashed."""
+        path = self.layers_dir / _layer_name(digest)
+        try:
+            return (self.verified_dir / digest.removeprefix("sha256:")).read_text() == _file_version(path.stat())
+        except OSError:
+            return False
 
     def _stamp_verified(self, path: Path, digest: str) -> None:
-        _atomic_write(self.verified_dir / digest.removeprefix("sha256:"), self._stamp(path).encode(), sync=False)
+        _atomic_write(
+            self.verified_dir / digest.removeprefix("sha256:"), _file_version(path.stat()).encode(), sync=False
+        )
 
     def _fetch(self, digest: str, dest: Path) -> bool:
         """Copy a layer file from the shared store, checking its digest; False if it has none."""
@@ -419,7 +462,8 @@ class LayerStore:
     def gc(self, keep: set[str], *, min_age: float = 600.0) -> tuple[list[str], int]:
         """Delete layer files no manifest names and `keep` (layers in use: mounted, of live
         sandboxes, of snapshots) does not hold; layers younger than `min_age` seconds are left
-        alone (a build or pack may be about to name them). Returns (digests removed, bytes freed).
+        alone, as are layers used (`touch`) within `min_age` (a build or pack may be about to name
+        them). Returns (digests removed, bytes freed).
 
         A sandbox still running on a removed layer is unaffected: its mount holds the file.
         """
@@ -431,7 +475,7 @@ class LayerStore:
                 st = path.stat()
             except FileNotFoundError:
                 continue
-            if digest in referenced or now - st.st_mtime < min_age:
+            if digest in referenced or now - max(st.st_mtime, self._last_used(digest) or 0.0) < min_age:
                 continue
             self._forget(path, digest)
             removed.append(digest)
@@ -441,6 +485,7 @@ class LayerStore:
     def _forget(self, path: Path, digest: str) -> None:
         path.unlink(missing_ok=True)
         (self.verified_dir / digest.removeprefix("sha256:")).unlink(missing_ok=True)
+        (self.used_dir / digest.removeprefix("sha256:")).unlink(missing_ok=True)
         self._sizes.pop(digest, None)
         self._refs.pop(digest, None)
         self._unnamed.pop(digest, None)
@@ -471,9 +516,12 @@ class LayerStore:
             except FileNotFoundError:
                 continue
             total += st.st_size
-            files.append((st.st_atime, st.st_size, path))
+            digest = "sha256:" + path.name.removeprefix("sha256-").removesuffix(".erofs")
+            used = self._last_used(digest)
+            # Stores written before use stamps existed kept the time of use in the file's atime.
+            files.append((st.st_atime if used is None else used, st.st_size, path))
         removed, freed = [], 0
-        for _atime, size, path in sorted(files):
+        for _used, size, path in sorted(files):
             if total <= max_bytes:
                 break
             digest = "sha256:" + path.name.removeprefix("sha256-").removesuffix(".erofs")
@@ -489,13 +537,25 @@ class LayerStore:
             removed.append(digest)
         return removed, freed
 
-    @staticmethod
-    def touch(path: Path) -> None:
-        """Mark a layer file as used now (its atime orders `trim`); the mtime, which the
-        verification stamp covers, is kept."""
-        with contextlib.suppress(OSError):
-            # In nanoseconds: a float mtime would round it and void the verification stamp.
-            os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+    def touch(self, path: Path) -> None:
+        """Mark a layer file (``layers/sha256-<hex>.erofs``) as used now: its stamp in ``used/``
+        orders `trim` (least recently used first) and counts as activity for `gc`'s `min_age`.
+        The layer file itself is left alone: changing even its times would change its ctime and
+        void its verification."""
+        stamp = self.used_dir / path.name.removeprefix("sha256-").removesuffix(".erofs")
+        try:
+            os.utime(stamp)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                os.close(os.open(stamp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        except OSError:
+            pass
+
+    def _last_used(self, digest: str) -> float | None:
+        try:
+            return (self.used_dir / digest.removeprefix("sha256:")).stat().st_mtime
+        except OSError:
+            return None
 
     # ------------------------------------------------------------------ shared store
 
@@ -595,40 +655,87 @@ class LayerStore:
         finally:
             os.close(fd)  # releases the flock
 
+    def _current(self, key: str, builder: Builder | None) -> ImageManifest | None:
+        """The stored manifest of ``key`` (ImageNotFoundError if none), or None if it is a built-in
+        image made by an older version of its builder (blocking if the shared store is involved)."""
+        m = self.resolve(key)
+        if builder is not None and builder.outdated(self, m):
+            return None
+        return m
+
     async def ensure(self, ref: str, progress: ProgressFn | None = None) -> ImageManifest:
-        """Return the manifest for ``ref``, building it first if it is a built-in image."""
-        from .builders import BUILTIN_IMAGES, BuildContext
+        """Return the manifest for ``ref``, building it first if it is a built-in image that is
+        missing or was made by an older version of its builder (`Builder.outdated`).
+
+        If rebuilding an outdated image fails, the stored one is returned (and the rebuild is not
+        tried again for `REBUILD_RETRY_SECONDS`): a node that cannot reach its mirror keeps working.
+        """
+        from .builders import BUILTIN_IMAGES
 
         name, tag = parse_ref(ref)
         key = f"{name}:{tag}"
-        with contextlib.suppress(ImageNotFoundError):
-            if self.shared is None:
-                return self.resolve(key)  # a local file read: cheaper inline than a thread hop
-            return await asyncio.to_thread(self.resolve, key)  # may read the shared filesystem
         builder = BUILTIN_IMAGES.get(key)
+        with contextlib.suppress(ImageNotFoundError):
+            # A local file read: cheaper inline than a thread hop; the shared filesystem may block.
+            if self.shared is None:
+                current = self._current(key, builder)
+            else:
+                current = await asyncio.to_thread(self._current, key, builder)
+            if current is not None:
+                return current
         if builder is None:
             raise ImageNotFoundError(f"image {key} not found and no built-in recipe for it")
         loop_locks = self._locks.setdefault(asyncio.get_running_loop(), {})
         lock = loop_locks.setdefault(key, asyncio.Lock())
         async with lock:
             with contextlib.suppress(ImageNotFoundError):
-                return self.resolve(key)  # built by a concurrent ensure() in this process
+                if (current := self._current(key, builder)) is not None:
+                    return current  # built by a concurrent ensure() in this process
             async with self._file_lock(name, tag):
+                outdated: ImageManifest | None = None
                 with contextlib.suppress(ImageNotFoundError):
-                    return self.resolve(key)  # built by another process
-                workdir = self.tmp_dir / f"build-{re.sub(r'[^a-z0-9.-]', '_', key)}-{uuid.uuid4().hex[:8]}"
-                await asyncio.to_thread(workdir.mkdir, parents=True)
-                ctx = BuildContext(store=self, workdir=workdir, progress=progress)
-                started = time.monotonic()
+                    if (current := self._current(key, builder)) is not None:
+                        return current  # built by another process
+                    outdated = self.resolve(key)
+                failed_at = self._rebuild_failed.get(key)
+                if (
+                    outdated is not None
+                    and failed_at is not None
+                    and time.monotonic() - failed_at < REBUILD_RETRY_SECONDS
+                ):
+                    return outdated
                 try:
-                    ctx.report(f"{key}: building", 0.0)
-                    layers = await builder.build(ctx)
-                    m = self.put_manifest(name, tag, layers, recipe=builder.recipe)
-                finally:
-                    await asyncio.shield(asyncio.to_thread(fsutil.rmtree, workdir))
-                log.info("built %s in %.1fs", key, time.monotonic() - started)
-                ctx.report(f"{key}: done", 1.0)
-                return m
+                    return await self._build_builtin(key, builder, progress, upgrade=outdated is not None)
+                except Exception as exc:  # an ImageError, OSError, or a TaskGroup's ExceptionGroup of them
+                    if outdated is None:
+                        raise
+                    self._rebuild_failed[key] = time.monotonic()
+                    log.warning("rebuilding outdated %s failed, keeping the stored image: %s", key, exc)
+                    if progress is not None:
+                        with contextlib.suppress(Exception):
+                            progress(f"{key}: rebuild failed ({exc}); using the stored image", 1.0)
+                    return outdated
+
+    async def _build_builtin(
+        self, key: str, builder: Builder, progress: ProgressFn | None, *, upgrade: bool
+    ) -> ImageManifest:
+        from .builders import BuildContext
+
+        name, tag = parse_ref(key)
+        workdir = self.tmp_dir / f"build-{re.sub(r'[^a-z0-9.-]', '_', key)}-{uuid.uuid4().hex[:8]}"
+        await asyncio.to_thread(workdir.mkdir, parents=True)
+        ctx = BuildContext(store=self, workdir=workdir, progress=progress)
+        started = time.monotonic()
+        try:
+            ctx.report(f"{key}: {'rebuilding (its builder changed)' if upgrade else 'building'}", 0.0)
+            layers = await builder.build(ctx)
+            m = self.put_manifest(name, tag, layers, recipe=builder.manifest_recipe)
+        finally:
+            await asyncio.shield(asyncio.to_thread(fsutil.rmtree, workdir))
+        self._rebuild_failed.pop(key, None)
+        log.info("%s %s in %.1fs", "rebuilt" if upgrade else "built", key, time.monotonic() - started)
+        ctx.report(f"{key}: done", 1.0)
+        return m
 
 
 __all__ = ["LayerStore", "ProgressFn"]

@@ -5,6 +5,14 @@
  * Each datagram is `u32 type, u32 id` (little-endian) + payload; see agent.py
  * for the authoritative description of every message.
  *
+ * Sessions (F_SESSION) are shells whose commands the agent frames itself: the daemon sends SRUN
+ * with a per-command nonce, then the script on the shell's stdin; the shell reports the exit status
+ * as one datagram on a socket at fd STATUS_FD, accepted only with the nonce and only when the kernel
+ * says the shell process itself sent it (SCM_CREDENTIALS). The shell's stdin, stdout and stderr are
+ * socketpairs (a socket cannot be reopened through /proc/PID/fd, a pipe can), so no other process of
+ * the sandbox can read the script (and its nonce) or forge the report; output is forwarded only
+ * while a command runs, capped per command, and drained and counted between commands.
+ *
  * Build: musl-gcc (or gcc) -O2 -static -Wall -Wextra -o agent agent.c
  */
 #define _GNU_SOURCE
@@ -19,9 +27,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/inotify.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -36,34 +46,74 @@
 #endif
 
 enum {
-	M_EXEC = 1, M_STDIN = 2, M_SIGNAL = 3, M_PING = 4, M_REOPEN = 5, M_FORGET = 6,
+	M_EXEC = 1, M_STDIN = 2, M_SIGNAL = 3, M_PING = 4, M_REOPEN = 5, M_FORGET = 6, M_SRUN = 7, M_CMDIN = 8,
+	M_WATCH = 9, M_UNWATCH = 20,
 	M_STARTED = 10, M_STDOUT = 11, M_STDERR = 12, M_EXIT = 13, M_ERROR = 14, M_PONG = 15, M_HELLO = 16,
+	M_SEXIT = 17, M_WEVENT = 18, M_WEND = 19,
 };
-enum { F_STDIN_PIPE = 1, F_SETSID = 2 };
-enum { X_TIMED_OUT = 1, X_OUT_TRUNC = 2, X_ERR_TRUNC = 4 };
-enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN }; /* epoll event kinds */
+enum { F_STDIN_PIPE = 1, F_SETSID = 2, F_MERGE = 4, F_SESSION = 8, F_NONDUMP = 16 };
+enum { X_TIMED_OUT = 1, X_OUT_TRUNC = 2, X_ERR_TRUNC = 4, X_LOST = 8 };
+enum { S_STDIN = 1 }; /* SRUN flags */
+enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN, K_EP, K_STATUS, K_CIN, K_WATCH }; /* epoll event kinds */
 
-#define VERSION "sandfleet-agent/2" /* 2: REOPEN and FORGET */
+/* 3: exec starts without blocking the agent, F_MERGE, sessions framed by the agent (SRUN, CMDIN,
+ * SEXIT), FORGET with a list of ids to keep, WATCH */
+#define VERSION "sandfleet-agent/3"
+#define STATUS_FD 100 /* a session shell's status socket */
+#define CMDIN_FD 101  /* a session shell's per-command stdin (a pipe the agent reopens per command) */
+#define NONCE_LEN 32
+#define LOST_GRACE_US 5000000 /* after a session command's timeout: how long the shell may take to report */
+#define MAX_WATCHES 8192	  /* inotify watches per WATCH request (a recursive tree) */
+#define WATCH_RATE 2000	  /* events forwarded per watch and second; past it: one overflow event */
 #define MAXPAY 65536
 #define CHAN 3
 #define HANDOFF 4
 #define GRACE_US 50000 /* wait for pipe EOF this long after reaping */
 #define DEFAULT_PATH "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+/* Bytes queued for a non-blocking writer (a child's stdin, a session command's stdin). */
+struct wbuf {
+	int fd, reg, closing; /* fd -1: closed; reg: waiting for EPOLLOUT; closing: close once flushed */
+	char *buf;	      /* pending bytes [off, len) */
+	size_t off, len, cap;
+};
+
 struct exec {
 	uint32_t id, xflags;
 	pid_t pid;
-	int fd[3]; /* [0] stdin write end, [1] stdout read end, [2] stderr read end; -1 = closed */
-	int in_reg, in_close, reaped, status, orphan;
+	int fd[3]; /* [1] stdout read end, [2] stderr read end; -1 = closed */
+	struct wbuf in; /* the child's stdin (a session's: its script socket) */
+	int reaped, status, orphan;
+	int epr;     /* while starting: the read end of the exec-status pipe; -1 once exec'd or failed */
+	int failed;  /* the exec failed (ERROR sent): no EXIT for it */
 	uint64_t cap, total[2], start, deadline, reaped_at;
-	char *ibuf; /* pending stdin bytes [ioff, ilen) */
-	size_t ioff, ilen, icap;
+	/* sessions (F_SESSION) */
+	int session, sfd, cin_r, active;
+	struct wbuf cin; /* the running command's stdin, when it has one */
+	char nonce[NONCE_LEN];
+	uint32_t cxflags, cseq;
+	uint64_t ccap, ctotal[2], cstart, cdeadline, cgrace, dropped;
+};
+
+/* A WATCH: inotify over a directory (and its subdirectories when recursive). */
+struct watch {
+	uint32_t id;
+	int ifd, recursive, nwd;
+	int *wds;    /* watch descriptor -> index into paths */
+	char **paths; /* absolute path of each watched directory, by watch descriptor */
+	int cap;
+	uint64_t dropped, win_start; /* rate cap: events forwarded in the current one-second window */
+	uint32_t win_count;
 };
 
 static struct exec **ex;
 static size_t nex;
+static struct watch **wt;
+static size_t nwt;
 static int epfd, sigfd, chan_dead, handoff_open, handoff_drop;
 static char rbuf[MAXPAY + 64], obuf[MAXPAY];
+
+static void watch_free(size_t slot);
 
 static uint64_t now_us(void)
 {
@@ -240,77 +290,80 @@ static void signal_exec(struct exec *e, int sig, uint32_t scope)
 
 /* ---- exec lifecycle -------------------------------------------------------------------- */
 
-static void stdin_close(struct exec *e)
+static void wbuf_close(struct wbuf *w)
 {
-	ep_close(&e->fd[0]);
-	e->in_reg = 0;
-	free(e->ibuf);
-	e->ibuf = NULL;
-	e->ioff = e->ilen = e->icap = 0;
+	ep_close(&w->fd);
+	w->reg = w->closing = 0;
+	free(w->buf);
+	w->buf = NULL;
+	w->off = w->len = w->cap = 0;
 }
 
-/* Write as much pending stdin as the pipe takes; park the rest behind EPOLLOUT. */
-static void stdin_flush(struct exec *e, size_t slot)
+/* Write as much as the fd takes; park the rest behind EPOLLOUT (kind K_IN or K_CIN). */
+static void wbuf_flush(struct wbuf *w, int kind, size_t slot)
 {
-	while (e->fd[0] >= 0 && e->ioff < e->ilen) {
-		ssize_t n = write(e->fd[0], e->ibuf + e->ioff, e->ilen - e->ioff);
+	while (w->fd >= 0 && w->off < w->len) {
+		ssize_t n = write(w->fd, w->buf + w->off, w->len - w->off);
 		if (n > 0) {
-			e->ioff += (size_t)n;
+			w->off += (size_t)n;
 		} else if (n < 0 && errno == EINTR) {
 			continue;
 		} else if (n < 0 && errno == EAGAIN) {
-			if (!e->in_reg) {
-				ep_add(e->fd[0], K_IN, slot, EPOLLOUT);
-				e->in_reg = 1;
+			if (!w->reg) {
+				ep_add(w->fd, kind, slot, EPOLLOUT);
+				w->reg = 1;
 			}
 			return;
-		} else { /* EPIPE: the child closed its stdin, drop everything */
-			stdin_close(e);
+		} else { /* EPIPE: the reader closed its end, drop everything */
+			wbuf_close(w);
 			return;
 		}
 	}
-	e->ioff = e->ilen = 0;
-	if (e->in_reg && e->fd[0] >= 0) {
-		epoll_ctl(epfd, EPOLL_CTL_DEL, e->fd[0], NULL);
-		e->in_reg = 0;
+	w->off = w->len = 0;
+	if (w->reg && w->fd >= 0) {
+		epoll_ctl(epfd, EPOLL_CTL_DEL, w->fd, NULL);
+		w->reg = 0;
 	}
-	if (e->in_close)
-		stdin_close(e);
+	if (w->closing)
+		wbuf_close(w);
 }
 
-static void stdin_data(struct exec *e, size_t slot, const char *p, size_t n)
+/* Queue bytes for the writer; n == 0 means: close once everything queued is written. */
+static void wbuf_data(struct wbuf *w, int kind, size_t slot, const char *p, size_t n)
 {
-	if (e->fd[0] < 0 || e->in_close)
+	if (w->fd < 0 || w->closing)
 		return;
 	if (n == 0) {
-		e->in_close = 1;
+		w->closing = 1;
 	} else {
-		size_t pending = e->ilen - e->ioff;
-		if (pending + n > e->icap) {
-			size_t nc = e->icap ? e->icap : 65536;
+		size_t pending = w->len - w->off;
+		if (pending + n > w->cap) {
+			size_t nc = w->cap ? w->cap : 65536;
 			while (nc < pending + n)
 				nc *= 2;
 			char *nb = malloc(nc);
 			if (!nb) {
-				stdin_close(e);
+				wbuf_close(w);
 				return;
 			}
 			if (pending)
-				memcpy(nb, e->ibuf + e->ioff, pending);
-			free(e->ibuf);
-			e->ibuf = nb;
-			e->icap = nc;
-		} else if (e->ioff) {
-			memmove(e->ibuf, e->ibuf + e->ioff, pending);
+				memcpy(nb, w->buf + w->off, pending);
+			free(w->buf);
+			w->buf = nb;
+			w->cap = nc;
+		} else if (w->off) {
+			memmove(w->buf, w->buf + w->off, pending);
 		}
-		memcpy(e->ibuf + pending, p, n);
-		e->ioff = 0;
-		e->ilen = pending + n;
+		memcpy(w->buf + pending, p, n);
+		w->off = 0;
+		w->len = pending + n;
 	}
-	stdin_flush(e, slot);
+	wbuf_flush(w, kind, slot);
 }
 
-/* Read up to `reads` chunks from stdout (s=1) or stderr (s=2); forward within out_cap. */
+/* Read up to `reads` chunks from stdout (s=1) or stderr (s=2); forward within the cap. A session
+ * forwards only while a command runs (within that command's cap); between commands its output is
+ * read and dropped, and counted, so a background `yes` costs the sandbox's CPU, never the daemon's. */
 static void drain(struct exec *e, int s, int reads)
 {
 	while (reads-- > 0 && e->fd[s] >= 0) {
@@ -323,26 +376,66 @@ static void drain(struct exec *e, int s, int reads)
 			ep_close(&e->fd[s]);
 			return;
 		}
-		uint64_t before = e->total[s - 1], fwd = (uint64_t)n;
-		e->total[s - 1] += (uint64_t)n;
-		if (e->cap != UINT64_MAX && before + fwd > e->cap) { /* UINT64_MAX: no cap; 0: keep nothing */
-			fwd = before >= e->cap ? 0 : e->cap - before;
-			e->xflags |= s == 1 ? X_OUT_TRUNC : X_ERR_TRUNC;
+		uint64_t cap = e->session ? e->ccap : e->cap, *total = e->session ? e->ctotal : e->total;
+		uint32_t *xf = e->session ? &e->cxflags : &e->xflags;
+		if (e->session && !e->active) {
+			e->dropped += (uint64_t)n;
+			continue;
+		}
+		uint64_t before = total[s - 1], fwd = (uint64_t)n;
+		total[s - 1] += (uint64_t)n;
+		if (cap != UINT64_MAX && before + fwd > cap) { /* UINT64_MAX: no cap; 0: keep nothing */
+			fwd = before >= cap ? 0 : cap - before;
+			*xf |= s == 1 ? X_OUT_TRUNC : X_ERR_TRUNC;
 		}
 		if (fwd && !e->orphan)
 			chan_send(s == 1 ? M_STDOUT : M_STDERR, e->id, obuf, (size_t)fwd, NULL, 0);
 	}
 }
 
+/* The end of a session command: whatever it wrote is already in the sockets (the shell reports
+ * after the command), so forward that, then SEXIT: i32 status, u32 flags, u64 out, u64 err,
+ * u64 duration us, u64 bytes dropped between commands before this one. */
+static void session_done(struct exec *e, int32_t status, uint32_t extra)
+{
+	for (int s = 1; s <= 2; s++)
+		drain(e, s, 256);
+	wbuf_close(&e->cin);
+	/* what the command left unread of its stdin must not reach the next one (bounded: a writer that
+	 * keeps it fed through /proc/self/fd/101 must not hold the agent here) */
+	for (int i = 0; e->cin_r >= 0 && i < 64 && read(e->cin_r, obuf, sizeof obuf) > 0; i++)
+		;
+	char p[44];
+	uint32_t flags = e->cxflags | extra;
+	uint64_t dur = now_us() - e->cstart;
+	memcpy(p, &status, 4);
+	memcpy(p + 4, &flags, 4);
+	memcpy(p + 8, &e->ctotal[0], 8);
+	memcpy(p + 16, &e->ctotal[1], 8);
+	memcpy(p + 24, &dur, 8);
+	memcpy(p + 32, &e->dropped, 8);
+	memcpy(p + 40, &e->cseq, 4);
+	e->active = 0;
+	e->dropped = 0;
+	if (!e->orphan)
+		chan_send(M_SEXIT, e->id, p, sizeof p, NULL, 0);
+}
+
 static void finish(size_t slot)
 {
 	struct exec *e = ex[slot];
+	if (e->session && e->active) /* the shell exited mid-command (`exit`, killed) */
+		session_done(e, WIFEXITED(e->status) ? WEXITSTATUS(e->status) : 128 + WTERMSIG(e->status), X_LOST);
 	for (int s = 1; s <= 2; s++) {
 		drain(e, s, 16); /* whatever is already buffered; a live grandchild may keep writing */
 		ep_close(&e->fd[s]);
 	}
-	stdin_close(e);
-	if (!e->orphan) {
+	wbuf_close(&e->in);
+	wbuf_close(&e->cin);
+	ep_close(&e->sfd);
+	ep_close(&e->cin_r);
+	ep_close(&e->epr);
+	if (!e->orphan && !e->failed) {
 		char p[32];
 		int32_t st = e->status;
 		uint64_t dur = e->reaped_at - e->start;
@@ -373,7 +466,6 @@ static size_t alloc_slot(void)
 }
 
 struct child_err { int err, stage; };
-static const char *stage_names[] = { "setup", "chdir", "setgroups", "setgid", "setuid", "exec" };
 
 /* A file that is neither a binary nor starts with "#!" is run by /bin/sh, as glibc's execvp does
  * (musl's does not, and the agent is built against musl where it can be). `search` is the request's
@@ -419,6 +511,21 @@ static void __attribute__((noreturn)) child_fail(int fd, int stage)
 	_exit(127);
 }
 
+/* A high copy of fd (close-on-exec), clear of the numbers the child's fds are moved to. */
+static int move_high(int fd)
+{
+	return fd < 0 ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, CMDIN_FD + 1);
+}
+
+static int socketpair_cloexec(int type, int sv[2])
+{
+	return socketpair(AF_UNIX, type | SOCK_CLOEXEC, 0, sv);
+}
+
+/* Starting a command never blocks the agent: the child reports a failed setup or exec on a
+ * close-on-exec pipe, which the event loop reads (K_EP); EOF means it exec'd. A child stopped
+ * between fork and exec (SIGSTOP from the sandbox) therefore wedges nothing but itself, and its
+ * deadline still applies. */
 static void do_exec(uint32_t id, const char *p, size_t n)
 {
 	uint32_t flags, uid, gid, tmo, argc, envc;
@@ -442,7 +549,8 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 		send_error(id, EEXIST, "exec id in use");
 		return;
 	}
-	/* strings point into rbuf, which stays untouched until the child has exec'd */
+	int session = (flags & F_SESSION) != 0;
+	/* strings point into rbuf, which stays untouched until the child has forked */
 	char **argv = calloc(argc + 1, sizeof *argv), **envp = calloc(envc + 1, sizeof *envp);
 	const char *cwd = NULL, *path = DEFAULT_PATH;
 	size_t off = 32;
@@ -465,7 +573,9 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 		}
 		off += len + 1;
 	}
+	/* [0] the child's end, [1] ours. Sessions get sockets (not reopenable through /proc). */
 	int in[2] = { -1, -1 }, out[2] = { -1, -1 }, err[2] = { -1, -1 }, ep[2] = { -1, -1 };
+	int st[2] = { -1, -1 }, cin[2] = { -1, -1 };
 	size_t slot = (size_t)-1;
 	struct exec *e = NULL;
 	if (!ok) {
@@ -473,9 +583,39 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 		goto out;
 	}
 	errno = 0;
-	if (((flags & F_STDIN_PIPE) && pipe2(in, O_CLOEXEC) < 0) || pipe2(out, O_CLOEXEC) < 0 ||
-	    pipe2(err, O_CLOEXEC) < 0 || pipe2(ep, O_CLOEXEC) < 0 || !(e = calloc(1, sizeof *e)) ||
-	    (slot = alloc_slot()) == (size_t)-1) {
+	int fail = 0;
+	if (session) {
+		int sv[2];
+		/* the script travels on a stream socket: [0] child reads, [1] we write */
+		fail = fail || socketpair_cloexec(SOCK_STREAM, sv) < 0;
+		if (!fail) { in[0] = sv[0]; in[1] = sv[1]; }
+		fail = fail || socketpair_cloexec(SOCK_STREAM, sv) < 0;
+		if (!fail) { out[1] = sv[0]; out[0] = sv[1]; }
+		fail = fail || socketpair_cloexec(SOCK_STREAM, sv) < 0;
+		if (!fail) { err[1] = sv[0]; err[0] = sv[1]; }
+		fail = fail || socketpair_cloexec(SOCK_DGRAM, sv) < 0;
+		if (!fail) { st[1] = sv[0]; st[0] = sv[1]; }
+		fail = fail || pipe2(cin, O_CLOEXEC) < 0;
+		if (!fail) {
+			int on = 1;
+			shutdown(in[0], SHUT_WR);
+			shutdown(out[0], SHUT_WR);
+			shutdown(err[0], SHUT_WR);
+			fail = setsockopt(st[0], SOL_SOCKET, SO_PASSCRED, &on, sizeof on) < 0;
+			close(cin[1]); /* write ends are opened per command (see do_srun) */
+			cin[1] = -1;
+		}
+	} else {
+		int pin[2] = { -1, -1 }, pout[2], perr[2];
+		fail = ((flags & F_STDIN_PIPE) && pipe2(pin, O_CLOEXEC) < 0) || pipe2(pout, O_CLOEXEC) < 0 ||
+		       pipe2(perr, O_CLOEXEC) < 0;
+		if (!fail) {
+			in[0] = pin[0]; in[1] = pin[1];
+			out[1] = pout[1]; out[0] = pout[0];
+			err[1] = perr[1]; err[0] = perr[0];
+		}
+	}
+	if (fail || pipe2(ep, O_CLOEXEC) < 0 || !(e = calloc(1, sizeof *e)) || (slot = alloc_slot()) == (size_t)-1) {
 		send_error(id, errno ? errno : ENOMEM, "agent: out of resources");
 		goto out;
 	}
@@ -496,19 +636,44 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 			setsid();
 		else
 			setpgid(0, 0);
-		int infd = (flags & F_STDIN_PIPE) ? in[0] : open("/dev/null", O_RDONLY);
-		if (infd < 0 || dup2(infd, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0)
-			child_fail(ep[1], 0);
-		close_from(3, CLOSE_RANGE_CLOEXEC); /* keeps ep[1] open until exec succeeds */
+		/* first out of the way of the numbers they are placed at */
+		int epw = move_high(ep[1]);
+		int infd = (flags & (F_STDIN_PIPE | F_SESSION)) ? move_high(in[0]) : open("/dev/null", O_RDONLY);
+		int o = move_high(out[1]), r = move_high((flags & F_MERGE) ? out[1] : err[1]);
+		int sfd = move_high(st[1]), cfd = move_high(cin[0]);
+		if (epw < 0 || infd < 0 || o < 0 || r < 0 || (session && (sfd < 0 || cfd < 0)))
+			child_fail(epw >= 0 ? epw : ep[1], 0);
+		if (dup2(infd, 0) < 0 || dup2(o, 1) < 0 || dup2(r, 2) < 0)
+			child_fail(epw, 0);
+		if (session && (dup2(sfd, STATUS_FD) < 0 || dup2(cfd, CMDIN_FD) < 0))
+			child_fail(epw, 0);
+		close_from(3, CLOSE_RANGE_CLOEXEC); /* keeps epw open until exec succeeds */
+		if (session) {
+			fcntl(STATUS_FD, F_SETFD, 0);
+			fcntl(CMDIN_FD, F_SETFD, 0);
+		}
 		if (chdir(cwd) < 0)
-			child_fail(ep[1], 1);
-		if (uid != getuid() || gid != getgid()) {
+			child_fail(epw, 1);
+		if (flags & F_NONDUMP) {
+			/* A session shell starts with its effective gid differing from its real one: the
+			 * kernel then makes it non-dumpable from its exec on, and the shell (bash and dash
+			 * drop such a gid at start) stays so. No other process of the sandbox, even of the
+			 * same uid, may then ptrace it, read its memory, take its fds (pidfd_getfd) or open
+			 * /proc/<shell>/fd: its script, nonce and status socket are out of reach. */
+			gid_t decoy = gid != 65534 ? 65534 : 65533;
 			if (setgroups(0, NULL) < 0)
-				child_fail(ep[1], 2);
+				child_fail(epw, 2);
+			if (setresgid(gid, decoy, decoy) < 0)
+				child_fail(epw, 3);
+			if (setresuid(uid, uid, uid) < 0)
+				child_fail(epw, 4);
+		} else if (uid != getuid() || gid != getgid()) {
+			if (setgroups(0, NULL) < 0)
+				child_fail(epw, 2);
 			if (setgid(gid) < 0)
-				child_fail(ep[1], 3);
+				child_fail(epw, 3);
 			if (setuid(uid) < 0)
-				child_fail(ep[1], 4);
+				child_fail(epw, 4);
 		}
 		/* execvpe searches the *caller's* PATH, so make ours the one from the request */
 		extern char **environ;
@@ -517,55 +682,163 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 		execvpe(argv[0], argv, envp);
 		if (errno == ENOEXEC)
 			exec_as_script(argv, envp, path + 5);
-		child_fail(ep[1], 5);
+		child_fail(epw, 5);
 	}
 	if (!(flags & F_SETSID))
 		setpgid(pid, pid); /* also in the parent, so a SIGNAL right after STARTED can't race */
-	close(ep[1]);
-	ep[1] = -1;
-	struct child_err ce;
-	ssize_t r;
-	do
-		r = read(ep[0], &ce, sizeof ce);
-	while (r < 0 && errno == EINTR);
-	if (r == (ssize_t)sizeof ce) {
-		char msg[512];
-		const char *what = ce.stage == 1 ? cwd : ce.stage == 5 ? argv[0] : "";
-		int st;
-		while (waitpid(pid, &st, 0) < 0 && errno == EINTR)
-			;
-		snprintf(msg, sizeof msg, "%s %s: %s", stage_names[ce.stage % 6], what, strerror(ce.err));
-		send_error(id, ce.err, msg);
-		goto out;
-	}
 	e->id = id;
 	e->pid = pid;
 	e->cap = cap;
 	e->start = start;
 	e->deadline = tmo ? start + (uint64_t)tmo * 1000u : 0;
-	e->fd[0] = in[1];
+	e->in.fd = in[1];
 	e->fd[1] = out[0];
 	e->fd[2] = err[0];
-	in[1] = out[0] = err[0] = -1;
-	for (int s = 0; s < 3; s++)
-		if (e->fd[s] >= 0)
-			set_nonblock(e->fd[s], 1);
+	e->epr = ep[0];
+	e->session = session;
+	e->sfd = st[0];
+	if (cin[0] >= 0) { /* our own open file description of the pipe: non-blocking for us only */
+		char path[64];
+		snprintf(path, sizeof path, "/proc/self/fd/%d", cin[0]);
+		e->cin_r = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	} else {
+		e->cin_r = -1;
+	}
+	e->cin.fd = -1;
+	in[1] = out[0] = err[0] = ep[0] = st[0] = -1;
+	if (e->in.fd >= 0)
+		set_nonblock(e->in.fd, 1);
+	for (int s = 1; s <= 2; s++)
+		set_nonblock(e->fd[s], 1);
+	set_nonblock(e->epr, 1);
+	if (flags & F_MERGE) { /* stderr is the same pipe: nothing ever arrives on ours */
+		close(e->fd[2]);
+		e->fd[2] = -1;
+	}
 	ep_add(e->fd[1], K_OUT, slot, EPOLLIN);
-	ep_add(e->fd[2], K_ERR, slot, EPOLLIN);
+	if (e->fd[2] >= 0)
+		ep_add(e->fd[2], K_ERR, slot, EPOLLIN);
+	ep_add(e->epr, K_EP, slot, EPOLLIN);
+	if (e->sfd >= 0)
+		ep_add(e->sfd, K_STATUS, slot, EPOLLIN);
+	/* until the exec is confirmed, strings of the request must outlive rbuf: the child has its
+	 * own copy of them (fork), so nothing here refers to rbuf any more */
 	ex[slot] = e;
 	e = NULL;
-	int32_t pid32 = pid;
-	chan_send(M_STARTED, id, &pid32, 4, NULL, 0);
 out:
 	for (int i = 0; i < 2; i++) {
 		if (in[i] >= 0) close(in[i]);
 		if (out[i] >= 0) close(out[i]);
 		if (err[i] >= 0) close(err[i]);
 		if (ep[i] >= 0) close(ep[i]);
+		if (st[i] >= 0) close(st[i]);
+		if (cin[i] >= 0) close(cin[i]);
 	}
 	free(e);
 	free(argv);
 	free(envp);
+}
+
+/* The exec-status pipe of a starting command: a setup error, or EOF once it exec'd. */
+static void handle_ep(size_t slot)
+{
+	struct exec *e = ex[slot];
+	struct child_err ce;
+	ssize_t r = read(e->epr, &ce, sizeof ce);
+	if (r < 0 && (errno == EINTR || errno == EAGAIN))
+		return;
+	ep_close(&e->epr);
+	if (r == (ssize_t)sizeof ce) {
+		char msg[128];
+		static const char *what[] = { "setup", "chdir to the working directory", "setgroups", "setgid", "setuid",
+					      "exec" };
+		snprintf(msg, sizeof msg, "%s: %s", what[ce.stage % 6], strerror(ce.err));
+		e->failed = 1; /* the child exits by itself; reaped and freed without an EXIT */
+		if (!e->orphan)
+			send_error(e->id, ce.err, msg);
+		return;
+	}
+	int32_t pid32 = e->pid;
+	if (!e->orphan)
+		chan_send(M_STARTED, e->id, &pid32, 4, NULL, 0);
+}
+
+/* SRUN: a session command begins. Payload: u32 timeout ms, u32 flags, u64 cap, nonce (32 bytes),
+ * u32 sequence number (echoed in its SEXIT), then the script, or its first part (the rest follows
+ * as STDIN on the session's id); the command's own stdin (S_STDIN) comes as CMDIN. */
+static void do_srun(uint32_t id, const char *p, size_t n)
+{
+	size_t slot;
+	struct exec *e = find_id(id, &slot);
+	if (!e || !e->session || e->reaped || n < 20 + NONCE_LEN) {
+		send_error(id, ESRCH, "no such session");
+		return;
+	}
+	/* A command still active was given up by the daemon (its caller went away, or it was in a
+	 * snapshot this sandbox was restored from): it ends unreported, and its late report, with the
+	 * old nonce, will not be taken for this one's. */
+	if (e->active) {
+		wbuf_close(&e->cin);
+		e->active = 0;
+	}
+	uint32_t tmo, flags;
+	memcpy(&tmo, p, 4);
+	memcpy(&flags, p + 4, 4);
+	memcpy(&e->ccap, p + 8, 8);
+	memcpy(e->nonce, p + 16, NONCE_LEN);
+	memcpy(&e->cseq, p + 16 + NONCE_LEN, 4);
+	/* whatever background jobs wrote since the last command is not this command's output */
+	for (int s = 1; s <= 2; s++)
+		drain(e, s, 64);
+	e->active = 1;
+	e->cxflags = 0;
+	e->ctotal[0] = e->ctotal[1] = 0;
+	e->cstart = now_us();
+	e->cdeadline = tmo ? e->cstart + (uint64_t)tmo * 1000u : 0;
+	e->cgrace = 0;
+	if (flags & S_STDIN) {
+		char path[64];
+		snprintf(path, sizeof path, "/proc/self/fd/%d", e->cin_r);
+		/* a new write end of the same pipe: closing it is this command's EOF */
+		e->cin.fd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+	}
+	if (n > 20 + NONCE_LEN)
+		wbuf_data(&e->in, K_IN, slot, p + 20 + NONCE_LEN, n - 20 - NONCE_LEN);
+}
+
+/* The session shell's report: one datagram "<nonce> <status>\n", from the shell itself. */
+static void handle_status(size_t slot)
+{
+	struct exec *e = ex[slot];
+	for (int i = 0; i < 16; i++) {
+		char buf[128];
+		union {
+			struct cmsghdr h;
+			char b[CMSG_SPACE(sizeof(struct ucred))];
+		} c;
+		struct iovec iov = { buf, sizeof buf - 1 };
+		struct msghdr m = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = c.b, .msg_controllen = sizeof c.b };
+		ssize_t n = recvmsg(e->sfd, &m, MSG_DONTWAIT);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return;
+		struct cmsghdr *h = CMSG_FIRSTHDR(&m);
+		struct ucred cred;
+		if (!h || h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_CREDENTIALS)
+			continue;
+		memcpy(&cred, CMSG_DATA(h), sizeof cred);
+		/* only the shell process itself (not a child or anything else holding the socket) */
+		if (cred.pid != e->pid || !e->active || n < NONCE_LEN + 2 || memcmp(buf, e->nonce, NONCE_LEN) ||
+		    buf[NONCE_LEN] != ' ')
+			continue;
+		buf[n] = 0;
+		char *end;
+		long status = strtol(buf + NONCE_LEN + 1, &end, 10);
+		if (end == buf + NONCE_LEN + 1)
+			continue;
+		session_done(e, (int32_t)status, 0);
+	}
 }
 
 static void reap(void)
@@ -612,6 +885,9 @@ static void reconnect(int orphan)
 	for (size_t i = 0; orphan && i < nex; i++)
 		if (ex[i])
 			ex[i]->orphan = 1;
+	for (size_t i = 0; orphan && i < nwt; i++)
+		if (wt[i])
+			watch_free(i);
 	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
 		perror("agent: socketpair");
 		return; /* retried on the next loop iteration */
@@ -627,6 +903,214 @@ static void reconnect(int orphan)
 	handoff_drop = orphan;
 	send_hello(); /* queued in the socket until the new daemon reads it */
 }
+
+/* ---- watches -------------------------------------------------------------------------- */
+
+static struct watch *find_watch(uint32_t id, size_t *slot)
+{
+	for (size_t i = 0; i < nwt; i++)
+		if (wt[i] && wt[i]->id == id) {
+			if (slot)
+				*slot = i;
+			return wt[i];
+		}
+	return NULL;
+}
+
+static void watch_free(size_t slot)
+{
+	struct watch *w = wt[slot];
+	ep_close(&w->ifd);
+	for (int i = 0; i < w->cap; i++)
+		free(w->paths[i]);
+	free(w->paths);
+	free(w);
+	wt[slot] = NULL;
+}
+
+static void watch_end(size_t slot, int err, const char *why)
+{
+	struct watch *w = wt[slot];
+	int32_t e = err;
+	chan_send(M_WEND, w->id, &e, 4, why, strlen(why));
+	watch_free(slot);
+}
+
+/* Watch one directory; remembers its path by watch descriptor. */
+static int watch_dir(struct watch *w, const char *path)
+{
+	if (w->nwd >= MAX_WATCHES)
+		return -1;
+	int wd = inotify_add_watch(w->ifd, path,
+				   IN_CREATE | IN_DELETE | IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO |
+				       IN_ATTRIB | IN_DELETE_SELF | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK);
+	if (wd < 0)
+		return -1;
+	if (wd >= w->cap) {
+		int nc = w->cap ? w->cap : 64;
+		while (nc <= wd)
+			nc *= 2;
+		char **np = realloc(w->paths, (size_t)nc * sizeof *np);
+		if (!np)
+			return -1;
+		memset(np + w->cap, 0, (size_t)(nc - w->cap) * sizeof *np);
+		w->paths = np;
+		w->cap = nc;
+	}
+	free(w->paths[wd]);
+	w->paths[wd] = strdup(path);
+	w->nwd++;
+	return 0;
+}
+
+/* A directory and, breadth first, every directory below it (not following symlinks). */
+/* `announce`: a directory that appeared under the watch: what it already holds was made before its
+ * own inotify watch existed (a `mkdir d; echo x > d/f` is faster than us), so each entry found is
+ * reported as created. */
+static void watch_tree(struct watch *w, const char *top, int announce)
+{
+	size_t qn = 0, qcap = 64, qi = 0;
+	char **q = malloc(qcap * sizeof *q);
+	if (!q)
+		return;
+	q[qn++] = strdup(top);
+	while (qi < qn) {
+		char *dir = q[qi++];
+		if (dir && watch_dir(w, dir) == 0 && w->recursive) {
+			DIR *d = opendir(dir);
+			struct dirent *de;
+			while (d && (de = readdir(d))) {
+				if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
+					continue;
+				if (announce) {
+					char path[4096];
+					uint32_t m = IN_CREATE | (de->d_type == DT_DIR ? IN_ISDIR : 0);
+					snprintf(path, sizeof path, "%s%s%s", dir, strcmp(dir, "/") ? "/" : "", de->d_name);
+					chan_send(M_WEVENT, w->id, &m, 4, path, strlen(path) + 1);
+				}
+				if (de->d_type != DT_DIR)
+					continue;
+				if (qn == qcap) {
+					char **nq = realloc(q, qcap * 2 * sizeof *nq);
+					if (!nq)
+						break;
+					q = nq;
+					qcap *= 2;
+				}
+				size_t len = strlen(dir) + strlen(de->d_name) + 2;
+				char *sub = malloc(len);
+				if (sub)
+					snprintf(sub, len, "%s%s%s", dir, strcmp(dir, "/") ? "/" : "", de->d_name);
+				q[qn++] = sub;
+			}
+			if (d)
+				closedir(d);
+		}
+		free(dir);
+		if (w->nwd >= MAX_WATCHES)
+			break;
+	}
+	for (; qi < qn; qi++)
+		free(q[qi]);
+	free(q);
+}
+
+/* WATCH: u32 flags (1: recursive), then the absolute directory path. Events go out as WEVENT:
+ * u32 inotify mask, then the path; WEND (i32 errno, reason) when the watch ends. */
+static void do_watch(uint32_t id, const char *p, size_t n)
+{
+	if (n < 5 || p[n - 1] != '\0' || p[4] != '/' || find_watch(id, NULL)) {
+		int32_t e = EINVAL;
+		chan_send(M_WEND, id, &e, 4, "bad watch request", 17);
+		return;
+	}
+	size_t slot = (size_t)-1;
+	for (size_t i = 0; i < nwt; i++)
+		if (!wt[i]) {
+			slot = i;
+			break;
+		}
+	if (slot == (size_t)-1) {
+		size_t nn = nwt ? nwt * 2 : 8;
+		struct watch **nw = realloc(wt, nn * sizeof *nw);
+		if (!nw)
+			return;
+		memset(nw + nwt, 0, (nn - nwt) * sizeof *nw);
+		wt = nw;
+		slot = nwt;
+		nwt = nn;
+	}
+	struct watch *w = calloc(1, sizeof *w);
+	if (!w)
+		return;
+	uint32_t flags;
+	memcpy(&flags, p, 4);
+	w->id = id;
+	w->recursive = flags & 1;
+	w->ifd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+	wt[slot] = w;
+	if (w->ifd < 0) {
+		watch_end(slot, errno, "inotify_init1");
+		return;
+	}
+	watch_tree(w, p + 4, 0);
+	if (w->nwd == 0) {
+		watch_end(slot, errno ? errno : ENOENT, "not a directory that can be watched");
+		return;
+	}
+	ep_add(w->ifd, K_WATCH, slot, EPOLLIN);
+}
+
+static void handle_watch(size_t slot)
+{
+	struct watch *w = wt[slot];
+	char buf[16384] __attribute__((aligned(__alignof__(struct inotify_event))));
+	for (int round = 0; round < 16; round++) {
+		ssize_t n = read(w->ifd, buf, sizeof buf);
+		if (n <= 0)
+			return;
+		for (char *q = buf; q < buf + n;) {
+			struct inotify_event *ev = (struct inotify_event *)q;
+			q += sizeof *ev + ev->len;
+			if (ev->mask & IN_Q_OVERFLOW) {
+				uint32_t m = IN_Q_OVERFLOW;
+				chan_send(M_WEVENT, w->id, &m, 4, "", 1);
+				continue;
+			}
+			if (ev->wd < 0 || ev->wd >= w->cap || !w->paths[ev->wd])
+				continue;
+			const char *dir = w->paths[ev->wd];
+			char path[4096];
+			if (ev->len && ev->name[0])
+				snprintf(path, sizeof path, "%s%s%s", dir, strcmp(dir, "/") ? "/" : "", ev->name);
+			else
+				snprintf(path, sizeof path, "%s", dir);
+			if (ev->mask & IN_IGNORED) {
+				free(w->paths[ev->wd]);
+				w->paths[ev->wd] = NULL;
+				w->nwd--;
+				continue;
+			}
+			if (w->recursive && (ev->mask & IN_ISDIR) && (ev->mask & (IN_CREATE | IN_MOVED_TO)))
+				watch_tree(w, path, 1);
+			/* a sandbox churning files must not turn into a flood to the daemon */
+			uint64_t now = now_us();
+			if (now - w->win_start >= 1000000) {
+				w->win_start = now;
+				w->win_count = 0;
+			}
+			if (w->win_count >= WATCH_RATE) {
+				w->dropped++;
+				continue;
+			}
+			uint32_t m = ++w->win_count == WATCH_RATE ? IN_Q_OVERFLOW : ev->mask;
+			chan_send(M_WEVENT, w->id, &m, 4, m == IN_Q_OVERFLOW ? "" : path,
+				  m == IN_Q_OVERFLOW ? 1 : strlen(path) + 1);
+		}
+	}
+}
+
+/* ---- channel messages ------------------------------------------------------------------ */
 
 static void handle_chan(void)
 {
@@ -659,7 +1143,14 @@ static void handle_chan(void)
 			break;
 		case M_STDIN:
 			if ((e = find_id(id, &slot)))
-				stdin_data(e, slot, p, len);
+				wbuf_data(&e->in, K_IN, slot, p, len);
+			break;
+		case M_CMDIN:
+			if ((e = find_id(id, &slot)) && e->session && e->active)
+				wbuf_data(&e->cin, K_CIN, slot, p, len);
+			break;
+		case M_SRUN:
+			do_srun(id, p, len);
 			break;
 		case M_SIGNAL:
 			if (len >= 8 && (e = find_id(id, NULL))) {
@@ -674,9 +1165,31 @@ static void handle_chan(void)
 			chan_send(M_PONG, id, NULL, 0, NULL, 0);
 			break;
 		case M_FORGET: /* a daemon that never knew our running execs (adopted, restored) */
-			for (size_t i = 0; i < nex; i++)
-				if (ex[i])
+			/* the payload lists u32 ids the new daemon does know (a fork keeps its parent's
+			 * sessions and background processes); every other exec and watch is orphaned */
+			for (size_t i = 0; i < nex; i++) {
+				if (!ex[i])
+					continue;
+				int keep = 0;
+				for (size_t k = 0; k + 4 <= len && !keep; k += 4) {
+					uint32_t kid;
+					memcpy(&kid, p + k, 4);
+					keep = kid == ex[i]->id;
+				}
+				if (!keep)
 					ex[i]->orphan = 1;
+			}
+			for (size_t i = 0; i < nwt; i++)
+				if (wt[i])
+					watch_free(i);
+			break;
+		case M_WATCH:
+			do_watch(id, p, len);
+			break;
+		case M_UNWATCH:
+			for (size_t i = 0; i < nwt; i++)
+				if (wt[i] && wt[i]->id == id)
+					watch_end(i, 0, "unwatched");
 			break;
 		case M_REOPEN:
 			reconnect(0);
@@ -691,6 +1204,7 @@ static void handle_chan(void)
 static int service(void)
 {
 	uint64_t now = now_us(), next = UINT64_MAX;
+#define SOONER(t) do { if ((t) < next) next = (t); } while (0)
 	for (size_t i = 0; i < nex; i++) {
 		struct exec *e = ex[i];
 		if (!e)
@@ -699,17 +1213,40 @@ static int service(void)
 			if (now >= e->deadline) {
 				e->xflags |= X_TIMED_OUT;
 				signal_exec(e, SIGKILL, 1);
-			} else if (e->deadline < next) {
-				next = e->deadline;
+			} else {
+				SOONER(e->deadline);
+			}
+		}
+		if (e->session && e->active && !e->reaped) {
+			if (e->cdeadline && !(e->cxflags & X_TIMED_OUT)) {
+				if (now >= e->cdeadline) {
+					/* kill what the shell runs; the shell itself (its cwd, variables) lives on */
+					e->cxflags |= X_TIMED_OUT;
+					signal_exec(e, SIGKILL, 2);
+					e->cgrace = now + LOST_GRACE_US;
+				} else {
+					SOONER(e->cdeadline);
+				}
+			}
+			if (e->cgrace) {
+				if (now >= e->cgrace) { /* the shell did not come back: the session is over */
+					session_done(e, -1, X_LOST);
+					signal_exec(e, SIGKILL, 1);
+				} else {
+					SOONER(e->cgrace);
+				}
 			}
 		}
 		if (e->reaped) {
+			if (e->epr >= 0) /* died before its exec was confirmed: settle that first */
+				handle_ep(i);
 			if ((e->fd[1] < 0 && e->fd[2] < 0) || now >= e->reaped_at + GRACE_US)
 				finish(i);
-			else if (e->reaped_at + GRACE_US < next)
-				next = e->reaped_at + GRACE_US;
+			else
+				SOONER(e->reaped_at + GRACE_US);
 		}
 	}
+#undef SOONER
 	if (next == UINT64_MAX)
 		return -1;
 	return (int)((next - now + 999) / 1000);
@@ -781,8 +1318,24 @@ int main(void)
 					drain(e, kind - K_OUT + 1, 4);
 				break;
 			case K_IN:
-				if (e && e->fd[0] == fd)
-					stdin_flush(e, slot);
+				if (e && e->in.fd == fd)
+					wbuf_flush(&e->in, K_IN, slot);
+				break;
+			case K_CIN:
+				if (e && e->cin.fd == fd)
+					wbuf_flush(&e->cin, K_CIN, slot);
+				break;
+			case K_EP:
+				if (e && e->epr == fd)
+					handle_ep(slot);
+				break;
+			case K_STATUS:
+				if (e && e->sfd == fd)
+					handle_status(slot);
+				break;
+			case K_WATCH:
+				if (slot < nwt && wt[slot] && wt[slot]->ifd == fd)
+					handle_watch(slot);
 				break;
 			}
 		}

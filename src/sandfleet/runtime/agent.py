@@ -6,6 +6,7 @@ Every message is one SOCK_SEQPACKET datagram: ``u32 type, u32 id`` (little-endia
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -25,7 +26,7 @@ from typing import Literal
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
 LAUNCHER_SOURCE = Path(__file__).with_name("launcher.c")
 LAUNCHER_NAME = "sandfleet-run"  # <= 15 bytes: it is also the command name the orphan reaper matches
-AGENT_VERSION = "sandfleet-agent/2"  # 2: REOPEN, FORGET
+AGENT_VERSION = "sandfleet-agent/3"  # 2: REOPEN, FORGET; 3: sessions framed by the agent, MERGE, WATCH
 
 # daemon -> agent
 MSG_EXEC = 1
@@ -33,7 +34,11 @@ MSG_STDIN = 2
 MSG_SIGNAL = 3
 MSG_PING = 4
 MSG_REOPEN = 5  # move to a fresh socketpair offered on fd 4 (before a snapshot); same execs go on
-MSG_FORGET = 6  # orphan every running exec: they belong to a daemon (or a snapshot's parent) that is gone
+MSG_FORGET = 6  # orphan every running exec but those listed: the rest belong to a daemon that is gone
+MSG_SRUN = 7  # a session command begins (timeout, flags, cap, nonce); its script follows as STDIN
+MSG_CMDIN = 8  # bytes for the running session command's stdin; empty = EOF
+MSG_WATCH = 9  # watch a directory (u32 flags: 1 recursive; the path)
+MSG_UNWATCH = 20
 # agent -> daemon
 MSG_STARTED = 10
 MSG_STDOUT = 11
@@ -42,14 +47,24 @@ MSG_EXIT = 13
 MSG_ERROR = 14
 MSG_PONG = 15
 MSG_HELLO = 16
+MSG_SEXIT = 17  # a session command ended: status, flags, counts, duration, bytes dropped before it
+MSG_WEVENT = 18  # u32 inotify mask, the path
+MSG_WEND = 19  # the watch ended: i32 errno (0: asked to), reason
 
 # EXEC flags
 EXEC_STDIN_PIPE = 1
 EXEC_SETSID = 2
+EXEC_MERGE = 4  # stderr goes to the stdout pipe
+EXEC_SESSION = 8  # a session shell: sockets for stdio, a status socket and a per-command stdin
+EXEC_NONDUMP = 16  # start it with its effective gid differing (bash, dash): non-dumpable from its exec on
 # EXIT flags
 EXIT_TIMED_OUT = 1
 EXIT_STDOUT_TRUNCATED = 2
 EXIT_STDERR_TRUNCATED = 4
+EXIT_LOST = 8  # a session command whose shell exited or never reported
+# SRUN flags
+SRUN_STDIN = 1
+NONCE_LEN = 32
 # SIGNAL scopes
 SCOPE_GROUP = 0
 SCOPE_TREE = 1
@@ -65,6 +80,8 @@ _HDR = struct.Struct("<II")
 _EXEC = struct.Struct("<IIIIQII")
 _EXIT = struct.Struct("<iIQQQ")
 _SIGNAL = struct.Struct("<iI")
+_SRUN = struct.Struct("<IIQ")
+_SEXIT = struct.Struct("<iIQQQQI")
 _I32 = struct.Struct("<i")
 
 
@@ -197,7 +214,67 @@ class ExecRequest:
     flags: int
 
 
-Event = OutputChunk | ExitInfo
+@dataclass(frozen=True)
+class CommandExit:
+    """The end of one session command (SEXIT)."""
+
+    status: int  # as the shell reports $? (-1: the shell never reported)
+    timed_out: bool
+    lost: bool  # the shell exited or did not come back: the session is over
+    stdout_truncated: bool
+    stderr_truncated: bool
+    stdout_bytes: int
+    stderr_bytes: int
+    duration: float
+    dropped_before: int  # bytes background jobs printed between the previous command and this one
+    seq: int  # the SRUN it answers
+
+    @classmethod
+    def decode(cls, payload: bytes) -> CommandExit:
+        if len(payload) < _SEXIT.size:
+            raise ProtocolError("short SEXIT")
+        status, flags, out, err, dur, dropped, seq = _SEXIT.unpack_from(payload)
+        return cls(
+            status=status,
+            timed_out=bool(flags & EXIT_TIMED_OUT),
+            lost=bool(flags & EXIT_LOST),
+            stdout_truncated=bool(flags & EXIT_STDOUT_TRUNCATED),
+            stderr_truncated=bool(flags & EXIT_STDERR_TRUNCATED),
+            stdout_bytes=out,
+            stderr_bytes=err,
+            duration=dur / 1e6,
+            dropped_before=dropped,
+            seq=seq,
+        )
+
+
+def encode_sexit(
+    exec_id: int, status: int, flags: int, out: int, err: int, duration_us: int, dropped: int = 0, seq: int = 0
+) -> bytes:
+    return encode_message(MSG_SEXIT, exec_id, _SEXIT.pack(status, flags, out, err, duration_us, dropped, seq))
+
+
+SRUN_HEAD = _SRUN.size + NONCE_LEN + 4
+
+
+def encode_srun(
+    exec_id: int, nonce: bytes, timeout_ms: int, cap: int, flags: int, seq: int, script: bytes = b""
+) -> bytes:
+    """SRUN with the script inline (or its first part: the rest goes as STDIN)."""
+    if len(nonce) != NONCE_LEN:
+        raise ValueError(f"nonce must be {NONCE_LEN} bytes")
+    return encode_message(
+        MSG_SRUN, exec_id, _SRUN.pack(timeout_ms, flags, cap) + nonce + struct.pack("<I", seq) + script
+    )
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    mask: int  # inotify mask (IN_CREATE, IN_MODIFY, ...)
+    path: str  # absolute, inside the sandbox
+
+
+Event = OutputChunk | ExitInfo | CommandExit
 
 
 def encode_message(mtype: int, msg_id: int, payload: bytes = b"") -> bytes:
@@ -346,8 +423,30 @@ class ExecProcess:
     async def signal(self, signo: int, scope: int = SCOPE_GROUP) -> None:
         await self._channel._send(encode_signal(self.id, signo, scope))
 
+    async def run_command(
+        self, script: bytes, nonce: bytes, *, timeout: float | None, out_cap: int, stdin: bool = False, seq: int = 0
+    ) -> None:
+        """Begin one command of a session shell: the agent forwards its output (within `out_cap`
+        per stream) until the shell reports, with `nonce`, through its status socket; the events
+        then carry a CommandExit with this `seq`. `script` must end by reporting (see the daemon's
+        session code); it travels inside the SRUN datagram when it fits."""
+        timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000 + 0.999))
+        flags = SRUN_STDIN if stdin else 0
+        first = script[: MAX_PAYLOAD - SRUN_HEAD]
+        await self._channel._send(encode_srun(self.id, nonce, timeout_ms, out_cap, flags, seq, first))
+        await self.write_stdin(script[len(first) :])
+
+    async def write_command_stdin(self, data: bytes) -> None:
+        """Bytes for the stdin of the session command now running (started with stdin=True)."""
+        for off in range(0, len(data), MAX_PAYLOAD):
+            await self._channel._send(encode_message(MSG_CMDIN, self.id, data[off : off + MAX_PAYLOAD]))
+
+    async def close_command_stdin(self) -> None:
+        await self._channel._send(encode_message(MSG_CMDIN, self.id, b""))
+
     async def events(self) -> AsyncIterator[Event]:
-        """Yield OutputChunks, then the final ExitInfo. Raises ChannelClosedError if the channel dies."""
+        """Yield OutputChunks (and, for a session, a CommandExit per command), then the final
+        ExitInfo. Raises ChannelClosedError if the channel dies."""
         while True:
             if self._queue.empty():
                 if self._error is not None:
@@ -369,8 +468,59 @@ class ExecProcess:
         async for ev in self.events():
             if isinstance(ev, ExitInfo):
                 return b"".join(out), b"".join(err), ev
-            (out if ev.stream == "stdout" else err).append(ev.data)
+            if isinstance(ev, OutputChunk):
+                (out if ev.stream == "stdout" else err).append(ev.data)
         raise AssertionError("unreachable: events() ends with ExitInfo")
+
+
+IN_Q_OVERFLOW = 0x4000
+
+
+class AgentWatch:
+    """File-change events under a directory of the sandbox, from the agent's inotify."""
+
+    MAX_QUEUED = 10000  # beyond this, events are dropped and counted (a slow reader costs no memory)
+
+    def __init__(self, channel: AgentChannel, watch_id: int) -> None:
+        self.id = watch_id
+        self._channel = channel
+        self._queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue()
+        self._error: BaseException | None = None
+        self._ended = False
+        self.dropped = 0
+
+    def _push(self, ev: WatchEvent) -> None:
+        if self._queue.qsize() >= self.MAX_QUEUED:
+            if not self.dropped:  # the reader learns that events were lost, once per gap
+                self._queue.put_nowait(WatchEvent(IN_Q_OVERFLOW, ""))
+            self.dropped += 1
+            return
+        self.dropped = 0
+        self._queue.put_nowait(ev)
+
+    def _end(self, error: BaseException | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._error = error
+            self._queue.put_nowait(None)
+
+    async def next(self, timeout: float | None = None) -> WatchEvent | None:  # noqa: ASYNC109
+        """The next event; None once the watch has ended (raises if it ended on an error);
+        TimeoutError if nothing came within `timeout`."""
+        async with asyncio.timeout(timeout):
+            item = await self._queue.get()
+        if item is None:
+            self._queue.put_nowait(None)  # stay ended for later callers
+            if self._error is not None:
+                raise self._error
+        return item
+
+    async def close(self) -> None:
+        if not self._ended:
+            self._channel._watches.pop(self.id, None)
+            self._end(None)
+            with contextlib.suppress(ChannelClosedError):
+                await self._channel._send(encode_message(MSG_UNWATCH, self.id))
 
 
 class AgentChannel:
@@ -395,6 +545,7 @@ class AgentChannel:
         self._execs: dict[int, ExecProcess] = {}
         self._starts: dict[int, asyncio.Future[int]] = {}
         self._pings: dict[int, asyncio.Future[None]] = {}
+        self._watches: dict[int, AgentWatch] = {}
         self._hello: asyncio.Future[str] | None = None
         self._next_id = first_id
         self._reopening = False  # between reopen() and adopt_socket()
@@ -455,15 +606,21 @@ class AgentChannel:
         out_cap: int | None = None,
         stdin: bool = False,
         setsid: bool = False,
+        merge_stderr: bool = False,
+        session: bool = False,
+        nondump: bool = False,
     ) -> ExecProcess:
         """Start a command; returns once it has exec'd. Raises ExecStartError on failure.
 
         `out_cap`: bytes forwarded per stream (the rest is drained and counted); None = no cap.
+        `session`: a shell whose commands are framed by the agent (`ExecProcess.run_command`).
         """
         self._check_open()
         out_cap = UNLIMITED if out_cap is None else out_cap
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000 + 0.999))
         flags = (EXEC_STDIN_PIPE if stdin else 0) | (EXEC_SETSID if setsid else 0)
+        flags |= (EXEC_MERGE if merge_stderr else 0) | (EXEC_SESSION if session else 0)
+        flags |= EXEC_NONDUMP if nondump else 0
         exec_id = self._alloc_id()
         req = ExecRequest(list(argv), dict(env or {}), cwd, uid, gid, timeout_ms, out_cap, flags)
         data = encode_exec(exec_id, req)
@@ -506,9 +663,32 @@ class AgentChannel:
             await self._send_unlocked(encode_message(MSG_REOPEN, 0))
             await asyncio.shield(self._reopened)
 
-    async def forget(self) -> None:
-        """Tell the agent that execs it still runs belong to nobody we know (after adopt or restore)."""
-        await self._send(encode_message(MSG_FORGET, 0))
+    async def forget(self, keep: Sequence[int] = ()) -> None:
+        """Tell the agent that execs it still runs belong to nobody we know (after adopt or restore),
+        except those in `keep` (a fork's copies of its parent's sessions and background processes)."""
+        await self._send(encode_message(MSG_FORGET, 0, b"".join(struct.pack("<I", i) for i in keep)))
+
+    def attach(self, exec_id: int, pid: int) -> ExecProcess:
+        """A handle on an exec the agent already runs (kept by `forget(keep=...)`)."""
+        self._check_open()
+        proc = ExecProcess(self, exec_id)
+        proc.pid = pid
+        self._execs[exec_id] = proc
+        return proc
+
+    async def watch(self, path: str, *, recursive: bool = True) -> AgentWatch:
+        """inotify on a directory of the sandbox, run by the agent (charged to the sandbox)."""
+        self._check_open()
+        watch_id = self._alloc_id()
+        w = AgentWatch(self, watch_id)
+        self._watches[watch_id] = w
+        try:
+            payload = struct.pack("<I", 1 if recursive else 0) + _cstr(path)
+            await self._send(encode_message(MSG_WATCH, watch_id, payload))
+        except BaseException:
+            self._watches.pop(watch_id, None)
+            raise
+        return w
 
     def fail(self, reason: str) -> None:
         """Give up on the channel as if the agent had gone (on_close runs: the sandbox is lost)."""
@@ -531,6 +711,11 @@ class AgentChannel:
         self._loop.add_reader(self._fd, self._on_readable)
         self._release_sends()
 
+    def kill_nowait(self, exec_id: int, scope: int = SCOPE_TREE) -> None:
+        """SIGKILL an exec's processes without waiting (cleanup of an abandoned request: never
+        blocks, even on an agent that stopped reading)."""
+        self._send_nowait(encode_signal(exec_id, _signal.SIGKILL, scope))
+
     def close(self) -> None:
         """Close the channel; pending execs see ChannelClosedError. on_close is not called."""
         self._shutdown(None, notify=False)
@@ -545,7 +730,7 @@ class AgentChannel:
         while True:
             msg_id = self._next_id
             self._next_id = msg_id % 0xFFFFFFFF + 1
-            if msg_id not in self._execs and msg_id not in self._pings:
+            if msg_id not in self._execs and msg_id not in self._pings and msg_id not in self._watches:
                 return msg_id
 
     async def _send(self, data: bytes) -> None:
@@ -621,6 +806,20 @@ class AgentChannel:
             proc = self._execs.pop(msg_id, None)
             if proc is not None:
                 proc._push(decode_exit(payload))
+        elif mtype == MSG_SEXIT:
+            proc = self._execs.get(msg_id)
+            if proc is not None:
+                proc._push(CommandExit.decode(payload))
+        elif mtype == MSG_WEVENT:
+            watch = self._watches.get(msg_id)
+            if watch is not None and len(payload) >= 4:
+                (mask,) = struct.unpack_from("<I", payload)
+                watch._push(WatchEvent(mask, payload[4:].split(b"\0", 1)[0].decode(errors="replace")))
+        elif mtype == MSG_WEND:
+            watch = self._watches.pop(msg_id, None)
+            if watch is not None:
+                err, why = decode_error(payload)
+                watch._end(None if err == 0 else AgentError(f"watch ended: {why} ({os.strerror(err)})"))
         elif mtype == MSG_STARTED:
             pid = decode_started(payload)
             start = self._starts.pop(msg_id, None)
@@ -675,6 +874,9 @@ class AgentChannel:
             self._hello.set_exception(closed)
         for proc in self._execs.values():
             proc._fail(closed)
+        for watch in self._watches.values():
+            watch._end(closed)
+        self._watches.clear()
         self._starts.clear()
         self._pings.clear()
         self._execs.clear()

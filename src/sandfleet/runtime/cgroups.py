@@ -125,6 +125,41 @@ class Cgroups:
             cpu_seconds=_read_int(self.root / "cpuacct" / rel / "cpuacct.usage") / 1e9,
         )
 
+    def procs(self, rel: str) -> list[int]:
+        """The processes in the cgroup (its own, not its descendants')."""
+        rel = rel.lstrip("/")
+        d = self.root / rel if self.mode == "v2" else self.root / "pids" / rel
+        try:
+            return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            return []
+
+    def limits(self, rel: str) -> tuple[int | None, float | None, int | None]:
+        """The cgroup's (memory bytes, CPU cores, tasks) limits; None where unlimited or unreadable."""
+        rel = rel.lstrip("/")
+
+        def number(path: Path) -> int | None:
+            try:
+                text = path.read_text().split()
+            except OSError:
+                return None
+            return int(text[0]) if text and text[0].isdigit() else None
+
+        if self.mode == "v2":
+            d = self.root / rel
+            memory, pids = number(d / "memory.max"), number(d / "pids.max")
+            try:
+                quota, period = (d / "cpu.max").read_text().split()[:2]
+                cpu = int(quota) / int(period) if quota.isdigit() else None
+            except (OSError, ValueError):
+                cpu = None
+            return memory, cpu, pids
+        v1_quota = number(self.root / "cpu" / rel / "cpu.cfs_quota_us")
+        v1_period = number(self.root / "cpu" / rel / "cpu.cfs_period_us")
+        v1_cpu = v1_quota / v1_period if v1_quota and v1_period else None
+        v1_memory = number(self.root / "memory" / rel / "memory.limit_in_bytes")
+        return v1_memory, v1_cpu, number(self.root / "pids" / rel / "pids.max")
+
     def cpu_seconds(self, rel: str) -> float:
         """CPU time used by the cgroup and its descendants, dead ones included (one file read)."""
         rel = rel.lstrip("/")

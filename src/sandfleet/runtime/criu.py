@@ -16,26 +16,49 @@ restore by fd. Mechanism only: when to snapshot and what a snapshot may contain 
 from __future__ import annotations
 
 import asyncio
+import errno
+import hashlib
 import os
 import re
+import stat
+import struct
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.runtime import proc
+from sandfleet.runtime import files, proc
 
 DEFAULT_ROOT = Path("/opt/sandfleet/criu")
 AGENT_FD = 4  # where the restorer finds the agent binary (the launcher's fd 4)
 
 SCRATCH_MOUNT = "/dev/.sandfleet"
+# What the launcher binds from outside (launcher.c: devices[] and the /dev/null over masked files),
+# and where in the scratch tmpfs the sandbox's /dev, /dev/shm and /dev/.sandfleet come from.
+DEVICE_ROOTS = frozenset({"/null", "/zero", "/full", "/random", "/urandom", "/tty"})
+SCRATCH_ROOTS = frozenset({"/", "/dev", "/dev/shm"})
+
+SHIM_SOURCE = Path(__file__).with_name("criu_shim.c")
+SHIM_NAME = "sandfleet-criu-shim.so"
+# The environment variable that tells the shim which uid owns the user namespace criu restores into.
+OWNER_ENV = "SANDFLEET_USERNS_OWNER"
 
 
 class CriuUnavailableError(RuntimeError):
     """No working criu (>= 4) at the configured place."""
 
 
+class ShimBuildError(RuntimeError):
+    """The criu preload shim did not compile."""
+
+
 @dataclass(frozen=True)
 class Criu:
     root: Path = DEFAULT_ROOT
+    # LD_PRELOAD-style shim (criu_shim.c): the restored user namespace is owned by the sandbox's
+    # own uid, and a dump may read the rlimits of tasks in such a namespace.
+    shim: Path | None = None
 
     @property
     def binary(self) -> Path:
@@ -52,7 +75,10 @@ class Criu:
             raise CriuUnavailableError(
                 f"criu 4.x not found under {self.root} (scripts/setup.sh installs Debian trixie's criu there)"
             )
-        return [str(loader), "--library-path", str(self._libdir), str(self.binary)]
+        # --preload loads the shim into criu only: unlike LD_PRELOAD, the programs criu runs (ip,
+        # iptables-restore, the action script) do not inherit it.
+        preload = ["--preload", str(self.shim)] if self.shim is not None else []
+        return [str(loader), *preload, "--library-path", str(self._libdir), str(self.binary)]
 
     async def prime_kernel_cache(self) -> None:
         """Write criu's kernel-feature cache (/run/criu.kdat) once, so each run skips ~50 ms of probes.
@@ -88,11 +114,13 @@ class Criu:
             root, point, fstype, source = fields[3], fields[4], fields[sep + 1], fields[sep + 2]
             if fstype in ("proc", "devpts", "mqueue") or (point == "/" and fstype == "overlay"):
                 continue
-            if fstype == "devtmpfs":
+            # A restore binds each of these by path as host root: only the roots the launcher
+            # itself mounts are carried (the sandbox cannot mount, so nothing else can show up).
+            if fstype == "devtmpfs" and root in DEVICE_ROOTS:
                 kind = "device"
             elif fstype == "sysfs":
                 kind = "sysfs"
-            elif fstype == "tmpfs" and source == "sandfleet-scratch":
+            elif fstype == "tmpfs" and source == "sandfleet-scratch" and root in SCRATCH_ROOTS:
                 kind = "scratch"
             elif fstype == "tmpfs" and source == "sandfleet-empty":
                 kind = "empty"
@@ -196,3 +224,297 @@ def _write_private(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+# -- the shim ---------------------------------------------------------------------------------------
+
+
+def build_shim(cache_dir: Path) -> Path:
+    """Compile criu_shim.c to ``cache_dir/<hash>/sandfleet-criu-shim.so`` (content-addressed, reused).
+
+    A shared object built against the host's glibc; criu's own (newer) glibc provides every symbol
+    version it needs.
+    """
+    source = SHIM_SOURCE.read_bytes()
+    key = hashlib.sha256(b"shared\0" + source).hexdigest()[:16]
+    target = cache_dir / key / SHIM_NAME
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".shim-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run(
+            ["gcc", "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-o", tmp, str(SHIM_SOURCE)],
+            capture_output=True,
+            text=True,
+        )
+        if res.returncode != 0:
+            raise ShimBuildError(f"gcc failed on {SHIM_SOURCE.name} ({res.returncode}):\n{res.stderr}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic: concurrent builders write identical bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+# -- what a restore would create by path ----------------------------------------------------------------
+#
+# criu recreates an open file that was deleted (a "ghost") by path before the restored tree enters
+# its mount namespace: the restore's root task opens, mknods, mkdirs or symlinks
+# `<name>.cr.<id>.ghost` (a directory: `<name>` itself, with mkdir -p) under the tree criu assembles
+# on the host, following whatever symlinks lie on that path, and criu itself, as host root, unlinks
+# it again at the end (also after a failure). The names are the sandbox's. So before a snapshot is
+# kept, every such path is walked in the frozen sandbox: each directory on it must be a real
+# directory (or not exist: criu then makes real directories, or goes up a level) on the file's own
+# mount.
+#
+# Images are read without protobuf: u32 LE IMG_COMMON_MAGIC, u32 LE image magic, then repeated
+# [u32 LE length, message] (criu/image.c, criu/protobuf.c).
+
+IMG_COMMON_MAGIC = 0x54564319
+FILES_MAGIC = 0x56303138
+REMAP_FPATH_MAGIC = 0x59133954
+GHOST_FILE_MAGIC = 0x52583605
+MOUNTPOINTS_MAGIC = 0x55563928
+
+FD_TYPE_REG = 1  # fdinfo.proto fd_types
+REMAP_LINKED, REMAP_GHOST, REMAP_PROCFS = 0, 1, 2  # remap-file-path.proto remap_type
+REMAP_GHOST_BIT = 0x80000000  # images without remap_type: ghosts have this bit in remap_id
+
+_WALK = files.RESOLVE_BENEATH | files.RESOLVE_NO_SYMLINKS | files.RESOLVE_NO_MAGICLINKS
+_MAX_ENTRIES = 1 << 20
+
+
+class ImageError(ValueError):
+    """A criu image that does not parse as one."""
+
+
+Message = dict[int, list[int | bytes]]
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ImageError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+
+
+def decode_message(buf: bytes) -> Message:
+    """One protobuf message: field number -> its values (varints as int, length-delimited as bytes)."""
+    out: Message = {}
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        wire = key & 7
+        value: int | bytes
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            if pos + size > len(buf):
+                raise ImageError("truncated field")
+            value, pos = buf[pos : pos + size], pos + size
+        elif wire == 5:
+            if pos + 4 > len(buf):
+                raise ImageError("truncated field")
+            value, pos = struct.unpack_from("<I", buf, pos)[0], pos + 4
+        elif wire == 1:
+            if pos + 8 > len(buf):
+                raise ImageError("truncated field")
+            value, pos = struct.unpack_from("<Q", buf, pos)[0], pos + 8
+        else:
+            raise ImageError(f"unsupported wire type {wire}")
+        out.setdefault(key >> 3, []).append(value)
+    return out
+
+
+def read_image(path: Path, magic: int, *, first_only: bool = False) -> Iterator[Message]:
+    """The messages of one criu image file."""
+    buf = path.read_bytes()
+    if len(buf) < 8 or struct.unpack_from("<II", buf, 0) != (IMG_COMMON_MAGIC, magic):
+        raise ImageError(f"{path.name}: not a criu image of the expected kind")
+    pos = 8
+    for _ in range(_MAX_ENTRIES):
+        if pos >= len(buf):
+            return
+        if pos + 4 > len(buf):
+            raise ImageError(f"{path.name}: truncated")
+        (size,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if pos + size > len(buf):
+            raise ImageError(f"{path.name}: truncated")
+        yield decode_message(buf[pos : pos + size])
+        pos += size
+        if first_only:
+            return
+    raise ImageError(f"{path.name}: too many entries")
+
+
+def _int(msg: Message, field: int, default: int = 0) -> int:
+    value = msg.get(field, [default])[0]
+    if not isinstance(value, int):
+        raise ImageError(f"field {field} is not a number")
+    return value
+
+
+def _bytes(msg: Message, field: int) -> bytes | None:
+    value = msg.get(field, [None])[0]
+    if value is None or isinstance(value, bytes):
+        return value
+    raise ImageError(f"field {field} is not a string")
+
+
+def _zigzag(value: int) -> int:
+    return (value >> 1) ^ -(value & 1)
+
+
+@dataclass(frozen=True)
+class Remap:
+    """A file criu restores by path instead of by reopening its name."""
+
+    kind: int  # REMAP_LINKED, REMAP_GHOST or REMAP_PROCFS
+    name: bytes  # the file's path in the sandbox, as its descriptor showed it (without " (deleted)")
+    path: bytes  # what criu creates (ghosts) or links from (link remaps)
+    mnt_id: int  # the mount the file is on (the kernel's id, as in the sandbox's mountinfo)
+    mode: int = 0  # ghosts: the deleted file's type and mode
+
+
+def restore_remaps(images: Path) -> list[Remap]:
+    """Every ghost, link remap and dead-process remap in a dump's images."""
+    remap_image = images / "remap-fpath.img"
+    if not remap_image.exists():
+        return []
+    entries = list(read_image(remap_image, REMAP_FPATH_MAGIC))
+    if not entries:
+        return []
+    regs: dict[int, tuple[bytes, int]] = {}
+    for entry in read_image(images / "files.img", FILES_MAGIC):
+        reg = entry.get(3)
+        if _int(entry, 1) == FD_TYPE_REG and reg and isinstance(reg[0], bytes):
+            fields = decode_message(reg[0])
+            regs[_int(entry, 2)] = (_bytes(fields, 6) or b"", _zigzag(_int(fields, 7, 1)) if 7 in fields else -1)
+    out = []
+    for entry in entries:
+        orig, remap_id = _int(entry, 1), _int(entry, 2)
+        if 3 in entry:
+            kind = _int(entry, 3)
+        else:
+            kind = REMAP_GHOST if remap_id & REMAP_GHOST_BIT else REMAP_LINKED
+            remap_id &= ~REMAP_GHOST_BIT
+        if orig not in regs:
+            raise ImageError(f"remap of an unknown file {orig:#x}")
+        name, mnt_id = regs[orig]
+        if kind == REMAP_GHOST:
+            (ghost,) = read_image(images / f"ghost-file-{remap_id:x}.img", GHOST_FILE_MAGIC, first_only=True)
+            mode = _int(ghost, 3)
+            # criu/files-reg.c open_remap_ghost: a directory is made under its own name
+            path = name if stat.S_ISDIR(mode) else name + b".cr.%x.ghost" % remap_id
+            out.append(Remap(kind, name, path, mnt_id, mode))
+        elif kind == REMAP_LINKED:
+            out.append(Remap(kind, name, regs[remap_id][0] if remap_id in regs else b"", mnt_id))
+        else:
+            out.append(Remap(kind, name, name, mnt_id))
+    return out
+
+
+def mount_points(images: Path) -> dict[int, bytes]:
+    """mnt_id -> mount point, from the dump's mountpoints images."""
+    out: dict[int, bytes] = {}
+    for image in images.glob("mountpoints-*.img"):
+        for entry in read_image(image, MOUNTPOINTS_MAGIC):
+            point = _bytes(entry, 7)
+            if point is not None:
+                out[_int(entry, 2)] = point
+    return out
+
+
+def _components(path: bytes) -> list[bytes]:
+    return [c for c in path.split(b"/") if c]
+
+
+def _mnt_id(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _show(path: bytes) -> str:
+    return os.fsdecode(path).encode("unicode_escape", "backslashreplace").decode()
+
+
+def unsafe_restore_paths(images: Path, root_fd: int) -> list[str]:
+    """Why restoring these images could act on a path outside the sandbox: one sentence per file,
+    empty if nothing would. `root_fd`: the frozen sandbox's root (/proc/<agent>/root), the tree the
+    images were dumped from."""
+    remaps = restore_remaps(images)
+    if not remaps:
+        return []
+    mounts = mount_points(images)
+    ghosts = {tuple(_components(r.path)) for r in remaps if r.kind == REMAP_GHOST}
+    problems = []
+    for remap in remaps:
+        if stat.S_ISDIR(remap.mode):
+            what = f"the deleted directory {_show(remap.name)}, still open (or a working directory) in the sandbox,"
+        else:
+            noun = "FIFO" if stat.S_ISFIFO(remap.mode) else "file"
+            what = f"the deleted {noun} {_show(remap.name)}, still open in the sandbox,"
+        if remap.kind == REMAP_PROCFS:
+            continue  # a helper task holds /proc/<pid> of a dead process: nothing is made by path
+        if remap.kind == REMAP_LINKED:  # never dumped without --link-remap
+            problems.append(f"{what} would be restored through a link remap")
+            continue
+        kind = stat.S_IFMT(remap.mode)
+        if kind == stat.S_IFLNK:
+            problems.append(f"the deleted symlink {_show(remap.name)}, still held open (O_PATH), cannot be recreated")
+            continue
+        if kind in (stat.S_IFCHR, stat.S_IFBLK):
+            problems.append(f"the deleted device node {_show(remap.name)}, still open, cannot be recreated")
+            continue
+        why = _why_unsafe(root_fd, remap, mounts, ghosts)
+        if why:
+            problems.append(f"{what} {why}")
+    return problems
+
+
+def _why_unsafe(root_fd: int, remap: Remap, mounts: dict[int, bytes], ghosts: set[tuple[bytes, ...]]) -> str | None:
+    parts = _components(remap.path)
+    if not parts or any(c in (b".", b"..") for c in parts):
+        return f"has a path criu cannot recreate safely ({_show(remap.path)})"
+    point = mounts.get(remap.mnt_id)
+    if point is None or parts[: len(_components(point))] != _components(point):
+        return "is on a mount the snapshot does not know"
+    for depth in range(1, len(parts)):
+        if tuple(parts[:depth]) in ghosts:
+            inside = _show(b"/" + b"/".join(parts[:depth]))
+            return f"would be recreated inside {inside}, another file criu recreates first"
+    fd = os.dup(root_fd)
+    try:
+        for depth, part in enumerate(parts[:-1]):
+            try:
+                nfd = files.openat2(fd, part, os.O_PATH | os.O_DIRECTORY, 0, _WALK)  # a symlink: ELOOP
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    break  # criu makes real directories from here (or goes up a level)
+                where = _show(b"/" + b"/".join(parts[: depth + 1]))
+                if exc.errno in (errno.ELOOP, errno.EXDEV):
+                    return f"would be recreated through {where}, which is now a symlink"
+                return f"would be recreated through {where} ({exc.strerror})"
+            os.close(fd)
+            fd = nfd
+        # the deepest directory criu reaches must be on the file's own mount (criu walks that mount
+        # alone, not what other mounts cover)
+        if _mnt_id(fd) != remap.mnt_id:
+            return "would be recreated on another mount than its own"
+    finally:
+        os.close(fd)
+    return None

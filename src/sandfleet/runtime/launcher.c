@@ -19,8 +19,10 @@
  *            attached under the rootfs, resolved with RESOLVE_IN_ROOT. These mounts exist only in
  *            this namespace and its copies: the kernel removes them with the sandbox, and no other
  *            mount namespace ever grows with the number of sandboxes.
- *       4 user namespace: unshare(CLONE_NEWUSER); the worker writes uid_map/gid_map (root
- *            inside = uid_base outside)
+ *       4 user namespace: unshare(CLONE_NEWUSER), with --owner as the effective uid so that
+ *            uid owns it (the kernel charges the namespace's per-user counts, such as inotify
+ *            instances, to its owner: each sandbox gets its own); the worker writes
+ *            uid_map/gid_map (root inside = uid_base outside)
  *       5 unshare(mount, pid, uts, ipc, net, cgroup), all owned by the new user namespace, so
  *            the mounts above are locked beneath the sandbox
  *       fork -> stage 2 (PID 1 of the new pid namespace)
@@ -41,11 +43,13 @@
  * start from the daemon's namespace (criu sets up the mounts and pivots itself).
  *
  * Arguments:
- *   --dir D          sandbox directory; D/scratch and D/rootfs are the mount points (standalone and
- *                    restores; server launches use the template's /s and /r)
+ *   --dir D          sandbox directory; D/scratch and D/rootfs are the mount points (standalone;
+ *                    restores use D/s, D/r and D/l/N; server launches the template's /s, /r, /l/N)
  *   --pid-file F     also write the agent's pid to F (atomically)
  *   --lower P        a read-only layer, top first (repeatable)
  *   --disk BYTES --inodes N --nofile N --uid BASE --hostname H
+ *   --owner UID      the uid that owns the sandbox's user namespace (0: host root, as before); one
+ *                    of a range no host process or file uses, a different one per live sandbox
  *   --cgroup DIR     a cgroup directory to join (repeatable)
  *   --cg-dir DIR, --cg-write FILE=VALUE   make the sandbox's cgroups and write their limits first,
  *                    in order (the daemon computes them: runtime/cgroups.py plan())
@@ -66,6 +70,7 @@
 #include <linux/filter.h>
 #include <linux/openat2.h>
 #include <linux/seccomp.h>
+#include <linux/securebits.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -73,8 +78,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <net/if.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#endif
 #ifndef PR_SCHED_CORE
 #define PR_SCHED_CORE 62
 #define PR_SCHED_CORE_CREATE 1
@@ -103,7 +113,7 @@ static const char *lowers[MAX_ITEMS], *cgroups[MAX_ITEMS], *cg_dirs[MAX_ITEMS], 
 static int lower_trees[MAX_ITEMS]; /* template mode: detached copies of the layers (stage 1, open_tree) */
 static int n_lowers, n_cgroups, n_cg_dirs, n_cg_writes;
 static unsigned long long disk = 256ULL << 20, inodes = 65536;
-static unsigned long nofile = 4096, uid_base = 100000;
+static unsigned long nofile = 4096, uid_base = 100000, owner;
 static struct {
 	int src, tree, ro;
 	const char *target;
@@ -127,7 +137,7 @@ static const char *masked[] = {
 	"proc/acpi",	   "proc/asound",	 "proc/kcore",	       "proc/keys",	   "proc/latency_stats",
 	"proc/timer_list", "proc/timer_stats", "proc/sched_debug",    "proc/scsi",	   "proc/kpagecgroup",
 	"proc/kpagecount", "proc/kpageflags",  "proc/kmsg",	       "proc/sysrq-trigger", "sys/firmware",
-	"sys/devices/virtual/powercap",	   "sys/kernel/debug", "sys/fs/cgroup",
+	"sys/devices/virtual/powercap",	   "sys/kernel/debug", "sys/fs/cgroup",	"sys/kernel/vmcoreinfo",
 };
 static const char *readonly[] = {"proc/bus", "proc/fs", "proc/irq", "proc/sys"};
 static const char *devices[] = {"null", "zero", "full", "random", "urandom", "tty"};
@@ -571,6 +581,30 @@ static void attach_tree(int root, const char *source, const char *rel, int make)
 	close(target);
 }
 
+/* Step 4: the sandbox's user namespace. The kernel makes the effective uid of its creator its
+ * owner, and charges the namespace's per-user counts (inotify instances and watches, fanotify
+ * groups and marks, mqueue bytes, queued signals, namespaces) to that owner at the level above: with
+ * host root as every sandbox's owner, one sandbox could take them all from the others and from the
+ * host. So stage 1 creates it with --owner as its effective uid and gid, keeping its capabilities
+ * (SECBIT_NO_SETUID_FIXUP; unshare needs none, but a host that restricts unprivileged user
+ * namespaces would refuse it without); real and saved ids stay root, which keeps RLIMIT_NPROC
+ * unlimited at the owner's level. Inside, the kernel gives us every capability and resets the
+ * securebits, so nothing of this outlives the call. */
+static void unshare_userns(void)
+{
+	if (owner) {
+		int bits = prctl(PR_GET_SECUREBITS);
+		if (bits < 0 || prctl(PR_SET_SECUREBITS, bits | SECBIT_NO_SETUID_FIXUP) < 0)
+			fail("keep capabilities across a change of the effective uid");
+		if (setresgid(-1, (gid_t)owner, -1) < 0 || setresuid(-1, (uid_t)owner, -1) < 0)
+			fail("take the owner uid %lu", owner);
+	}
+	if (unshare(CLONE_NEWUSER) < 0)
+		fail("unshare user namespace");
+	if (owner && prctl(PR_GET_SECUREBITS) != 0 && prctl(PR_SET_SECUREBITS, 0) < 0)
+		fail("reset securebits in the new user namespace");
+}
+
 /* Steps 1 and 2 (cgroups, rlimits, oom_score_adj) for the calling process and its children. */
 static void join_and_limit(void)
 {
@@ -583,6 +617,21 @@ static void join_and_limit(void)
 	if (setrlimit(RLIMIT_NOFILE, &nf) < 0 || setrlimit(RLIMIT_CORE, &core) < 0)
 		fail("setrlimit");
 	write_file("/proc/self/oom_score_adj", "500");
+}
+
+/* A new network namespace has only a loopback device, and it is down: servers a task starts on
+ * 127.0.0.1 (test suites, tool servers, notebook kernels) need it. Nothing beyond it exists. */
+static void loopback_up(void)
+{
+	struct ifreq ifr = {0};
+	int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "lo");
+	if (fd < 0 || ioctl(fd, SIOCGIFFLAGS, &ifr) < 0)
+		fail("read the loopback device's flags");
+	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+	if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0)
+		fail("bring the loopback device up");
+	close(fd);
 }
 
 static int stage1(int to_launcher, int from_launcher)
@@ -655,8 +704,7 @@ static int stage1(int to_launcher, int from_launcher)
 	}
 
 	close(root);
-	if (unshare(CLONE_NEWUSER) < 0)
-		fail("unshare user namespace");
+	unshare_userns();
 	char c = 'u';
 	if (write(to_launcher, &c, 1) != 1 || read(from_launcher, &c, 1) != 1 || c != 'm')
 		fail("uid map handshake");
@@ -664,6 +712,7 @@ static int stage1(int to_launcher, int from_launcher)
 		fail("become root in the user namespace");
 	if (unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWCGROUP) < 0)
 		fail("unshare namespaces");
+	loopback_up();
 	pid_t pid = fork();
 	if (pid < 0)
 		fail("fork the sandbox init");
@@ -681,7 +730,10 @@ static int stage1(int to_launcher, int from_launcher)
 /* ---- restore: a snapshot into fresh namespaces (criu) ------------------------------------------ */
 
 /* Run argv to completion; returns its wait status. */
-static int run_wait(char *const argv[])
+/* Run argv to completion; returns its wait status. `merge`: mark the child's memory (and that of
+ * every process it forks, so criu's restored tree) for the kernel's same-page merging, so the
+ * children of one snapshot share their identical pages (KSM; a no-op before Linux 6.4). */
+static int run_wait(char *const argv[], int merge)
 {
 	pid_t pid = fork();
 	if (pid < 0)
@@ -689,6 +741,8 @@ static int run_wait(char *const argv[])
 	if (pid == 0) {
 		/* criu inherits the agent binary at fd 4 (--inherit-fd): the restored agent's executable */
 		fcntl(4, F_SETFD, 0);
+		if (merge)
+			prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0);
 		execv(argv[0], argv);
 		_exit(127);
 	}
@@ -699,48 +753,96 @@ static int run_wait(char *const argv[])
 	return status;
 }
 
+/* Where criu binds a restored sandbox's /dev, /dev/shm and /dev/.sandfleet from (--external
+ * mnt[...]:<dir>/s/...) must be a real directory of the new scratch, reached without a symlink:
+ * criu mounts it as host root, and what is under "s" was copied from the snapshot of a sandbox. */
+static void check_scratch_sources(int sfd)
+{
+	char prefix[PATH_MAX];
+	size_t n = (size_t)snprintf(prefix, sizeof prefix, "%s/s", dir);
+	for (char **a = criu_argv; *a && a[1]; a++) {
+		const char *src = strncmp(a[0], "--external", 11) ? NULL : strstr(a[1], "]:");
+		if (!src || strncmp(a[1], "mnt[", 4) || strncmp(src + 2, prefix, n) || (src[2 + n] && src[2 + n] != '/'))
+			continue;
+		const char *rel = src[2 + n] ? src + 3 + n : ".";
+		int fd = (int)sys_openat2(sfd, *rel ? rel : ".", O_PATH | O_DIRECTORY | O_CLOEXEC,
+					  RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS);
+		if (fd < 0)
+			fail("the snapshot's %s is not a directory of the writable layer", rel);
+		close(fd);
+	}
+}
+
 /* Stage 1 of a restore (real root, a private copy of the daemon's mount namespace): the sandbox's
  * cgroups, a scratch tmpfs holding a copy of the snapshot's writable layer and /dev, the overlay
  * rootfs over the same layers; then criu recreates the namespaces, mounts (the /dev, sysfs and
  * mask binds as externals the daemon names on its command line) and the process tree, and this
- * stage reports the restored agent's pid. */
+ * stage reports the restored agent's pid.
+ *
+ * Everything is mounted at short paths relative to the sandbox directory (the working directory
+ * here): the layers at l/N, the scratch at s, the rootfs at r. The kernel shows an overlay's
+ * options as they were given, in the restored sandbox's /proc/self/mountinfo too, so they name
+ * "l/0" and "s/upper", never a host path (a fresh sandbox's name the template's /l/0 and /s). */
 static int restore_stage(int to_launcher)
 {
-	char buf[PATH_MAX + 64], scratch[PATH_MAX], rootfs[PATH_MAX], upper[PATH_MAX], devdir[PATH_MAX];
+	char buf[PATH_MAX + 64], upper[PATH_MAX], devdir[PATH_MAX];
+	static char lower_paths[MAX_ITEMS][16];
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		fail("make mounts private");
 	for (int i = 0; i < n_cgroups; i++) {
 		snprintf(buf, sizeof buf, "%s/cgroup.procs", cgroups[i]);
 		write_file(buf, "0");
 	}
-	snprintf(scratch, sizeof scratch, "%s/scratch", dir);
-	snprintf(rootfs, sizeof rootfs, "%s/rootfs", dir);
-	/* 0711 while criu binds /dev from it as the restored root (whose uid does not own it) */
-	snprintf(buf, sizeof buf, "size=%llu,nr_inodes=%llu,mode=0711", disk, inodes);
-	if (mount("sandfleet-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, buf) < 0)
-		fail("mount scratch tmpfs");
 	snprintf(upper, sizeof upper, "%s/fs/upper", restore_dir);
 	snprintf(devdir, sizeof devdir, "%s/fs/dev", restore_dir);
-	char *cp[] = {"/bin/cp", "-a", "--", upper, devdir, scratch, NULL};
-	int status = run_wait(cp);
+	if (chdir(dir) < 0)
+		fail("chdir %s", dir);
+	if (mkdir("l", 0700) < 0 && errno != EEXIST)
+		fail("mkdir %s/l", dir);
+	for (int i = 0; i < n_lowers; i++) {
+		snprintf(lower_paths[i], sizeof lower_paths[i], "l/%d", i);
+		if ((mkdir(lower_paths[i], 0700) < 0 && errno != EEXIST) ||
+		    mount(lowers[i], lower_paths[i], NULL, MS_BIND, NULL) < 0)
+			fail("bind layer %s", lowers[i]);
+		lowers[i] = lower_paths[i];
+	}
+	/* Mounted 0700 (what its mount options show, as in a fresh sandbox), opened to 0711 while
+	 * criu binds /dev from it as the restored root (whose uid does not own it). */
+	snprintf(buf, sizeof buf, "size=%llu,nr_inodes=%llu,mode=0700", disk, inodes);
+	if (mount("sandfleet-scratch", "s", "tmpfs", MS_NOSUID | MS_NODEV, buf) < 0)
+		fail("mount scratch tmpfs");
+	if (chmod("s", 0711) < 0)
+		fail("open the scratch tmpfs for the restore");
+	char *cp[] = {"/bin/cp", "-a", "--", upper, devdir, "s", NULL};
+	int status = run_wait(cp, 0);
 	if (!WIFEXITED(status) || WEXITSTATUS(status)) {
 		errno = EIO;
 		fail("copy the snapshot's writable layer (cp status %d; is the disk size too small?)", status);
 	}
-	snprintf(buf, sizeof buf, "%s/work", scratch);
-	if (mkdir(buf, 0700) < 0)
+	if (mkdir("s/work", 0700) < 0)
 		fail("make work dir");
-	close(mount_rootfs(scratch, rootfs));
+	int sfd = open("s", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (sfd < 0)
+		fail("open the scratch tmpfs");
+	check_scratch_sources(sfd);
+	close(sfd);
+	close(mount_rootfs("s", "r"));
 	/* criu's kernel probes need a working network stack (the server's own namespace is empty); the
 	 * restored tree gets the network namespace from the snapshot either way. */
 	if (host_net >= 0 && setns(host_net, CLONE_NEWNET) < 0)
 		fail("setns to the daemon's network namespace");
-	status = run_wait(criu_argv);
+	/* For the criu preload shim: the user namespace criu makes is owned by the sandbox's uid. */
+	if (owner) {
+		snprintf(buf, sizeof buf, "%lu", owner);
+		if (setenv("SANDFLEET_USERNS_OWNER", buf, 1) < 0)
+			fail("setenv");
+	}
+	status = run_wait(criu_argv, 1);
 	if (!WIFEXITED(status) || WEXITSTATUS(status)) {
 		errno = EIO;
 		fail("criu restore failed (status %d)", status);
 	}
-	if (chmod(scratch, 0700) < 0) /* criu's pre-resume script did already; never leave it open */
+	if (chmod("s", 0700) < 0) /* criu's pre-resume script did already; never leave it open */
 		fail("close the scratch tmpfs");
 	int fd = open(pid_file, O_RDONLY | O_CLOEXEC);
 	ssize_t n = fd < 0 ? -1 : read(fd, buf, 32);
@@ -835,6 +937,8 @@ static void parse_args(int argc, char **argv)
 			nofile = number(v);
 		else if (!strcmp(a, "--uid"))
 			uid_base = number(v);
+		else if (!strcmp(a, "--owner"))
+			owner = number(v);
 		else if (!strcmp(a, "--hostname"))
 			hostname = v;
 		else if (!strcmp(a, "--qos"))
@@ -855,6 +959,8 @@ static void parse_args(int argc, char **argv)
 		usage("--lower is required, and --dir unless the server launches from its template");
 	if (restore_dir && (!criu_argv || !criu_argv[0] || !pid_file))
 		usage("--restore needs --pid-file and a criu command line after --");
+	if (owner >= UINT32_MAX || (owner && owner >= uid_base && owner < uid_base + UID_RANGE))
+		usage("--owner must be a uid outside the sandbox's range");
 }
 
 /* Start one sandbox (fds: 3 channel, 4 agent binary, 6.. bind sources; the filter already read)

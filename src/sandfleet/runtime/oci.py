@@ -51,6 +51,7 @@ MASKED_PATHS: tuple[str, ...] = (
     "/sys/devices/virtual/powercap",
     "/sys/kernel/debug",
     "/sys/fs/cgroup",
+    "/sys/kernel/vmcoreinfo",  # the kernel's physical load address and symbol offsets: a KASLR leak
 )
 
 READONLY_PATHS: tuple[str, ...] = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys")
