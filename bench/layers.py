@@ -569,14 +569,10 @@ def daemon_running(
 
 
 def verified(store: Path, digest: str) -> bool:
-    """Whether the daemon will take the layer file as already hashed (LayerStore.verified_layer_path's
-    stamp: inode, size, mtime in ns)."""
-    st = (store / "layers" / ("sha256-" + digest.removeprefix("sha256:") + ".erofs")).stat()
-    try:
-        stamp = (store / "verified" / digest.removeprefix("sha256:")).read_text()
-    except OSError:
-        return False
-    return stamp == f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+    """Whether the daemon will take the layer file as already hashed (its verification stamp)."""
+    from sandfleet.images import LayerStore
+
+    return LayerStore(store).is_verified(digest)
 
 
 def bench_mount(env: Env, tmp: Path, cgroup_parent: str, n: int, labels: dict[str, str]) -> dict[str, Any]:

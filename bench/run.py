@@ -838,6 +838,85 @@ def bench_fork(fleet: Any, n: int, children: int, labels: dict[str, str]) -> dic
     }
 
 
+KSM = Path("/sys/kernel/mm/ksm")
+
+
+def _ksm(name: str) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int((KSM / name).read_text())
+    return 0
+
+
+def _ksm_settle(limit: float) -> float:
+    """Seconds until ksmd has stopped finding new pages to share (or `limit`)."""
+    t0 = time.monotonic()
+    last, still = _ksm("pages_sharing"), 0.0
+    while time.monotonic() - t0 < limit:
+        time.sleep(1.0)
+        now = _ksm("pages_sharing")
+        still = still + 1.0 if now - last < 256 else 0.0  # < 1 MiB more in a second
+        last = now
+        if still >= 3 and _ksm("full_scans") > 0:
+            break
+    return round(time.monotonic() - t0, 1)
+
+
+def bench_fork_memory(fleet: Any, children: int, mib: int, labels: dict[str, str]) -> dict[str, Any]:
+    """A parent holding `mib` MiB of random bytes (identical in every child, unlike in other
+    sandboxes), forked `children` times: host memory the children take, with the kernel's
+    same-page merging (the daemon's default) and, side by side in the same run, without it
+    (ksmd stopped, its merged pages split again)."""
+    from sandfleet import SandboxError
+
+    hold = f"import os, time; d = os.urandom({mib} << 20); time.sleep(10**6)"
+    out: dict[str, Any] = {"children": children, "parent_mib": mib}
+    saved_run = (KSM / "run").read_text().strip() if KSM.exists() else "0"
+    try:
+        for mode in ("ksm", "no_ksm"):
+            if KSM.exists():
+                (KSM / "run").write_text("1" if mode == "ksm" else "2")
+            parent = fleet.create(image="python:3.11", resources={"memory": f"{mib * 2}MiB"}, labels=labels)
+            kids: list[Any] = []
+            try:
+                parent.start(["python3", "-c", hold])
+                wait = time.monotonic() + 60
+                while parent.usage().memory_bytes < mib << 20 and time.monotonic() < wait:
+                    time.sleep(0.2)
+                parent_bytes = parent.usage().memory_bytes
+                settle(2)
+                before = mem_available_kib()
+                t = time.perf_counter()
+                kids = parent.fork(children, labels=labels)
+                fork_s = time.perf_counter() - t
+                failed = [k for k in kids if isinstance(k, SandboxError)]
+                if failed:
+                    raise RuntimeError(f"{len(failed)} of {children} forks failed: {failed[0]}")
+                right_after = mem_available_kib()
+                settle_s = _ksm_settle(120) if mode == "ksm" else 0.0
+                after = mem_available_kib()
+                out[mode] = {
+                    "fork_s": round(fork_s, 3),
+                    "parent_mib": round(parent_bytes / 2**20, 1),
+                    "children_mib_right_after_fork": round((before - right_after) / 1024, 1),
+                    "children_mib": round((before - after) / 1024, 1),
+                    "per_child_mib": round((before - after) / 1024 / children, 1),
+                    "ksm_settle_s": settle_s,
+                    "ksm_pages_sharing": _ksm("pages_sharing"),
+                }
+            finally:
+                for k in kids:
+                    if not isinstance(k, SandboxError):
+                        k.stop()
+                parent.stop()
+    finally:
+        if KSM.exists():
+            (KSM / "run").write_text(saved_run if saved_run != "2" else "1")
+    if "ksm" in out and "no_ksm" in out and out["ksm"]["children_mib"] > 0:
+        out["memory_ratio_no_ksm_over_ksm"] = round(out["no_ksm"]["children_mib"] / out["ksm"]["children_mib"], 2)
+        out["children_over_parent_ksm"] = round(out["ksm"]["children_mib"] / max(1.0, out["ksm"]["parent_mib"]), 2)
+    return out
+
+
 def bench_pause(fleet: Any, daemon: Daemon, n: int, labels: dict[str, str]) -> dict[str, Any]:
     """A sandbox holding 200 MiB of anonymous memory: pause (freeze + push out), then resume by exec."""
     from sandfleet import Resources
@@ -1171,6 +1250,18 @@ def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
         ],
         ["fork: until every child has run one exec (s)", f(fk["fork_and_one_exec_each_s"], 3)],
     ]
+    fm = sf.get("fork_memory") or {}
+    for mode, label in (("ksm", "with KSM (default)"), ("no_ksm", "without KSM")):
+        if mode in fm:
+            m = fm[mode]
+            rows.append(
+                [
+                    f"fork of {fm['children']} from a parent holding {f(m['parent_mib'], 0)} MiB, {label}: host "
+                    "memory of all children (MiB; per child); fork s; KSM settle s",
+                    f"{f(m['children_mib'], 0)} ({f(m['per_child_mib'], 1)}); {f(m['fork_s'], 2)}; "
+                    f"{f(m['ksm_settle_s'], 0)}",
+                ]
+            )
     qs = sf["qos"]
     rows += [
         [
@@ -1404,6 +1495,8 @@ def main() -> int:
             res["sandfleet"]["pause"] = bench_pause(fleet, daemon, 3 if q else 7, labels)
             print("6b. fork of 16 children from one live sandbox", flush=True)
             res["sandfleet"]["fork"] = bench_fork(fleet, 3 if q else 7, 16, labels)
+            print("6c. host memory of 16 fork children of a 200 MiB parent, with and without KSM", flush=True)
+            res["sandfleet"]["fork_memory"] = bench_fork_memory(fleet, 16, 64 if q else 200, labels)
             print("7. QoS: exec latency while best-effort (or not) sandboxes saturate the cores", flush=True)
             res["sandfleet"]["qos"] = bench_qos(fleet, 50 if q else 200, labels)
         for key, n in (("burst", n_burst), ("sustained", n_sustained)):
@@ -1508,6 +1601,11 @@ def main() -> int:
                 "target": "fork of 16 children from one live sandbox <= 1 s",
                 "measured": res["sandfleet"]["fork"]["fork_s"],
                 "met": res["sandfleet"]["fork"]["fork_s"] <= 1,
+            },
+            {
+                "target": "16 fork children of a 200 MiB parent: host memory of all of them <= 2x the parent's",
+                "measured": (res["sandfleet"].get("fork_memory") or {}).get("children_over_parent_ksm"),
+                "met": ((res["sandfleet"].get("fork_memory") or {}).get("children_over_parent_ksm") or 99) <= 2,
             },
             {
                 "target": "exec p50 with best-effort hogs on every core <= 2x unloaded",
