@@ -77,7 +77,9 @@ def test_restart_cleans_half_created_and_orphaned_residue(own_daemon: Daemon) ->
 
     def create() -> None:
         try:
-            with d.client() as c:
+            # The SDK retries a create whose answer was lost (same idempotency key) until its
+            # deadline: a short one, so every retry has ended before the daemon comes back.
+            with d.client(timeout=3) as c:
                 c.create(image="busybox")
         except (SandboxError, OSError) as exc:
             errors.append(repr(exc))
@@ -89,6 +91,7 @@ def test_restart_cleans_half_created_and_orphaned_residue(own_daemon: Daemon) ->
     d.kill()
     for t in threads:
         t.join(30)
+    assert not any(t.is_alive() for t in threads)
     gc.collect()
 
     # Residue with no state row at all: a sandbox dir and a cgroup from a crash before the insert.
