@@ -1228,17 +1228,19 @@ class SandboxManager:
     ) -> builtins.list[SandboxInfo | SandboxError] | None:
         """A fork or restore retried with its idempotency key: the children the first one made
         (waiting for it if it still runs); None if the key is new."""
-        entry = self._keys.get(key)
-        if entry is None:
-            if f"{key}#0" not in self._keys:
-                return None
-            entry = ("batch", fingerprint)  # made before a restart: its children's rows carry the keys
-        made, seen = entry
-        if seen != fingerprint:
-            raise InvalidArgumentError(f"idempotency key {shown(key)} was used for another request")
-        if isinstance(made, asyncio.Future):
+        while True:
+            entry = self._keys.get(key)
+            if entry is None:
+                if f"{key}#0" not in self._keys:
+                    return None
+                entry = ("batch", fingerprint)  # made before a restart: its children's rows carry the keys
+            made, seen = entry
+            if seen != fingerprint:
+                raise InvalidArgumentError(f"idempotency key {shown(key)} was used for another request")
+            if not isinstance(made, asyncio.Future):
+                break
             with contextlib.suppress(Exception):
-                await asyncio.shield(made)
+                await asyncio.shield(made)  # then look again: it made its children, or nothing
         out: builtins.list[SandboxInfo | SandboxError] = []
         for i in range(count):
             child = await self._claimed(f"{key}#{i}", "")
@@ -1258,10 +1260,14 @@ class SandboxManager:
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._keys[key] = (fut, fingerprint)
         try:
-            return await make()
-        finally:
-            self._keys[key] = ("batch", fingerprint)
-            fut.set_result("batch")
+            results = await make()
+        except BaseException:
+            self._keys.pop(key, None)  # it made nothing: a retry runs it again
+            fut.set_result("failed")
+            raise
+        self._keys[key] = ("batch", fingerprint)
+        fut.set_result("batch")
+        return results
 
     def _child_spec(self, rec: SnapshotRecord, labels: dict[str, str] | None) -> SandboxSpec:
         """The spec of a restored child: the snapshot's, with the caller's labels added (validated
