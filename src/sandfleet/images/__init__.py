@@ -1,6 +1,6 @@
 """Local image store: content-addressed EROFS layers, name:tag manifests, built-in recipes."""
 
-from .builders import BUILTIN_IMAGES, BuildContext, Builder, debian_mirror, register_builtin
+from .builders import debian_mirror  # imported first: it registers the built-in recipes
 from .fsutil import DiffStats, diff_trees, shift_ownership
 from .models import (
     ImageBuildError,
@@ -16,7 +16,7 @@ from .models import (
 )
 from .oci import OciImportError, import_image
 from .recipe import BuildResult, Recipe, RecipeError, StepResult, build_recipe
-from .store import LayerStore, ProgressFn
+from .store import BUILTIN_IMAGES, BuildContext, Builder, LayerStore, ProgressFn, register_builtin
 
 __all__ = [
     "BUILTIN_IMAGES",

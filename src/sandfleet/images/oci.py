@@ -59,9 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 from sandfleet.models import check_abs_path, check_env, check_user
 
 from . import fsutil
-from .builders import BuildContext
 from .models import DIGEST_RE, ImageError, ImageManifest, InvalidRefError, LayerRef, parse_ref
-from .store import LayerStore, ProgressFn
+from .store import BuildContext, LayerStore, ProgressFn
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
