@@ -224,6 +224,9 @@ class BatchRow:
 
 
 def _row(r: sqlite3.Row) -> SandboxRow:
+    # Columns added after the first schema default when absent: a database salvaged from an older
+    # version (`_salvage`) is read without migrating it.
+    keys = r.keys()
     return SandboxRow(
         id=r["id"],
         state=r["state"],
@@ -235,9 +238,9 @@ def _row(r: sqlite3.Row) -> SandboxRow:
         last_active_at=r["last_active_at"],
         stopped_at=r["stopped_at"],
         stop_reason=r["stop_reason"],
-        idempotency_key=r["idempotency_key"],
-        acked=bool(r["acked"]),
-        held=bool(r["held"]),
+        idempotency_key=r["idempotency_key"] if "idempotency_key" in keys else None,
+        acked=bool(r["acked"]) if "acked" in keys else True,
+        held=bool(r["held"]) if "held" in keys else False,
     )
 
 
@@ -645,31 +648,12 @@ def _salvage(path: Path) -> list[SandboxRow]:
         db.row_factory = sqlite3.Row
         for r in db.execute("SELECT * FROM sandboxes"):
             with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):
-                out.append(_salvaged_row(r))
+                out.append(_row(r))
     except sqlite3.Error:
         pass
     finally:
         db.close()
     return out
-
-
-def _salvaged_row(r: sqlite3.Row) -> SandboxRow:
-    keys = r.keys()
-    return SandboxRow(
-        id=r["id"],
-        state=r["state"],
-        backend=r["backend"],
-        spec=json.loads(r["spec"]),
-        labels=json.loads(r["labels"]),
-        runtime=json.loads(r["runtime"]),
-        created_at=r["created_at"],
-        last_active_at=r["last_active_at"],
-        stopped_at=r["stopped_at"],
-        stop_reason=r["stop_reason"],
-        idempotency_key=r["idempotency_key"] if "idempotency_key" in keys else None,
-        acked=bool(r["acked"]) if "acked" in keys else True,
-        held=bool(r["held"]) if "held" in keys else False,
-    )
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
