@@ -30,6 +30,7 @@ from sandfleet.images import (
     shift_ownership,
 )
 from sandfleet.images.builders import alias, build_busybox, stage_busybox
+from wheels import pure_wheel
 
 UID_BASE = 100000
 
@@ -331,33 +332,9 @@ def test_python_builder_versions() -> None:
         assert pkg in builder.recipe
 
 
-def _pure_wheel(where: Path, name: str) -> Path:
-    """A pure-Python wheel of `name` 1.0 (a module that prints its name)."""
-    import base64
-    import hashlib
-    import zipfile
-
-    dist = f"{name}-1.0"
-    files = {
-        f"{name}.py": f"print({name!r})\n".encode(),
-        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
-        f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = [
-        f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}\n"
-        for n, d in files.items()
-    ]
-    files[f"{dist}.dist-info/RECORD"] = "".join([*record, f"{dist}.dist-info/RECORD,,\n"]).encode()
-    path = where / f"{dist}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        for n, d in files.items():
-            z.writestr(n, d)
-    return path
-
-
 def test_python_image_has_python_pip_and_venv(fleet: Client, tmp_path: Path) -> None:
     """What users of a python image expect, with no network: `python`, pip, venv, pip install."""
-    wheel = _pure_wheel(tmp_path, "sandfleet_wheel_test")
+    wheel = pure_wheel(tmp_path, "sandfleet_wheel_test", init=b"print(__name__)\n")
     fleet.build_image("python:3.11")  # (re)built on first use: minutes with a cold cache
     with fleet.create(image="python:3.11", idle_ttl=300) as sb:
         r = sb.exec("python --version")
@@ -369,7 +346,8 @@ def test_python_image_has_python_pip_and_venv(fleet: Client, tmp_path: Path) -> 
         assert sb.exec("ls /usr/lib/python3*/EXTERNALLY-MANAGED").exit_code != 0
         # pip installs into the image's Python as in any python image (no PEP 668 refusal).
         sb.files.write(f"/tmp/{wheel.name}", wheel.read_bytes())
-        r = sb.exec(f"pip install --no-index /tmp/{wheel.name} && cd / && python -m sandfleet_wheel_test", timeout=180)
+        install = f"pip install --no-index /tmp/{wheel.name}"
+        r = sb.exec(f"{install} && cd / && python -c 'import sandfleet_wheel_test'", timeout=180)
         assert r.exit_code == 0 and r.stdout.endswith("sandfleet_wheel_test\n"), r.stdout + r.stderr
         r = sb.exec("/tmp/v/bin/pip install --no-index /tmp/" + wheel.name, timeout=180)
         assert r.exit_code == 0, r.stdout + r.stderr

@@ -4,14 +4,11 @@ run in build sandboxes of a real daemon (run, pip; apt is host-side but slow).""
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 import os
 import subprocess
 import tarfile
 import uuid
-import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,6 +34,7 @@ from sandfleet.images.recipe import (
     read_debian_info,
     stage_copy,
 )
+from wheels import pure_wheel
 
 from conftest import IMAGES, Daemon, wait_until
 
@@ -76,27 +74,6 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
 
 def _hits(result: BuildResult) -> list[bool]:
     return [s.cache_hit for s in result.steps[1:]]
-
-
-def _wheel(where: Path, name: str, requires: list[str]) -> Path:
-    """A pure wheel of ``name`` 1.0 whose metadata requires ``requires``."""
-    dist = f"{name.replace('-', '_')}-1.0"
-    files = {
-        f"{name.replace('-', '_')}/__init__.py": b"",
-        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode()
-        + b"".join(f"Requires-Dist: {r}\n".encode() for r in requires),
-        f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = [
-        f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}\n"
-        for n, d in files.items()
-    ]
-    files[f"{dist}.dist-info/RECORD"] = "".join([*record, f"{dist}.dist-info/RECORD,,\n"]).encode()
-    path = where / f"{dist}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        for n, d in files.items():
-            z.writestr(n, d)
-    return path
 
 
 def _sdist(where: Path, name: str, marker: Path) -> Path:
@@ -583,7 +560,7 @@ async def test_pip_step_never_builds_source_on_the_host(
     idx.mkdir()
     ran = tmp_path / "setup-py-ran"
     evil = _sdist(idx, "sandfleet-test-evil", ran)
-    _wheel(idx, "sandfleet-test-innocent", [f"sandfleet-test-evil @ {evil.as_uri()}"])
+    pure_wheel(idx, "sandfleet-test-innocent", [f"sandfleet-test-evil @ {evil.as_uri()}"])
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(idx))
     for req, message in [
