@@ -41,8 +41,8 @@ def sandbox_processes(cgroup_parent: str) -> list[int]:
     return pids
 
 
-def zombie_children(pid: int) -> list[str]:
-    """The command names of `pid`'s unreaped children."""
+def children(pid: int) -> list[tuple[int, str, str]]:
+    """`pid`'s child processes: (pid, state letter, command name)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -52,9 +52,14 @@ def zombie_children(pid: int) -> list[str]:
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] == "Z" and int(fields[1]) == pid:
-            out.append(stat[stat.find("(") + 1 : stat.rfind(")")])
+        if int(fields[1]) == pid:
+            out.append((int(entry), fields[0], stat[stat.find("(") + 1 : stat.rfind(")")]))
     return out
+
+
+def zombie_children(pid: int) -> list[str]:
+    """The command names of `pid`'s unreaped children."""
+    return [comm for _, state, comm in children(pid) if state == "Z"]
 
 
 def loop_devices() -> int:

@@ -14,22 +14,19 @@ from sandfleet import Resources, SandboxSpec
 from sandfleet.errors import SandboxError, UnavailableError
 
 from conftest import Daemon, wait_until
-from leakcheck import residue, zombie_children
+from leakcheck import children, residue, zombie_children
 
 
 def _servers(d: Daemon) -> list[int]:
     """The daemon's launcher servers (its children running `sandfleet-run --serve`)."""
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, state, _ in children(d.pid):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(stat[stat.rfind(")") + 2 :].split()[1]) == d.pid and argv[1:2] == [b"--serve"] and "Z" not in stat:
-            out.append(int(entry))
+        if state != "Z" and argv[1:2] == [b"--serve"]:
+            out.append(pid)
     return out
 
 
