@@ -508,6 +508,15 @@ class _Walk:
         rel = bytes(self.rel) if name is None else self.arc(name)
         return _show(_join(self.top_path, os.fsdecode(rel)) if rel else self.top_path)
 
+    def stat(self, name: bytes) -> _St | None:
+        """statx of ``name`` in the current directory (not followed); None if it is gone meanwhile."""
+        try:
+            return _statx(self.fd, name)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _from_oserror(exc, self.spath(name)) from exc
+
     def is_mount(self, st: _St) -> bool:
         """Whether an entry of a directory of this walk is a mount point (in the sandbox's namespace)."""
         if st.mount_root or (self.mnt_id and st.mnt_id and st.mnt_id != self.mnt_id):
@@ -664,12 +673,8 @@ def _rmtree_fd(top_fd: int, top_path: str, *, max_entries: int = DEFAULT_MAX_ENT
                     except OSError as exc2:
                         raise _from_oserror(exc2, w.spath(cname)) from exc2
                 continue
-            try:
-                st = _statx(w.fd, name)
-            except FileNotFoundError:
+            if (st := w.stat(name)) is None:
                 continue
-            except OSError as exc:
-                raise _from_oserror(exc, w.spath(name)) from exc
             if w.is_mount(st):
                 raise _mount_refused(w.spath(name))
             if stat_mod.S_ISDIR(st.mode):
@@ -1408,12 +1413,8 @@ class SandboxFS:
                         return
                     w.ascend()
                     continue
-                try:
-                    st = _statx(w.fd, name)
-                except FileNotFoundError:
+                if (st := w.stat(name)) is None:
                     continue
-                except OSError as exc:
-                    raise _from_oserror(exc, w.spath(name)) from exc
                 isdir = stat_mod.S_ISDIR(st.mode)
                 arc = w.arc(name)
                 if len(arc) + isdir > MAX_MEMBER_NAME:
