@@ -130,6 +130,18 @@ def _check_text(value: object) -> None:
             stack.extend(item)
 
 
+async def _read_capped(request: Request, limit: int, too_large: str) -> bytes:
+    """The request body, refused (`too_large`) past `limit` bytes whether or not a Content-Length was sent."""
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise InvalidArgumentError(too_large)
+    data = bytearray()
+    async for chunk in request.stream():
+        data.extend(chunk)
+        if len(data) > limit:
+            raise InvalidArgumentError(too_large)
+    return bytes(data)
+
+
 class CheckedRoute(APIRoute):
     """Every JSON body is bounded, strict UTF-8 and free of lone surrogates before FastAPI parses
     it into the request model: bad input is a 400 and never reaches the service."""
@@ -140,15 +152,9 @@ class CheckedRoute(APIRoute):
         async def checked(request: Request) -> Response:
             has_json = "json" in request.headers.get("content-type", "")
             if request.method in ("POST", "PUT", "PATCH", "DELETE") and has_json:
-                if int(request.headers.get("content-length") or 0) > MAX_JSON_BODY:
-                    raise InvalidArgumentError(f"request body larger than {MAX_JSON_BODY} bytes")
-                body = bytearray()
-                async for chunk in request.stream():
-                    body.extend(chunk)
-                    if len(body) > MAX_JSON_BODY:
-                        raise InvalidArgumentError(f"request body larger than {MAX_JSON_BODY} bytes")
+                body = await _read_capped(request, MAX_JSON_BODY, f"request body larger than {MAX_JSON_BODY} bytes")
                 try:
-                    text = bytes(body).decode("utf-8")
+                    text = body.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     raise InvalidArgumentError(f"request body is not UTF-8 (byte {exc.start})") from None
                 if text.strip():
@@ -160,7 +166,7 @@ class CheckedRoute(APIRoute):
                         ) from None
                     except ValueError:
                         pass  # not JSON: FastAPI says so, as a 400
-                request._body = bytes(body)  # FastAPI reads the body from here
+                request._body = body  # FastAPI reads the body from here
             return await handler(request)
 
         return checked
@@ -566,15 +572,9 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     # -- files ------------------------------------------------------------------------------------
 
     async def _body(request: Request) -> bytes:
-        """The request body, refused past MAX_FILE_BODY whether or not a Content-Length was sent."""
-        if int(request.headers.get("content-length") or 0) > MAX_FILE_BODY:
-            raise InvalidArgumentError(f"body larger than {MAX_FILE_BODY} bytes; upload a tar in parts")
-        data = bytearray()
-        async for chunk in request.stream():
-            data.extend(chunk)
-            if len(data) > MAX_FILE_BODY:
-                raise InvalidArgumentError(f"body larger than {MAX_FILE_BODY} bytes; upload a tar in parts")
-        return bytes(data)
+        return await _read_capped(
+            request, MAX_FILE_BODY, f"body larger than {MAX_FILE_BODY} bytes; upload a tar in parts"
+        )
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}/files/content",
