@@ -860,11 +860,10 @@ async def test_unexpected_exception_is_a_wire_error_not_a_dropped_connection() -
     from sandfleet.daemon.app import create_app
     from sandfleet.daemon.metrics import Metrics
 
-    def broken_get(_sandbox_id: str) -> None:
+    async def broken_get(_sandbox_id: str) -> None:
         raise RuntimeError("boom")
 
-    manager = SimpleNamespace(metrics=Metrics(), backend=SimpleNamespace(name="container"), get=broken_get)
-    app = create_app(manager)  # type: ignore[arg-type]
+    app = create_app(SimpleNamespace(get=broken_get), Metrics())  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sandfleet") as client:
         resp = await client.get("/v1/sandboxes/sb-0123")
         assert resp.status_code == 500

@@ -11,7 +11,6 @@ import contextlib
 import errno
 import json
 import logging
-import os
 import secrets
 import tempfile
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -21,13 +20,13 @@ from fastapi import BackgroundTasks, Body, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandfleet import __version__
-from sandfleet.daemon.service import EventStream, SandboxManager, file_info
+from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.protocol import EventStream, SandboxService
 from sandfleet.daemon.state import StateDiskFullError
 from sandfleet.errors import (
     InternalError,
@@ -82,7 +81,6 @@ from sandfleet.models import (
     StopRequest,
     Usage,
 )
-from sandfleet.runtime.files import SandboxFS
 
 MAX_FILE_BODY = 256 * 1024**2
 MAX_INT64 = 2**63 - 1
@@ -224,18 +222,8 @@ def _parse_labels(label: list[str]) -> dict[str, str]:
     return out
 
 
-def _image_info(m: Any) -> ImageInfo:
-    return ImageInfo(
-        name=m.name,
-        tag=m.tag,
-        layers=[x.digest for x in m.layers],
-        size=sum(x.size + (x.blob_size or 0) for x in m.layers),
-        created=m.created,
-        on_demand=any(x.blob is not None for x in m.layers),
-    )
-
-
-def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
+def create_app(service: SandboxService, metrics: Metrics, *, token: str | None = None) -> FastAPI:
+    """The HTTP API over any `SandboxService` (the node's, or later a gateway's)."""
     app = FastAPI(
         title="sandfleet",
         version=__version__,
@@ -243,7 +231,6 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         description="Elastic sandboxes for agentic RL: the node daemon's API.",
     )
     app.router.route_class = CheckedRoute
-    metrics = manager.metrics
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(_req: Request, exc: SandboxError) -> JSONResponse:
@@ -317,31 +304,18 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/health", response_model=Health)
     async def health() -> Health:
-        return Health(
-            status="ok",
-            version=__version__,
-            sandboxes_running=manager.running_count(),
-            backends=[manager.backend.name],
-            pools=manager.pools.sizes() if manager.pools is not None else {},
-        )
+        return await service.health()
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
-        with contextlib.suppress(OSError), open("/proc/self/statm") as f:  # noqa: ASYNC230 (procfs)
-            metrics.daemon_rss.set(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-        adm = manager.admission
-        metrics.admission_cpu_committed.set(adm.committed_cpu)
-        metrics.admission_cpu_load.set(adm.cpu_load)
-        metrics.admission_memory_committed.set(adm.committed_memory)
-        # Per-sandbox series read thousands of cgroup files: off the event loop.
-        body = await asyncio.to_thread(generate_latest, metrics.registry)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        body, media_type = await service.metrics_text()
+        return Response(body, media_type=media_type)
 
     # -- sandboxes ------------------------------------------------------------------------------
 
     def _acked(background: BackgroundTasks, ids: list[str]) -> None:
         """Once the answer naming these sandboxes has gone out: they were heard (see `ack`)."""
-        background.add_task(manager.ack, ids)
+        background.add_task(service.ack, ids)
 
     @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
     async def create(
@@ -357,13 +331,13 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
             ),
         ] = None,
     ) -> SandboxInfo:
-        info = await manager.create(spec, idempotency_key=idempotency_key)
+        info = await service.create(spec, idempotency_key=idempotency_key)
         _acked(background, [info.id])
         return info
 
     @app.post("/v1/sandboxes/batch", response_model=CreateBatchResult)
     async def create_batch(req: CreateBatchRequest, background: BackgroundTasks) -> CreateBatchResult:
-        results = await manager.create_batch(req.specs, req.concurrency, req.idempotency_keys)
+        results = await service.create_batch(req.specs, req.concurrency, req.idempotency_keys)
         _acked(background, [r.id for r in results if isinstance(r, SandboxInfo)])
         return _batch_result(results)
 
@@ -378,7 +352,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         # Each sandbox on its own: one that cannot be encoded is left out (and logged), never the
         # reason nobody can list.
         items = []
-        for info in manager.list(_parse_labels(label), state):
+        for info in await service.list(_parse_labels(label), state):
             try:
                 items.append(info.model_dump_json().encode())
             except (ValueError, UnicodeError):
@@ -388,68 +362,68 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     @app.post("/v1/sandboxes/lifetimes", response_model=IdList)
     async def update_lifetimes(req: LifetimeManyRequest) -> IdList:
         fields = {k: getattr(req, k) for k in req.model_fields_set & {"idle_ttl", "max_lifetime"}}
-        return IdList(sandboxes=await manager.update_lifetimes(req.labels, fields))
+        return IdList(sandboxes=await service.update_lifetimes(req.labels, fields))
 
     @app.post("/v1/sandboxes/stop", response_model=StopManyResult)
     async def stop_many(req: StopManyRequest) -> StopManyResult:
         if not req.labels:
             raise InvalidArgumentError("stop by labels needs at least one label")
-        return StopManyResult(stopped=await manager.stop_many(req.labels, req.reason))
+        return StopManyResult(stopped=await service.stop_many(req.labels, req.reason))
 
     @app.post("/v1/sandboxes/pause", response_model=IdList)
     async def pause_many(req: LabelsRequest) -> IdList:
-        return IdList(sandboxes=await manager.pause_many(req.labels))
+        return IdList(sandboxes=await service.pause_many(req.labels))
 
     @app.post("/v1/sandboxes/resume", response_model=IdList)
     async def resume_many(req: LabelsRequest) -> IdList:
-        return IdList(sandboxes=await manager.resume_many(req.labels))
+        return IdList(sandboxes=await service.resume_many(req.labels))
 
     @app.get("/v1/sandboxes/{sandbox_id}/usage", response_model=Usage)
     async def usage(sandbox_id: str) -> Usage:
-        return await manager.usage(sandbox_id)
+        return await service.usage(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
     async def pause(sandbox_id: str) -> SandboxInfo:
-        return await manager.pause(sandbox_id)
+        return await service.pause(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
     async def resume(sandbox_id: str) -> SandboxInfo:
-        return await manager.resume(sandbox_id)
+        return await service.resume(sandbox_id)
 
     # -- snapshots and forks ----------------------------------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/snapshots", response_model=SnapshotInfo, status_code=201)
     async def snapshot(sandbox_id: str, req: Annotated[SnapshotRequest | None, Body()] = None) -> SnapshotInfo:
         req = req or SnapshotRequest()
-        return await manager.snapshot(sandbox_id, ttl=req.ttl, labels=req.labels)
+        return await service.snapshot(sandbox_id, ttl=req.ttl, labels=req.labels)
 
     @app.post("/v1/sandboxes/{sandbox_id}/fork", response_model=CreateBatchResult)
     async def fork(
         sandbox_id: str, background: BackgroundTasks, req: Annotated[ForkRequest | None, Body()] = None
     ) -> CreateBatchResult:
         req = req or ForkRequest()
-        results = await manager.fork(sandbox_id, req.count, req.labels, idempotency_key=req.idempotency_key)
+        results = await service.fork(sandbox_id, req.count, req.labels, idempotency_key=req.idempotency_key)
         _acked(background, [r.id for r in results if isinstance(r, SandboxInfo)])
         return _batch_result(results)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pack", response_model=ImageInfo, status_code=201)
     async def pack(sandbox_id: str, req: PackRequest) -> ImageInfo:
-        return _image_info(await manager.pack(sandbox_id, req.image, req.exclude))
+        return await service.pack(sandbox_id, req.image, req.exclude)
 
     @app.get("/v1/snapshots", response_model=SnapshotList)
     async def list_snapshots(
         sandbox_id: str | None = None,
         label: Annotated[list[str], Query(max_length=64)] = [],  # noqa: B006
     ) -> SnapshotList:
-        return SnapshotList(snapshots=manager.list_snapshots(sandbox_id, _parse_labels(label)))
+        return SnapshotList(snapshots=await service.list_snapshots(sandbox_id, _parse_labels(label)))
 
     @app.get("/v1/snapshots/{snapshot_id}", response_model=SnapshotInfo)
     async def get_snapshot(snapshot_id: str) -> SnapshotInfo:
-        return manager.get_snapshot(snapshot_id)
+        return await service.get_snapshot(snapshot_id)
 
     @app.delete("/v1/snapshots/{snapshot_id}", response_model=Ok)
     async def delete_snapshot(snapshot_id: str) -> Ok:
-        await manager.delete_snapshot(snapshot_id)
+        await service.delete_snapshot(snapshot_id)
         return Ok()
 
     @app.post("/v1/snapshots/{snapshot_id}/restore", response_model=CreateBatchResult)
@@ -457,22 +431,22 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         snapshot_id: str, background: BackgroundTasks, req: Annotated[ForkRequest | None, Body()] = None
     ) -> CreateBatchResult:
         req = req or ForkRequest()
-        results = await manager.restore(snapshot_id, req.count, req.labels, idempotency_key=req.idempotency_key)
+        results = await service.restore(snapshot_id, req.count, req.labels, idempotency_key=req.idempotency_key)
         _acked(background, [r.id for r in results if isinstance(r, SandboxInfo)])
         return _batch_result(results)
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def get(sandbox_id: str) -> SandboxInfo:
-        return manager.get(sandbox_id)
+        return await service.get(sandbox_id)
 
     @app.patch("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def update_lifetime(sandbox_id: str, req: LifetimeUpdate) -> SandboxInfo:
         fields = {k: getattr(req, k) for k in req.model_fields_set & {"idle_ttl", "max_lifetime"}}
-        return await manager.update_lifetime(sandbox_id, fields)
+        return await service.update_lifetime(sandbox_id, fields)
 
     @app.delete("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def stop(sandbox_id: str, req: Annotated[StopRequest | None, Body()] = None) -> SandboxInfo:
-        return await manager.stop(sandbox_id, reason=req.reason if req else "user")
+        return await service.stop(sandbox_id, reason=req.reason if req else "user")
 
     @app.get("/v1/sandboxes/{sandbox_id}/events", response_model=EventList)
     async def events(
@@ -480,13 +454,13 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         after: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     ) -> EventList:
-        return EventList(events=await manager.events(sandbox_id, after, limit))
+        return EventList(events=await service.events(sandbox_id, after, limit))
 
     # -- exec -----------------------------------------------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
     async def exec_(sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return await manager.exec(sandbox_id, req)
+        return await service.exec(sandbox_id, req)
 
     beat = ExecEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
     ndjson: dict[int | str, dict[str, Any]] = {
@@ -496,35 +470,35 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/exec/stream", response_class=StreamingResponse, responses=ndjson)
     async def exec_stream(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
         """ExecEvent lines: output chunks, then one `exit`; `heartbeat` every 5 s while quiet."""
-        events = await manager.exec_stream(sandbox_id, req)
+        events = await service.exec_stream(sandbox_id, req)
         return _stream(events, beat)
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes", response_model=ProcessInfo, status_code=201)
     async def start_process(sandbox_id: str, req: ExecRequest) -> ProcessInfo:
-        return await manager.start_process(sandbox_id, req)
+        return await service.start_process(sandbox_id, req)
 
     @app.get("/v1/sandboxes/{sandbox_id}/processes", response_model=ProcessList)
     async def list_processes(sandbox_id: str) -> ProcessList:
-        return ProcessList(processes=manager.list_processes(sandbox_id))
+        return ProcessList(processes=await service.list_processes(sandbox_id))
 
     @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
     async def get_process(
         sandbox_id: str, process_id: str, wait: Annotated[float, Query(ge=0, le=3600)] = 0
     ) -> ProcessInfo:
-        return await manager.wait_process(sandbox_id, process_id, wait)
+        return await service.wait_process(sandbox_id, process_id, wait)
 
     @app.delete("/v1/sandboxes/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
     async def kill_process(
         sandbox_id: str, process_id: str, signal: Annotated[int, Query(ge=1, le=64)] = 9
     ) -> ProcessInfo:
-        return await manager.kill_process(sandbox_id, process_id, signal)
+        return await service.kill_process(sandbox_id, process_id, signal)
 
     raw_body = {"requestBody": {"content": {"application/octet-stream": {}}, "required": False}}
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/stdin", response_model=Ok, openapi_extra=raw_body)
     async def process_stdin(request: Request, sandbox_id: str, process_id: str, close: bool = False) -> Ok:
         """Bytes for the process's standard input (started with keep_stdin_open); `close` ends it."""
-        await manager.write_process_stdin(sandbox_id, process_id, await _body(request), close)
+        await service.write_process_stdin(sandbox_id, process_id, await _body(request), close)
         return Ok()
 
     # -- sessions ---------------------------------------------------------------------------------
@@ -534,19 +508,19 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         sandbox_id: str, req: Annotated[SessionCreateRequest | None, Body()] = None
     ) -> SessionInfo:
         r = req or SessionCreateRequest()
-        return await manager.create_session(sandbox_id, r.env, r.cwd, r.user)
+        return await service.create_session(sandbox_id, r.env, r.cwd, r.user)
 
     @app.get("/v1/sandboxes/{sandbox_id}/sessions", response_model=SessionList)
     async def list_sessions(sandbox_id: str) -> SessionList:
-        return SessionList(sessions=manager.list_sessions(sandbox_id))
+        return SessionList(sessions=await service.list_sessions(sandbox_id))
 
     @app.get("/v1/sandboxes/{sandbox_id}/sessions/{session_id}", response_model=SessionInfo)
     async def get_session(sandbox_id: str, session_id: str) -> SessionInfo:
-        return manager.get_session(sandbox_id, session_id)
+        return await service.get_session(sandbox_id, session_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run", response_model=ExecResult)
     async def session_run(sandbox_id: str, session_id: str, req: SessionRunRequest) -> ExecResult:
-        return await manager.session_run(sandbox_id, session_id, req)
+        return await service.session_run(sandbox_id, session_id, req)
 
     @app.post(
         "/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run/stream",
@@ -555,18 +529,18 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     )
     async def session_run_stream(sandbox_id: str, session_id: str, req: SessionRunRequest) -> StreamingResponse:
         """ExecEvent lines, as for exec/stream."""
-        events = await manager.session_run_stream(sandbox_id, session_id, req)
+        events = await service.session_run_stream(sandbox_id, session_id, req)
         return _stream(events, beat)
 
     @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session_id}/stdin", response_model=Ok, openapi_extra=raw_body)
     async def session_stdin(request: Request, sandbox_id: str, session_id: str, close: bool = False) -> Ok:
         """Bytes for the standard input of the command running in the session; `close` ends it."""
-        await manager.write_session_stdin(sandbox_id, session_id, await _body(request), close)
+        await service.write_session_stdin(sandbox_id, session_id, await _body(request), close)
         return Ok()
 
     @app.delete("/v1/sandboxes/{sandbox_id}/sessions/{session_id}", response_model=Ok)
     async def close_session(sandbox_id: str, session_id: str) -> Ok:
-        await manager.close_session(sandbox_id, session_id)
+        await service.close_session(sandbox_id, session_id)
         return Ok()
 
     # -- files ------------------------------------------------------------------------------------
@@ -587,7 +561,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         offset: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
         length: Annotated[int | None, Query(ge=0, le=MAX_INT64)] = None,
     ) -> Response:
-        data = await manager.file_op(sandbox_id, lambda fs: fs.read(path, offset=offset, length=length))
+        data = await service.read_file(sandbox_id, path, offset, length)
         return Response(data, media_type="application/octet-stream")
 
     @app.put(
@@ -604,22 +578,15 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         append: bool = False,
     ) -> FileInfo:
         data = await _body(request)
-        owner = await manager.file_owner(sandbox_id, user)
-
-        def op(fs: SandboxFS) -> FileInfo:
-            fs.write(path, data, mode=mode, uid=owner.uid, gid=owner.gid, append=append)
-            return file_info(fs.stat(path, follow_symlinks=True))
-
-        return await manager.file_op(sandbox_id, op, ("file_write", {"path": path, "bytes": len(data)}), mutating=True)
+        return await service.write_file(sandbox_id, path, data, mode=mode, user=user, append=append)
 
     @app.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=FileList)
     async def list_files(sandbox_id: str, path: str = "/") -> FileList:
-        stats = await manager.file_op(sandbox_id, lambda fs: fs.list(path))
-        return FileList(files=[file_info(s) for s in stats])
+        return FileList(files=await service.list_files(sandbox_id, path))
 
     @app.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=FileInfo)
     async def stat_file(sandbox_id: str, path: str, follow_symlinks: bool = False) -> FileInfo:
-        return file_info(await manager.file_op(sandbox_id, lambda fs: fs.stat(path, follow_symlinks=follow_symlinks)))
+        return await service.stat_file(sandbox_id, path, follow_symlinks)
 
     @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir", response_model=FileInfo)
     async def mkdir(
@@ -629,22 +596,11 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         user: str | None = None,
         mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o755,
     ) -> FileInfo:
-        owner = await manager.file_owner(sandbox_id, user)
-
-        def op(fs: SandboxFS) -> FileInfo:
-            fs.mkdir(path, parents=parents, mode=mode, uid=owner.uid, gid=owner.gid)
-            return file_info(fs.stat(path))
-
-        return await manager.file_op(sandbox_id, op, ("mkdir", {"path": path}), mutating=True)
+        return await service.make_dir(sandbox_id, path, parents=parents, mode=mode, user=user)
 
     @app.delete("/v1/sandboxes/{sandbox_id}/files", response_model=Ok)
     async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Ok:
-        await manager.file_op(
-            sandbox_id,
-            lambda fs: fs.remove(path, recursive=recursive),
-            ("file_remove", {"path": path, "recursive": recursive}),
-            mutating=True,
-        )
+        await service.remove_path(sandbox_id, path, recursive)
         return Ok()
 
     @app.get(
@@ -656,9 +612,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         """A tar of a file or directory, streamed as it is read (never spooled on the node); a
         sparse file counts by what it really stores, and a tree larger than the sandbox could hold
         is refused."""
-        limit = manager.download_limit(sandbox_id)
-        chunks = await manager.file_stream(sandbox_id, lambda fs: fs.iter_tar(path, max_bytes=limit))
-        return StreamingResponse(chunks, media_type="application/x-tar")
+        return StreamingResponse(await service.download_tar(sandbox_id, path), media_type="application/x-tar")
 
     @app.put(
         "/v1/sandboxes/{sandbox_id}/files/tar",
@@ -666,9 +620,8 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
         openapi_extra={"requestBody": {"content": {"application/x-tar": {}}, "required": True}},
     )
     async def upload(request: Request, sandbox_id: str, path: str = "/", user: str | None = None) -> Ok:
-        owner = await manager.file_owner(sandbox_id, user)
         # Never more than the sandbox's writable layer could take (plus the tar's own headers).
-        cap = manager.disk_limit(sandbox_id) + manager.disk_limit(sandbox_id) // 8 + 1024**2
+        cap = await service.upload_limit(sandbox_id)
         with tempfile.SpooledTemporaryFile(max_size=8 * 1024**2) as spool:
             size = 0
             async for chunk in request.stream():
@@ -677,12 +630,7 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
                     raise InvalidArgumentError(f"tar upload larger than the sandbox's disk allows ({cap} bytes)")
                 await asyncio.to_thread(spool.write, chunk)
             spool.seek(0)
-            tar_stream = cast(BinaryIO, spool)
-
-            def op(fs: SandboxFS) -> None:
-                fs.upload_tar(path, tar_stream, uid=owner.uid, gid=owner.gid)
-
-            await manager.file_op(sandbox_id, op, ("upload", {"path": path, "bytes": size}), mutating=True)
+            await service.upload_tar(sandbox_id, path, cast(BinaryIO, spool), size, user)
         return Ok()
 
     file_beat = FileEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
@@ -695,37 +643,36 @@ def create_app(manager: SandboxManager, *, token: str | None = None) -> FastAPI:
     ) -> StreamingResponse:
         """FileEvent lines for changes under a directory (create, modify, delete, rename_from,
         rename_to, chmod; overflow when events were lost), until the client goes away."""
-        events = await manager.watch(sandbox_id, path, recursive)
+        events = await service.watch(sandbox_id, path, recursive)
         return _stream(events, file_beat)
 
     # -- images -----------------------------------------------------------------------------------
 
     @app.get("/v1/images", response_model=ImageList)
     async def images() -> ImageList:
-        manifests = await asyncio.to_thread(manager.store.list_images)
-        return ImageList(images=[_image_info(m) for m in manifests])
+        return ImageList(images=await service.list_images())
 
     @app.delete("/v1/images/{ref:path}", response_model=Ok)
     async def delete_image(ref: ImageRefParam) -> Ok:
-        await manager.delete_image(ref)
+        await service.delete_image(ref)
         return Ok()
 
     @app.post("/v1/images/gc", response_model=GcResult)
     async def gc_images(min_age: Annotated[float, Query(ge=0)] = 600.0) -> GcResult:
-        removed, freed = await manager.gc_images(min_age)
+        removed, freed = await service.gc_images(min_age)
         return GcResult(removed=removed, bytes=freed)
 
     @app.post("/v1/images/push", response_model=ImageInfo)
     async def push_image(ref: ImageRefQuery) -> ImageInfo:
-        return _image_info(await manager.push_image(ref))
+        return await service.push_image(ref)
 
     @app.post("/v1/images/import", response_model=ImageInfo)
     async def import_image(req: ImportRequest) -> ImageInfo:
-        return _image_info(await manager.import_image(req.path, req.ref))
+        return await service.import_image(req.path, req.ref)
 
     @app.post("/v1/images/build", response_model=ImageInfo)
     async def build_image(ref: ImageRefQuery) -> ImageInfo:
-        return _image_info(await manager.resolve_image(ref))
+        return await service.build_image(ref)
 
     return app
 

@@ -23,9 +23,11 @@ from sandfleet.backends.container import ContainerBackend
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.app import create_app
 from sandfleet.daemon.config import DaemonConfig
+from sandfleet.daemon.lifecycle import new_sandbox_id
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.pool import WarmPools
-from sandfleet.daemon.service import SandboxManager, new_sandbox_id
+from sandfleet.daemon.protocol import SandboxService
+from sandfleet.daemon.service import SandboxManager
 from sandfleet.daemon.state import StateError, StateStore
 from sandfleet.images import LayerStore
 from sandfleet.runtime import cgroups, mounts, proc, swap
@@ -182,10 +184,11 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     servers: list[tuple[_Server, socket.socket]] = []
     ucfg = {"log_level": "warning", "lifespan": "off", "access_log": False, "timeout_keep_alive": 300}
     uds = _unix_listener(config.socket)
-    servers.append((_Server(uvicorn.Config(create_app(manager), **ucfg)), uds))  # type: ignore[arg-type]
+    service: SandboxService = manager  # the routes see the protocol, never the manager
+    servers.append((_Server(uvicorn.Config(create_app(service, metrics), **ucfg)), uds))  # type: ignore[arg-type]
     if config.tcp:
         tcp = _tcp_listener(config.tcp)
-        app = create_app(manager, token=config.token)
+        app = create_app(service, metrics, token=config.token)
         servers.append((_Server(uvicorn.Config(app, **ucfg)), tcp))  # type: ignore[arg-type]
 
     stop = asyncio.Event()

@@ -11,7 +11,6 @@ import asyncio
 import base64
 import builtins
 import codecs
-import collections
 import contextlib
 import errno
 import functools
@@ -27,16 +26,36 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, BinaryIO, Generic, TypeVar
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from sandfleet import __version__
 from sandfleet.backends.base import Backend, LiveSandbox
 from sandfleet.daemon import failpoints
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
+from sandfleet.daemon.lifecycle import (
+    CREATING,
+    FAILED,
+    HOLDING_STATES,
+    LIVE_STATES,
+    PAUSED,
+    RUNNING,
+    STOPPED,
+    STOPPING,
+    BackgroundProcess,
+    CommandRun,
+    EventJournal,
+    Sandbox,
+    SandboxTable,
+    Session,
+    User,
+    new_sandbox_id,
+)
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.pool import WarmPools, pool_key
 from sandfleet.daemon.state import SandboxRow, StateConflictError, StateDiskFullError, StateStore
@@ -49,7 +68,6 @@ from sandfleet.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     SandboxError,
-    SandboxNotFoundError,
     SandboxTimeoutError,
     SnapshotNotFoundError,
     UnavailableError,
@@ -76,11 +94,12 @@ from sandfleet.models import (
     ExecResult,
     FileEvent,
     FileInfo,
+    Health,
+    ImageInfo,
     ProcessInfo,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
-    SandboxState,
     SessionInfo,
     SessionRunRequest,
     SnapshotInfo,
@@ -130,122 +149,6 @@ def _first_of_each(layers: list[LayerRef]) -> list[LayerRef]:
     return list({x.digest: x for x in layers}.values())  # a dict keeps each key's first slot
 
 
-def new_sandbox_id() -> str:
-    return "sb-" + secrets.token_hex(8)
-
-
-@dataclass
-class User:
-    uid: int
-    gid: int
-    home: str
-
-
-@dataclass
-class BackgroundProcess:
-    id: str
-    command: str | list[str]
-    started_at: float
-    process: ExecProcess
-    encoding: str = "utf-8"
-    limit: int = 1024**2
-    stdout: bytearray = field(default_factory=bytearray)
-    stderr: bytearray = field(default_factory=bytearray)
-    result: ExecResult | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    lost: str | None = None  # why it will never finish (its sandbox stopped, the agent went away)
-
-
-@dataclass
-class CommandRun:
-    """One command of a session, while it runs: its output (the agent caps it) and its end."""
-
-    limit: int
-    encoding: str
-    out: bytearray = field(default_factory=bytearray)
-    err: bytearray = field(default_factory=bytearray)
-    ended: asyncio.Future[CommandExit] | None = None
-    stream: asyncio.Queue[OutputChunk | CommandExit | None] | None = None
-    stdin_open: bool = False
-    seq: int = 0  # echoed by the agent's SEXIT: a late report of an abandoned command is not ours
-
-
-@dataclass
-class Session:
-    """A shell whose commands the agent frames: the shell reports each status through a socket
-    only it can write (checked by the kernel's credentials), never through its output streams."""
-
-    id: str
-    shell: str
-    created_at: float
-    process: ExecProcess
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    current: CommandRun | None = None
-    dead: bool = False
-    next_seq: int = 0
-
-
-# How many Sandbox objects are in each state, kept as states change: admission and the gauges
-# need the number running or paused on every create, and counting 5,000 entries each time shows.
-STATE_COUNTS: collections.Counter[str] = collections.Counter()
-
-
-@dataclass
-class Sandbox:
-    id: str
-    spec: SandboxSpec
-    state: str
-    created_at: float
-    last_active_at: float
-    live: LiveSandbox | None = None
-    stopped_at: float | None = None
-    stop_reason: str | None = None
-    users: dict[str, User] = field(default_factory=lambda: {"root": User(0, 0, "/root")})
-    sessions: dict[str, Session] = field(default_factory=dict)
-    processes: dict[str, BackgroundProcess] = field(default_factory=dict)
-    inflight: int = 0
-    busy_until: float = 0.0  # the latest deadline (wall clock) of the requests in flight
-    unresponsive: bool = False  # its agent stopped answering (reported once)
-    stop_task: asyncio.Task[None] | None = None
-    stop_failed: bool = False
-    created: asyncio.Event = field(default_factory=asyncio.Event)
-    oom_kills: int = 0
-    pids_hits: int = 0
-    pause_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Paused on request (not by the idle policy): kept past its idle TTL, e.g. while its trainer is
-    # preempted; max_lifetime still applies.
-    held: bool = False
-    idempotency_key: str | None = None
-    acked: bool = True  # False until the create's answer went out (or someone named it)
-    claim_by: float = math.inf  # an unacked sandbox is stopped past this (wall clock)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "state" and not self.__dict__.get("_forgotten"):
-            old = self.__dict__.get("state")
-            if old != value:
-                if old is not None:
-                    STATE_COUNTS[old] -= 1
-                STATE_COUNTS[value] += 1
-        super().__setattr__(name, value)
-
-    def forget(self) -> None:
-        """No longer tracked (dropped from the manager): out of the state counts."""
-        if not self.__dict__.get("_forgotten"):
-            STATE_COUNTS[self.state] -= 1
-            self.__dict__["_forgotten"] = True
-
-    def info(self) -> SandboxInfo:
-        return SandboxInfo(
-            id=self.id,
-            state=cast(SandboxState, self.state),
-            spec=self.spec,
-            created_at=self.created_at,
-            last_active_at=self.last_active_at,
-            stopped_at=self.stopped_at,
-            stop_reason=self.stop_reason,
-        )
-
-
 @dataclass
 class SnapshotRecord:
     info: SnapshotInfo
@@ -259,7 +162,6 @@ class SnapshotRecord:
 MAX_SNAPSHOTS_PER_SANDBOX = 256
 SNAPSHOT_IN_PROGRESS = 3600.0  # a snapshot directory without its snapshot.json younger than this is being made
 _SNAPSHOT_ID_RE = re.compile(r"^snap-[0-9a-f]{16}$")
-LIVE_STATES = frozenset({"creating", "running", "paused", "stopping"})
 CLAIM_WINDOW = 120.0  # a sandbox whose create was never answered is stopped after this (unless claimed)
 # Lower layers of one overlay: the mount options (one ~100-byte path per layer) must fit a page.
 MAX_LAYERS = 32
@@ -391,7 +293,8 @@ class SandboxManager:
         self.stopped_retention = stopped_retention
         self.reaper_interval = reaper_interval
         self.build_missing_images = build_missing_images
-        self.sandboxes: dict[str, Sandbox] = {}
+        self.table = SandboxTable()
+        self.table.on_stopped(self._release_execs)
         self.snapshot_dir = snapshot_dir
         self.snapshot_retention = snapshot_retention
         self.snapshot_max_bytes = snapshot_max_bytes
@@ -403,8 +306,7 @@ class SandboxManager:
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.pools = pools
-        self._events: list[tuple[str, float, str, dict[str, Any]]] = []
-        self._events_flushed = asyncio.Event()
+        self.journal = EventJournal(state)
         self._dirty_activity: dict[str, float] = {}
         self._creating = 0
         self.metrics.track_sandboxes(self._usage_sources)
@@ -422,7 +324,7 @@ class SandboxManager:
             self._tg = tg
             await self.recover()
             self._spawn(self._reaper(), name="reaper")
-            self._spawn(self._event_flusher(), name="event-flusher")
+            self._spawn(self.journal.run(), name="event-flusher")
             if self.pools is not None:
                 self._spawn(self.pools.run(self._spawn), name="warm-pools")
             try:
@@ -431,7 +333,7 @@ class SandboxManager:
                 self._stopping = True
                 if self.pools is not None:
                     await self.pools.drain()
-                await self._flush_events()
+                await self.journal.flush()
                 await self.state.touch_many(self._dirty_activity)
                 for task in list(self._tasks):
                     task.cancel()
@@ -470,53 +372,40 @@ class SandboxManager:
                 await self.backend.cleanup(row.id, row.runtime)
                 await self.state.delete([row.id])
                 continue
-            sb = Sandbox(
-                row.id,
-                spec,
-                row.state,
-                row.created_at,
-                # Activity reaches the store every ACTIVITY_FLUSH seconds: the last use before a crash
-                # may not have, so the sandbox is given the benefit of the doubt (never reaped early).
-                min(now, row.last_active_at + ACTIVITY_FLUSH + self.reaper_interval),
-                stopped_at=row.stopped_at,
-                stop_reason=row.stop_reason,
-                idempotency_key=row.idempotency_key,
-                acked=bool(row.acked),
-            )
             unheard = not row.acked and row.idempotency_key is None
             if row.idempotency_key is not None:  # a retry of its create gets this one, stopped or not
                 self._keys[row.idempotency_key] = (row.id, "")
-            if row.state in ("running", "paused") and not unheard:
+            if row.state in HOLDING_STATES and not unheard:
                 # adopt() thaws a paused sandbox first (a frozen agent cannot answer): it comes back
                 # running; one paused on request is paused again below, its idle policy may pause
                 # the others again.
                 live = await self.backend.adopt(row.id, row.runtime)
                 if live is not None:
+                    sb = self._recovered(row, spec, RUNNING, now)
                     sb.live = live
-                    sb.state = "running"
                     if not sb.acked:  # a create whose answer was lost: its retry (same key) claims it
                         sb.claim_by = now + CLAIM_WINDOW
                     self.admission.commit(spec.resources)
                     live.channel.on_close = lambda _ch, sid=row.id: self._on_agent_lost(sid)
-                    self.sandboxes[row.id] = sb
-                    self._event(row.id, "adopted", {"agent_pid": live.agent_pid})
+                    self.table.add(sb)
+                    self.journal.record(row.id, "adopted", {"agent_pid": live.agent_pid})
                     if spec.qos == "best_effort":
                         self._best_effort_ids.add(row.id)
-                    if row.state == "paused" and row.held:
+                    if row.state == PAUSED and row.held:
                         repause.append(row.id)
                     continue
-            if row.state in ("running", "paused", "creating", "stopping"):
+            if row.state not in (STOPPED, FAILED):  # it was live (or a state this version does not know)
                 await self.backend.cleanup(row.id, row.runtime)
-                sb.state = "stopped" if row.state != "creating" else "failed"
+                sb = self._recovered(row, spec, FAILED if row.state == CREATING else STOPPED, now)
                 sb.stop_reason = sb.stop_reason or (
                     "its create was never answered" if unheard else "lost in daemon restart"
                 )
                 sb.stopped_at = time.time()
-                self._event(row.id, "stopped", {"reason": sb.stop_reason})
-                self.sandboxes[row.id] = sb
+                self.journal.record(row.id, "stopped", {"reason": sb.stop_reason})
+                self.table.add(sb)
                 await self._forget(sb)
                 continue
-            self.sandboxes[row.id] = sb
+            self.table.add(self._recovered(row, spec, row.state, now))
         leftovers = self.backend.leftovers()
         orphans = (set(leftovers.get("sandbox_dirs", [])) | set(leftovers.get("cgroups", []))) - known
         if self.state.reset_from is not None:
@@ -530,6 +419,22 @@ class SandboxManager:
             with contextlib.suppress(SandboxError):
                 await self.pause(sandbox_id)
         self.metrics.alive.set(self.running_count())
+
+    def _recovered(self, row: SandboxRow, spec: SandboxSpec, state: str, now: float) -> Sandbox:
+        """The record of a sandbox a previous daemon left in the state store, in `state`."""
+        return Sandbox(
+            row.id,
+            spec,
+            state,
+            row.created_at,
+            # Activity reaches the store every ACTIVITY_FLUSH seconds: the last use before a crash
+            # may not have, so the sandbox is given the benefit of the doubt (never reaped early).
+            min(now, row.last_active_at + ACTIVITY_FLUSH + self.reaper_interval),
+            stopped_at=row.stopped_at,
+            stop_reason=row.stop_reason,
+            idempotency_key=row.idempotency_key,
+            acked=bool(row.acked),
+        )
 
     async def _rebuild(self, candidates: set[str]) -> set[str]:
         """After the state database was lost: adopt the sandboxes still running on the node (their
@@ -550,12 +455,12 @@ class SandboxManager:
                 with contextlib.suppress(ValidationError):
                     spec = SandboxSpec.model_validate(row.spec)
             now = time.time()
-            sb = Sandbox(sandbox_id, spec, "running", now, now, live=live)
-            self.sandboxes[sandbox_id] = sb
+            sb = Sandbox(sandbox_id, spec, RUNNING, now, now, live=live)
+            self.table.add(sb)
             await self.state.insert(_row(sb, live.runtime))
             self.admission.commit(spec.resources)
             live.channel.on_close = lambda _ch, sid=sandbox_id: self._on_agent_lost(sid)
-            self._event(sandbox_id, "recovered", {"from": str(self.state.reset_from), "lost": lost})
+            self.journal.record(sandbox_id, "recovered", {"from": str(self.state.reset_from), "lost": lost})
             taken.add(sandbox_id)
         log.warning(
             "state database %s was damaged (%s) and set aside: %d running sandboxes were taken back from "
@@ -567,61 +472,57 @@ class SandboxManager:
         )
         return taken
 
+    async def health(self) -> Health:
+        return Health(
+            status="ok",
+            version=__version__,
+            sandboxes_running=self.running_count(),
+            backends=[self.backend.name],
+            pools=self.pools.sizes() if self.pools is not None else {},
+        )
+
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """The Prometheus exposition of the node's metrics, and its content type."""
+        with contextlib.suppress(OSError), open("/proc/self/statm") as f:  # noqa: ASYNC230 (procfs)
+            self.metrics.daemon_rss.set(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        adm = self.admission
+        self.metrics.admission_cpu_committed.set(adm.committed_cpu)
+        self.metrics.admission_cpu_load.set(adm.cpu_load)
+        self.metrics.admission_memory_committed.set(adm.committed_memory)
+        # Per-sandbox series read thousands of cgroup files: off the event loop.
+        return await asyncio.to_thread(generate_latest, self.metrics.registry), CONTENT_TYPE_LATEST
+
     def running_count(self) -> int:
-        return STATE_COUNTS["running"]
+        return self.table.count(RUNNING)
 
     def node_count(self) -> int:
         """Sandboxes holding node resources: running or paused, being created, and warm in pools."""
         pooled = self.pools.pooled() if self.pools is not None else 0
-        return STATE_COUNTS["running"] + STATE_COUNTS["paused"] + self._creating + pooled
+        return self.table.count(RUNNING, PAUSED) + self._creating + pooled
 
     # -- events -----------------------------------------------------------------------------------
 
-    def _event(self, sandbox_id: str, kind: str, data: dict[str, Any] | None = None) -> None:
-        self._events.append((sandbox_id, time.time(), kind, data or {}))
-
-    async def _flush_events(self) -> None:
-        batch, self._events = self._events, []
-        try:
-            await self.state.add_events(batch)
-        except BaseException:
-            self._events[:0] = batch  # keep them for the next flush
-            raise
-
-    async def _event_flusher(self) -> None:
-        while True:
-            await asyncio.sleep(0.2)
-            try:
-                await self._flush_events()
-            except Exception:
-                log.exception("writing events failed; they stay queued for the next flush")
-
     async def events(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[SandboxEvent]:
         self._get(sandbox_id)
-        await self._flush_events()
-        rows = await self.state.events(sandbox_id, after, limit)
-        return [SandboxEvent.model_validate(r) for r in rows]
+        return await self.journal.read(sandbox_id, after, limit)
 
     # -- create / get / list / stop ---------------------------------------------------------------
 
     def _get(self, sandbox_id: str) -> Sandbox:
-        sb = self.sandboxes.get(sandbox_id)
-        if sb is None:
-            raise SandboxNotFoundError(f"sandbox {sandbox_id} not found")
-        return sb
+        return self.table.get(sandbox_id)
 
     async def _ready(self, sandbox_id: str) -> tuple[Sandbox, LiveSandbox]:
         """The sandbox, running: a paused one is resumed first (any request resumes it)."""
         sb = self._get(sandbox_id)
         if not sb.acked:
             self._ack(sb)
-        if sb.state == "paused":
+        if sb.state == PAUSED:
             await self._resume(sb, transparent=True)
         return self._running(sandbox_id)
 
     def _running(self, sandbox_id: str) -> tuple[Sandbox, LiveSandbox]:
         sb = self._get(sandbox_id)
-        if sb.state != "running" or sb.live is None:
+        if sb.state != RUNNING or sb.live is None:
             raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
         return sb, sb.live
 
@@ -744,11 +645,11 @@ class SandboxManager:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(made)
                 continue  # settled: look again (a failed create frees its key)
-            sb = self.sandboxes.get(made)
+            sb = self.table.find(made)
             if sb is None:  # forgotten since (stopped and past retention): the key is free again
                 self._keys.pop(key, None)
                 return None
-            if sb.state == "creating":
+            if sb.state == CREATING:
                 await asyncio.shield(sb.created.wait())
             self._ack(sb)
             return sb.info()
@@ -831,15 +732,14 @@ class SandboxManager:
         try:
             sandbox_id = new_sandbox_id()
             now = time.time()
-            sb = Sandbox(sandbox_id, spec, "creating", now, now, idempotency_key=key, acked=False)
+            sb = Sandbox(sandbox_id, spec, CREATING, now, now, idempotency_key=key, acked=False)
             sb.claim_by = now + CLAIM_WINDOW
-            self.sandboxes[sandbox_id] = sb
+            self.table.add(sb)
             finished = sb.created  # set however this create ends; a concurrent stop waits on it
             try:
                 await self.state.insert(_row(sb, {}))
             except BaseException as exc:
-                self.sandboxes.pop(sandbox_id, None)
-                sb.forget()
+                self.table.discard(sb)
                 finished.set()
                 if isinstance(exc, StateConflictError):  # a row with this key is still being removed
                     raise UnavailableError("a sandbox made with this idempotency key is being removed: retry") from exc
@@ -851,8 +751,9 @@ class SandboxManager:
                     sb.idempotency_key = None
                     with contextlib.suppress(Exception):
                         await asyncio.shield(self.state.update(sandbox_id, idempotency_key=None))
-                sb.state, sb.stopped_at, sb.stop_reason = "failed", time.time(), f"create failed: {exc}"[:500]
-                self._event(sandbox_id, "create_failed", {"error": str(exc)[:500]})
+                self.table.move(sb, FAILED)
+                sb.stopped_at, sb.stop_reason = time.time(), f"create failed: {exc}"[:500]
+                self.journal.record(sandbox_id, "create_failed", {"error": str(exc)[:500]})
                 await asyncio.shield(self._forget(sb))
                 self.metrics.create_failures.inc()
                 finished.set()
@@ -860,9 +761,9 @@ class SandboxManager:
             sb.live = live
             holds_budget = False  # released by stop from here on
             live.channel.on_close = lambda _ch: self._on_agent_lost(sandbox_id)
-            sb.state = "running"
+            self.table.move(sb, RUNNING)
             finished.set()
-            await self.state.update(sandbox_id, state="running", runtime=live.runtime)
+            await self.state.update(sandbox_id, state=RUNNING, runtime=live.runtime)
             await self._settle_create(sb, live, created, t0)
         finally:
             self._creating -= 1
@@ -874,10 +775,10 @@ class SandboxManager:
         """Give a warm sandbox to this caller (its budget is already committed) and make it theirs."""
         t0 = time.perf_counter()
         now = time.time()
-        sb = Sandbox(live.id, spec, "running", now, now, live=live, idempotency_key=key, acked=False)
+        sb = Sandbox(live.id, spec, RUNNING, now, now, live=live, idempotency_key=key, acked=False)
         sb.claim_by = now + CLAIM_WINDOW
         sb.created.set()
-        self.sandboxes[sb.id] = sb
+        self.table.add(sb)
         live.channel.on_close = lambda _ch: self._on_agent_lost(sb.id)
         await self.state.insert(_row(sb, live.runtime))
         self.metrics.pool_hits.inc()
@@ -894,15 +795,14 @@ class SandboxManager:
                 raise
         if sb.spec.qos == "best_effort":
             self._best_effort_ids.add(sb.id)
-        self._event(sb.id, "created", created)
+        self.journal.record(sb.id, "created", created)
         self.metrics.created.inc()
         self.metrics.create_seconds.observe(time.perf_counter() - t0)
         self.metrics.alive.set(self.running_count())
 
     def _drop(self, sb: Sandbox) -> None:
         """No longer listed: out of the table, its idempotency key free again."""
-        if self.sandboxes.pop(sb.id, None) is not None:
-            sb.forget()
+        self.table.discard(sb)
         if sb.idempotency_key is not None:
             entry = self._keys.get(sb.idempotency_key)
             if entry is not None and entry[0] == sb.id:
@@ -911,13 +811,13 @@ class SandboxManager:
     async def _forget(self, sb: Sandbox) -> None:
         """Persist a terminal state; drop the row at once when nothing is retained."""
         if self.stopped_retention <= 0:
-            await self._flush_events()
+            await self.journal.flush()
             await self.state.delete([sb.id])
             self._drop(sb)  # after the row: its idempotency key is free only once no row holds it
         else:
             await self.state.update(sb.id, state=sb.state, stopped_at=sb.stopped_at, stop_reason=sb.stop_reason)
 
-    def get(self, sandbox_id: str) -> SandboxInfo:
+    async def get(self, sandbox_id: str) -> SandboxInfo:
         sb = self._get(sandbox_id)
         self._ack(sb)  # whoever names it knows it: the create was heard
         return sb.info()
@@ -929,11 +829,11 @@ class SandboxManager:
             sb.acked = True
             self._spawn(self.state.update(sb.id, acked=1), name=f"ack-{sb.id}")
 
-    def ack(self, sandbox_ids: builtins.list[str]) -> None:
+    async def ack(self, sandbox_ids: builtins.list[str]) -> None:
         """The answer naming these sandboxes was handed to the client (one write for all of them)."""
         heard = []
         for sandbox_id in sandbox_ids:
-            sb = self.sandboxes.get(sandbox_id)
+            sb = self.table.find(sandbox_id)
             if sb is not None and not sb.acked and sb.state in LIVE_STATES:
                 sb.acked = True
                 heard.append(sandbox_id)
@@ -943,30 +843,30 @@ class SandboxManager:
     async def update_lifetime(self, sandbox_id: str, fields: dict[str, float | None]) -> SandboxInfo:
         """Change a live sandbox's idle TTL and/or max lifetime (None removes that limit)."""
         sb = self._get(sandbox_id)
-        if sb.state not in ("creating", "running", "paused"):
+        if sb.state not in (CREATING, RUNNING, PAUSED):
             raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}")
         if fields:
             sb.spec = sb.spec.model_copy(update=fields)
             self._touch(sb)  # a new idle TTL counts from now
             await self.state.update(sb.id, spec=sb.spec.model_dump(mode="json"))
-            self._event(sb.id, "lifetime_changed", dict(fields))
+            self.journal.record(sb.id, "lifetime_changed", dict(fields))
         return sb.info()
 
     async def update_lifetimes(self, labels: dict[str, str], fields: dict[str, float | None]) -> builtins.list[str]:
-        ids = [sb.id for sb in self._matching(labels, ("creating", "running", "paused"))]
+        ids = [sb.id for sb in self._matching(labels, (CREATING, RUNNING, PAUSED))]
         for sandbox_id in ids:
             with contextlib.suppress(SandboxError):
                 await self.update_lifetime(sandbox_id, fields)
         return ids
 
-    def list(self, labels: dict[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
+    async def list(self, labels: dict[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
         """Sandboxes with these labels; `state`: one state, "live" (the default: not stopped or
         failed) or "all"."""
         wanted: frozenset[str] | None = LIVE_STATES if state in (None, "live") else None
         if state not in (None, "live", "all"):
             wanted = frozenset({state}) if state is not None else None
         out = []
-        for sb in self.sandboxes.values():
+        for sb in self.table:
             if wanted is not None and sb.state not in wanted:
                 continue
             if labels and any(sb.spec.labels.get(k) != v for k, v in labels.items()):
@@ -975,18 +875,18 @@ class SandboxManager:
         return out
 
     def _on_agent_lost(self, sandbox_id: str) -> None:
-        sb = self.sandboxes.get(sandbox_id)
-        if sb is None or sb.state != "running" or self._tg is None:
+        sb = self.table.find(sandbox_id)
+        if sb is None or sb.state != RUNNING or self._tg is None:
             return
-        self._event(sandbox_id, "agent_lost", {})
+        self.journal.record(sandbox_id, "agent_lost", {})
         self._spawn(self.stop(sandbox_id, reason="sandbox init exited"), name=f"lost-{sandbox_id}")
 
     async def stop(self, sandbox_id: str, reason: str = "user") -> SandboxInfo:
         sb = self._get(sandbox_id)
-        if sb.state == "creating":
+        if sb.state == CREATING:
             # Stopping mid-create would race the backend; let the create settle first.
             await asyncio.shield(sb.created.wait())
-        if sb.state in ("stopped", "failed") and not sb.stop_failed:
+        if sb.state in (STOPPED, FAILED) and not sb.stop_failed:
             return sb.info()
         if sb.stop_task is None or (sb.stop_task.done() and sb.stop_failed):
             sb.stop_task = self._spawn(self._do_stop(sb, reason), name=f"stop-{sandbox_id}")
@@ -997,7 +897,7 @@ class SandboxManager:
         return sb.info()
 
     async def _do_stop(self, sb: Sandbox, reason: str) -> None:
-        sb.state = "stopping"
+        self.table.move(sb, STOPPING)
         if sb.id in self._best_effort_cpu and sb.live is not None:
             # Its final CPU time, so the admission's count of latency-sensitive use does not jump.
             with contextlib.suppress(OSError):
@@ -1006,7 +906,7 @@ class SandboxManager:
         try:
             # Not being able to record it (a full disk) must not keep a sandbox running: a restart
             # finds a row whose agent is gone and cleans up.
-            await self.state.update(sb.id, state="stopping")
+            await self.state.update(sb.id, state=STOPPING)
         except Exception:
             log.warning("sandbox %s: could not record that it is stopping; stopping it anyway", sb.id, exc_info=True)
         try:
@@ -1017,19 +917,16 @@ class SandboxManager:
             # Still holds resources: keep the row `stopping` (a restart retries) and let the reaper
             # retry the stop; the admission budget stays taken until it succeeds.
             log.exception("stopping sandbox %s failed", sb.id)
-            sb.state, sb.stop_failed, sb.stop_reason = "failed", True, f"stop failed: {exc}"[:500]
-            self._event(sb.id, "stop_failed", {"error": str(exc)[:500]})
+            self.table.move(sb, FAILED)
+            sb.stop_failed, sb.stop_reason = True, f"stop failed: {exc}"[:500]
+            self.journal.record(sb.id, "stop_failed", {"error": str(exc)[:500]})
             self.metrics.alive.set(self.running_count())
             return
         sb.stop_failed = False
-        for bp in sb.processes.values():
-            bp.lost = bp.lost or f"sandbox {sb.id} stopped ({reason})"
-            bp.done.set()
-        for session in sb.sessions.values():
-            session.dead = True
-        sb.state, sb.stopped_at, sb.stop_reason = "stopped", time.time(), reason
+        sb.stopped_at, sb.stop_reason = time.time(), reason
+        self.table.move(sb, STOPPED)
         self.admission.release(sb.spec.resources)
-        self._event(sb.id, "stopped", {"reason": reason})
+        self.journal.record(sb.id, "stopped", {"reason": reason})
         self._dirty_activity.pop(sb.id, None)
         try:
             await self._forget(sb)
@@ -1038,17 +935,22 @@ class SandboxManager:
         self.metrics.stopped.labels(reason=reason.split(":")[0][:32]).inc()
         self.metrics.alive.set(self.running_count())
 
+    @staticmethod
+    def _release_execs(sb: Sandbox) -> None:
+        """Stop hook: its background processes and sessions will never answer again."""
+        for bp in sb.processes.values():
+            bp.lost = bp.lost or f"sandbox {sb.id} stopped ({sb.stop_reason})"
+            bp.done.set()
+        for session in sb.sessions.values():
+            session.dead = True
+
     async def stop_many(self, labels: dict[str, str], reason: str = "user") -> builtins.list[str]:
-        ids = [s.id for s in self._matching(labels, ("running", "paused"))]
+        ids = [s.id for s in self._matching(labels, HOLDING_STATES)]
         results = await asyncio.gather(*(self.stop(i, reason) for i in ids), return_exceptions=True)
         return [i for i, r in zip(ids, results, strict=True) if not isinstance(r, BaseException)]
 
-    def _matching(self, labels: dict[str, str], states: tuple[str, ...]) -> builtins.list[Sandbox]:
-        return [
-            sb
-            for sb in self.sandboxes.values()
-            if sb.state in states and all(sb.spec.labels.get(k) == v for k, v in labels.items())
-        ]
+    def _matching(self, labels: dict[str, str], states: Iterable[str]) -> builtins.list[Sandbox]:
+        return self.table.matching(labels, states)
 
     # -- snapshots, restore, fork ------------------------------------------------------------------
 
@@ -1066,9 +968,9 @@ class SandboxManager:
         if self.snapshot_dir is None:
             raise UnavailableError("snapshots are not enabled on this daemon")
         was = self._get(sandbox_id)
-        was_paused, was_held = was.state == "paused", was.held
+        was_paused, was_held = was.state == PAUSED, was.held
         if not temporary:
-            if len(self.list_snapshots(sandbox_id)) >= MAX_SNAPSHOTS_PER_SANDBOX:
+            if len(self._snapshots_of(sandbox_id)) >= MAX_SNAPSHOTS_PER_SANDBOX:
                 raise ResourceExhaustedError(
                     f"sandbox {sandbox_id} has {MAX_SNAPSHOTS_PER_SANDBOX} snapshots already: delete one first"
                 )
@@ -1080,7 +982,7 @@ class SandboxManager:
                 )
         sb, live = await self._ready(sandbox_id)
         async with sb.pause_lock:
-            if sb.state != "running" or sb.live is not live:
+            if sb.state != RUNNING or sb.live is not live:
                 raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
             snapshot_id = "snap-" + secrets.token_hex(8)
             path = self.snapshot_dir / snapshot_id
@@ -1106,14 +1008,14 @@ class SandboxManager:
                 )
                 record = {"info": info.model_dump(mode="json"), "spec": sb.spec.model_dump(mode="json"), "meta": meta}
                 await asyncio.to_thread(_write_json, path / "snapshot.json", record)
-                if sb.state != "running":  # stopped meanwhile (stop does not wait for the pause lock)
+                if sb.state != RUNNING:  # stopped meanwhile (stop does not wait for the pause lock)
                     raise WrongStateError(f"sandbox {sandbox_id} stopped while its snapshot was taken")
             except BaseException:
                 await asyncio.to_thread(shutil.rmtree, path, True)
                 raise
             self.snapshots[snapshot_id] = SnapshotRecord(info, path, sb.spec, meta)
             self._touch(sb)
-            self._event(sb.id, "snapshot", {"snapshot": snapshot_id, "bytes": size, "seconds": info.seconds})
+            self.journal.record(sb.id, "snapshot", {"snapshot": snapshot_id, "bytes": size, "seconds": info.seconds})
             self.metrics.snapshot_seconds.observe(seconds)
         if was_paused:
             with contextlib.suppress(SandboxError):
@@ -1176,10 +1078,15 @@ class SandboxManager:
             raise SnapshotNotFoundError(f"snapshot {shown(snapshot_id)} not found")
         return rec
 
-    def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
         return self._snapshot(snapshot_id).info
 
-    def list_snapshots(
+    async def list_snapshots(
+        self, sandbox_id: str | None = None, labels: dict[str, str] | None = None
+    ) -> builtins.list[SnapshotInfo]:
+        return self._snapshots_of(sandbox_id, labels)
+
+    def _snapshots_of(
         self, sandbox_id: str | None = None, labels: dict[str, str] | None = None
     ) -> builtins.list[SnapshotInfo]:
         return [
@@ -1313,7 +1220,7 @@ class SandboxManager:
                 )
                 if child_key is not None:
                     self._keys[child_key] = (info.id, "")
-                child = self.sandboxes.get(info.id)
+                child = self.table.find(info.id)
                 if child is not None and child.live is not None:
                     self._inherit(child, child.live, inherit)
                 return info
@@ -1360,7 +1267,7 @@ class SandboxManager:
 
     # -- pack: a live sandbox's changes as a new image ----------------------------------------------
 
-    async def pack(self, sandbox_id: str, ref: str, exclude: builtins.list[str]) -> ImageManifest:
+    async def pack(self, sandbox_id: str, ref: str, exclude: builtins.list[str]) -> ImageInfo:
         """A new image: the sandbox's layers plus one new layer holding what it changed.
 
         `exclude`: absolute paths whose changes are dropped (build caches, shell history, answer
@@ -1410,15 +1317,22 @@ class SandboxManager:
                 user=source.user if source else None,
             )
         )
-        self._event(sandbox_id, "packed", {"image": manifest.ref, "layer": layer.digest, "bytes": layer.size})
-        return manifest
+        self.journal.record(sandbox_id, "packed", {"image": manifest.ref, "layer": layer.digest, "bytes": layer.size})
+        return image_info(manifest)
 
-    async def push_image(self, ref: str) -> ImageManifest:
+    async def list_images(self) -> builtins.list[ImageInfo]:
+        return [image_info(m) for m in await asyncio.to_thread(self.store.list_images)]
+
+    async def build_image(self, ref: str) -> ImageInfo:
+        """The image `ref`, built from its built-in recipe if the node does not have it yet."""
+        return image_info(await self.resolve_image(ref))
+
+    async def push_image(self, ref: str) -> ImageInfo:
         """Publish a local image to the shared store as on-demand layers."""
         if self.store.shared is None:
             raise InvalidArgumentError("no shared store is configured (shared_image_dir)")
         try:
-            return await self.store.push(ref)
+            return image_info(await self.store.push(ref))
         except InvalidRefError as exc:
             raise InvalidArgumentError(f"invalid image reference {ref!r}: {exc}") from exc
         except StoreImageNotFound as exc:
@@ -1428,14 +1342,14 @@ class SandboxManager:
         except ImageError as exc:
             raise InternalError(f"pushing {ref} failed: {exc}") from exc
 
-    async def import_image(self, path: str, ref: str | None) -> ImageManifest:
+    async def import_image(self, path: str, ref: str | None) -> ImageInfo:
         """An OCI image (docker save tarball, OCI layout or its tar) on this host, as an image."""
         source = Path(path)
         if not source.is_absolute() or not await asyncio.to_thread(source.exists):
             raise InvalidArgumentError(f"import source {path!r} must be an absolute path that exists on the node")
         try:
             # `within` is checked on the opened file, so a path swapped after any check cannot escape.
-            return await oci.import_image(self.store, source, ref, within=self.import_dirs)
+            return image_info(await oci.import_image(self.store, source, ref, within=self.import_dirs))
         except InvalidRefError as exc:
             raise InvalidArgumentError(f"invalid image reference: {exc}") from exc
         except oci.OciImportError as exc:
@@ -1454,8 +1368,8 @@ class SandboxManager:
     async def gc_images(self, min_age: float = 600.0) -> tuple[builtins.list[str], int]:
         """Delete layers nothing refers to: no image, no sandbox of this daemon, no snapshot."""
         keep: set[str] = set()
-        for sb in self.sandboxes.values():
-            if sb.live is not None and sb.state in ("creating", "running", "paused", "stopping"):
+        for sb in self.table:
+            if sb.live is not None and sb.state in LIVE_STATES:
                 keep.update(str(d) for d in sb.live.runtime.get("layers", []))
         for rec in self.snapshots.values():
             keep.update(str(d) for d in rec.meta.get("layers", []))
@@ -1489,7 +1403,7 @@ class SandboxManager:
     async def usage(self, sandbox_id: str) -> Usage:
         """Current and peak memory, CPU time, tasks and limit hits, from the cgroup (no resume)."""
         sb = self._get(sandbox_id)
-        if sb.live is None or sb.state not in ("running", "paused"):
+        if sb.live is None or sb.state not in HOLDING_STATES:
             raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}")
         st = await asyncio.to_thread(self.backend.stats, sb.live)
         return Usage(
@@ -1505,50 +1419,55 @@ class SandboxManager:
         """Freeze the sandbox and push its memory out (to swap / dropped page cache)."""
         sb = self._get(sandbox_id)
         async with sb.pause_lock:
-            if sb.state == "paused":
+            if sb.state == PAUSED:
                 if not by_policy and not sb.held:
                     sb.held = True
                     await self.state.update(sb.id, held=1)
                 return sb.info()
-            if sb.state != "running" or sb.live is None:
+            if sb.state != RUNNING or sb.live is None:
                 raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
             if _is_busy(sb, time.time()):
                 raise WrongStateError(f"sandbox {sandbox_id} has {sb.inflight} request(s) in flight")
             t0 = time.perf_counter()
             before, after = await self.backend.pause(sb.live)
-            sb.state, sb.held = "paused", not by_policy
-            await self.state.update(sb.id, state="paused", held=int(sb.held))
+            self.table.move(sb, PAUSED)
+            sb.held = not by_policy
+            await self.state.update(sb.id, state=PAUSED, held=int(sb.held))
             seconds = time.perf_counter() - t0
-            self._event(sb.id, "paused", {"memory_before": before, "memory_after": after, "seconds": round(seconds, 4)})
+            self.journal.record(
+                sb.id, "paused", {"memory_before": before, "memory_after": after, "seconds": round(seconds, 4)}
+            )
             self.metrics.paused.inc()
             return sb.info()
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         sb = self._get(sandbox_id)
-        if sb.state == "paused":
+        if sb.state == PAUSED:
             await self._resume(sb, transparent=False)
-        elif sb.state != "running":
+        elif sb.state != RUNNING:
             raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not paused")
         return sb.info()
 
     async def _resume(self, sb: Sandbox, *, transparent: bool) -> None:
         async with sb.pause_lock:
-            if sb.state != "paused" or sb.live is None:
+            if sb.state != PAUSED or sb.live is None:
                 return
             t0 = time.perf_counter()
             await self.backend.resume(sb.live)
-            sb.state, sb.held = "running", False
+            self.table.move(sb, RUNNING)
+            sb.held = False
             self._touch(sb)
-            await self.state.update(sb.id, state="running", held=0)
-            self._event(sb.id, "resumed", {"transparent": transparent, "seconds": round(time.perf_counter() - t0, 4)})
+            await self.state.update(sb.id, state=RUNNING, held=0)
+            seconds = round(time.perf_counter() - t0, 4)
+            self.journal.record(sb.id, "resumed", {"transparent": transparent, "seconds": seconds})
             self.metrics.resumed.labels(transparent=str(transparent).lower()).inc()
 
     async def pause_many(self, labels: dict[str, str], concurrency: int = 16) -> builtins.list[str]:
         """Pause every running sandbox with these labels (busy ones are skipped); the ids paused."""
-        return await self._for_each(self._matching(labels, ("running",)), self.pause, concurrency)
+        return await self._for_each(self._matching(labels, (RUNNING,)), self.pause, concurrency)
 
     async def resume_many(self, labels: dict[str, str], concurrency: int = 16) -> builtins.list[str]:
-        return await self._for_each(self._matching(labels, ("paused",)), self.resume, concurrency)
+        return await self._for_each(self._matching(labels, (PAUSED,)), self.resume, concurrency)
 
     async def _for_each(
         self, sandboxes: builtins.list[Sandbox], op: Callable[[str], Awaitable[SandboxInfo]], concurrency: int
@@ -1587,25 +1506,25 @@ class SandboxManager:
         retry_stops = time.monotonic() - last_retry > 10
         if retry_stops:
             last_retry = time.monotonic()
-        for sb in list(self.sandboxes.values()):
+        for sb in self.table:
             if sb.stop_failed:
                 if retry_stops and sb.stop_task is not None and sb.stop_task.done():
                     self._spawn(self.stop(sb.id, reason="retry"), name=f"retry-stop-{sb.id}")
                 continue
-            if sb.state in ("running", "paused") and not _is_busy(sb, now):
+            if sb.state in HOLDING_STATES and not _is_busy(sb, now):
                 spec = sb.spec
                 idle = now - sb.last_active_at
                 if not sb.acked and now > sb.claim_by:
                     self._spawn(self.stop(sb.id, reason="never claimed"), name=f"unclaimed-{sb.id}")
-                elif spec.idle_ttl is not None and idle > spec.idle_ttl and not (sb.state == "paused" and sb.held):
+                elif spec.idle_ttl is not None and idle > spec.idle_ttl and not (sb.state == PAUSED and sb.held):
                     self._spawn(self.stop(sb.id, reason="idle_ttl"), name=f"ttl-{sb.id}")
                 elif spec.max_lifetime is not None and now - sb.created_at > spec.max_lifetime:
                     self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
-                elif sb.state == "running" and spec.pause_after is not None and idle > spec.pause_after:
+                elif sb.state == RUNNING and spec.pause_after is not None and idle > spec.pause_after:
                     self._spawn(self._auto_pause(sb.id), name=f"pause-{sb.id}")
-            elif sb.state == "running" and spec_expired(sb, now):
+            elif sb.state == RUNNING and spec_expired(sb, now):
                 self._spawn(self.stop(sb.id, reason="max_lifetime"), name=f"ttl-{sb.id}")
-            elif sb.state in ("stopped", "failed") and sb.stopped_at and now - sb.stopped_at > self.stopped_retention:
+            elif sb.state in (STOPPED, FAILED) and sb.stopped_at and now - sb.stopped_at > self.stopped_retention:
                 await self.state.delete([sb.id])
                 self._drop(sb)
         if time.monotonic() - last_flush > ACTIVITY_FLUSH:
@@ -1631,8 +1550,8 @@ class SandboxManager:
         """For the metrics scrape (in a worker thread): every sandbox holding resources, with a reader."""
         return [
             (sb.id, sb.state, sb.spec.qos, functools.partial(self.backend.stats, live))
-            for sb in list(self.sandboxes.values())
-            if (live := sb.live) is not None and sb.state in ("running", "paused")
+            for sb in self.table
+            if (live := sb.live) is not None and sb.state in HOLDING_STATES
         ]
 
     def _observe_cpu(self) -> None:
@@ -1641,8 +1560,8 @@ class SandboxManager:
         stopped had used when last seen)."""
         best_effort = {}
         for sandbox_id in list(self._best_effort_ids):
-            sb = self.sandboxes.get(sandbox_id)
-            if sb is None or sb.live is None or sb.state not in ("running", "paused"):
+            sb = self.table.find(sandbox_id)
+            if sb is None or sb.live is None or sb.state not in HOLDING_STATES:
                 self._best_effort_ids.discard(sandbox_id)
                 continue
             best_effort[sandbox_id] = self.backend.cpu_seconds(sb.live)
@@ -1798,7 +1717,7 @@ class SandboxManager:
     def _unresponsive(self, sb: Sandbox, why: str) -> SandboxError:
         if not sb.unresponsive:
             sb.unresponsive = True
-            self._event(sb.id, "agent_unresponsive", {"reason": why})
+            self.journal.record(sb.id, "agent_unresponsive", {"reason": why})
             self.metrics.agent_unresponsive.inc()
             log.warning("sandbox %s: its agent is not answering (%s)", sb.id, why)
         return UnavailableError(f"sandbox {sb.id} is not answering: {why}; it keeps its TTLs and can be stopped")
@@ -1816,7 +1735,7 @@ class SandboxManager:
             killed = result.signal == signal.SIGKILL or result.exit_code == 128 + signal.SIGKILL
             if new_ooms and killed and not result.timed_out:
                 result = result.model_copy(update={"oom_killed": True})
-        self._event(
+        self.journal.record(
             sb.id,
             "exec",
             {
@@ -1830,13 +1749,13 @@ class SandboxManager:
             },
         )
         if result.truncated:
-            self._event(
+            self.journal.record(
                 sb.id,
                 "output_truncated",
                 {"stdout_bytes": out_bytes, "stderr_bytes": err_bytes, "limit": req.output_limit},
             )
         if result.timed_out:
-            self._event(sb.id, "exec_timeout", {"command": cmd[:1000], "timeout": req.timeout})
+            self.journal.record(sb.id, "exec_timeout", {"command": cmd[:1000], "timeout": req.timeout})
         return result
 
     async def _record_limits(self, sb: Sandbox, live: LiveSandbox) -> int:
@@ -1848,11 +1767,11 @@ class SandboxManager:
             return 0
         new_ooms = max(0, stats.oom_kills - sb.oom_kills)
         if new_ooms:
-            self._event(sb.id, "oom_kill", {"count": new_ooms, "limit": sb.spec.resources.memory})
+            self.journal.record(sb.id, "oom_kill", {"count": new_ooms, "limit": sb.spec.resources.memory})
             self.metrics.oom_kills.inc(new_ooms)
             sb.oom_kills = stats.oom_kills
         if stats.pids_limit_hits > sb.pids_hits:
-            self._event(
+            self.journal.record(
                 sb.id,
                 "pids_limit",
                 {"refused_forks": stats.pids_limit_hits - sb.pids_hits, "limit": sb.spec.resources.pids},
@@ -1966,7 +1885,7 @@ class SandboxManager:
         )
         sb.processes[bp.id] = bp
         self._spawn(self._collect(sb, bp, req), name=f"bg-{sb.id}-{bp.id}")
-        self._event(sb.id, "process_started", {"process_id": bp.id, "command": str(req.command)[:1000]})
+        self.journal.record(sb.id, "process_started", {"process_id": bp.id, "command": str(req.command)[:1000]})
         return self._process_info(bp)
 
     async def _collect(self, sb: Sandbox, bp: BackgroundProcess, req: ExecRequest) -> None:
@@ -2005,7 +1924,7 @@ class SandboxManager:
             why = bp.lost or f"sandbox {sb.id} is {sb.state}"
             raise WrongStateError(f"process {bp.id} ended without an exit status: {why}")
 
-    def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
+    async def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
         return [self._process_info(bp) for bp in self._get(sandbox_id).processes.values()]
 
     async def wait_process(self, sandbox_id: str, process_id: str, timeout: float | None) -> ProcessInfo:
@@ -2021,9 +1940,9 @@ class SandboxManager:
         the answer says what happened, not what was before."""
         sb, bp = self._bg(sandbox_id, process_id)
         if bp.result is None and not bp.done.is_set():
-            if sb.live is None or sb.live.channel.closed or sb.state not in ("running", "paused"):
+            if sb.live is None or sb.live.channel.closed or sb.state not in HOLDING_STATES:
                 raise WrongStateError(f"sandbox {sb.id} is {sb.state}: process {bp.id} is gone with it")
-            if sb.state == "paused":
+            if sb.state == PAUSED:
                 await self._ready(sandbox_id)
             try:
                 async with asyncio.timeout(AGENT_START_TIMEOUT):
@@ -2074,7 +1993,7 @@ class SandboxManager:
             raise InvalidArgumentError(f"cannot start a shell in the sandbox: {exc.message}") from exc
         session = Session("s-" + secrets.token_hex(6), shell, time.time(), process)
         self._add_session(sb, session)
-        self._event(sb.id, "session_created", {"session_id": session.id, "shell": shell})
+        self.journal.record(sb.id, "session_created", {"session_id": session.id, "shell": shell})
         return self._session_info(session)
 
     async def _session_shell(self, live: LiveSandbox) -> tuple[str, bool]:
@@ -2112,7 +2031,7 @@ class SandboxManager:
                     if cur is not None and ev.seq != cur.seq:
                         continue  # the end of a command given up earlier
                     if ev.dropped_before:
-                        self._event(sb.id, "session_output_dropped", {"session_id": session.id,
+                        self.journal.record(sb.id, "session_output_dropped", {"session_id": session.id,
                                                                        "bytes": ev.dropped_before})  # fmt: skip
                     if cur is not None and cur.ended is not None and not cur.ended.done():
                         cur.ended.set_result(ev)
@@ -2136,10 +2055,10 @@ class SandboxManager:
             raise NotFoundError(f"session {shown(session_id)} not found in sandbox {sandbox_id}")
         return sb, session
 
-    def list_sessions(self, sandbox_id: str) -> builtins.list[SessionInfo]:
+    async def list_sessions(self, sandbox_id: str) -> builtins.list[SessionInfo]:
         return [self._session_info(s) for s in self._get(sandbox_id).sessions.values() if not s.dead]
 
-    def get_session(self, sandbox_id: str, session_id: str) -> SessionInfo:
+    async def get_session(self, sandbox_id: str, session_id: str) -> SessionInfo:
         _sb, session = self._session(sandbox_id, session_id)
         if session.dead:
             raise WrongStateError(f"session {session_id} has exited")
@@ -2330,7 +2249,7 @@ class SandboxManager:
         sb.sessions.pop(session_id, None)
         if not session.dead and sb.live is not None and not sb.live.channel.closed:
             await session.process.signal(signal.SIGKILL, SCOPE_TREE)
-        self._event(sb.id, "session_closed", {"session_id": session_id})
+        self.journal.record(sb.id, "session_closed", {"session_id": session_id})
 
     # -- file watches -------------------------------------------------------------------------------
 
@@ -2403,7 +2322,61 @@ class SandboxManager:
         except FileNotFoundError as exc:
             raise UnavailableError(f"sandbox {live.id} is no longer running") from exc
 
-    async def file_op(
+    async def read_file(self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return await self._file_op(sandbox_id, lambda fs: fs.read(path, offset=offset, length=length))
+
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, *, mode: int, user: str | None, append: bool
+    ) -> FileInfo:
+        owner = await self._file_owner(sandbox_id, user)
+
+        def op(fs: SandboxFS) -> FileInfo:
+            fs.write(path, data, mode=mode, uid=owner.uid, gid=owner.gid, append=append)
+            return file_info(fs.stat(path, follow_symlinks=True))
+
+        return await self._file_op(sandbox_id, op, ("file_write", {"path": path, "bytes": len(data)}), mutating=True)
+
+    async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
+        return [file_info(st) for st in await self._file_op(sandbox_id, lambda fs: fs.list(path))]
+
+    async def stat_file(self, sandbox_id: str, path: str, follow_symlinks: bool) -> FileInfo:
+        return file_info(await self._file_op(sandbox_id, lambda fs: fs.stat(path, follow_symlinks=follow_symlinks)))
+
+    async def make_dir(self, sandbox_id: str, path: str, *, parents: bool, mode: int, user: str | None) -> FileInfo:
+        owner = await self._file_owner(sandbox_id, user)
+
+        def op(fs: SandboxFS) -> FileInfo:
+            fs.mkdir(path, parents=parents, mode=mode, uid=owner.uid, gid=owner.gid)
+            return file_info(fs.stat(path))
+
+        return await self._file_op(sandbox_id, op, ("mkdir", {"path": path}), mutating=True)
+
+    async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self._file_op(
+            sandbox_id,
+            lambda fs: fs.remove(path, recursive=recursive),
+            ("file_remove", {"path": path, "recursive": recursive}),
+            mutating=True,
+        )
+
+    async def download_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        limit = self._download_limit(sandbox_id)
+        return await self._file_stream(sandbox_id, lambda fs: fs.iter_tar(path, max_bytes=limit))
+
+    async def upload_limit(self, sandbox_id: str) -> int:
+        """The largest tar an upload may send: the sandbox's writable layer, plus the tar's headers."""
+        disk = self._get(sandbox_id).spec.resources.disk
+        return disk + disk // 8 + 1024**2
+
+    async def upload_tar(self, sandbox_id: str, path: str, tar: BinaryIO, size: int, user: str | None) -> None:
+        owner = await self._file_owner(sandbox_id, user)
+
+        def op(fs: SandboxFS) -> None:
+            fs.upload_tar(path, tar, uid=owner.uid, gid=owner.gid)
+
+        await self._file_op(sandbox_id, op, ("upload", {"path": path, "bytes": size}), mutating=True)
+
+    async def _file_op(
         self,
         sandbox_id: str,
         op: Callable[[SandboxFS], T],
@@ -2415,17 +2388,14 @@ class SandboxManager:
         self._touch(sb)
         result = await self._fs(live, op, cwd=sb.spec.workdir, mutating=mutating)
         if event is not None:
-            self._event(sb.id, event[0], event[1])
+            self.journal.record(sb.id, event[0], event[1])
         return result
 
-    async def file_owner(self, sandbox_id: str, user: str | None) -> User:
+    async def _file_owner(self, sandbox_id: str, user: str | None) -> User:
         sb, live = await self._ready(sandbox_id)
         return await self._user(sb, live, user or sb.spec.user)
 
-    def disk_limit(self, sandbox_id: str) -> int:
-        return self._get(sandbox_id).spec.resources.disk
-
-    def download_limit(self, sandbox_id: str) -> int:
+    def _download_limit(self, sandbox_id: str) -> int:
         """The most a download of the sandbox's tree can carry: what its writable layer holds at
         most plus what its read-only layers hold (by their files' sizes)."""
         sb = self._get(sandbox_id)
@@ -2437,7 +2407,7 @@ class SandboxManager:
                 total += 4 * (ref.size + (ref.blob_size or 0))  # EROFS compresses (lz4hc: ~2x, be generous)
         return total
 
-    async def file_stream(
+    async def _file_stream(
         self, sandbox_id: str, produce: Callable[[SandboxFS], Iterator[bytes]]
     ) -> AsyncGenerator[bytes, None]:
         """Chunks `produce` makes from the sandbox's tree in a worker thread, a few at a time (the
@@ -2560,6 +2530,17 @@ def _is_busy(sb: Sandbox, now: float) -> bool:
 
 def spec_expired(sb: Sandbox, now: float) -> bool:
     return sb.spec.max_lifetime is not None and now - sb.created_at > sb.spec.max_lifetime
+
+
+def image_info(m: ImageManifest) -> ImageInfo:
+    return ImageInfo(
+        name=m.name,
+        tag=m.tag,
+        layers=[x.digest for x in m.layers],
+        size=sum(x.size + (x.blob_size or 0) for x in m.layers),
+        created=m.created,
+        on_demand=any(x.blob is not None for x in m.layers),
+    )
 
 
 def file_info(st: FileStat) -> FileInfo:

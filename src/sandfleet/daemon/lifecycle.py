@@ -1,0 +1,266 @@
+"""The bottom of the node service: the sandbox table, its state machine, and the event journal.
+
+Every other part of the service (create, exec, sessions, files, pause, snapshots, the reaper) reads
+sandboxes from the table and changes their state only through `SandboxTable.move`, which checks the
+transition against `TRANSITIONS`: a call that finds a sandbox in the wrong state gets a typed
+`WrongStateError`, never a silently corrupted state. The per-state counts live in the table (one per
+service instance): admission reads them on every create, and counting 5,000 entries each time shows.
+
+Parts of the service that keep per-sandbox resources register a stop hook (`on_stopped`) instead of
+the stop path calling up into them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+from sandfleet.backends.base import LiveSandbox
+from sandfleet.daemon.state import StateStore
+from sandfleet.errors import SandboxNotFoundError, WrongStateError
+from sandfleet.models import ExecResult, SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
+from sandfleet.runtime.agent import CommandExit, ExecProcess, OutputChunk
+
+log = logging.getLogger("sandfleet.daemon")
+
+CREATING: Final = "creating"
+RUNNING: Final = "running"
+PAUSED: Final = "paused"
+STOPPING: Final = "stopping"
+STOPPED: Final = "stopped"
+FAILED: Final = "failed"
+
+# Which state may follow which. A sandbox enters the table in the state it starts in: `creating`
+# (a create or restore), `running` (a warm pool member handed out, one adopted after a restart), or
+# a terminal one (a row a restart found dead).
+TRANSITIONS: Final[Mapping[str, frozenset[str]]] = {
+    CREATING: frozenset({RUNNING, FAILED}),
+    RUNNING: frozenset({PAUSED, STOPPING}),
+    PAUSED: frozenset({RUNNING, STOPPING}),
+    STOPPING: frozenset({STOPPED, FAILED}),
+    FAILED: frozenset({STOPPING}),  # a stop that failed is retried
+    STOPPED: frozenset(),
+}
+LIVE_STATES: Final = frozenset({CREATING, RUNNING, PAUSED, STOPPING})
+HOLDING_STATES: Final = frozenset({RUNNING, PAUSED})  # hold node resources and can take requests
+
+
+def new_sandbox_id() -> str:
+    return "sb-" + secrets.token_hex(8)
+
+
+@dataclass
+class User:
+    uid: int
+    gid: int
+    home: str
+
+
+@dataclass
+class BackgroundProcess:
+    id: str
+    command: str | list[str]
+    started_at: float
+    process: ExecProcess
+    encoding: str = "utf-8"
+    limit: int = 1024**2
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    result: ExecResult | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    lost: str | None = None  # why it will never finish (its sandbox stopped, the agent went away)
+
+
+@dataclass
+class CommandRun:
+    """One command of a session, while it runs: its output (the agent caps it) and its end."""
+
+    limit: int
+    encoding: str
+    out: bytearray = field(default_factory=bytearray)
+    err: bytearray = field(default_factory=bytearray)
+    ended: asyncio.Future[CommandExit] | None = None
+    stream: asyncio.Queue[OutputChunk | CommandExit | None] | None = None
+    stdin_open: bool = False
+    seq: int = 0  # echoed by the agent's SEXIT: a late report of an abandoned command is not ours
+
+
+@dataclass
+class Session:
+    """A shell whose commands the agent frames: the shell reports each status through a socket
+    only it can write (checked by the kernel's credentials), never through its output streams."""
+
+    id: str
+    shell: str
+    created_at: float
+    process: ExecProcess
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    current: CommandRun | None = None
+    dead: bool = False
+    next_seq: int = 0
+
+
+@dataclass(eq=False)
+class Sandbox:
+    """One sandbox as the service tracks it. Its state is read-only here: `SandboxTable.move`
+    changes it."""
+
+    id: str
+    spec: SandboxSpec
+    _state: str
+    created_at: float
+    last_active_at: float
+    live: LiveSandbox | None = None
+    stopped_at: float | None = None
+    stop_reason: str | None = None
+    users: dict[str, User] = field(default_factory=lambda: {"root": User(0, 0, "/root")})
+    sessions: dict[str, Session] = field(default_factory=dict)
+    processes: dict[str, BackgroundProcess] = field(default_factory=dict)
+    inflight: int = 0
+    busy_until: float = 0.0  # the latest deadline (wall clock) of the requests in flight
+    unresponsive: bool = False  # its agent stopped answering (reported once)
+    stop_task: asyncio.Task[None] | None = None
+    stop_failed: bool = False
+    created: asyncio.Event = field(default_factory=asyncio.Event)
+    oom_kills: int = 0
+    pids_hits: int = 0
+    pause_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Paused on request (not by the idle policy): kept past its idle TTL, e.g. while its trainer is
+    # preempted; max_lifetime still applies.
+    held: bool = False
+    idempotency_key: str | None = None
+    acked: bool = True  # False until the create's answer went out (or someone named it)
+    claim_by: float = math.inf  # an unacked sandbox is stopped past this (wall clock)
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def labelled(self, labels: Mapping[str, str]) -> bool:
+        return all(self.spec.labels.get(k) == v for k, v in labels.items())
+
+    def info(self) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id,
+            state=cast(SandboxState, self._state),
+            spec=self.spec,
+            created_at=self.created_at,
+            last_active_at=self.last_active_at,
+            stopped_at=self.stopped_at,
+            stop_reason=self.stop_reason,
+        )
+
+
+class SandboxTable:
+    """The sandboxes a service instance knows, by id, with how many are in each state."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Sandbox] = {}
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._stopped_hooks: list[Callable[[Sandbox], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Sandbox]:
+        """A snapshot of the table: callers may add and drop while iterating."""
+        return iter(list(self._by_id.values()))
+
+    def find(self, sandbox_id: str) -> Sandbox | None:
+        return self._by_id.get(sandbox_id)
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        sb = self._by_id.get(sandbox_id)
+        if sb is None:
+            raise SandboxNotFoundError(f"sandbox {sandbox_id} not found")
+        return sb
+
+    def add(self, sb: Sandbox) -> None:
+        if sb.id in self._by_id:
+            raise ValueError(f"sandbox {sb.id} is already in the table")
+        if sb.state not in TRANSITIONS:
+            raise ValueError(f"sandbox {sb.id}: unknown state {sb.state!r}")
+        self._by_id[sb.id] = sb
+        self._counts[sb.state] += 1
+
+    def discard(self, sb: Sandbox) -> bool:
+        """Out of the table (and the counts); whether it was there."""
+        if self._by_id.get(sb.id) is not sb:
+            return False
+        del self._by_id[sb.id]
+        self._counts[sb.state] -= 1
+        return True
+
+    def count(self, *states: str) -> int:
+        return sum(self._counts[s] for s in states)
+
+    def move(self, sb: Sandbox, new: str) -> None:
+        """Change a sandbox's state along `TRANSITIONS`; anything else is a `WrongStateError`
+        (another request changed it first: a stop during a pause, say)."""
+        old = sb.state
+        if new not in TRANSITIONS[old]:
+            raise WrongStateError(f"sandbox {sb.id} is {old}: it cannot become {new}")
+        sb._state = new
+        if self._by_id.get(sb.id) is sb:
+            self._counts[old] -= 1
+            self._counts[new] += 1
+        if new == STOPPED:
+            for hook in self._stopped_hooks:
+                hook(sb)
+
+    @staticmethod
+    def require(sb: Sandbox, states: Iterable[str], doing: str) -> None:
+        """A call that needs the sandbox in one of `states`, or a `WrongStateError` naming them."""
+        wanted = tuple(states)
+        if sb.state not in wanted:
+            raise WrongStateError(f"sandbox {sb.id} is {sb.state}: {doing} needs it {' or '.join(wanted)}")
+
+    def on_stopped(self, hook: Callable[[Sandbox], None]) -> None:
+        """Call `hook(sandbox)` whenever a sandbox has stopped (its backend released it)."""
+        self._stopped_hooks.append(hook)
+
+    def matching(self, labels: Mapping[str, str], states: Iterable[str]) -> list[Sandbox]:
+        wanted = frozenset(states)
+        return [sb for sb in self._by_id.values() if sb.state in wanted and sb.labelled(labels)]
+
+
+class EventJournal:
+    """Sandbox events, buffered in memory and written to the state store in batches (every 0.2 s,
+    and before anything reads them)."""
+
+    FLUSH_INTERVAL = 0.2
+
+    def __init__(self, state: StateStore) -> None:
+        self._state = state
+        self._pending: list[tuple[str, float, str, dict[str, Any]]] = []
+
+    def record(self, sandbox_id: str, kind: str, data: dict[str, Any] | None = None) -> None:
+        self._pending.append((sandbox_id, time.time(), kind, data or {}))
+
+    async def flush(self) -> None:
+        batch, self._pending = self._pending, []
+        try:
+            await self._state.add_events(batch)
+        except BaseException:
+            self._pending[:0] = batch  # keep them for the next flush
+            raise
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.FLUSH_INTERVAL)
+            try:
+                await self.flush()
+            except Exception:
+                log.exception("writing events failed; they stay queued for the next flush")
+
+    async def read(self, sandbox_id: str, after: int, limit: int) -> list[SandboxEvent]:
+        await self.flush()
+        rows = await self._state.events(sandbox_id, after, limit)
+        return [SandboxEvent.model_validate(r) for r in rows]

@@ -1,0 +1,192 @@
+"""`SandboxService`: what the HTTP API serves, as one protocol.
+
+The routes (daemon/app.py) are written against this protocol only, never against the node's
+service or a backend: the node's `SandboxManager` implements it, and the cluster gateway will
+implement the same one, so the routes, the OpenAPI document and the SDK stay one. Every method is
+async (a gateway's answers come over the network), takes and returns wire models (sandfleet.models)
+or plain values, and raises only `SandboxError`s. Streams come back as `EventStream`s, which the
+route closes exactly once, also when its client left before the first byte.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator
+from typing import BinaryIO, Protocol, TypeVar
+
+from sandfleet.errors import SandboxError
+from sandfleet.models import (
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEvent,
+    FileInfo,
+    Health,
+    ImageInfo,
+    ProcessInfo,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SessionInfo,
+    SessionRunRequest,
+    SnapshotInfo,
+    Usage,
+)
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class EventStream(Protocol[T_co]):
+    """Events of a stream the service started; `aclose` releases what it holds (idempotent)."""
+
+    def __aiter__(self) -> EventStream[T_co]: ...
+
+    async def __anext__(self) -> T_co: ...
+
+    async def aclose(self) -> None: ...
+
+
+class SandboxService(Protocol):
+    # -- node ------------------------------------------------------------------------------------
+    async def health(self) -> Health: ...
+
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """The Prometheus exposition and its content type."""
+        ...
+
+    # -- sandboxes -------------------------------------------------------------------------------
+    async def create(self, spec: SandboxSpec, *, idempotency_key: str | None = None) -> SandboxInfo: ...
+
+    async def create_batch(
+        self,
+        specs: builtins.list[SandboxSpec],
+        concurrency: int,
+        idempotency_keys: builtins.list[str | None] | None = None,
+    ) -> builtins.list[SandboxInfo | SandboxError]: ...
+
+    async def ack(self, sandbox_ids: builtins.list[str]) -> None:
+        """The answer naming these sandboxes went out to the client."""
+        ...
+
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def list(
+        self, labels: dict[str, str] | None = None, state: str | None = None
+    ) -> builtins.list[SandboxInfo]: ...
+
+    async def update_lifetime(self, sandbox_id: str, fields: dict[str, float | None]) -> SandboxInfo: ...
+
+    async def update_lifetimes(self, labels: dict[str, str], fields: dict[str, float | None]) -> builtins.list[str]: ...
+
+    async def stop(self, sandbox_id: str, reason: str = "user") -> SandboxInfo: ...
+
+    async def stop_many(self, labels: dict[str, str], reason: str = "user") -> builtins.list[str]: ...
+
+    async def events(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> builtins.list[SandboxEvent]: ...
+
+    async def usage(self, sandbox_id: str) -> Usage: ...
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def pause_many(self, labels: dict[str, str]) -> builtins.list[str]: ...
+
+    async def resume_many(self, labels: dict[str, str]) -> builtins.list[str]: ...
+
+    # -- snapshots, fork, pack -------------------------------------------------------------------
+    async def snapshot(
+        self, sandbox_id: str, *, ttl: float | None = None, labels: dict[str, str] | None = None
+    ) -> SnapshotInfo: ...
+
+    async def fork(
+        self, sandbox_id: str, count: int, labels: dict[str, str] | None = None, *, idempotency_key: str | None = None
+    ) -> builtins.list[SandboxInfo | SandboxError]: ...
+
+    async def restore(
+        self, snapshot_id: str, count: int, labels: dict[str, str] | None = None, *, idempotency_key: str | None = None
+    ) -> builtins.list[SandboxInfo | SandboxError]: ...
+
+    async def list_snapshots(
+        self, sandbox_id: str | None = None, labels: dict[str, str] | None = None
+    ) -> builtins.list[SnapshotInfo]: ...
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo: ...
+
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
+
+    async def pack(self, sandbox_id: str, ref: str, exclude: builtins.list[str]) -> ImageInfo: ...
+
+    # -- exec and background processes ------------------------------------------------------------
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
+
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> EventStream[ExecEvent]: ...
+
+    async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo: ...
+
+    async def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]: ...
+
+    async def wait_process(self, sandbox_id: str, process_id: str, timeout: float | None) -> ProcessInfo: ...
+
+    async def kill_process(self, sandbox_id: str, process_id: str, signo: int = 9) -> ProcessInfo: ...
+
+    async def write_process_stdin(self, sandbox_id: str, process_id: str, data: bytes, close: bool) -> None: ...
+
+    # -- sessions --------------------------------------------------------------------------------
+    async def create_session(
+        self, sandbox_id: str, env: dict[str, str], cwd: str | None, user: str | None
+    ) -> SessionInfo: ...
+
+    async def list_sessions(self, sandbox_id: str) -> builtins.list[SessionInfo]: ...
+
+    async def get_session(self, sandbox_id: str, session_id: str) -> SessionInfo: ...
+
+    async def session_run(self, sandbox_id: str, session_id: str, req: SessionRunRequest) -> ExecResult: ...
+
+    async def session_run_stream(
+        self, sandbox_id: str, session_id: str, req: SessionRunRequest
+    ) -> EventStream[ExecEvent]: ...
+
+    async def write_session_stdin(self, sandbox_id: str, session_id: str, data: bytes, close: bool) -> None: ...
+
+    async def close_session(self, sandbox_id: str, session_id: str) -> None: ...
+
+    # -- files -----------------------------------------------------------------------------------
+    async def read_file(self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None) -> bytes: ...
+
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, *, mode: int, user: str | None, append: bool
+    ) -> FileInfo: ...
+
+    async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]: ...
+
+    async def stat_file(self, sandbox_id: str, path: str, follow_symlinks: bool) -> FileInfo: ...
+
+    async def make_dir(self, sandbox_id: str, path: str, *, parents: bool, mode: int, user: str | None) -> FileInfo: ...
+
+    async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
+
+    async def download_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """A tar of `path`, streamed; an error before the first chunk is raised here."""
+        ...
+
+    async def upload_limit(self, sandbox_id: str) -> int:
+        """The most bytes a tar upload into the sandbox may carry."""
+        ...
+
+    async def upload_tar(self, sandbox_id: str, path: str, tar: BinaryIO, size: int, user: str | None) -> None: ...
+
+    async def watch(self, sandbox_id: str, path: str, recursive: bool) -> EventStream[FileEvent]: ...
+
+    # -- images ----------------------------------------------------------------------------------
+    async def list_images(self) -> builtins.list[ImageInfo]: ...
+
+    async def build_image(self, ref: str) -> ImageInfo: ...
+
+    async def delete_image(self, ref: str) -> None: ...
+
+    async def gc_images(self, min_age: float = 600.0) -> tuple[builtins.list[str], int]: ...
+
+    async def push_image(self, ref: str) -> ImageInfo: ...
+
+    async def import_image(self, path: str, ref: str | None) -> ImageInfo: ...
