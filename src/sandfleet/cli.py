@@ -536,11 +536,22 @@ def images_build(
 @app.command()
 def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = None) -> None:
     """Check this host for what sandfleet needs; say how to fix what is missing."""
-    from sandfleet.runtime.doctor import run_checks
+    from sandfleet.runtime.doctor import Check, run_checks
+
+    def daemon_check() -> Check:
+        sock = socket or Path("/run/sandfleet/sandfleet.sock")
+        if not sock.exists():
+            return Check("daemon", "warn", f"not running ({sock} missing): sandfleet serve")
+        try:
+            with Client(sock) as c:
+                h = c.health()
+        except SandboxError as exc:
+            return Check("daemon", "warn", f"{sock} exists but does not answer: {exc.message}")
+        return Check("daemon", "ok", f"{sock}: {h.get('sandboxes_running')} sandboxes running")
 
     table = Table("CHECK", "STATUS", "DETAIL / FIX")
     failed = 0
-    for check in run_checks(state_dir=state_dir, socket=socket):
+    for check in [*run_checks(state_dir=state_dir), daemon_check()]:
         status = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}[check.status]
         failed += check.status == "fail"
         table.add_row(check.name, status, check.detail)

@@ -38,7 +38,8 @@ def _version(cmd: list[str]) -> str:
     return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else ""
 
 
-def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check]:
+def run_checks(*, state_dir: Path) -> Iterator[Check]:
+    """The host's checks (the daemon's own is the CLI's: the runtime layer does not speak the API)."""
     yield Check(
         "root",
         "ok" if os.geteuid() == 0 else "fail",
@@ -143,16 +144,3 @@ def run_checks(*, state_dir: Path, socket: Path | None = None) -> Iterator[Check
         )
     except OSError as exc:
         yield Check("disk", "warn", f"cannot stat {target}: {exc}")
-    sock = socket or Path("/run/sandfleet/sandfleet.sock")
-    if sock.exists():
-        from sandfleet.client import Client
-        from sandfleet.errors import SandboxError
-
-        try:
-            with Client(sock) as c:
-                h = c.health()
-            yield Check("daemon", "ok", f"{sock}: {h.get('sandboxes_running')} sandboxes running")
-        except SandboxError as exc:
-            yield Check("daemon", "warn", f"{sock} exists but does not answer: {exc.message}")
-    else:
-        yield Check("daemon", "warn", f"not running ({sock} missing): sandfleet serve")

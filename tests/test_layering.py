@@ -1,0 +1,163 @@
+"""The package's import graph: no cycles, and the layering rules of docs/architecture.md.
+
+Read from the source with `ast` (nothing is imported). Only imports that run count: those under
+`if TYPE_CHECKING:` are annotations, not dependencies. A function-level import counts like any other.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PKG = "sandfleet"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in (SRC / PKG).rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node except what sits under `if TYPE_CHECKING:`."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The package's modules `name` imports (a module, or a name from a module: whichever exists)."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_pkg else name.split(".")[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        for target in targets:
+            # `import a.b.c` depends on a.b.c; the longest prefix that is a module of ours
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                out.add(target)
+    return out
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _in(module: str, *areas: str) -> bool:
+    """`module` is one of `areas` or inside one (the bare package name means its __init__ only)."""
+    return any(module == a or (a != PKG and module.startswith(a + ".")) for a in areas)
+
+
+def test_no_import_cycles() -> None:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+# (what, the modules it covers, what they may import of the package): see docs/architecture.md.
+SDK = ("sandfleet.client", "sandfleet.models", "sandfleet.errors")
+RULES = [
+    ("the SDK needs only pydantic and httpx", (*SDK, "sandfleet"), SDK),
+    ("runtime: kernel mechanisms, no API", ("sandfleet.runtime",), ("sandfleet.runtime", "sandfleet.errors")),
+    (
+        "images never use the SDK or the daemon",
+        ("sandfleet.images",),
+        ("sandfleet.images", "sandfleet.errors", "sandfleet.models"),
+    ),
+    (
+        "backends sit under the service",
+        ("sandfleet.backends",),
+        ("sandfleet.backends", "sandfleet.runtime", "sandfleet.images", "sandfleet.errors", "sandfleet.models"),
+    ),
+    (
+        "the routes see the service protocol, never a backend or the runtime",
+        ("sandfleet.daemon.app", "sandfleet.daemon.protocol"),
+        (
+            "sandfleet",
+            "sandfleet.daemon.protocol",
+            "sandfleet.daemon.metrics",
+            "sandfleet.daemon.state",
+            *SDK,
+        ),
+    ),
+    (
+        "the sandbox table is the bottom of the service",
+        ("sandfleet.daemon.lifecycle",),
+        ("sandfleet.daemon.state", "sandfleet.backends.base", "sandfleet.runtime.agent", *SDK),
+    ),
+]
+
+
+@pytest.mark.parametrize(("rule", "covers", "allowed"), RULES, ids=[r[0] for r in RULES])
+def test_layering(rule: str, covers: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    bad = sorted(
+        f"{mod} -> {dep}" for mod, deps in GRAPH.items() if _in(mod, *covers) for dep in deps if not _in(dep, *allowed)
+    )
+    assert not bad, f"{rule}: {bad}"
+
+
+def test_nothing_imports_the_command_line() -> None:
+    bad = sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in GRAPH.items()
+        for dep in deps
+        if _in(dep, "sandfleet.cli", "sandfleet.demo") and mod not in ("sandfleet.__main__", "sandfleet.cli")
+    )
+    assert not bad, bad
+
+
+def test_the_graph_is_read() -> None:
+    """The scan sees real edges (a rule checked against an empty graph would pass for nothing)."""
+    assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.app"]
+    assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.service"]
+    assert "sandfleet.runtime.files" in GRAPH["sandfleet.daemon.service"]
+    assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe"]  # under TYPE_CHECKING only
