@@ -7,58 +7,34 @@ import posixpath
 import re
 from typing import Annotated, Any, Literal
 
+import pydantic
 from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
+    ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "ki": 1024,
-    "kib": 1024,
-    "mi": 1024**2,
-    "mib": 1024**2,
-    "gi": 1024**3,
-    "gib": 1024**3,
-    "ti": 1024**4,
-    "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_BYTES = TypeAdapter(pydantic.ByteSize)  # "512MiB", "1 GB", "4k", 4096: decimal and binary units
 
 
 def parse_size(value: object) -> int:
-    """Parse `"1GiB"`, `"512M"`, `4096` into bytes."""
+    """Bytes from `"1GiB"`, `"512M"` or `4096` (pydantic's ByteSize parses the strings); a bool
+    or a negative number is refused rather than read as 1, 0 or a huge size."""
     if isinstance(value, bool):
         raise ValueError("size must be a number of bytes or a string like '1GiB'")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, float):
-        size = int(value)
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot parse size {value!r} (use e.g. '512MiB', '1GiB', 1048576)")
-        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
-        raise ValueError(f"cannot parse size {value!r}")
-    if size < 0:
+    if isinstance(value, int | float) and value < 0:
         raise ValueError("size must not be negative")
-    return size
+    try:
+        return int(_BYTES.validate_python(value))
+    except ValidationError:
+        raise ValueError(f"cannot parse size {str(value)[:40]!r} (use e.g. '512MiB', '1GiB', 1048576)") from None
 
 
 MAX_BYTES = 2**40  # 1 TiB: far above any node, far below what overflows a kernel interface
