@@ -145,6 +145,39 @@ def test_layering(rule: str, covers: tuple[str, ...], allowed: tuple[str, ...]) 
     assert not bad, f"{rule}: {bad}"
 
 
+# The node service's concerns, bottom to top: each imports only those before it (docs/architecture.md).
+SERVICE_ORDER = [
+    "lifecycle",
+    "core",
+    "pausing",
+    "images",
+    "files",
+    "execs",
+    "sessions",
+    "creation",
+    "snapshots",
+    "reaper",
+    "recovery",
+    "service",
+]
+
+
+def test_the_service_concerns_call_down_only() -> None:
+    rank = {f"sandfleet.daemon.{m}": i for i, m in enumerate(SERVICE_ORDER)}
+    bad = sorted(f"{mod} -> {dep}" for mod, i in rank.items() for dep in GRAPH[mod] if dep in rank and rank[dep] >= i)
+    assert not bad, f"a concern imports one at or above its level: {bad}"
+    assert GRAPH["sandfleet.daemon.service"] >= {d for d in rank if d != "sandfleet.daemon.service"} - {
+        "sandfleet.daemon.lifecycle"
+    }
+
+
+def test_no_service_module_is_over_600_lines() -> None:
+    long = {
+        m: n for m in SERVICE_ORDER if (n := len((SRC / PKG / "daemon" / f"{m}.py").read_text().splitlines())) > 600
+    }
+    assert not long, long
+
+
 def test_nothing_imports_the_command_line() -> None:
     bad = sorted(
         f"{mod} -> {dep}"
@@ -158,6 +191,6 @@ def test_nothing_imports_the_command_line() -> None:
 def test_the_graph_is_read() -> None:
     """The scan sees real edges (a rule checked against an empty graph would pass for nothing)."""
     assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.app"]
-    assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.service"]
-    assert "sandfleet.runtime.files" in GRAPH["sandfleet.daemon.service"]
+    assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.core"]
+    assert "sandfleet.runtime.files" in GRAPH["sandfleet.daemon.files"]
     assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe"]  # under TYPE_CHECKING only

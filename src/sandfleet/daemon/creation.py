@@ -1,0 +1,230 @@
+"""Creating sandboxes: admission, a warm-pool hand-out or a cold create, batches, idempotency keys.
+
+A create takes its admission budget first, resolves the image (building a built-in one if allowed),
+applies the image's defaults, records the sandbox `creating`, lets the backend start it, and moves it
+to `running` once its agent said hello; a failure anywhere hands the budget back and leaves a
+`failed` record. With an idempotency key, a retried create (after a timeout, a broken connection or
+a daemon restart) gets the sandbox the first one made. Restores (snapshots.py) start through
+`start_admitted` too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sandfleet.backends.base import LiveSandbox
+from sandfleet.daemon import failpoints
+from sandfleet.daemon.core import CLAIM_WINDOW, NodeCore, log, store_row
+from sandfleet.daemon.files import Files
+from sandfleet.daemon.images import Images
+from sandfleet.daemon.lifecycle import CREATING, FAILED, RUNNING, Sandbox, new_sandbox_id
+from sandfleet.daemon.pool import pool_key
+from sandfleet.daemon.state import StateConflictError, StateDiskFullError
+from sandfleet.errors import InternalError, InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
+from sandfleet.models import SandboxInfo, SandboxSpec, shown
+
+
+class Creation:
+    def __init__(self, core: NodeCore, images: Images, files: Files) -> None:
+        self.core = core
+        self.images = images
+        self.files = files
+
+    async def create_batch(
+        self,
+        specs: list[SandboxSpec],
+        concurrency: int,
+        idempotency_keys: builtins.list[str | None] | None = None,
+    ) -> list[SandboxInfo | SandboxError]:
+        """Create each spec, `concurrency` at a time; each item succeeds or fails on its own."""
+        limit = asyncio.Semaphore(concurrency)
+        keys = idempotency_keys or [None] * len(specs)
+
+        async def one(spec: SandboxSpec, key: str | None) -> SandboxInfo | SandboxError:
+            async with limit:
+                try:
+                    return await self.create(spec, idempotency_key=key)
+                except SandboxError as exc:
+                    return exc
+                except StateDiskFullError as exc:
+                    return ResourceExhaustedError(f"the node's state disk is full: {exc}"[:300])
+                except Exception as exc:  # noqa: BLE001 (one item's bug must not fail its siblings)
+                    log.exception("create in a batch failed")
+                    return InternalError(f"create failed: {exc}")
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(spec, key)) for spec, key in zip(specs, keys, strict=True)]
+        return [t.result() for t in tasks]
+
+    async def claimed(self, key: str, fingerprint: str) -> SandboxInfo | None:
+        """What an idempotency key already made (waiting for a create with it still running)."""
+        while True:
+            entry = self.core.keys.get(key)
+            if entry is None:
+                return None
+            made, seen = entry
+            if seen != fingerprint and seen != "":
+                raise InvalidArgumentError(f"idempotency key {shown(key)} was used for another request")
+            if isinstance(made, asyncio.Future):
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(made)
+                continue  # settled: look again (a failed create frees its key)
+            sb = self.core.table.find(made)
+            if sb is None:  # forgotten since (stopped and past retention): the key is free again
+                self.core.keys.pop(key, None)
+                return None
+            if sb.state == CREATING:
+                await asyncio.shield(sb.created.wait())
+            self.core.ack_one(sb)
+            return sb.info()
+
+    async def create(self, spec: SandboxSpec, *, idempotency_key: str | None = None) -> SandboxInfo:
+        """Create a sandbox. With an idempotency key, a create retried after a timeout, a broken
+        connection or a daemon crash returns the sandbox the first one made."""
+        if idempotency_key is None:
+            info = await self._create(spec, None)
+            failpoints.hit("create_before_answer")
+            return info
+        fingerprint = spec.model_dump_json(exclude_unset=True)
+        existing = await self.claimed(idempotency_key, fingerprint)
+        if existing is not None:
+            return existing
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.core.keys[idempotency_key] = (fut, fingerprint)
+        try:
+            info = await self._create(spec, idempotency_key)
+        except BaseException as exc:
+            self.core.keys.pop(idempotency_key, None)
+            fut.set_exception(exc if isinstance(exc, Exception) else InternalError("create cancelled"))
+            fut.exception()  # retrieved: waiters look again
+            raise
+        self.core.keys[idempotency_key] = (info.id, fingerprint)
+        fut.set_result(info.id)
+        failpoints.hit("create_before_answer")
+        return info
+
+    async def _create(self, spec: SandboxSpec, key: str | None) -> SandboxInfo:
+        self.check_backend(spec)
+        if self.core.pools is not None:
+            pkey = pool_key(spec)
+            pooled = self.core.pools.image(pkey)  # what the pool's members were made from
+            # Before taking a member: a spec the image's defaults make invalid must not cost one.
+            effective = self.images.with_image_defaults(spec, pooled) if pooled is not None else spec
+            live = self.core.pools.take(pkey)
+            if live is not None:
+                return await self._hand_out(effective, live, key)
+        self.admit(spec)
+        try:
+            image = await self.images.resolve_environment(spec)
+            spec = self.images.with_image_defaults(spec, image)
+        except BaseException:
+            self.core.creating -= 1
+            self.core.admission.release(spec.resources)
+            raise
+        created = {"image": spec.environment(), "layers": [x.digest for x in image.layers]}
+        return await self.start_admitted(spec, lambda sid: self.core.backend.create(sid, spec, image), created, key)
+
+    def check_backend(self, spec: SandboxSpec) -> None:
+        if self.core.shutting_down:
+            raise UnavailableError("daemon is shutting down")
+        if spec.backend != self.core.backend.name:
+            raise InvalidArgumentError(
+                f"backend {spec.backend!r} is not available on this node (available: {self.core.backend.name!r})"
+            )
+
+    def admit(self, spec: SandboxSpec) -> None:
+        """Take the spec's admission budget (or raise ResourceExhaustedError); counts as creating."""
+        try:
+            self.core.admission.admit(self.core.node_count(), spec.resources)
+        except ResourceExhaustedError:
+            self.core.metrics.rejected.inc()
+            raise
+        self.core.admission.commit(spec.resources)
+        self.core.creating += 1
+
+    async def start_admitted(
+        self,
+        spec: SandboxSpec,
+        start: Callable[[str], Awaitable[LiveSandbox]],
+        created: dict[str, Any],
+        key: str | None = None,
+    ) -> SandboxInfo:
+        """Record a new sandbox, start it with `start(id)` (a create or a restore), make it running."""
+        # Until the backend holds the resources, a failure must hand the admission budget back.
+        holds_budget = True
+        t0 = time.perf_counter()
+        try:
+            sandbox_id = new_sandbox_id()
+            now = time.time()
+            sb = Sandbox(sandbox_id, spec, CREATING, now, now, idempotency_key=key, acked=False)
+            sb.claim_by = now + CLAIM_WINDOW
+            self.core.table.add(sb)
+            finished = sb.created  # set however this create ends; a concurrent stop waits on it
+            try:
+                await self.core.state.insert(store_row(sb, {}))
+            except BaseException as exc:
+                self.core.table.discard(sb)
+                finished.set()
+                if isinstance(exc, StateConflictError):  # a row with this key is still being removed
+                    raise UnavailableError("a sandbox made with this idempotency key is being removed: retry") from exc
+                raise
+            try:
+                live = await start(sandbox_id)
+            except BaseException as exc:
+                if sb.idempotency_key is not None:  # a failed create answers no retry: its key is free
+                    sb.idempotency_key = None
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self.core.state.update(sandbox_id, idempotency_key=None))
+                self.core.table.move(sb, FAILED)
+                sb.stopped_at, sb.stop_reason = time.time(), f"create failed: {exc}"[:500]
+                self.core.journal.record(sandbox_id, "create_failed", {"error": str(exc)[:500]})
+                await asyncio.shield(self.core.forget(sb))
+                self.core.metrics.create_failures.inc()
+                finished.set()
+                raise
+            sb.live = live
+            holds_budget = False  # released by stop from here on
+            live.channel.on_close = lambda _ch: self.core.on_agent_lost(sandbox_id)
+            self.core.table.move(sb, RUNNING)
+            finished.set()
+            await self.core.state.update(sandbox_id, state=RUNNING, runtime=live.runtime)
+            await self._settle_create(sb, live, created, t0)
+        finally:
+            self.core.creating -= 1
+            if holds_budget:
+                self.core.admission.release(spec.resources)
+        return sb.info()
+
+    async def _hand_out(self, spec: SandboxSpec, live: LiveSandbox, key: str | None = None) -> SandboxInfo:
+        """Give a warm sandbox to this caller (its budget is already committed) and make it theirs."""
+        t0 = time.perf_counter()
+        now = time.time()
+        sb = Sandbox(live.id, spec, RUNNING, now, now, live=live, idempotency_key=key, acked=False)
+        sb.claim_by = now + CLAIM_WINDOW
+        sb.created.set()
+        self.core.table.add(sb)
+        live.channel.on_close = lambda _ch: self.core.on_agent_lost(sb.id)
+        await self.core.state.insert(store_row(sb, live.runtime))
+        self.core.metrics.pool_hits.inc()
+        await self._settle_create(sb, live, {"image": spec.environment(), "pooled": True}, t0)
+        return sb.info()
+
+    async def _settle_create(self, sb: Sandbox, live: LiveSandbox, created: dict[str, Any], t0: float) -> None:
+        """The last step of every create, cold or pooled: check the spec's user exists, then record it."""
+        if sb.spec.user != "root":
+            try:
+                await self.files.user(sb, live, sb.spec.user)
+            except SandboxError:
+                await self.core.stop(sb.id, reason="invalid user")
+                raise
+        if sb.spec.qos == "best_effort":
+            self.core.best_effort_ids.add(sb.id)
+        self.core.journal.record(sb.id, "created", created)
+        self.core.metrics.created.inc()
+        self.core.metrics.create_seconds.observe(time.perf_counter() - t0)
+        self.core.metrics.alive.set(self.core.running_count())

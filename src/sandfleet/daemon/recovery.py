@@ -1,0 +1,140 @@
+"""Recovery at daemon start: adopt the sandboxes a previous daemon left running, clean the dead
+and half-created ones, and, when the state database was damaged, take back what still runs on the
+node from its cgroups and agents."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import time
+
+from pydantic import ValidationError
+
+from sandfleet.daemon.core import ACTIVITY_FLUSH, CLAIM_WINDOW, NodeCore, lenient_spec, log, store_row
+from sandfleet.daemon.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
+from sandfleet.daemon.pausing import Pauser
+from sandfleet.daemon.snapshots import Snapshots
+from sandfleet.daemon.state import SandboxRow
+from sandfleet.errors import SandboxError
+from sandfleet.models import SandboxSpec
+
+
+class Recovery:
+    def __init__(self, core: NodeCore, pauser: Pauser, snapshots: Snapshots) -> None:
+        self.core = core
+        self.pauser = pauser
+        self.snapshots = snapshots
+
+    async def recover(self) -> None:
+        """Re-adopt live sandboxes of a previous daemon; clean every half-created or dead one."""
+        rows = await self.core.state.all()
+        known = {r.id for r in rows}
+        now = time.time()
+        repause: builtins.list[str] = []
+        for row in rows:
+            spec = lenient_spec(row.spec)
+            if spec is None:
+                # A row this version cannot read must not keep the daemon from starting.
+                log.error("sandbox %s: unreadable spec in the state store; removing it", row.id)
+                await self.core.backend.cleanup(row.id, row.runtime)
+                await self.core.state.delete([row.id])
+                continue
+            unheard = not row.acked and row.idempotency_key is None
+            if row.idempotency_key is not None:  # a retry of its create gets this one, stopped or not
+                self.core.keys[row.idempotency_key] = (row.id, "")
+            if row.state in HOLDING_STATES and not unheard:
+                # adopt() thaws a paused sandbox first (a frozen agent cannot answer): it comes back
+                # running; one paused on request is paused again below, its idle policy may pause
+                # the others again.
+                live = await self.core.backend.adopt(row.id, row.runtime)
+                if live is not None:
+                    sb = self._recovered(row, spec, RUNNING, now)
+                    sb.live = live
+                    if not sb.acked:  # a create whose answer was lost: its retry (same key) claims it
+                        sb.claim_by = now + CLAIM_WINDOW
+                    self.core.admission.commit(spec.resources)
+                    live.channel.on_close = lambda _ch, sid=row.id: self.core.on_agent_lost(sid)
+                    self.core.table.add(sb)
+                    self.core.journal.record(row.id, "adopted", {"agent_pid": live.agent_pid})
+                    if spec.qos == "best_effort":
+                        self.core.best_effort_ids.add(row.id)
+                    if row.state == PAUSED and row.held:
+                        repause.append(row.id)
+                    continue
+            if row.state not in (STOPPED, FAILED):  # it was live (or a state this version does not know)
+                await self.core.backend.cleanup(row.id, row.runtime)
+                sb = self._recovered(row, spec, FAILED if row.state == CREATING else STOPPED, now)
+                sb.stop_reason = sb.stop_reason or (
+                    "its create was never answered" if unheard else "lost in daemon restart"
+                )
+                sb.stopped_at = time.time()
+                self.core.journal.record(row.id, "stopped", {"reason": sb.stop_reason})
+                self.core.table.add(sb)
+                await self.core.forget(sb)
+                continue
+            self.core.table.add(self._recovered(row, spec, row.state, now))
+        leftovers = self.core.backend.leftovers()
+        orphans = (set(leftovers.get("sandbox_dirs", [])) | set(leftovers.get("cgroups", []))) - known
+        if self.core.state.reset_from is not None:
+            # The database was damaged and set aside: what still runs is taken back from the node.
+            orphans -= await self._rebuild(orphans)
+        await self.snapshots.recover()
+        # Residue with no row at all (a crash between mkdir and insert, warm pool members).
+        for name in orphans:
+            await self.core.backend.cleanup(name, {})
+        for sandbox_id in repause:
+            with contextlib.suppress(SandboxError):
+                await self.pauser.pause(sandbox_id)
+        self.core.metrics.alive.set(self.core.running_count())
+
+    def _recovered(self, row: SandboxRow, spec: SandboxSpec, state: str, now: float) -> Sandbox:
+        """The record of a sandbox a previous daemon left in the state store, in `state`."""
+        return Sandbox(
+            row.id,
+            spec,
+            state,
+            row.created_at,
+            # Activity reaches the store every ACTIVITY_FLUSH seconds: the last use before a crash
+            # may not have, so the sandbox is given the benefit of the doubt (never reaped early).
+            min(now, row.last_active_at + ACTIVITY_FLUSH + self.core.reaper_interval),
+            stopped_at=row.stopped_at,
+            stop_reason=row.stop_reason,
+            idempotency_key=row.idempotency_key,
+            acked=bool(row.acked),
+        )
+
+    async def _rebuild(self, candidates: set[str]) -> set[str]:
+        """After the state database was lost: adopt the sandboxes still running on the node (their
+        cgroups and agents say what they are), with what can be known of their specs. Returns the
+        ids taken back."""
+        taken: set[str] = set()
+        # Rows still readable in the damaged file give back the spec (labels, env, TTLs) of theirs.
+        salvaged = {row.id: row for row in getattr(self.core.state, "salvaged", [])}
+        lost = "events and exec history; for sandboxes whose row was lost too: labels, env, user, workdir, TTLs"
+        for sandbox_id in sorted(candidates):
+            found = await self.core.backend.recover(sandbox_id)
+            if found is None:
+                continue
+            live, resources = found
+            spec = SandboxSpec(image=None, layers=[], resources=resources, labels={"sandfleet.recovered": "true"})
+            row = salvaged.get(sandbox_id)
+            if row is not None:
+                with contextlib.suppress(ValidationError):
+                    spec = SandboxSpec.model_validate(row.spec)
+            now = time.time()
+            sb = Sandbox(sandbox_id, spec, RUNNING, now, now, live=live)
+            self.core.table.add(sb)
+            await self.core.state.insert(store_row(sb, live.runtime))
+            self.core.admission.commit(spec.resources)
+            live.channel.on_close = lambda _ch, sid=sandbox_id: self.core.on_agent_lost(sid)
+            self.core.journal.record(sandbox_id, "recovered", {"from": str(self.core.state.reset_from), "lost": lost})
+            taken.add(sandbox_id)
+        log.warning(
+            "state database %s was damaged (%s) and set aside: %d running sandboxes were taken back from "
+            "the node; lost: %s",
+            self.core.state.reset_from,
+            self.core.state.reset_reason,
+            len(taken),
+            lost,
+        )
+        return taken
