@@ -125,7 +125,7 @@ RULES = [
             "sandfleet",
             "sandfleet.daemon.protocol",
             "sandfleet.daemon.metrics",
-            "sandfleet.daemon.state",
+            "sandfleet.daemon.errormap",  # the boundary's one table from exceptions to wire codes
             *SDK,
         ),
     ),

@@ -20,6 +20,7 @@ from sandfleet.errors import (  # noqa: E402
     SandboxTimeoutError,
     SnapshotNotFoundError,
     UnavailableError,
+    UnsupportedError,
     WrongStateError,
 )
 from sandfleet.models import ExecEvent, ExecResult, Mount, Resources, SandboxSpec  # noqa: E402
@@ -37,6 +38,7 @@ __all__ = [
     "Mount",
     "NotFoundError",
     "PermissionDeniedError",
+    "UnsupportedError",
     "Resources",
     "ResourceExhaustedError",
     "Sandbox",

@@ -11,6 +11,7 @@
     ├── SandboxTimeoutError           timeout            an operation did not finish in time
     ├── UnauthenticatedError          unauthenticated    missing or bad bearer token
     ├── PermissionDeniedError         permission_denied  the sandbox refused (e.g. EACCES on a file)
+    ├── UnsupportedError              unsupported        the sandbox's tier lacks the capability asked for
     ├── UnavailableError              unavailable        daemon or sandbox channel unreachable (retryable)
     ├── DataLossError                 data_loss          a stored layer or snapshot is corrupt or truncated
     └── InternalError                 internal           a bug or a runtime failure
@@ -89,6 +90,13 @@ class PermissionDeniedError(SandboxError):
     http_status = 403
 
 
+class UnsupportedError(SandboxError):
+    """The sandbox's isolation tier cannot do this (an fncall sandbox has no snapshots, say)."""
+
+    code = "unsupported"
+    http_status = 400
+
+
 class UnavailableError(SandboxError):
     code = "unavailable"
     http_status = 503
@@ -116,6 +124,7 @@ WIRE_CODES: dict[str, type[SandboxError]] = {
         SandboxTimeoutError,
         UnauthenticatedError,
         PermissionDeniedError,
+        UnsupportedError,
         UnavailableError,
         DataLossError,
         InternalError,

@@ -533,6 +533,7 @@ class ErrorBody(_Model):
         "timeout",
         "unauthenticated",
         "permission_denied",
+        "unsupported",
         "unavailable",
         "data_loss",
         "internal",
@@ -624,6 +625,11 @@ class Health(_Model):
     sandboxes_running: int
     backends: list[str]
     pools: dict[str, int] = Field(default_factory=dict, description="ready sandboxes per warm pool")
+    tiers: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="the capabilities of each isolation tier the node runs (pause, snapshot, pack, host_files, ...); "
+        "a call a tier cannot serve answers `unsupported`",
+    )
 
 
 class Ok(_Model):

@@ -1,8 +1,13 @@
 """The Backend protocol: *where* a sandbox lives (container, later microvm, vm, fncall).
 
 What you *do* in a sandbox (exec, files, sessions) is backend-independent and lives in the daemon's
-service layer; it only needs the two things every backend hands back in a `LiveSandbox`: a channel
-to the in-sandbox agent, and a way to open the sandbox's root directory for file operations.
+service layer; it needs one thing every backend hands back in a `LiveSandbox`: a channel to the
+in-sandbox agent.
+
+Every tier implements the small base protocol `Backend`. Everything else is a capability, a protocol
+of its own that a tier implements or not: the service asks `isinstance(backend, Pausable)` and
+answers a typed `unsupported` error when the tier lacks it (`unsupported`). A container has them all;
+a microVM has no host-side root (its files go through the agent), an fncall tier no snapshots.
 """
 
 from __future__ import annotations
@@ -10,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from sandfleet.errors import UnsupportedError
 from sandfleet.images import ImageManifest
-from sandfleet.models import Resources, SandboxSpec
+from sandfleet.models import Resources, SandboxSpec, Usage
 from sandfleet.runtime.agent import AgentChannel, ExecProcess
-from sandfleet.runtime.cgroups import CgroupStats
 
 
 @dataclass
@@ -34,10 +39,12 @@ class LiveSandbox:
 
 
 class Backend(Protocol):
+    """What every tier does."""
+
     name: str
 
     async def start(self) -> None:
-        """Prepare the node (build the agent, check the runtime). Called once at daemon start."""
+        """Prepare the node (check the runtime, load what it needs). Called once at daemon start."""
 
     async def close(self) -> None:
         """Release node-level resources held by the backend (not the sandboxes)."""
@@ -54,37 +61,56 @@ class Backend(Protocol):
     async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
         """Idempotently remove whatever a dead or half-created sandbox left behind."""
 
+    def residue(self) -> set[str]:
+        """Ids of the sandboxes the node still holds anything of (directories, cgroups, processes),
+        known to the service or not: what a restart cleans when no record claims it."""
+
+    def usage(self, sandbox: LiveSandbox) -> Usage:
+        """Current usage and limit hits (called from worker threads)."""
+
+    def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
+        """CPU time a sandbox has used; None: all of this backend's sandboxes, stopped ones included."""
+
+
+@runtime_checkable
+class Pausable(Protocol):
     async def pause(self, sandbox: LiveSandbox) -> tuple[int, int]:
         """Freeze every process of the sandbox and push its memory out; (bytes before, bytes after)."""
 
     async def resume(self, sandbox: LiveSandbox) -> None:
         """Thaw a paused sandbox."""
 
+
+@runtime_checkable
+class Snapshottable(Protocol):
     async def snapshot(self, sandbox: LiveSandbox, target: Path) -> dict[str, Any]:
         """Checkpoint a running sandbox (processes, memory, writable layer) into the empty directory
         `target`; it keeps running. Returns what `restore` needs besides the directory."""
 
-    async def export_writable_layer(self, sandbox: LiveSandbox, dest: Path) -> None:
-        """Copy what the sandbox changed above its layers (overlay upper, whiteouts kept) to `dest`."""
-
     async def restore(self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
         """Start a new sandbox from a snapshot; on failure leave nothing behind and raise SandboxError."""
 
-    async def recover(self, sandbox_id: str) -> tuple[LiveSandbox, Resources] | None:
-        """After the state database was lost: take back a sandbox found running on the node (by its
-        cgroup and agent), with the resources its limits say; None if there is nothing to take."""
 
-    def mount_points(self, sandbox: LiveSandbox) -> frozenset[str]:
-        """Paths inside the sandbox that something is mounted on (never removed by the files API)."""
+@runtime_checkable
+class Packable(Protocol):
+    async def export_writable_layer(self, sandbox: LiveSandbox, dest: Path) -> None:
+        """Copy what the sandbox changed above its layers (overlay upper, whiteouts kept) to `dest`."""
+
+
+@runtime_checkable
+class HostFiles(Protocol):
+    """The sandbox's files reached from the host side (the container tier: an O_PATH root fd)."""
 
     def open_root(self, sandbox: LiveSandbox) -> int:
         """An O_PATH directory fd of the sandbox's root filesystem (caller closes it)."""
 
-    def stats(self, sandbox: LiveSandbox) -> CgroupStats:
-        """Current usage and limit hits."""
+    def mount_points(self, sandbox: LiveSandbox) -> frozenset[str]:
+        """Paths inside the sandbox that something is mounted on (never removed by the files API)."""
 
-    def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
-        """CPU time a sandbox has used; None: all of this backend's sandboxes, stopped ones included."""
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """Read-only layers mounted on the node and shared by its sandboxes."""
 
     async def unmount_unused_layers(self) -> int:
         """Unmount read-only layers no sandbox uses, so their files can be deleted; how many."""
@@ -96,5 +122,37 @@ class Backend(Protocol):
         """Run `remove` (which deletes the layer's file) unless the layer is mounted or being
         mounted, atomically with respect to mounting it; whether it ran."""
 
+
+@runtime_checkable
+class Recoverable(Protocol):
+    async def recover(self, sandbox_id: str) -> tuple[LiveSandbox, Resources] | None:
+        """After the state database was lost: take back a sandbox found running on the node (by its
+        cgroup and agent), with the resources its limits say; None if there is nothing to take."""
+
+
+@runtime_checkable
+class HostChecks(Protocol):
     def leftovers(self) -> dict[str, list[str]]:
-        """Node-level residue not owned by any live sandbox (for leak checks and `doctor`)."""
+        """Node-level residue not owned by any live sandbox, by kind (for leak checks and `doctor`)."""
+
+
+CAPABILITIES: dict[str, type] = {
+    "pause": Pausable,
+    "snapshot": Snapshottable,
+    "pack": Packable,
+    "host_files": HostFiles,
+    "layer_cache": LayerCache,
+    "recover": Recoverable,
+    "host_checks": HostChecks,
+}
+
+
+def capabilities(backend: Backend) -> list[str]:
+    """The names of the capabilities `backend` has."""
+    return [name for name, cap in CAPABILITIES.items() if isinstance(backend, cap)]
+
+
+def unsupported(backend: Backend, doing: str) -> UnsupportedError:
+    """The typed error a tier without the capability answers (raise it after an isinstance check,
+    which is also what narrows the backend's type)."""
+    return UnsupportedError(f"the {backend.name} tier cannot {doing}")

@@ -43,7 +43,7 @@ from sandfleet.errors import (
     WrongStateError,
 )
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
-from sandfleet.models import Resources, SandboxSpec
+from sandfleet.models import Resources, SandboxSpec, Usage
 from sandfleet.runtime import cgroups, criu, files, mounts, oci, proc, seccomp
 from sandfleet.runtime.agent import (
     AGENT_VERSION,
@@ -53,7 +53,6 @@ from sandfleet.runtime.agent import (
     build_launcher,
     grab_handoff_channel,
 )
-from sandfleet.runtime.cgroups import CgroupStats
 from sandfleet.runtime.launcher import LaunchError, LauncherServer
 
 log = logging.getLogger("sandfleet.container")
@@ -1047,11 +1046,15 @@ class ContainerBackend:
             raise UnavailableError(f"sandbox {sandbox.id} is no longer running")
         return fd
 
-    def stats(self, sandbox: LiveSandbox) -> CgroupStats:
-        return self.cgroups.stats(self.cgroups.path_for(sandbox.id))
+    def usage(self, sandbox: LiveSandbox) -> Usage:
+        return Usage(**dataclasses.asdict(self.cgroups.stats(self.cgroups.path_for(sandbox.id))))
 
     def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
         return self.cgroups.cpu_seconds(self.cgroups.parent if sandbox is None else self.cgroups.path_for(sandbox.id))
+
+    def residue(self) -> set[str]:
+        found = self.leftovers()
+        return set(found.get("sandbox_dirs", [])) | set(found.get("cgroups", []))
 
     def leftovers(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}

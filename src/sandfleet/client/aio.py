@@ -181,6 +181,11 @@ class AsyncClient:
         result: dict[str, Any] = json.loads(await self._send(b.Call("GET", "/v1/health")))
         return result
 
+    async def tiers(self) -> dict[str, builtins.list[str]]:
+        """The isolation tiers the node runs, each with its capabilities (`pause`, `snapshot`, ...)."""
+        tiers: dict[str, builtins.list[str]] = (await self.health()).get("tiers", {})
+        return tiers
+
     async def images(self) -> builtins.list[ImageInfo]:
         """The node's images."""
         return (await self._model(ImageList, b.Call("GET", "/v1/images"))).images

@@ -180,6 +180,11 @@ class Client:
         result: dict[str, Any] = json.loads(self._send(b.Call("GET", "/v1/health")))
         return result
 
+    def tiers(self) -> dict[str, builtins.list[str]]:
+        """The isolation tiers the node runs, each with its capabilities (`pause`, `snapshot`, ...)."""
+        tiers: dict[str, builtins.list[str]] = (self.health()).get("tiers", {})
+        return tiers
+
     def images(self) -> builtins.list[ImageInfo]:
         """The node's images."""
         return (self._model(ImageList, b.Call("GET", "/v1/images"))).images

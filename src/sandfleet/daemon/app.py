@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import secrets
@@ -25,14 +24,13 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandfleet import __version__
+from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.protocol import EventStream, SandboxService
-from sandfleet.daemon.state import StateDiskFullError
 from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
-    ResourceExhaustedError,
     SandboxError,
     UnauthenticatedError,
 )
@@ -90,7 +88,7 @@ log = logging.getLogger("sandfleet.api")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": desc}
     for status, desc in (
-        (400, "invalid_argument"),
+        (400, "invalid_argument or unsupported"),
         (401, "unauthenticated"),
         (403, "permission_denied"),
         (404, "not_found"),
@@ -262,18 +260,14 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
         # Exception handler, and uvicorn then drops the client's keep-alive connection.
         try:
             return await call_next(request)
-        except (StateDiskFullError, OSError) as exc:
-            if isinstance(exc, StateDiskFullError) or exc.errno == errno.ENOSPC:
-                metrics.http_errors.labels(code="resource_exhausted").inc()
-                log.warning("no space left serving %s %s: %s", request.method, request.url.path, exc)
-                return _error_response(ResourceExhaustedError(f"the node's disk is full: {exc}"[:300]))
-            log.exception("unexpected error serving %s %s", request.method, request.url.path)
-            metrics.http_errors.labels(code="internal").inc()
-            return _error_response(InternalError(f"internal error: {exc}"[:300]))
         except Exception as exc:
-            log.exception("unexpected error serving %s %s", request.method, request.url.path)
-            metrics.http_errors.labels(code="internal").inc()
-            return _error_response(InternalError(f"internal error: {exc}"[:300]))
+            wire = to_wire_error(exc)
+            if isinstance(wire, InternalError):
+                log.exception("unexpected error serving %s %s", request.method, request.url.path)
+            else:
+                log.warning("%s serving %s %s: %s", wire.code, request.method, request.url.path, exc)
+            metrics.http_errors.labels(code=wire.code).inc()
+            return _error_response(wire)
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus its default 422 responses: validation errors here are 400s."""

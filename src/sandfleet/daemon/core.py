@@ -46,7 +46,6 @@ from sandfleet.errors import InternalError, SandboxError, UnavailableError, Wron
 from sandfleet.images import LayerStore
 from sandfleet.models import SandboxEvent, SandboxInfo, SandboxSpec, Usage
 from sandfleet.runtime.agent import ChannelClosedError
-from sandfleet.runtime.cgroups import CgroupStats
 
 log = logging.getLogger("sandfleet.daemon")
 
@@ -355,24 +354,17 @@ class NodeCore:
         return self.table.matching(labels, states)
 
     async def usage(self, sandbox_id: str) -> Usage:
-        """Current and peak memory, CPU time, tasks and limit hits, from the cgroup (no resume)."""
+        """Current and peak memory, CPU time, tasks and limit hits, from the backend (no resume)."""
         sb = self.sandbox(sandbox_id)
         if sb.live is None or sb.state not in HOLDING_STATES:
             raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}")
-        st = await asyncio.to_thread(self.backend.stats, sb.live)
-        return Usage(
-            memory_bytes=st.memory_bytes,
-            memory_peak_bytes=st.memory_peak_bytes,
-            cpu_seconds=round(st.cpu_seconds, 6),
-            pids=st.pids,
-            oom_kills=st.oom_kills,
-            pids_limit_hits=st.pids_limit_hits,
-        )
+        usage = await asyncio.to_thread(self.backend.usage, sb.live)
+        return usage.model_copy(update={"cpu_seconds": round(usage.cpu_seconds, 6)})
 
-    def usage_sources(self) -> builtins.list[tuple[str, str, str, Callable[[], CgroupStats]]]:
+    def usage_sources(self) -> builtins.list[tuple[str, str, str, Callable[[], Usage]]]:
         """For the metrics scrape (in a worker thread): every sandbox holding resources, with a reader."""
         return [
-            (sb.id, sb.state, sb.spec.qos, functools.partial(self.backend.stats, live))
+            (sb.id, sb.state, sb.spec.qos, functools.partial(self.backend.usage, live))
             for sb in self.table
             if (live := sb.live) is not None and sb.state in HOLDING_STATES
         ]
@@ -454,7 +446,7 @@ class NodeCore:
         """Turn cgroup counters into events: OOM kills and refused forks since we last looked.
         Returns the number of new OOM kills."""
         try:
-            stats = await asyncio.to_thread(self.backend.stats, live)
+            stats = await asyncio.to_thread(self.backend.usage, live)
         except OSError:
             return 0
         new_ooms = max(0, stats.oom_kills - sb.oom_kills)

@@ -2,7 +2,7 @@
 downloads and uploads, and watches (the agent's inotify).
 
 The container tier opens the sandbox's root as an O_PATH fd and works under it with openat2
-(runtime/files.py); errors come back typed by kind (`_FILE_ERRORS`).
+(runtime/files.py); errors come back typed by kind (`errormap.FILE_ERRORS`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any, BinaryIO
 
-from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.base import HostFiles, LiveSandbox, unsupported
 from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, T, resolve_cwd
+from sandfleet.daemon.errormap import FILE_ERRORS
 from sandfleet.daemon.images import Images
 from sandfleet.daemon.lifecycle import Sandbox, User
 from sandfleet.daemon.pausing import Pauser
@@ -24,11 +25,8 @@ from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
     SandboxError,
     UnavailableError,
-    WrongStateError,
 )
 from sandfleet.images import LayerCorruptError
 from sandfleet.models import FileEvent, FileInfo, shown
@@ -39,19 +37,6 @@ IN_ISDIR = 0x40000000
 
 PASSWD_MAX_BYTES = 4 * 1024**2  # of /etc/passwd read to resolve a user name
 
-_FILE_ERRORS: dict[str, type[SandboxError]] = {
-    "not_found": NotFoundError,
-    "exists": WrongStateError,
-    "not_a_directory": InvalidArgumentError,
-    "is_a_directory": InvalidArgumentError,
-    "permission_denied": PermissionDeniedError,
-    "crosses_mount": PermissionDeniedError,
-    "invalid_path": InvalidArgumentError,
-    "too_large": InvalidArgumentError,
-    "no_space": ResourceExhaustedError,
-    "io_error": InternalError,
-    "changed": WrongStateError,  # the sandbox moved things under a walk: stopped rather than followed
-}
 
 _WATCH_KINDS = (  # inotify mask bit -> FileEvent type, first match wins
     (0x4000, "overflow"),  # IN_Q_OVERFLOW
@@ -196,12 +181,16 @@ class Files:
         return EventStream(events(), w.close)
 
     async def fs(self, live: LiveSandbox, op: Callable[[SandboxFS], T], *, cwd: str = "/", mutating: bool = False) -> T:
+        host = self.core.backend
+        if not isinstance(host, HostFiles):
+            raise unsupported(host, "reach its files from the host")
+
         def run() -> T:
-            fd = self.core.backend.open_root(live)
+            fd = host.open_root(live)
             try:
                 # A write that replaced or removed a directory the sandbox has a mount on would detach
                 # that mount in the sandbox (the daemon sees its tree from another mount namespace).
-                points = self.core.backend.mount_points(live) if mutating else frozenset()
+                points = host.mount_points(live) if mutating else frozenset()
                 return op(SandboxFS(fd, uid_base=live.uid_base, cwd=cwd, mount_points=points))
             finally:
                 os.close(fd)
@@ -209,7 +198,7 @@ class Files:
         try:
             return await asyncio.to_thread(run)
         except FileOpError as exc:
-            cls = _FILE_ERRORS.get(exc.kind, InternalError)
+            cls = FILE_ERRORS.get(exc.kind, InternalError)
             raise cls(str(exc)[:1000]) from exc
         except FileNotFoundError as exc:
             raise UnavailableError(f"sandbox {live.id} is no longer running") from exc
@@ -309,8 +298,12 @@ class Files:
         self.core.touch(sb)
         cwd = sb.spec.workdir
 
+        host = self.core.backend
+        if not isinstance(host, HostFiles):
+            raise unsupported(host, "reach its files from the host")
+
         def chunks() -> Iterator[bytes]:
-            fd = self.core.backend.open_root(live)
+            fd = host.open_root(live)
             try:
                 yield from produce(SandboxFS(fd, uid_base=live.uid_base, cwd=cwd))
             finally:
@@ -321,7 +314,7 @@ class Files:
             first = await anext(gen, b"")
         except FileOpError as exc:
             await gen.aclose()
-            raise _FILE_ERRORS.get(exc.kind, InternalError)(str(exc)[:1000]) from exc
+            raise FILE_ERRORS.get(exc.kind, InternalError)(str(exc)[:1000]) from exc
 
         async def rest() -> AsyncGenerator[bytes, None]:
             try:

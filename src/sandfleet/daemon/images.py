@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sandfleet.backends.base import LayerCache
 from sandfleet.daemon.core import NodeCore, log
 from sandfleet.daemon.lifecycle import LIVE_STATES
 from sandfleet.errors import DataLossError, ImageNotFoundError, InternalError, InvalidArgumentError
@@ -195,8 +196,9 @@ class Images:
         if self.core.pools is not None:
             keep.update(self.core.pools.layer_digests())
         # A mounted layer's file cannot really go (the mount holds it): unmount the unused ones first.
-        await self.core.backend.unmount_unused_layers()
-        keep |= self.core.backend.busy_layers()  # and never one a create is mounting right now
+        if isinstance(cache := self.core.backend, LayerCache):
+            await cache.unmount_unused_layers()
+            keep |= cache.busy_layers()  # and never one a create is mounting right now
         removed, freed = await asyncio.to_thread(self.core.store.gc, keep, min_age=min_age)
         trimmed, trimmed_bytes = await self.trim_cache(keep)
         removed, freed = removed + trimmed, freed + trimmed_bytes
@@ -211,8 +213,16 @@ class Images:
         limit = self.core.store.cache_max
         if limit is None or await asyncio.to_thread(self.core.store.local_bytes) <= limit:
             return [], 0
-        await self.core.backend.unmount_unused_layers()
-        return await asyncio.to_thread(self.core.store.trim, limit, keep, self.core.backend.remove_layer_if_idle)
+        if not isinstance(cache := self.core.backend, LayerCache):
+            return await asyncio.to_thread(self.core.store.trim, limit, keep, _remove)
+        await cache.unmount_unused_layers()
+        return await asyncio.to_thread(self.core.store.trim, limit, keep, cache.remove_layer_if_idle)
 
     def layer_refs(self, digests: builtins.list[str]) -> builtins.list[LayerRef]:
         return [self.layer_by_digest(digest) for digest in digests]
+
+
+def _remove(_digest: str, remove: Callable[[], None]) -> bool:
+    """Layer removal on a tier that mounts no shared layers: nothing can be using the file."""
+    remove()
+    return True

@@ -8,10 +8,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sandfleet.runtime.cgroups import CgroupStats
+from sandfleet.models import Usage
 
 # (sandbox id, state, qos, a reader of its cgroup's current usage)
-SandboxSource = Callable[[], Iterable[tuple[str, str, str, Callable[[], CgroupStats]]]]
+SandboxSource = Callable[[], Iterable[tuple[str, str, str, Callable[[], Usage]]]]
 
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -8,7 +8,7 @@ import builtins
 import time
 from collections.abc import Awaitable, Callable
 
-from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.base import LiveSandbox, Pausable, unsupported
 from sandfleet.daemon.core import NodeCore, is_busy, log
 from sandfleet.daemon.lifecycle import PAUSED, RUNNING, Sandbox
 from sandfleet.errors import SandboxError, WrongStateError
@@ -18,6 +18,11 @@ from sandfleet.models import SandboxInfo
 class Pauser:
     def __init__(self, core: NodeCore) -> None:
         self.core = core
+
+    def _tier(self, doing: str) -> Pausable:
+        if not isinstance(backend := self.core.backend, Pausable):
+            raise unsupported(backend, doing)
+        return backend
 
     async def ready(self, sandbox_id: str) -> tuple[Sandbox, LiveSandbox]:
         """The sandbox, running: a paused one is resumed first (any request resumes it)."""
@@ -36,6 +41,7 @@ class Pauser:
 
     async def pause(self, sandbox_id: str, *, by_policy: bool = False) -> SandboxInfo:
         """Freeze the sandbox and push its memory out (to swap / dropped page cache)."""
+        self._tier("pause")
         sb = self.core.sandbox(sandbox_id)
         async with sb.pause_lock:
             if sb.state == PAUSED:
@@ -48,7 +54,7 @@ class Pauser:
             if is_busy(sb, time.time()):
                 raise WrongStateError(f"sandbox {sandbox_id} has {sb.inflight} request(s) in flight")
             t0 = time.perf_counter()
-            before, after = await self.core.backend.pause(sb.live)
+            before, after = await self._tier("pause").pause(sb.live)
             self.core.table.move(sb, PAUSED)
             sb.held = not by_policy
             await self.core.state.update(sb.id, state=PAUSED, held=int(sb.held))
@@ -72,7 +78,7 @@ class Pauser:
             if sb.state != PAUSED or sb.live is None:
                 return
             t0 = time.perf_counter()
-            await self.core.backend.resume(sb.live)
+            await self._tier("resume").resume(sb.live)
             self.core.table.move(sb, RUNNING)
             sb.held = False
             self.core.touch(sb)

@@ -10,6 +10,7 @@ import time
 
 from pydantic import ValidationError
 
+from sandfleet.backends.base import Recoverable
 from sandfleet.daemon.core import ACTIVITY_FLUSH, CLAIM_WINDOW, NodeCore, lenient_spec, log, store_row
 from sandfleet.daemon.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
 from sandfleet.daemon.pausing import Pauser
@@ -73,8 +74,7 @@ class Recovery:
                 await self.core.forget(sb)
                 continue
             self.core.table.add(self._recovered(row, spec, row.state, now))
-        leftovers = self.core.backend.leftovers()
-        orphans = (set(leftovers.get("sandbox_dirs", [])) | set(leftovers.get("cgroups", []))) - known
+        orphans = self.core.backend.residue() - known
         if self.core.state.reset_from is not None:
             # The database was damaged and set aside: what still runs is taken back from the node.
             orphans -= await self._rebuild(orphans)
@@ -111,8 +111,12 @@ class Recovery:
         # Rows still readable in the damaged file give back the spec (labels, env, TTLs) of theirs.
         salvaged = {row.id: row for row in getattr(self.core.state, "salvaged", [])}
         lost = "events and exec history; for sandboxes whose row was lost too: labels, env, user, workdir, TTLs"
+        rebuild = self.core.backend
+        if not isinstance(rebuild, Recoverable):
+            log.warning("the %s tier cannot take back running sandboxes: they are cleaned up", rebuild.name)
+            return taken
         for sandbox_id in sorted(candidates):
-            found = await self.core.backend.recover(sandbox_id)
+            found = await rebuild.recover(sandbox_id)
             if found is None:
                 continue
             live, resources = found

@@ -34,7 +34,7 @@ from typing import BinaryIO
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sandfleet import __version__
-from sandfleet.backends.base import Backend
+from sandfleet.backends.base import Backend, capabilities
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.core import EventStream, NodeCore
 from sandfleet.daemon.creation import Creation
@@ -169,6 +169,7 @@ class SandboxManager:
             sandboxes_running=core.running_count(),
             backends=[core.backend.name],
             pools=core.pools.sizes() if core.pools is not None else {},
+            tiers={core.backend.name: capabilities(core.backend)},
         )
 
     async def metrics_text(self) -> tuple[bytes, str]:

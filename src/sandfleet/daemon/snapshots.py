@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.base import LiveSandbox, Packable, Snapshottable, unsupported
 from sandfleet.daemon.core import NodeCore, lenient_spec, log
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.execs import Execs
@@ -147,6 +147,9 @@ class Snapshots:
         """Checkpoint a sandbox (a paused one is resumed for it and paused again); it keeps running.
         The snapshot outlives the sandbox: it is kept until deleted or until its ttl (default: the
         node's snapshot_retention) runs out. `temporary`: a fork's, deleted right after."""
+        tier = self.core.backend
+        if not isinstance(tier, Snapshottable):
+            raise unsupported(tier, "snapshot or fork a sandbox")
         if self.snapshot_dir is None:
             raise UnavailableError("snapshots are not enabled on this daemon")
         was = self.core.sandbox(sandbox_id)
@@ -171,7 +174,7 @@ class Snapshots:
             t0 = time.perf_counter()
             inherit = self._inheritance(sb)
             try:
-                meta = await self.core.backend.snapshot(live, path)
+                meta = await tier.snapshot(live, path)
                 meta["keep_execs"] = [s["exec_id"] for s in inherit["sessions"]]
                 meta["keep_execs"] += [p["exec_id"] for p in inherit["processes"]]
                 meta["inherit"] = inherit
@@ -381,6 +384,8 @@ class Snapshots:
     ) -> builtins.list[SandboxInfo | SandboxError]:
         """`count` new sandboxes from a snapshot, started together; each succeeds or fails on its own.
         Each child keeps the parent's sessions and background processes (same ids)."""
+        if not isinstance(self.core.backend, Snapshottable):
+            raise unsupported(self.core.backend, "restore a snapshot")
         rec = self._snapshot(snapshot_id)
         spec = self._child_spec(rec, labels)
         fingerprint = json.dumps(["restore", snapshot_id, count, sorted((labels or {}).items())])
@@ -391,6 +396,9 @@ class Snapshots:
     async def _restore(
         self, rec: SnapshotRecord, spec: SandboxSpec, count: int, key: str | None
     ) -> builtins.list[SandboxInfo | SandboxError]:
+        tier = self.core.backend
+        if not isinstance(tier, Snapshottable):
+            raise unsupported(tier, "restore a snapshot")
         created = {"snapshot": rec.info.id, "source": rec.info.sandbox_id}
         inherit = rec.meta.get("inherit", {})
 
@@ -400,7 +408,7 @@ class Snapshots:
                 self.creation.check_backend(spec)
                 self.creation.admit(spec)
                 info = await self.creation.start_admitted(
-                    spec, lambda sid: self.core.backend.restore(sid, spec, rec.path, rec.meta), created, child_key
+                    spec, lambda sid: tier.restore(sid, spec, rec.path, rec.meta), created, child_key
                 )
                 if child_key is not None:
                     self.core.keys[child_key] = (info.id, "")
@@ -456,6 +464,9 @@ class Snapshots:
         files): under them the new image shows the base layers' content, as before the sandbox ran.
         The manifest's recipe records which sandbox (and image) it was packed from, and when.
         """
+        tier = self.core.backend
+        if not isinstance(tier, Packable):
+            raise unsupported(tier, "pack a sandbox into an image")
         try:
             name, tag = parse_ref(ref)
         except InvalidRefError as exc:
@@ -466,7 +477,7 @@ class Snapshots:
         staging = self.core.store.tmp_dir / f"pack-{secrets.token_hex(8)}"
         self.core.busy(sb, PACK_TIMEOUT)  # not paused by the idle policy meanwhile
         try:
-            await self.core.backend.export_writable_layer(live, staging)
+            await tier.export_writable_layer(live, staging)
             for rel in scrub:
                 await asyncio.to_thread(_scrub, staging, rel)
             layer = await self.core.store.add_layer_from_dir(

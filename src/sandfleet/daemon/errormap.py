@@ -1,0 +1,88 @@
+"""Every exception the node's own layers raise, mapped to a wire error (sandfleet.errors).
+
+The service maps what it expects where it happens, with a message of its own (`raise ... from`);
+this table is the boundary's single answer for the rest, so an exception that escapes a handler
+still reaches the client as the right code (a closed agent channel is `unavailable`, a corrupt
+layer `data_loss`, a full state disk `resource_exhausted`), never a blanket `internal`.
+`tests/test_errormap.py` checks that every exception class defined in the package is covered.
+"""
+
+from __future__ import annotations
+
+import errno
+
+from sandfleet import errors
+from sandfleet.daemon import state
+from sandfleet.daemon.process import DaemonStartError
+from sandfleet.images import models as image_models
+from sandfleet.images.oci import OciImportError
+from sandfleet.images.recipe import RecipeError
+from sandfleet.runtime import agent, criu, launcher, mounts, seccomp, swap
+from sandfleet.runtime.files import FileOpError
+
+# File operation kinds (runtime/files.py) -> wire errors.
+FILE_ERRORS: dict[str, type[errors.SandboxError]] = {
+    "not_found": errors.NotFoundError,
+    "exists": errors.WrongStateError,
+    "not_a_directory": errors.InvalidArgumentError,
+    "is_a_directory": errors.InvalidArgumentError,
+    "permission_denied": errors.PermissionDeniedError,
+    "crosses_mount": errors.PermissionDeniedError,
+    "invalid_path": errors.InvalidArgumentError,
+    "too_large": errors.InvalidArgumentError,
+    "no_space": errors.ResourceExhaustedError,
+    "io_error": errors.InternalError,
+    "changed": errors.WrongStateError,  # the sandbox moved things under a walk: stopped rather than followed
+}
+
+# Most specific first: the first class an exception is an instance of decides.
+ERROR_MAP: list[tuple[type[BaseException], type[errors.SandboxError]]] = [
+    # the state store
+    (state.StateDiskFullError, errors.ResourceExhaustedError),
+    (state.StateConflictError, errors.UnavailableError),  # a row with the same key is still going: retry
+    (state.StateCorruptError, errors.DataLossError),
+    (state.StateError, errors.InternalError),
+    (DaemonStartError, errors.UnavailableError),  # a local daemon the CLI or demo started did not come up
+    # the in-sandbox agent
+    (agent.ChannelClosedError, errors.UnavailableError),
+    (agent.ExecStartError, errors.InvalidArgumentError),  # the command could not start (not found, chdir, setuid)
+    (agent.AgentBuildError, errors.InternalError),
+    (agent.ProtocolError, errors.InternalError),
+    (agent.AgentError, errors.UnavailableError),
+    # host mechanisms
+    (criu.ImageError, errors.DataLossError),  # a snapshot's images do not parse
+    (criu.CriuUnavailableError, errors.UnavailableError),
+    (criu.ShimBuildError, errors.InternalError),
+    (launcher.LaunchError, errors.InternalError),
+    (mounts.MountError, errors.InternalError),
+    (seccomp.SeccompUnavailableError, errors.InternalError),
+    (swap.SwapSetupError, errors.InternalError),
+    # images
+    (image_models.ImageNotFoundError, errors.ImageNotFoundError),
+    (image_models.InvalidRefError, errors.InvalidArgumentError),
+    (image_models.LayerCorruptError, errors.DataLossError),
+    (RecipeError, errors.InvalidArgumentError),
+    (OciImportError, errors.InvalidArgumentError),
+    (image_models.ImageBuildError, errors.InternalError),
+    (image_models.ImageError, errors.InternalError),
+]
+
+
+def to_wire_error(exc: BaseException) -> errors.SandboxError:
+    """The wire error for `exc` (a SandboxError is its own)."""
+    if isinstance(exc, errors.SandboxError):
+        return exc
+    message = str(exc)[:300] or type(exc).__name__
+    if isinstance(exc, state.StateDiskFullError) or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
+        return errors.ResourceExhaustedError(f"the node's disk is full: {message}"[:300])
+    if isinstance(exc, launcher.LaunchError):
+        if exc.invalid:
+            return errors.InvalidArgumentError(message)
+        if exc.unavailable:
+            return errors.UnavailableError(message)
+    if isinstance(exc, FileOpError):
+        return FILE_ERRORS.get(exc.kind, errors.InternalError)(message)
+    for cls, wire in ERROR_MAP:
+        if isinstance(exc, cls):
+            return wire(message)
+    return errors.InternalError(f"internal error: {message}")
