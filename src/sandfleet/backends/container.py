@@ -29,11 +29,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.config import ContainerBackendConfig
 from sandfleet.errors import (
     DataLossError,
     InternalError,
@@ -56,26 +55,6 @@ from sandfleet.runtime.agent import (
 from sandfleet.runtime.launcher import LaunchError, LauncherServer
 
 log = logging.getLogger("sandfleet.container")
-
-
-class ContainerBackendConfig(BaseModel):
-    """Settings of the container backend."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    runtime: Literal["launcher", "crun", "runc"] = Field(
-        "launcher",
-        description="what starts a sandbox: sandfleet's own launcher (same isolation, ~10x faster) or an OCI runtime",
-    )
-    uid_base: int = Field(100000, ge=1, description="host uid/gid that root inside a sandbox maps to")
-    cgroup_parent: str = Field("/sandfleet", description="cgroup under which sandbox cgroups are made")
-    start_timeout: float = Field(20.0, gt=0, description="seconds to wait for the runtime and agent")
-    mount_allowlist: list[str] = Field(
-        default_factory=list, description="host directories whose subpaths sandboxes may bind-mount"
-    )
-    criu_root: Path = Field(
-        criu.DEFAULT_ROOT, description="where criu 4.x and its own libraries live (snapshot, restore, fork)"
-    )
 
 
 @dataclass(frozen=True)

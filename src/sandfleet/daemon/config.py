@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sandfleet.backends.container import ContainerBackendConfig
+from sandfleet.backends.config import BackendConfig, ContainerBackendConfig
 from sandfleet.daemon.pool import PoolConfig
 from sandfleet.models import ByteSize
 
@@ -82,7 +82,24 @@ class DaemonConfig(BaseModel):
         description="compressed swap the daemon sets up for paused sandboxes when the host has no swap "
         "(default: a quarter of MemTotal; 0 disables)",
     )
-    container: ContainerBackendConfig = Field(default_factory=ContainerBackendConfig)
+    backends: list[BackendConfig] = Field(
+        default_factory=lambda: [ContainerBackendConfig()],
+        min_length=1,
+        description="the isolation tiers this node runs, one `[[backends]]` table each (`type` = container, ...); "
+        "the first is the default of the warm pools",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _container_table(cls, data: object) -> object:
+        """A `[container]` table (the one-tier form) is the container entry of `backends`."""
+        if isinstance(data, dict) and "container" in data:
+            data = dict(data)
+            container = {"type": "container", **data.pop("container")}
+            if "backends" in data:
+                raise ValueError("give the container tier's settings in [container] or in [[backends]], not both")
+            data["backends"] = [container]
+        return data
 
     @model_validator(mode="after")
     def _tcp_needs_token(self) -> DaemonConfig:
@@ -90,7 +107,15 @@ class DaemonConfig(BaseModel):
             raise ValueError("listening on TCP requires a bearer token (token = ...)")
         if self.shared_image_dir is not None and "," in str(self.shared_image_dir):
             raise ValueError("shared_image_dir must not contain a comma (it goes into mount options)")
+        tiers = [b.type for b in self.backends]
+        if len(set(tiers)) != len(tiers):
+            raise ValueError(f"each tier may be configured once (backends: {tiers})")
         return self
+
+    @property
+    def container(self) -> ContainerBackendConfig:
+        """The container tier's settings (its defaults when the node does not run it)."""
+        return next((b for b in self.backends if isinstance(b, ContainerBackendConfig)), ContainerBackendConfig())
 
     @property
     def images_root(self) -> Path:

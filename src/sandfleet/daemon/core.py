@@ -42,7 +42,7 @@ from sandfleet.daemon.lifecycle import (
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.pool import WarmPools
 from sandfleet.daemon.state import SandboxRow, StateStore
-from sandfleet.errors import InternalError, SandboxError, UnavailableError, WrongStateError
+from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError, WrongStateError
 from sandfleet.images import LayerStore
 from sandfleet.models import SandboxEvent, SandboxInfo, SandboxSpec, Usage
 from sandfleet.runtime.agent import ChannelClosedError
@@ -145,7 +145,7 @@ class NodeCore:
     def __init__(
         self,
         *,
-        backend: Backend,
+        backends: builtins.list[Backend],
         store: LayerStore,
         state: StateStore,
         metrics: Metrics,
@@ -154,7 +154,9 @@ class NodeCore:
         stopped_retention: float,
         reaper_interval: float,
     ) -> None:
-        self.backend = backend
+        # The node's isolation tiers by name; a sandbox's is `sb.spec.backend`. The first is the default.
+        self.backends: dict[str, Backend] = {b.name: b for b in backends}
+        self.default_tier = backends[0].name
         self.store = store
         self.state = state
         self.metrics = metrics
@@ -175,6 +177,19 @@ class NodeCore:
         self.best_effort_ids: set[str] = set()  # running or paused best-effort sandboxes
         self.shutting_down = False
         metrics.track_sandboxes(self.usage_sources)
+
+    def tier(self, sb: Sandbox) -> Backend:
+        """The backend a sandbox lives on."""
+        return self.backends[sb.spec.backend]
+
+    def tier_for(self, name: str) -> Backend:
+        """The backend of tier `name`, or the typed error of a node without it."""
+        backend = self.backends.get(name)
+        if backend is None:
+            raise InvalidArgumentError(
+                f"backend {name!r} is not available on this node (available: {', '.join(map(repr, self.backends))})"
+            )
+        return backend
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         if self.tg is None:
@@ -311,7 +326,7 @@ class NodeCore:
         if sb.id in self.best_effort_cpu and sb.live is not None:
             # Its final CPU time, so the admission's count of latency-sensitive use does not jump.
             with contextlib.suppress(OSError):
-                self.best_effort_retired += self.backend.cpu_seconds(sb.live)
+                self.best_effort_retired += self.tier(sb).cpu_seconds(sb.live)
                 del self.best_effort_cpu[sb.id]
         try:
             # Not being able to record it (a full disk) must not keep a sandbox running: a restart
@@ -322,7 +337,7 @@ class NodeCore:
         try:
             if sb.live is not None:
                 await self.record_limits(sb, sb.live)
-                await self.backend.destroy(sb.live)
+                await self.tier(sb).destroy(sb.live)
         except Exception as exc:
             # Still holds resources: keep the row `stopping` (a restart retries) and let the reaper
             # retry the stop; the admission budget stays taken until it succeeds.
@@ -358,13 +373,13 @@ class NodeCore:
         sb = self.sandbox(sandbox_id)
         if sb.live is None or sb.state not in HOLDING_STATES:
             raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}")
-        usage = await asyncio.to_thread(self.backend.usage, sb.live)
+        usage = await asyncio.to_thread(self.tier(sb).usage, sb.live)
         return usage.model_copy(update={"cpu_seconds": round(usage.cpu_seconds, 6)})
 
     def usage_sources(self) -> builtins.list[tuple[str, str, str, Callable[[], Usage]]]:
         """For the metrics scrape (in a worker thread): every sandbox holding resources, with a reader."""
         return [
-            (sb.id, sb.state, sb.spec.qos, functools.partial(self.backend.usage, live))
+            (sb.id, sb.state, sb.spec.qos, functools.partial(self.tier(sb).usage, live))
             for sb in self.table
             if (live := sb.live) is not None and sb.state in HOLDING_STATES
         ]
@@ -379,11 +394,15 @@ class NodeCore:
             if sb is None or sb.live is None or sb.state not in HOLDING_STATES:
                 self.best_effort_ids.discard(sandbox_id)
                 continue
-            best_effort[sandbox_id] = self.backend.cpu_seconds(sb.live)
+            best_effort[sandbox_id] = self.tier(sb).cpu_seconds(sb.live)
         for gone in self.best_effort_cpu.keys() - best_effort.keys():
             self.best_effort_retired += self.best_effort_cpu[gone]
         self.best_effort_cpu = best_effort
-        used = self.backend.cpu_seconds(None) - sum(best_effort.values()) - self.best_effort_retired
+        used = (
+            sum(b.cpu_seconds(None) for b in self.backends.values())
+            - sum(best_effort.values())
+            - self.best_effort_retired
+        )
         self.admission.observe_cpu(used, time.monotonic())
 
     def touch(self, sb: Sandbox) -> None:
@@ -446,7 +465,7 @@ class NodeCore:
         """Turn cgroup counters into events: OOM kills and refused forks since we last looked.
         Returns the number of new OOM kills."""
         try:
-            stats = await asyncio.to_thread(self.backend.usage, live)
+            stats = await asyncio.to_thread(self.tier(sb).usage, live)
         except OSError:
             return 0
         new_ooms = max(0, stats.oom_kills - sb.oom_kills)

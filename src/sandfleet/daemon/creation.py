@@ -127,15 +127,13 @@ class Creation:
             self.core.admission.release(spec.resources)
             raise
         created = {"image": spec.environment(), "layers": [x.digest for x in image.layers]}
-        return await self.start_admitted(spec, lambda sid: self.core.backend.create(sid, spec, image), created, key)
+        tier = self.core.tier_for(spec.backend)
+        return await self.start_admitted(spec, lambda sid: tier.create(sid, spec, image), created, key)
 
     def check_backend(self, spec: SandboxSpec) -> None:
         if self.core.shutting_down:
             raise UnavailableError("daemon is shutting down")
-        if spec.backend != self.core.backend.name:
-            raise InvalidArgumentError(
-                f"backend {spec.backend!r} is not available on this node (available: {self.core.backend.name!r})"
-            )
+        self.core.tier_for(spec.backend)
 
     def admit(self, spec: SandboxSpec) -> None:
         """Take the spec's admission budget (or raise ResourceExhaustedError); counts as creating."""

@@ -122,7 +122,7 @@ class Files:
             # Streamed through a capped parser in a worker thread: a 62 MB /etc/passwd costs the
             # sandbox's own disk, never the daemon's memory or its event loop.
             try:
-                found = await self.fs(live, lambda fs: fs.lookup_user(name, max_bytes=PASSWD_MAX_BYTES))
+                found = await self.fs(sb, live, lambda fs: fs.lookup_user(name, max_bytes=PASSWD_MAX_BYTES))
             except NotFoundError:
                 found = None
             if found is None:
@@ -180,8 +180,10 @@ class Files:
 
         return EventStream(events(), w.close)
 
-    async def fs(self, live: LiveSandbox, op: Callable[[SandboxFS], T], *, cwd: str = "/", mutating: bool = False) -> T:
-        host = self.core.backend
+    async def fs(
+        self, sb: Sandbox, live: LiveSandbox, op: Callable[[SandboxFS], T], *, cwd: str = "/", mutating: bool = False
+    ) -> T:
+        host = self.core.tier(sb)
         if not isinstance(host, HostFiles):
             raise unsupported(host, "reach its files from the host")
 
@@ -267,7 +269,7 @@ class Files:
     ) -> T:
         sb, live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
-        result = await self.fs(live, op, cwd=sb.spec.workdir, mutating=mutating)
+        result = await self.fs(sb, live, op, cwd=sb.spec.workdir, mutating=mutating)
         if event is not None:
             self.core.journal.record(sb.id, event[0], event[1])
         return result
@@ -298,7 +300,7 @@ class Files:
         self.core.touch(sb)
         cwd = sb.spec.workdir
 
-        host = self.core.backend
+        host = self.core.tier(sb)
         if not isinstance(host, HostFiles):
             raise unsupported(host, "reach its files from the host")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -196,7 +197,7 @@ class Images:
         if self.core.pools is not None:
             keep.update(self.core.pools.layer_digests())
         # A mounted layer's file cannot really go (the mount holds it): unmount the unused ones first.
-        if isinstance(cache := self.core.backend, LayerCache):
+        for cache in self._caches():
             await cache.unmount_unused_layers()
             keep |= cache.busy_layers()  # and never one a create is mounting right now
         removed, freed = await asyncio.to_thread(self.core.store.gc, keep, min_age=min_age)
@@ -213,16 +214,29 @@ class Images:
         limit = self.core.store.cache_max
         if limit is None or await asyncio.to_thread(self.core.store.local_bytes) <= limit:
             return [], 0
-        if not isinstance(cache := self.core.backend, LayerCache):
-            return await asyncio.to_thread(self.core.store.trim, limit, keep, _remove)
-        await cache.unmount_unused_layers()
-        return await asyncio.to_thread(self.core.store.trim, limit, keep, cache.remove_layer_if_idle)
+        caches = self._caches()
+        for cache in caches:
+            await cache.unmount_unused_layers()
+        return await asyncio.to_thread(self.core.store.trim, limit, keep, functools.partial(_remove_if_idle, caches))
+
+    def _caches(self) -> builtins.list[LayerCache]:
+        return [b for b in self.core.backends.values() if isinstance(b, LayerCache)]
 
     def layer_refs(self, digests: builtins.list[str]) -> builtins.list[LayerRef]:
         return [self.layer_by_digest(digest) for digest in digests]
 
 
-def _remove(_digest: str, remove: Callable[[], None]) -> bool:
-    """Layer removal on a tier that mounts no shared layers: nothing can be using the file."""
-    remove()
-    return True
+def _remove_if_idle(caches: list[LayerCache], digest: str, remove: Callable[[], None]) -> bool:
+    """Run `remove` unless a tier has the layer mounted (or is mounting it), each tier's check held
+    around the next: atomic with respect to every tier's mounts."""
+    if not caches:
+        remove()
+        return True
+    first, rest = caches[0], caches[1:]
+    done = False
+
+    def inner() -> None:
+        nonlocal done
+        done = _remove_if_idle(rest, digest, remove)
+
+    return first.remove_layer_if_idle(digest, inner) and done

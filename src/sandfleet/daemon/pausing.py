@@ -19,8 +19,8 @@ class Pauser:
     def __init__(self, core: NodeCore) -> None:
         self.core = core
 
-    def _tier(self, doing: str) -> Pausable:
-        if not isinstance(backend := self.core.backend, Pausable):
+    def _tier(self, sb: Sandbox, doing: str) -> Pausable:
+        if not isinstance(backend := self.core.tier(sb), Pausable):
             raise unsupported(backend, doing)
         return backend
 
@@ -41,8 +41,8 @@ class Pauser:
 
     async def pause(self, sandbox_id: str, *, by_policy: bool = False) -> SandboxInfo:
         """Freeze the sandbox and push its memory out (to swap / dropped page cache)."""
-        self._tier("pause")
         sb = self.core.sandbox(sandbox_id)
+        self._tier(sb, "pause")
         async with sb.pause_lock:
             if sb.state == PAUSED:
                 if not by_policy and not sb.held:
@@ -54,7 +54,7 @@ class Pauser:
             if is_busy(sb, time.time()):
                 raise WrongStateError(f"sandbox {sandbox_id} has {sb.inflight} request(s) in flight")
             t0 = time.perf_counter()
-            before, after = await self._tier("pause").pause(sb.live)
+            before, after = await self._tier(sb, "pause").pause(sb.live)
             self.core.table.move(sb, PAUSED)
             sb.held = not by_policy
             await self.core.state.update(sb.id, state=PAUSED, held=int(sb.held))
@@ -78,7 +78,7 @@ class Pauser:
             if sb.state != PAUSED or sb.live is None:
                 return
             t0 = time.perf_counter()
-            await self._tier("resume").resume(sb.live)
+            await self._tier(sb, "resume").resume(sb.live)
             self.core.table.move(sb, RUNNING)
             sb.held = False
             self.core.touch(sb)

@@ -10,7 +10,7 @@ import time
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import Recoverable
+from sandfleet.backends.base import Backend, Recoverable
 from sandfleet.daemon.core import ACTIVITY_FLUSH, CLAIM_WINDOW, NodeCore, lenient_spec, log, store_row
 from sandfleet.daemon.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
 from sandfleet.daemon.pausing import Pauser
@@ -33,21 +33,25 @@ class Recovery:
         now = time.time()
         repause: builtins.list[str] = []
         for row in rows:
+            tier = self.core.backends.get(row.backend)
+            if tier is None:
+                log.error("sandbox %s: its tier %r is not configured on this node; left as it is", row.id, row.backend)
             spec = lenient_spec(row.spec)
             if spec is None:
                 # A row this version cannot read must not keep the daemon from starting.
                 log.error("sandbox %s: unreadable spec in the state store; removing it", row.id)
-                await self.core.backend.cleanup(row.id, row.runtime)
+                if tier is not None:
+                    await tier.cleanup(row.id, row.runtime)
                 await self.core.state.delete([row.id])
                 continue
             unheard = not row.acked and row.idempotency_key is None
             if row.idempotency_key is not None:  # a retry of its create gets this one, stopped or not
                 self.core.keys[row.idempotency_key] = (row.id, "")
-            if row.state in HOLDING_STATES and not unheard:
+            if tier is not None and row.state in HOLDING_STATES and not unheard:
                 # adopt() thaws a paused sandbox first (a frozen agent cannot answer): it comes back
                 # running; one paused on request is paused again below, its idle policy may pause
                 # the others again.
-                live = await self.core.backend.adopt(row.id, row.runtime)
+                live = await tier.adopt(row.id, row.runtime)
                 if live is not None:
                     sb = self._recovered(row, spec, RUNNING, now)
                     sb.live = live
@@ -63,7 +67,8 @@ class Recovery:
                         repause.append(row.id)
                     continue
             if row.state not in (STOPPED, FAILED):  # it was live (or a state this version does not know)
-                await self.core.backend.cleanup(row.id, row.runtime)
+                if tier is not None:
+                    await tier.cleanup(row.id, row.runtime)
                 sb = self._recovered(row, spec, FAILED if row.state == CREATING else STOPPED, now)
                 sb.stop_reason = sb.stop_reason or (
                     "its create was never answered" if unheard else "lost in daemon restart"
@@ -74,14 +79,16 @@ class Recovery:
                 await self.core.forget(sb)
                 continue
             self.core.table.add(self._recovered(row, spec, row.state, now))
-        orphans = self.core.backend.residue() - known
+        orphans = {tier: tier.residue() - known for tier in self.core.backends.values()}
         if self.core.state.reset_from is not None:
             # The database was damaged and set aside: what still runs is taken back from the node.
-            orphans -= await self._rebuild(orphans)
+            for tier, ids in orphans.items():
+                ids -= await self._rebuild(tier, ids)
         await self.snapshots.recover()
         # Residue with no row at all (a crash between mkdir and insert, warm pool members).
-        for name in orphans:
-            await self.core.backend.cleanup(name, {})
+        for tier, ids in orphans.items():
+            for name in ids:
+                await tier.cleanup(name, {})
         for sandbox_id in repause:
             with contextlib.suppress(SandboxError):
                 await self.pauser.pause(sandbox_id)
@@ -103,7 +110,7 @@ class Recovery:
             acked=bool(row.acked),
         )
 
-    async def _rebuild(self, candidates: set[str]) -> set[str]:
+    async def _rebuild(self, rebuild: Backend, candidates: set[str]) -> set[str]:
         """After the state database was lost: adopt the sandboxes still running on the node (their
         cgroups and agents say what they are), with what can be known of their specs. Returns the
         ids taken back."""
@@ -111,7 +118,6 @@ class Recovery:
         # Rows still readable in the damaged file give back the spec (labels, env, TTLs) of theirs.
         salvaged = {row.id: row for row in getattr(self.core.state, "salvaged", [])}
         lost = "events and exec history; for sandboxes whose row was lost too: labels, env, user, workdir, TTLs"
-        rebuild = self.core.backend
         if not isinstance(rebuild, Recoverable):
             log.warning("the %s tier cannot take back running sandboxes: they are cleaned up", rebuild.name)
             return taken
@@ -120,7 +126,15 @@ class Recovery:
             if found is None:
                 continue
             live, resources = found
-            spec = SandboxSpec(image=None, layers=[], resources=resources, labels={"sandfleet.recovered": "true"})
+            spec = SandboxSpec.model_validate(
+                {
+                    "backend": rebuild.name,
+                    "image": None,
+                    "layers": [],
+                    "resources": resources,
+                    "labels": {"sandfleet.recovered": "true"},
+                }
+            )
             row = salvaged.get(sandbox_id)
             if row is not None:
                 with contextlib.suppress(ValidationError):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
-from sandfleet.backends.container import ContainerBackend
+from sandfleet.backends.registry import build_backend
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.app import create_app
 from sandfleet.daemon.config import DaemonConfig
@@ -136,8 +136,11 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         shared=config.shared_image_dir,
         cache_max=config.image_cache_max,
     )
-    backend = ContainerBackend(config.container, state_dir=config.state_dir, run_dir=config.run_dir, store=store)
-    await backend.start()
+    backends = [
+        build_backend(tier, state_dir=config.state_dir, run_dir=config.run_dir, store=store) for tier in config.backends
+    ]
+    for backend in backends:
+        await backend.start()
     if config.ksm:
         await asyncio.to_thread(enable_ksm)
     zram = config.zram_size if config.zram_size is not None else _mem_total() // 4
@@ -157,7 +160,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         )
     )
     manager = SandboxManager(
-        backend=backend,
+        backends=backends,
         store=store,
         state=state,
         metrics=metrics,
@@ -172,7 +175,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     )
     if config.pools or config.pool_adaptive_max:
         manager.pools = WarmPools(
-            backend=backend,
+            backend=backends[0],  # warm pools hold sandboxes of the default tier
             admission=admission,
             resolve_environment=manager.resolve_environment,
             new_id=new_sandbox_id,
@@ -219,5 +222,6 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
             sock.close()
         with contextlib.suppress(FileNotFoundError):
             config.socket.unlink()
-        await backend.close()
+        for backend in backends:
+            await backend.close()
         await state.close()

@@ -76,7 +76,7 @@ class SandboxManager:
     def __init__(
         self,
         *,
-        backend: Backend,
+        backends: builtins.list[Backend],
         store: LayerStore,
         state: StateStore,
         metrics: Metrics,
@@ -91,7 +91,7 @@ class SandboxManager:
         import_dirs: builtins.list[Path] | None = None,
     ) -> None:
         core = NodeCore(
-            backend=backend,
+            backends=backends,
             store=store,
             state=state,
             metrics=metrics,
@@ -167,9 +167,9 @@ class SandboxManager:
             status="ok",
             version=__version__,
             sandboxes_running=core.running_count(),
-            backends=[core.backend.name],
+            backends=list(core.backends),
             pools=core.pools.sizes() if core.pools is not None else {},
-            tiers={core.backend.name: capabilities(core.backend)},
+            tiers={name: capabilities(backend) for name, backend in core.backends.items()},
         )
 
     async def metrics_text(self) -> tuple[bytes, str]:

@@ -69,7 +69,7 @@ class Sessions:
         self.core.touch(sb)
         if len([s for s in sb.sessions.values() if not s.dead]) >= MAX_SESSIONS:
             raise ResourceExhaustedError(f"sandbox {sb.id} has {MAX_SESSIONS} sessions open: close one first")
-        shell, shielded = await self._session_shell(live)
+        shell, shielded = await self._session_shell(sb, live)
         req = ExecRequest(command=[shell], env=env, cwd=cwd, user=user, timeout=None, output_limit=0)
         try:
             # Output is capped per command by the agent (SRUN), dropped and counted between commands.
@@ -83,16 +83,16 @@ class Sessions:
         self.core.journal.record(sb.id, "session_created", {"session_id": session.id, "shell": shell})
         return self._session_info(session)
 
-    async def _session_shell(self, live: LiveSandbox) -> tuple[str, bool]:
+    async def _session_shell(self, sb: Sandbox, live: LiveSandbox) -> tuple[str, bool]:
         """The shell for a session, and whether it may start non-dumpable: bash and dash give up the
         differing effective gid the agent starts them with (busybox ash would keep it)."""
         with contextlib.suppress(SandboxError):
-            st = await self.files.fs(live, lambda fs: fs.stat("/bin/bash", follow_symlinks=True))
+            st = await self.files.fs(sb, live, lambda fs: fs.stat("/bin/bash", follow_symlinks=True))
             if st.type == "file":
                 return "/bin/bash", True
         target = ""
         with contextlib.suppress(SandboxError):
-            target = (await self.files.fs(live, lambda fs: fs.stat("/bin/sh"))).link_target or ""
+            target = (await self.files.fs(sb, live, lambda fs: fs.stat("/bin/sh"))).link_target or ""
         return "/bin/sh", posixpath.basename(target) in ("dash", "bash")
 
     def add(self, sb: Sandbox, session: Session) -> None:

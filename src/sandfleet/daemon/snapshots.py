@@ -147,7 +147,7 @@ class Snapshots:
         """Checkpoint a sandbox (a paused one is resumed for it and paused again); it keeps running.
         The snapshot outlives the sandbox: it is kept until deleted or until its ttl (default: the
         node's snapshot_retention) runs out. `temporary`: a fork's, deleted right after."""
-        tier = self.core.backend
+        tier = self.core.tier(self.core.sandbox(sandbox_id))
         if not isinstance(tier, Snapshottable):
             raise unsupported(tier, "snapshot or fork a sandbox")
         if self.snapshot_dir is None:
@@ -384,9 +384,9 @@ class Snapshots:
     ) -> builtins.list[SandboxInfo | SandboxError]:
         """`count` new sandboxes from a snapshot, started together; each succeeds or fails on its own.
         Each child keeps the parent's sessions and background processes (same ids)."""
-        if not isinstance(self.core.backend, Snapshottable):
-            raise unsupported(self.core.backend, "restore a snapshot")
         rec = self._snapshot(snapshot_id)
+        if not isinstance(tier := self.core.tier_for(rec.spec.backend), Snapshottable):
+            raise unsupported(tier, "restore a snapshot")
         spec = self._child_spec(rec, labels)
         fingerprint = json.dumps(["restore", snapshot_id, count, sorted((labels or {}).items())])
         return await self._keyed_batch(
@@ -396,7 +396,7 @@ class Snapshots:
     async def _restore(
         self, rec: SnapshotRecord, spec: SandboxSpec, count: int, key: str | None
     ) -> builtins.list[SandboxInfo | SandboxError]:
-        tier = self.core.backend
+        tier = self.core.tier_for(spec.backend)
         if not isinstance(tier, Snapshottable):
             raise unsupported(tier, "restore a snapshot")
         created = {"snapshot": rec.info.id, "source": rec.info.sandbox_id}
@@ -464,7 +464,7 @@ class Snapshots:
         files): under them the new image shows the base layers' content, as before the sandbox ran.
         The manifest's recipe records which sandbox (and image) it was packed from, and when.
         """
-        tier = self.core.backend
+        tier = self.core.tier(self.core.sandbox(sandbox_id))
         if not isinstance(tier, Packable):
             raise unsupported(tier, "pack a sandbox into an image")
         try:
