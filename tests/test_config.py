@@ -11,6 +11,8 @@ from pydantic import ValidationError
 from sandfleet.backends.config import ContainerBackendConfig
 from sandfleet.daemon.config import DaemonConfig
 
+pytestmark = pytest.mark.unprivileged
+
 
 def _load(text: str) -> DaemonConfig:
     return DaemonConfig.model_validate(tomllib.loads(text))

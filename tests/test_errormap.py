@@ -23,6 +23,8 @@ from sandfleet.runtime.agent import ChannelClosedError, ExecStartError
 from sandfleet.runtime.files import FileOpError, FileTooLargeError
 from sandfleet.runtime.launcher import INVALID, UNAVAILABLE, LaunchError
 
+pytestmark = pytest.mark.unprivileged
+
 
 def _package_exceptions() -> list[type[BaseException]]:
     """Every exception class defined in a module of the package (daemon/ is a namespace package,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unprivileged
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 PKG = "sandfleet"
 
@@ -176,6 +178,16 @@ def test_no_service_module_is_over_600_lines() -> None:
         m: n for m in SERVICE_ORDER if (n := len((SRC / PKG / "daemon" / f"{m}.py").read_text().splitlines())) > 600
     }
     assert not long, long
+
+
+def test_only_tests_import_the_testing_helpers() -> None:
+    bad = sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in GRAPH.items()
+        for dep in deps
+        if _in(dep, "sandfleet.testing") and not _in(mod, "sandfleet.testing")
+    )
+    assert not bad, bad
 
 
 def test_nothing_imports_the_command_line() -> None:

@@ -31,6 +31,8 @@ from sandfleet.errors import (
 )
 from sandfleet.models import ExecResult, ProcessInfo, SandboxInfo, SandboxSpec, SessionInfo, SnapshotInfo
 
+pytestmark = pytest.mark.unprivileged
+
 Handler = Callable[[httpx.Request], httpx.Response]
 
 

@@ -26,6 +26,8 @@ from sandfleet.daemon.state import (
     StateStore,
 )
 
+pytestmark = pytest.mark.unprivileged
+
 # The schema before idempotency keys, acks and holds (what an existing node has on disk).
 OLD_SCHEMA = """
 CREATE TABLE sandboxes (

@@ -26,6 +26,8 @@ from sandfleet.daemon.state import StateStore
 from sandfleet.errors import SandboxNotFoundError, WrongStateError
 from sandfleet.models import SandboxSpec, SandboxState
 
+pytestmark = pytest.mark.unprivileged
+
 SPEC = SandboxSpec(image="busybox", labels={"job": "a"})
 
 

@@ -11,6 +11,7 @@ snapshots, reaper, recovery) call down into it, never up.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import base64
 import builtins
 import contextlib
@@ -193,6 +194,8 @@ class NodeCore:
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         if self.tg is None:
+            if inspect.iscoroutine(coro):
+                coro.close()  # never started: no "was never awaited" warning
             raise UnavailableError("daemon is shutting down")
         task = self.tg.create_task(self._guard(coro, name), name=name)
         self.tasks.add(task)

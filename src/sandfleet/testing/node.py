@@ -1,0 +1,101 @@
+"""A whole node service in this process, on the fake tier, for tests without root.
+
+    async with InProcessNode(tmp_path) as node:
+        async with node.client() as fleet:            # AsyncClient over an in-process ASGI transport
+            sb = await fleet.create(image="busybox")
+            assert (await sb.exec("echo hi")).stdout == "hi\\n"
+
+Everything between the SDK and the backend is the product's own code: the routes (create_app), the
+service (SandboxManager and its concerns), the state store (SQLite in `root`), admission and the
+event journal. Only the tier is fake (testing/fake_backend.py), and images are empty manifests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sandfleet.client import AsyncClient
+from sandfleet.daemon.admission import Admission, AdmissionPolicy
+from sandfleet.daemon.app import create_app
+from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.service import SandboxManager
+from sandfleet.daemon.state import StateStore
+from sandfleet.images import LayerStore, parse_ref
+from sandfleet.testing.fake_backend import FakeBackend
+
+DEFAULT_IMAGES = ("busybox:latest", "python:3.11")
+
+
+class InProcessNode:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        images: tuple[str, ...] = DEFAULT_IMAGES,
+        max_sandboxes: int = 64,
+        reaper_interval: float = 0.1,
+        stopped_retention: float = 300.0,
+        token: str | None = None,
+    ) -> None:
+        """`images`: refs that exist (as empty stacks: the fake tier mounts nothing)."""
+        self.root = Path(root)
+        self.images = images
+        self.token = token
+        self.backend = FakeBackend(self.root / "sandboxes")
+        self.metrics = Metrics()
+        self.state = StateStore(self.root / "state.db")
+        self.store = LayerStore(self.root / "images")
+        self.service = SandboxManager(
+            backends=[self.backend],
+            store=self.store,
+            state=self.state,
+            metrics=self.metrics,
+            admission=Admission(AdmissionPolicy(max_sandboxes=max_sandboxes, max_cpu_load=None)),
+            stopped_retention=stopped_retention,
+            reaper_interval=reaper_interval,
+            build_missing_images=False,
+            snapshot_dir=None,
+        )
+        self.app = create_app(self.service, self.metrics, token=token)
+        self._serving = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> InProcessNode:
+        await self.state.open()
+        for ref in self.images:
+            name, tag = parse_ref(ref)
+            await asyncio.to_thread(self.store.put_manifest, name, tag, [])
+        await self.backend.start()
+
+        async def ready() -> None:
+            self._serving.set()
+            await self._stop.wait()
+
+        self._task = asyncio.get_running_loop().create_task(self.service.run(ready), name="in-process-node")
+        waiter = asyncio.ensure_future(self._serving.wait())
+        done, _ = await asyncio.wait({waiter, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if self._task in done:  # recovery failed: say why
+            waiter.cancel()
+            self._task.result()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None and not self._task.done():
+            for sb in await self.service.list(state="all"):
+                if sb.state in ("running", "paused"):
+                    await self.service.stop(sb.id, reason="node closed")
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        await self.backend.close()
+        await self.state.close()
+
+    def client(self, **kwargs: Any) -> AsyncClient:
+        """An SDK client whose requests go straight to this node's routes (no socket)."""
+        transport = httpx.ASGITransport(app=self.app)
+        return AsyncClient(url="http://in-process", token=self.token, transport=transport, **kwargs)
