@@ -35,4 +35,6 @@ if ! [ -x "$CRIU_ROOT/usr/sbin/criu" ]; then
     mv "$CRIU_ROOT.tmp" "$CRIU_ROOT"
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+python3 -m pip install -q --disable-pip-version-check -e ".[node,dev]"
+# The agent, the launcher and criu's shim, compiled once here (the daemon copies them at start).
+python3 -m sandfleet.runtime.prebuild >/dev/null

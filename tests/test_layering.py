@@ -7,6 +7,9 @@ Read from the source with `ast` (nothing is imported). Only imports that run cou
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -198,6 +201,44 @@ def test_nothing_imports_the_command_line() -> None:
         if _in(dep, "sandfleet.cli", "sandfleet.demo") and mod not in ("sandfleet.__main__", "sandfleet.cli")
     )
     assert not bad, bad
+
+
+def test_the_sdk_imports_with_only_pydantic_and_httpx() -> None:
+    """An SDK-only install (`pip install sandfleet`, without the `node` extra) can use the SDK: every
+    other third-party package is made unimportable and the SDK is imported and used in a subprocess."""
+    blocked = ["fastapi", "starlette", "uvicorn", "httptools", "typer", "click", "rich", "prometheus_client"]
+    script = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"blocked: {{name}}", name=name)
+sys.meta_path.insert(0, Block())
+import sandfleet, sandfleet.client.sync, sandfleet.client.aio
+from sandfleet import Client, AsyncClient, SandboxSpec, Resources
+spec = SandboxSpec(image="busybox", resources=Resources(memory="1GiB"))
+assert spec.resources.memory == 1024**3
+assert not [m for m in sys.modules if m.split(".")[0] in {blocked!r}]
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode == 0, r.stderr
+    # The command line says which extra it needs instead of a traceback.
+    script = f"""
+import sys, runpy
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"blocked: {{name}}", name=name)
+sys.meta_path.insert(0, Block())
+sys.argv = ["sandfleet", "--help"]
+runpy.run_module("sandfleet", run_name="__main__")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode == 1 and "pip install 'sandfleet[node]'" in r.stderr, r.stderr
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(SRC)}
 
 
 def test_the_graph_is_read() -> None:

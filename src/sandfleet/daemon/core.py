@@ -11,11 +11,11 @@ snapshots, reaper, recovery) call down into it, never up.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import base64
 import builtins
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import posixpath

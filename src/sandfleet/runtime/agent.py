@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from sandfleet.runtime.prebuilt import install_prebuilt, prebuilt_dir
+
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
 LAUNCHER_SOURCE = Path(__file__).with_name("launcher.c")
 LAUNCHER_NAME = "sandfleet-run"  # <= 15 bytes: it is also the command name the orphan reaper matches
@@ -125,14 +127,20 @@ def build_static(source_path: Path, cache_dir: Path, name: str, *, prefer_musl: 
     each one traps to the hypervisor on a VM, so exec of the glibc-built agent costs ~0.5 ms against
     ~0.24 ms for the musl build, once per sandbox.
     """
-    compiler = "musl-gcc" if prefer_musl and shutil.which("musl-gcc") else "gcc"
     source = source_path.read_bytes()
     # A gcc build keeps the key it always had (a snapshot names the agent build it can be restored
-    # with); a musl build is another build of the same source.
-    key = hashlib.sha256(source if compiler == "gcc" else b"musl-gcc\0" + source).hexdigest()[:16]
+    # with); a musl build is another build of the same source. A build already here or prebuilt at
+    # setup is used before any compiler runs; musl's first.
+    keys = {"gcc": hashlib.sha256(source).hexdigest()[:16]}
+    if prefer_musl:
+        keys["musl-gcc"] = hashlib.sha256(b"musl-gcc\0" + source).hexdigest()[:16]
+        if found := _ready(cache_dir, keys["musl-gcc"], name):
+            return found
+    compiler = "musl-gcc" if prefer_musl and shutil.which("musl-gcc") else "gcc"
+    key = keys[compiler]
     target = cache_dir / key / name
-    if target.exists():
-        return target
+    if found := _ready(cache_dir, key, name):
+        return found
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=target.parent)
     os.close(fd)
@@ -150,6 +158,18 @@ def build_static(source_path: Path, cache_dir: Path, name: str, *, prefer_musl: 
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _ready(cache_dir: Path, key: str, name: str) -> Path | None:
+    """`cache_dir/key/name` if it is there or could be copied from the prebuilt set."""
+    target = cache_dir / key / name
+    if target.exists():
+        return target
+    if (prebuilt_dir() / key / name).is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if install_prebuilt(key, name, target):
+            return target
+    return None
 
 
 def build_agent(cache_dir: Path) -> Path:

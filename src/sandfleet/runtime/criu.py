@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandfleet.runtime import files, proc
+from sandfleet.runtime.prebuilt import install_prebuilt
 
 DEFAULT_ROOT = Path("/opt/sandfleet/criu")
 AGENT_FD = 4  # where the restorer finds the agent binary (the launcher's fd 4)
@@ -241,6 +242,8 @@ def build_shim(cache_dir: Path) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if install_prebuilt(key, SHIM_NAME, target):
+        return target
     fd, tmp = tempfile.mkstemp(prefix=".shim-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:

@@ -1,0 +1,245 @@
+"""The SDK's contract, written once, run against every tier a node can have.
+
+Each test takes the layered fixtures: `tier` (a daemon running one tier configuration) -> `fleet` (a
+client) -> `sb` (a fresh sandbox) -> `busy` (that sandbox with a background process running). A tier
+without a capability a test needs skips it with the reason (`needs`), never silently. After every
+test the node must hold nothing of the sandboxes that test stopped: no directory, mount or cgroup.
+The next tiers (microvm, vm, fncall) join `TIERS` and run this file unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from sandfleet import (
+    Client,
+    InvalidArgumentError,
+    Resources,
+    SandboxError,
+    SandboxNotFoundError,
+    WrongStateError,
+)
+from sandfleet.client import Sandbox
+
+from conftest import Daemon, destroy_daemon, make_daemon, wait_until
+from leakcheck import residue
+
+# name -> (tier in SandboxSpec.backend, config lines of its [container] table, what it needs on the host)
+TIERS = {
+    "container-launcher": ("container", 'runtime = "launcher"\n', None),
+    "container-crun": ("container", 'runtime = "crun"\n', "crun"),
+}
+
+
+@dataclass
+class Tier:
+    name: str
+    backend: str
+    daemon: Daemon
+    capabilities: list[str]
+
+    def needs(self, capability: str) -> None:
+        if capability not in self.capabilities:
+            pytest.skip(f"the {self.name} tier has no {capability} capability")
+
+
+@pytest.fixture(scope="module", params=sorted(TIERS))
+def tier(request: pytest.FixtureRequest) -> Iterator[Tier]:
+    if os.geteuid() != 0:
+        pytest.skip("real tiers need root")
+    backend, lines, tool = TIERS[request.param]
+    if tool is not None and shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed")
+    d = make_daemon(f"conf-{request.param}")
+    d.config.write_text(d.config.read_text().replace("[container]\n", "[container]\n" + lines))
+    d.start()
+    try:
+        with d.client() as c:
+            caps = c.tiers()[backend]
+        yield Tier(request.param, backend, d, caps)
+    finally:
+        destroy_daemon(d)
+
+
+@pytest.fixture
+def fleet(tier: Tier) -> Iterator[Client]:
+    with tier.daemon.client(timeout=60) as c:
+        yield c
+        # Nothing of a stopped sandbox may stay on the node.
+        live = {s.id for s in c.list()}
+        r = residue(tier.daemon)
+        assert set(r.sandbox_dirs) <= live, f"directories left: {set(r.sandbox_dirs) - live}"
+        assert {c.split("/", 1)[1] for c in r.cgroups} <= live, f"cgroups left: {r.cgroups}"
+        assert not [m for m in r.mounts if m.split("/")[-1] not in live and not any(i in m for i in live)]
+
+
+@pytest.fixture
+def sb(fleet: Client, tier: Tier) -> Iterator[Sandbox]:
+    with fleet.create(backend=tier.backend, image="busybox", idle_ttl=120, resources=Resources(memory="128MiB")) as s:
+        yield s
+
+
+@pytest.fixture
+def busy(sb: Sandbox) -> Iterator[tuple[Sandbox, object]]:
+    p = sb.start("while true; do echo tick; sleep 0.2; done")
+    yield sb, p
+
+
+# -- lifecycle ------------------------------------------------------------------------------------
+
+
+def test_create_get_list_stop(fleet: Client, tier: Tier) -> None:
+    s = fleet.create(backend=tier.backend, image="busybox", labels={"conformance": tier.name})
+    assert s.info.state == "running" and s.info.spec.backend == tier.backend
+    assert fleet.get(s.id).info.state == "running"
+    assert [x.id for x in fleet.list(labels={"conformance": tier.name})] == [s.id]
+    assert s.stop().state == "stopped"
+    assert fleet.list(labels={"conformance": tier.name}) == []
+    with pytest.raises(WrongStateError):
+        s.exec("true")
+
+
+def test_idle_ttl(fleet: Client, tier: Tier) -> None:
+    s = fleet.create(backend=tier.backend, image="busybox", idle_ttl=1)
+    assert wait_until(lambda: fleet.get(s.id).info.state == "stopped", timeout=20)
+    assert fleet.get(s.id).info.stop_reason == "idle_ttl"
+
+
+# -- exec -------------------------------------------------------------------------------------------
+
+
+def test_exec_env_cwd_user_stdin(sb: Sandbox) -> None:
+    r = sb.exec("echo $A; pwd; id -u", env={"A": "b"}, cwd="/tmp")
+    assert r.stdout.split() == ["b", "/tmp", "0"]
+    assert sb.exec("id -u", user="nobody").stdout.strip() == "65534"
+    assert sb.exec("cat", stdin="in").stdout == "in"
+    assert sb.exec(["sh", "-c", "exit 7"]).exit_code == 7
+    assert sb.exec("no-such-command-here").exit_code == 127
+
+
+def test_exec_timeout_and_output_cap(sb: Sandbox) -> None:
+    t0 = time.monotonic()
+    r = sb.exec("sleep 30", timeout=0.5)
+    assert r.timed_out and time.monotonic() - t0 < 10
+    r = sb.exec("yes | head -c 100000", output_limit=1000)
+    assert len(r.stdout) == 1000 and r.stdout_truncated
+
+
+def test_exec_stream(sb: Sandbox) -> None:
+    events = list(sb.exec_stream("echo one; echo two >&2; exit 4"))
+    out = "".join(e.data or "" for e in events if e.type == "stdout")
+    err = "".join(e.data or "" for e in events if e.type == "stderr")
+    assert (out, err) == ("one\n", "two\n")
+    assert events[-1].type == "exit" and events[-1].result is not None and events[-1].result.exit_code == 4
+
+
+def test_background_process(busy: tuple[Sandbox, object]) -> None:
+    sb, p = busy
+    assert [x.id for x in sb.processes()] == [p.id]  # type: ignore[attr-defined]
+    info = p.kill()  # type: ignore[attr-defined]
+    assert info.result is not None and "tick" in info.result.stdout
+
+
+def test_sessions_keep_state(sb: Sandbox) -> None:
+    s = sb.session()
+    s.run("cd /tmp && export X=42")
+    r = s.run("pwd; echo $X")
+    assert r.stdout.split() == ["/tmp", "42"]
+    assert s.run("sleep 30", timeout=0.5).timed_out
+    assert s.run("echo alive").stdout == "alive\n"
+
+
+# -- files ------------------------------------------------------------------------------------------
+
+
+def test_files_round_trip(sb: Sandbox) -> None:
+    sb.files.write("/tmp/a.txt", "hello")
+    assert sb.files.read("/tmp/a.txt") == b"hello"
+    assert sb.exec("cat /tmp/a.txt").stdout == "hello"
+    assert "a.txt" in {f.name for f in sb.files.list("/tmp")}
+
+
+def test_files_stay_inside_the_sandbox(sb: Sandbox, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Paths through `..`, a symlink to /, and /proc/1/root all resolve inside the sandbox: a host
+    file is never read, and a write never lands on the host."""
+    host = tmp_path_factory.mktemp("host")
+    os.chmod(host, 0o755)
+    marker = host / "secret"
+    marker.write_text("host-secret")
+    sb.exec("ln -s / /tmp/link")
+    for path in (str(marker), f"/tmp/link{marker}", f"/tmp/../..{marker}", f"/proc/1/root{marker}"):
+        try:
+            data = sb.files.read(path)
+        except SandboxError:
+            continue
+        assert b"host-secret" not in data, path
+    for path in (f"/tmp/link{host}/written", f"/tmp/../..{host}/written"):
+        with contextlib.suppress(SandboxError):
+            sb.files.write(path, "x")
+    assert not (host / "written").exists()
+
+
+# -- events and errors ------------------------------------------------------------------------------
+
+
+def test_events(sb: Sandbox) -> None:
+    sb.exec("true")
+    kinds = [e.kind for e in sb.events()]
+    assert kinds[0] == "created" and "exec" in kinds
+
+
+def test_typed_errors(fleet: Client, tier: Tier) -> None:
+    with pytest.raises(SandboxNotFoundError):
+        fleet.get("sb-0000000000000000")
+    with pytest.raises(InvalidArgumentError):
+        fleet.create(backend=tier.backend, image="busybox", resources=Resources(memory=-1))  # type: ignore[arg-type]
+
+
+# -- containment ------------------------------------------------------------------------------------
+
+
+def test_no_network_by_default(sb: Sandbox) -> None:
+    links = sb.exec("cat /proc/net/dev").stdout
+    assert [line.split(":")[0].strip() for line in links.splitlines()[2:]] == ["lo"]
+    assert sb.exec("wget -q -T 2 -O- http://1.1.1.1/ ", timeout=10).exit_code != 0
+
+
+def test_basic_escape_checks(sb: Sandbox, tier: Tier) -> None:
+    r = sb.exec("cat /proc/self/uid_map; ls /proc | grep -c '^[0-9]'")
+    fields = r.stdout.split()
+    assert fields[:2] == ["0", "100000"], "root inside must be an unprivileged uid outside"
+    assert int(fields[-1]) < 10, "the sandbox sees host processes"
+    assert sb.exec("echo x > /sys/kernel/profiling").exit_code != 0
+    assert sb.exec("mount -t tmpfs t /mnt").exit_code != 0
+    assert str(tier.daemon.root) not in sb.exec("cat /proc/self/mountinfo").stdout
+
+
+# -- capabilities -----------------------------------------------------------------------------------
+
+
+def test_pause_resume(sb: Sandbox, tier: Tier) -> None:
+    tier.needs("pause")
+    assert sb.pause().state == "paused"
+    assert sb.exec("echo back").stdout == "back\n"  # transparent resume
+
+
+def test_fork(busy: tuple[Sandbox, object], tier: Tier, fleet: Client) -> None:
+    tier.needs("snapshot")
+    sb, _p = busy
+    sb.exec("echo parent > /tmp/state")
+    children = sb.fork(1)
+    try:
+        child = children[0]
+        assert not isinstance(child, Exception), child
+        assert child.exec("cat /tmp/state").stdout == "parent\n"
+    finally:
+        for c in children:
+            if not isinstance(c, Exception):
+                c.stop()
