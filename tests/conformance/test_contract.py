@@ -58,7 +58,9 @@ def tier(request: pytest.FixtureRequest) -> Iterator[Tier]:
     if tool is not None and shutil.which(tool) is None:
         pytest.skip(f"{tool} is not installed")
     d = make_daemon(f"conf-{request.param}")
-    d.config.write_text(d.config.read_text().replace("[container]\n", "[container]\n" + lines))
+    text = d.config.read_text().replace("[container]\n", "[container]\n" + lines)
+    # Stopped sandboxes stay listable for a minute: the contract checks their final state.
+    d.config.write_text(text.replace("stopped_retention = 0\n", "stopped_retention = 60\n"))
     d.start()
     try:
         with d.client() as c:
@@ -199,7 +201,13 @@ def test_typed_errors(fleet: Client, tier: Tier) -> None:
     with pytest.raises(SandboxNotFoundError):
         fleet.get("sb-0000000000000000")
     with pytest.raises(InvalidArgumentError):
-        fleet.create(backend=tier.backend, image="busybox", resources=Resources(memory=-1))  # type: ignore[arg-type]
+        fleet.create(backend=tier.backend, image="UPPER CASE")  # checked by the node, not the SDK
+    s = fleet.create(backend=tier.backend, image="busybox")
+    with pytest.raises(InvalidArgumentError):
+        s.exec("")
+    s.stop()
+    with pytest.raises((WrongStateError, SandboxNotFoundError)):
+        s.exec("true")
 
 
 # -- containment ------------------------------------------------------------------------------------
@@ -218,6 +226,14 @@ def test_basic_escape_checks(sb: Sandbox, tier: Tier) -> None:
     assert int(fields[-1]) < 10, "the sandbox sees host processes"
     assert sb.exec("echo x > /sys/kernel/profiling").exit_code != 0
     assert sb.exec("mount -t tmpfs t /mnt").exit_code != 0
+
+
+def test_mountinfo_names_no_host_path(sb: Sandbox, tier: Tier, request: pytest.FixtureRequest) -> None:
+    if tier.name == "container-crun":
+        # crun mounts the overlay in the daemon's namespace with absolute paths (lowerdir=..., upperdir=...):
+        # the sandbox learns where the node keeps its files. An information leak, not an escape; the
+        # launcher mounts from relative paths inside the sandbox's own namespace.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="crun's overlay options name host paths"))
     assert str(tier.daemon.root) not in sb.exec("cat /proc/self/mountinfo").stdout
 
 

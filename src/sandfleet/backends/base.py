@@ -147,9 +147,19 @@ CAPABILITIES: dict[str, type] = {
 }
 
 
+def offers(backend: Backend, capability: str) -> bool:
+    """Whether `backend` has `capability`: it implements the protocol, and its configuration allows
+    it (a tier may define `supports(name) -> bool`: the container tier snapshots and packs only with
+    its own launcher, not under crun or runc)."""
+    if not isinstance(backend, CAPABILITIES[capability]):
+        return False
+    supports = getattr(backend, "supports", None)
+    return bool(supports(capability)) if callable(supports) else True
+
+
 def capabilities(backend: Backend) -> list[str]:
     """The names of the capabilities `backend` has."""
-    return [name for name, cap in CAPABILITIES.items() if isinstance(backend, cap)]
+    return [name for name in CAPABILITIES if offers(backend, name)]
 
 
 def unsupported(backend: Backend, doing: str) -> UnsupportedError:

@@ -152,6 +152,11 @@ class ContainerBackend:
     def uses_launcher(self) -> bool:
         return self.config.runtime == "launcher"
 
+    def supports(self, capability: str) -> bool:
+        """Snapshots (criu of the launcher's tree) and pack (the scratch tmpfs the launcher mounts)
+        need the launcher runtime."""
+        return self.uses_launcher or capability not in ("snapshot", "pack")
+
     async def start(self) -> None:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         if self.uses_launcher:

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import LiveSandbox, Packable, Snapshottable, unsupported
+from sandfleet.backends.base import LiveSandbox, Packable, Snapshottable, offers, unsupported
 from sandfleet.daemon.core import NodeCore, lenient_spec, log
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.execs import Execs
@@ -148,7 +148,7 @@ class Snapshots:
         The snapshot outlives the sandbox: it is kept until deleted or until its ttl (default: the
         node's snapshot_retention) runs out. `temporary`: a fork's, deleted right after."""
         tier = self.core.tier(self.core.sandbox(sandbox_id))
-        if not isinstance(tier, Snapshottable):
+        if not isinstance(tier, Snapshottable) or not offers(tier, "snapshot"):
             raise unsupported(tier, "snapshot or fork a sandbox")
         if self.snapshot_dir is None:
             raise UnavailableError("snapshots are not enabled on this daemon")
@@ -385,7 +385,7 @@ class Snapshots:
         """`count` new sandboxes from a snapshot, started together; each succeeds or fails on its own.
         Each child keeps the parent's sessions and background processes (same ids)."""
         rec = self._snapshot(snapshot_id)
-        if not isinstance(tier := self.core.tier_for(rec.spec.backend), Snapshottable):
+        if not isinstance(tier := self.core.tier_for(rec.spec.backend), Snapshottable) or not offers(tier, "snapshot"):
             raise unsupported(tier, "restore a snapshot")
         spec = self._child_spec(rec, labels)
         fingerprint = json.dumps(["restore", snapshot_id, count, sorted((labels or {}).items())])
@@ -397,7 +397,7 @@ class Snapshots:
         self, rec: SnapshotRecord, spec: SandboxSpec, count: int, key: str | None
     ) -> builtins.list[SandboxInfo | SandboxError]:
         tier = self.core.tier_for(spec.backend)
-        if not isinstance(tier, Snapshottable):
+        if not isinstance(tier, Snapshottable) or not offers(tier, "snapshot"):
             raise unsupported(tier, "restore a snapshot")
         created = {"snapshot": rec.info.id, "source": rec.info.sandbox_id}
         inherit = rec.meta.get("inherit", {})
@@ -465,7 +465,7 @@ class Snapshots:
         The manifest's recipe records which sandbox (and image) it was packed from, and when.
         """
         tier = self.core.tier(self.core.sandbox(sandbox_id))
-        if not isinstance(tier, Packable):
+        if not isinstance(tier, Packable) or not offers(tier, "pack"):
             raise unsupported(tier, "pack a sandbox into an image")
         try:
             name, tag = parse_ref(ref)
