@@ -44,6 +44,7 @@ REPLACEMENTS = [
     ("await b.next_line(", "b.next_line_sync("),
     ("await asyncio.to_thread(b.local_tar, Path(local))", "b.local_tar(Path(local))"),
     ("await asyncio.to_thread(b.extract_tar, data, Path(local))", "b.extract_tar(data, Path(local))"),
+    ("await asyncio.to_thread(b.recipe_source, recipe, base_dir)", "b.recipe_source(recipe, base_dir)"),
     ("await b.gather_bounded(", "b.gather_bounded_sync("),
     ("await asyncio.sleep(", "time.sleep("),
     ("async for", "for"),

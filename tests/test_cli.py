@@ -82,9 +82,8 @@ def test_demo_rollout(daemon: Daemon, image: str) -> None:
 
 
 def test_images_build_recipe_import_and_layers(daemon: Daemon, tmp_path: Path) -> None:
-    """`images build recipe.toml` (a run step in a build sandbox), `create --layer`, `images import`."""
-    from conftest import IMAGES
-
+    """`images build recipe.toml` (sent to the daemon; a run step in a build sandbox), `create --layer`,
+    `images import`."""
     marker = os.urandom(4).hex()  # so the shared store's build cache cannot answer for this test
     (tmp_path / "tool").mkdir()
     (tmp_path / "tool" / "tk").write_text(f"#!/bin/sh\necho tk {marker}\n")
@@ -93,10 +92,10 @@ def test_images_build_recipe_import_and_layers(daemon: Daemon, tmp_path: Path) -
         f'[[step]]\ncopy = {{ src = "tool", dest = "/opt/tool" }}\nname = "t/cli-tool:{marker}"\n'
         f'[[step]]\nrun = "chmod +x /opt/tool/tk && echo {marker} > /built"\n'
     )
-    r = sf(daemon, "images", "build", str(tmp_path / "env.toml"), "--image-dir", str(IMAGES), timeout=300)
+    r = sf(daemon, "images", "build", str(tmp_path / "env.toml"), timeout=300)
     assert r.returncode == 0, r.stderr
     assert "t/cli-env:1" in r.stdout and "1/3 from cache" in r.stdout, r.stdout  # the base image was there
-    r = sf(daemon, "images", "build", str(tmp_path / "env.toml"), "--image-dir", str(IMAGES))
+    r = sf(daemon, "images", "build", str(tmp_path / "env.toml"))
     assert r.returncode == 0 and "3/3 from cache" in r.stdout, r.stdout + r.stderr
 
     sid = sf(daemon, "create", "--image", "t/cli-env:1").stdout.strip()
@@ -115,9 +114,9 @@ def test_images_build_recipe_import_and_layers(daemon: Daemon, tmp_path: Path) -
 
 
 def test_images_build_takes_the_daemons_config_and_prints_each_step(daemon: Daemon, tmp_path: Path) -> None:
-    """`images build --config` finds the daemon's socket and store in its config (no --socket, no
-    --image-dir, even with $SANDFLEET_SOCKET elsewhere); off a terminal it prints every step and a
-    run step's output; flags override the config."""
+    """`images build --config` finds the daemon's socket in its config (no --socket, even with
+    $SANDFLEET_SOCKET elsewhere); off a terminal it prints every step and a run step's output as the
+    daemon streams them; flags override the config."""
     nonce = os.urandom(4).hex()
     (tmp_path / "f").write_text(nonce)
     (tmp_path / "env.toml").write_text(

@@ -156,6 +156,7 @@ SERVICE_ORDER = [
     "core",
     "pausing",
     "images",
+    "builds",
     "files",
     "execs",
     "sessions",

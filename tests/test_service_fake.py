@@ -176,3 +176,17 @@ def _children(pid: int) -> list[str]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(stat[stat.index("(") + 1 : stat.rindex(")")])
     return out
+
+
+async def test_build_recipe_streams_its_steps(fleet: AsyncClient, tmp_path: Path) -> None:
+    """A recipe goes to the node, which builds it and streams its steps (here: only the base)."""
+    (tmp_path / "r.toml").write_text('ref = "t/fake-build:1"\nbase = "busybox"\nenv = { K = "v" }\n')
+    seen: list[object] = []
+    image = await fleet.build_recipe(tmp_path / "r.toml", on_event=seen.append)
+    assert (image.name, image.tag) == ("t/fake-build", "1")
+    assert [(e.type, e.index, e.kind) for e in seen if e.type == "step"] == [("step", 0, "base")]  # type: ignore[attr-defined]
+    assert "t/fake-build" in {i.name for i in await fleet.images()}
+    with pytest.raises(InvalidArgumentError):
+        await fleet.build_recipe("ref = [not a recipe\n", base_dir=tmp_path)
+    with pytest.raises(InvalidArgumentError, match="not a directory"):
+        await fleet.build_recipe('ref = "a:1"\nbase = "busybox"\n', base_dir=tmp_path / "missing")

@@ -18,9 +18,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sandfleet.client import AsyncClient, Client, Sandbox
+from sandfleet.client import Client, Sandbox
 from sandfleet.errors import SandboxError
-from sandfleet.models import Resources, SandboxSpec
+from sandfleet.models import BuildEvent, Resources, SandboxSpec
 
 app = typer.Typer(help="sandfleet: elastic sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 images_app = typer.Typer(help="List and build images.", invoke_without_command=True)
@@ -408,6 +408,29 @@ def images_gc(
     console.print(f"removed {len(res.removed)} layers, {res.bytes / 2**20:.1f} MiB freed")
 
 
+class _BuildReport:
+    """What `images build` shows of one recipe's build: each step as it finishes, its commands'
+    output before it, and the progress bar on a terminal."""
+
+    def __init__(
+        self, target: str, total: int, say: Callable[[str], None], progress: Progress | None, task: TaskID | None
+    ) -> None:
+        self.target, self.total, self.say, self.progress, self.task = target, total, say, progress, task
+        self.steps = self.hits = 0
+
+    def __call__(self, ev: BuildEvent) -> None:
+        if ev.type == "progress" and self.progress is not None and self.task is not None:
+            self.progress.update(self.task, completed=ev.fraction or 0.0, description=f"{self.target}: {ev.stage}")
+        elif ev.type == "step":
+            self.steps, self.hits = self.steps + 1, self.hits + bool(ev.cache_hit)
+            what = "cache hit" if ev.cache_hit else "built"
+            named = f" -> {ev.name}" if ev.name else ""
+            head = f"{self.target}: step {ev.index}/{self.total} {ev.kind}"
+            self.say(f"{head}: {what} {ev.layer} ({ev.seconds or 0.0:.2f}s){named}")
+        elif ev.type == "output":
+            self.say(f"  [{ev.index}{'' if ev.stream == 'stdout' else ' stderr'}] {ev.line}")
+
+
 @images_app.command("build")
 def images_build(
     targets: Annotated[
@@ -416,16 +439,7 @@ def images_build(
     ],
     config: Annotated[
         Path | None,
-        typer.Option(
-            help="the daemon's config file (as for `sandfleet serve --config`): its socket, state_dir, "
-            "image_dir, shared_image_dir and container.uid_base are used; the flags below override it"
-        ),
-    ] = None,
-    state_dir: Annotated[
-        Path | None, typer.Option(help="daemon state directory (default: the config's, else /var/lib/sandfleet)")
-    ] = None,
-    image_dir: Annotated[
-        Path | None, typer.Option(help="the daemon's layer store (default: the config's, else STATE_DIR/images)")
+        typer.Option(help="the daemon's config file (as for `sandfleet serve --config`): its socket is used"),
     ] = None,
     socket: Annotated[
         Path | None,
@@ -435,97 +449,63 @@ def images_build(
         ),
     ] = None,
 ) -> None:
-    """Build images into the daemon's layer store: one cached layer per recipe step.
+    """Build images in the daemon's layer store: one cached layer per recipe step.
 
-    Recipe steps that run commands (run, pip) do so in build sandboxes of the daemon at the socket.
+    The recipe goes to the daemon (the one way into its store), which reads the recipe's `copy` and
+    `git` sources from the recipe's directory and runs `run` and `pip` steps in build sandboxes.
     Each step is printed as it finishes (index, kind, cache hit or built, layer digest, seconds),
     with the output of `run` steps as it comes; on a terminal, with a progress bar as well.
     """
     from sandfleet.daemon.config import DEFAULT_SOCKET, DaemonConfig
-    from sandfleet.images import ImageError, LayerStore
-    from sandfleet.images.recipe import Recipe, StepResult, build_recipe
+    from sandfleet.images import ImageError
 
-    try:
-        cfg = DaemonConfig.load(config, state_dir=state_dir, image_dir=image_dir)
-    except (OSError, ValueError) as exc:  # unreadable file, bad TOML, invalid settings
-        raise typer.BadParameter(f"--config {config}: {exc}") from exc
-    env_socket = os.environ.get("SANDFLEET_SOCKET")
     if socket is None:
+        try:
+            cfg = DaemonConfig.load(config)
+        except (OSError, ValueError) as exc:  # unreadable file, bad TOML, invalid settings
+            raise typer.BadParameter(f"--config {config}: {exc}") from exc
+        env_socket = os.environ.get("SANDFLEET_SOCKET")
         if config is not None and "socket" in cfg.model_fields_set:
             socket = cfg.socket
         else:
             socket = Path(env_socket) if env_socket else DEFAULT_SOCKET
-    daemon_socket = socket
-    store = LayerStore(
-        cfg.images_root,
-        uid_base=cfg.container.uid_base,
-        shared=cfg.shared_image_dir,
-        cache_max=cfg.image_cache_max,
-    )
     interactive = console.is_terminal
 
-    async def build_all(out: Console, progress: Progress | None) -> None:
+    def build_all(out: Console, progress: Progress | None) -> None:
         def say(text: str) -> None:
             out.print(text, markup=False, highlight=False, soft_wrap=True)
 
-        for target in targets:
-            task = progress.add_task(target, total=1.0) if progress is not None else None
-            last_stage = [""]
+        with _client(socket) as fleet:
+            for target in targets:
+                task = progress.add_task(target, total=1.0) if progress is not None else None
+                if not target.endswith(".toml"):
+                    m = fleet.build_image(target)
+                    done = f"{target}: {len(m.layers)} layer(s) ready"
+                else:
+                    from sandfleet.images.recipe import Recipe
 
-            def report(
-                stage: str,
-                frac: float,
-                task: TaskID | None = task,
-                target: str = target,
-                last_stage: list[str] = last_stage,
-            ) -> None:
+                    recipe = Recipe.load(Path(target))  # its errors here, before the daemon is asked
+                    if not interactive:
+                        say(f"{target}: building {recipe.ref} ({len(recipe.steps)} step(s))")
+                    report = _BuildReport(target, len(recipe.steps), say, progress, task)
+                    m = fleet.build_recipe(target, on_event=report)
+                    done = f"{m.name}:{m.tag}: {len(m.layers)} layer(s), {report.hits}/{report.steps} from cache"
                 if progress is not None and task is not None:
-                    progress.update(task, completed=frac, description=f"{target}: {stage}")
-                elif not target.endswith(".toml") and stage != last_stage[0]:
-                    last_stage[0] = stage  # a built-in image: its few stages, once each
-                    say(f"{target}: {stage}")
-
-            if target.endswith(".toml"):
-                recipe = Recipe.load(Path(target))
-                total = len(recipe.steps)
-
-                def on_step(r: StepResult, target: str = target, total: int = total) -> None:
-                    what = "cache hit" if r.cache_hit else "built"
-                    named = f" -> {r.name}" if r.name else ""
-                    say(f"{target}: step {r.index}/{total} {r.kind}: {what} {r.layer} ({r.seconds:.2f}s){named}")
-
-                def on_output(index: int, stream: str, line: str) -> None:
-                    say(f"  [{index}{'' if stream == 'stdout' else ' stderr'}] {line}")
-
-                if not interactive:
-                    say(f"{target}: building {recipe.ref} ({total} step(s))")
-                result = await build_recipe(
-                    recipe,
-                    store,
-                    client_factory=lambda: AsyncClient(daemon_socket),
-                    progress=report,
-                    on_step=on_step,
-                    on_output=on_output,
-                )
-                m = result.manifest
-                done = f"{m.ref}: {len(m.layers)} layer(s), {result.cache_hits}/{len(result.steps)} from cache"
-            else:
-                m = await store.ensure(target, progress=report)
-                done = f"{target}: {len(m.layers)} layer(s) ready"
-            if progress is not None and task is not None:
-                progress.update(task, completed=1.0, description=done)
-            else:
-                say(done)
+                    progress.update(task, completed=1.0, description=done)
+                else:
+                    say(done)
 
     try:
         if interactive:
             with Progress(
                 SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
             ) as progress:
-                asyncio.run(build_all(progress.console, progress))
+                build_all(progress.console, progress)
         else:
-            asyncio.run(build_all(console, None))
-    except ImageError as exc:
+            build_all(console, None)
+    except SandboxError as exc:
+        raise _fail(exc) from exc
+    except (OSError, ValueError, ImageError) as exc:  # an unreadable or invalid recipe file
         err_console.print(f"[red]error[/red]: {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from exc
 

@@ -46,6 +46,7 @@ from sandfleet.errors import (
     error_from_wire,
 )
 from sandfleet.models import (
+    BuildEvent,
     CreateBatchItem,
     CreateBatchRequest,
     ExecEvent,
@@ -53,6 +54,7 @@ from sandfleet.models import (
     ExecResult,
     FileEvent,
     ForkRequest,
+    ImageInfo,
     LifetimeManyRequest,
     LifetimeUpdate,
     ProcessInfo,
@@ -447,6 +449,33 @@ def file_event(line: bytes) -> FileEvent | None:
     """A watch stream's event; None for a heartbeat."""
     event = _stream_item(FileEvent, line)
     return None if event.type == "heartbeat" else event
+
+
+def build_event(line: bytes) -> BuildEvent | None:
+    """A recipe build's event; None for a heartbeat."""
+    event = _stream_item(BuildEvent, line)
+    return None if event.type == "heartbeat" else event
+
+
+def built(image: ImageInfo | None) -> ImageInfo:
+    if image is None:
+        raise UnavailableError("the daemon's stream ended before the build did (the daemon went away)")
+    return image
+
+
+def recipe_source(recipe: str | os.PathLike[str], base_dir: str | os.PathLike[str] | None) -> tuple[str, str]:
+    """A recipe's TOML text and the absolute directory its sources are read from."""
+    if base_dir is None:
+        if isinstance(recipe, str) and "\n" in recipe:
+            raise InvalidArgumentError("a recipe given as text needs base_dir")
+        path = Path(recipe).absolute()
+        try:
+            return path.read_text(), str(path.parent)
+        except (OSError, UnicodeError) as exc:
+            raise InvalidArgumentError(f"cannot read the recipe {str(path)!r}: {exc}") from exc
+    if not isinstance(recipe, str):
+        raise InvalidArgumentError("with base_dir, give the recipe's text")
+    return recipe, str(Path(base_dir).absolute())
 
 
 def exit_result(event: ExecEvent) -> ExecResult:

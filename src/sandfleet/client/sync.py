@@ -19,6 +19,7 @@ from sandfleet.client import _base as b
 from sandfleet.client._base import UNSET, Unset
 from sandfleet.errors import SandboxError, SandboxNotFoundError
 from sandfleet.models import (
+    BuildEvent,
     CreateBatchResult,
     EventList,
     ExecEvent,
@@ -34,6 +35,7 @@ from sandfleet.models import (
     Ok,
     ProcessInfo,
     ProcessList,
+    RecipeBuildRequest,
     SandboxEvent,
     SandboxInfo,
     SandboxList,
@@ -202,6 +204,30 @@ class Client:
         seconds (default 30 minutes, whatever the client's timeout)."""
         call = b.Call("POST", "/v1/images/build", params={"ref": ref}, timeout=b.check_timeout(timeout, 0))
         return self._model(ImageInfo, call)
+
+    def build_recipe(
+        self,
+        recipe: str | os.PathLike[str],
+        *,
+        base_dir: str | os.PathLike[str] | None = None,
+        on_event: Callable[[BuildEvent], None] | None = None,
+        timeout: float = b.BUILD_TIMEOUT,
+    ) -> ImageInfo:
+        """Build a recipe into the daemon's layer store: a path to a recipe file (its directory is
+        where `copy` and `git` sources are read from, on the daemon's host), or its TOML text with
+        `base_dir`. `on_event` gets each progress, step and output event as it comes; waits up to
+        `timeout` seconds (default 30 minutes). Leaving early (an error in `on_event`) cancels it."""
+        text, where = b.recipe_source(recipe, base_dir)
+        body = RecipeBuildRequest(recipe=text, base_dir=where).model_dump(mode="json")
+        call = b.Call("POST", "/v1/images/recipes", json=body, timeout=b.check_timeout(timeout, 0))
+        image: ImageInfo | None = None
+        with self._events(call, b.build_event) as events:
+            for event in events:
+                if event.type == "done":
+                    image = event.image
+                elif on_event is not None:
+                    on_event(event)
+        return b.built(image)
 
     def push_image(self, ref: str, timeout: float = b.BUILD_TIMEOUT) -> ImageInfo:
         """Publish a local image to the daemon's shared store as on-demand layers (other nodes

@@ -37,6 +37,7 @@ from sandfleet.errors import (
 from sandfleet.models import (
     MAX_PATH,
     MAX_REF,
+    BuildEvent,
     CreateBatchItem,
     CreateBatchRequest,
     CreateBatchResult,
@@ -63,6 +64,7 @@ from sandfleet.models import (
     PackRequest,
     ProcessInfo,
     ProcessList,
+    RecipeBuildRequest,
     SandboxInfo,
     SandboxList,
     SandboxSpec,
@@ -667,6 +669,14 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
     @app.post("/v1/images/build", response_model=ImageInfo)
     async def build_image(ref: ImageRefQuery) -> ImageInfo:
         return await service.build_image(ref)
+
+    build_beat = BuildEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
+
+    @app.post("/v1/images/recipes", response_class=StreamingResponse, responses=ndjson)
+    async def build_recipe(req: RecipeBuildRequest) -> StreamingResponse:
+        """BuildEvent lines: progress, each step as it finishes (its commands' output before it),
+        then one `done` with the image; closing the connection cancels the build."""
+        return _stream(await service.build_recipe(req.recipe, req.base_dir), build_beat)
 
     return app
 

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
@@ -20,9 +20,13 @@ class DaemonStartError(RuntimeError):
 
 
 class DaemonProcess:
-    def __init__(self, args: Sequence[str], *, workdir: Path, log: Path | None = None) -> None:
-        """`args` follow `sandfleet serve`; `log` receives its output (None: stdout dropped, stderr ours)."""
+    def __init__(
+        self, args: Sequence[str], *, workdir: Path, log: Path | None = None, env: Mapping[str, str] | None = None
+    ) -> None:
+        """`args` follow `sandfleet serve`; `log` receives its output (None: stdout dropped, stderr ours);
+        `env`: the daemon's environment (default: ours), e.g. a PYTHONPATH naming another source tree."""
         self.args = list(args)
+        self.env = dict(env) if env is not None else None
         self.ready_file = workdir / "ready"
         self.log_path = log
         self.proc: subprocess.Popen[bytes] | None = None
@@ -31,10 +35,10 @@ class DaemonProcess:
         self.ready_file.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "sandfleet", "serve", *self.args, "--ready-file", str(self.ready_file)]
         if self.log_path is None:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=self.env)
         else:
             with open(self.log_path, "ab") as log:  # the child keeps its own copy
-                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env)
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
             if self.proc.poll() is not None:

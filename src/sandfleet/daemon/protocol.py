@@ -16,6 +16,7 @@ from typing import BinaryIO, Protocol, TypeVar
 
 from sandfleet.errors import SandboxError
 from sandfleet.models import (
+    BuildEvent,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -182,6 +183,10 @@ class SandboxService(Protocol):
     async def list_images(self) -> builtins.list[ImageInfo]: ...
 
     async def build_image(self, ref: str) -> ImageInfo: ...
+
+    async def build_recipe(self, recipe: str, base_dir: str) -> EventStream[BuildEvent]:
+        """Build a recipe into the node's store; its progress, steps and output as they come."""
+        ...
 
     async def delete_image(self, ref: str) -> None: ...
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -20,6 +21,7 @@ from pathlib import Path
 import uvicorn
 
 from sandfleet.backends.registry import build_backend
+from sandfleet.client import AsyncClient
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.app import create_app
 from sandfleet.daemon.config import DaemonConfig
@@ -172,6 +174,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         snapshot_retention=config.snapshot_retention,
         snapshot_max_bytes=config.snapshot_max_bytes,
         import_dirs=config.import_dirs,
+        client_factory=functools.partial(AsyncClient, config.socket),  # recipe builds' own sandboxes
     )
     if config.pools or config.pool_adaptive_max:
         manager.pools = WarmPools(

@@ -29,13 +29,14 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sandfleet import __version__
 from sandfleet.backends.base import Backend, capabilities
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
+from sandfleet.daemon.builds import Builds
 from sandfleet.daemon.core import EventStream, NodeCore
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.execs import Execs
@@ -52,6 +53,7 @@ from sandfleet.daemon.state import StateStore
 from sandfleet.errors import SandboxError
 from sandfleet.images import ImageManifest, LayerStore
 from sandfleet.models import (
+    BuildEvent,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -68,6 +70,9 @@ from sandfleet.models import (
     SnapshotInfo,
     Usage,
 )
+
+if TYPE_CHECKING:
+    from sandfleet.client.aio import AsyncClient
 
 
 class SandboxManager:
@@ -89,7 +94,10 @@ class SandboxManager:
         snapshot_retention: float | None = None,
         snapshot_max_bytes: int | None = None,
         import_dirs: builtins.list[Path] | None = None,
+        client_factory: Callable[[], AsyncClient] | None = None,
     ) -> None:
+        """`client_factory`: a client of this node's own API (recipe builds create their build
+        sandboxes through it)."""
         core = NodeCore(
             backends=backends,
             store=store,
@@ -103,6 +111,7 @@ class SandboxManager:
         self.core = core
         self.pauser = Pauser(core)
         self.images = Images(core, build_missing_images=build_missing_images, import_dirs=import_dirs)
+        self.builds = Builds(core, import_dirs=import_dirs, client_factory=client_factory)
         self.files = Files(core, self.pauser, self.images)
         self.execs = Execs(core, self.pauser, self.files)
         self.sessions = Sessions(core, self.pauser, self.files, self.execs)
@@ -356,6 +365,9 @@ class SandboxManager:
 
     async def build_image(self, ref: str) -> ImageInfo:
         return await self.images.build_image(ref)
+
+    async def build_recipe(self, recipe: str, base_dir: str) -> EventStream[BuildEvent]:
+        return await self.builds.build_recipe(recipe, base_dir)
 
     async def delete_image(self, ref: str) -> None:
         await self.images.delete_image(ref)

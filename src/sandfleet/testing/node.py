@@ -13,6 +13,7 @@ event journal. Only the tier is fake (testing/fake_backend.py), and images are e
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ class InProcessNode:
         stopped_retention: float = 300.0,
         token: str | None = None,
     ) -> None:
-        """`images`: refs that exist (as empty stacks: the fake tier mounts nothing)."""
+        """`images`: refs that exist (one tiny layer each; the fake tier mounts nothing)."""
         self.root = Path(root)
         self.images = images
         self.token = token
@@ -59,6 +60,7 @@ class InProcessNode:
             reaper_interval=reaper_interval,
             build_missing_images=False,
             snapshot_dir=None,
+            client_factory=lambda: self.client(),
         )
         self.app = create_app(self.service, self.metrics, token=token)
         self._serving = asyncio.Event()
@@ -67,9 +69,15 @@ class InProcessNode:
 
     async def __aenter__(self) -> InProcessNode:
         await self.state.open()
+        layers = []
+        if shutil.which("mkfs.erofs"):  # one tiny real layer, so images can be a recipe's base
+            tree = self.root / "base-layer"
+            (tree / "etc").mkdir(parents=True, exist_ok=True)
+            (tree / "etc" / "fake-tier").write_text("a layer of sandfleet.testing\n")
+            layers.append(await self.store.add_layer_from_dir(tree, "fake base", shift_ids=False))
         for ref in self.images:
             name, tag = parse_ref(ref)
-            await asyncio.to_thread(self.store.put_manifest, name, tag, [])
+            await asyncio.to_thread(self.store.put_manifest, name, tag, layers)
         await self.backend.start()
 
         async def ready() -> None:
