@@ -1,4 +1,4 @@
-"""Write docs/openapi.json: the OpenAPI document FastAPI derives from `sandfleet.daemon.app.create_app`.
+"""Write docs/openapi.json: the OpenAPI document FastAPI derives from `sandfleet.daemon.api.create_app`.
 
     python scripts/gen_openapi.py           # regenerate docs/openapi.json
     python scripts/gen_openapi.py --check   # exit 1 if the checked-in copy is stale
@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from sandfleet.daemon.app import create_app
+from sandfleet.daemon.api import create_app
 from sandfleet.daemon.metrics import Metrics
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"

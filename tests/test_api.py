@@ -857,7 +857,7 @@ async def test_unexpected_exception_is_a_wire_error_not_a_dropped_connection() -
     """A bug in a handler answers 500 {code: internal} (a response, so keep-alive survives)."""
     from types import SimpleNamespace
 
-    from sandfleet.daemon.app import create_app
+    from sandfleet.daemon.api import create_app
     from sandfleet.daemon.metrics import Metrics
 
     async def broken_get(_sandbox_id: str) -> None:

@@ -125,9 +125,10 @@ RULES = [
     ),
     (
         "the routes see the service protocol, never a backend or the runtime",
-        ("sandfleet.daemon.app", "sandfleet.daemon.protocol"),
+        ("sandfleet.daemon.api", "sandfleet.daemon.protocol"),
         (
             "sandfleet",
+            "sandfleet.daemon.api",
             "sandfleet.daemon.protocol",
             "sandfleet.daemon.metrics",
             "sandfleet.daemon.errormap",  # the boundary's one table from exceptions to wire codes
@@ -244,7 +245,7 @@ def _env() -> dict[str, str]:
 
 def test_the_graph_is_read() -> None:
     """The scan sees real edges (a rule checked against an empty graph would pass for nothing)."""
-    assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.app"]
+    assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.api.sandboxes"]
     assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.core"]
     assert "sandfleet.runtime.files" in GRAPH["sandfleet.daemon.files"]
     assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe"]  # under TYPE_CHECKING only

@@ -1,6 +1,6 @@
 """`SandboxService`: what the HTTP API serves, as one protocol.
 
-The routes (daemon/app.py) are written against this protocol only, never against the node's
+The routes (daemon/api/) are written against this protocol only, never against the node's
 service or a backend: the node's `SandboxManager` implements it, and the cluster gateway will
 implement the same one, so the routes, the OpenAPI document and the SDK stay one. Every method is
 async (a gateway's answers come over the network), takes and returns wire models (sandfleet.models)

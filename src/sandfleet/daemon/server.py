@@ -23,7 +23,7 @@ import uvicorn
 from sandfleet.backends.registry import build_backend
 from sandfleet.client import AsyncClient
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
-from sandfleet.daemon.app import create_app
+from sandfleet.daemon.api import create_app
 from sandfleet.daemon.config import DaemonConfig
 from sandfleet.daemon.lifecycle import new_sandbox_id
 from sandfleet.daemon.metrics import Metrics

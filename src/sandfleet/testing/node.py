@@ -21,7 +21,7 @@ import httpx
 
 from sandfleet.client import AsyncClient
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
-from sandfleet.daemon.app import create_app
+from sandfleet.daemon.api import create_app
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.service import SandboxManager
 from sandfleet.daemon.state import StateStore

@@ -1,0 +1,110 @@
+"""The HTTP API (FastAPI), one router per resource, over the `SandboxService` protocol only (the
+node's service, later the cluster gateway's): parse, call the service, map errors to
+`{code, message, retryable}`.
+
+The OpenAPI document FastAPI derives from these routes is checked into docs/openapi.json; a test
+fails when the two drift apart, and tests validate live responses against the checked-in copy.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sandfleet import __version__
+from sandfleet.daemon.api import execs, files, images, node, sandboxes, sessions, snapshots
+from sandfleet.daemon.api.common import ERRORS, CheckedRoute, error_response, log
+from sandfleet.daemon.errormap import to_wire_error
+from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.protocol import SandboxService
+from sandfleet.errors import (
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    SandboxError,
+    UnauthenticatedError,
+)
+
+
+def create_app(service: SandboxService, metrics: Metrics, *, token: str | None = None) -> FastAPI:
+    """The HTTP API over any `SandboxService` (the node's, or later a gateway's)."""
+    app = FastAPI(
+        title="sandfleet",
+        version=__version__,
+        responses=ERRORS,
+        description="Elastic sandboxes for agentic RL: the node daemon's API.",
+    )
+    app.router.route_class = CheckedRoute
+
+    @app.exception_handler(SandboxError)
+    async def _sandbox_error(_req: Request, exc: SandboxError) -> JSONResponse:
+        metrics.http_errors.labels(code=exc.code).inc()
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")[:100]
+            parts.append(f"{loc}: {str(err.get('msg'))[:300]}")  # never the (unbounded) input itself
+        metrics.http_errors.labels(code="invalid_argument").inc()
+        return error_response(InvalidArgumentError("; ".join(parts) or "invalid request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(NotFoundError("no such endpoint"))
+        if exc.status_code == 405:
+            return error_response(InvalidArgumentError("method not allowed on this endpoint"))
+        if 400 <= exc.status_code < 500:  # e.g. a body FastAPI could not parse
+            return error_response(InvalidArgumentError(f"bad request: {exc.detail}"[:300]))
+        return error_response(InternalError(str(exc.detail)[:300]))
+
+    @app.middleware("http")
+    async def _unexpected(request: Request, call_next: Any) -> Any:
+        # A middleware, not an exception handler: Starlette re-raises after running an
+        # Exception handler, and uvicorn then drops the client's keep-alive connection.
+        try:
+            return await call_next(request)
+        except Exception as exc:
+            wire = to_wire_error(exc)
+            if isinstance(wire, InternalError):
+                log.exception("unexpected error serving %s %s", request.method, request.url.path)
+            else:
+                log.warning("%s serving %s %s: %s", wire.code, request.method, request.url.path, exc)
+            metrics.http_errors.labels(code=wire.code).inc()
+            return error_response(wire)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, minus its default 422 responses: validation errors here are 400s."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    if token:
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next: Any) -> Any:
+            header = request.headers.get("authorization", "")
+            if not secrets.compare_digest(header.encode(), f"Bearer {token}".encode()):
+                return error_response(UnauthenticatedError("missing or invalid bearer token"))
+            return await call_next(request)
+
+    for resource in (node, sandboxes, snapshots, execs, sessions, files, images):
+        app.include_router(resource.router(service))
+    return app

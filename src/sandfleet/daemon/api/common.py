@@ -1,0 +1,203 @@
+"""What the routers share: bounded, checked request bodies (CheckedRoute), error responses, ndjson
+streams with heartbeats, and the small helpers of several resources."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Annotated, Any
+
+from fastapi import BackgroundTasks, Path, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+
+from sandfleet.daemon.protocol import EventStream, SandboxService
+from sandfleet.errors import (
+    InternalError,
+    InvalidArgumentError,
+    SandboxError,
+)
+from sandfleet.models import (
+    MAX_REF,
+    BuildEvent,
+    CreateBatchItem,
+    CreateBatchResult,
+    ErrorBody,
+    ErrorResponse,
+    ExecEvent,
+    FileEvent,
+    SandboxInfo,
+)
+
+MAX_FILE_BODY = 256 * 1024**2
+MAX_INT64 = 2**63 - 1
+log = logging.getLogger("sandfleet.api")
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": desc}
+    for status, desc in (
+        (400, "invalid_argument or unsupported"),
+        (401, "unauthenticated"),
+        (403, "permission_denied"),
+        (404, "not_found"),
+        (409, "wrong_state"),
+        (429, "resource_exhausted"),
+        (500, "internal, data_loss"),
+        (503, "unavailable"),
+        (504, "timeout"),
+    )
+}
+
+
+ImageRefParam = Annotated[str, Path(max_length=MAX_REF, description="name:tag")]
+ImageRefQuery = Annotated[str, Query(max_length=MAX_REF, description="name:tag")]
+MAX_JSON_BODY = 64 * 1024**2  # the largest JSON request (32 MiB of stdin, as base64)
+HEARTBEAT = 5.0  # seconds between heartbeat lines on a quiet stream
+
+
+def error_response(exc: SandboxError) -> JSONResponse:
+    return JSONResponse({"error": exc.to_wire()}, status_code=exc.http_status)
+
+
+def _check_text(value: object) -> None:
+    """A JSON value must hold only strings that are valid Unicode: a lone UTF-16 surrogate
+    (`"\\ud800"`) decodes into Python but can be neither stored nor answered."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate (C speed)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+async def read_capped(request: Request, limit: int, too_large: str) -> bytes:
+    """The request body, refused (`too_large`) past `limit` bytes whether or not a Content-Length was sent."""
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise InvalidArgumentError(too_large)
+    data = bytearray()
+    async for chunk in request.stream():
+        data.extend(chunk)
+        if len(data) > limit:
+            raise InvalidArgumentError(too_large)
+    return bytes(data)
+
+
+class CheckedRoute(APIRoute):
+    """Every JSON body is bounded, strict UTF-8 and free of lone surrogates before FastAPI parses
+    it into the request model: bad input is a 400 and never reaches the service."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            has_json = "json" in request.headers.get("content-type", "")
+            if request.method in ("POST", "PUT", "PATCH", "DELETE") and has_json:
+                body = await read_capped(request, MAX_JSON_BODY, f"request body larger than {MAX_JSON_BODY} bytes")
+                try:
+                    text = body.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise InvalidArgumentError(f"request body is not UTF-8 (byte {exc.start})") from None
+                if text.strip():
+                    try:
+                        _check_text(json.loads(text))
+                    except UnicodeEncodeError:
+                        raise InvalidArgumentError(
+                            "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+                        ) from None
+                    except ValueError:
+                        pass  # not JSON: FastAPI says so, as a 400
+                request._body = body  # FastAPI reads the body from here
+            return await handler(request)
+
+        return checked
+
+
+def stream(events: EventStream[Any], beat: bytes) -> StreamingResponse:
+    """An ndjson response of `events`; closing them is the response's background task too, so a client
+    that left before the first byte (the body never iterated) still releases what they hold."""
+    return StreamingResponse(
+        _lines(events, beat), media_type="application/x-ndjson", background=BackgroundTask(events.aclose)
+    )
+
+
+async def _lines(events: AsyncIterator[BaseModel], beat: bytes, interval: float = HEARTBEAT) -> AsyncIterator[bytes]:
+    """ndjson lines of `events`, a heartbeat line whenever none came for `interval` seconds (so
+    a client can tell a quiet stream from a daemon that stopped), an error line on a SandboxError;
+    leaving early (the client went away) closes `events`, which cleans up behind it."""
+    it = events.__aiter__()
+    nxt: asyncio.Future[BaseModel] = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=interval)
+            if not done:
+                yield beat
+                continue
+            try:
+                ev = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield ev.model_dump_json(exclude_none=True).encode() + b"\n"
+            nxt = asyncio.ensure_future(it.__anext__())
+    except SandboxError as exc:
+        yield json.dumps({"type": "error", "error": exc.to_wire()}).encode() + b"\n"
+    except Exception as exc:  # noqa: BLE001 (the stream's status line went out already)
+        log.exception("stream failed")
+        yield json.dumps({"type": "error", "error": InternalError(f"stream failed: {exc}"[:300]).to_wire()}).encode()
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+
+def parse_labels(label: list[str]) -> dict[str, str]:
+    out = {}
+    for item in label:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidArgumentError(f"label filter must be key=value, got {item!r}")
+        out[key] = value
+    return out
+
+
+def batch_result(results: list[SandboxInfo | SandboxError]) -> CreateBatchResult:
+    return CreateBatchResult(
+        results=[
+            CreateBatchItem(error=ErrorBody.model_validate(r.to_wire()))
+            if isinstance(r, SandboxError)
+            else CreateBatchItem(sandbox=r)
+            for r in results
+        ]
+    )
+
+
+NDJSON: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/x-ndjson": {}}, "description": "one JSON object per line"}
+}
+RAW_BODY = {"requestBody": {"content": {"application/octet-stream": {}}, "required": False}}
+EXEC_BEAT = ExecEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
+FILE_BEAT = FileEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
+BUILD_BEAT = BuildEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
+
+
+def acked(service: SandboxService, background: BackgroundTasks, ids: list[str]) -> None:
+    """Once the answer naming these sandboxes has gone out: they were heard (see `ack`)."""
+    background.add_task(service.ack, ids)
+
+
+async def file_body(request: Request) -> bytes:
+    return await read_capped(request, MAX_FILE_BODY, f"body larger than {MAX_FILE_BODY} bytes; upload a tar in parts")

@@ -1,0 +1,132 @@
+"""Files of a sandbox: content, lists, stats, directories, removal, tar down- and uploads, watches."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from typing import Annotated, BinaryIO, cast
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from sandfleet.daemon.api.common import (
+    FILE_BEAT,
+    MAX_INT64,
+    NDJSON,
+    CheckedRoute,
+    file_body,
+    stream,
+)
+from sandfleet.daemon.protocol import SandboxService
+from sandfleet.errors import (
+    InvalidArgumentError,
+)
+from sandfleet.models import (
+    MAX_PATH,
+    FileEvent,
+    FileInfo,
+    FileList,
+    Ok,
+)
+
+
+def router(service: SandboxService) -> APIRouter:
+    r = APIRouter(route_class=CheckedRoute)
+
+    @r.get(
+        "/v1/sandboxes/{sandbox_id}/files/content",
+        response_class=Response,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    async def read_file(
+        sandbox_id: str,
+        path: str,
+        offset: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
+        length: Annotated[int | None, Query(ge=0, le=MAX_INT64)] = None,
+    ) -> Response:
+        data = await service.read_file(sandbox_id, path, offset, length)
+        return Response(data, media_type="application/octet-stream")
+
+    @r.put(
+        "/v1/sandboxes/{sandbox_id}/files/content",
+        response_model=FileInfo,
+        openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}},
+    )
+    async def write_file(
+        request: Request,
+        sandbox_id: str,
+        path: str,
+        mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
+        user: str | None = None,
+        append: bool = False,
+    ) -> FileInfo:
+        data = await file_body(request)
+        return await service.write_file(sandbox_id, path, data, mode=mode, user=user, append=append)
+
+    @r.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=FileList)
+    async def list_files(sandbox_id: str, path: str = "/") -> FileList:
+        return FileList(files=await service.list_files(sandbox_id, path))
+
+    @r.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=FileInfo)
+    async def stat_file(sandbox_id: str, path: str, follow_symlinks: bool = False) -> FileInfo:
+        return await service.stat_file(sandbox_id, path, follow_symlinks)
+
+    @r.post("/v1/sandboxes/{sandbox_id}/files/mkdir", response_model=FileInfo)
+    async def mkdir(
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        user: str | None = None,
+        mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o755,
+    ) -> FileInfo:
+        return await service.make_dir(sandbox_id, path, parents=parents, mode=mode, user=user)
+
+    @r.delete("/v1/sandboxes/{sandbox_id}/files", response_model=Ok)
+    async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Ok:
+        await service.remove_path(sandbox_id, path, recursive)
+        return Ok()
+
+    @r.get(
+        "/v1/sandboxes/{sandbox_id}/files/tar",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-tar": {}}}},
+    )
+    async def download(sandbox_id: str, path: str = "/") -> StreamingResponse:
+        """A tar of a file or directory, streamed as it is read (never spooled on the node); a
+        sparse file counts by what it really stores, and a tree larger than the sandbox could hold
+        is refused."""
+        return StreamingResponse(await service.download_tar(sandbox_id, path), media_type="application/x-tar")
+
+    @r.put(
+        "/v1/sandboxes/{sandbox_id}/files/tar",
+        response_model=Ok,
+        openapi_extra={"requestBody": {"content": {"application/x-tar": {}}, "required": True}},
+    )
+    async def upload(request: Request, sandbox_id: str, path: str = "/", user: str | None = None) -> Ok:
+        # Never more than the sandbox's writable layer could take (plus the tar's own headers).
+        cap = await service.upload_limit(sandbox_id)
+        with tempfile.SpooledTemporaryFile(max_size=8 * 1024**2) as spool:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise InvalidArgumentError(f"tar upload larger than the sandbox's disk allows ({cap} bytes)")
+                await asyncio.to_thread(spool.write, chunk)
+            spool.seek(0)
+            await service.upload_tar(sandbox_id, path, cast(BinaryIO, spool), size, user)
+        return Ok()
+
+    FileEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
+
+    @r.get("/v1/sandboxes/{sandbox_id}/files/watch", response_class=StreamingResponse, responses=NDJSON)
+    async def watch(
+        sandbox_id: str,
+        path: Annotated[str, Query(min_length=1, max_length=MAX_PATH, pattern=r"^[^\x00]+$")] = ".",
+        recursive: bool = True,
+    ) -> StreamingResponse:
+        """FileEvent lines for changes under a directory (create, modify, delete, rename_from,
+        rename_to, chmod; overflow when events were lost), until the client goes away."""
+        events = await service.watch(sandbox_id, path, recursive)
+        return stream(events, FILE_BEAT)
+
+    return r
