@@ -45,25 +45,40 @@ FIGURES: dict[str, tuple[str, bool, Callable[[dict[str, Any]], float]]] = {
     "pause of 200 MiB": ("s", False, lambda r: r["pause"]["pause_s"]),
     "resume to first exec": ("ms", False, lambda r: r["pause"]["resume_to_first_exec_ms"]),
     "fork into 4 children": ("s", False, lambda r: r["fork"]["fork_s"]),
-    "100 idle: daemon RSS per sandbox": ("KiB", False, lambda r: r["density"]["daemon_rss_per_sandbox_kib"]),
+    "100 idle: daemon RSS": ("MiB", False, lambda r: r["density"]["daemon_rss_after_mib"]),
     "100 idle: host memory per sandbox": ("KiB", False, lambda r: r["density"]["host_mem_used_per_sandbox_kib"]),
     "100 idle: exec p99": ("ms", False, lambda r: r["density"]["exec_into_random_idle"]["p99_ms"]),
 }
 
 
-def one_round(daemon: Daemon, side: str) -> dict[str, Any]:
+SCENARIOS = ("create", "exec", "burst", "sustained", "pause", "fork", "density")
+
+
+def one_round(daemon: Daemon, side: str, scenarios: tuple[str, ...]) -> dict[str, Any]:
     labels = {"bench": f"compare-{side}"}
     out: dict[str, Any] = {}
     with Client(daemon.socket, timeout=300) as fleet:
-        out["create"] = bench_create(fleet, 40, labels, daemon.socket)
-        out["exec"] = bench_exec(fleet, 200, labels, daemon.socket)
-        out["burst"] = asyncio.run(bench_burst(daemon.socket, 128, 32, labels))
-        out["sustained"] = asyncio.run(bench_burst(daemon.socket, 400, 32, labels))
-        out["pause"] = bench_pause(fleet, daemon, 1, labels)
-        out["fork"] = bench_fork(fleet, 1, 4, labels)
-        out["density"] = bench_density(fleet, daemon, 100, 100, labels)
+        runs: dict[str, Callable[[], dict[str, Any]]] = {
+            "create": lambda: bench_create(fleet, 40, labels, daemon.socket),
+            "exec": lambda: bench_exec(fleet, 200, labels, daemon.socket),
+            "burst": lambda: asyncio.run(bench_burst(daemon.socket, 128, 32, labels)),
+            "sustained": lambda: asyncio.run(bench_burst(daemon.socket, 400, 32, labels)),
+            "pause": lambda: bench_pause(fleet, daemon, 3, labels),
+            "fork": lambda: bench_fork(fleet, 1, 4, labels),
+            "density": lambda: bench_density(fleet, daemon, 100, 100, labels),
+        }
+        for name in scenarios:
+            out[name] = runs[name]()
         fleet.stop_many(labels)
     return out
+
+
+def _has(read: Callable[[dict[str, Any]], float], result: dict[str, Any]) -> bool:
+    try:
+        read(result)
+    except KeyError:
+        return False
+    return True
 
 
 def main() -> int:
@@ -71,6 +86,7 @@ def main() -> int:
     ap.add_argument("base", help="the commit to compare with (a git revision of this repository)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS, help="scenarios to run (default: all)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root")
@@ -79,6 +95,7 @@ def main() -> int:
     this_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="sandfleet-compare-"))
+    os.chmod(tmp, 0o755)  # criu, as a sandbox's user-namespace owner, walks down to its sandbox's files
     base_tree = tmp / "base-tree"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base_tree), args.base], check=True,
                    capture_output=True)  # fmt: skip
@@ -95,9 +112,13 @@ def main() -> int:
             order = ["base", "this"] if i % 2 == 0 else ["this", "base"]
             for side in order:
                 print(f"round {i + 1}/{args.rounds}: {side}", flush=True)
-                rounds[side].append(one_round(sides[side], side))
+                rounds[side].append(one_round(sides[side], side, tuple(args.only)))
     finally:
         for d in sides.values():
+            if d.alive():  # a daemon keeps its sandboxes across its own restarts: stop them first
+                with contextlib.suppress(Exception), Client(d.socket, timeout=300) as c:
+                    for sb in c.list():
+                        c.get(sb.id).stop()
             with contextlib.suppress(Exception):
                 d.stop()
             remove_cgroup_tree(d.cgroup_parent)
@@ -105,6 +126,8 @@ def main() -> int:
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
     table = []
     for name, (unit, higher, read) in FIGURES.items():
+        if not all(_has(read, r) for r in rounds["base"] + rounds["this"]):
+            continue
         a = statistics.median(read(r) for r in rounds["base"])
         b = statistics.median(read(r) for r in rounds["this"])
         change = (b - a) / a * 100 if a else 0.0
@@ -133,7 +156,8 @@ def main() -> int:
             f"| {row['figure']} | {row['base']:.2f} {row['unit']} | {row['this']:.2f} {row['unit']} "
             f"| {row['change_percent']:+.1f} % | {max(0.0, row['worse_percent']):.1f} % |"
         )
-    lines += ["", f"Command: `python3 bench/compare.py {args.base} --rounds {args.rounds}`", ""]
+    only = "" if tuple(args.only) == SCENARIOS else " --only " + " ".join(args.only)
+    lines += ["", f"Command: `python3 bench/compare.py {args.base} --rounds {args.rounds}{only}`", ""]
     (args.results / "compare.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
