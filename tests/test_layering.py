@@ -185,23 +185,20 @@ def test_no_service_module_is_over_600_lines() -> None:
     assert not long, long
 
 
-def test_only_tests_import_the_testing_helpers() -> None:
-    bad = sorted(
-        f"{mod} -> {dep}"
-        for mod, deps in GRAPH.items()
-        for dep in deps
-        if _in(dep, "sandfleet.testing") and not _in(mod, "sandfleet.testing")
+def _importers_of(areas: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    """Edges into `areas` from modules outside `allowed`."""
+    return sorted(
+        f"{mod} -> {dep}" for mod, deps in GRAPH.items() for dep in deps if _in(dep, *areas) and not _in(mod, *allowed)
     )
+
+
+def test_only_tests_import_the_testing_helpers() -> None:
+    bad = _importers_of(("sandfleet.testing",), ("sandfleet.testing",))
     assert not bad, bad
 
 
 def test_nothing_imports_the_command_line() -> None:
-    bad = sorted(
-        f"{mod} -> {dep}"
-        for mod, deps in GRAPH.items()
-        for dep in deps
-        if _in(dep, "sandfleet.cli", "sandfleet.demo") and mod not in ("sandfleet.__main__", "sandfleet.cli")
-    )
+    bad = _importers_of(("sandfleet.cli", "sandfleet.demo"), ("sandfleet.__main__", "sandfleet.cli"))
     assert not bad, bad
 
 
@@ -209,33 +206,26 @@ def test_the_sdk_imports_with_only_pydantic_and_httpx() -> None:
     """An SDK-only install (`pip install sandfleet`, without the `node` extra) can use the SDK: every
     other third-party package is made unimportable and the SDK is imported and used in a subprocess."""
     blocked = ["fastapi", "starlette", "uvicorn", "httptools", "typer", "click", "rich", "prometheus_client"]
-    script = f"""
+    blocker = f"""
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {blocked!r}:
             raise ModuleNotFoundError(f"blocked: {{name}}", name=name)
 sys.meta_path.insert(0, Block())
+"""
+    use = f"""
 import sandfleet, sandfleet.client.sync, sandfleet.client.aio
 from sandfleet import Client, AsyncClient, SandboxSpec, Resources
 spec = SandboxSpec(image="busybox", resources=Resources(memory="1GiB"))
 assert spec.resources.memory == 1024**3
 assert not [m for m in sys.modules if m.split(".")[0] in {blocked!r}]
 """
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=_env())
+    r = subprocess.run([sys.executable, "-c", blocker + use], capture_output=True, text=True, timeout=60, env=_env())
     assert r.returncode == 0, r.stderr
     # The command line says which extra it needs instead of a traceback.
-    script = f"""
-import sys, runpy
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
-            raise ModuleNotFoundError(f"blocked: {{name}}", name=name)
-sys.meta_path.insert(0, Block())
-sys.argv = ["sandfleet", "--help"]
-runpy.run_module("sandfleet", run_name="__main__")
-"""
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=_env())
+    cli = 'import runpy\nsys.argv = ["sandfleet", "--help"]\nrunpy.run_module("sandfleet", run_name="__main__")\n'
+    r = subprocess.run([sys.executable, "-c", blocker + cli], capture_output=True, text=True, timeout=60, env=_env())
     assert r.returncode == 1 and "pip install 'sandfleet[node]'" in r.stderr, r.stderr
 
 
