@@ -23,7 +23,7 @@ from sandfleet.errors import (  # noqa: E402
     UnsupportedError,
     WrongStateError,
 )
-from sandfleet.models import ExecEvent, ExecResult, Mount, Resources, SandboxSpec  # noqa: E402
+from sandfleet.models import ContainerOptions, ExecEvent, ExecResult, Mount, Resources, SandboxSpec  # noqa: E402
 
 __all__ = [
     "AsyncClient",
@@ -39,6 +39,7 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "UnsupportedError",
+    "ContainerOptions",
     "Resources",
     "ResourceExhaustedError",
     "Sandbox",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import posixpath
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import pydantic
 from pydantic import (
@@ -216,6 +216,23 @@ _IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9._-]+)?$")
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
+class ContainerOptions(_Model):
+    """Options only the container tier has (`SandboxSpec.options`, with `type` = "container")."""
+
+    type: Literal["container"] = "container"
+    nofile: int | None = Field(
+        None,
+        ge=64,
+        le=1 << 20,
+        description="hard limit on the files each process may hold open (RLIMIT_NOFILE); never above what "
+        "the node allows a sandbox of its pids limit (at most 4096)",
+    )
+
+
+# One model per tier, told apart by `type` (the union grows with the tiers).
+TierOptions = Annotated[Union[ContainerOptions], Field(discriminator="type")]  # noqa: UP007
+
+
 class SandboxSpec(_Model):
     """Everything needed to create a sandbox."""
 
@@ -253,6 +270,15 @@ class SandboxSpec(_Model):
     )
     network: Literal["none"] = Field("none", description="network policy; 'none' = loopback only")
     mounts: list[Mount] = Field(default_factory=list, max_length=16)
+    options: TierOptions | None = Field(
+        None, description="options of the sandbox's own tier; their `type` must be its `backend`"
+    )
+
+    @model_validator(mode="after")
+    def _options_of_its_tier(self) -> SandboxSpec:
+        if self.options is not None and self.options.type != self.backend:
+            raise ValueError(f"options are for the {self.options.type} tier, the sandbox's is {self.backend}")
+        return self
 
     @field_validator("image")
     @classmethod

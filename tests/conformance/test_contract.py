@@ -20,6 +20,7 @@ import pytest
 
 from sandfleet import (
     Client,
+    ContainerOptions,
     InvalidArgumentError,
     Resources,
     SandboxError,
@@ -235,6 +236,17 @@ def test_mountinfo_names_no_host_path(sb: Sandbox, tier: Tier, request: pytest.F
         # launcher mounts from relative paths inside the sandbox's own namespace.
         request.applymarker(pytest.mark.xfail(strict=True, reason="crun's overlay options name host paths"))
     assert str(tier.daemon.root) not in sb.exec("cat /proc/self/mountinfo").stdout
+
+
+def test_tier_options(fleet: Client, tier: Tier) -> None:
+    if tier.backend != "container":
+        pytest.skip(f"ContainerOptions are the container tier's; the {tier.name} tier has its own")
+    s = fleet.create(backend=tier.backend, image="busybox", options=ContainerOptions(nofile=300))
+    try:
+        assert s.exec("ulimit -Hn").stdout.strip() == "300"
+        assert s.info.spec.options == ContainerOptions(nofile=300)
+    finally:
+        s.stop()
 
 
 # -- capabilities -----------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from sandfleet.errors import (
     WrongStateError,
 )
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
-from sandfleet.models import Resources, SandboxSpec, Usage
+from sandfleet.models import ContainerOptions, Resources, SandboxSpec, Usage
 from sandfleet.runtime import cgroups, criu, files, mounts, oci, proc, seccomp
 from sandfleet.runtime.agent import (
     AGENT_VERSION,
@@ -98,6 +98,13 @@ def _nofile_limit(pids: int) -> int:
     instead (the daemon raises file-max so that memory is what binds)."""
     share = int(FILES_SHARE * FILE_MAX / max(1, pids))
     return max(256, min(4096, share, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+def _nofile(spec: SandboxSpec) -> int:
+    """The sandbox's RLIMIT_NOFILE: the node's limit for its pids, or lower if its options ask."""
+    limit = _nofile_limit(spec.resources.pids)
+    asked = spec.options.nofile if isinstance(spec.options, ContainerOptions) else None
+    return min(limit, asked) if asked is not None else limit
 
 
 # The uids that own sandboxes' user namespaces (launcher runtime): one per live sandbox, picked at
@@ -368,7 +375,7 @@ class ContainerBackend:
                 cgroup_path=self.cgroups.path_for(sandbox_id),
                 uid_base=self.config.uid_base,
                 binds=tuple(staged),
-                nofile=_nofile_limit(spec.resources.pids),
+                nofile=_nofile(spec),
             )
             (sdir / "config.json").write_text(json.dumps(oci.build(cfg)))
             for fd, _bind in pinned:
@@ -460,7 +467,7 @@ class ContainerBackend:
         assert self._launcher is not None
         disk = spec.resources.disk
         args = ["--uid", str(self.config.uid_base), "--owner", str(owner)]
-        args += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile_limit(spec.resources.pids))]
+        args += ["--hostname", spec.hostname or sandbox_id, "--nofile", str(_nofile(spec))]
         args += ["--disk", str(disk), "--inodes", str(max(4096, disk // 8192)), "--qos", spec.qos]
         for lower in reversed(prepared.lowers):  # overlay wants the top layer first
             args += ["--lower", lower]

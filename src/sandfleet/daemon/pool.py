@@ -73,9 +73,9 @@ class _Pool:
 
 
 def pool_key(spec: SandboxSpec) -> PoolKey | None:
-    """The pool a spec can be served from, or None (bind mounts, hostnames and the QoS class are fixed
-    at start; pools hold latency-sensitive sandboxes)."""
-    if spec.mounts or spec.hostname is not None or spec.qos != "latency_sensitive":
+    """The pool a spec can be served from, or None (bind mounts, hostnames, the QoS class and tier
+    options are fixed at start; pools hold latency-sensitive sandboxes without options)."""
+    if spec.mounts or spec.hostname is not None or spec.qos != "latency_sensitive" or spec.options is not None:
         return None
     return PoolKey(spec.backend, spec.image, tuple(spec.layers), spec.resources)
 
