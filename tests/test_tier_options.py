@@ -16,6 +16,11 @@ def test_container_options_on_a_container_sandbox() -> None:
     spec = SandboxSpec.model_validate({"image": "busybox", "options": {"type": "container", "nofile": 512}})
     assert spec.options == ContainerOptions(nofile=512)
     assert SandboxSpec.model_validate_json(spec.model_dump_json()) == spec
+    # The SDK sends what was set: the tag goes too, or the node could not tell the tier's model.
+    sent = SandboxSpec(image="busybox", options=ContainerOptions(nofile=256)).model_dump(
+        mode="json", exclude_unset=True
+    )
+    assert sent["options"] == {"type": "container", "nofile": 256}
 
 
 @pytest.mark.parametrize(

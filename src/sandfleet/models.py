@@ -228,6 +228,10 @@ class ContainerOptions(_Model):
         "the node allows a sandbox of its pids limit (at most 4096)",
     )
 
+    def model_post_init(self, context: Any, /) -> None:
+        # The tag always goes on the wire, even where unset fields are left out (the SDK's specs).
+        self.__pydantic_fields_set__.add("type")
+
 
 # One model per tier, told apart by `type` (the union grows with the tiers).
 TierOptions = Annotated[Union[ContainerOptions], Field(discriminator="type")]  # noqa: UP007
