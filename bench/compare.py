@@ -8,7 +8,7 @@ Figures per side (medians over the rounds): create-to-first-exec p50, `exec("tru
 of 128 creates and a sustained run of 400 (creations/s, `create_many`, 32 in flight), pause of a
 sandbox holding 200 MiB (seconds) and resume to first exec, fork into 4 children (seconds), and 100
 idle sandboxes (daemon RSS and host memory per sandbox, exec p99 into random ones). Writes
-compare.json and compare.md; everything it made is removed at the end.
+compare.json (each figure's value in every round) and compare.md; everything it made is removed at the end.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def main() -> int:
         change = (b - a) / a * 100 if a else 0.0
         worse = -change if higher else change
         table.append({"figure": name, "unit": unit, "base": a, "this": b, "change_percent": round(change, 1),
-                      "worse_percent": round(worse, 1)})  # fmt: skip
+                      "worse_percent": round(worse, 1),
+                      "rounds": {side: [read(r) for r in rounds[side]] for side in rounds}})  # fmt: skip
     res = {
         "when": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "base": base_rev,
@@ -141,7 +142,6 @@ def main() -> int:
         "rounds": args.rounds,
         "machine": machine_info(),
         "table": table,
-        "raw": rounds,
     }
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "compare.json").write_text(json.dumps(res, indent=2) + "\n")
