@@ -156,26 +156,34 @@ async def test_tiers_report_capabilities(fleet: AsyncClient) -> None:
 
 
 async def test_nothing_left_behind(tmp_path: Path) -> None:
+    """Closing the node stops its sandboxes: no directory, and no command still running."""
     async with InProcessNode(tmp_path) as node, node.client() as fleet:
         sb = await fleet.create(image="busybox")
-        p = await sb.start("sleep 30")
-        pid = (await p.refresh()).pid if hasattr(p, "refresh") else None
-        del pid
+        await sb.start("sleep 30")
+        assert "sleep" in _descendants(os.getpid())  # sh -c "sleep 30": a grandchild
     assert not any((tmp_path / "sandboxes").iterdir())
-    assert all(not child.startswith("sleep") for child in _children(os.getpid()))
+    assert "sleep" not in _descendants(os.getpid())
 
 
-def _children(pid: int) -> list[str]:
-    out = []
+def _descendants(pid: int) -> list[str]:
+    """Command names of every live process below `pid` (zombies left out: they hold nothing)."""
+    parent: dict[int, int] = {}
+    names: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(stat[stat.index("(") + 1 : stat.rindex(")")])
-    return out
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parent[int(entry.name)] = int(fields[1])
+                names[int(entry.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+    below, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, ppid in parent.items() if ppid in frontier]
+        below += [names[c] for c in frontier]
+    return below
 
 
 async def test_build_recipe_streams_its_steps(fleet: AsyncClient, tmp_path: Path) -> None:
