@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sandfleet.daemon.core import EventStream, NodeCore
+from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.images import image_info
-from sandfleet.errors import DataLossError, InternalError, InvalidArgumentError, SandboxError
-from sandfleet.errors import ImageNotFoundError as WireImageNotFound
-from sandfleet.images import ImageError, ImageNotFoundError, InvalidRefError, LayerCorruptError
+from sandfleet.errors import InvalidArgumentError
 from sandfleet.images.recipe import Recipe, RecipeError, StepResult, build_recipe
 from sandfleet.models import BuildEvent
 
@@ -38,7 +37,8 @@ class Builds:
         self.client_factory = client_factory  # a client of this node, for build sandboxes
 
     async def build_recipe(self, text: str, base_dir: str) -> EventStream[BuildEvent]:
-        base = Path(base_dir)
+        # Resolved once: the check and the build see the same directory.
+        base = Path(await asyncio.to_thread(os.path.realpath, base_dir))
         if not await asyncio.to_thread(base.is_dir):
             raise InvalidArgumentError(f"base_dir {base_dir!r} is not a directory on the node")
         if self.import_dirs is not None and not await asyncio.to_thread(_within, base, self.import_dirs):
@@ -46,7 +46,7 @@ class Builds:
         try:
             recipe = Recipe.parse(text, base, origin="recipe")
         except RecipeError as exc:
-            raise InvalidArgumentError(str(exc)[:2000]) from exc
+            raise to_wire_error(exc, limit=2000) from exc
         queue: asyncio.Queue[BuildEvent | BaseException | None] = asyncio.Queue()
 
         def progress(stage: str, fraction: float) -> None:
@@ -87,7 +87,7 @@ class Builds:
                     )
                 )
             except Exception as exc:  # noqa: BLE001 (handed to the stream, typed there)
-                queue.put_nowait(_wire(exc))
+                queue.put_nowait(to_wire_error(exc, limit=2000))
             finally:
                 queue.put_nowait(None)
 
@@ -106,21 +106,6 @@ class Builds:
         return EventStream(events(), release)
 
 
-def _within(path: Path, dirs: builtins.list[Path]) -> bool:
-    """Whether `path` (symlinks resolved) is one of `dirs` or under one."""
-    real = Path(os.path.realpath(path))
+def _within(real: Path, dirs: builtins.list[Path]) -> bool:
+    """Whether the resolved path `real` is one of `dirs` (symlinks resolved) or under one."""
     return any(real == d or d in real.parents for d in (Path(os.path.realpath(x)) for x in dirs))
-
-
-def _wire(exc: Exception) -> SandboxError:
-    if isinstance(exc, SandboxError):
-        return exc
-    if isinstance(exc, RecipeError | InvalidRefError):
-        return InvalidArgumentError(str(exc)[:2000])
-    if isinstance(exc, ImageNotFoundError):
-        return WireImageNotFound(str(exc)[:2000])
-    if isinstance(exc, LayerCorruptError):
-        return DataLossError(str(exc)[:2000])
-    if isinstance(exc, ImageError):
-        return InternalError(f"the build failed: {exc}"[:2000])
-    return InternalError(f"the build failed: {exc}"[:300])

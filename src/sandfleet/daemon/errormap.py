@@ -68,13 +68,14 @@ ERROR_MAP: list[tuple[type[BaseException], type[errors.SandboxError]]] = [
 ]
 
 
-def to_wire_error(exc: BaseException) -> errors.SandboxError:
-    """The wire error for `exc` (a SandboxError is its own)."""
+def to_wire_error(exc: BaseException, *, limit: int = 300) -> errors.SandboxError:
+    """The wire error for `exc` (a SandboxError is its own), its message cut at `limit` characters
+    (a recipe's failing step, or a file operation's path, wants more than the default)."""
     if isinstance(exc, errors.SandboxError):
         return exc
-    message = str(exc)[:300] or type(exc).__name__
+    message = str(exc)[:limit] or type(exc).__name__
     if isinstance(exc, state.StateDiskFullError) or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
-        return errors.ResourceExhaustedError(f"the node's disk is full: {message}"[:300])
+        return errors.ResourceExhaustedError(f"the node's disk is full: {message}"[:limit])
     if isinstance(exc, launcher.LaunchError):
         if exc.invalid:
             return errors.InvalidArgumentError(message)

@@ -2,7 +2,7 @@
 downloads and uploads, and watches (the agent's inotify).
 
 The container tier opens the sandbox's root as an O_PATH fd and works under it with openat2
-(runtime/files.py); errors come back typed by kind (`errormap.FILE_ERRORS`).
+(runtime/files.py); errors come back typed by kind (`errormap.to_wire_error`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from typing import Any, BinaryIO
 
 from sandfleet.backends.base import HostFiles, LiveSandbox, unsupported
 from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, T, resolve_cwd
-from sandfleet.daemon.errormap import FILE_ERRORS
+from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.images import Images
 from sandfleet.daemon.lifecycle import Sandbox, User
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import (
-    InternalError,
     InvalidArgumentError,
     NotFoundError,
     SandboxError,
@@ -200,8 +199,7 @@ class Files:
         try:
             return await asyncio.to_thread(run)
         except FileOpError as exc:
-            cls = FILE_ERRORS.get(exc.kind, InternalError)
-            raise cls(str(exc)[:1000]) from exc
+            raise to_wire_error(exc, limit=1000) from exc
         except FileNotFoundError as exc:
             raise UnavailableError(f"sandbox {live.id} is no longer running") from exc
 
@@ -316,7 +314,7 @@ class Files:
             first = await anext(gen, b"")
         except FileOpError as exc:
             await gen.aclose()
-            raise FILE_ERRORS.get(exc.kind, InternalError)(str(exc)[:1000]) from exc
+            raise to_wire_error(exc, limit=1000) from exc
 
         async def rest() -> AsyncGenerator[bytes, None]:
             try:

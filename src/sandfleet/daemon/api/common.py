@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.protocol import EventStream, SandboxService
 from sandfleet.errors import (
     InternalError,
@@ -151,8 +152,10 @@ async def _lines(events: AsyncIterator[BaseModel], beat: bytes, interval: float 
     except SandboxError as exc:
         yield json.dumps({"type": "error", "error": exc.to_wire()}).encode() + b"\n"
     except Exception as exc:  # noqa: BLE001 (the stream's status line went out already)
-        log.exception("stream failed")
-        yield json.dumps({"type": "error", "error": InternalError(f"stream failed: {exc}"[:300]).to_wire()}).encode()
+        wire = to_wire_error(exc)
+        if isinstance(wire, InternalError):
+            log.exception("stream failed")
+        yield json.dumps({"type": "error", "error": wire.to_wire()}).encode() + b"\n"
     finally:
         if not nxt.done():
             nxt.cancel()
