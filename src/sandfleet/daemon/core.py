@@ -271,8 +271,7 @@ class NodeCore:
     async def update_lifetime(self, sandbox_id: str, fields: dict[str, float | None]) -> SandboxInfo:
         """Change a live sandbox's idle TTL and/or max lifetime (None removes that limit)."""
         sb = self.sandbox(sandbox_id)
-        if sb.state not in (CREATING, RUNNING, PAUSED):
-            raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}")
+        self.table.require(sb, (CREATING, RUNNING, PAUSED), "changing its lifetime")
         if fields:
             sb.spec = sb.spec.model_copy(update=fields)
             self.touch(sb)  # a new idle TTL counts from now

@@ -67,10 +67,9 @@ class Pauser:
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         sb = self.core.sandbox(sandbox_id)
+        self.core.table.require(sb, (PAUSED, RUNNING), "resume")
         if sb.state == PAUSED:
             await self._resume(sb, transparent=False)
-        elif sb.state != RUNNING:
-            raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not paused")
         return sb.info()
 
     async def _resume(self, sb: Sandbox, *, transparent: bool) -> None:
