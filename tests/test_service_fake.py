@@ -23,6 +23,8 @@ from sandfleet import (
 from sandfleet.client import AsyncClient
 from sandfleet.testing import InProcessNode
 
+from leakcheck import children
+
 pytestmark = pytest.mark.unprivileged
 
 
@@ -167,22 +169,11 @@ async def test_nothing_left_behind(tmp_path: Path) -> None:
 
 def _descendants(pid: int) -> list[str]:
     """Command names of every live process below `pid` (zombies left out: they hold nothing)."""
-    parent: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                parent[int(entry.name)] = int(fields[1])
-                names[int(entry.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
     below, frontier = [], [pid]
     while frontier:
-        frontier = [child for child, ppid in parent.items() if ppid in frontier]
-        below += [names[c] for c in frontier]
+        kids = [(child, comm) for p in frontier for child, state, comm in children(p) if state != "Z"]
+        below += [comm for _, comm in kids]
+        frontier = [child for child, _ in kids]
     return below
 
 
