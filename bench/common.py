@@ -228,6 +228,14 @@ class Daemon:
     def stop(self) -> None:
         self.process.stop()
 
+    def stop_sandboxes(self) -> None:
+        """Stop every live sandbox through the API (a daemon keeps them across its own restarts)."""
+        from sandfleet import Client
+
+        with Client(self.socket, timeout=300) as c:
+            for s in c.list():
+                c.get(s.id).stop()
+
 
 def daemon_metrics(sock: Path) -> dict[str, float]:
     import httpx

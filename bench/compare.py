@@ -115,10 +115,9 @@ def main() -> int:
                 rounds[side].append(one_round(sides[side], side, tuple(args.only)))
     finally:
         for d in sides.values():
-            if d.alive():  # a daemon keeps its sandboxes across its own restarts: stop them first
-                with contextlib.suppress(Exception), Client(d.socket, timeout=300) as c:
-                    for sb in c.list():
-                        c.get(sb.id).stop()
+            if d.alive():
+                with contextlib.suppress(Exception):
+                    d.stop_sandboxes()
             with contextlib.suppress(Exception):
                 d.stop()
             remove_cgroup_tree(d.cgroup_parent)

@@ -319,13 +319,12 @@ def main() -> int:
             print("daemon log tail:\n" + daemon.log()[-3000:], file=sys.stderr)
         raise
     finally:
-        cleanup(daemon, tmp, labels, cgroups_to_remove, profiler, worker)
+        cleanup(daemon, tmp, cgroups_to_remove, profiler, worker)
 
 
 def cleanup(
     daemon: Daemon | None,
     tmp: Path,
-    labels: dict[str, str],
     cgroup_parents: list[str],
     profiler: subprocess.Popen[bytes] | None,
     worker: subprocess.Popen[bytes] | None,
@@ -337,13 +336,8 @@ def cleanup(
             p.kill()
             p.wait(30)
     if daemon is not None and daemon.alive():
-        from sandfleet import Client
-
-        try:  # the daemon keeps sandboxes across its own restarts: stop them through the API first
-            with Client(daemon.socket, timeout=300) as c:
-                c.stop_many(labels)
-                for s in c.list(state="running"):
-                    c.get(s.id).stop()
+        try:
+            daemon.stop_sandboxes()
         except (SandboxError, OSError) as exc:
             print(f"cleanup: stopping sandboxes failed: {exc}", file=sys.stderr)
     if daemon is not None:
