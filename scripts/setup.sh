@@ -11,8 +11,9 @@ export DEBIAN_FRONTEND=noninteractive
 # iproute2 (network checks), util-linux and mount (mkswap, swapon: compressed swap for paused sandboxes;
 # nsenter and fincore in tests), git (recipes' git steps), zstd (zstd-compressed
 # OCI layers when the zstandard module is absent), podman (the OCI import test imports archives it
-# saves; a benchmark peer too).
-PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd podman)
+# saves; a benchmark peer too), qemu-system-x86 and qemu-utils (the microvm and vm tiers; qemu-img
+# makes the vm tier's copy-on-write disks), e2fsprogs (mke2fs -d: the vm tier's base disk of an image).
+PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd podman qemu-system-x86 qemu-utils e2fsprogs)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -33,6 +34,19 @@ if ! [ -x "$CRIU_ROOT/usr/sbin/criu" ]; then
     mmdebstrap --quiet --variant=extract --include=criu trixie "$CRIU_ROOT.tmp" http://deb.debian.org/debian
     rm -rf "$CRIU_ROOT"
     mv "$CRIU_ROOT.tmp" "$CRIU_ROOT"
+fi
+
+# The guest kernel of the VM tiers: Debian's cloud kernel, unpacked (not installed: the host's /boot,
+# initramfs hooks and bootloader stay untouched) with its modules into /opt/sandfleet/guest.
+GUEST_DIR=/opt/sandfleet/guest
+if ! compgen -G "$GUEST_DIR/boot/vmlinuz-*" >/dev/null; then
+    rm -rf "$GUEST_DIR.tmp" && mkdir -p "$GUEST_DIR.tmp/debs"
+    apt-get update -qq
+    kpkg=$(apt-cache depends linux-image-cloud-amd64 | awk '/Depends: linux-image-/{print $2; exit}')
+    (cd "$GUEST_DIR.tmp/debs" && apt-get download -q "$kpkg" 2>&1 | grep -v 'unsandboxed' || true)
+    dpkg-deb -x "$GUEST_DIR.tmp"/debs/*.deb "$GUEST_DIR.tmp"
+    rm -rf "$GUEST_DIR.tmp/debs" "$GUEST_DIR"
+    mv "$GUEST_DIR.tmp" "$GUEST_DIR"
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e ".[node,dev]"

@@ -37,5 +37,46 @@ class ContainerBackendConfig(BaseModel):
     )
 
 
-# The union grows by one member per tier (microvm, vm, fncall).
-BackendConfig = Annotated[Union[ContainerBackendConfig], Field(discriminator="type")]  # noqa: UP007
+class VMBackendConfig(BaseModel):
+    """Settings shared by the two QEMU tiers: `microvm` (QEMU's microvm machine, virtio-mmio, no
+    firmware) and `vm` (q35 with PCI and ACPI, a copy-on-write disk, the image's own kernel if it has one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["microvm", "vm"] = Field(description="the tier this configures")
+    qemu: str = Field("qemu-system-x86_64", description="the QEMU binary (Debian's qemu-system-x86)")
+    accel: Literal["auto", "kvm", "tcg"] = Field(
+        "auto", description="auto: KVM when /dev/kvm runs a standard guest (probed once), else TCG"
+    )
+    guest_dir: Path = Field(
+        Path("/opt/sandfleet/guest"), description="the guest kernel and its modules, unpacked by setup from Debian"
+    )
+    vcpus: int = Field(1, ge=1, le=64, description="vCPUs per VM when the spec's cpu limit does not say more")
+    min_memory: int = Field(128 * 1024**2, ge=64 * 1024**2, description="guest RAM floor in bytes")
+    tcg_cache_mib: int = Field(32, ge=8, description="TCG translation cache per VM (QEMU's default is 1 GiB)")
+    uid_base: int = Field(100000, ge=1, description="uid that root inside the guest's sandbox maps to (in the guest)")
+    jail_uid_base: int = Field(
+        3_000_000, ge=1000, description="first host uid QEMU processes run as (one per live VM, never root)"
+    )
+    cgroup_parent: str = Field("/sandfleet-vm", description="cgroup under which each QEMU's cgroup is made")
+    start_timeout: float = Field(120.0, gt=0, description="seconds for QEMU to boot and the agent to say hello")
+
+
+class FncallBackendConfig(BaseModel):
+    """Settings of the fncall tier: stateless calls forked from warm interpreters in pooled containers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["fncall"] = Field("fncall", description="the tier this configures")
+    workers: int = Field(4, ge=1, le=256, description="warm workers kept per (image, resources) pool")
+    max_workers: int = Field(16, ge=1, le=4096, description="most workers alive per pool at once")
+    worker_idle: float = Field(300.0, gt=0, description="seconds an idle worker above `workers` lives")
+    preload: list[str] = Field(
+        default_factory=list, description="Python modules every worker imports once, before forking calls"
+    )
+
+
+# One member per tier.
+BackendConfig = Annotated[  # noqa: UP007
+    Union[ContainerBackendConfig, VMBackendConfig, FncallBackendConfig], Field(discriminator="type")
+]
