@@ -8,7 +8,7 @@ import tomllib
 import pytest
 from pydantic import ValidationError
 
-from sandfleet.backends.config import ContainerBackendConfig
+from sandfleet.backends.config import ContainerBackendConfig, FncallBackendConfig, VMBackendConfig
 from sandfleet.daemon.config import DaemonConfig
 
 pytestmark = pytest.mark.unprivileged
@@ -18,9 +18,9 @@ def _load(text: str) -> DaemonConfig:
     return DaemonConfig.model_validate(tomllib.loads(text))
 
 
-def test_the_default_is_one_container_tier() -> None:
+def test_the_default_is_the_container_tier_and_its_calls() -> None:
     cfg = DaemonConfig()
-    assert [b.type for b in cfg.backends] == ["container"]
+    assert [b.type for b in cfg.backends] == ["container", "fncall"]
     assert cfg.container == ContainerBackendConfig()
 
 
@@ -32,7 +32,18 @@ def test_backends_tables_with_a_type() -> None:
 
 def test_a_container_table_is_the_container_tier() -> None:
     cfg = _load('[container]\nruntime = "runc"\n')
-    assert [(b.type, b.runtime) for b in cfg.backends] == [("container", "runc")]
+    assert [b.type for b in cfg.backends] == ["container", "fncall"]
+    assert cfg.container.runtime == "runc"
+
+
+def test_every_tier_has_a_table() -> None:
+    cfg = _load(
+        '[[backends]]\ntype = "microvm"\naccel = "tcg"\n[[backends]]\ntype = "vm"\n'
+        '[[backends]]\ntype = "fncall"\nmax_workers = 8\npreload = ["json"]\n'
+    )
+    assert [b.type for b in cfg.backends] == ["microvm", "vm", "fncall"]
+    assert isinstance(cfg.backends[0], VMBackendConfig) and cfg.backends[0].accel == "tcg"
+    assert isinstance(cfg.backends[2], FncallBackendConfig) and cfg.backends[2].preload == ["json"]
 
 
 @pytest.mark.parametrize(
@@ -44,6 +55,8 @@ def test_a_container_table_is_the_container_tier() -> None:
         ('[container]\n[[backends]]\ntype = "container"\n', "not both"),
         ('[[backends]]\ntype = "container"\nbogus = 1\n', "Extra inputs are not permitted"),
         ("backends = []\n", "at least 1 item"),
+        ('[[backends]]\ntype = "microvm"\naccel = "hvf"\n', "Input should be"),
+        ('[[backends]]\ntype = "fncall"\nmax_workers = 0\n', "greater than or equal to 1"),
     ],
 )
 def test_configs_that_cannot_be_served(text: str, error: str) -> None:

@@ -162,6 +162,7 @@ SERVICE_ORDER = [
     "execs",
     "sessions",
     "creation",
+    "fncall",
     "snapshots",
     "reaper",
     "recovery",

@@ -403,6 +403,66 @@ class ExecRequest(_Stdin):
         return v
 
 
+MAX_CALL_FILES = 64
+MAX_CALL_FILES_BYTES = 8 * 1024**2
+
+
+def _check_call_path(v: str) -> str:
+    norm = posixpath.normpath(v) if v else ""
+    if not v or v.startswith("/") or norm.startswith("..") or "\0" in v or len(v) > MAX_PATH:
+        raise ValueError(f"call file {shown(v)}: a relative path inside the call's scratch directory")
+    return v
+
+
+CallPath = Annotated[str, AfterValidator(_check_call_path)]
+
+
+class RunCodeRequest(_Stdin):
+    """One stateless call (`fleet.run_code`): the code runs in a fresh process forked from a warm
+    interpreter of a pooled worker, in a scratch directory of its own, as an unprivileged user;
+    nothing it writes, leaves running or changes in memory is seen by the next call."""
+
+    code: str = Field(max_length=MAX_SESSION_COMMAND, description="the program text")
+    language: Literal["python", "bash"] = "python"
+    files: dict[CallPath, str] = Field(
+        default_factory=dict,
+        max_length=MAX_CALL_FILES,
+        description="files written into the call's scratch directory (its working directory) first, by relative path",
+    )
+    files_b64: dict[CallPath, Base64] = Field(
+        default_factory=dict, max_length=MAX_CALL_FILES, description="the same, bytes as base64"
+    )
+    env: EnvVars = Field(default_factory=dict)
+    timeout: float = Field(30.0, gt=0, le=3600, description="seconds; the call and everything it started are killed")
+    output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
+    encoding: Encoding = Field("utf-8", description="how output comes back: utf-8 text, or base64 of the raw bytes")
+    image: str | None = Field(
+        None, description="pooled calls only: the workers' image (default: the node's python image)"
+    )
+    resources: Resources | None = Field(
+        None, description="pooled calls only: each worker's limits (a worker runs one call at a time)"
+    )
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > MAX_REF or not _IMAGE_REF_RE.match(v)):
+            raise ValueError(f"invalid image reference {shown(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _files_fit(self) -> RunCodeRequest:
+        names = set(self.files) & set(self.files_b64)
+        if names:
+            raise ValueError(f"file {shown(sorted(names)[0])} given twice (files and files_b64)")
+        total = sum(len(v) for v in self.files.values()) + sum(len(v) * 3 // 4 for v in self.files_b64.values())
+        if total > MAX_CALL_FILES_BYTES:
+            raise ValueError(
+                f"call files hold more than {MAX_CALL_FILES_BYTES} bytes: use a worker sandbox's files API"
+            )
+        return self
+
+
 class ExecResult(_Model):
     exit_code: int
     stdout: str = Field(description="text, or base64 when `encoding` is base64")

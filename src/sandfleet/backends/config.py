@@ -74,9 +74,13 @@ class FncallBackendConfig(BaseModel):
     preload: list[str] = Field(
         default_factory=list, description="Python modules every worker imports once, before forking calls"
     )
+    cgroup_parent: str = Field(
+        "/sandfleet-fncall", description="cgroup parent of the workers, when the node runs no container tier"
+    )
 
 
 # One member per tier.
-BackendConfig = Annotated[  # noqa: UP007
-    Union[ContainerBackendConfig, VMBackendConfig, FncallBackendConfig], Field(discriminator="type")
+BackendConfig = Annotated[
+    Union[ContainerBackendConfig, VMBackendConfig, FncallBackendConfig],  # noqa: UP007
+    Field(discriminator="type"),
 ]

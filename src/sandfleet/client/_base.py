@@ -58,6 +58,8 @@ from sandfleet.models import (
     LifetimeManyRequest,
     LifetimeUpdate,
     ProcessInfo,
+    Resources,
+    RunCodeRequest,
     SandboxSpec,
     SessionCreateRequest,
     SessionRunRequest,
@@ -379,6 +381,43 @@ def exec_body(
         fields["user"] = user
     fields |= _stdin_fields(stdin, keep_stdin_open) | _output_fields(output_limit, merge_stderr, binary)
     return _validated(ExecRequest, "exec request", fields).model_dump(mode="json", exclude_unset=True)
+
+
+def run_code_body(
+    code: str,
+    *,
+    language: str = "python",
+    stdin: str | bytes | None = None,
+    files: Mapping[str, str | bytes] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+    output_limit: int | None = None,
+    binary: bool = False,
+    image: str | None = None,
+    resources: Resources | None = None,
+) -> dict[str, Any]:
+    """A stateless call's body: `files` by relative path, text as is and bytes as base64."""
+    fields: dict[str, Any] = {"code": code, "language": language, "timeout": timeout}
+    for name, data in (files or {}).items():
+        if isinstance(data, bytes | bytearray | memoryview):
+            fields.setdefault("files_b64", {})[name] = base64.b64encode(bytes(data)).decode()
+        else:
+            fields.setdefault("files", {})[name] = data
+    if env:
+        fields["env"] = dict(env)
+    if image is not None:
+        fields["image"] = image
+    if resources is not None:
+        fields["resources"] = resources
+    fields |= _stdin_fields(stdin, False) | _output_fields(output_limit, False, binary)
+    return _validated(RunCodeRequest, "run_code request", fields).model_dump(mode="json", exclude_unset=True)
+
+
+def call_run_code(sandbox_id: str | None, body: dict[str, Any], default_timeout: float) -> Call:
+    """On a worker sandbox, or (None) on one of the node's pools; waits the call's timeout plus
+    EXEC_MARGIN (a pool may first start a worker)."""
+    path = "/v1/run" if sandbox_id is None else _sb(sandbox_id, "/run")
+    return Call("POST", path, json=body, timeout=exec_timeout(body.get("timeout"), default_timeout))
 
 
 def session_run_body(

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -36,6 +36,7 @@ from sandfleet.models import (
     ProcessInfo,
     ProcessList,
     RecipeBuildRequest,
+    Resources,
     SandboxEvent,
     SandboxInfo,
     SandboxList,
@@ -186,6 +187,39 @@ class Client:
         """The isolation tiers the node runs, each with its capabilities (`pause`, `snapshot`, ...)."""
         tiers: dict[str, builtins.list[str]] = (self.health()).get("tiers", {})
         return tiers
+
+    def run_code(
+        self,
+        code: str,
+        *,
+        language: Literal["python", "bash"] = "python",
+        stdin: str | bytes | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
+        output_limit: int | None = None,
+        binary: bool = False,
+        image: str | None = None,
+        resources: Resources | None = None,
+    ) -> ExecResult:
+        """Run `code` as one stateless call on a pooled worker of the fncall tier: a fresh process
+        forked from a warm interpreter (`image`, default the node's python image; `resources`: each
+        worker's limits), in a scratch directory of its own holding `files` (relative paths), as an
+        unprivileged user, with no network. Nothing it writes, leaves running or changes in memory
+        is seen by the next call. Returns the same `ExecResult` as `exec`."""
+        body = b.run_code_body(
+            code,
+            language=language,
+            stdin=stdin,
+            files=files,
+            env=env,
+            timeout=timeout,
+            output_limit=output_limit,
+            binary=binary,
+            image=image,
+            resources=resources,
+        )
+        return self._model(ExecResult, b.call_run_code(None, body, self.timeout))
 
     def images(self) -> builtins.list[ImageInfo]:
         """The node's images."""
@@ -563,6 +597,33 @@ class Sandbox:
         if b.one_response(timeout, self._c.timeout):
             return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
         return self._c._streamed_result(b.call_exec(self.id, body, self._c.timeout, stream=True))
+
+    def run_code(
+        self,
+        code: str,
+        *,
+        language: Literal["python", "bash"] = "python",
+        stdin: str | bytes | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
+        output_limit: int | None = None,
+        binary: bool = False,
+    ) -> ExecResult:
+        """A stateless call on this worker (a sandbox of the fncall tier): like `Client.run_code`,
+        against the state this worker was set up with (its files and installed packages, read-only
+        to the call)."""
+        body = b.run_code_body(
+            code,
+            language=language,
+            stdin=stdin,
+            files=files,
+            env=env,
+            timeout=timeout,
+            output_limit=output_limit,
+            binary=binary,
+        )
+        return self._c._model(ExecResult, b.call_run_code(self.id, body, self._c.timeout))
 
     def exec_stream(
         self,

@@ -7,11 +7,15 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sandfleet.backends.config import BackendConfig, ContainerBackendConfig
+from sandfleet.backends.config import BackendConfig, ContainerBackendConfig, FncallBackendConfig
 from sandfleet.daemon.pool import PoolConfig
 from sandfleet.models import ByteSize
 
 DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")
+
+
+def _default_tiers() -> list[BackendConfig]:
+    return [ContainerBackendConfig(), FncallBackendConfig()]
 
 
 class DaemonConfig(BaseModel):
@@ -83,10 +87,11 @@ class DaemonConfig(BaseModel):
         "(default: a quarter of MemTotal; 0 disables)",
     )
     backends: list[BackendConfig] = Field(
-        default_factory=lambda: [ContainerBackendConfig()],
+        default_factory=_default_tiers,
         min_length=1,
-        description="the isolation tiers this node runs, one `[[backends]]` table each (`type` = container, ...); "
-        "the first is the default of the warm pools",
+        description="the isolation tiers this node runs, one `[[backends]]` table each (`type` = container, fncall, "
+        "microvm, vm); the first is the default of the warm pools. Default, and with a `[container]` table: "
+        "container and fncall (whose workers are made by the container tier)",
     )
 
     @model_validator(mode="before")
@@ -98,7 +103,7 @@ class DaemonConfig(BaseModel):
             container = {"type": "container", **data.pop("container")}
             if "backends" in data:
                 raise ValueError("give the container tier's settings in [container] or in [[backends]], not both")
-            data["backends"] = [container]
+            data["backends"] = [container, {"type": "fncall"}]
         return data
 
     @model_validator(mode="after")

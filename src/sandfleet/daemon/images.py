@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import LayerCache
+from sandfleet.backends.base import LayerCache, offers
 from sandfleet.daemon.core import NodeCore, log
 from sandfleet.daemon.lifecycle import LIVE_STATES
 from sandfleet.errors import DataLossError, ImageNotFoundError, InternalError, InvalidArgumentError
@@ -220,7 +220,8 @@ class Images:
         return await asyncio.to_thread(self.core.store.trim, limit, keep, functools.partial(_remove_if_idle, caches))
 
     def _caches(self) -> builtins.list[LayerCache]:
-        return [b for b in self.core.backends.values() if isinstance(b, LayerCache)]
+        # offers(): a tier sharing another's backend (fncall) does not hold a cache of its own
+        return [b for b in self.core.backends.values() if isinstance(b, LayerCache) and offers(b, "layer_cache")]
 
     def layer_refs(self, digests: builtins.list[str]) -> builtins.list[LayerRef]:
         return [self.layer_by_digest(digest) for digest in digests]

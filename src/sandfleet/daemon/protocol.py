@@ -25,6 +25,7 @@ from sandfleet.models import (
     Health,
     ImageInfo,
     ProcessInfo,
+    RunCodeRequest,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -120,6 +121,14 @@ class SandboxService(Protocol):
 
     # -- exec and background processes ------------------------------------------------------------
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
+
+    async def run_code(self, req: RunCodeRequest) -> ExecResult:
+        """A stateless call on a pooled worker of the fncall tier."""
+        ...
+
+    async def run_code_in(self, sandbox_id: str, req: RunCodeRequest) -> ExecResult:
+        """A stateless call on the worker sandbox `sandbox_id` (of the fncall tier)."""
+        ...
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> EventStream[ExecEvent]: ...
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
+from sandfleet.backends.base import Backend
 from sandfleet.backends.registry import build_backend
 from sandfleet.client import AsyncClient
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
@@ -138,9 +139,12 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         shared=config.shared_image_dir,
         cache_max=config.image_cache_max,
     )
-    backends = [
-        build_backend(tier, state_dir=config.state_dir, run_dir=config.run_dir, store=store) for tier in config.backends
-    ]
+    built: dict[str, Backend] = {}
+    for tier in sorted(config.backends, key=lambda t: t.type == "fncall"):  # fncall shares the container tier's
+        built[tier.type] = build_backend(
+            tier, state_dir=config.state_dir, run_dir=config.run_dir, store=store, built=built
+        )
+    backends = [built[tier.type] for tier in config.backends]
     for backend in backends:
         await backend.start()
     if config.ksm:

@@ -11,6 +11,7 @@ Backend-independent: a backend only creates/destroys sandboxes and hands back a 
     execs       exec, streams, background processes
     sessions    shells whose commands the agent frames
     creation    create (cold or from a warm pool), batches, idempotency keys
+    fncall      stateless calls: warm interpreters in worker sandboxes, pools of workers
     snapshots   snapshot, restore, fork, pack
     reaper      TTLs, retention, idle pause, stop retries, activity flush, CPU accounting
     recovery    adopting what a previous daemon left
@@ -41,6 +42,7 @@ from sandfleet.daemon.core import EventStream, NodeCore
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
+from sandfleet.daemon.fncall import Calls
 from sandfleet.daemon.images import Images
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.pausing import Pauser
@@ -62,6 +64,7 @@ from sandfleet.models import (
     Health,
     ImageInfo,
     ProcessInfo,
+    RunCodeRequest,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -116,6 +119,7 @@ class SandboxManager:
         self.execs = Execs(core, self.pauser, self.files)
         self.sessions = Sessions(core, self.pauser, self.files, self.execs)
         self.creation = Creation(core, self.images, self.files)
+        self.calls = Calls(core, self.pauser, self.creation)
         self.snapshots = Snapshots(
             core,
             self.pauser,
@@ -281,6 +285,12 @@ class SandboxManager:
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> EventStream[ExecEvent]:
         return await self.execs.exec_stream(sandbox_id, req)
+
+    async def run_code(self, req: RunCodeRequest) -> ExecResult:
+        return await self.calls.run(req)
+
+    async def run_code_in(self, sandbox_id: str, req: RunCodeRequest) -> ExecResult:
+        return await self.calls.run_in(sandbox_id, req)
 
     async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         return await self.execs.start_process(sandbox_id, req)

@@ -22,6 +22,7 @@ from sandfleet.models import (
     Ok,
     ProcessInfo,
     ProcessList,
+    RunCodeRequest,
 )
 
 
@@ -31,6 +32,16 @@ def router(service: SandboxService) -> APIRouter:
     @r.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
     async def exec_(sandbox_id: str, req: ExecRequest) -> ExecResult:
         return await service.exec(sandbox_id, req)
+
+    @r.post("/v1/run", response_model=ExecResult)
+    async def run_code(req: RunCodeRequest) -> ExecResult:
+        """A stateless call on a pooled worker of the fncall tier (a fresh process per call)."""
+        return await service.run_code(req)
+
+    @r.post("/v1/sandboxes/{sandbox_id}/run", response_model=ExecResult)
+    async def run_code_in(sandbox_id: str, req: RunCodeRequest) -> ExecResult:
+        """A stateless call on this worker sandbox (of the fncall tier)."""
+        return await service.run_code_in(sandbox_id, req)
 
     @r.post("/v1/sandboxes/{sandbox_id}/exec/stream", response_class=StreamingResponse, responses=NDJSON)
     async def exec_stream(sandbox_id: str, req: ExecRequest) -> StreamingResponse:

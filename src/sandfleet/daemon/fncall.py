@@ -1,0 +1,309 @@
+"""Stateless calls (the fncall tier): `run_code` on a worker sandbox, or on one of the node's pools.
+
+A worker is a sandbox of the fncall tier with a warm interpreter (runtime/zygote.py) started in it
+through the agent on its first call; each call is one JSON line to it and one back, and runs in a
+fresh process forked from it (see zygote.py for what is wiped between calls). A worker serves one
+call at a time, so the sandbox's limits (memory, pids) are the call's. Pools of workers are kept per
+(image, resources): a call takes an idle worker, or creates one while under `max_workers`, or waits
+for one; idle workers above `workers` stop after `worker_idle` seconds (their idle TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sandfleet.backends.config import FncallBackendConfig
+from sandfleet.daemon.core import NodeCore, wire_text
+from sandfleet.daemon.creation import Creation
+from sandfleet.daemon.lifecycle import Sandbox
+from sandfleet.daemon.pausing import Pauser
+from sandfleet.errors import InvalidArgumentError, SandboxError, UnavailableError
+from sandfleet.models import ExecResult, Resources, RunCodeRequest, SandboxSpec
+from sandfleet.runtime.agent import AgentError, ExecProcess, ExitInfo, OutputChunk
+
+ZYGOTE_SOURCE = (Path(__file__).parent.parent / "runtime" / "zygote.py").read_text()
+DEFAULT_IMAGE = "python"
+POOL_LABEL = "sandfleet.fncall-pool"
+START_TIMEOUT = 30.0  # the interpreter's start (and its preloads) in a fresh worker
+GRACE = 5.0  # past a call's own timeout: how long the zygote may take to answer
+
+
+@dataclass(eq=False)
+class _Zygote:
+    """The warm interpreter of one worker sandbox and the call it is running."""
+
+    sandbox_id: str
+    proc: ExecProcess
+    ready: asyncio.Future[None]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    buf: bytearray = field(default_factory=bytearray)
+    waiting: asyncio.Future[dict[str, Any]] | None = None
+    dead: bool = False
+    ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        while (nl := self.buf.find(b"\n")) >= 0:
+            line, self.buf = bytes(self.buf[:nl]), self.buf[nl + 1 :]
+            msg = json.loads(line)
+            if msg.get("ready"):
+                if not self.ready.done():
+                    self.ready.set_result(None)
+            elif self.waiting is not None and not self.waiting.done():
+                self.waiting.set_result(msg)
+
+    def fail(self, exc: BaseException) -> None:
+        self.dead = True
+        for fut in (self.ready, self.waiting):
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: nobody may be waiting any more
+
+
+@dataclass(eq=False)
+class _Pool:
+    spec: SandboxSpec
+    idle: list[str] = field(default_factory=list)
+    members: set[str] = field(default_factory=set)
+    freed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+def _request(req: RunCodeRequest, call_id: int) -> bytes:
+    files = {name: base64.b64encode(text.encode()).decode() for name, text in req.files.items()}
+    files.update(req.files_b64)
+    stdin = req.stdin_bytes()
+    msg = {
+        "id": call_id,
+        "language": req.language,
+        "code": req.code,
+        "stdin": base64.b64encode(stdin).decode() if stdin else None,
+        "files": files,
+        "env": req.env,
+        "timeout": req.timeout,
+        "cap": req.output_limit,
+    }
+    return json.dumps(msg).encode() + b"\n"
+
+
+def _result(msg: dict[str, Any], req: RunCodeRequest) -> ExecResult:
+    if "error" in msg:
+        raise UnavailableError(f"the worker could not run the call: {msg['error']}"[:500])
+    ex = ExitInfo.from_raw(int(msg["status"]), 0, 0, 0, 0)
+    out, err = base64.b64decode(msg["out"]), base64.b64decode(msg["err"])
+    return ExecResult(
+        exit_code=ex.exit_code,
+        signal=ex.signal,
+        stdout=wire_text(out, req.encoding),
+        stderr=wire_text(err, req.encoding),
+        duration=float(msg["duration"]),
+        timed_out=bool(msg["timed_out"]),
+        stdout_truncated=int(msg["out_n"]) > len(out),
+        stderr_truncated=int(msg["err_n"]) > len(err),
+        encoding=req.encoding,
+    )
+
+
+def _pool_spec(spec: SandboxSpec) -> SandboxSpec:
+    """What identifies a pool: the fields a pooled call can choose (the stored spec of a worker also
+    carries its image's defaults)."""
+    return SandboxSpec(
+        backend="fncall",
+        image=spec.image,
+        resources=spec.resources,
+        idle_ttl=spec.idle_ttl,
+        labels={POOL_LABEL: "1"},
+    )
+
+
+class Calls:
+    def __init__(self, core: NodeCore, pauser: Pauser, creation: Creation) -> None:
+        self.core = core
+        self.pauser = pauser
+        self.creation = creation
+        self._zygotes: dict[str, _Zygote] = {}
+        self._pools: dict[str, _Pool] = {}
+        self._starting: dict[str, asyncio.Future[_Zygote]] = {}
+        core.table.on_stopped(self._forget)
+
+    @property
+    def config(self) -> FncallBackendConfig:
+        tier = self.core.tier_for("fncall")
+        config = getattr(tier, "fncall_config", None)
+        return config if isinstance(config, FncallBackendConfig) else FncallBackendConfig()
+
+    def _forget(self, sb: Sandbox) -> None:
+        z = self._zygotes.pop(sb.id, None)
+        if z is not None:
+            z.fail(UnavailableError(f"worker {sb.id} stopped"))
+        for pool in self._pools.values():
+            pool.members.discard(sb.id)
+            with contextlib.suppress(ValueError):
+                pool.idle.remove(sb.id)
+
+    # -- one worker -----------------------------------------------------------------------------
+
+    async def run_in(self, sandbox_id: str, req: RunCodeRequest) -> ExecResult:
+        """A call on the worker sandbox `sandbox_id` (of the fncall tier)."""
+        sb = self.core.sandbox(sandbox_id)
+        if sb.spec.backend != "fncall":
+            raise InvalidArgumentError(
+                f"sandbox {sandbox_id} is of the {sb.spec.backend} tier: run_code needs a sandbox of the fncall tier"
+            )
+        if req.image is not None or req.resources is not None:
+            raise InvalidArgumentError("image and resources are the pool's: a worker sandbox has its own")
+        sb, live = await self.pauser.ready(sandbox_id)
+        self.core.touch(sb)
+        z = await self._zygote(sb)
+        async with z.lock:
+            result = await self._call(sb, z, req)
+        self.core.touch(sb)
+        self.core.journal.record(sb.id, "call", {"language": req.language, "exit_code": result.exit_code})
+        return result
+
+    async def _zygote(self, sb: Sandbox) -> _Zygote:
+        z = self._zygotes.get(sb.id)
+        if z is not None and not z.dead:
+            return z
+        starting = self._starting.get(sb.id)
+        if starting is None:
+            starting = asyncio.ensure_future(self._start_zygote(sb))
+            self._starting[sb.id] = starting
+            starting.add_done_callback(lambda _f: self._starting.pop(sb.id, None))
+        return await asyncio.shield(starting)
+
+    async def _start_zygote(self, sb: Sandbox) -> _Zygote:
+        live = sb.live
+        if live is None:
+            raise UnavailableError(f"sandbox {sb.id} is not running")
+        argv = ["python3", "-I", "-c", ZYGOTE_SOURCE, *self.config.preload]
+        try:
+            proc = await live.channel.start(argv, cwd="/", stdin=True, out_cap=None, nondump=False)
+        except AgentError as exc:
+            raise InvalidArgumentError(
+                f"sandbox {sb.id} cannot run calls: its image has no python3 ({exc})"[:500]
+            ) from exc
+        z = _Zygote(sb.id, proc, asyncio.get_running_loop().create_future())
+        self.core.spawn(self._read(z), name=f"zygote-{sb.id}")
+        try:
+            await asyncio.wait_for(asyncio.shield(z.ready), START_TIMEOUT)
+        except (TimeoutError, SandboxError) as exc:
+            with contextlib.suppress(AgentError):
+                await proc.signal(9)
+            raise UnavailableError(f"the warm interpreter of {sb.id} did not start") from exc
+        self._zygotes[sb.id] = z
+        return z
+
+    async def _read(self, z: _Zygote) -> None:
+        err = bytearray()
+        try:
+            async for ev in z.proc.events():
+                if isinstance(ev, OutputChunk):
+                    if ev.stream == "stdout":
+                        z.feed(ev.data)
+                    elif len(err) < 4096:
+                        err += ev.data
+            reason = f"the worker's interpreter exited: {bytes(err).decode(errors='replace')[-300:]}".strip()
+        except (AgentError, ValueError) as exc:
+            reason = f"the worker's interpreter is gone: {exc}"
+        z.fail(UnavailableError(reason))
+        if self._zygotes.get(z.sandbox_id) is z:
+            del self._zygotes[z.sandbox_id]
+
+    async def _call(self, sb: Sandbox, z: _Zygote, req: RunCodeRequest) -> ExecResult:
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        z.waiting = fut
+        try:
+            await z.proc.write_stdin(_request(req, next(z.ids)))
+            msg = await asyncio.wait_for(asyncio.shield(fut), req.timeout + GRACE)
+        except TimeoutError as exc:
+            # A worker that does not answer is not trusted with another call.
+            z.fail(UnavailableError(f"worker {sb.id} did not answer its call"))
+            self.core.spawn(self._stop_quietly(sb.id), name=f"stop-{sb.id}")
+            raise UnavailableError(f"worker {sb.id} did not answer its call") from exc
+        except AgentError as exc:
+            raise UnavailableError(f"worker {sb.id} is gone: {exc}") from exc
+        finally:
+            z.waiting = None
+        return _result(msg, req)
+
+    # -- pools ----------------------------------------------------------------------------------
+
+    async def run(self, req: RunCodeRequest) -> ExecResult:
+        """A call on a pooled worker of (image, resources)."""
+        self.core.tier_for("fncall")
+        spec = SandboxSpec(
+            backend="fncall",
+            image=req.image or DEFAULT_IMAGE,
+            resources=req.resources or Resources(),
+            idle_ttl=self.config.worker_idle,
+            labels={POOL_LABEL: "1"},
+        )
+        spec = _pool_spec(spec)
+        key = spec.model_dump_json()
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = self._adopt_pool(spec, key)
+        sid = await self._take(pool)
+        try:
+            call = req.model_copy(update={"image": None, "resources": None})
+            result = await self.run_in(sid, call)
+        except BaseException:
+            self._give_back(pool, sid, broken=True)
+            raise
+        self._give_back(pool, sid)
+        return result
+
+    def _adopt_pool(self, spec: SandboxSpec, key: str) -> _Pool:
+        """A new pool, with the workers of this spec a previous daemon left running (their warm
+        interpreters start again on their next call)."""
+        pool = _Pool(spec)
+        for sb in self.core.matching({POOL_LABEL: "1"}, ("running", "paused")):
+            if _pool_spec(sb.spec).model_dump_json() == key:
+                pool.members.add(sb.id)
+                pool.idle.append(sb.id)
+        return pool
+
+    async def _take(self, pool: _Pool) -> str:
+        async with pool.freed:
+            while True:
+                while pool.idle:
+                    sid = pool.idle.pop()
+                    sb = self.core.table.find(sid)
+                    if sb is not None and sb.state in ("running", "paused"):
+                        return sid
+                    pool.members.discard(sid)
+                if len(pool.members) < self.config.max_workers:
+                    break
+                await pool.freed.wait()
+        info = await self.creation.create(pool.spec)
+        pool.members.add(info.id)
+        return info.id
+
+    def _give_back(self, pool: _Pool, sid: str, *, broken: bool = False) -> None:
+        z = self._zygotes.get(sid)
+        if broken and (z is None or z.dead):
+            pool.members.discard(sid)
+            if self.core.table.find(sid) is not None:
+                self.core.spawn(self._stop_quietly(sid), name=f"stop-{sid}")
+        elif sid in pool.members:
+            pool.idle.append(sid)
+
+        async def notify() -> None:
+            async with pool.freed:
+                pool.freed.notify()
+
+        self.core.spawn(notify(), name="pool-freed")
+
+    async def _stop_quietly(self, sid: str) -> None:
+        with contextlib.suppress(SandboxError):
+            await self.core.stop(sid, reason="error")
+
+    def stats(self) -> dict[str, int]:
+        return {"workers": sum(len(p.members) for p in self._pools.values()), "zygotes": len(self._zygotes)}

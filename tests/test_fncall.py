@@ -1,0 +1,162 @@
+"""The fncall tier: stateless calls forked from warm interpreters in pooled worker sandboxes.
+
+Real daemon, real containers: each call must see none of what an earlier call wrote, left running
+or changed in memory, and must keep the container tier's limits (time, output, memory, pids,
+network).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from sandfleet import AsyncClient, Client, InvalidArgumentError, Resources
+
+from conftest import Daemon, destroy_daemon, make_daemon
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the fncall tier needs root")
+
+CALLS_OF_UID = """
+import os
+mine = []
+for p in os.listdir('/proc'):
+    if p.isdigit() and int(p) != os.getpid():
+        try:
+            status = open(f'/proc/{p}/status').read()
+        except OSError:
+            continue
+        if '\\nUid:\\t61000' in status:
+            mine.append(p)
+print(len(mine))
+"""
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Daemon]:
+    d = make_daemon("fncall")
+    d.start()
+    yield d
+    destroy_daemon(d)
+
+
+@pytest.fixture
+def fleet(node: Daemon) -> Iterator[Client]:
+    with node.client(timeout=120) as c:
+        yield c
+
+
+def test_run_code_basics(fleet: Client) -> None:
+    r = fleet.run_code("print('hi', 6 * 7)")
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "hi 42\n", "")
+    r = fleet.run_code(
+        "import os, sys; print(os.getuid(), open('a.txt').read(), open('d/b.bin','rb').read(), sys.stdin.read(), "
+        "os.environ['X'])",
+        files={"a.txt": "A", "d/b.bin": b"\x00\x01"},
+        stdin="IN",
+        env={"X": "y"},
+    )
+    assert r.stdout == "61000 A b'\\x00\\x01' IN y\n", r
+    r = fleet.run_code("echo $((1+2)); exit 3", language="bash")
+    assert (r.exit_code, r.stdout) == (3, "3\n")
+    r = fleet.run_code("raise ValueError('boom')")
+    assert r.exit_code == 1 and "ValueError: boom" in r.stderr
+    r = fleet.run_code("def f(:\n  pass")
+    assert r.exit_code == 1 and "SyntaxError" in r.stderr
+    assert fleet.run_code("import sys; sys.exit(5)").exit_code == 5
+    assert fleet.run_code("import os; os.kill(os.getpid(), 9)").signal == 9
+
+
+def test_calls_leave_nothing_behind(fleet: Client) -> None:
+    """Files, processes (background, double-forked, new session), memory and IPC objects of one
+    call are gone before the next."""
+    first = fleet.run_code(
+        """
+import os, subprocess, sys, ctypes
+open('/tmp/leak', 'w').write('x'); open('/dev/shm/leak', 'w').write('x'); open('kept.txt', 'w').write('x')
+subprocess.Popen(['sleep', '1000'], start_new_session=True)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        import time; time.sleep(1000)
+    os._exit(0)
+sys.modules['json'].LEAK = 1
+libc = ctypes.CDLL(None)
+print(libc.shmget(0, 4096, 0o1600) >= 0)
+"""
+    )
+    assert first.exit_code == 0 and first.stdout == "True\n", first
+    # The same pool serves the next call, on the same worker or another: nothing of the first.
+    for _ in range(3):
+        r = fleet.run_code(
+            CALLS_OF_UID
+            + """
+import sys, json
+print(os.path.exists('/tmp/leak'), os.path.exists('/dev/shm/leak'), os.listdir('.'), hasattr(json, 'LEAK'))
+print(sum(1 for row in open('/proc/sysvipc/shm').read().splitlines()[1:] if row.split()[7] == '61000'))
+"""
+        )
+        assert r.stdout.split("\n")[:3] == ["0", "False False [] False", "0"], r
+
+
+def test_limits(fleet: Client) -> None:
+    r = fleet.run_code("import time; time.sleep(30)", timeout=0.5)
+    assert r.timed_out and r.duration < 5
+    r = fleet.run_code("print('x' * 5000)", output_limit=100)
+    assert r.stdout_truncated and len(r.stdout) == 100
+    r = fleet.run_code("import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)")
+    assert r.exit_code == 1 and "unreachable" in r.stderr.lower()
+    small = Resources(memory="96MiB", pids=64)
+    r = fleet.run_code("b = bytearray(400 * 1024 * 1024); print(len(b))", resources=small)
+    assert r.exit_code != 0 and "419430400" not in r.stdout
+    r = fleet.run_code(
+        "import os\nfor _ in range(200):\n    try:\n        os.fork() or __import__('time').sleep(30)\n"
+        "    except OSError:\n        print('limited'); break",
+        resources=small,
+        timeout=10,
+    )
+    assert "limited" in r.stdout, r
+    # The pool's workers survived both and serve the next call.
+    assert fleet.run_code("print('ok')", resources=small).stdout == "ok\n"
+
+
+def test_worker_sandbox(fleet: Client) -> None:
+    """A worker set up through exec and files; calls read that state and cannot change it."""
+    with fleet.create(backend="fncall", image="python") as w:
+        w.exec("mkdir -p /srv && echo data > /srv/input.txt")
+        assert w.run_code("print(open('/srv/input.txt').read().strip())").stdout == "data\n"
+        r = w.run_code("open('/srv/input.txt', 'w').write('changed')")
+        assert r.exit_code == 1 and "PermissionError" in r.stderr
+        assert w.files.read("/srv/input.txt") == b"data\n"
+        # The warm interpreter killed from inside the worker: the next call starts another.
+        w.exec("for p in /proc/[0-9]*; do grep -qs 'warm worker' $p/cmdline && kill -9 ${p#/proc/}; done; true")
+        assert w.run_code("print(2)").stdout == "2\n"
+    with fleet.create(image="busybox") as plain:
+        with pytest.raises(InvalidArgumentError):
+            plain.run_code("print(1)")
+
+
+def test_bad_requests(fleet: Client, node: Daemon) -> None:
+    with pytest.raises(InvalidArgumentError):
+        fleet.run_code("print(1)", files={"/etc/passwd": "x"})
+    with pytest.raises(InvalidArgumentError):
+        fleet.run_code("print(1)", files={"../up": "x"})
+    with pytest.raises(InvalidArgumentError):
+        fleet.run_code("echo", language="bash", image="busybox")  # no python3 for the warm worker
+    transport = httpx.HTTPTransport(uds=str(node.socket))
+    with httpx.Client(transport=transport, base_url="http://sandfleet") as h:
+        for body in ({"code": 1}, {"code": "x", "language": "perl"}, {"code": "x", "timeout": -1}, {}):
+            resp = h.post("/v1/run", json=body)
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_argument", (body, resp.text)
+
+
+def test_concurrent_calls(node: Daemon) -> None:
+    async def main() -> list[str]:
+        async with AsyncClient(str(node.socket), timeout=120) as c:
+            results = await asyncio.gather(*(c.run_code(f"print({i} * 2)") for i in range(24)))
+            return [r.stdout for r in results]
+
+    assert asyncio.run(main()) == [f"{i * 2}\n" for i in range(24)]
