@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 import time
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -20,7 +21,7 @@ from rich.table import Table
 
 from sandfleet.client import Client, Sandbox
 from sandfleet.errors import SandboxError
-from sandfleet.models import BuildEvent, Resources, SandboxSpec
+from sandfleet.models import Backend, BuildEvent, Resources, SandboxSpec
 
 app = typer.Typer(help="sandfleet: elastic sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 images_app = typer.Typer(help="List and build images.", invoke_without_command=True)
@@ -516,7 +517,7 @@ def images_build(
 @app.command()
 def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = None) -> None:
     """Check this host for what sandfleet needs; say how to fix what is missing."""
-    from sandfleet.runtime.doctor import Check, run_checks
+    from sandfleet.runtime.doctor import Check, run_checks, tier_checks
 
     def daemon_check() -> Check:
         sock = socket or Path("/run/sandfleet/sandfleet.sock")
@@ -527,11 +528,13 @@ def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = Non
                 h = c.health()
         except SandboxError as exc:
             return Check("daemon", "warn", f"{sock} exists but does not answer: {exc.message}")
-        return Check("daemon", "ok", f"{sock}: {h.get('sandboxes_running')} sandboxes running")
+        tiers = ", ".join(h.get("tiers", {}))
+        return Check("daemon", "ok", f"{sock}: {h.get('sandboxes_running')} sandboxes running; tiers {tiers}")
 
     table = Table("CHECK", "STATUS", "DETAIL / FIX")
     failed = 0
-    for check in [*run_checks(state_dir=state_dir), daemon_check()]:
+    host = list(run_checks(state_dir=state_dir))
+    for check in [*host, *tier_checks(host), daemon_check()]:
         status = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}[check.status]
         failed += check.status == "fail"
         table.add_row(check.name, status, check.detail)
@@ -546,12 +549,18 @@ def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = Non
 def demo(
     sandboxes: Annotated[int, typer.Option(help="parallel rollouts")] = 8,
     image: str = "python:3.11",
+    backend: Annotated[
+        str, typer.Option(help="isolation tier: container, fncall, microvm or vm (VMs: fewer rollouts under TCG)")
+    ] = "container",
     socket: SocketOpt = None,
 ) -> None:
     """A demo rollout: start a daemon if none runs, create sandboxes, drive them for a few turns."""
     from sandfleet.daemon.process import DaemonProcess, DaemonStartError
     from sandfleet.demo import run_demo
 
+    if backend not in typing.get_args(Backend):
+        err_console.print(f"[red]no tier {backend!r}: {', '.join(typing.get_args(Backend))}[/red]")
+        raise typer.Exit(2)
     sock = socket or Path(os.environ.get("SANDFLEET_SOCKET", "/run/sandfleet/sandfleet.sock"))
     with contextlib.ExitStack() as stack:
         try:
@@ -559,14 +568,19 @@ def demo(
         except SandboxError:
             console.print("[dim]no daemon running: starting an embedded one[/dim]")
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sandfleet-demo-")))
-            daemon = DaemonProcess(["--socket", str(sock)], workdir=workdir)
+            args = ["--socket", str(sock)]
+            if backend in ("microvm", "vm"):  # the default node runs container and fncall only
+                config = workdir / "demo.toml"
+                config.write_text("".join(f'[[backends]]\ntype = "{t}"\n' for t in ("container", "fncall", backend)))
+                args += ["--config", str(config)]
+            daemon = DaemonProcess(args, workdir=workdir)
             stack.callback(daemon.stop)
             try:
                 daemon.start(timeout=60)
             except DaemonStartError as exc:
                 err_console.print(f"[red]the daemon did not start ({exc}); try `sandfleet doctor`[/red]")
                 raise typer.Exit(1) from None
-        ok = run_demo(console, sock, sandboxes, image)
+        ok = run_demo(console, sock, sandboxes, image, backend=typing.cast(Backend, backend))
     raise typer.Exit(0 if ok else 1)
 
 

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from sandfleet.client import AsyncClient
 from sandfleet.errors import SandboxError
-from sandfleet.models import Resources, SandboxSpec
+from sandfleet.models import Backend, Resources, SandboxSpec
 
 BUGGY = "def add(a, b):\n    return a - b\n"
 TEST_PY = "from solution import add\nassert add(2, 3) == 5, 'add is wrong'\nprint('tests passed')\n"
@@ -38,11 +38,12 @@ class Rollout:
     error: str = ""
 
 
-async def _rollout(fleet: AsyncClient, index: int, image: str, python: bool) -> Rollout:
+async def _rollout(fleet: AsyncClient, index: int, image: str, python: bool, backend: Backend) -> Rollout:
     out = Rollout(index)
     t0 = time.perf_counter()
     try:
         spec = SandboxSpec(
+            backend=backend,
             image=image,
             resources=Resources(cpu=1, memory="512MiB"),
             idle_ttl=120,
@@ -83,18 +84,19 @@ async def _rollout(fleet: AsyncClient, index: int, image: str, python: bool) -> 
     return out
 
 
-def run_demo(console: Console, socket: Path, n: int, image: str) -> bool:
+def run_demo(console: Console, socket: Path, n: int, image: str, *, backend: Backend = "container") -> bool:
     async def main() -> list[Rollout]:
         async with AsyncClient(socket) as fleet:
             with console.status(f"preparing image {image} (built on first use)..."):
                 await fleet.build_image(image)
             python = image.startswith("python")
-            return await asyncio.gather(*(_rollout(fleet, i, image, python) for i in range(n)))
+            return await asyncio.gather(*(_rollout(fleet, i, image, python, backend) for i in range(n)))
 
     t0 = time.perf_counter()
     rollouts = asyncio.run(main())
     wall = time.perf_counter() - t0
-    table = Table("#", "SANDBOX", "CREATE ms", "TURNS", "EXEC p50 ms", "REWARD", title=f"demo rollout on {image}")
+    title = f"demo rollout on {image}, {backend} tier"
+    table = Table("#", "SANDBOX", "CREATE ms", "TURNS", "EXEC p50 ms", "REWARD", title=title)
     for r in rollouts:
         p50 = statistics.median(r.exec_ms) if r.exec_ms else 0.0
         table.add_row(

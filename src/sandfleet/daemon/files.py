@@ -12,10 +12,11 @@ import builtins
 import contextlib
 import os
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, BinaryIO
 
 from sandfleet.backends.base import HostFiles, LiveSandbox, unsupported
+from sandfleet.daemon.agentfiles import AgentFS
 from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, T, resolve_cwd
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.images import Images
@@ -121,7 +122,11 @@ class Files:
             # Streamed through a capped parser in a worker thread: a 62 MB /etc/passwd costs the
             # sandbox's own disk, never the daemon's memory or its event loop.
             try:
-                found = await self.fs(sb, live, lambda fs: fs.lookup_user(name, max_bytes=PASSWD_MAX_BYTES))
+                agent = self.agent_fs(sb, live)
+                if agent is not None:
+                    found = await agent.lookup_user(name)
+                else:
+                    found = await self.fs(sb, live, lambda fs: fs.lookup_user(name, max_bytes=PASSWD_MAX_BYTES))
             except NotFoundError:
                 found = None
             if found is None:
@@ -179,6 +184,36 @@ class Files:
 
         return EventStream(events(), w.close)
 
+    def agent_fs(self, sb: Sandbox, live: LiveSandbox) -> AgentFS | None:
+        """Files through the agent, for a tier whose sandbox root the host cannot reach (a VM's);
+        None where the host-side path applies."""
+        if isinstance(self.core.tier(sb), HostFiles):
+            return None
+        return AgentFS(live.channel, cwd=sb.spec.workdir)
+
+    async def _agent_op(
+        self,
+        sandbox_id: str,
+        op: Callable[[AgentFS], Awaitable[T]],
+        event: tuple[str, dict[str, Any]] | None = None,
+    ) -> T | None:
+        """Run `op` through the agent if the sandbox's tier needs that (else None: the caller goes
+        the host-side way)."""
+        sb, live = await self.pauser.ready(sandbox_id)
+        agent = self.agent_fs(sb, live)
+        if agent is None:
+            return None
+        self.core.touch(sb)
+        try:
+            result = await op(agent)
+        except FileOpError as exc:
+            raise to_wire_error(exc, limit=1000) from exc
+        except AgentError as exc:
+            raise UnavailableError(f"sandbox {sandbox_id}: {exc}") from exc
+        if event is not None:
+            self.core.journal.record(sb.id, event[0], event[1])
+        return result
+
     async def fs(
         self, sb: Sandbox, live: LiveSandbox, op: Callable[[SandboxFS], T], *, cwd: str = "/", mutating: bool = False
     ) -> T:
@@ -204,12 +239,23 @@ class Files:
             raise UnavailableError(f"sandbox {live.id} is no longer running") from exc
 
     async def read_file(self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        via = await self._agent_op(sandbox_id, lambda a: a.read(path, offset=offset, length=length))
+        if via is not None:
+            return via
         return await self._file_op(sandbox_id, lambda fs: fs.read(path, offset=offset, length=length))
 
     async def write_file(
         self, sandbox_id: str, path: str, data: bytes, *, mode: int, user: str | None, append: bool
     ) -> FileInfo:
         owner = await self._file_owner(sandbox_id, user)
+
+        async def via_agent(a: AgentFS) -> FileInfo:
+            await a.write(path, data, mode=mode, uid=owner.uid, gid=owner.gid, append=append)
+            return file_info(await a.stat(path))
+
+        info = await self._agent_op(sandbox_id, via_agent, ("file_write", {"path": path, "bytes": len(data)}))
+        if info is not None:
+            return info
 
         def op(fs: SandboxFS) -> FileInfo:
             fs.write(path, data, mode=mode, uid=owner.uid, gid=owner.gid, append=append)
@@ -218,13 +264,27 @@ class Files:
         return await self._file_op(sandbox_id, op, ("file_write", {"path": path, "bytes": len(data)}), mutating=True)
 
     async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
+        via = await self._agent_op(sandbox_id, lambda a: a.list(path))
+        if via is not None:
+            return [file_info(x) for x in via]
         return [file_info(st) for st in await self._file_op(sandbox_id, lambda fs: fs.list(path))]
 
     async def stat_file(self, sandbox_id: str, path: str, follow_symlinks: bool) -> FileInfo:
+        via = await self._agent_op(sandbox_id, lambda a: a.stat(path, follow_symlinks=follow_symlinks))
+        if via is not None:
+            return file_info(via)
         return file_info(await self._file_op(sandbox_id, lambda fs: fs.stat(path, follow_symlinks=follow_symlinks)))
 
     async def make_dir(self, sandbox_id: str, path: str, *, parents: bool, mode: int, user: str | None) -> FileInfo:
         owner = await self._file_owner(sandbox_id, user)
+
+        async def via_agent(a: AgentFS) -> FileInfo:
+            await a.mkdir(path, parents=parents, mode=mode, uid=owner.uid, gid=owner.gid)
+            return file_info(await a.stat(path))
+
+        info = await self._agent_op(sandbox_id, via_agent, ("mkdir", {"path": path}))
+        if info is not None:
+            return info
 
         def op(fs: SandboxFS) -> FileInfo:
             fs.mkdir(path, parents=parents, mode=mode, uid=owner.uid, gid=owner.gid)
@@ -233,6 +293,12 @@ class Files:
         return await self._file_op(sandbox_id, op, ("mkdir", {"path": path}), mutating=True)
 
     async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        async def via_agent(a: AgentFS) -> bool:
+            await a.remove(path, recursive=recursive)
+            return True
+
+        if await self._agent_op(sandbox_id, via_agent, ("file_remove", {"path": path, "recursive": recursive})):
+            return
         await self._file_op(
             sandbox_id,
             lambda fs: fs.remove(path, recursive=recursive),
@@ -242,6 +308,9 @@ class Files:
 
     async def download_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         limit = self._download_limit(sandbox_id)
+        via = await self._agent_op(sandbox_id, lambda a: a.tar_out(path, max_bytes=limit))
+        if via is not None:
+            return via
         return await self._file_stream(sandbox_id, lambda fs: fs.iter_tar(path, max_bytes=limit))
 
     async def upload_limit(self, sandbox_id: str) -> int:
@@ -251,6 +320,16 @@ class Files:
 
     async def upload_tar(self, sandbox_id: str, path: str, tar: BinaryIO, size: int, user: str | None) -> None:
         owner = await self._file_owner(sandbox_id, user)
+
+        async def via_agent(a: AgentFS) -> bool:
+            chunks = []
+            while chunk := await asyncio.to_thread(tar.read, 64 * 1024):
+                chunks.append(chunk)
+            await a.tar_in(path, chunks, uid=owner.uid, gid=owner.gid)
+            return True
+
+        if await self._agent_op(sandbox_id, via_agent, ("upload", {"path": path, "bytes": size})):
+            return
 
         def op(fs: SandboxFS) -> None:
             fs.upload_tar(path, tar, uid=owner.uid, gid=owner.gid)
