@@ -46,7 +46,20 @@ class Daemon:
     @property
     def cgroup_parent(self) -> str:
         """The `container.cgroup_parent` of its config, without slashes at either end."""
-        return str(tomllib.loads(self.config.read_text())["container"]["cgroup_parent"]).strip("/")
+        cfg = tomllib.loads(self.config.read_text())
+        table = cfg.get("container") or next(b for b in cfg["backends"] if b["type"] == "container")
+        return str(table["cgroup_parent"]).strip("/")
+
+    def vm_cgroup_dirs(self) -> list[Path]:
+        """The cgroups of the QEMU tiers' VMs (under each VM tier's `cgroup_parent`/<tier>/)."""
+        cfg = tomllib.loads(self.config.read_text())
+        out = []
+        for b in cfg.get("backends", []):
+            if b["type"] in ("microvm", "vm"):
+                parent = str(b.get("cgroup_parent", "/sandfleet-vm")).strip("/") + "/" + b["type"]
+                out += [c for ctrl in Path("/sys/fs/cgroup").iterdir() if (ctrl / parent).is_dir()
+                        for c in (ctrl / parent).iterdir() if c.is_dir()]  # fmt: skip
+        return out
 
     def client(self, **kw: object) -> Client:
         return Client(self.socket, **kw)  # type: ignore[arg-type]

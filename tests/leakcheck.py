@@ -78,6 +78,23 @@ class Residue:
     netns: int
     loops: int
     zombies: tuple[str, ...]
+    vm_dirs: tuple[str, ...] = ()  # run_dir/<microvm|vm>/<id>
+    vm_cgroups: tuple[str, ...] = ()  # <ctrl>/<id> under the VM tiers' parents
+    qemu: tuple[int, ...] = ()  # QEMU processes of this daemon's VMs
+
+
+def qemu_processes(d: Daemon) -> tuple[int, ...]:
+    """QEMU processes whose command line names this daemon's run directory."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"qemu-system" in cmd and str(d.run_dir).encode() in cmd:
+                out.append(int(p.name))
+    return tuple(sorted(out))
 
 
 def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
@@ -117,4 +134,9 @@ def residue(d: Daemon, *, daemon_alive: bool = True) -> Residue:
         netns=len(net_namespaces()),
         loops=loop_devices(),
         zombies=tuple(zombie_children(d.pid)) if daemon_alive else (),
+        vm_dirs=tuple(
+            sorted(x.name for t in ("microvm", "vm") if (d.run_dir / t).is_dir() for x in (d.run_dir / t).iterdir())
+        ),  # fmt: skip
+        vm_cgroups=tuple(sorted(f"{c.parent.parent.name}/{c.name}" for c in d.vm_cgroup_dirs())),
+        qemu=qemu_processes(d),
     )

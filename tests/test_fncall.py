@@ -134,9 +134,8 @@ def test_worker_sandbox(fleet: Client) -> None:
         # The warm interpreter killed from inside the worker: the next call starts another.
         w.exec("for p in /proc/[0-9]*; do grep -qs 'warm worker' $p/cmdline && kill -9 ${p#/proc/}; done; true")
         assert w.run_code("print(2)").stdout == "2\n"
-    with fleet.create(image="busybox") as plain:
-        with pytest.raises(InvalidArgumentError):
-            plain.run_code("print(1)")
+    with fleet.create(image="busybox") as plain, pytest.raises(InvalidArgumentError):
+        plain.run_code("print(1)")
 
 
 def test_bad_requests(fleet: Client, node: Daemon) -> None:

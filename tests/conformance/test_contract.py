@@ -39,7 +39,11 @@ TIERS = {
     # Workers of stateless calls, made by the container tier's launcher: the sandbox API on a worker
     # (to set it up) is the container's; its calls are tested in tests/test_fncall.py.
     "fncall": ("fncall", "", None),
+    # Guests under TCG here (KVM where the host runs standard guests): a few seconds per create.
+    "microvm": ("microvm", "", "qemu-system-x86_64"),
+    "vm": ("vm", "", "qemu-system-x86_64"),
 }
+VM_TIERS = ("microvm", "vm")
 
 
 @dataclass
@@ -54,7 +58,9 @@ class Tier:
             pytest.skip(f"the {self.name} tier has no {capability} capability")
 
 
-@pytest.fixture(scope="module", params=sorted(TIERS))
+@pytest.fixture(
+    scope="module", params=[pytest.param(t, marks=[pytest.mark.vm] if t in VM_TIERS else []) for t in sorted(TIERS)]
+)
 def tier(request: pytest.FixtureRequest) -> Iterator[Tier]:
     if os.geteuid() != 0:
         pytest.skip("real tiers need root")
@@ -63,6 +69,11 @@ def tier(request: pytest.FixtureRequest) -> Iterator[Tier]:
         pytest.skip(f"{tool} is not installed")
     d = make_daemon(f"conf-{request.param}")
     text = d.config.read_text().replace("[container]\n", "[container]\n" + lines)
+    if backend in VM_TIERS:
+        # [[backends]] tables: the container and fncall tiers as the [container] table made them, and this one
+        text = text.replace("[container]\n", '[[backends]]\ntype = "container"\n')
+        text += f'[[backends]]\ntype = "fncall"\n[[backends]]\ntype = "{backend}"\n'
+        text += f'cgroup_parent = "/sandfleet-test-{d.root.name}-vm"\n'
     # Stopped sandboxes stay listable for a minute: the contract checks their final state.
     d.config.write_text(text.replace("stopped_retention = 0\n", "stopped_retention = 60\n"))
     d.start()
@@ -84,6 +95,9 @@ def fleet(tier: Tier) -> Iterator[Client]:
         assert set(r.sandbox_dirs) <= live, f"directories left: {set(r.sandbox_dirs) - live}"
         assert {c.split("/", 1)[1] for c in r.cgroups} <= live, f"cgroups left: {r.cgroups}"
         assert not [m for m in r.mounts if m.split("/")[-1] not in live and not any(i in m for i in live)]
+        assert set(r.vm_dirs) <= live, f"VM directories left: {set(r.vm_dirs) - live}"
+        assert {c.split("/", 1)[1] for c in r.vm_cgroups} <= live, f"VM cgroups left: {r.vm_cgroups}"
+        assert len(r.qemu) <= len(live), f"QEMU processes left: {r.qemu}"
 
 
 @pytest.fixture
@@ -149,6 +163,7 @@ def test_exec_stream(sb: Sandbox) -> None:
 def test_background_process(busy: tuple[Sandbox, object]) -> None:
     sb, p = busy
     assert [x.id for x in sb.processes()] == [p.id]  # type: ignore[attr-defined]
+    time.sleep(1)  # a few ticks, on a slow tier too (a VM under TCG)
     info = p.kill()  # type: ignore[attr-defined]
     assert info.result is not None and "tick" in info.result.stdout
 

@@ -193,7 +193,7 @@ def become_subreaper() -> None:
 # OCI runtimes, the launcher (a launch that failed past its fork leaves one child behind), and
 # sandbox agents (our children once the launcher's intermediate process exits) that died on their own
 # or were killed with their half-created sandbox.
-ORPHAN_NAMES = frozenset({"crun", "runc", "runsc", "sandfleet-run", "sandfleet-agent"})
+ORPHAN_NAMES = frozenset({"crun", "runc", "runsc", "sandfleet-run", "sandfleet-agent", "qemu-system-x86", "bwrap"})
 
 
 def reap_orphans(names: frozenset[str] = ORPHAN_NAMES, limit: int = 1024) -> int:

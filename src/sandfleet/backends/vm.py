@@ -1,0 +1,427 @@
+"""The QEMU tiers: `microvm` (QEMU's microvm machine, virtio-mmio) and `vm` (q35, PCI, ACPI).
+
+A sandbox is a guest booted from Debian's cloud kernel and sandfleet's initramfs (runtime/guest.py);
+its init (runtime/vminit.c) mounts the image's EROFS layers from read-only virtio disks (the same
+layer files the container tier uses: every VM shares their page cache) and starts the agent with
+the container tier's own launcher, so code in the guest is a container inside a VM. The agent's
+channel crosses the VM boundary over virtio-serial (runtime/qemu.py relays it), and the service
+talks to an ordinary AgentChannel.
+
+Per VM on the host: a directory under run_dir/<tier>/<id> (sockets, pidfile, console log), a host
+uid of its own for QEMU (jail_uid_base + slot; the `vm` tier's slots start 2^20 above the base so
+both tiers can share one base), a cgroup under cgroup_parent, and the jailed QEMU process, which
+runs in a session of its own so that it outlives a daemon restart and is adopted again.
+
+Not done yet: snapshots; the `vm` tier's copy-on-write root disk (it runs the microvm design on
+q35 with PCI devices, the writable layer on the guest's tmpfs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.config import VMBackendConfig
+from sandfleet.errors import DataLossError, InternalError, InvalidArgumentError, UnavailableError
+from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
+from sandfleet.models import SandboxSpec, Usage
+from sandfleet.runtime import cgroups, guest, proc, qemu, seccomp
+from sandfleet.runtime.agent import AgentChannel, ChannelClosedError
+
+log = logging.getLogger("sandfleet.vm")
+
+MIB = 1024**2
+QEMU_OVERHEAD = 192 * MIB  # QEMU's own memory beyond guest RAM and the TCG cache (measured ~60 MiB idle)
+QEMU_PIDS = 128  # QEMU's threads (vCPUs, I/O workers, RCU) plus bwrap
+SLOTS = 1 << 20
+FIRST_FD = 3  # where the jail's fds land in the spawned process
+
+
+@dataclasses.dataclass
+class _VM:
+    """What the daemon holds for a live VM besides its LiveSandbox."""
+
+    relay: qemu.StreamRelay | None = None
+    reaper: asyncio.Task[None] | None = None
+
+
+class VMBackend:
+    def __init__(self, config: VMBackendConfig, *, state_dir: Path, run_dir: Path, store: LayerStore) -> None:
+        self.config = config
+        self.name: str = config.type
+        self.store = store
+        self.state_dir = state_dir
+        self.vms_dir = run_dir / config.type
+        # one parent per tier: each tier's residue and leftovers are its own
+        self.cgroups = cgroups.Cgroups(f"{config.cgroup_parent}/{config.type}")
+        self.kernel: guest.Kernel | None = None
+        self.initramfs: Path | None = None
+        self.accel: str = "tcg"
+        self._uid_base = config.jail_uid_base + (SLOTS if config.type == "vm" else 0)
+        self._uids: set[int] = set()
+        self._vms: dict[str, _VM] = {}
+
+    # -- node ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        ok, why = guest.usable(self.config.qemu, self.config.guest_dir)
+        if not ok:
+            raise UnavailableError(why)
+        try:
+            bpf = await asyncio.to_thread(seccomp.compile_bpf, seccomp.default_profile())
+        except seccomp.SeccompUnavailableError as exc:
+            raise UnavailableError(str(exc)) from exc
+        self.kernel = guest.find_kernel(self.config.guest_dir)
+        self.initramfs = await asyncio.to_thread(guest.build_initramfs, self.state_dir / "vm-guest", self.kernel, bpf)
+        self.accel = self._pick_accel()
+        self.vms_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.vms_dir, 0o711)
+        self.cgroups = cgroups.Cgroups(self.config.cgroup_parent)  # re-detect inside our mount namespace
+
+    def _pick_accel(self) -> str:
+        """KVM only when asked for explicitly: on this kind of host /dev/kvm exists but cannot run a
+        standard guest (PVM), and a trustworthy probe is a full boot; `auto` therefore means TCG."""
+        if self.config.accel == "kvm":
+            if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+                raise UnavailableError("accel = 'kvm' but /dev/kvm is not usable")
+            return "kvm"
+        return "tcg"
+
+    async def close(self) -> None:
+        for vm in self._vms.values():
+            if vm.relay is not None:
+                vm.relay.close()
+            if vm.reaper is not None:
+                vm.reaper.cancel()
+        self._vms.clear()
+        await asyncio.to_thread(self.cgroups.remove_parent_if_empty)
+
+    # -- create -------------------------------------------------------------------------------
+
+    def _layer_files(self, image: ImageManifest) -> list[Path]:
+        paths = []
+        for layer in image.layers:
+            if self.store.blob_path(layer.digest) is not None:
+                raise InvalidArgumentError(
+                    f"image {image.name}:{image.tag} has on-demand layers, which the {self.name} tier cannot use"
+                )
+            path = self.store.verified_layer_path(layer.digest)
+            self.store.touch(path)
+            paths.append(path)
+        return paths
+
+    def _new_uid(self) -> int:
+        for slot in range(SLOTS):
+            uid = self._uid_base + slot
+            if uid not in self._uids:
+                self._uids.add(uid)
+                return uid
+        raise UnavailableError(f"no free jail uid for another {self.name}")
+
+    def _memory(self, spec: SandboxSpec) -> int:
+        """Guest RAM in MiB: the spec's memory, at least min_memory."""
+        return max(int(spec.resources.memory), self.config.min_memory) // MIB
+
+    def _vcpus(self, spec: SandboxSpec) -> int:
+        return max(self.config.vcpus, min(64, int(spec.resources.cpu + 0.999)))
+
+    def _make_cgroup(self, sandbox_id: str, spec: SandboxSpec, memory_mib: int) -> list[str]:
+        """The VM's cgroup with its limits; returns the cgroup.procs files QEMU's jail joins."""
+        host_memory = (memory_mib + self.config.tcg_cache_mib) * MIB + QEMU_OVERHEAD
+        plan = self.cgroups.plan(
+            self.cgroups.path_for(sandbox_id),
+            memory=host_memory,
+            cpu_quota_us=max(1000, int(spec.resources.cpu * 100_000)),
+            cpu_period_us=100_000,
+            pids=QEMU_PIDS,
+        )
+        for d in plan.dirs:
+            os.makedirs(d, exist_ok=True)
+        for path, value in plan.writes:
+            if "/devices/" in path:
+                continue  # QEMU's device access is the jail's business (bwrap's minimal /dev)
+            with open(path, "w") as f:
+                f.write(value)
+        return [f"{d}/cgroup.procs" for d in plan.dirs]
+
+    def _spec(self, spec: SandboxSpec, layers: int, sandbox_id: str) -> qemu.VMSpec:
+        disk = int(spec.resources.disk)
+        cmdline = {
+            "layers": str(layers),
+            "disk": str(disk),
+            "inodes": str(max(4096, disk // 8192)),
+            "uid": str(self.config.uid_base),
+            "nofile": "1024",
+            "hostname": spec.hostname or sandbox_id,
+        }
+        machine: qemu.Machine = "microvm" if self.config.type == "microvm" else "vm"
+        return qemu.VMSpec(
+            machine=machine,
+            memory_mib=self._memory(spec),
+            vcpus=self._vcpus(spec),
+            layers=layers,
+            accel="kvm" if self.accel == "kvm" else "tcg",
+            tcg_cache_mib=self.config.tcg_cache_mib,
+            cmdline=cmdline,
+        )
+
+    def _spawn(self, vdir: Path, uid: int, layer_paths: list[Path], vm_spec: qemu.VMSpec, procs: list[str]) -> int:
+        """Start the jailed QEMU (blocking part); returns the pid of bwrap, its parent."""
+        assert self.kernel is not None and self.initramfs is not None
+        opened = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in [vdir, self.kernel.image, self.initramfs, *layer_paths]]
+        try:
+            numbers = list(range(FIRST_FD, FIRST_FD + len(opened)))
+            files = qemu.JailFiles(numbers[0], numbers[1], numbers[2], numbers[3:], kvm=vm_spec.accel == "kvm")
+            layout = qemu.VMLayout()
+            inner = qemu.jail_argv(uid, files, layout, qemu.qemu_argv(self.config.qemu, vm_spec, layout))
+            # Join the VM's cgroups before anything of QEMU exists (as root, then setpriv drops it).
+            join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 1; shift; n=$((n-1)); done; exec "$@"'
+            argv = ["/bin/sh", "-c", join, "sh", str(len(procs)), *procs, *inner]
+            return proc.start_background(argv, fd_map=dict(zip(numbers, opened, strict=True)))
+        finally:
+            for fd in opened:
+                os.close(fd)
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest) -> LiveSandbox:
+        assert self.kernel is not None, "backend not started"
+        try:
+            layer_paths = await asyncio.to_thread(self._layer_files, image)
+        except LayerCorruptError as exc:
+            raise DataLossError(f"image {image.name}:{image.tag} has a corrupt layer: {exc}") from exc
+        uid = self._new_uid()
+        runtime: dict[str, Any] = {"uid": uid, "layers": [x.digest for x in image.layers]}
+        try:
+            return await self._boot(sandbox_id, spec, layer_paths, runtime)
+        except BaseException as exc:
+            console = self._console_tail(sandbox_id)
+            await asyncio.shield(self.cleanup(sandbox_id, runtime))
+            if isinstance(exc, TimeoutError | ChannelClosedError):
+                raise UnavailableError(f"the {self.name} did not come up: {console}") from exc
+            if isinstance(exc, OSError | ValueError | qemu.QMPError):
+                raise InternalError(f"starting the {self.name} failed: {exc}: {console}") from exc
+            raise
+
+    async def _boot(
+        self, sandbox_id: str, spec: SandboxSpec, layer_paths: list[Path], runtime: dict[str, Any]
+    ) -> LiveSandbox:
+        vdir = self.vms_dir / sandbox_id
+        uid = runtime["uid"]
+        vdir.mkdir(mode=0o700)
+        os.chown(vdir, uid, uid)
+        vm_spec = self._spec(spec, len(layer_paths), sandbox_id)
+        procs = await asyncio.to_thread(self._make_cgroup, sandbox_id, spec, vm_spec.memory_mib)
+        jail = await asyncio.to_thread(self._spawn, vdir, uid, layer_paths, vm_spec, procs)
+        runtime["jail_pid"] = jail
+        runtime["jail_start_time"] = proc.process_start_time(jail)
+        vm = self._vms.setdefault(sandbox_id, _VM())
+        vm.reaper = asyncio.create_task(self._reap(jail))
+        async with asyncio.timeout(self.config.start_timeout):
+            qemu_pid = await self._read_pidfile(vdir / "qemu.pid", jail)
+            runtime["qemu_pid"] = qemu_pid
+            runtime["qemu_start_time"] = proc.process_start_time(qemu_pid)
+            relay, theirs = await qemu.StreamRelay.connect(vdir / "agent.sock", self.config.start_timeout)
+            vm.relay = relay
+            channel = AgentChannel(theirs)
+            try:
+                await channel.wait_hello()
+            except BaseException:
+                channel.close()
+                raise
+        return self._live(sandbox_id, channel, runtime)
+
+    @staticmethod
+    async def _reap(pid: int) -> None:
+        """bwrap (QEMU's parent) is our child until the daemon restarts: collect it when it ends."""
+        with contextlib.suppress(ChildProcessError, OSError):
+            await proc.wait_pid(pid)
+        proc.forget(pid)
+
+    @staticmethod
+    async def _read_pidfile(path: Path, jail_pid: int) -> int:
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                return int((await asyncio.to_thread(path.read_text)).strip())
+            if proc.process_start_time(jail_pid) is None or proc.exited(jail_pid):
+                raise OSError("QEMU exited at start")
+            await asyncio.sleep(0.01)
+
+    def _console_tail(self, sandbox_id: str) -> str:
+        try:
+            text = (self.vms_dir / sandbox_id / "console.log").read_text(errors="replace")
+        except OSError:
+            return "(no console log)"
+        return " | ".join(text.strip().splitlines()[-6:])[-1500:]
+
+    def _live(self, sandbox_id: str, channel: AgentChannel, runtime: dict[str, Any]) -> LiveSandbox:
+        return LiveSandbox(
+            id=sandbox_id,
+            channel=channel,
+            agent_pid=runtime["qemu_pid"],  # the host-side process that holds the sandbox
+            agent_start_time=runtime.get("qemu_start_time"),
+            uid_base=self.config.uid_base,
+            runtime=runtime,
+        )
+
+    # -- destroy / cleanup --------------------------------------------------------------------
+
+    async def destroy(self, sandbox: LiveSandbox) -> None:
+        sandbox.channel.close()
+        await self.cleanup(sandbox.id, sandbox.runtime)
+
+    def _is(self, pid: Any, start_time: Any) -> bool:
+        return isinstance(pid, int) and start_time is not None and proc.process_start_time(pid) == start_time
+
+    async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        vm = self._vms.pop(sandbox_id, None)
+        if vm is not None and vm.relay is not None:
+            vm.relay.close()
+        rel = self.cgroups.path_for(sandbox_id)
+        # Frozen (v1 freezer: a paused VM is only QMP-stopped, but be safe) tasks ignore SIGKILL.
+        with contextlib.suppress(OSError, TimeoutError):
+            if await asyncio.to_thread(self.cgroups.frozen, rel):
+                await asyncio.to_thread(self.cgroups.thaw, rel)
+        # QEMU first: bwrap, its parent, reaps it and exits. Were bwrap killed first, QEMU would be
+        # re-parented to the daemon (a subreaper) and its zombie would wait for us.
+        await self._kill_and_wait(runtime.get("qemu_pid"), runtime.get("qemu_start_time"))
+        await self._kill_and_wait(runtime.get("jail_pid"), runtime.get("jail_start_time"), grace=3.0)
+        # Whatever else joined the cgroup (a half-started jail whose pid we never recorded).
+        for _ in range(500):
+            if not await asyncio.to_thread(self.cgroups.procs, rel):
+                break
+            await asyncio.to_thread(self.cgroups.kill_all, rel)
+            await asyncio.sleep(0.01)
+        if vm is not None and vm.reaper is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(vm.reaper), 5)
+        await asyncio.to_thread(self._remove_files, sandbox_id)
+        uid = runtime.get("uid")
+        if isinstance(uid, int):
+            self._uids.discard(uid)
+
+    async def _kill_and_wait(self, pid: Any, start_time: Any, grace: float = 0.0) -> None:
+        """SIGKILL one process through a pidfd (after `grace` seconds for it to exit on its own),
+        wait up to 10 s for it to exit, and reap it if it is our child (a QEMU whose bwrap died)."""
+        if not isinstance(pid, int):
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            # Checked after opening the pidfd: from here on it cannot refer to a recycled pid.
+            if proc.process_start_time(pid) != start_time:
+                return
+            exited = loop.create_future()
+            loop.add_reader(pidfd, lambda: None if exited.done() else exited.set_result(None))
+            try:
+                if grace:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(exited), grace)
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(exited, 10)
+            finally:
+                loop.remove_reader(pidfd)
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 (never blocks)
+        finally:
+            os.close(pidfd)
+
+    def _remove_files(self, sandbox_id: str) -> None:
+        with contextlib.suppress(OSError):
+            self.cgroups.remove(self.cgroups.path_for(sandbox_id))
+        shutil.rmtree(self.vms_dir / sandbox_id, ignore_errors=True)
+
+    # -- adopt --------------------------------------------------------------------------------
+
+    async def adopt(self, sandbox_id: str, runtime: dict[str, Any]) -> LiveSandbox | None:
+        if not self._is(runtime.get("qemu_pid"), runtime.get("qemu_start_time")):
+            return None
+        vdir = self.vms_dir / sandbox_id
+        uid = runtime.get("uid")
+        if isinstance(uid, int):
+            self._uids.add(uid)  # never handed to another VM while this one lives
+        with contextlib.suppress(OSError, TimeoutError, qemu.QMPError):
+            await self._resume(sandbox_id)  # paused when the old daemon died
+        try:
+            relay, theirs = await qemu.StreamRelay.connect(vdir / "agent.sock", 5)
+        except (OSError, TimeoutError):
+            return None
+        channel = AgentChannel(theirs)
+        try:
+            # vminit saw the old connection go, had the agent offer a fresh channel (HELLO queued).
+            await channel.wait_hello(timeout=10)
+            await channel.forget()
+            await channel.ping(timeout=10)
+        except (TimeoutError, ChannelClosedError):
+            channel.close()
+            relay.close()
+            return None
+        self._vms[sandbox_id] = _VM(relay=relay)
+        return self._live(sandbox_id, channel, runtime)
+
+    # -- pause / resume -----------------------------------------------------------------------
+
+    async def pause(self, sandbox: LiveSandbox) -> tuple[int, int]:
+        """Stop the vCPUs (QMP), then push QEMU's memory (guest RAM included) out to swap."""
+        rel = self.cgroups.path_for(sandbox.id)
+        try:
+            await qemu.qmp_command(self.vms_dir / sandbox.id / "qmp.sock", "stop")
+            before = await asyncio.to_thread(self.cgroups.memory_bytes, rel)
+            await asyncio.to_thread(self.cgroups.reclaim, rel)
+            return before, await asyncio.to_thread(self.cgroups.memory_bytes, rel)
+        except (OSError, TimeoutError, qemu.QMPError) as exc:
+            raise InternalError(f"pausing {sandbox.id} failed: {exc}") from exc
+
+    async def resume(self, sandbox: LiveSandbox) -> None:
+        try:
+            await self._resume(sandbox.id)
+        except (OSError, TimeoutError, qemu.QMPError) as exc:
+            raise InternalError(f"resuming {sandbox.id} failed: {exc}") from exc
+
+    async def _resume(self, sandbox_id: str) -> None:
+        await qemu.qmp_command(self.vms_dir / sandbox_id / "qmp.sock", "cont")
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def usage(self, sandbox: LiveSandbox) -> Usage:
+        return Usage(**dataclasses.asdict(self.cgroups.stats(self.cgroups.path_for(sandbox.id))))
+
+    def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
+        return self.cgroups.cpu_seconds(self.cgroups.parent if sandbox is None else self.cgroups.path_for(sandbox.id))
+
+    def residue(self) -> set[str]:
+        found = self.leftovers()
+        return set(found.get("vm_dirs", [])) | set(found.get("cgroups", []))
+
+    def leftovers(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        with contextlib.suppress(FileNotFoundError):
+            out["vm_dirs"] = sorted(os.listdir(self.vms_dir))
+        out["cgroups"] = sorted(self.cgroups.children())
+        out["qemu_processes"] = self._jailed_processes()
+        return out
+
+    def _jailed_processes(self) -> list[str]:
+        """Processes running as one of this tier's jail uids ("pid:uid")."""
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                uid = os.stat(entry.path).st_uid
+            except OSError:
+                continue
+            if self._uid_base <= uid < self._uid_base + SLOTS:
+                found.append(f"{entry.name}:{uid}")
+        return found
