@@ -117,6 +117,7 @@ def peers_worker(params: Path) -> None:
     on the python image's tree (the root of a running sandfleet sandbox of that image)."""
     p = json.loads(params.read_text())
     n, width, tmp = p["n"], p["width"], Path(p["tmp"])
+    os.chmod(tmp, 0o755)  # the peers' root (a user namespace's uid) must reach the tree
     # The python image's tree: its EROFS layers under a read-only overlay (this namespace's only).
     lowers = []
     for i, layer in enumerate(p["layers"]):
@@ -129,10 +130,17 @@ def peers_worker(params: Path) -> None:
     subprocess.run(["mount", "-t", "overlay", "-o", opts, "overlay", str(rootfs)], check=True)
     out: dict[str, Any] = {}
     python = shutil.which("python3", path="/usr/bin") or sys.executable
-    out["python3 -c on the host (no isolation)"] = _subprocess_peer([python, "-c", SNIPPET], n, width)
+
+    def attempt(name: str, argv: list[str] | Any) -> None:
+        try:
+            out[name] = _subprocess_peer(argv, n, width)
+        except Exception as exc:  # a peer failing is a result
+            out[name] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:800]}
+
+    attempt("python3 -c on the host (no isolation)", [python, "-c", SNIPPET])
     bwrap = ["bwrap", "--unshare-all", "--ro-bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev"]
     bwrap += ["--tmpfs", "/tmp", "python3", "-c", SNIPPET]
-    out["bwrap --unshare-all, python3 -c"] = _subprocess_peer(bwrap, n, width)
+    attempt("bwrap --unshare-all, python3 -c", bwrap)
     bundle = tmp / "bundle"
     crun_root = tmp / "crun-root"
 
@@ -145,7 +153,7 @@ def peers_worker(params: Path) -> None:
         (b / "config.json").write_text(json.dumps(cfg))
         return ["crun", "--root", str(crun_root), "run", "--bundle", str(b), cid]
 
-    out["crun run (sandfleet's config), python3 -c"] = _subprocess_peer(crun, n, width)
+    attempt("crun run (sandfleet's config), python3 -c", crun)
     Path(p["out"]).write_text(json.dumps(out))
 
 
@@ -156,6 +164,19 @@ def bench_fncall(d: Daemon, n: int, width: int) -> dict[str, Any]:
         res["sandfleet run_code, one at a time"] = {"stats": stats(_calls_one_at_a_time(fleet, n))}
         rate = asyncio.run(_calls_in_flight(d.socket, 4 * n, width))
         res["sandfleet run_code, 32 in flight"] = {"rate_per_s": rate, "width": width}
+        with fleet.create(image="python", labels={"bench": "tiers"}) as sb:
+            for name, cmd in (
+                ('exec("true") into a running sandbox (the SDK floor)', ["true"]),
+                ("exec python3 -c into a running sandbox (no warm interpreter)", ["python3", "-c", SNIPPET]),
+            ):
+                for _ in range(5):
+                    sb.exec(cmd)
+                xs = []
+                for _ in range(max(50, n // 4)):
+                    t0 = time.perf_counter()
+                    sb.exec(cmd)
+                    xs.append(time.perf_counter() - t0)
+                res[name] = {"stats": stats(xs)}
         res["sandfleet container tier, a fresh sandbox per call"] = {
             "one_at_a_time": stats(_fresh_sandbox_one(fleet, max(20, n // 10))),
             "rate_per_s": asyncio.run(_fresh_sandbox_rate(d.socket, max(64, n // 4), width)),

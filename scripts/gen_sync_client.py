@@ -6,6 +6,7 @@ can never drift. `python3 scripts/gen_sync_client.py` rewrites the file; `--chec
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,7 @@ REPLACEMENTS = [
     ("await asyncio.to_thread(b.recipe_source, recipe, base_dir)", "b.recipe_source(recipe, base_dir)"),
     ("await b.gather_bounded(", "b.gather_bounded_sync("),
     ("await asyncio.sleep(", "time.sleep("),
+    ("await self._run_pooled(body)", "self._run_one(body)"),
     ("async for", "for"),
     ("async def", "def"),
     ("async with", "with"),
@@ -61,6 +63,8 @@ REPLACEMENTS = [
 
 def generate() -> str:
     text = (CLIENT / "aio.py").read_text()
+    # What only an event loop can do (coalescing calls made in the same turn of it) has no blocking twin.
+    text = re.sub(r"\n[ \t]*# async-only: begin\n.*?# async-only: end\n", "\n", text, flags=re.S)
     for old, new in REPLACEMENTS:
         text = text.replace(old, new)
     # Renamed imports (AsyncGenerator -> Generator) may fall out of order: let isort put them back.

@@ -159,3 +159,22 @@ def test_concurrent_calls(node: Daemon) -> None:
             return [r.stdout for r in results]
 
     assert asyncio.run(main()) == [f"{i * 2}\n" for i in range(24)]
+
+
+def test_batched_calls_keep_their_own_outcomes(node: Daemon) -> None:
+    """Calls made at once travel as one batch, each with its own result or typed error."""
+
+    async def main() -> list[object]:
+        async with AsyncClient(str(node.socket), timeout=120) as c:
+            return await asyncio.gather(
+                c.run_code("print('a')"),
+                c.run_code("import sys; sys.exit(3)"),
+                c.run_code("echo", language="bash", image="busybox"),  # no python3 there: its own error
+                c.run_code("print('b')"),
+                return_exceptions=True,
+            )
+
+    a, exit3, err, b = asyncio.run(main())
+    assert getattr(a, "stdout", None) == "a\n" and getattr(b, "stdout", None) == "b\n"
+    assert getattr(exit3, "exit_code", None) == 3
+    assert isinstance(err, InvalidArgumentError)

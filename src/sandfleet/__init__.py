@@ -23,7 +23,7 @@ from sandfleet.errors import (  # noqa: E402
     UnsupportedError,
     WrongStateError,
 )
-from sandfleet.models import ContainerOptions, ExecEvent, ExecResult, Mount, Resources, SandboxSpec  # noqa: E402
+from sandfleet.models import ContainerOptions, ExecEvent, ExecResult, Mount, Resources, SandboxSpec, VMOptions  # noqa: E402
 
 __all__ = [
     "AsyncClient",
@@ -40,6 +40,7 @@ __all__ = [
     "PermissionDeniedError",
     "UnsupportedError",
     "ContainerOptions",
+    "VMOptions",
     "Resources",
     "ResourceExhaustedError",
     "Sandbox",

@@ -233,8 +233,22 @@ class ContainerOptions(_Model):
         self.__pydantic_fields_set__.add("type")
 
 
-# One model per tier, told apart by `type` (the union grows with the tiers).
-TierOptions = Annotated[Union[ContainerOptions], Field(discriminator="type")]  # noqa: UP007
+class VMOptions(_Model):
+    """Options only the vm tier has (`SandboxSpec.options`, with `type` = "vm")."""
+
+    type: Literal["vm"] = "vm"
+    init: bool = Field(
+        False,
+        description="boot the image's own init (/sbin/init, e.g. systemd) as the guest's PID 1; otherwise sandfleet's "
+        "init stays PID 1 and only the agent runs",
+    )
+
+    def model_post_init(self, context: Any, /) -> None:
+        self.__pydantic_fields_set__.add("type")
+
+
+# One model per tier, told apart by `type`.
+TierOptions = Annotated[Union[ContainerOptions, VMOptions], Field(discriminator="type")]  # noqa: UP007
 
 
 class SandboxSpec(_Model):
@@ -701,6 +715,22 @@ class CreateBatchItem(_Model):
 
 class CreateBatchResult(_Model):
     results: list[CreateBatchItem]
+
+
+class RunCodeBatchRequest(_Model):
+    """Many stateless calls in one request (the async SDK sends calls made at the same time this way)."""
+
+    calls: list[RunCodeRequest] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class RunCodeBatchItem(_Model):
+    """One call of a batch, as it completes: `result` or `error` for the call at `index`; or a
+    heartbeat while none completed for a while."""
+
+    type: Literal["result", "heartbeat"] = "result"
+    index: int | None = None
+    result: ExecResult | None = None
+    error: ErrorBody | None = None
 
 
 class StopManyRequest(_Model):

@@ -59,6 +59,7 @@ from sandfleet.models import (
     LifetimeUpdate,
     ProcessInfo,
     Resources,
+    RunCodeBatchItem,
     RunCodeRequest,
     SandboxSpec,
     SessionCreateRequest,
@@ -418,6 +419,22 @@ def call_run_code(sandbox_id: str | None, body: dict[str, Any], default_timeout:
     EXEC_MARGIN (a pool may first start a worker)."""
     path = "/v1/run" if sandbox_id is None else _sb(sandbox_id, "/run")
     return Call("POST", path, json=body, timeout=exec_timeout(body.get("timeout"), default_timeout))
+
+
+def call_run_batch(bodies: list[dict[str, Any]], default_timeout: float) -> Call:
+    """Stateless calls together: a stream of outcomes, bounded by the longest call's timeout."""
+    longest = max(float(body.get("timeout", 30.0)) for body in bodies)
+    return Call("POST", "/v1/run/batch", json={"calls": bodies}, timeout=exec_timeout(longest, default_timeout))
+
+
+def run_batch_item(line: bytes) -> tuple[int, ExecResult | SandboxError] | None:
+    """One call's outcome from a batch stream; None for a heartbeat."""
+    item = _stream_item(RunCodeBatchItem, line)
+    if item.type == "heartbeat" or item.index is None:
+        return None
+    if item.result is not None:
+        return item.index, item.result
+    return item.index, error_from_wire({"error": item.error.model_dump() if item.error else {}})
 
 
 def session_run_body(

@@ -18,6 +18,11 @@ from pydantic import BaseModel
 
 from sandfleet.client import _base as b
 from sandfleet.client._base import UNSET, Unset
+
+# async-only: begin
+from sandfleet.client._batch import CallBatcher
+
+# async-only: end
 from sandfleet.errors import SandboxError, SandboxNotFoundError
 from sandfleet.models import (
     BuildEvent,
@@ -80,6 +85,9 @@ class AsyncClient:
         self._http = httpx.AsyncClient(
             base_url=self.endpoint.url, transport=transport, timeout=self.timeout, headers=self.endpoint.headers()
         )
+        # async-only: begin
+        self._batcher: CallBatcher | None = None
+        # async-only: end
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -220,8 +228,26 @@ class AsyncClient:
             image=image,
             resources=resources,
         )
+        return await self._run_pooled(body)
+
+    async def _run_one(self, body: dict[str, Any]) -> ExecResult:
         return await self._model(ExecResult, b.call_run_code(None, body, self.timeout))
 
+    # async-only: begin
+    async def _run_pooled(self, body: dict[str, Any]) -> ExecResult:
+        """Calls made at the same time go to the daemon as one batch (client/_batch.py)."""
+        if self._batcher is None:
+            self._batcher = CallBatcher(self._run_one, self._run_batch)
+        return await self._batcher.submit(body)
+
+    async def _run_batch(
+        self, bodies: builtins.list[dict[str, Any]]
+    ) -> AsyncGenerator[tuple[int, ExecResult | SandboxError], None]:
+        async with self._events(b.call_run_batch(bodies, self.timeout), b.run_batch_item) as outcomes:
+            async for outcome in outcomes:
+                yield outcome
+
+    # async-only: end
     async def images(self) -> builtins.list[ImageInfo]:
         """The node's images."""
         return (await self._model(ImageList, b.Call("GET", "/v1/images"))).images

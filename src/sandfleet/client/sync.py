@@ -219,6 +219,9 @@ class Client:
             image=image,
             resources=resources,
         )
+        return self._run_one(body)
+
+    def _run_one(self, body: dict[str, Any]) -> ExecResult:
         return self._model(ExecResult, b.call_run_code(None, body, self.timeout))
 
     def images(self) -> builtins.list[ImageInfo]:

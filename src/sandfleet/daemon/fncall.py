@@ -15,17 +15,19 @@ import base64
 import contextlib
 import itertools
 import json
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sandfleet.backends.config import FncallBackendConfig
-from sandfleet.daemon.core import NodeCore, wire_text
+from sandfleet.daemon.core import EventStream, NodeCore, wire_text
 from sandfleet.daemon.creation import Creation
+from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.lifecycle import Sandbox
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import InvalidArgumentError, SandboxError, UnavailableError
-from sandfleet.models import ExecResult, Resources, RunCodeRequest, SandboxSpec
+from sandfleet.models import ErrorBody, ExecResult, Resources, RunCodeBatchItem, RunCodeRequest, SandboxSpec
 from sandfleet.runtime.agent import AgentError, ExecProcess, ExitInfo, OutputChunk
 
 ZYGOTE_SOURCE = (Path(__file__).parent.parent / "runtime" / "zygote.py").read_text()
@@ -269,6 +271,32 @@ class Calls:
                 pool.members.add(sb.id)
                 pool.idle.append(sb.id)
         return pool
+
+    async def run_many(self, reqs: list[RunCodeRequest]) -> EventStream[RunCodeBatchItem]:
+        """Every call at once (each waits for a worker of its pool); outcomes in completion order.
+        Closing the stream early cancels the calls still running."""
+
+        async def one(i: int, req: RunCodeRequest) -> RunCodeBatchItem:
+            try:
+                return RunCodeBatchItem(index=i, result=await self.run(req))
+            except Exception as exc:  # noqa: BLE001 (one call's failure is its own, typed)
+                return RunCodeBatchItem(index=i, error=ErrorBody.model_validate(to_wire_error(exc).to_wire()))
+
+        tasks = [asyncio.ensure_future(one(i, req)) for i, req in enumerate(reqs)]
+
+        async def items() -> AsyncGenerator[RunCodeBatchItem, None]:
+            try:
+                for next_done in asyncio.as_completed(tasks):
+                    yield await next_done
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        async def release() -> None:
+            for t in tasks:
+                t.cancel()
+
+        return EventStream(items(), release)
 
     async def _take(self, pool: _Pool) -> str:
         async with pool.freed:

@@ -25,6 +25,7 @@ from sandfleet.models import (
     Health,
     ImageInfo,
     ProcessInfo,
+    RunCodeBatchItem,
     RunCodeRequest,
     SandboxEvent,
     SandboxInfo,
@@ -124,6 +125,10 @@ class SandboxService(Protocol):
 
     async def run_code(self, req: RunCodeRequest) -> ExecResult:
         """A stateless call on a pooled worker of the fncall tier."""
+        ...
+
+    async def run_code_many(self, reqs: builtins.list[RunCodeRequest]) -> EventStream[RunCodeBatchItem]:
+        """Stateless calls on pooled workers, all at once; each outcome as it completes."""
         ...
 
     async def run_code_in(self, sandbox_id: str, req: RunCodeRequest) -> ExecResult:

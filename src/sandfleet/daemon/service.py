@@ -64,6 +64,7 @@ from sandfleet.models import (
     Health,
     ImageInfo,
     ProcessInfo,
+    RunCodeBatchItem,
     RunCodeRequest,
     SandboxEvent,
     SandboxInfo,
@@ -288,6 +289,9 @@ class SandboxManager:
 
     async def run_code(self, req: RunCodeRequest) -> ExecResult:
         return await self.calls.run(req)
+
+    async def run_code_many(self, reqs: builtins.list[RunCodeRequest]) -> EventStream[RunCodeBatchItem]:
+        return await self.calls.run_many(reqs)
 
     async def run_code_in(self, sandbox_id: str, req: RunCodeRequest) -> ExecResult:
         return await self.calls.run_in(sandbox_id, req)

@@ -22,8 +22,12 @@ from sandfleet.models import (
     Ok,
     ProcessInfo,
     ProcessList,
+    RunCodeBatchItem,
+    RunCodeBatchRequest,
     RunCodeRequest,
 )
+
+RUN_BEAT = RunCodeBatchItem(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
 
 
 def router(service: SandboxService) -> APIRouter:
@@ -37,6 +41,12 @@ def router(service: SandboxService) -> APIRouter:
     async def run_code(req: RunCodeRequest) -> ExecResult:
         """A stateless call on a pooled worker of the fncall tier (a fresh process per call)."""
         return await service.run_code(req)
+
+    @r.post("/v1/run/batch", response_class=StreamingResponse, responses=NDJSON)
+    async def run_code_many(req: RunCodeBatchRequest) -> StreamingResponse:
+        """RunCodeBatchItem lines, one per call as it completes (`index` into `calls`); `heartbeat`
+        every 5 s while none completes. Leaving early cancels the calls still running."""
+        return stream(await service.run_code_many(req.calls), RUN_BEAT)
 
     @r.post("/v1/sandboxes/{sandbox_id}/run", response_model=ExecResult)
     async def run_code_in(sandbox_id: str, req: RunCodeRequest) -> ExecResult:

@@ -1,0 +1,92 @@
+"""The async SDK's coalescing of stateless calls (client/_batch.py), against fake senders."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+import pytest
+
+from sandfleet.client._batch import CallBatcher
+from sandfleet.errors import InvalidArgumentError, SandboxError, UnavailableError
+from sandfleet.models import ExecResult
+
+pytestmark = pytest.mark.unprivileged
+
+
+def _result(text: str) -> ExecResult:
+    return ExecResult(exit_code=0, stdout=text, stderr="", duration=0.0)
+
+
+def test_calls_made_together_go_as_one_batch_with_their_own_outcomes() -> None:
+    batches: list[list[str]] = []
+
+    async def one(body: dict[str, object]) -> ExecResult:
+        batches.append([str(body["code"])])
+        return _result(str(body["code"]))
+
+    async def many(bodies: list[dict[str, object]]) -> AsyncGenerator[tuple[int, ExecResult | SandboxError], None]:
+        batches.append([str(b["code"]) for b in bodies])
+        for i in reversed(range(len(bodies))):  # outcomes in any order
+            await asyncio.sleep(0)
+            code = str(bodies[i]["code"])
+            yield i, (InvalidArgumentError(code) if code == "bad" else _result(code))
+
+    async def main() -> list[object]:
+        b = CallBatcher(one, many)
+        first = await b.submit({"code": "alone"})
+        together = await asyncio.gather(*(b.submit({"code": c}) for c in ("x", "bad", "y")), return_exceptions=True)
+        return [first, *together]
+
+    alone, x, bad, y = asyncio.run(main())
+    assert batches == [["alone"], ["x", "bad", "y"]]
+    assert [getattr(r, "stdout", None) for r in (alone, x, y)] == ["alone", "x", "y"]
+    assert isinstance(bad, InvalidArgumentError)
+
+
+def test_a_batch_that_breaks_fails_each_of_its_calls() -> None:
+    async def one(body: dict[str, object]) -> ExecResult:
+        raise AssertionError("not used")
+
+    async def many(bodies: list[dict[str, object]]) -> AsyncGenerator[tuple[int, ExecResult | SandboxError], None]:
+        yield 0, _result("first")
+        raise UnavailableError("connection lost")
+
+    async def main() -> list[object]:
+        b = CallBatcher(one, many)
+        return await asyncio.gather(*(b.submit({"code": str(i)}) for i in range(3)), return_exceptions=True)
+
+    first, *rest = asyncio.run(main())
+    assert getattr(first, "stdout", None) == "first"
+    assert all(isinstance(r, UnavailableError) for r in rest)
+
+
+def test_at_most_max_in_flight_batches_then_the_rest_waits() -> None:
+    gate = asyncio.Event
+    seen: list[int] = []
+
+    async def main() -> int:
+        release = gate()
+
+        async def one(body: dict[str, object]) -> ExecResult:
+            seen.append(1)
+            await release.wait()
+            return _result("1")
+
+        async def many(bodies: list[dict[str, object]]) -> AsyncGenerator[tuple[int, ExecResult | SandboxError], None]:
+            seen.append(len(bodies))
+            await release.wait()
+            for i in range(len(bodies)):
+                yield i, _result(str(i))
+
+        b = CallBatcher(one, many, max_in_flight=1)
+        calls = [asyncio.ensure_future(b.submit({"code": "a"}))]
+        await asyncio.sleep(0.01)  # the first is out alone; these wait for it, then go together
+        calls += [asyncio.ensure_future(b.submit({"code": str(i)})) for i in range(5)]
+        await asyncio.sleep(0.01)
+        assert seen == [1]
+        release.set()
+        await asyncio.gather(*calls)
+        return len(seen)
+
+    assert asyncio.run(main()) == 2 and seen == [1, 5]
