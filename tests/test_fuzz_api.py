@@ -61,6 +61,10 @@ FUZZ_SANDBOX_AGE = 10.0  # seconds before a sandbox the fuzzer created is stoppe
 # (it cuts only text/event-stream short). Covered by its own tests, not here.
 ENDLESS = r"/files/watch$"
 SCHEMA = schemathesis.openapi.from_path(SPEC).exclude(path_regex=ENDLESS)
+# Pooled calls: each new `resources` value starts a worker (a sandbox plus its interpreter, at that
+# CPU quota: ~10 s at cpu=0.01), so they get fewer examples than the rest.
+CALLS = r"^/v1/run"
+CALL_EXAMPLES = max(1, MAX_EXAMPLES // 10)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 HYPOTHESIS = {
     "deadline": None,
@@ -241,9 +245,16 @@ def fuzz_daemon() -> Iterator[Daemon]:
 # -- the tests --------------------------------------------------------------------------------------
 
 
-@SCHEMA.parametrize()
+@SCHEMA.exclude(path_regex=CALLS).parametrize()
 @settings(max_examples=MAX_EXAMPLES, **HYPOTHESIS)
 def test_stateless(case: Any, fuzz_daemon: Daemon) -> None:
+    assert POOL is not None
+    case.call_and_validate(base_url=POOL.url, headers=AUTH, checks=CHECKS, timeout=120)
+
+
+@SCHEMA.include(path_regex=CALLS).parametrize()
+@settings(max_examples=CALL_EXAMPLES, **HYPOTHESIS)
+def test_stateless_calls(case: Any, fuzz_daemon: Daemon) -> None:
     assert POOL is not None
     case.call_and_validate(base_url=POOL.url, headers=AUTH, checks=CHECKS, timeout=120)
 

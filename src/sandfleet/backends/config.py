@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from sandfleet.runtime.criu import DEFAULT_ROOT as CRIU_ROOT
 
@@ -52,7 +52,9 @@ class VMBackendConfig(BaseModel):
         Path("/opt/sandfleet/guest"), description="the guest kernel and its modules, unpacked by setup from Debian"
     )
     vcpus: int = Field(1, ge=1, le=64, description="vCPUs per VM when the spec's cpu limit does not say more")
-    min_memory: int = Field(128 * 1024**2, ge=64 * 1024**2, description="guest RAM floor in bytes")
+    min_memory: ByteSize = Field(
+        ByteSize(128 * 1024**2), ge=64 * 1024**2, description="guest RAM floor, bytes or '128MiB'"
+    )
     tcg_cache_mib: int = Field(32, ge=8, description="TCG translation cache per VM (QEMU's default is 1 GiB)")
     uid_base: int = Field(100000, ge=1, description="uid that root inside the guest's sandbox maps to (in the guest)")
     jail_uid_base: int = Field(
