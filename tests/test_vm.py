@@ -1,7 +1,9 @@
-"""The microvm tier end to end, through the SDK: a busybox sandbox in a jailed QEMU (TCG here)."""
+"""The QEMU tiers end to end, through the SDK: busybox sandboxes in jailed QEMUs (TCG here); the
+microvm tier (a container in a VM) and the vm tier (a full VM on a copy-on-write disk)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet.runtime import guest
+from sandfleet.errors import SandboxError
+from sandfleet.runtime import guest, vmdisk
 
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until
 
@@ -21,9 +24,10 @@ pytestmark = [pytest.mark.vm]
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def _with_microvm(d: Daemon) -> str:
+def _with_vms(d: Daemon, vm_extra: str = "") -> str:
     """Turn the test config's `[container]` table into `[[backends]]` tables: the container tier
-    as before, plus the microvm tier (with a cgroup parent of its own); returns that parent."""
+    as before, plus the microvm and vm tiers (sharing a cgroup parent of their own, each tier under
+    it in <parent>/<tier>); returns that parent. `vm_extra`: more lines for the vm tier's table."""
     parent = f"/sandfleet-vmtest-{d.root.name}"
     text = d.config.read_text()
     head, container = text.split("[container]\n", 1)
@@ -32,19 +36,24 @@ def _with_microvm(d: Daemon) -> str:
         + '[[backends]]\ntype = "container"\n'
         + container
         + f'[[backends]]\ntype = "microvm"\ncgroup_parent = "{parent}"\n'
+        + f'[[backends]]\ntype = "vm"\ncgroup_parent = "{parent}"\n{vm_extra}'
     )
     return parent
 
 
-@pytest.fixture(scope="module")
-def vmd() -> Iterator[tuple[Daemon, str]]:
+def _daemon_with_vms(name: str, vm_extra: str = "") -> tuple[Daemon, str]:
     if os.geteuid() != 0:
-        pytest.skip("the microvm tier needs root")
+        pytest.skip("the QEMU tiers need root")
     ok, why = guest.usable("qemu-system-x86_64", Path("/opt/sandfleet/guest"))
     if not ok:
         pytest.skip(why)
-    d = make_daemon("vm")
-    parent = _with_microvm(d)
+    d = make_daemon(name)
+    return d, _with_vms(d, vm_extra)
+
+
+@pytest.fixture(scope="module")
+def vmd() -> Iterator[tuple[Daemon, str]]:
+    d, parent = _daemon_with_vms("vm")
     d.start()
     yield d, parent
     destroy_daemon(d)
@@ -55,9 +64,18 @@ def _measured(line: str) -> None:
     sys.stderr.write(f"\n[vm] {line}")
 
 
+def _cgroup(parent: str, sandbox_id: str) -> str:
+    """<parent>/<tier>/<id> (the tier: whichever has it)."""
+    for tier in ("microvm", "vm"):
+        rel = f"{parent.strip('/')}/{tier}/{sandbox_id}"
+        if (CGROUP_ROOT / "pids" / rel).exists():
+            return rel
+    return f"{parent.strip('/')}/none/{sandbox_id}"
+
+
 def _cgroup_procs(parent: str, sandbox_id: str) -> list[int]:
     try:
-        procs = CGROUP_ROOT / "pids" / parent.strip("/") / sandbox_id / "cgroup.procs"
+        procs = CGROUP_ROOT / "pids" / _cgroup(parent, sandbox_id) / "cgroup.procs"
         return [int(x) for x in procs.read_text().split()]
     except OSError:
         return []
@@ -79,10 +97,15 @@ def _status(pid: int) -> dict[str, str]:
 
 
 def _gone(d: Daemon, parent: str, sandbox_id: str, qemu_pid: int) -> bool:
+    """No QEMU, no VM directory (sockets, console log, the vm tier's overlay), no cgroup."""
     return (
         not Path(f"/proc/{qemu_pid}").exists()
-        and not (d.run_dir / "microvm" / sandbox_id).exists()
-        and not any((CGROUP_ROOT / c / parent.strip("/") / sandbox_id).exists() for c in ("memory", "pids", "cpu"))
+        and not any((d.run_dir / tier / sandbox_id).exists() for tier in ("microvm", "vm"))
+        and not any(
+            (CGROUP_ROOT / c / parent.strip("/") / tier / sandbox_id).exists()
+            for c in ("memory", "pids", "cpu")
+            for tier in ("microvm", "vm")
+        )
     )
 
 
@@ -127,10 +150,11 @@ def test_exec_isolation_and_stop(vmd: tuple[Daemon, str]) -> None:
         assert wait_until(lambda: _gone(d, parent, sb.id, qpid), timeout=30)
 
 
-def test_restart_adopts_vm(vmd: tuple[Daemon, str]) -> None:
+@pytest.mark.parametrize("tier", ["microvm", "vm"])
+def test_restart_adopts_vm(vmd: tuple[Daemon, str], tier: str) -> None:
     d, parent = vmd
     with d.client(timeout=300) as c:
-        sb = c.create(backend="microvm", image="busybox", idle_ttl=600)
+        sb = c.create(backend=tier, image="busybox", idle_ttl=600)
         sb.exec("echo kept > /tmp/state")
         qpid = _qemu_pid(parent, sb.id)
     d.kill()
@@ -144,3 +168,144 @@ def test_restart_adopts_vm(vmd: tuple[Daemon, str]) -> None:
         assert _qemu_pid(parent, sb.id) == qpid
         sb2.stop()
         assert wait_until(lambda: _gone(d, parent, sb.id, qpid), timeout=30)
+
+
+# ---- the vm tier: a full VM on a copy-on-write disk ----------------------------------------------
+
+
+def _jailed_open_inodes(pid: int) -> set[tuple[int, int]]:
+    """(dev, ino) of the files a process holds open."""
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            st = os.stat(fd)
+        except OSError:
+            continue
+        out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def test_vm_full_machine(vmd: tuple[Daemon, str]) -> None:
+    d, parent = vmd
+    with d.client(timeout=300) as c:
+        t0 = time.monotonic()
+        a = c.create(backend="vm", image="busybox", idle_ttl=600)
+        assert a.exec("echo hello").stdout == "hello\n"
+        _measured(f"vm create to first exec (base built or reused): {time.monotonic() - t0:.2f}s")
+        t0 = time.monotonic()
+        b = c.create(backend="vm", image="busybox", idle_ttl=600)
+        assert b.exec("echo hello").stdout == "hello\n"
+        _measured(f"vm create to first exec (base reused): {time.monotonic() - t0:.2f}s")
+        # Real root of the guest: the initial user namespace, mounts allowed.
+        assert a.exec("cat /proc/self/uid_map").stdout.split() == ["0", "0", "4294967295"]
+        assert (
+            a.exec("mkdir -p /mnt/t && mount -t tmpfs none /mnt/t && grep -c ' /mnt/t ' /proc/mounts").stdout == "1\n"
+        )
+        assert a.exec("grep ' / ' /proc/mounts").stdout.split()[2] == "ext4"
+        # One shared base under both VMs' own qcow2 overlays.
+        bases = list((d.state_dir / "vm-disks").glob("*/base.raw"))
+        assert len(bases) == 1
+        st = os.stat(bases[0])
+        for sb in (a, b):
+            overlay = d.run_dir / "vm" / sb.id / "root.qcow2"
+            info = json.loads(
+                __import__("subprocess")
+                .run(["qemu-img", "info", "-U", "--output=json", str(overlay)], capture_output=True, check=True)
+                .stdout
+            )
+            assert info["format"] == "qcow2" and info["backing-filename"] == "/vm/base"
+            assert (st.st_dev, st.st_ino) in _jailed_open_inodes(_qemu_pid(parent, sb.id))
+        # Writes are each VM's own, and persist across execs.
+        a.exec("echo mine > /written && sync")
+        assert a.exec("cat /written").stdout == "mine\n"
+        assert b.exec("cat /written 2>/dev/null; echo $?").stdout == "1\n"
+        # Pause / resume.
+        a.pause()
+        a.resume()
+        assert a.exec("cat /written").stdout == "mine\n"
+        qa, qb = _qemu_pid(parent, a.id), _qemu_pid(parent, b.id)
+        a.stop()
+        b.stop()
+        assert wait_until(lambda: _gone(d, parent, a.id, qa) and _gone(d, parent, b.id, qb), timeout=30)
+        assert bases[0].exists()  # the base is a cache: it outlives its VMs
+
+
+def test_vm_failed_create_leaves_nothing() -> None:
+    """QEMU starts but the agent cannot say hello within start_timeout: nothing may stay."""
+    d, parent = _daemon_with_vms("vmfail", "start_timeout = 1.0\n")
+    d.start()
+    try:
+        with d.client(timeout=300) as c, pytest.raises(SandboxError):
+            c.create(backend="vm", image="busybox", idle_ttl=600)
+        jail_base = 3_000_000 + (1 << 20)  # the vm tier's jail uids (shared with other test daemons: none run here)
+
+        def clean() -> bool:
+            if list((d.run_dir / "vm").iterdir()):
+                return False
+            tier_cgroups = [CGROUP_ROOT / ctl / parent.strip("/") / "vm" for ctl in ("memory", "pids", "cpu")]
+            if any(p.is_dir() for d in tier_cgroups for p in d.glob("*")):
+                return False
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        if jail_base <= entry.stat().st_uid < jail_base + (1 << 20):
+                            return False
+                    except OSError:
+                        continue
+            return True
+
+        assert wait_until(clean, timeout=30)
+    finally:
+        destroy_daemon(d)
+
+
+# ---- unit: the image's own kernel ------------------------------------------------------------------
+
+
+def _fake_kernel_tree(root: Path, version: str, *, absolute_links: bool = False) -> None:
+    """A tree with /boot/vmlinuz-V and /lib/modules/V/kernel/<the modules FULL_MODULES need>."""
+    (root / "boot").mkdir(parents=True, exist_ok=True)
+    (root / "boot" / f"vmlinuz-{version}").write_bytes(b"bzImage " + version.encode())
+    mods = root / "usr" / "lib" / "modules" / version
+    (mods / "kernel" / "drivers").mkdir(parents=True)
+    dep = []
+    for name in ("virtio_pci", "virtio_blk", "virtio_console", "virtio_balloon", "virtio_ring"):
+        (mods / "kernel" / "drivers" / f"{name}.ko.zst").write_bytes(b"x")
+        dep.append(
+            f"kernel/drivers/{name}.ko.zst:" + ("" if name == "virtio_ring" else " kernel/drivers/virtio_ring.ko.zst")
+        )
+    (mods / "modules.dep").write_text("\n".join(dep) + "\n")
+    (mods / "modules.builtin").write_text("kernel/fs/ext4/ext4.ko\n")
+    if not (root / "lib").exists():
+        (root / "lib").symlink_to("/usr/lib" if absolute_links else "usr/lib")
+
+
+def test_select_image_kernel(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    assert vmdisk.select_kernel(tree) is None  # no kernel: the node's
+    (tree / "boot").mkdir()
+    (tree / "boot" / "vmlinuz-6.9.0-1-amd64").write_bytes(b"no modules")  # without modules: not usable
+    assert vmdisk.select_kernel(tree) is None
+    _fake_kernel_tree(tree, "6.1.0-9-amd64", absolute_links=True)
+    _fake_kernel_tree(tree, "6.1.0-10-amd64", absolute_links=True)
+    found = vmdisk.select_kernel(tree)
+    assert found is not None and found[2] == "6.1.0-10-amd64"  # newest by version, not by name
+    assert found[1] == tree / "usr" / "lib" / "modules" / "6.1.0-10-amd64"  # /lib -> /usr/lib inside the tree
+    dest = tmp_path / "kernel"
+    assert vmdisk.extract_kernel(tree, dest)
+    kernel = guest.find_kernel(dest)
+    assert kernel.version == "6.1.0-10-amd64"
+    order = [p.name for p in guest.module_order(kernel, guest.FULL_MODULES)]
+    assert order[0] == "virtio_ring.ko.zst" and "virtio_blk.ko.zst" in order and "ext4.ko" not in order
+
+
+def test_image_kernel_links_stay_in_the_tree(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    _fake_kernel_tree(tree, "6.1.0-10-amd64")
+    secret = tmp_path / "secret"
+    secret.write_text("host file")
+    (tree / "boot" / "vmlinuz-6.1.0-10-amd64").unlink()
+    (tree / "boot" / "vmlinuz-6.1.0-10-amd64").symlink_to(secret)  # absolute: the tree's /…/secret
+    assert vmdisk.select_kernel(tree) is None
+    assert vmdisk.resolve_in(tree, "boot/../../../secret") is None

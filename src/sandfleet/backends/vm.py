@@ -1,19 +1,31 @@
 """The QEMU tiers: `microvm` (QEMU's microvm machine, virtio-mmio) and `vm` (q35, PCI, ACPI).
 
-A sandbox is a guest booted from Debian's cloud kernel and sandfleet's initramfs (runtime/guest.py);
-its init (runtime/vminit.c) mounts the image's EROFS layers from read-only virtio disks (the same
-layer files the container tier uses: every VM shares their page cache) and starts the agent with
-the container tier's own launcher, so code in the guest is a container inside a VM. The agent's
-channel crosses the VM boundary over virtio-serial (runtime/qemu.py relays it), and the service
-talks to an ordinary AgentChannel.
+microvm: a guest booted from Debian's cloud kernel and sandfleet's initramfs (runtime/guest.py); its
+init (runtime/vminit.c) mounts the image's EROFS layers from read-only virtio disks (the same layer
+files the container tier uses: every VM shares their page cache) and starts the agent with the
+container tier's own launcher, so code in the guest is a container inside a VM, and the agent's
+channel is out of its reach.
+
+vm: a full virtual machine. Its root disk is a qcow2 overlay (in the VM's directory, gone with it)
+over an ext4 base disk of the image's merged tree, built once per image and shared read-only by all
+its VMs (runtime/vmdisk.py). It boots the image's own kernel if the image has one (/boot/vmlinuz-V
+and /lib/modules/V; with an initramfs built for it), else the node's. vminit runs in full mode: the
+disk becomes the root, the agent runs there as the guest's real root (no container: docker, mount,
+modprobe work as on any machine), and with `options.init` the image's /sbin/init becomes PID 1.
+In such a guest, root owns everything, the agent and its channel included: user code can break its
+own sandbox's agent but reach nothing beyond the VM. The VM is the boundary; the host is protected by
+QEMU's jail (own uid, no capabilities, bwrap, seccomp, own cgroup), exactly as for microvm.
+
+Both: the agent's channel crosses the VM boundary over virtio-serial (runtime/qemu.py relays it), and
+the service talks to an ordinary AgentChannel.
 
 Per VM on the host: a directory under run_dir/<tier>/<id> (sockets, pidfile, console log), a host
 uid of its own for QEMU (jail_uid_base + slot; the `vm` tier's slots start 2^20 above the base so
 both tiers can share one base), a cgroup under cgroup_parent, and the jailed QEMU process, which
 runs in a session of its own so that it outlives a daemon restart and is adopted again.
 
-Not done yet: snapshots; the `vm` tier's copy-on-write root disk (it runs the microvm design on
-q35 with PCI devices, the writable layer on the guest's tmpfs).
+Not done yet: snapshots; removing base disks of images that are gone (they are a cache under the
+state dir); enforcing `resources.disk` in the vm tier (the base's free space, HEADROOM, bounds it).
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from sandfleet.backends.config import VMBackendConfig
 from sandfleet.errors import DataLossError, InternalError, InvalidArgumentError, UnavailableError
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec, Usage
-from sandfleet.runtime import cgroups, guest, proc, qemu, seccomp
+from sandfleet.runtime import cgroups, guest, proc, qemu, seccomp, vmdisk
 from sandfleet.runtime.agent import AgentChannel, ChannelClosedError
 
 log = logging.getLogger("sandfleet.vm")
@@ -43,6 +55,25 @@ QEMU_OVERHEAD = 192 * MIB  # QEMU's own memory beyond guest RAM and the TCG cach
 QEMU_PIDS = 128  # QEMU's threads (vCPUs, I/O workers, RCU) plus bwrap
 SLOTS = 1 << 20
 FIRST_FD = 3  # where the jail's fds land in the spawned process
+
+
+ROOT_DISK = "root.qcow2"  # the vm tier's copy-on-write root disk, in the VM's directory
+
+
+@dataclasses.dataclass(frozen=True)
+class _Boot:
+    """What one VM boots from (host paths)."""
+
+    kernel: Path
+    initramfs: Path
+    layers: list[Path]  # microvm: the image's layers, read-only disks
+    base: vmdisk.BaseDisk | None = None  # vm: the shared base under its root overlay
+
+
+def wants_init(spec: SandboxSpec) -> bool:
+    """Whether a vm-tier spec asks for the image's init as PID 1 (`options.init`, vm options only)."""
+    options = getattr(spec, "options", None)
+    return options is not None and getattr(options, "type", None) == "vm" and bool(getattr(options, "init", False))
 
 
 @dataclasses.dataclass
@@ -68,6 +99,10 @@ class VMBackend:
         self._uid_base = config.jail_uid_base + (SLOTS if config.type == "vm" else 0)
         self._uids: set[int] = set()
         self._vms: dict[str, _VM] = {}
+        self.full = config.type == "vm"  # a full VM on a copy-on-write disk (else microvm's design)
+        self.disks_dir = state_dir / "vm-disks"
+        self._bpf = b""
+        self._image_initramfs: dict[Path, tuple[guest.Kernel, Path]] = {}  # by the image kernel's dir
 
     # -- node ---------------------------------------------------------------------------------
 
@@ -79,12 +114,14 @@ class VMBackend:
             bpf = await asyncio.to_thread(seccomp.compile_bpf, seccomp.default_profile())
         except seccomp.SeccompUnavailableError as exc:
             raise UnavailableError(str(exc)) from exc
+        self._bpf = bpf
         self.kernel = guest.find_kernel(self.config.guest_dir)
         self.initramfs = await asyncio.to_thread(guest.build_initramfs, self.state_dir / "vm-guest", self.kernel, bpf)
         self.accel = self._pick_accel()
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.vms_dir, 0o711)
-        self.cgroups = cgroups.Cgroups(self.config.cgroup_parent)  # re-detect inside our mount namespace
+        # re-detect inside our mount namespace (one parent per tier, as in __init__)
+        self.cgroups = cgroups.Cgroups(f"{self.config.cgroup_parent}/{self.config.type}")
 
     def _pick_accel(self) -> str:
         """KVM only when asked for explicitly: on this kind of host /dev/kvm exists but cannot run a
@@ -103,6 +140,8 @@ class VMBackend:
                 vm.reaper.cancel()
         self._vms.clear()
         await asyncio.to_thread(self.cgroups.remove_parent_if_empty)
+        # and the configured parent, if no other tier left anything in it
+        await asyncio.to_thread(cgroups.Cgroups(self.config.cgroup_parent).remove_parent_if_empty)
 
     # -- create -------------------------------------------------------------------------------
 
@@ -153,33 +192,49 @@ class VMBackend:
         return [f"{d}/cgroup.procs" for d in plan.dirs]
 
     def _spec(self, spec: SandboxSpec, layers: int, sandbox_id: str) -> qemu.VMSpec:
-        disk = int(spec.resources.disk)
-        cmdline = {
-            "layers": str(layers),
-            "disk": str(disk),
-            "inodes": str(max(4096, disk // 8192)),
-            "uid": str(self.config.uid_base),
-            "nofile": "1024",
-            "hostname": spec.hostname or sandbox_id,
-        }
-        machine: qemu.Machine = "microvm" if self.config.type == "microvm" else "vm"
+        hostname = spec.hostname or sandbox_id
+        if self.full:
+            cmdline = {"mode": "full", "init": "1" if wants_init(spec) else "0", "hostname": hostname}
+            layers, writable = 0, f"{qemu.VMLayout().run}/{ROOT_DISK}"
+        else:
+            disk = int(spec.resources.disk)
+            cmdline = {
+                "layers": str(layers),
+                "disk": str(disk),
+                "inodes": str(max(4096, disk // 8192)),
+                "uid": str(self.config.uid_base),
+                "nofile": "1024",
+                "hostname": hostname,
+            }
+            writable = None
         return qemu.VMSpec(
-            machine=machine,
+            machine="vm" if self.full else "microvm",
             memory_mib=self._memory(spec),
             vcpus=self._vcpus(spec),
             layers=layers,
             accel="kvm" if self.accel == "kvm" else "tcg",
             tcg_cache_mib=self.config.tcg_cache_mib,
             cmdline=cmdline,
+            writable_disk=writable,
         )
 
-    def _spawn(self, vdir: Path, uid: int, layer_paths: list[Path], vm_spec: qemu.VMSpec, procs: list[str]) -> int:
+    def _spawn(self, vdir: Path, uid: int, boot: _Boot, vm_spec: qemu.VMSpec, procs: list[str]) -> int:
         """Start the jailed QEMU (blocking part); returns the pid of bwrap, its parent."""
-        assert self.kernel is not None and self.initramfs is not None
-        opened = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in [vdir, self.kernel.image, self.initramfs, *layer_paths]]
+        paths = [vdir, boot.kernel, boot.initramfs, *boot.layers]
+        if boot.base is not None:
+            paths.append(boot.base.path)
+        opened = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths]
         try:
             numbers = list(range(FIRST_FD, FIRST_FD + len(opened)))
-            files = qemu.JailFiles(numbers[0], numbers[1], numbers[2], numbers[3:], kvm=vm_spec.accel == "kvm")
+            n_layers = len(boot.layers)
+            files = qemu.JailFiles(
+                numbers[0],
+                numbers[1],
+                numbers[2],
+                numbers[3 : 3 + n_layers],
+                kvm=vm_spec.accel == "kvm",
+                base=numbers[-1] if boot.base is not None else None,
+            )
             layout = qemu.VMLayout()
             inner = qemu.jail_argv(uid, files, layout, qemu.qemu_argv(self.config.qemu, vm_spec, layout))
             # Join the VM's cgroups before anything of QEMU exists (as root, then setpriv drops it).
@@ -190,35 +245,66 @@ class VMBackend:
             for fd in opened:
                 os.close(fd)
 
+    def _prepare(self, image: ImageManifest) -> _Boot:
+        """What a VM of this image boots from (blocking: a first VM of an image builds its base disk,
+        and the initramfs of the image's kernel if it has one)."""
+        assert self.kernel is not None and self.initramfs is not None
+        layers = self._layer_files(image)
+        if not self.full:
+            return _Boot(self.kernel.image, self.initramfs, layers)
+        base = vmdisk.ensure_base(self.disks_dir, [x.digest for x in image.layers], layers)
+        if base.kernel_dir is None:
+            return _Boot(self.kernel.image, self.initramfs, [], base)
+        kernel, initramfs = self._image_kernel(base.kernel_dir)
+        return _Boot(kernel.image, initramfs, [], base)
+
+    def _image_kernel(self, kernel_dir: Path) -> tuple[guest.Kernel, Path]:
+        """The image's kernel (extracted with its base disk) and an initramfs built for it."""
+        cached = self._image_initramfs.get(kernel_dir)
+        if cached is not None and cached[1].exists():
+            return cached
+        kernel = guest.find_kernel(kernel_dir)
+        initramfs = guest.build_initramfs(
+            self.state_dir / "vm-guest", kernel, self._bpf, wanted=guest.FULL_MODULES, out_dir=kernel_dir / "initramfs"
+        )
+        self._image_initramfs[kernel_dir] = (kernel, initramfs)
+        return kernel, initramfs
+
     async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest) -> LiveSandbox:
         assert self.kernel is not None, "backend not started"
         try:
-            layer_paths = await asyncio.to_thread(self._layer_files, image)
+            boot = await asyncio.to_thread(self._prepare, image)
         except LayerCorruptError as exc:
             raise DataLossError(f"image {image.name}:{image.tag} has a corrupt layer: {exc}") from exc
+        except (vmdisk.DiskBuildError, guest.GuestUnavailableError, OSError) as exc:
+            raise InternalError(f"preparing {image.name}:{image.tag} for the {self.name} tier failed: {exc}") from exc
         uid = self._new_uid()
         runtime: dict[str, Any] = {"uid": uid, "layers": [x.digest for x in image.layers]}
+        if boot.base is not None:
+            runtime["base"] = boot.base.path.parent.name
+            runtime["kernel"] = "node" if boot.kernel == self.kernel.image else str(boot.kernel)
         try:
-            return await self._boot(sandbox_id, spec, layer_paths, runtime)
+            return await self._boot(sandbox_id, spec, boot, runtime)
         except BaseException as exc:
             console = self._console_tail(sandbox_id)
             await asyncio.shield(self.cleanup(sandbox_id, runtime))
             if isinstance(exc, TimeoutError | ChannelClosedError):
                 raise UnavailableError(f"the {self.name} did not come up: {console}") from exc
-            if isinstance(exc, OSError | ValueError | qemu.QMPError):
+            if isinstance(exc, OSError | ValueError | qemu.QMPError | vmdisk.DiskBuildError):
                 raise InternalError(f"starting the {self.name} failed: {exc}: {console}") from exc
             raise
 
-    async def _boot(
-        self, sandbox_id: str, spec: SandboxSpec, layer_paths: list[Path], runtime: dict[str, Any]
-    ) -> LiveSandbox:
+    async def _boot(self, sandbox_id: str, spec: SandboxSpec, boot: _Boot, runtime: dict[str, Any]) -> LiveSandbox:
         vdir = self.vms_dir / sandbox_id
         uid = runtime["uid"]
         vdir.mkdir(mode=0o700)
         os.chown(vdir, uid, uid)
-        vm_spec = self._spec(spec, len(layer_paths), sandbox_id)
+        if boot.base is not None:
+            overlay = vdir / ROOT_DISK
+            await asyncio.to_thread(vmdisk.create_overlay, overlay, boot.base, qemu.VMLayout().base, uid)
+        vm_spec = self._spec(spec, len(boot.layers), sandbox_id)
         procs = await asyncio.to_thread(self._make_cgroup, sandbox_id, spec, vm_spec.memory_mib)
-        jail = await asyncio.to_thread(self._spawn, vdir, uid, layer_paths, vm_spec, procs)
+        jail = await asyncio.to_thread(self._spawn, vdir, uid, boot, vm_spec, procs)
         runtime["jail_pid"] = jail
         runtime["jail_start_time"] = proc.process_start_time(jail)
         vm = self._vms.setdefault(sandbox_id, _VM())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import lzma
 import os
 import shutil
 import tempfile
@@ -20,8 +21,16 @@ from pathlib import Path
 from sandfleet.runtime.agent import build_agent, build_launcher, build_static
 
 VMINIT_SOURCE = Path(__file__).with_name("vminit.c")
-# What vminit loads, by module name; their `depends=` pull in the rest (libcrc32c for EROFS).
-WANTED_MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_balloon", "erofs", "overlay")
+# What vminit loads, by module name; their `depends=` pull in the rest (libcrc32c for EROFS). One
+# list for both tiers (ext4 for the vm tier's root disk), so they share one initramfs.
+WANTED_MODULES = (
+    "virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_balloon", "erofs", "overlay", "ext4",
+)  # fmt: skip
+# What a full VM booting the image's own kernel needs before its root disk is mounted (the image's
+# init loads the rest from the disk's /lib/modules).
+FULL_MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "virtio_balloon", "ext4")
+# Module files as distributions ship them; vminit has the kernel decompress the compressed ones.
+MODULE_SUFFIXES = (".ko", ".ko.xz", ".ko.zst", ".ko.gz")
 KERNEL_PREFIX = "vmlinuz-"
 
 
@@ -59,15 +68,48 @@ def find_kernel(guest_dir: Path) -> Kernel:
     raise GuestUnavailableError(f"no guest kernel with its modules under {guest_dir} (run setup.sh)")
 
 
+def module_name(path: Path) -> str | None:
+    """A module file's module name ('_' for '-', as the kernel treats them); None if not a module."""
+    for suffix in MODULE_SUFFIXES:
+        if path.name.endswith(suffix):
+            return path.name.removesuffix(suffix).replace("-", "_")
+    return None
+
+
 def _module_index(kernel: Kernel) -> dict[str, Path]:
-    """Module name -> .ko file (names with '_' for '-', as the kernel treats them)."""
-    return {p.name.removesuffix(".ko").replace("-", "_"): p for p in kernel.modules.rglob("*.ko")}
+    """Module name -> module file."""
+    out: dict[str, Path] = {}
+    for p in kernel.modules.rglob("*.ko*"):
+        name = module_name(p)
+        if name is not None:
+            out[name] = p
+    return out
+
+
+def _dep_map(kernel: Kernel) -> dict[str, list[str]] | None:
+    """Module name -> the names it depends on, from modules.dep (a distribution's tree has it;
+    the unpacked guest kernel does not); None without one."""
+    try:
+        text = (kernel.modules.parent / "modules.dep").read_text()
+    except OSError:
+        return None
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        mod, _, deps = line.partition(":")
+        name = module_name(Path(mod))
+        if name is not None:
+            out[name] = [n for d in deps.split() if (n := module_name(Path(d))) is not None]
+    return out
 
 
 def _depends(ko: Path) -> list[str]:
-    """The `depends=` of a module's .modinfo (there is no modules.dep in the unpacked tree). The
-    .modinfo strings are NUL-separated key=value pairs; no other section has this key at a string start."""
+    """The `depends=` of a module's .modinfo. The .modinfo strings are NUL-separated key=value pairs;
+    no other section has this key at a string start."""
     data = ko.read_bytes()
+    if ko.name.endswith(".xz"):
+        data = lzma.decompress(data)
+    elif ko.name.endswith(".gz"):
+        data = gzip.decompress(data)
     at = data.find(b"\0depends=")
     if at < 0:
         return []
@@ -78,6 +120,7 @@ def _depends(ko: Path) -> list[str]:
 def module_order(kernel: Kernel, wanted: tuple[str, ...] = WANTED_MODULES) -> list[Path]:
     """The .ko files to load, each after its dependencies (builtin ones skipped)."""
     index = _module_index(kernel)
+    deps = _dep_map(kernel)
     builtin = kernel.builtin()
     order: list[Path] = []
     seen: set[str] = set()
@@ -89,7 +132,7 @@ def module_order(kernel: Kernel, wanted: tuple[str, ...] = WANTED_MODULES) -> li
         ko = index.get(name)
         if ko is None:
             raise GuestUnavailableError(f"kernel module {name} not found under {kernel.modules}")
-        for dep in _depends(ko):
+        for dep in deps.get(name, []) if deps is not None else _depends(ko):
             visit(dep)
         order.append(ko)
 
@@ -136,7 +179,9 @@ def build_vminit(cache_dir: Path) -> Path:
     return build_static(VMINIT_SOURCE, cache_dir, "vminit", prefer_musl=True)
 
 
-def initramfs_inputs(state_dir: Path, kernel: Kernel, seccomp_bpf: bytes) -> dict[str, bytes]:
+def initramfs_inputs(
+    state_dir: Path, kernel: Kernel, seccomp_bpf: bytes, wanted: tuple[str, ...] = WANTED_MODULES
+) -> dict[str, bytes]:
     """Path in the initramfs -> contents (building the static binaries if needed; blocking)."""
     files = {
         "init": build_vminit(state_dir / "vminit").read_bytes(),
@@ -144,21 +189,28 @@ def initramfs_inputs(state_dir: Path, kernel: Kernel, seccomp_bpf: bytes) -> dic
         "sandfleet/launcher": build_launcher(state_dir / "launcher").read_bytes(),
         "sandfleet/seccomp.bpf": seccomp_bpf,
     }
-    order = module_order(kernel)
+    order = module_order(kernel, wanted)
     for ko in order:
         files[f"modules/{ko.name}"] = ko.read_bytes()
     files["modules/order"] = "".join(f"{ko.name}\n" for ko in order).encode()
     return files
 
 
-def build_initramfs(state_dir: Path, kernel: Kernel, seccomp_bpf: bytes) -> Path:
-    """The initramfs for `kernel`, at state_dir/initramfs/<digest>.cpio.gz (reused when its inputs
-    are unchanged; old ones are removed)."""
-    files = initramfs_inputs(state_dir, kernel, seccomp_bpf)
+def build_initramfs(
+    state_dir: Path,
+    kernel: Kernel,
+    seccomp_bpf: bytes,
+    *,
+    wanted: tuple[str, ...] = WANTED_MODULES,
+    out_dir: Path | None = None,
+) -> Path:
+    """The initramfs for `kernel`, at out_dir (default state_dir/initramfs)/<digest>.cpio.gz (reused
+    when its inputs are unchanged; old ones in out_dir are removed)."""
+    files = initramfs_inputs(state_dir, kernel, seccomp_bpf, wanted)
     digest = hashlib.sha256()
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
-    out_dir = state_dir / "initramfs"
+    out_dir = out_dir or state_dir / "initramfs"
     target = out_dir / f"{digest.hexdigest()[:20]}.cpio.gz"
     if target.exists():
         return target

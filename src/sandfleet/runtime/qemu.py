@@ -5,7 +5,8 @@ The jail: QEMU never runs as root. Each VM's QEMU gets a host uid of its own (ja
 no capabilities and an empty bounding set (setpriv), and a private mount namespace (bubblewrap in
 a user namespace of that uid) holding /usr read-only, a minimal /dev and, bound from file
 descriptors the daemon opened as root, exactly the files it needs: the kernel, the initramfs, the
-read-only layer files and its own run directory (sockets, pidfile, console log, writable disk).
+read-only layer files (or, for the vm tier, the image's base disk) and its own run directory
+(sockets, pidfile, console log, the vm tier's copy-on-write root disk).
 No network namespace device but loopback exists in it, and QEMU gets no NIC. QEMU's own -sandbox
 (seccomp) denies spawning, privilege changes and resource control on top.
 
@@ -44,6 +45,7 @@ class VMLayout:
     run: str = f"{JAIL_ROOT}/run"  # the VM's own directory, writable
     kernel: str = f"{JAIL_ROOT}/kernel"
     initrd: str = f"{JAIL_ROOT}/initrd"
+    base: str = f"{JAIL_ROOT}/base"  # vm: the image's shared base disk (the root overlay's backing file)
 
     def layer(self, i: int) -> str:
         return f"{JAIL_ROOT}/layer{i}"
@@ -131,9 +133,10 @@ class JailFiles:
     initrd: int
     layers: list[int]
     kvm: bool = False
+    base: int | None = None  # vm: the base disk, bound read-only
 
     def fds(self) -> list[int]:
-        return [self.run_dir, self.kernel, self.initrd, *self.layers]
+        return [self.run_dir, self.kernel, self.initrd, *self.layers, *([] if self.base is None else [self.base])]
 
 
 def jail_argv(uid: int, files: JailFiles, layout: VMLayout, inner: list[str]) -> list[str]:
@@ -154,6 +157,8 @@ def jail_argv(uid: int, files: JailFiles, layout: VMLayout, inner: list[str]) ->
     argv += ["--ro-bind-fd", str(files.kernel), layout.kernel, "--ro-bind-fd", str(files.initrd), layout.initrd]
     for i, fd in enumerate(files.layers):
         argv += ["--ro-bind-fd", str(fd), layout.layer(i)]
+    if files.base is not None:
+        argv += ["--ro-bind-fd", str(files.base), layout.base]
     argv += ["--chdir", layout.run, "--", *inner]
     return argv
 

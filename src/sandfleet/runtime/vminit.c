@@ -17,6 +17,16 @@
  *     datagram framed as u32 little-endian length + bytes) and its end of the socketpair; reaps
  *     orphans; powers the guest off when the agent exits.
  *
+ * Full mode (the vm tier: sandfleet.mode=full): the guest is the user's machine, not a container host.
+ * Its one disk (/dev/vda, ext4, a copy-on-write overlay over the image's base) becomes the root
+ * (devtmpfs, proc, sysfs moved onto it, then mount --move + chroot, as switch_root does); a child
+ * (the relay) starts the agent directly in the guest's root namespaces as real root (fd 3 its
+ * channel, exec'd from an fd opened in the initramfs before the chroot) and relays the port; then,
+ * with sandfleet.init=1 and an executable /sbin/init, PID 1 execs the image's init (systemd, ...),
+ * else it mounts what an init would (devpts, /dev/shm, /run, cgroup2) and stays, reaping. The agent
+ * and the relay are ordinary root processes of that machine: the guest's root can kill or ptrace
+ * them, and then the sandbox is broken, not escaped (the VM is the boundary; QEMU's jail guards the host).
+ *
  * Host reconnects (a daemon restart): the port reports the host gone (POLLHUP / read 0). We then do
  * what the daemon's death does to a container's agent: close our end of the channel, so the agent
  * offers a fresh socketpair on its fd 4 (HELLO queued in it), and take that with pidfd_getfd. Each
@@ -53,6 +63,9 @@
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438
 #endif
+#ifndef MODULE_INIT_COMPRESSED_FILE
+#define MODULE_INIT_COMPRESSED_FILE 4
+#endif
 #ifndef SYS_finit_module
 #define SYS_finit_module 313
 #endif
@@ -61,6 +74,7 @@ static char hostname[65] = "sandbox";
 static unsigned long long disk = 256ULL << 20, inodes = 65536;
 static unsigned long uid = 100000, nofile = 1024, n_layers;
 static pid_t agent = -1;
+static int full_mode, want_init;
 
 static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void say(const char *fmt, ...)
@@ -139,8 +153,13 @@ static void load_modules(void)
 		if (!line[0])
 			continue;
 		snprintf(path, sizeof path, "/modules/%s", line);
+		/* An image's kernel may ship compressed modules (.ko.xz, .ko.zst): the kernel unpacks them. */
+		size_t len = strlen(line);
+		int compressed = len > 3 && (!strcmp(line + len - 3, ".xz") || !strcmp(line + len - 3, ".gz") ||
+					     !strcmp(line + len - 4, ".zst"));
 		int fd = open(path, O_RDONLY | O_CLOEXEC);
-		if (fd < 0 || (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST))
+		if (fd < 0 || (syscall(SYS_finit_module, fd, "", compressed ? MODULE_INIT_COMPRESSED_FILE : 0) < 0 &&
+			       errno != EEXIST))
 			say("module %s: %s", line, strerror(errno));
 		if (fd >= 0)
 			close(fd);
@@ -171,8 +190,12 @@ static void read_cmdline(void)
 			nofile = strtoul(tok + 17, NULL, 10);
 		else if (!strncmp(tok, "sandfleet.hostname=", 19))
 			snprintf(hostname, sizeof hostname, "%s", tok + 19);
+		else if (!strcmp(tok, "sandfleet.mode=full"))
+			full_mode = 1;
+		else if (!strcmp(tok, "sandfleet.init=1"))
+			want_init = 1;
 	}
-	if (n_layers < 1 || n_layers > MAX_LAYERS) {
+	if (!full_mode && (n_layers < 1 || n_layers > MAX_LAYERS)) {
 		errno = EINVAL;
 		die("sandfleet.layers");
 	}
@@ -516,6 +539,112 @@ static void relay_forever(int port, int chan)
 	}
 }
 
+/* ---- full mode (the vm tier) ------------------------------------------------------------------ */
+
+static void wait_for(const char *dev)
+{
+	for (int tries = 0; access(dev, F_OK) < 0 && tries < 1000; tries++)
+		msleep(10);
+}
+
+/* The root disk becomes / (the initramfs stays underneath, unreachable: a few MiB of guest RAM). */
+static void enter_root_disk(void)
+{
+	wait_for("/dev/vda");
+	mkdir("/newroot", 0755);
+	if (mount("/dev/vda", "/newroot", "ext4", 0, NULL) < 0)
+		die("mount the root disk");
+	mkdir("/newroot/dev", 0755);
+	mkdir("/newroot/proc", 0555);
+	mkdir("/newroot/sys", 0555);
+	if (mount("/dev", "/newroot/dev", NULL, MS_MOVE, NULL) < 0 || mount("/proc", "/newroot/proc", NULL, MS_MOVE, NULL) < 0 ||
+	    mount("/sys", "/newroot/sys", NULL, MS_MOVE, NULL) < 0)
+		die("move /dev, /proc, /sys");
+	if (chdir("/newroot") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 || chdir("/") < 0)
+		die("switch to the root disk");
+}
+
+static void mount_one(const char *src, const char *target, const char *type, unsigned long flags, const char *data)
+{
+	mkdir(target, 0755);
+	if (mount(src, target, type, flags, data) < 0 && errno != EBUSY)
+		say("mount %s: %s", target, strerror(errno));
+}
+
+/* What an init would mount (only when the image's init does not run: systemd mounts its own). */
+static void mount_like_init(void)
+{
+	mount_one("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "gid=5,mode=620,ptmxmode=666");
+	mount_one("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+	mount_one("run", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
+	mount_one("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+}
+
+/* The agent as real root of the guest, exec'd from agent_fd; returns our end of its channel. */
+static int start_agent_full(int agent_fd)
+{
+	int sv[2];
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+		die("socketpair");
+	pid_t pid = fork();
+	if (pid < 0)
+		die("fork");
+	if (pid == 0) {
+		static char *argv[] = {"sandfleet-agent", NULL};
+		static char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", NULL};
+		int c = fcntl(sv[1], F_DUPFD_CLOEXEC, 10), a = fcntl(agent_fd, F_DUPFD_CLOEXEC, 10);
+		int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+		if (c < 0 || a < 0 || null < 0 || dup2(null, 0) < 0 || dup2(c, 3) < 0)
+			_exit(127);
+		setsid();
+		signal(SIGCHLD, SIG_DFL);
+		signal(SIGPIPE, SIG_DFL);
+		syscall(SYS_execveat, a, "", argv, envp, AT_EMPTY_PATH);
+		_exit(127);
+	}
+	close(sv[1]);
+	agent = pid;
+	return sv[0];
+}
+
+static void run_full(void)
+{
+	int agent_fd = open("/sandfleet/agent", O_RDONLY | O_CLOEXEC);
+	if (agent_fd < 0)
+		die("open the agent");
+	enter_root_disk();
+	sethostname(hostname, strlen(hostname));
+	int init = want_init && access("/sbin/init", X_OK) == 0;
+	if (!init)
+		mount_like_init();
+	pid_t relay = fork();
+	if (relay < 0)
+		die("fork");
+	if (relay == 0) {
+		int chan = start_agent_full(agent_fd);
+		close(agent_fd);
+		relay_forever(open_port(), chan);
+	}
+	close(agent_fd);
+	if (init) {
+		signal(SIGCHLD, SIG_DFL);
+		execl("/sbin/init", "/sbin/init", (char *)NULL);
+		say("exec /sbin/init: %s: staying init", strerror(errno));
+		signal(SIGCHLD, on_sigchld);
+		mount_like_init();
+	}
+	for (;;) {
+		int status;
+		pid_t pid = wait(&status);
+		if (pid == relay) {
+			say("the relay exited (status %d): powering off", status);
+			power_off();
+		}
+		if (pid < 0 && errno == ECHILD)
+			pause();
+	}
+}
+
 int main(void)
 {
 	/* The kernel opened /dev/console (from the initramfs) as 0, 1, 2 for us. */
@@ -525,6 +654,8 @@ int main(void)
 	mount_basics();
 	load_modules();
 	read_cmdline();
+	if (full_mode)
+		run_full();
 	switch_root();
 	mount_layers();
 	sethostname(hostname, strlen(hostname));
