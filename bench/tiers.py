@@ -202,9 +202,11 @@ def bench_fncall(d: Daemon, n: int, width: int) -> dict[str, Any]:
 
 
 def vm_figures(d: Daemon, tier: str, n: int) -> dict[str, Any]:
-    """Create-to-first-exec and idle host memory of `tier` (the container tier as its reference)."""
+    """Create-to-first-exec, exec round trip and the host memory and CPU each idle sandbox of `tier`
+    holds (its processes' PSS: QEMU for a VM, the agent's tree for a container)."""
     res: dict[str, Any] = {}
     with Client(d.socket, timeout=600) as fleet:
+        fleet.create(backend=tier, image="busybox", labels={"bench": "tiers"}).stop()  # a VM base disk, caches
         xs = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -216,10 +218,13 @@ def vm_figures(d: Daemon, tier: str, n: int) -> dict[str, Any]:
             sb.stop()
         res["create_to_first_exec"] = stats(xs)
         idle = [fleet.create(backend=tier, image="busybox", labels={"bench": "tiers"}) for _ in range(3)]
+        res["idle_exec"] = stats(_execs(idle[0], 20))
         time.sleep(5)
-        pids = _tier_pids(d, tier)
-        res["idle_host_memory_per_sandbox_kib"] = pss_kib(pids) / max(1, len(idle)) if pids else None
-        res["idle_exec_p50"] = stats(_execs(idle[0], 20))
+        pids = _sandbox_pids({sb.id for sb in idle})
+        res["idle_host_memory_per_sandbox_kib"] = pss_kib(pids) / len(idle) if pids else None
+        t0, c0 = time.monotonic(), _cpu_ticks(pids)
+        time.sleep(5)
+        res["idle_cpu_percent_per_sandbox"] = (_cpu_ticks(pids) - c0) / 100 / (time.monotonic() - t0) / len(idle) * 100
         for sb in idle:
             sb.stop()
     return res
@@ -234,24 +239,29 @@ def _execs(sb: Any, n: int) -> list[float]:
     return xs
 
 
-def _tier_pids(d: Daemon, tier: str) -> list[int]:
-    """Every process of the tier's live sandboxes (QEMU for VMs; the agents' trees for containers)."""
-    name = "qemu-system" if tier in ("microvm", "vm") else None
+def _sandbox_pids(ids: set[str]) -> list[int]:
+    """Every process in the cgroups of these sandboxes (VMs and containers alike name theirs by id)."""
     pids = []
     for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            if name is not None:
-                if name in (p / "cmdline").read_bytes().decode(errors="replace") and str(d.root) in (
-                    p / "cmdline"
-                ).read_bytes().decode(errors="replace"):
-                    pids.append(int(p.name))
-            elif d.cgroup_parent in (p / "cgroup").read_text():
+        if p.name.isdigit():
+            try:
+                text = (p / "cgroup").read_text()
+            except OSError:
+                continue
+            if any(i in text for i in ids):
                 pids.append(int(p.name))
+    return pids
+
+
+def _cpu_ticks(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-    return pids
+        total += int(f[11]) + int(f[12])
+    return total
 
 
 def write_report(res: dict[str, Any], results: Path) -> None:
@@ -285,7 +295,8 @@ def write_report(res: dict[str, Any], results: Path) -> None:
         mem = v["idle_host_memory_per_sandbox_kib"]
         lines.append(f"- create-to-first-exec p50 {st['p50_ms']:.1f} ms (p99 {st['p99_ms']:.1f}, n={st['n']})")
         lines.append(f"- idle host memory per sandbox (PSS) {mem / 1024:.1f} MiB" if mem else "- idle memory: n/a")
-        lines.append(f"- exec p50 into an idle one {v['idle_exec_p50']['p50_ms']:.2f} ms")
+        lines.append(f"- idle CPU per sandbox {v['idle_cpu_percent_per_sandbox']:.1f} % of a core")
+        lines.append(f"- exec p50 into an idle one {v['idle_exec']['p50_ms']:.2f} ms")
     (results / "tiers.md").write_text("\n".join(lines) + "\n")
 
 
