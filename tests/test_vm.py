@@ -259,6 +259,91 @@ def test_vm_failed_create_leaves_nothing() -> None:
         destroy_daemon(d)
 
 
+# ---- snapshots: QEMU's migration stream ---------------------------------------------------------
+
+
+def _vm_residue(d: Daemon, parent: str, tier: str) -> list[str]:
+    """What the node still holds of this tier: VM directories, cgroups, QEMU processes."""
+    found = [str(p) for p in (d.run_dir / tier).glob("*")]
+    found += [
+        str(p)
+        for ctl in ("memory", "pids", "cpu")
+        for p in (CGROUP_ROOT / ctl / parent.strip("/") / tier).glob("*")
+        if p.is_dir()
+    ]
+    base = 3_000_000 + (1 << 20 if tier == "vm" else 0)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if base <= entry.stat().st_uid < base + (1 << 20):
+                    found.append(f"pid {entry.name}")
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("tier", ["microvm", "vm"])
+def test_snapshot_restore_twice_at_once(vmd: tuple[Daemon, str], tier: str) -> None:
+    d, parent = vmd
+    with d.client(timeout=300) as c:
+        sb = c.create(backend=tier, image="busybox", idle_ttl=600)
+        try:
+            sb.exec("echo parent > /tmp/state")
+            counter = sb.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done")
+            time.sleep(1)
+            t0 = time.monotonic()
+            snap = sb.snapshot()
+            _measured(f"{tier} snapshot: {time.monotonic() - t0:.2f}s ({snap.size_bytes / 2**20:.0f} MiB)")
+            # The parent keeps running: its counter goes on.
+            before = int(sb.exec("cat /tmp/count").stdout)
+            time.sleep(0.5)
+            assert int(sb.exec("cat /tmp/count").stdout) > before
+            t0 = time.monotonic()
+            children = c.restore(snap.id, count=2)
+            _measured(f"{tier} restore of 2 at once: {time.monotonic() - t0:.2f}s")
+            assert all(not isinstance(x, Exception) for x in children), children
+            a, b = children
+            assert not isinstance(a, Exception) and not isinstance(b, Exception)
+            for child in (a, b):
+                assert child.exec("cat /tmp/state").stdout == "parent\n"
+            # Each its own: writes stay in the child that made them (and the parent sees none).
+            a.exec("echo a > /tmp/state")
+            b.exec("echo b > /tmp/state")
+            assert a.exec("cat /tmp/state").stdout == "a\n"
+            assert b.exec("cat /tmp/state").stdout == "b\n"
+            assert sb.exec("cat /tmp/state").stdout == "parent\n"
+            # The counter runs on in each child, and the child keeps the background process.
+            n = int(a.exec("cat /tmp/count").stdout)
+            time.sleep(0.5)
+            assert int(a.exec("cat /tmp/count").stdout) > n
+            assert counter.id in {p.id for p in a.processes()}
+            qemus = {x.id: _qemu_pid(parent, x.id) for x in (sb, a, b)}
+            assert len(set(qemus.values())) == 3
+            for x in (a, b):
+                x.stop()
+            c.delete_snapshot(snap.id)
+        finally:
+            sb.stop()
+        assert wait_until(lambda: not _vm_residue(d, parent, tier), timeout=30), _vm_residue(d, parent, tier)
+
+
+def test_restore_of_incomplete_snapshot_fails_typed(vmd: tuple[Daemon, str]) -> None:
+    d, parent = vmd
+    with d.client(timeout=300) as c:
+        sb = c.create(backend="microvm", image="busybox", idle_ttl=600)
+        try:
+            snap = sb.snapshot()
+        finally:
+            sb.stop()
+        found = list(d.root.rglob(f"{snap.id}/kernel"))
+        assert found, "the snapshot's kernel copy"
+        found[0].unlink()
+        [child] = c.restore(snap.id)
+        assert isinstance(child, SandboxError) and child.code == "data_loss", child
+        c.delete_snapshot(snap.id)
+    assert wait_until(lambda: not _vm_residue(d, parent, "microvm"), timeout=30), _vm_residue(d, parent, "microvm")
+
+
 # ---- unit: the image's own kernel ------------------------------------------------------------------
 
 

@@ -24,7 +24,15 @@ uid of its own for QEMU (jail_uid_base + slot; the `vm` tier's slots start 2^20 
 both tiers can share one base), a cgroup under cgroup_parent, and the jailed QEMU process, which
 runs in a session of its own so that it outlives a daemon restart and is adopted again.
 
-Not done yet: snapshots; removing base disks of images that are gone (they are a cache under the
+Snapshots (runtime/vmsnap.py): QEMU's migration stream of the stopped VM, saved through a unix
+socket into the snapshot's directory with the exact kernel and initramfs the guest booted (copied
+from QEMU's jail, checked by digest on restore) and, for the vm tier, a copy of its overlay taken
+while the VM is stopped (a frozen disk over the base, which must still exist). Each restored child
+is a VM of its own (directory, uid, cgroup, sockets) started with -incoming, fed the stream, with
+an overlay of its own over the snapshot's disk; the parent resumes and keeps running.
+
+Not done yet: snapshots of a restored vm-tier VM (its disk chain would need the parent snapshot's
+disk); removing base disks of images that are gone (they are a cache under the
 state dir); enforcing `resources.disk` in the vm tier (the base's free space, HEADROOM, bounds it).
 """
 
@@ -42,11 +50,17 @@ from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.backends.config import VMBackendConfig
-from sandfleet.errors import DataLossError, InternalError, InvalidArgumentError, UnavailableError
+from sandfleet.errors import (
+    DataLossError,
+    InternalError,
+    InvalidArgumentError,
+    UnavailableError,
+    WrongStateError,
+)
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec, Usage
-from sandfleet.runtime import cgroups, guest, proc, qemu, seccomp, vmdisk
-from sandfleet.runtime.agent import AgentChannel, ChannelClosedError
+from sandfleet.runtime import cgroups, guest, proc, qemu, seccomp, vmdisk, vmsnap
+from sandfleet.runtime.agent import AgentChannel, ChannelClosedError, ExecProcess
 
 log = logging.getLogger("sandfleet.vm")
 
@@ -59,6 +73,12 @@ FIRST_FD = 3  # where the jail's fds land in the spawned process
 
 ROOT_DISK = "root.qcow2"  # the vm tier's copy-on-write root disk, in the VM's directory
 
+# A snapshot's directory: the migration stream, the boot files, the vm tier's frozen disk.
+SNAP_FORMAT = 1
+SNAP_STATE, SNAP_KERNEL, SNAP_INITRD, SNAP_DISK = "state.bin", "kernel", "initrd", "disk.qcow2"
+SNAPSHOT_TIMEOUT = 600.0
+HELLO_RETRY = 3.0  # a restored guest that did not see its old host go: reconnect after this long
+
 
 @dataclasses.dataclass(frozen=True)
 class _Boot:
@@ -68,6 +88,7 @@ class _Boot:
     initramfs: Path
     layers: list[Path]  # microvm: the image's layers, read-only disks
     base: vmdisk.BaseDisk | None = None  # vm: the shared base under its root overlay
+    snapdisk: Path | None = None  # vm, restored: the snapshot's disk, between base and root overlay
 
 
 def wants_init(spec: SandboxSpec) -> bool:
@@ -218,28 +239,37 @@ class VMBackend:
             writable_disk=writable,
         )
 
-    def _spawn(self, vdir: Path, uid: int, boot: _Boot, vm_spec: qemu.VMSpec, procs: list[str]) -> int:
+    def _spawn(
+        self, vdir: Path, uid: int, boot: _Boot, vm_spec: qemu.VMSpec, procs: list[str], *, incoming: bool = False
+    ) -> int:
         """Start the jailed QEMU (blocking part); returns the pid of bwrap, its parent."""
         paths = [vdir, boot.kernel, boot.initramfs, *boot.layers]
         if boot.base is not None:
             paths.append(boot.base.path)
+        if boot.snapdisk is not None:
+            paths.append(boot.snapdisk)
         opened = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths]
         try:
             numbers = list(range(FIRST_FD, FIRST_FD + len(opened)))
             n_layers = len(boot.layers)
+            extra = iter(numbers[3 + n_layers :])
             files = qemu.JailFiles(
                 numbers[0],
                 numbers[1],
                 numbers[2],
                 numbers[3 : 3 + n_layers],
                 kvm=vm_spec.accel == "kvm",
-                base=numbers[-1] if boot.base is not None else None,
+                base=next(extra) if boot.base is not None else None,
+                snapdisk=next(extra) if boot.snapdisk is not None else None,
             )
             layout = qemu.VMLayout()
-            inner = qemu.jail_argv(uid, files, layout, qemu.qemu_argv(self.config.qemu, vm_spec, layout))
+            argv = qemu.qemu_argv(self.config.qemu, vm_spec, layout, incoming=incoming)
+            inner = qemu.jail_argv(uid, files, layout, argv)
             # Join the VM's cgroups before anything of QEMU exists (as root, then setpriv drops it).
-            join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 1; shift; n=$((n-1)); done; exec "$@"'
-            argv = ["/bin/sh", "-c", join, "sh", str(len(procs)), *procs, *inner]
+            # QEMU's own complaints (a stream that does not load) go to qemu.err, for the error we raise.
+            join = 'e=$1; n=$2; shift 2; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 1; shift; n=$((n-1)); done; '
+            join += 'exec "$@" 2>"$e"'
+            argv = ["/bin/sh", "-c", join, "sh", str(vdir / "qemu.err"), str(len(procs)), *procs, *inner]
             return proc.start_background(argv, fd_map=dict(zip(numbers, opened, strict=True)))
         finally:
             for fd in opened:
@@ -295,26 +325,13 @@ class VMBackend:
             raise
 
     async def _boot(self, sandbox_id: str, spec: SandboxSpec, boot: _Boot, runtime: dict[str, Any]) -> LiveSandbox:
-        vdir = self.vms_dir / sandbox_id
-        uid = runtime["uid"]
-        vdir.mkdir(mode=0o700)
-        os.chown(vdir, uid, uid)
-        if boot.base is not None:
-            overlay = vdir / ROOT_DISK
-            await asyncio.to_thread(vmdisk.create_overlay, overlay, boot.base, qemu.VMLayout().base, uid)
         vm_spec = self._spec(spec, len(boot.layers), sandbox_id)
-        procs = await asyncio.to_thread(self._make_cgroup, sandbox_id, spec, vm_spec.memory_mib)
-        jail = await asyncio.to_thread(self._spawn, vdir, uid, boot, vm_spec, procs)
-        runtime["jail_pid"] = jail
-        runtime["jail_start_time"] = proc.process_start_time(jail)
-        vm = self._vms.setdefault(sandbox_id, _VM())
-        vm.reaper = asyncio.create_task(self._reap(jail))
+        runtime["vm"] = dataclasses.asdict(vm_spec)  # what a snapshot's restore must start again
+        vdir = await self._launch(sandbox_id, spec, boot, vm_spec, runtime)
         async with asyncio.timeout(self.config.start_timeout):
-            qemu_pid = await self._read_pidfile(vdir / "qemu.pid", jail)
-            runtime["qemu_pid"] = qemu_pid
-            runtime["qemu_start_time"] = proc.process_start_time(qemu_pid)
+            await self._wait_qemu(vdir, runtime)
             relay, theirs = await qemu.StreamRelay.connect(vdir / "agent.sock", self.config.start_timeout)
-            vm.relay = relay
+            self._vms[sandbox_id].relay = relay
             channel = AgentChannel(theirs)
             try:
                 await channel.wait_hello()
@@ -322,6 +339,62 @@ class VMBackend:
                 channel.close()
                 raise
         return self._live(sandbox_id, channel, runtime)
+
+    async def _launch(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        boot: _Boot,
+        vm_spec: qemu.VMSpec,
+        runtime: dict[str, Any],
+        *,
+        incoming: bool = False,
+    ) -> Path:
+        """The VM's directory, root overlay (vm), cgroup and jailed QEMU; returns the directory.
+        Everything made is recorded for cleanup (in runtime and self._vms). Not under a timeout: a
+        cancelled thread would go on and start a QEMU nobody recorded."""
+        vdir = self.vms_dir / sandbox_id
+        uid = runtime["uid"]
+        vdir.mkdir(mode=0o700)
+        os.chown(vdir, uid, uid)
+        if incoming:
+            boot = await asyncio.to_thread(self._stage, vdir, boot)
+        if boot.base is not None:
+            overlay = vdir / ROOT_DISK
+            layout = qemu.VMLayout()
+            if boot.snapdisk is None:
+                await asyncio.to_thread(vmdisk.create_overlay, overlay, boot.base, layout.base, uid)
+            else:  # a restored child: its own overlay over the snapshot's frozen disk
+                await asyncio.to_thread(vmdisk.create_overlay, overlay, boot.base, layout.snapdisk, uid, "qcow2")
+        procs = await asyncio.to_thread(self._make_cgroup, sandbox_id, spec, vm_spec.memory_mib)
+        jail = await asyncio.to_thread(self._spawn, vdir, uid, boot, vm_spec, procs, incoming=incoming)
+        runtime["jail_pid"] = jail
+        runtime["jail_start_time"] = proc.process_start_time(jail)
+        vm = self._vms.setdefault(sandbox_id, _VM())
+        vm.reaper = asyncio.create_task(self._reap(jail))
+        return vdir
+
+    @staticmethod
+    def _stage(vdir: Path, boot: _Boot) -> _Boot:
+        """A restore's snapshot files, linked (else copied) into the VM's directory: bwrap resolves a
+        bound fd's path as the jail uid, which may not enter the root-only snapshot directory."""
+
+        def stage(src: Path, name: str) -> Path:
+            dest = vdir / name
+            try:
+                os.link(src, dest)
+            except OSError:
+                vmdisk.copy_disk(src, dest)
+            return dest
+
+        snapdisk = None if boot.snapdisk is None else stage(boot.snapdisk, SNAP_DISK)
+        kernel, initramfs = stage(boot.kernel, SNAP_KERNEL), stage(boot.initramfs, SNAP_INITRD)
+        return dataclasses.replace(boot, kernel=kernel, initramfs=initramfs, snapdisk=snapdisk)
+
+    async def _wait_qemu(self, vdir: Path, runtime: dict[str, Any]) -> None:
+        qemu_pid = await self._read_pidfile(vdir / "qemu.pid", runtime["jail_pid"])
+        runtime["qemu_pid"] = qemu_pid
+        runtime["qemu_start_time"] = proc.process_start_time(qemu_pid)
 
     @staticmethod
     async def _reap(pid: int) -> None:
@@ -340,8 +413,13 @@ class VMBackend:
             await asyncio.sleep(0.01)
 
     def _console_tail(self, sandbox_id: str) -> str:
+        vdir = self.vms_dir / sandbox_id
+        with contextlib.suppress(OSError):
+            err = (vdir / "qemu.err").read_text(errors="replace").strip()
+            if err:
+                return "QEMU: " + " | ".join(err.splitlines()[-4:])[-1000:]
         try:
-            text = (self.vms_dir / sandbox_id / "console.log").read_text(errors="replace")
+            text = (vdir / "console.log").read_text(errors="replace")
         except OSError:
             return "(no console log)"
         return " | ".join(text.strip().splitlines()[-6:])[-1500:]
@@ -455,6 +533,181 @@ class VMBackend:
             return None
         self._vms[sandbox_id] = _VM(relay=relay)
         return self._live(sandbox_id, channel, runtime)
+
+    # -- snapshot / restore -------------------------------------------------------------------
+
+    async def snapshot(self, sandbox: LiveSandbox, target: Path) -> dict[str, Any]:
+        """The VM's memory and devices (QEMU's migration stream), its boot files and, for the vm
+        tier, a copy of its overlay, all taken while the vCPUs are stopped; then it runs on."""
+        runtime = sandbox.runtime
+        if not isinstance(runtime.get("vm"), dict):
+            raise WrongStateError(f"sandbox {sandbox.id} was started before snapshots of this tier (an upgrade)")
+        if self.full and runtime.get("restored"):
+            raise WrongStateError(
+                f"sandbox {sandbox.id} was itself restored from a snapshot: snapshot or fork its source instead"
+            )
+        vm = self._vms.get(sandbox.id)
+        if vm is None or vm.relay is None or not self._is(runtime.get("qemu_pid"), runtime.get("qemu_start_time")):
+            raise UnavailableError(f"sandbox {sandbox.id} is no longer running")
+        vdir = self.vms_dir / sandbox.id
+        await asyncio.to_thread(target.mkdir, 0o700, parents=True)
+        try:
+            files = await asyncio.to_thread(self._pin_boot_files, runtime["qemu_pid"], target)
+        except OSError as exc:
+            raise UnavailableError(f"sandbox {sandbox.id} is no longer running: {exc}") from exc
+        channel, relay = sandbox.channel, vm.relay
+        try:
+            await self._keep_execs(channel, relay, True)
+            async with asyncio.timeout(SNAPSHOT_TIMEOUT):
+                saved = await vmsnap.save(
+                    vdir / "qmp.sock",
+                    vdir / "migrate.sock",
+                    qemu.VMLayout().migrate_socket,
+                    target / SNAP_STATE,
+                    runtime["uid"],
+                    lambda: self._freeze_disk(vdir, target),
+                )
+        except (OSError, TimeoutError, ChannelClosedError, qemu.QMPError, vmdisk.DiskBuildError) as exc:
+            raise InternalError(f"the snapshot of {sandbox.id} failed: {exc}") from exc
+        finally:
+            with contextlib.suppress(OSError, TimeoutError, ChannelClosedError):
+                await self._keep_execs(channel, relay, False)
+        files["state"] = saved["bytes"]
+        return {
+            "format": SNAP_FORMAT,
+            "tier": self.name,
+            "vm": runtime["vm"],
+            "layers": runtime.get("layers", []),
+            "base": runtime.get("base"),
+            "qemu": saved["qemu"],
+            "files": files,
+            # The restored agent still runs the snapshot's execs: new ids start past theirs.
+            "next_id": channel.next_id + 1024,
+        }
+
+    @staticmethod
+    async def _keep_execs(channel: AgentChannel, relay: qemu.StreamRelay, keep: bool) -> None:
+        """Tell vminit whether a copy that loses its host keeps the agent's execs; the ping returns
+        once vminit has handled it (frames are handled in order)."""
+        relay.send_control(qemu.KEEP_NEXT if keep else qemu.KEEP_DONE)
+        await channel.ping(timeout=10)
+
+    @staticmethod
+    def _pin_boot_files(qemu_pid: int, target: Path) -> dict[str, Any]:
+        """The kernel and initramfs as QEMU's jail binds them (the very files it booted, even if the
+        node's were replaced since), copied into the snapshot; their digests."""
+        root = Path(f"/proc/{qemu_pid}/root")
+        layout = qemu.VMLayout()
+        return {
+            "kernel": vmsnap.pin(root / layout.kernel.lstrip("/"), target / SNAP_KERNEL),
+            "initrd": vmsnap.pin(root / layout.initrd.lstrip("/"), target / SNAP_INITRD),
+        }
+
+    async def _freeze_disk(self, vdir: Path, target: Path) -> None:
+        """The vm tier's overlay, copied while QEMU has it flushed and inactive (after migrating)."""
+        if self.full:
+            await asyncio.to_thread(vmdisk.copy_disk, vdir / ROOT_DISK, target / SNAP_DISK)
+
+    def _snapshot_boot(self, source: Path, meta: dict[str, Any]) -> tuple[_Boot, qemu.VMSpec]:
+        """What a restore starts from, every file checked (blocking). SnapshotFileError if one is
+        missing or changed; WrongStateError if the snapshot cannot run on this node."""
+        if meta.get("format") != SNAP_FORMAT or meta.get("tier") != self.name:
+            raise WrongStateError(f"the snapshot was not taken by this node's {self.name} tier")
+        vm_spec = qemu.VMSpec(**meta["vm"])
+        if vm_spec.accel != self.accel:
+            raise WrongStateError(f"the snapshot was taken under {vm_spec.accel}, this node runs {self.accel}")
+        files = meta["files"]
+        vmsnap.check(source / SNAP_KERNEL, str(files["kernel"]), "kernel")
+        vmsnap.check(source / SNAP_INITRD, str(files["initrd"]), "initramfs")
+        state = source / SNAP_STATE
+        if not state.is_file() or state.stat().st_size != int(files["state"]):
+            raise vmsnap.SnapshotFileError("the snapshot's memory is missing or truncated")
+        if not self.full:
+            layers = [self.store.verified_layer_path(str(d)) for d in meta["layers"]]
+            return _Boot(source / SNAP_KERNEL, source / SNAP_INITRD, layers), vm_spec
+        base = vmdisk.load_base(self.disks_dir, str(meta["base"]))
+        if base is None:
+            raise vmsnap.SnapshotFileError("the image's base disk the snapshot's disk lies on is gone")
+        if not (source / SNAP_DISK).is_file():
+            raise vmsnap.SnapshotFileError("the snapshot's disk is missing")
+        return _Boot(source / SNAP_KERNEL, source / SNAP_INITRD, [], base, source / SNAP_DISK), vm_spec
+
+    async def restore(self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
+        assert self.kernel is not None, "backend not started"
+        try:
+            boot, vm_spec = await asyncio.to_thread(self._snapshot_boot, source, meta)
+        except (vmsnap.SnapshotFileError, LayerCorruptError, FileNotFoundError) as exc:
+            raise DataLossError(f"the snapshot cannot be restored: {exc}") from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WrongStateError(f"the snapshot's metadata is not this tier's: {exc!r}") from exc
+        uid = self._new_uid()
+        runtime: dict[str, Any] = {"uid": uid, "layers": list(meta["layers"]), "vm": meta["vm"], "restored": True}
+        if boot.base is not None:
+            runtime["base"] = meta["base"]
+        try:
+            return await self._restore(sandbox_id, spec, source, meta, boot, vm_spec, runtime)
+        except BaseException as exc:
+            console = self._console_tail(sandbox_id)
+            await asyncio.shield(self.cleanup(sandbox_id, runtime))
+            if isinstance(exc, vmsnap.VersionMismatchError):
+                raise WrongStateError(str(exc)) from exc
+            if isinstance(exc, TimeoutError | ChannelClosedError):
+                raise UnavailableError(f"the restored {self.name} did not come up: {console}") from exc
+            if isinstance(exc, OSError | ValueError | qemu.QMPError | vmdisk.DiskBuildError):
+                raise InternalError(f"restoring the {self.name} failed: {exc}: {console}") from exc
+            raise
+
+    async def _restore(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        source: Path,
+        meta: dict[str, Any],
+        boot: _Boot,
+        vm_spec: qemu.VMSpec,
+        runtime: dict[str, Any],
+    ) -> LiveSandbox:
+        vdir = await self._launch(sandbox_id, spec, boot, vm_spec, runtime, incoming=True)
+        async with asyncio.timeout(self.config.start_timeout + 60):
+            await self._wait_qemu(vdir, runtime)
+            await vmsnap.load(vdir / "incoming.sock", vdir / "qmp.sock", source / SNAP_STATE, str(meta["qemu"]))
+            log.info("restored %s: its guest runs", sandbox_id)
+            keep = [int(i) for i in meta.get("keep_execs", [])]
+            channel, inherited = await self._reconnect(sandbox_id, vdir, int(meta["next_id"]), keep)
+            try:
+                await channel.forget(keep)  # the parent's other execs run on here, but nobody asks for them
+                await channel.ping()
+            except BaseException:
+                channel.close()
+                raise
+        live = self._live(sandbox_id, channel, runtime)
+        live.inherited = inherited
+        return live
+
+    async def _reconnect(
+        self, sandbox_id: str, vdir: Path, first_id: int, keep: list[int]
+    ) -> tuple[AgentChannel, dict[int, ExecProcess]]:
+        """The restored agent's channel (called once its guest runs). Its vminit sees the parent's
+        host gone and offers the agent's fresh channel to the next host, as after a daemon restart.
+        Should the guest not have seen the old host go before we came (no SYNC, no HELLO), we leave
+        briefly so that it does, and come again."""
+        while True:
+            relay, theirs = await qemu.StreamRelay.connect(vdir / "agent.sock", self.config.start_timeout)
+            self._vms[sandbox_id].relay = relay
+            channel = AgentChannel(theirs, first_id=first_id)
+            # Handles first: output of the kept execs may follow the HELLO at once.
+            inherited = {exec_id: channel.attach(exec_id, -1) for exec_id in keep}
+            try:
+                await channel.wait_hello(timeout=HELLO_RETRY)
+                return channel, inherited
+            except TimeoutError:
+                log.info("restored %s: no HELLO yet, reconnecting", sandbox_id)
+            except BaseException:
+                channel.close()
+                raise
+            channel.close()
+            relay.close()
+            await asyncio.sleep(0.2)  # long enough for vminit to see the port closed
 
     # -- pause / resume -----------------------------------------------------------------------
 

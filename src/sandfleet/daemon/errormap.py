@@ -17,7 +17,7 @@ from sandfleet.daemon.process import DaemonStartError
 from sandfleet.images import models as image_models
 from sandfleet.images.oci import OciImportError
 from sandfleet.images.recipe import RecipeError
-from sandfleet.runtime import agent, criu, guest, launcher, mounts, qemu, seccomp, swap, vmdisk
+from sandfleet.runtime import agent, criu, guest, launcher, mounts, qemu, seccomp, swap, vmdisk, vmsnap
 from sandfleet.runtime.files import FileOpError
 
 # File operation kinds (runtime/files.py) -> wire errors.
@@ -60,6 +60,8 @@ ERROR_MAP: list[tuple[type[BaseException], type[errors.SandboxError]]] = [
     (guest.GuestUnavailableError, errors.UnavailableError),  # no guest kernel or modules: setup.sh
     (qemu.QMPError, errors.UnavailableError),  # a VM's QEMU did not answer its monitor
     (vmdisk.DiskBuildError, errors.InternalError),  # the vm tier's base disk of an image could not be made
+    (vmsnap.SnapshotFileError, errors.DataLossError),  # a VM snapshot's file is missing or changed
+    (vmsnap.VersionMismatchError, errors.WrongStateError),  # another QEMU, accel or tier than the snapshot's
     # images
     (image_models.ImageNotFoundError, errors.ImageNotFoundError),
     (image_models.InvalidRefError, errors.InvalidArgumentError),

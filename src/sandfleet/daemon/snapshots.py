@@ -1,6 +1,7 @@
-"""Snapshots (CRIU checkpoints of a running sandbox), restores and forks from them, and pack (a
-live sandbox's changes as a new image). A snapshot records the paths a restore would recreate
-checked at snapshot time; a fork is a temporary snapshot restored `count` times."""
+"""Snapshots of a running sandbox (the tier's own: CRIU checkpoints for containers, QEMU's migration
+stream for VMs), restores and forks from them, and pack (a live sandbox's changes as a new image).
+A container's snapshot records the paths a restore would recreate checked at snapshot time; a fork
+is a temporary snapshot restored `count` times."""
 
 from __future__ import annotations
 

@@ -33,6 +33,9 @@ from sandfleet.runtime.agent import MAX_DATAGRAM
 log = logging.getLogger("sandfleet.qemu")
 
 SYNC_MAGIC = b"SFVMSYNC"  # never a valid frame length (0x4d564653 > MAX_DATAGRAM): see vminit.c
+CTRL_MAGIC = b"SFVMCTRL"  # a frame of CTRL_MAGIC + an 8-byte command is for vminit, not the agent
+KEEP_NEXT = b"keepnext"  # a snapshot follows: a copy's agent keeps its execs when its host goes
+KEEP_DONE = b"keepdone"  # the snapshot is done: the parent's next host loss orphans them again
 AGENT_PORT = "sandfleet.agent"
 JAIL_ROOT = "/vm"  # where the jail shows the VM's files
 Machine = Literal["microvm", "vm"]
@@ -46,6 +49,8 @@ class VMLayout:
     kernel: str = f"{JAIL_ROOT}/kernel"
     initrd: str = f"{JAIL_ROOT}/initrd"
     base: str = f"{JAIL_ROOT}/base"  # vm: the image's shared base disk (the root overlay's backing file)
+    # vm, restored: the snapshot's frozen copy of its parent's overlay (over base), under this VM's own
+    snapdisk: str = f"{JAIL_ROOT}/snapdisk"
 
     def layer(self, i: int) -> str:
         return f"{JAIL_ROOT}/layer{i}"
@@ -57,6 +62,16 @@ class VMLayout:
     @property
     def qmp_socket(self) -> str:
         return f"{self.run}/qmp.sock"
+
+    @property
+    def migrate_socket(self) -> str:
+        """Where a snapshot's migration stream goes (the daemon listens; QEMU may not spawn `cat`)."""
+        return f"{self.run}/migrate.sock"
+
+    @property
+    def incoming_socket(self) -> str:
+        """Where a restored VM's QEMU listens for the snapshot's migration stream."""
+        return f"{self.run}/incoming.sock"
 
 
 @dataclass(frozen=True)
@@ -83,8 +98,9 @@ def host_tsc_khz() -> int:
     return 2_000_000
 
 
-def qemu_argv(qemu: str, spec: VMSpec, layout: VMLayout) -> list[str]:
-    """QEMU's command line for one VM (paths as the jail shows them)."""
+def qemu_argv(qemu: str, spec: VMSpec, layout: VMLayout, *, incoming: bool = False) -> list[str]:
+    """QEMU's command line for one VM (paths as the jail shows them). `incoming`: a restore, whose
+    QEMU waits for a migration stream on layout.incoming_socket instead of booting."""
     microvm = spec.machine == "microvm"
     bus = "device" if microvm else "pci"  # virtio-mmio on microvm, PCI on q35
     # The guest's TSC ticks at the host's rate under TCG; told so, the kernel skips calibrating it
@@ -120,6 +136,8 @@ def qemu_argv(qemu: str, spec: VMSpec, layout: VMLayout) -> list[str]:
     argv += ["-qmp", f"unix:{layout.qmp_socket},server=on,wait=off"]
     argv += ["-nic", "none", "-pidfile", f"{layout.run}/qemu.pid"]
     argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
+    if incoming:
+        argv += ["-incoming", f"unix:{layout.incoming_socket}"]
     return argv
 
 
@@ -134,9 +152,11 @@ class JailFiles:
     layers: list[int]
     kvm: bool = False
     base: int | None = None  # vm: the base disk, bound read-only
+    snapdisk: int | None = None  # vm, restored: the snapshot's disk, bound read-only
 
     def fds(self) -> list[int]:
-        return [self.run_dir, self.kernel, self.initrd, *self.layers, *([] if self.base is None else [self.base])]
+        extra = [fd for fd in (self.base, self.snapdisk) if fd is not None]
+        return [self.run_dir, self.kernel, self.initrd, *self.layers, *extra]
 
 
 def jail_argv(uid: int, files: JailFiles, layout: VMLayout, inner: list[str]) -> list[str]:
@@ -159,6 +179,8 @@ def jail_argv(uid: int, files: JailFiles, layout: VMLayout, inner: list[str]) ->
         argv += ["--ro-bind-fd", str(fd), layout.layer(i)]
     if files.base is not None:
         argv += ["--ro-bind-fd", str(files.base), layout.base]
+    if files.snapdisk is not None:
+        argv += ["--ro-bind-fd", str(files.snapdisk), layout.snapdisk]
     argv += ["--chdir", layout.run, "--", *inner]
     return argv
 
@@ -290,6 +312,13 @@ class StreamRelay:
             log.debug("agent relay: daemon side ended: %r", exc)
         finally:
             self.close()
+
+    def send_control(self, command: bytes) -> None:
+        """A control frame for vminit (KEEP_NEXT, KEEP_DONE). One write: never inside another frame.
+        It is handled before any later datagram reaches the agent (a ping after it confirms it)."""
+        assert len(command) == 8
+        payload = CTRL_MAGIC + command
+        self._writer.write(struct.pack("<I", len(payload)) + payload)
 
     def close(self) -> None:
         for task in self._tasks:

@@ -60,6 +60,17 @@ def _load(d: Path) -> BaseDisk:
     return BaseDisk(d / "base.raw", int(meta["size"]), kernel_dir, bool(meta["init"]))
 
 
+def load_base(cache_dir: Path, key: str) -> BaseDisk | None:
+    """The base disk built under this key, if it (still) exists."""
+    if not re.fullmatch(r"[0-9a-f]{32}", key):
+        return None
+    try:
+        base = _load(cache_dir / key)
+    except (OSError, ValueError, KeyError):
+        return None
+    return base if base.path.is_file() else None
+
+
 def ensure_base(cache_dir: Path, digests: list[str], layers: list[Path]) -> BaseDisk:
     """The base disk of the image with these layers (bottom first), built if missing (blocking)."""
     key = base_key(digests)
@@ -90,14 +101,25 @@ def ensure_base(cache_dir: Path, digests: list[str], layers: list[Path]) -> Base
     return _load(final)
 
 
-def create_overlay(path: Path, base: BaseDisk, backing_as_seen: str, owner: int) -> None:
-    """A qcow2 overlay over the base, owned by the VM's jail uid (blocking)."""
-    argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", backing_as_seen]
+def create_overlay(path: Path, base: BaseDisk, backing_as_seen: str, owner: int, backing_format: str = "raw") -> None:
+    """A qcow2 overlay over the base (or over a snapshot's qcow2 copy of an overlay over it: then
+    backing_format is qcow2), owned by the VM's jail uid (blocking)."""
+    argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", backing_format, "-b", backing_as_seen]
     run = subprocess.run([*argv, str(path), str(base.size)], capture_output=True, text=True, timeout=60)
     if run.returncode != 0:
         raise DiskBuildError(f"qemu-img create failed: {run.stderr.strip()}")
     os.chown(path, owner, owner)
     os.chmod(path, 0o600)
+
+
+def copy_disk(src: Path, dest: Path) -> None:
+    """A snapshot's frozen copy of a stopped VM's overlay (holes kept), read-only to every jail uid:
+    each restored child's QEMU opens it through a bound fd as the backing file of its own overlay."""
+    argv = ["cp", "--sparse=always", "--reflink=auto", "--", str(src), str(dest)]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        raise DiskBuildError(f"copying the disk failed: {run.stderr.strip()}")
+    os.chmod(dest, 0o644)
 
 
 # ---- the build (runs in its own mount namespace: python -m sandfleet.runtime.vmdisk OUT LAYER...) ----

@@ -32,6 +32,14 @@
  * offers a fresh socketpair on its fd 4 (HELLO queued in it), and take that with pidfd_getfd. Each
  * time the host (re)appears we first send SYNC_MAGIC, an 8-byte marker that is never a valid frame
  * length, so the host can skip whatever stale bytes of an earlier connection precede it.
+ *
+ * Snapshots (the daemon migrates the VM's memory to a file): a restored copy wakes with its host gone
+ * and its daemon keeps some of the parent's execs (sessions, background processes), so those must
+ * not be orphaned. Before migrating, the daemon sends a control frame (CTRL_MAGIC "keepnext"): the
+ * next time the host goes we have the agent move to a fresh channel as before a criu checkpoint
+ * (M_REOPEN: same execs, nothing dropped) instead of closing its channel, and the restored copy's
+ * daemon orphans what it does not keep (M_FORGET). After the snapshot the parent's daemon sends
+ * "keepdone". Control frames never reach the agent.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -57,6 +65,9 @@
 #define MAX_LAYERS 26
 #define SYNC_MAGIC "SFVMSYNC"
 #define SYNC_LEN 8
+#define CTRL_MAGIC "SFVMCTRL" /* a host frame of CTRL_MAGIC + an 8-byte command is for us */
+#define CTRL_LEN 16
+#define M_REOPEN 5 /* the agent's message: move to a fresh channel offered on fd 4, execs kept */
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
@@ -394,6 +405,7 @@ struct relay {
 	int port, chan;
 	int host_up;			   /* the host is connected (and has had SYNC_MAGIC) */
 	int had_host;			   /* the channel has been relayed to a host: reset it when that host goes */
+	int keep_next;			   /* the next host to go was snapshotted: keep the agent's execs */
 	char in[4 + MAX_PAYLOAD];	   /* port -> channel: a partial frame */
 	size_t in_len;
 	char out[4 + MAX_PAYLOAD];	   /* channel -> port: one framed datagram being written */
@@ -404,11 +416,35 @@ static void host_gone(struct relay *r)
 {
 	r->host_up = 0;
 	r->in_len = r->out_off = r->out_len = 0;
-	if (r->had_host) {
+	if (!r->had_host)
+		return;
+	if (r->keep_next) {
+		/* a snapshot's copy (or its parent, should its daemon die right then): the agent moves to a
+		 * fresh channel with every exec kept; the next daemon says which to forget */
+		uint32_t reopen[2] = {M_REOPEN, 0};
+		if (send(r->chan, reopen, sizeof reopen, MSG_NOSIGNAL) < 0)
+			say("reopen: %s", strerror(errno));
+		int chan = take_new_channel();
+		close(r->chan);
+		r->chan = chan;
+		r->keep_next = 0;
+	} else {
 		close(r->chan); /* the agent orphans that daemon's execs and offers a new channel */
 		r->chan = take_new_channel();
-		r->had_host = 0;
 	}
+	r->had_host = 0;
+}
+
+/* A control frame from the host (see "Snapshots" above); 1 if it was one. */
+static int control(struct relay *r, const char *p, uint32_t len)
+{
+	if (len != CTRL_LEN || memcmp(p, CTRL_MAGIC, 8))
+		return 0;
+	if (!memcmp(p + 8, "keepnext", 8))
+		r->keep_next = 1;
+	else if (!memcmp(p + 8, "keepdone", 8))
+		r->keep_next = 0;
+	return 1;
 }
 
 static void host_came(struct relay *r)
@@ -443,6 +479,10 @@ static int from_host(struct relay *r)
 			}
 			if (r->in_len - off < 4 + len)
 				break;
+			if (control(r, r->in + off + 4, len)) {
+				off += 4 + len;
+				continue;
+			}
 			/* The agent reads as fast as it can; a full socket buffer means waiting a little. */
 			while (send(r->chan, r->in + off + 4, len, 0) < 0) {
 				if (errno == EINTR)
