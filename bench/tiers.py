@@ -99,7 +99,9 @@ def _subprocess_peer(argv: list[str] | Any, n: int, width: int) -> dict[str, Any
     def once(i: int) -> float:
         cmd = argv(i) if callable(argv) else argv
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True)
+        # Pipes for all three: crun 1.8.1 chowns its stdio to the container's root (containers/crun#1845),
+        # which must never be the host's /dev/null.
+        r = subprocess.run(cmd, capture_output=True, input=b"")
         if r.returncode != 0 or r.stdout != b"1\n":
             raise RuntimeError(f"{cmd[:6]} exited {r.returncode}: {r.stderr.decode(errors='replace')[-500:]}")
         return time.perf_counter() - t0
