@@ -242,17 +242,20 @@ def _execs(sb: Any, n: int) -> list[float]:
 
 
 def _sandbox_pids(ids: set[str]) -> list[int]:
-    """Every process in the cgroups of these sandboxes (VMs and containers alike name theirs by id)."""
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                text = (p / "cgroup").read_text()
-            except OSError:
-                continue
-            if any(i in text for i in ids):
-                pids.append(int(p.name))
-    return pids
+    """Every process in the cgroups of these sandboxes, by the host's view of the memory hierarchy
+    (containers and VMs alike name their cgroup by sandbox id; a container's own processes see
+    only their cgroup namespace's root in /proc/PID/cgroup)."""
+    pids: list[int] = []
+    root = Path("/sys/fs/cgroup/memory")
+    for top in root.iterdir():
+        if not top.name.startswith("sandfleet-bench"):
+            continue
+        for dirpath, dirnames, _files in os.walk(top):
+            if Path(dirpath).name in ids:
+                for f in Path(dirpath).rglob("cgroup.procs"):
+                    pids += [int(x) for x in f.read_text().split()]
+                dirnames.clear()
+    return sorted(set(pids))
 
 
 def _cpu_ticks(pids: list[int]) -> int:
@@ -316,6 +319,7 @@ def main() -> int:
         return 0
     tiers = a.tiers.split(",")
     root = Path(tempfile.mkdtemp(prefix="sfb-tiers-"))
+    os.chmod(root, 0o755)  # QEMU's jail (an unprivileged uid) reaches the VM directories under it
     d = Daemon(root, "/sandfleet-bench-tiers")
     text = d.config.read_text().replace("[container]\n", '[[backends]]\ntype = "container"\n')
     text += f'[[backends]]\ntype = "fncall"\nworkers = 4\nmax_workers = {a.width // 2}\n'

@@ -141,6 +141,7 @@ class VMBackend:
         self.accel = self._pick_accel()
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.vms_dir, 0o711)
+        _check_traversable(self.vms_dir)
         # re-detect inside our mount namespace (one parent per tier, as in __init__)
         self.cgroups = cgroups.Cgroups(f"{self.config.cgroup_parent}/{self.config.type}")
 
@@ -764,3 +765,15 @@ class VMBackend:
             if self._uid_base <= uid < self._uid_base + SLOTS:
                 found.append(f"{entry.name}:{uid}")
         return found
+
+
+def _check_traversable(path: Path) -> None:
+    """QEMU runs as an unprivileged uid, and bubblewrap resolves the directories bound into its jail
+    as that uid: every directory above a VM's must let others through (o+x), or every create would
+    fail at QEMU's start. Said once, at the daemon's start, with the fix."""
+    for parent in [path, *path.parents]:
+        if not parent.stat().st_mode & 0o001:
+            raise UnavailableError(
+                f"the {path.name} tier needs {parent} to be traversable by other users (chmod o+x {parent}): "
+                "QEMU runs as an unprivileged uid of its own"
+            )
