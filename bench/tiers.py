@@ -299,7 +299,8 @@ def write_report(res: dict[str, Any], results: Path) -> None:
         st = v["create_to_first_exec"]
         mem = v["idle_host_memory_per_sandbox_kib"]
         lines.append(f"- create-to-first-exec p50 {st['p50_ms']:.1f} ms (p99 {st['p99_ms']:.1f}, n={st['n']})")
-        lines.append(f"- idle host memory per sandbox (PSS) {mem / 1024:.1f} MiB" if mem else "- idle memory: n/a")
+        size = f"{mem / 1024:.1f} MiB" if mem and mem >= 1024 else f"{mem:.0f} KiB"
+        lines.append(f"- idle host memory per sandbox (PSS of its processes) {size}" if mem else "- idle memory: n/a")
         lines.append(f"- idle CPU per sandbox {v['idle_cpu_percent_per_sandbox']:.1f} % of a core")
         lines.append(f"- exec p50 into an idle one {v['idle_exec']['p50_ms']:.2f} ms")
     (results / "tiers.md").write_text("\n".join(lines) + "\n")

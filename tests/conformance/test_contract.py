@@ -22,6 +22,7 @@ from sandfleet import (
     Client,
     ContainerOptions,
     InvalidArgumentError,
+    NotFoundError,
     Resources,
     SandboxError,
     SandboxNotFoundError,
@@ -185,6 +186,10 @@ def test_files_round_trip(sb: Sandbox) -> None:
     assert sb.files.read("/tmp/a.txt") == b"hello"
     assert sb.exec("cat /tmp/a.txt").stdout == "hello"
     assert "a.txt" in {f.name for f in sb.files.list("/tmp")}
+    sb.files.write("/task/new/b.txt", "nested")  # missing parents are made
+    assert sb.exec("cat /task/new/b.txt").stdout == "nested"
+    with pytest.raises(NotFoundError):
+        sb.files.read("/no/such/file")
 
 
 def test_files_stay_inside_the_sandbox(sb: Sandbox, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -24,6 +24,7 @@ from sandfleet.runtime.files import FileKind, FileOpError, FileStat, FileTooLarg
 # stderr phrases of coreutils and busybox, and the errno each means
 _PHRASES = (
     ("No such file or directory", errno.ENOENT),
+    ("Directory nonexistent", errno.ENOENT),  # dash's word for a missing parent
     ("File exists", errno.EEXIST),
     ("Directory not empty", errno.ENOTEMPTY),
     ("Not a directory", errno.ENOTDIR),
@@ -134,7 +135,9 @@ class AgentFS:
     async def write(self, path: str, data: bytes, *, mode: int, uid: int, gid: int, append: bool) -> None:
         p = self.norm(path)
         redirect = ">>" if append else ">"
-        script = f'[ ! -d "$1" ] || {{ echo "$1: Is a directory" >&2; exit 1; }}; cat {redirect} "$1" && '
+        # Missing parents are made, owned like the file (as the host-side write does).
+        script = 'd=$(dirname -- "$1"); if [ ! -d "$d" ]; then mkdir -p -- "$d" && chown "$3" -- "$d" || exit 1; fi; '
+        script += f'[ ! -d "$1" ] || {{ echo "$1: Is a directory" >&2; exit 1; }}; cat {redirect} "$1" && '
         script += 'chmod "$2" -- "$1" && chown "$3" -- "$1"'
         await self._checked(p, script, p, format(mode & 0o7777, "o"), f"{uid}:{gid}", stdin=data)
 
