@@ -28,7 +28,7 @@ from sandfleet.daemon.lifecycle import Sandbox
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import InvalidArgumentError, SandboxError, UnavailableError
 from sandfleet.models import ErrorBody, ExecResult, Resources, RunCodeBatchItem, RunCodeRequest, SandboxSpec
-from sandfleet.runtime.agent import AgentError, ExecProcess, ExitInfo, OutputChunk
+from sandfleet.runtime.agent import AgentError, ExecProcess, ExecStartError, ExitInfo, OutputChunk
 
 ZYGOTE_SOURCE = (Path(__file__).parent.parent / "runtime" / "zygote.py").read_text()
 DEFAULT_IMAGE = "python"
@@ -131,6 +131,7 @@ class Calls:
         self.creation = creation
         self._zygotes: dict[str, _Zygote] = {}
         self._pools: dict[str, _Pool] = {}
+        self._by_choice: dict[tuple[str | None, str | None], _Pool] = {}  # (image, resources) as called
         self._starting: dict[str, asyncio.Future[_Zygote]] = {}
         core.table.on_stopped(self._forget)
 
@@ -160,7 +161,10 @@ class Calls:
             )
         if req.image is not None or req.resources is not None:
             raise InvalidArgumentError("image and resources are the pool's: a worker sandbox has its own")
-        sb, live = await self.pauser.ready(sandbox_id)
+        return await self._run_on(sandbox_id, req)
+
+    async def _run_on(self, sandbox_id: str, req: RunCodeRequest) -> ExecResult:
+        sb, _live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
         z = await self._zygote(sb)
         async with z.lock:
@@ -187,10 +191,12 @@ class Calls:
         argv = ["python3", "-I", "-c", ZYGOTE_SOURCE, *self.config.preload]
         try:
             proc = await live.channel.start(argv, cwd="/", stdin=True, out_cap=None, nondump=False)
-        except AgentError as exc:
+        except ExecStartError as exc:
             raise InvalidArgumentError(
                 f"sandbox {sb.id} cannot run calls: its image has no python3 ({exc})"[:500]
             ) from exc
+        except AgentError as exc:
+            raise UnavailableError(f"sandbox {sb.id}: {exc}") from exc
         z = _Zygote(sb.id, proc, asyncio.get_running_loop().create_future())
         self.core.spawn(self._read(z), name=f"zygote-{sb.id}")
         try:
@@ -240,22 +246,26 @@ class Calls:
     async def run(self, req: RunCodeRequest) -> ExecResult:
         """A call on a pooled worker of (image, resources)."""
         self.core.tier_for("fncall")
-        spec = SandboxSpec(
-            backend="fncall",
-            image=req.image or DEFAULT_IMAGE,
-            resources=req.resources or Resources(),
-            idle_ttl=self.config.worker_idle,
-            labels={POOL_LABEL: "1"},
-        )
-        spec = _pool_spec(spec)
-        key = spec.model_dump_json()
-        pool = self._pools.get(key)
+        # The pool by what the call chose, looked up before any model is built (the one-call path).
+        fast = (req.image, None if req.resources is None else req.resources.model_dump_json())
+        pool = self._by_choice.get(fast)
         if pool is None:
-            pool = self._pools[key] = self._adopt_pool(spec, key)
+            spec = _pool_spec(
+                SandboxSpec(
+                    backend="fncall",
+                    image=req.image or DEFAULT_IMAGE,
+                    resources=req.resources or Resources(),
+                    idle_ttl=self.config.worker_idle,
+                )
+            )
+            key = spec.model_dump_json()
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = self._adopt_pool(spec, key)
+            self._by_choice[fast] = pool
         sid = await self._take(pool)
         try:
-            call = req.model_copy(update={"image": None, "resources": None})
-            result = await self.run_in(sid, call)
+            result = await self._run_on(sid, req)
         except BaseException:
             self._give_back(pool, sid, broken=True)
             raise
