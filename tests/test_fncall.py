@@ -178,3 +178,20 @@ def test_batched_calls_keep_their_own_outcomes(node: Daemon) -> None:
     assert getattr(a, "stdout", None) == "a\n" and getattr(b, "stdout", None) == "b\n"
     assert getattr(exit3, "exit_code", None) == 3
     assert isinstance(err, InvalidArgumentError)
+
+
+def test_a_full_node_makes_room_for_a_new_pool() -> None:
+    """With the node at its sandbox limit, a call for a new (image, resources) stops an idle worker
+    of another pool instead of failing."""
+    d = make_daemon("fncall-full", extra="max_sandboxes = 2\n")
+    d.config.write_text(d.config.read_text().replace("stopped_retention = 0\n", "stopped_retention = 60\n"))
+    d.start()
+    try:
+        with d.client(timeout=120) as c:
+            for mem in ("200MiB", "210MiB", "220MiB"):
+                r = c.run_code("print('ok')", resources=Resources(memory=mem))
+                assert r.stdout == "ok\n", (mem, r)
+            assert len(c.list()) <= 2
+            assert "evicted" in {s.stop_reason for s in c.list(state="stopped")}
+    finally:
+        destroy_daemon(d)

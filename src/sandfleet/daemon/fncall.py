@@ -15,6 +15,7 @@ import base64
 import contextlib
 import itertools
 import json
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.lifecycle import Sandbox
 from sandfleet.daemon.pausing import Pauser
-from sandfleet.errors import InvalidArgumentError, SandboxError, UnavailableError
+from sandfleet.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import ErrorBody, ExecResult, Resources, RunCodeBatchItem, RunCodeRequest, SandboxSpec
 from sandfleet.runtime.agent import AgentError, ExecProcess, ExecStartError, ExitInfo, OutputChunk
 
@@ -35,6 +36,7 @@ DEFAULT_IMAGE = "python"
 POOL_LABEL = "sandfleet.fncall-pool"
 START_TIMEOUT = 30.0  # the interpreter's start (and its preloads) in a fresh worker
 GRACE = 5.0  # past a call's own timeout: how long the zygote may take to answer
+CAPACITY_WAIT = 10.0  # how long a pooled call waits for a full node to take a new worker
 
 
 @dataclass(eq=False)
@@ -263,7 +265,7 @@ class Calls:
             if pool is None:
                 pool = self._pools[key] = self._adopt_pool(spec, key)
             self._by_choice[fast] = pool
-        sid = await self._take(pool)
+        sid = await self._take(pool, time.monotonic() + req.timeout)
         try:
             result = await self._run_on(sid, req)
         except BaseException:
@@ -308,21 +310,51 @@ class Calls:
 
         return EventStream(items(), release)
 
-    async def _take(self, pool: _Pool) -> str:
-        async with pool.freed:
-            while True:
-                while pool.idle:
-                    sid = pool.idle.pop()
-                    sb = self.core.table.find(sid)
-                    if sb is not None and sb.state in ("running", "paused"):
-                        return sid
-                    pool.members.discard(sid)
-                if len(pool.members) < self.config.max_workers:
-                    break
-                await pool.freed.wait()
-        info = await self.creation.create(pool.spec)
-        pool.members.add(info.id)
-        return info.id
+    async def _take(self, pool: _Pool, deadline: float) -> str:
+        """An idle worker of the pool, or a new one while under `max_workers`, or the next freed.
+        A create the node refuses for now (a full node: retryable) is tried again, or a freed
+        worker taken, until the call's own deadline (monotonic)."""
+        backoff = 0.05
+        started = time.monotonic()
+        evicted = False
+        while True:
+            async with pool.freed:
+                while True:
+                    while pool.idle:
+                        sid = pool.idle.pop()
+                        sb = self.core.table.find(sid)
+                        if sb is not None and sb.state in ("running", "paused"):
+                            return sid
+                        pool.members.discard(sid)
+                    if len(pool.members) < self.config.max_workers:
+                        break
+                    await pool.freed.wait()
+            try:
+                info = await self.creation.create(pool.spec)
+            except ResourceExhaustedError:
+                if not evicted and await self._evict_idle(pool):
+                    evicted = True  # once: a node full of CPU load is not relieved by stopping idle workers
+                    continue  # an idle worker of another pool made room
+                left = min(deadline, started + CAPACITY_WAIT) - time.monotonic()
+                if left <= 0:
+                    raise
+                async with pool.freed:  # a worker of this pool freed meanwhile serves as well
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(pool.freed.wait(), min(backoff, left))
+                backoff = min(backoff * 2, 1.0)
+                continue
+            pool.members.add(info.id)
+            return info.id
+
+    async def _evict_idle(self, keep: _Pool) -> bool:
+        """Stop one idle worker of another pool (the node is full: pools must not starve each other)."""
+        for pool in self._pools.values():
+            if pool is not keep and pool.idle:
+                sid = pool.idle.pop(0)  # the longest idle
+                pool.members.discard(sid)
+                await self._stop_quietly(sid, reason="evicted")
+                return True
+        return False
 
     def _give_back(self, pool: _Pool, sid: str, *, broken: bool = False) -> None:
         z = self._zygotes.get(sid)
@@ -339,9 +371,9 @@ class Calls:
 
         self.core.spawn(notify(), name="pool-freed")
 
-    async def _stop_quietly(self, sid: str) -> None:
+    async def _stop_quietly(self, sid: str, reason: str = "error") -> None:
         with contextlib.suppress(SandboxError):
-            await self.core.stop(sid, reason="error")
+            await self.core.stop(sid, reason=reason)
 
     def stats(self) -> dict[str, int]:
         return {"workers": sum(len(p.members) for p in self._pools.values()), "zygotes": len(self._zygotes)}
