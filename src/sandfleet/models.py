@@ -213,6 +213,15 @@ class Mount(_Model):
 
 
 _IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9._-]+)?$")
+
+
+def check_image_ref(v: str) -> str:
+    if len(v) > MAX_REF or not _IMAGE_REF_RE.match(v):
+        raise ValueError(f"invalid image reference {shown(v)}")
+    return v
+
+
+ImageRef = Annotated[str, AfterValidator(check_image_ref)]
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
@@ -255,7 +264,7 @@ class SandboxSpec(_Model):
     """Everything needed to create a sandbox."""
 
     backend: Backend = "container"
-    image: str | None = Field(
+    image: ImageRef | None = Field(
         None,
         description="image reference, e.g. 'busybox', 'debian:bookworm'; the bottom of the layer stack. "
         "Default 'busybox' unless `layers` is given",
@@ -297,13 +306,6 @@ class SandboxSpec(_Model):
         if self.options is not None and self.options.type != self.backend:
             raise ValueError(f"options are for the {self.options.type} tier, the sandbox's is {self.backend}")
         return self
-
-    @field_validator("image")
-    @classmethod
-    def _image(cls, v: str | None) -> str | None:
-        if v is not None and (len(v) > MAX_REF or not _IMAGE_REF_RE.match(v)):
-            raise ValueError(f"invalid image reference {shown(v)}")
-        return v
 
     @field_validator("layers")
     @classmethod
@@ -450,19 +452,12 @@ class RunCodeRequest(_Stdin):
     timeout: float = Field(30.0, gt=0, le=3600, description="seconds; the call and everything it started are killed")
     output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
     encoding: Encoding = Field("utf-8", description="how output comes back: utf-8 text, or base64 of the raw bytes")
-    image: str | None = Field(
+    image: ImageRef | None = Field(
         None, description="pooled calls only: the workers' image (default: the node's python image)"
     )
     resources: Resources | None = Field(
         None, description="pooled calls only: each worker's limits (a worker runs one call at a time)"
     )
-
-    @field_validator("image")
-    @classmethod
-    def _image(cls, v: str | None) -> str | None:
-        if v is not None and (len(v) > MAX_REF or not _IMAGE_REF_RE.match(v)):
-            raise ValueError(f"invalid image reference {shown(v)}")
-        return v
 
     @model_validator(mode="after")
     def _files_fit(self) -> RunCodeRequest:

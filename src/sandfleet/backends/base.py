@@ -12,6 +12,7 @@ a microVM has no host-side root (its files go through the agent), an fncall tier
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from sandfleet.errors import UnsupportedError
 from sandfleet.images import ImageManifest
 from sandfleet.models import Resources, SandboxSpec, Usage
 from sandfleet.runtime.agent import AgentChannel, ExecProcess
+from sandfleet.runtime.cgroups import Cgroups
 
 
 @dataclass
@@ -70,6 +72,16 @@ class Backend(Protocol):
 
     def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
         """CPU time a sandbox has used; None: all of this backend's sandboxes, stopped ones included."""
+
+
+def cgroup_usage(cgs: Cgroups, sandbox: LiveSandbox) -> Usage:
+    """`Backend.usage` of a tier that keeps each sandbox in a cgroup named by its id."""
+    return Usage(**dataclasses.asdict(cgs.stats(cgs.path_for(sandbox.id))))
+
+
+def cgroup_cpu_seconds(cgs: Cgroups, sandbox: LiveSandbox | None) -> float:
+    """`Backend.cpu_seconds` of such a tier: the sandbox's cgroup, or (None) the tier's parent."""
+    return cgs.cpu_seconds(cgs.parent if sandbox is None else cgs.path_for(sandbox.id))
 
 
 @runtime_checkable

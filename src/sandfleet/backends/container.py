@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.base import LiveSandbox, cgroup_cpu_seconds, cgroup_usage
 from sandfleet.backends.config import ContainerBackendConfig
 from sandfleet.errors import (
     DataLossError,
@@ -1038,10 +1038,10 @@ class ContainerBackend:
         return fd
 
     def usage(self, sandbox: LiveSandbox) -> Usage:
-        return Usage(**dataclasses.asdict(self.cgroups.stats(self.cgroups.path_for(sandbox.id))))
+        return cgroup_usage(self.cgroups, sandbox)
 
     def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
-        return self.cgroups.cpu_seconds(self.cgroups.parent if sandbox is None else self.cgroups.path_for(sandbox.id))
+        return cgroup_cpu_seconds(self.cgroups, sandbox)
 
     def residue(self) -> set[str]:
         found = self.leftovers()

@@ -48,7 +48,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.base import LiveSandbox, cgroup_cpu_seconds, cgroup_usage
 from sandfleet.backends.config import VMBackendConfig
 from sandfleet.errors import (
     DataLossError,
@@ -735,10 +735,10 @@ class VMBackend:
     # -- introspection ------------------------------------------------------------------------
 
     def usage(self, sandbox: LiveSandbox) -> Usage:
-        return Usage(**dataclasses.asdict(self.cgroups.stats(self.cgroups.path_for(sandbox.id))))
+        return cgroup_usage(self.cgroups, sandbox)
 
     def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
-        return self.cgroups.cpu_seconds(self.cgroups.parent if sandbox is None else self.cgroups.path_for(sandbox.id))
+        return cgroup_cpu_seconds(self.cgroups, sandbox)
 
     def residue(self) -> set[str]:
         found = self.leftovers()
