@@ -156,6 +156,8 @@ SERVICE_ORDER = [
     "lifecycle",
     "core",
     "pausing",
+    "monitor",
+    "networking",
     "images",
     "builds",
     "files",

@@ -102,6 +102,14 @@ def host_primary_ip() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
+@pytest.fixture(params=["none", "pypi"], ids=["net-none", "net-pypi"])
+def sandbox(fleet: Client, request: pytest.FixtureRequest) -> Iterator[Sandbox]:
+    """Each escape test on the sandbox runs twice: with no network, and with networking on (an
+    egress policy allowing a service: the proxy listens in the sandbox's namespace)."""
+    with fleet.create(image="busybox", idle_ttl=300, network=request.param) as sb:
+        yield sb
+
+
 @pytest.fixture
 def host_sleep() -> Iterator[subprocess.Popen[bytes]]:
     p = subprocess.Popen(["sleep", HOST_SLEEP])

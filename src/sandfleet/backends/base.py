@@ -148,6 +148,23 @@ class HostChecks(Protocol):
         """Node-level residue not owned by any live sandbox, by kind (for leak checks and `doctor`)."""
 
 
+@runtime_checkable
+class Networked(Protocol):
+    """The sandbox has a network namespace the daemon can enter (egress policy, exposed ports)."""
+
+    def netns_path(self, sandbox: LiveSandbox) -> str:
+        """A path naming the sandbox's network namespace (`/proc/<pid>/ns/net`)."""
+
+
+@runtime_checkable
+class LayerView(Protocol):
+    """The sandbox's writable layer and the read-only layers under it, readable from the host (the
+    detectors look for system files a sandbox replaced)."""
+
+    def layer_paths(self, sandbox: LiveSandbox) -> tuple[Path, list[Path]]:
+        """(the writable layer's directory, the read-only layers' directories, top first)."""
+
+
 CAPABILITIES: dict[str, type] = {
     "pause": Pausable,
     "snapshot": Snapshottable,
@@ -156,6 +173,8 @@ CAPABILITIES: dict[str, type] = {
     "layer_cache": LayerCache,
     "recover": Recoverable,
     "host_checks": HostChecks,
+    "network": Networked,
+    "layer_view": LayerView,
 }
 
 

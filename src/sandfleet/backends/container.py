@@ -162,7 +162,7 @@ class ContainerBackend:
     def supports(self, capability: str) -> bool:
         """Snapshots (criu of the launcher's tree) and pack (the scratch tmpfs the launcher mounts)
         need the launcher runtime."""
-        return self.uses_launcher or capability not in ("snapshot", "pack")
+        return self.uses_launcher or capability not in ("snapshot", "pack", "layer_view")
 
     async def start(self) -> None:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
@@ -1039,6 +1039,16 @@ class ContainerBackend:
 
     def usage(self, sandbox: LiveSandbox) -> Usage:
         return cgroup_usage(self.cgroups, sandbox)
+
+    def netns_path(self, sandbox: LiveSandbox) -> str:
+        return f"/proc/{sandbox.agent_pid}/ns/net"
+
+    def layer_paths(self, sandbox: LiveSandbox) -> tuple[Path, list[Path]]:
+        # The scratch tmpfs is bound at /dev/.sandfleet in every sandbox (launcher.c), readable by
+        # the host's root only; the layers are the shared EROFS mounts, named by digest.
+        upper = Path(f"/proc/{sandbox.agent_pid}/root/dev/.sandfleet/upper")
+        digests = sandbox.runtime.get("layers", [])
+        return upper, [self.layers.root / d.replace(":", "-") for d in reversed(digests)]
 
     def cpu_seconds(self, sandbox: LiveSandbox | None) -> float:
         return cgroup_cpu_seconds(self.cgroups, sandbox)

@@ -46,17 +46,22 @@ from sandfleet.errors import (
     error_from_wire,
 )
 from sandfleet.models import (
+    AuditQuery,
+    AuditRecord,
     BuildEvent,
     CreateBatchItem,
     CreateBatchRequest,
     ExecEvent,
     ExecRequest,
     ExecResult,
+    ExposedPort,
+    ExposeRequest,
     FileEvent,
     ForkRequest,
     ImageInfo,
     LifetimeManyRequest,
     LifetimeUpdate,
+    NetworkPolicy,
     ProcessInfo,
     Resources,
     RunCodeBatchItem,
@@ -725,6 +730,62 @@ def call_set_lifetimes(
 
 def call_labels(action: Literal["pause", "resume"], labels: Mapping[str, str], timeout: float) -> Call:
     return Call("POST", f"/v1/sandboxes/{action}", json={"labels": dict(labels)}, timeout=timeout)
+
+
+def network_policy(network: NetworkPolicy | str | Sequence[str] | Mapping[str, bool]) -> NetworkPolicy:
+    """A policy from any of its forms: "none", ["pypi", "example.com:443"], {"pypi": True}."""
+    if isinstance(network, NetworkPolicy):
+        return network
+    try:
+        return NetworkPolicy.model_validate(network)
+    except ValidationError as exc:
+        raise InvalidArgumentError(f"invalid network policy: {exc}") from exc
+
+
+def call_set_network(sandbox_id: str, network: NetworkPolicy) -> Call:
+    return Call("PUT", _sb(sandbox_id, "/network"), json={"network": network.model_dump(mode="json")})
+
+
+def call_set_network_many(labels: Mapping[str, str], network: NetworkPolicy, timeout: float) -> Call:
+    body = {"labels": dict(labels), "network": network.model_dump(mode="json")}
+    return Call("POST", "/v1/sandboxes/network", json=body, timeout=timeout)
+
+
+def call_expose(sandbox_id: str, port: int) -> Call:
+    return Call(
+        "POST", _sb(sandbox_id, "/ports"), json={"port": _validated(ExposeRequest, "port", {"port": port}).port}
+    )
+
+
+def audit_query(
+    since: int, since_time: float | None, kinds: Sequence[str] | None, sandbox_id: str | None, limit: int
+) -> AuditQuery:
+    fields = {"since": since, "since_time": since_time, "kinds": kinds, "sandbox_id": sandbox_id, "limit": limit}
+    return _validated(AuditQuery, "audit query", fields)
+
+
+def call_audit(query: AuditQuery, *, follow: bool) -> Call:
+    params: list[tuple[str, Any]] = [("since", query.since), ("limit", query.limit)]
+    if query.since_time is not None:
+        params.append(("since_time", query.since_time))
+    if query.sandbox_id is not None:
+        params.append(("sandbox_id", query.sandbox_id))
+    params += [("kind", k) for k in query.kinds or []]
+    if follow:
+        params.append(("follow", "true"))
+    return Call("GET", "/v1/audit", params=params, timeout=None if follow else "default")
+
+
+def audit_record(line: bytes) -> AuditRecord | None:
+    """A line of the followed audit stream; None for a heartbeat."""
+    if line.startswith(b'{"type":"heartbeat"'):
+        return None
+    return _stream_item(AuditRecord, line)
+
+
+def exposed(endpoint: Endpoint, port: ExposedPort) -> ExposedPort:
+    """The daemon's answer with the full URL this client reaches the port at."""
+    return port.model_copy(update={"url": endpoint.url + port.path})
 
 
 def call_pack(sandbox_id: str, image: str, exclude: Sequence[str], timeout: float) -> Call:

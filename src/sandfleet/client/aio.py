@@ -25,11 +25,15 @@ from sandfleet.client._batch import CallBatcher
 # async-only: end
 from sandfleet.errors import SandboxError, SandboxNotFoundError
 from sandfleet.models import (
+    AuditList,
+    AuditRecord,
     BuildEvent,
     CreateBatchResult,
     EventList,
     ExecEvent,
     ExecResult,
+    ExposedPort,
+    ExposedPortList,
     FileEvent,
     FileInfo,
     FileList,
@@ -38,6 +42,7 @@ from sandfleet.models import (
     ImageInfo,
     ImageList,
     ImportRequest,
+    NetworkPolicy,
     Ok,
     ProcessInfo,
     ProcessList,
@@ -417,6 +422,44 @@ class AsyncClient:
         call = b.call_labels("resume", labels, b.check_timeout(timeout, self.timeout))
         return (await self._model(IdList, call)).sandboxes
 
+    async def set_network(
+        self,
+        labels: Mapping[str, str],
+        network: NetworkPolicy | str | Sequence[str] | Mapping[str, bool],
+        *,
+        timeout: float | None = None,
+    ) -> builtins.list[str]:
+        """Give every running or paused sandbox with these labels the egress policy `network` (a
+        job's next stage: open for setup, closed while the agent works); the ids changed."""
+        call = b.call_set_network_many(labels, b.network_policy(network), b.check_timeout(timeout, self.timeout))
+        return (await self._model(IdList, call)).sandboxes
+
+    async def audit(
+        self,
+        *,
+        since: int = 0,
+        since_time: float | None = None,
+        kinds: Sequence[str] | None = None,
+        sandbox_id: str | None = None,
+        limit: int = 1000,
+    ) -> AuditList:
+        """The node's audit records after seq `since` (API calls, connections allowed and refused,
+        limits hit, detector findings), oldest first; `last_seq` is where to go on from."""
+        query = b.audit_query(since, since_time, kinds, sandbox_id, limit)
+        return await self._model(AuditList, b.call_audit(query, follow=False))
+
+    def follow_audit(
+        self,
+        *,
+        since: int = 0,
+        since_time: float | None = None,
+        kinds: Sequence[str] | None = None,
+        sandbox_id: str | None = None,
+    ) -> AsyncEventStream[AuditRecord]:
+        """The records `audit()` gives, then each new one as it is recorded, until closed."""
+        query = b.audit_query(since, since_time, kinds, sandbox_id, 1000)
+        return self._events(b.call_audit(query, follow=True), b.audit_record)
+
     async def set_lifetimes(
         self,
         labels: Mapping[str, str],
@@ -536,6 +579,27 @@ class AsyncSandbox:
     async def resume(self) -> SandboxInfo:
         self.info = await self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/resume"))
         return self.info
+
+    async def set_network(self, network: NetworkPolicy | str | Sequence[str] | Mapping[str, bool]) -> SandboxInfo:
+        """Make `network` the sandbox's egress policy, at once: "none", or the services and
+        host[:port] patterns it may reach (`["pypi"]`, `{"pypi": True}`); connections the new policy
+        does not allow are closed."""
+        self.info = await self._c._model(SandboxInfo, b.call_set_network(self.id, b.network_policy(network)))
+        return self.info
+
+    async def expose(self, port: int) -> ExposedPort:
+        """Reach a server listening on 127.0.0.1:`port` inside the sandbox: over HTTP at `url` (the
+        daemon's API, its token required), or as a byte stream at `socket` (a unix socket on the
+        node, root's). Closed with the sandbox, or by `unexpose`."""
+        return b.exposed(self._c.endpoint, await self._c._model(ExposedPort, b.call_expose(self.id, port)))
+
+    async def unexpose(self, port: int) -> None:
+        await self._c._send(b.Call("DELETE", b.sandbox_path(self.id) + f"/ports/{int(port)}"))
+
+    async def ports(self) -> builtins.list[ExposedPort]:
+        """The ports this sandbox exposes."""
+        found = await self._c._model(ExposedPortList, b.Call("GET", b.sandbox_path(self.id) + "/ports"))
+        return [b.exposed(self._c.endpoint, p) for p in found.ports]
 
     async def set_lifetime(
         self, *, idle_ttl: float | None | Unset = UNSET, max_lifetime: float | None | Unset = UNSET

@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandfleet.backends.config import BackendConfig, ContainerBackendConfig, FncallBackendConfig
+from sandfleet.daemon.detectors import DetectorsConfig
+from sandfleet.daemon.network import NetworkConfig
 from sandfleet.daemon.pool import PoolConfig
 from sandfleet.models import ByteSize
 
@@ -16,6 +18,16 @@ DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")
 
 def _default_tiers() -> list[BackendConfig]:
     return [ContainerBackendConfig(), FncallBackendConfig()]
+
+
+class AuditConfig(BaseModel):
+    """The node's audit stream (`[audit]`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="keep the audit stream (GET /v1/audit)")
+    dir: Path | None = Field(None, description="where its files go (default <state_dir>/audit)")
+    max_bytes: ByteSize = Field(64 * 1024**2, description="retention: the oldest records go past this size")
 
 
 class DaemonConfig(BaseModel):
@@ -85,6 +97,16 @@ class DaemonConfig(BaseModel):
         None,
         description="compressed swap the daemon sets up for paused sandboxes when the host has no swap "
         "(default: a quarter of MemTotal; 0 disables)",
+    )
+    network: NetworkConfig = Field(
+        default_factory=NetworkConfig, description="egress: named services, the proxy's resolver and limits"
+    )
+    detectors: DetectorsConfig = Field(
+        default_factory=DetectorsConfig, description="misbehaviour detectors: thresholds, and record, pause or kill"
+    )
+    audit: AuditConfig = Field(default_factory=AuditConfig, description="the audit stream")
+    monitor_interval: float = Field(
+        5.0, gt=0, le=3600, description="seconds between sweeps of sandbox counters for the detectors"
     )
     backends: list[BackendConfig] = Field(
         default_factory=_default_tiers,

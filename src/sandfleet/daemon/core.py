@@ -463,6 +463,11 @@ class NodeCore:
             log.warning("sandbox %s: its agent is not answering (%s)", sb.id, why)
         return UnavailableError(f"sandbox {sb.id} is not answering: {why}; it keeps its TTLs and can be stopped")
 
+    def watch_agent(self, sandbox_id: str, live: LiveSandbox) -> None:
+        """What the agent reports on its own (a process of the sandbox tried to signal, trace or
+        open it) becomes an `agent_attack` event of the sandbox."""
+        live.channel.on_alert = lambda alert: self.journal.record(sandbox_id, "agent_attack", dict(alert))
+
     async def record_limits(self, sb: Sandbox, live: LiveSandbox) -> int:
         """Turn cgroup counters into events: OOM kills and refused forks since we last looked.
         Returns the number of new OOM kills."""
@@ -470,6 +475,10 @@ class NodeCore:
             stats = await asyncio.to_thread(self.tier(sb).usage, live)
         except OSError:
             return 0
+        return self.note_limits(sb, stats)
+
+    def note_limits(self, sb: Sandbox, stats: Usage) -> int:
+        """`record_limits` for counters already read; returns the number of new OOM kills."""
         new_ooms = max(0, stats.oom_kills - sb.oom_kills)
         if new_ooms:
             self.journal.record(sb.id, "oom_kill", {"count": new_ooms, "limit": sb.spec.resources.memory})

@@ -23,6 +23,7 @@ from sandfleet.daemon.core import CLAIM_WINDOW, NodeCore, log, store_row
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.images import Images
 from sandfleet.daemon.lifecycle import CREATING, FAILED, RUNNING, Sandbox, new_sandbox_id
+from sandfleet.daemon.networking import Networking
 from sandfleet.daemon.pool import pool_key
 from sandfleet.daemon.state import StateConflictError, StateDiskFullError
 from sandfleet.errors import InternalError, InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
@@ -30,10 +31,11 @@ from sandfleet.models import SandboxInfo, SandboxSpec, shown
 
 
 class Creation:
-    def __init__(self, core: NodeCore, images: Images, files: Files) -> None:
+    def __init__(self, core: NodeCore, images: Images, files: Files, networking: Networking) -> None:
         self.core = core
         self.images = images
         self.files = files
+        self.networking = networking
 
     async def create_batch(
         self,
@@ -110,6 +112,7 @@ class Creation:
 
     async def _create(self, spec: SandboxSpec, key: str | None) -> SandboxInfo:
         self.check_backend(spec)
+        self.networking.check(spec)
         if self.core.pools is not None:
             pkey = pool_key(spec)
             pooled = self.core.pools.image(pkey)  # what the pool's members were made from
@@ -220,6 +223,13 @@ class Creation:
             except SandboxError:
                 await self.core.stop(sb.id, reason="invalid user")
                 raise
+        self.core.watch_agent(sb.id, live)
+        if not sb.spec.network.none:
+            try:
+                await self.networking.attach(sb)
+            except OSError as exc:
+                await self.core.stop(sb.id, reason="network policy could not be applied")
+                raise UnavailableError(f"the sandbox's network policy could not be applied: {exc}") from exc
         if sb.spec.qos == "best_effort":
             self.core.best_effort_ids.add(sb.id)
         self.core.journal.record(sb.id, "created", created)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 
 from sandfleet import errors
-from sandfleet.daemon import state
+from sandfleet.daemon import egress, state
 from sandfleet.daemon.process import DaemonStartError
 from sandfleet.images import models as image_models
 from sandfleet.images.oci import OciImportError
@@ -42,6 +42,7 @@ ERROR_MAP: list[tuple[type[BaseException], type[errors.SandboxError]]] = [
     (state.StateConflictError, errors.UnavailableError),  # a row with the same key is still going: retry
     (state.StateCorruptError, errors.DataLossError),
     (state.StateError, errors.InternalError),
+    (egress.Refused, errors.PermissionDeniedError),  # answered inside the sandbox (a 403), never on the API
     (DaemonStartError, errors.UnavailableError),  # a local daemon the CLI or demo started did not come up
     # the in-sandbox agent
     (agent.ChannelClosedError, errors.UnavailableError),

@@ -25,6 +25,7 @@ from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, resolve_cwd, wire_text
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.lifecycle import HOLDING_STATES, PAUSED, BackgroundProcess, Sandbox
+from sandfleet.daemon.networking import Networking
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import InvalidArgumentError, NotFoundError, UnavailableError, WrongStateError
 from sandfleet.models import ExecEvent, ExecRequest, ExecResult, ProcessInfo, shown
@@ -76,10 +77,11 @@ def _start_failure(exc: ExecStartError, req: ExecRequest) -> ExecResult:
 
 
 class Execs:
-    def __init__(self, core: NodeCore, pauser: Pauser, files: Files) -> None:
+    def __init__(self, core: NodeCore, pauser: Pauser, files: Files, networking: Networking) -> None:
         self.core = core
         self.pauser = pauser
         self.files = files
+        self.networking = networking
         core.table.on_stopped(self._lost)
 
     @staticmethod
@@ -104,6 +106,7 @@ class Execs:
         user = await self.files.user(sb, live, req.user or sb.spec.user)
         argv = _argv(req)
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "HOSTNAME": sb.spec.hostname or sb.id}
+        env.update(self.networking.env(sb))
         env.update(sb.spec.env)
         env.update(req.env)
         data = req.stdin_bytes()

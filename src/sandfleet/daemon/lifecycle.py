@@ -240,9 +240,17 @@ class EventJournal:
     def __init__(self, state: StateStore) -> None:
         self._state = state
         self._pending: list[tuple[str, float, str, dict[str, Any]]] = []
+        # Sees every event as it is recorded (the monitor: audit stream and detectors); must not block.
+        self.tap: Callable[[str, str, dict[str, Any]], None] | None = None
 
     def record(self, sandbox_id: str, kind: str, data: dict[str, Any] | None = None) -> None:
-        self._pending.append((sandbox_id, time.time(), kind, data or {}))
+        data = data or {}
+        self._pending.append((sandbox_id, time.time(), kind, data))
+        if self.tap is not None:
+            try:
+                self.tap(sandbox_id, kind, data)
+            except Exception:
+                log.exception("the event tap failed on a %s event of sandbox %s", kind, sandbox_id)
 
     async def flush(self) -> None:
         batch, self._pending = self._pending, []

@@ -46,6 +46,13 @@ class Metrics:
         )
         self.oom_kills = Counter("sandfleet_oom_kills", "Processes killed by a sandbox memory limit", registry=r)
         self.http_errors = Counter("sandfleet_api_errors", "API errors by wire code", ["code"], registry=r)
+        self.egress_connections = Counter(
+            "sandfleet_egress_connections",
+            "Connections sandboxes made through the egress proxy",
+            ["allowed"],
+            registry=r,
+        )
+        self.findings = Counter("sandfleet_findings", "Misbehaviour detector findings", ["detector"], registry=r)
         self.daemon_rss = Gauge("sandfleet_daemon_rss_bytes", "Resident memory of the daemon", registry=r)
 
         self.admission_cpu_committed = Gauge(

@@ -39,8 +39,9 @@ class Pauser:
             raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
         return sb, sb.live
 
-    async def pause(self, sandbox_id: str, *, by_policy: bool = False) -> SandboxInfo:
-        """Freeze the sandbox and push its memory out (to swap / dropped page cache)."""
+    async def pause(self, sandbox_id: str, *, by_policy: bool = False, force: bool = False) -> SandboxInfo:
+        """Freeze the sandbox and push its memory out (to swap / dropped page cache). `force`: also
+        with requests in flight (a detector's finding: what they run is what must stop)."""
         sb = self.core.sandbox(sandbox_id)
         self._tier(sb, "pause")
         async with sb.pause_lock:
@@ -51,7 +52,7 @@ class Pauser:
                 return sb.info()
             if sb.state != RUNNING or sb.live is None:
                 raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
-            if is_busy(sb, time.time()):
+            if not force and is_busy(sb, time.time()):
                 raise WrongStateError(f"sandbox {sandbox_id} has {sb.inflight} request(s) in flight")
             t0 = time.perf_counter()
             before, after = await self._tier(sb, "pause").pause(sb.live)

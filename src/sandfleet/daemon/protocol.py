@@ -10,20 +10,25 @@ route closes exactly once, also when its client left before the first byte.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 from collections.abc import AsyncIterator
-from typing import BinaryIO, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 from sandfleet.errors import SandboxError
 from sandfleet.models import (
+    AuditQuery,
+    AuditRecord,
     BuildEvent,
     ExecEvent,
     ExecRequest,
     ExecResult,
+    ExposedPort,
     FileEvent,
     FileInfo,
     Health,
     ImageInfo,
+    NetworkPolicy,
     ProcessInfo,
     RunCodeBatchItem,
     RunCodeRequest,
@@ -119,6 +124,37 @@ class SandboxService(Protocol):
     async def delete_snapshot(self, snapshot_id: str) -> None: ...
 
     async def pack(self, sandbox_id: str, ref: str, exclude: builtins.list[str]) -> ImageInfo: ...
+
+    # -- network -------------------------------------------------------------------------------
+    async def set_network(self, sandbox_id: str, network: NetworkPolicy) -> SandboxInfo:
+        """Make `network` the sandbox's egress policy, at once (connections it no longer allows close)."""
+        ...
+
+    async def set_network_many(self, labels: dict[str, str], network: NetworkPolicy) -> builtins.list[str]: ...
+
+    async def expose(self, sandbox_id: str, port: int) -> ExposedPort: ...
+
+    async def unexpose(self, sandbox_id: str, port: int) -> None: ...
+
+    async def list_exposed(self, sandbox_id: str) -> builtins.list[ExposedPort]: ...
+
+    async def open_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A byte stream to a server listening on an exposed port of the sandbox."""
+        ...
+
+    # -- audit ---------------------------------------------------------------------------------
+    def audit_call(self, actor: str, data: dict[str, Any]) -> None:
+        """Record one API call in the audit stream (never blocks)."""
+        ...
+
+    async def read_audit(self, query: AuditQuery) -> builtins.list[AuditRecord]: ...
+
+    def follow_audit(self, query: AuditQuery, heartbeat: float) -> AsyncIterator[AuditRecord | None]:
+        """The records `read_audit` gives, then each new one as it comes; None after `heartbeat`
+        seconds of silence (a keep-alive)."""
+        ...
+
+    def audit_last_seq(self) -> int: ...
 
     # -- exec and background processes ------------------------------------------------------------
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...

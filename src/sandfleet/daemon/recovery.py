@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from sandfleet.backends.base import Backend, Recoverable
 from sandfleet.daemon.core import ACTIVITY_FLUSH, CLAIM_WINDOW, NodeCore, lenient_spec, log, store_row
 from sandfleet.daemon.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
+from sandfleet.daemon.networking import Networking
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.daemon.snapshots import Snapshots
 from sandfleet.daemon.state import SandboxRow
@@ -21,10 +22,11 @@ from sandfleet.models import SandboxSpec
 
 
 class Recovery:
-    def __init__(self, core: NodeCore, pauser: Pauser, snapshots: Snapshots) -> None:
+    def __init__(self, core: NodeCore, pauser: Pauser, snapshots: Snapshots, networking: Networking) -> None:
         self.core = core
         self.pauser = pauser
         self.snapshots = snapshots
+        self.networking = networking
 
     async def recover(self) -> None:
         """Re-adopt live sandboxes of a previous daemon; clean every half-created or dead one."""
@@ -60,7 +62,12 @@ class Recovery:
                     self.core.admission.commit(spec.resources)
                     live.channel.on_close = lambda _ch, sid=row.id: self.core.on_agent_lost(sid)
                     self.core.table.add(sb)
+                    self.core.watch_agent(row.id, live)
                     self.core.journal.record(row.id, "adopted", {"agent_pid": live.agent_pid})
+                    try:
+                        await self.networking.attach(sb)
+                    except OSError as exc:
+                        log.warning("sandbox %s: its network policy could not be applied again: %s", row.id, exc)
                     if spec.qos == "best_effort":
                         self.core.best_effort_ids.add(row.id)
                     if row.state == PAUSED and row.held:
@@ -145,6 +152,7 @@ class Recovery:
             await self.core.state.insert(store_row(sb, live.runtime))
             self.core.admission.commit(spec.resources)
             live.channel.on_close = lambda _ch, sid=sandbox_id: self.core.on_agent_lost(sid)
+            self.core.watch_agent(sandbox_id, live)
             self.core.journal.record(sandbox_id, "recovered", {"from": str(self.core.state.reset_from), "lost": lost})
             taken.add(sandbox_id)
         log.warning(

@@ -25,6 +25,7 @@ from sandfleet.backends.registry import build_backend
 from sandfleet.client import AsyncClient
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.api import create_app
+from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.config import DaemonConfig
 from sandfleet.daemon.lifecycle import new_sandbox_id
 from sandfleet.daemon.metrics import Metrics
@@ -179,6 +180,13 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         snapshot_max_bytes=config.snapshot_max_bytes,
         import_dirs=config.import_dirs,
         client_factory=functools.partial(AsyncClient, config.socket),  # recipe builds' own sandboxes
+        network=config.network,
+        detectors=config.detectors,
+        audit=AuditLog(config.audit.dir or config.state_dir / "audit", max_bytes=config.audit.max_bytes)
+        if config.audit.enabled
+        else None,
+        run_dir=config.run_dir,
+        monitor_interval=config.monitor_interval,
     )
     if config.pools or config.pool_adaptive_max:
         manager.pools = WarmPools(

@@ -30,21 +30,26 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sandfleet import __version__
 from sandfleet.backends.base import Backend, capabilities
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
+from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.builds import Builds
 from sandfleet.daemon.core import EventStream, NodeCore
 from sandfleet.daemon.creation import Creation
+from sandfleet.daemon.detectors import DetectorsConfig
 from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.fncall import Calls
 from sandfleet.daemon.images import Images
 from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.monitor import Monitor
+from sandfleet.daemon.network import NetworkConfig
+from sandfleet.daemon.networking import Networking
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.daemon.pool import WarmPools
 from sandfleet.daemon.reaper import Reaper
@@ -52,17 +57,21 @@ from sandfleet.daemon.recovery import Recovery
 from sandfleet.daemon.sessions import Sessions
 from sandfleet.daemon.snapshots import Snapshots
 from sandfleet.daemon.state import StateStore
-from sandfleet.errors import SandboxError
+from sandfleet.errors import SandboxError, UnsupportedError
 from sandfleet.images import ImageManifest, LayerStore
 from sandfleet.models import (
+    AuditQuery,
+    AuditRecord,
     BuildEvent,
     ExecEvent,
     ExecRequest,
     ExecResult,
+    ExposedPort,
     FileEvent,
     FileInfo,
     Health,
     ImageInfo,
+    NetworkPolicy,
     ProcessInfo,
     RunCodeBatchItem,
     RunCodeRequest,
@@ -99,6 +108,11 @@ class SandboxManager:
         snapshot_max_bytes: int | None = None,
         import_dirs: builtins.list[Path] | None = None,
         client_factory: Callable[[], AsyncClient] | None = None,
+        network: NetworkConfig | None = None,
+        detectors: DetectorsConfig | None = None,
+        audit: AuditLog | None = None,
+        run_dir: Path | None = None,
+        monitor_interval: float = 5.0,
     ) -> None:
         """`client_factory`: a client of this node's own API (recipe builds create their build
         sandboxes through it)."""
@@ -113,13 +127,18 @@ class SandboxManager:
             reaper_interval=reaper_interval,
         )
         self.core = core
+        self.audit = audit
         self.pauser = Pauser(core)
+        self.monitor = Monitor(core, self.pauser, detectors or DetectorsConfig(), audit, monitor_interval)
+        self.networking = Networking(
+            core, self.pauser, self.monitor, network or NetworkConfig(), run_dir or Path("/run/sandfleet")
+        )
         self.images = Images(core, build_missing_images=build_missing_images, import_dirs=import_dirs)
         self.builds = Builds(core, import_dirs=import_dirs, client_factory=client_factory)
         self.files = Files(core, self.pauser, self.images)
-        self.execs = Execs(core, self.pauser, self.files)
+        self.execs = Execs(core, self.pauser, self.files, self.networking)
         self.sessions = Sessions(core, self.pauser, self.files, self.execs)
-        self.creation = Creation(core, self.images, self.files)
+        self.creation = Creation(core, self.images, self.files, self.networking)
         self.calls = Calls(core, self.pauser, self.creation)
         self.snapshots = Snapshots(
             core,
@@ -133,7 +152,7 @@ class SandboxManager:
             max_bytes=snapshot_max_bytes,
         )
         self.reaper = Reaper(core, self.pauser, self.images, self.snapshots)
-        self.recovery = Recovery(core, self.pauser, self.snapshots)
+        self.recovery = Recovery(core, self.pauser, self.snapshots, self.networking)
         self.started_at = time.time()
 
     @property
@@ -148,11 +167,17 @@ class SandboxManager:
     async def run(self, ready: Callable[[], Awaitable[None]]) -> None:
         """Recover state, then serve until `ready` returns; `ready` runs once recovery is done."""
         core = self.core
+        if self.audit is not None:
+            await self.audit.start()
         async with asyncio.TaskGroup() as tg:
             core.tg = tg
+            if self.audit is not None:
+                core.spawn(self.audit.run(), name="audit-writer")
+            await self.networking.start()
             await self.recovery.recover()
             core.spawn(self.reaper.run(), name="reaper")
             core.spawn(core.journal.run(), name="event-flusher")
+            core.spawn(self.monitor.run(), name="monitor")
             if core.pools is not None:
                 core.spawn(core.pools.run(core.spawn), name="warm-pools")
             try:
@@ -163,9 +188,14 @@ class SandboxManager:
                     await core.pools.drain()
                 await core.journal.flush()
                 await core.state.touch_many(core.dirty_activity)
+                await self.networking.close()
+                if self.audit is not None:
+                    await self.audit.flush()
                 for task in list(core.tasks):
                     task.cancel()
         core.tg = None
+        if self.audit is not None:
+            await self.audit.close()
 
     def node_count(self) -> int:
         return self.core.node_count()
@@ -247,6 +277,64 @@ class SandboxManager:
 
     async def resume_many(self, labels: dict[str, str]) -> builtins.list[str]:
         return await self.pauser.resume_many(labels)
+
+    # -- network -------------------------------------------------------------------------------
+
+    async def set_network(self, sandbox_id: str, network: NetworkPolicy) -> SandboxInfo:
+        return await self.networking.set_network(sandbox_id, network)
+
+    async def set_network_many(self, labels: dict[str, str], network: NetworkPolicy) -> builtins.list[str]:
+        return await self.networking.set_network_many(labels, network)
+
+    async def expose(self, sandbox_id: str, port: int) -> ExposedPort:
+        return await self.networking.expose(sandbox_id, port)
+
+    async def unexpose(self, sandbox_id: str, port: int) -> None:
+        await self.networking.unexpose(sandbox_id, port)
+
+    async def list_exposed(self, sandbox_id: str) -> builtins.list[ExposedPort]:
+        return await self.networking.list_exposed(sandbox_id)
+
+    async def open_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await self.networking.open_port(sandbox_id, port)
+
+    # -- audit -------------------------------------------------------------------------------------
+
+    def audit_call(self, actor: str, data: dict[str, Any]) -> None:
+        """One API call, for the audit stream (the API's middleware calls it after answering)."""
+        self.monitor.audit_record("api", data.pop("sandbox_id", None), data, actor=actor)
+
+    async def read_audit(self, query: AuditQuery) -> builtins.list[AuditRecord]:
+        audit = self._audit()
+        rows = await audit.read(
+            since=query.since,
+            since_time=query.since_time,
+            limit=query.limit,
+            kinds=query.kinds,
+            sandbox_id=query.sandbox_id,
+        )
+        return [AuditRecord.model_validate(r) for r in rows]
+
+    async def follow_audit(self, query: AuditQuery, heartbeat: float) -> AsyncIterator[AuditRecord | None]:
+        audit = self._audit()
+        records = audit.follow(
+            since=query.since,
+            since_time=query.since_time,
+            kinds=query.kinds,
+            sandbox_id=query.sandbox_id,
+            heartbeat=heartbeat,
+        )
+        async with contextlib.aclosing(records):
+            async for r in records:
+                yield None if r is None else AuditRecord.model_validate(r)
+
+    def audit_last_seq(self) -> int:
+        return self._audit().last_seq
+
+    def _audit(self) -> AuditLog:
+        if self.audit is None:
+            raise UnsupportedError("this node keeps no audit stream")
+        return self.audit
 
     # -- snapshots, fork, pack -------------------------------------------------------------------
 

@@ -13,6 +13,19 @@
  * the sandbox can read the script (and its nonce) or forge the report; output is forwarded only
  * while a command runs, capped per command, and drained and counted between commands.
  *
+ * Attempts on the agent: the sandbox's seccomp filter (runtime/seccomp.py attempt_rules) returns
+ * SECCOMP_RET_USER_NOTIF for signals, ptrace, pidfd_open and process_vm_readv aimed at pid 1, and
+ * the launcher hands the filter's listener over at fd 5 (LISTENER). The agent serves it from its
+ * event loop: a caller in a nested pid namespace (NSpid has more than one entry: its "1" is another
+ * init) is let through (SECCOMP_USER_NOTIF_FLAG_CONTINUE); any other gets EPERM, and the daemon an
+ * M_ALERT (JSON: syscall, caller pid, uid, comm, signal or ptrace request), at most ALERT_RATE a
+ * second, then one count of those suppressed. The agent is filtered too, so it must never signal or
+ * trace pid 1 itself (it would wait on its own listener forever): signal_exec() goes through
+ * sig_pid(). The listener is closed at an M_REOPEN that announces a criu checkpoint (criu cannot
+ * dump it): from then on, and in sandboxes restored by criu, the same calls fail with ENOSYS and are
+ * not reported. Without fd 5 (crun,
+ * runc, tests running the agent directly) there is nothing to serve.
+ *
  * Build: musl-gcc (or gcc) -O2 -static -Wall -Wextra -o agent agent.c
  */
 #define _GNU_SOURCE
@@ -28,6 +41,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/inotify.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -49,16 +63,16 @@ enum {
 	M_EXEC = 1, M_STDIN = 2, M_SIGNAL = 3, M_PING = 4, M_REOPEN = 5, M_FORGET = 6, M_SRUN = 7, M_CMDIN = 8,
 	M_WATCH = 9, M_UNWATCH = 20,
 	M_STARTED = 10, M_STDOUT = 11, M_STDERR = 12, M_EXIT = 13, M_ERROR = 14, M_PONG = 15, M_HELLO = 16,
-	M_SEXIT = 17, M_WEVENT = 18, M_WEND = 19,
+	M_SEXIT = 17, M_WEVENT = 18, M_WEND = 19, M_ALERT = 21,
 };
 enum { F_STDIN_PIPE = 1, F_SETSID = 2, F_MERGE = 4, F_SESSION = 8, F_NONDUMP = 16 };
 enum { X_TIMED_OUT = 1, X_OUT_TRUNC = 2, X_ERR_TRUNC = 4, X_LOST = 8 };
 enum { S_STDIN = 1 }; /* SRUN flags */
-enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN, K_EP, K_STATUS, K_CIN, K_WATCH }; /* epoll event kinds */
+enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN, K_EP, K_STATUS, K_CIN, K_WATCH, K_NOTIF }; /* epoll event kinds */
 
 /* 3: exec starts without blocking the agent, F_MERGE, sessions framed by the agent (SRUN, CMDIN,
- * SEXIT), FORGET with a list of ids to keep, WATCH */
-#define VERSION "sandfleet-agent/3"
+ * SEXIT), FORGET with a list of ids to keep, WATCH; 4: the seccomp listener, ALERT */
+#define VERSION "sandfleet-agent/4"
 #define STATUS_FD 100 /* a session shell's status socket */
 #define CMDIN_FD 101  /* a session shell's per-command stdin (a pipe the agent reopens per command) */
 #define NONCE_LEN 32
@@ -68,6 +82,35 @@ enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN, K_EP, K_STATUS, K_CIN, K_WATCH }; /* e
 #define MAXPAY 65536
 #define CHAN 3
 #define HANDOFF 4
+#define LISTENER 5     /* the seccomp filter's listener, when the launcher gave one */
+#define ALERT_RATE 20  /* ALERT messages per second; past it they are counted, then reported as one */
+
+/* <linux/seccomp.h>, which musl's headers lack */
+struct sf_seccomp_data {
+	int32_t nr;
+	uint32_t arch;
+	uint64_t instruction_pointer;
+	uint64_t args[6];
+};
+struct sf_notif {
+	uint64_t id;
+	uint32_t pid;
+	uint32_t flags;
+	struct sf_seccomp_data data;
+};
+struct sf_notif_resp {
+	uint64_t id;
+	int64_t val;
+	int32_t error;
+	uint32_t flags;
+};
+#define SF_NOTIF_RECV _IOWR('!', 0, struct sf_notif)
+#define SF_NOTIF_SEND _IOWR('!', 1, struct sf_notif_resp)
+#define SF_NOTIF_ID_VALID _IOW('!', 2, uint64_t)
+#define SF_NOTIF_CONTINUE 1u
+#define SF_ARCH_X86_64 0xC000003Eu
+#define SF_ARCH_I386 0x40000003u
+#define SF_X32_BIT 0x40000000
 #define GRACE_US 50000 /* wait for pipe EOF this long after reaping */
 #define DEFAULT_PATH "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -111,6 +154,9 @@ static size_t nex;
 static struct watch **wt;
 static size_t nwt;
 static int epfd, sigfd, chan_dead, handoff_open, handoff_drop;
+static int lfd = -1; /* the seccomp listener (LISTENER), -1 without one */
+static uint64_t alert_win, alert_suppressed; /* rate cap: the current one-second window */
+static uint32_t alert_count;
 static char rbuf[MAXPAY + 64], obuf[MAXPAY];
 
 static void watch_free(size_t slot);
@@ -253,13 +299,20 @@ static void scan_children(struct pidset *s)
 	closedir(d);
 }
 
+/* Never pid 1 (ourselves: our own filter would make us wait for our own answer) nor -1 (everyone). */
+static void sig_pid(pid_t pid, int sig)
+{
+	if (pid > 1 || pid < -1)
+		kill(pid, sig);
+}
+
 /* scope 0: process group; 1: group + all descendants; 2: descendants only. */
 static void signal_exec(struct exec *e, int sig, uint32_t scope)
 {
 	/* once reaped the pid may be recycled, and its children were reparented to us anyway */
 	if (scope == 0 || e->reaped) {
 		if (scope != 2)
-			kill(-e->pid, sig);
+			sig_pid(-e->pid, sig);
 		return;
 	}
 	/* For SIGKILL, stop everything found first: a killed parent's children would be
@@ -268,22 +321,22 @@ static void signal_exec(struct exec *e, int sig, uint32_t scope)
 	struct pidset s = { 0 };
 	ps_add(&s, e->pid);
 	if (freeze && scope == 1)
-		kill(e->pid, SIGSTOP);
+		sig_pid(e->pid, SIGSTOP);
 	for (int round = 0; round < 64; round++) {
 		size_t before = s.n;
 		scan_children(&s);
 		if (freeze)
 			for (size_t i = before; i < s.n; i++)
-				kill(s.v[i], SIGSTOP);
+				sig_pid(s.v[i], SIGSTOP);
 		if (s.n == before)
 			break;
 	}
 	/* the group and the root go last, so the walk above saw an intact tree */
 	for (size_t i = 1; i < s.n; i++)
-		kill(s.v[i], sig);
+		sig_pid(s.v[i], sig);
 	if (scope == 1) {
-		kill(-e->pid, sig);
-		kill(e->pid, sig);
+		sig_pid(-e->pid, sig);
+		sig_pid(e->pid, sig);
 	}
 	free(s.v);
 }
@@ -1110,6 +1163,187 @@ static void handle_watch(size_t slot)
 	}
 }
 
+/* ---- attempts on the agent (the seccomp listener) ------------------------------------------ */
+
+struct attempt_call {
+	int32_t nr_x86_64, nr_x32, nr_i386;
+	const char *name;
+	int detail;	    /* index of the argument worth reporting, -1: none */
+	const char *what;   /* its name in the alert */
+};
+
+/* The calls of runtime/seccomp.py ATTEMPT_SYSCALLS, by architecture (x32: nr | SF_X32_BIT). */
+static const struct attempt_call attempt_calls[] = {
+	{ 62, 62, 37, "kill", 1, "signal" },
+	{ 200, 200, 238, "tkill", 1, "signal" },
+	{ 234, 234, 270, "tgkill", 2, "signal" },
+	{ 129, 524, 178, "rt_sigqueueinfo", 1, "signal" },
+	{ 297, 536, 335, "rt_tgsigqueueinfo", 2, "signal" },
+	{ 101, 521, 26, "ptrace", 0, "request" },
+	{ 434, 434, 434, "pidfd_open", 1, "flags" },
+	{ 310, 539, 347, "process_vm_readv", -1, NULL },
+};
+
+static void json_str(char *out, size_t cap, const char *in)
+{
+	size_t o = 0;
+	for (const unsigned char *c = (const unsigned char *)in; *c && o + 7 < cap; c++) {
+		if (*c == '"' || *c == '\\') {
+			out[o++] = '\\';
+			out[o++] = (char)*c;
+		} else if (*c < 0x20 || *c >= 0x7f) {
+			o += (size_t)snprintf(out + o, cap - o, "\\u%04x", *c);
+		} else {
+			out[o++] = (char)*c;
+		}
+	}
+	out[o] = 0;
+}
+
+/* From /proc/PID/status: the command name, real and effective uid, and how many pid namespaces
+ * deep the process sits below ours (NSpid lists its pid in each, ours first). 0 if unreadable. */
+static int caller_status(pid_t pid, char *comm, size_t ccap, long *uid, long *euid, int *nsdepth)
+{
+	char path[64], buf[4096];
+	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	ssize_t n = read(fd, buf, sizeof buf - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	for (char *line = buf; line && *line;) {
+		char *next = strchr(line, '\n');
+		if (next)
+			*next++ = 0;
+		if (!strncmp(line, "Name:\t", 6)) {
+			snprintf(comm, ccap, "%s", line + 6);
+		} else if (!strncmp(line, "Uid:", 4)) {
+			sscanf(line + 4, "%ld %ld", uid, euid);
+		} else if (!strncmp(line, "NSpid:", 6)) {
+			int depth = 0;
+			for (char *t = strtok(line + 6, " \t"); t; t = strtok(NULL, " \t"))
+				depth++;
+			*nsdepth = depth;
+		}
+		line = next;
+	}
+	return 1;
+}
+
+static void alert_send(const char *json) { chan_send(M_ALERT, 0, json, strlen(json), NULL, 0); }
+
+/* Past ALERT_RATE in a window: one message with the count, once the window is over. */
+static void alert_flush(uint64_t now)
+{
+	if (now - alert_win < 1000000)
+		return;
+	if (alert_suppressed) {
+		char json[96];
+		snprintf(json, sizeof json, "{\"kind\":\"suppressed\",\"count\":%llu}",
+			 (unsigned long long)alert_suppressed);
+		alert_send(json);
+		alert_suppressed = 0;
+	}
+	alert_win = now;
+	alert_count = 0;
+}
+
+static void attempt(const struct sf_notif *n)
+{
+	char comm[64] = "", qcomm[400], name[32], detail[48] = "", json[640];
+	long uid = -1, euid = -1;
+	int nsdepth = 1;
+	int known = caller_status((pid_t)n->pid, comm, sizeof comm, &uid, &euid, &nsdepth);
+	/* only now: the notification still pending means n->pid was still the caller when we read it */
+	uint64_t id = n->id;
+	int valid = ioctl(lfd, SF_NOTIF_ID_VALID, &id) == 0;
+	struct sf_notif_resp r = { .id = n->id };
+	if (known && nsdepth > 1) { /* a nested pid namespace's init, not us */
+		r.flags = SF_NOTIF_CONTINUE;
+		if (valid)
+			ioctl(lfd, SF_NOTIF_SEND, &r);
+		return;
+	}
+	r.error = -EPERM; /* also for kill(1, 0): a probe is an attempt too */
+	if (valid)
+		ioctl(lfd, SF_NOTIF_SEND, &r); /* ENOENT if the caller died meanwhile */
+
+	uint64_t now = now_us();
+	alert_flush(now);
+	if (alert_count >= ALERT_RATE) {
+		alert_suppressed++;
+		return;
+	}
+	alert_count++;
+	int nr = n->data.nr;
+	const char *arch = n->data.arch == SF_ARCH_I386 ? "i386" : (nr & SF_X32_BIT) ? "x32" : "x86_64";
+	const struct attempt_call *call = NULL;
+	for (size_t i = 0; i < sizeof attempt_calls / sizeof *attempt_calls; i++) {
+		const struct attempt_call *c = &attempt_calls[i];
+		if (n->data.arch == SF_ARCH_I386 ? nr == c->nr_i386
+		    : (nr & SF_X32_BIT) ? (nr & ~SF_X32_BIT) == c->nr_x32
+					: nr == c->nr_x86_64) {
+			call = c;
+			break;
+		}
+	}
+	if (call)
+		snprintf(name, sizeof name, "%s", call->name);
+	else
+		snprintf(name, sizeof name, "nr_%d", nr);
+	if (call && call->detail >= 0)
+		snprintf(detail, sizeof detail, ",\"%s\":%lld", call->what,
+			 (long long)(int32_t)n->data.args[call->detail]);
+	json_str(qcomm, sizeof qcomm, comm);
+	snprintf(json, sizeof json,
+		 "{\"kind\":\"attempt\",\"syscall\":\"%s\",\"nr\":%d,\"arch\":\"%s\",\"pid\":%u,\"uid\":%ld,"
+		 "\"euid\":%ld,\"comm\":\"%s\"%s%s}",
+		 name, nr, arch, n->pid, uid, euid, qcomm, detail, valid ? "" : ",\"gone\":true");
+	alert_send(json);
+}
+
+/* Every pending notification; never blocks (RECV only after poll says one is there). */
+static void handle_notif(void)
+{
+	for (int round = 0; round < 64 && lfd >= 0; round++) {
+		struct pollfd pf = { lfd, POLLIN, 0 };
+		if (poll(&pf, 1, 0) <= 0)
+			return;
+		if (pf.revents & (POLLHUP | POLLERR | POLLNVAL)) { /* no task left on the filter */
+			ep_close(&lfd);
+			return;
+		}
+		if (!(pf.revents & POLLIN))
+			return;
+		struct sf_notif n;
+		memset(&n, 0, sizeof n); /* the kernel insists */
+		if (ioctl(lfd, SF_NOTIF_RECV, &n) < 0) {
+			if (errno == EINTR || errno == ENOENT) /* ENOENT: the caller was gone first */
+				continue;
+			return;
+		}
+		attempt(&n);
+	}
+}
+
+/* At start: keep fd 5 if it is a seccomp listener (an ID_VALID check of id 0 answers ENOENT). */
+static void take_listener(void)
+{
+	uint64_t id = 0;
+	if (fcntl(LISTENER, F_GETFD) < 0)
+		return;
+	if (ioctl(LISTENER, SF_NOTIF_ID_VALID, &id) == 0 || errno != ENOENT) {
+		close(LISTENER);
+		return;
+	}
+	fcntl(LISTENER, F_SETFD, FD_CLOEXEC); /* never inherited: a child holding it could answer for us */
+	set_nonblock(LISTENER, 1);
+	lfd = LISTENER;
+}
+
 /* ---- channel messages ------------------------------------------------------------------ */
 
 static void handle_chan(void)
@@ -1192,6 +1426,15 @@ static void handle_chan(void)
 					watch_end(i, 0, "unwatched");
 			break;
 		case M_REOPEN:
+			/* u32 flags, 1: a criu checkpoint follows (the daemon's REOPEN; vminit's, before a
+			 * VM's memory is saved whole, has none). criu cannot dump a seccomp listener: from
+			 * here on the filter's notify rules fail with ENOSYS (no listener), unreported. */
+			if (len >= 4) {
+				uint32_t rflags;
+				memcpy(&rflags, p, 4);
+				if (rflags & 1)
+					ep_close(&lfd);
+			}
 			reconnect(0);
 			return; /* fd 3 is the new channel now: nothing more to read from the old one */
 		default:
@@ -1246,6 +1489,11 @@ static int service(void)
 				SOONER(e->reaped_at + GRACE_US);
 		}
 	}
+	if (alert_suppressed) {
+		alert_flush(now);
+		if (alert_suppressed)
+			SOONER(alert_win + 1000000);
+	}
 #undef SOONER
 	if (next == UINT64_MAX)
 		return -1;
@@ -1273,7 +1521,11 @@ int main(void)
 			break;
 		}
 	}
-	close_from(HANDOFF, 0);
+	take_listener();
+	close(HANDOFF);
+	close_from(LISTENER + 1, 0);
+	if (lfd < 0)
+		close(LISTENER);
 	placeholder_handoff();
 	int type = 0;
 	socklen_t tl = sizeof type;
@@ -1291,6 +1543,8 @@ int main(void)
 	}
 	ep_add(CHAN, K_CHAN, 0, EPOLLIN);
 	ep_add(sigfd, K_SIG, 0, EPOLLIN);
+	if (lfd >= 0)
+		ep_add(lfd, K_NOTIF, 0, EPOLLIN);
 	send_hello();
 	struct epoll_event evs[64];
 	for (;;) {
@@ -1336,6 +1590,10 @@ int main(void)
 			case K_WATCH:
 				if (slot < nwt && wt[slot] && wt[slot]->ifd == fd)
 					handle_watch(slot);
+				break;
+			case K_NOTIF:
+				if (lfd >= 0 && lfd == fd)
+					handle_notif();
 				break;
 			}
 		}

@@ -1,6 +1,18 @@
 """Daemon side of the in-sandbox agent (agent.c): build, wire protocol and asyncio channel.
 
 Every message is one SOCK_SEQPACKET datagram: ``u32 type, u32 id`` (little-endian) + payload.
+
+Unsolicited from the agent: ALERT (id 0), a JSON object about an attempt on the agent that its
+seccomp listener caught and refused (see agent.c and seccomp.py `attempt_rules`):
+
+    {"kind": "attempt", "syscall": "kill", "nr": 62, "arch": "x86_64", "pid": 42, "uid": 0,
+     "euid": 0, "comm": "sh", "signal": 15}
+
+with "signal" (kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo), "request" (ptrace) or
+"flags" (pidfd_open), and "gone": true when the caller died before the agent answered (its pid, uid
+and comm may then be another process's). "pid" is as the agent (PID 1 of the sandbox) sees it; uids
+are the sandbox's. At most 20 a second per sandbox; past that they are counted and reported once the
+second is over as ``{"kind": "suppressed", "count": N}``. `AgentChannel.on_alert` receives each.
 """
 
 from __future__ import annotations
@@ -10,6 +22,8 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import json
+import logging
 import os
 import shutil
 import signal as _signal
@@ -21,14 +35,14 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from sandfleet.runtime.prebuilt import install_prebuilt, prebuilt_dir
 
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
 LAUNCHER_SOURCE = Path(__file__).with_name("launcher.c")
 LAUNCHER_NAME = "sandfleet-run"  # <= 15 bytes: it is also the command name the orphan reaper matches
-AGENT_VERSION = "sandfleet-agent/3"  # 2: REOPEN, FORGET; 3: sessions framed by the agent, MERGE, WATCH
+AGENT_VERSION = "sandfleet-agent/4"  # 2: REOPEN, FORGET; 3: sessions framed by the agent, MERGE, WATCH; 4: ALERT
 
 # daemon -> agent
 MSG_EXEC = 1
@@ -36,6 +50,7 @@ MSG_STDIN = 2
 MSG_SIGNAL = 3
 MSG_PING = 4
 MSG_REOPEN = 5  # move to a fresh socketpair offered on fd 4 (before a snapshot); same execs go on
+REOPEN_CHECKPOINT = 1  # REOPEN's u32 flags: criu dumps next, so the agent closes its seccomp listener
 MSG_FORGET = 6  # orphan every running exec but those listed: the rest belong to a daemon that is gone
 MSG_SRUN = 7  # a session command begins (timeout, flags, cap, nonce); its script follows as STDIN
 MSG_CMDIN = 8  # bytes for the running session command's stdin; empty = EOF
@@ -52,6 +67,7 @@ MSG_HELLO = 16
 MSG_SEXIT = 17  # a session command ended: status, flags, counts, duration, bytes dropped before it
 MSG_WEVENT = 18  # u32 inotify mask, the path
 MSG_WEND = 19  # the watch ended: i32 errno (0: asked to), reason
+MSG_ALERT = 21  # an attempt on the agent (JSON object, id 0), unsolicited; see the module docstring
 
 # EXEC flags
 EXEC_STDIN_PIPE = 1
@@ -85,6 +101,20 @@ _SIGNAL = struct.Struct("<iI")
 _SRUN = struct.Struct("<IIQ")
 _SEXIT = struct.Struct("<iIQQQQI")
 _I32 = struct.Struct("<i")
+
+
+log = logging.getLogger("sandfleet.agent")
+
+
+def decode_alert(payload: bytes) -> dict[str, Any]:
+    """An ALERT's JSON object; ProtocolError if it is not one."""
+    try:
+        alert = json.loads(payload.decode(errors="replace"))
+    except ValueError as exc:
+        raise ProtocolError(f"malformed alert: {exc}") from None
+    if not isinstance(alert, dict):
+        raise ProtocolError("malformed alert: not an object")
+    return alert
 
 
 class AgentError(RuntimeError):
@@ -577,6 +607,8 @@ class AgentChannel:
         self.close_reason: BaseException | None = None
         self.agent_version: str | None = None
         self.on_close = on_close  # called once on EOF/error (not on an explicit close())
+        # called with each ALERT's object (an attempt on the agent); its exceptions are logged
+        self.on_alert: Callable[[dict[str, Any]], None] | None = None
         self._loop.add_reader(self._fd, self._on_readable)
 
     @property
@@ -670,9 +702,11 @@ class AgentChannel:
         """Ask the agent to move to a socketpair of its own (offered on its fd 4) and close this one.
 
         Before a checkpoint: the agent's end of a channel the daemon made is a socket of the host's
-        network namespace that criu cannot dump, a pair the agent made is. Sends wait from here
-        until `adopt_socket()` (or `fail()`); output of running execs queues in the new pair. From
-        here on, the old socket's EOF means the agent moved, never that it died, even after a timeout.
+        network namespace that criu cannot dump, a pair the agent made is. The agent also closes its
+        seccomp listener (criu cannot dump that either): attempts on it are then refused unreported.
+        Sends wait from here until `adopt_socket()` (or `fail()`); output of running execs queues in
+        the new pair. From here on, the old socket's EOF means the agent moved, never that it died,
+        even after a timeout.
         """
         self._check_open()
         self._reopening = True
@@ -680,7 +714,7 @@ class AgentChannel:
         async with asyncio.timeout(timeout):
             await self._send_lock.acquire()  # first: no queued sender may write after REOPEN
             self._sends_held = True
-            await self._send_unlocked(encode_message(MSG_REOPEN, 0))
+            await self._send_unlocked(encode_message(MSG_REOPEN, 0, struct.pack("<I", REOPEN_CHECKPOINT)))
             await asyncio.shield(self._reopened)
 
     async def forget(self, keep: Sequence[int] = ()) -> None:
@@ -862,6 +896,13 @@ class AgentChannel:
             ping = self._pings.pop(msg_id, None)
             if ping is not None and not ping.done():
                 ping.set_result(None)
+        elif mtype == MSG_ALERT:
+            alert = decode_alert(payload)
+            if self.on_alert is not None:
+                try:
+                    self.on_alert(alert)
+                except Exception:
+                    log.exception("agent alert handler failed")
         elif mtype == MSG_HELLO:
             self.agent_version = decode_hello(payload)
             if self._hello is not None and not self._hello.done():

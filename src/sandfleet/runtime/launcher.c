@@ -32,7 +32,15 @@
  *       8 hostname; the rootfs becomes "/": moved over the template's root and chrooted (server
  *            mode), or pivot_root and detach the old root (standalone)
  *       9 capabilities (bounding, permitted, effective; no ambient), no_new_privs, seccomp
- *      10 stdio to /dev/null, execveat(fd 4): the agent, with its channel at fd 3
+ *            (seccomp(2) with SECCOMP_FILTER_FLAG_NEW_LISTENER)
+ *      10 stdio to /dev/null, execveat(fd 4): the agent, with its channel at fd 3 and the
+ *            filter's listener at fd 5
+ *
+ * The agent's fds at exec: 0-2 /dev/null, 3 its channel to the daemon (SOCK_SEQPACKET), 4 the agent
+ * binary (the agent reuses 4 for the channel it offers at REOPEN), 5 the seccomp listener
+ * (LISTENER_FD; absent when the kernel gave none): the filter's SECCOMP_RET_USER_NOTIF rules
+ * (attempts on PID 1: runtime/seccomp.py attempt_rules) wait there for the agent's answer, and the
+ * agent reports them to the daemon (agent.c, M_ALERT). Nothing else is open.
  *
  * Errors from either stage travel back over a close-on-exec pipe: EOF with no bytes means the
  * agent was exec'd. On success the agent's pid (as the daemon sees it) is printed on stdout.
@@ -99,6 +107,7 @@
 #include <unistd.h>
 
 #define MAX_ITEMS 64
+#define LISTENER_FD 5 /* the agent's fd for the seccomp listener (agent.c: LISTENER) */
 /* The server's own long-lived fds live at or above this, clear of the fds a worker places: the
  * bind sources at 6.. and the received ones at 6 + MAX_ITEMS + 8.. (see serve()). */
 #define SERVER_FD_MIN (6 + 3 * MAX_ITEMS + 16)
@@ -465,17 +474,40 @@ static void stage2(const char *rootfs)
 	drop_capabilities();
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		fail("no_new_privs");
-	if (bpf_len) {
-		struct sock_fprog prog = {.len = bpf_len, .filter = bpf};
-		if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0) < 0)
-			fail("seccomp");
-	}
-	/* Everything but the channel (3), the agent binary (4) and the error pipe (closes at exec). */
+	/* stdio first, so the listener cannot land on a free fd below 3 */
 	for (int fd = 0; fd < 3; fd++)
 		if (dup2(null, fd) < 0)
 			fail("dup2 /dev/null");
-	if (syscall(SYS_close_range, 5, ~0U, CLOSE_RANGE_CLOEXEC) < 0)
+	int listener = -1;
+	if (bpf_len) {
+		/* With a listener: the filter's SECCOMP_RET_USER_NOTIF rules (attempts on PID 1, see
+		 * runtime/seccomp.py) wait for the agent's answer. A kernel without listeners (EINVAL) or
+		 * one already listened on above us (EBUSY, a nested sandfleet) gets the filter alone:
+		 * those calls then fail with ENOSYS, unseen. */
+		struct sock_fprog prog = {.len = bpf_len, .filter = bpf};
+		listener = (int)syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
+		if (listener < 0) {
+			if (errno != EINVAL && errno != EBUSY)
+				fail("seccomp");
+			if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0)
+				fail("seccomp");
+			listener = -1;
+		}
+	}
+	/* Everything but stdio, the channel (3), the agent binary (4), the seccomp listener (5) and the
+	 * error pipe (closes at exec). */
+	if (err_fd == LISTENER_FD && (err_fd = fcntl(err_fd, F_DUPFD_CLOEXEC, LISTENER_FD + 1)) < 0)
+		fail("move the error pipe");
+	if (syscall(SYS_close_range, LISTENER_FD, ~0U, CLOSE_RANGE_CLOEXEC) < 0)
 		fail("close_range");
+	if (listener == LISTENER_FD) {
+		if (fcntl(listener, F_SETFD, 0) < 0)
+			fail("keep the seccomp listener");
+	} else if (listener >= 0) {
+		if (dup2(listener, LISTENER_FD) < 0) /* clears close-on-exec on fd 5 only */
+			fail("place the seccomp listener");
+		close(listener);
+	}
 	char *argv[] = {"/proc/self/fd/4", NULL};
 	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
 	syscall(SYS_execveat, 4, "", argv, envp, AT_EMPTY_PATH);

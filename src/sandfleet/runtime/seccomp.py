@@ -5,6 +5,16 @@ with (modules, kexec, swap, clocks, keyrings, BPF, perf, raw mount APIs, new use
 io_uring). Denied calls fail with EPERM rather than killing the process, so tools that probe a
 feature degrade gracefully. `clone3` gets ENOSYS so libc falls back to `clone`, whose flags seccomp
 can inspect (clone3 passes them in memory, out of a filter's reach).
+
+The launcher's filter (`compile_bpf`, not crun's `config.json`) also reports attempts on the agent,
+PID 1 of the sandbox's pid namespace (`ATTEMPT_RULES`): signals, ptrace, pidfd_open and
+process_vm_readv aimed at pid 1 return SECCOMP_RET_USER_NOTIF. The launcher installs the filter
+with SECCOMP_FILTER_FLAG_NEW_LISTENER and hands the listener to the agent (its fd 5), which answers
+EPERM (or lets the call through when the caller sits in a nested pid namespace, where "1" is another
+init) and tells the daemon (an ALERT message). The kernel refuses those calls anyway (the agent is
+non-dumpable, a pid-namespace init drops signals it has no handler for): the rules make the attempt
+visible. Without a listener (a restored sandbox: criu cannot dump one) they fail with ENOSYS.
+`process_vm_writev` and `kcmp` stay denied for every pid (EPERM, not reported).
 """
 
 from __future__ import annotations
@@ -79,6 +89,31 @@ DENIED_SYSCALLS: tuple[str, ...] = (
 )
 
 
+# A pid is a pid_t: the kernel reads the low 32 bits of the register, so the filter compares those
+# only (a caller setting the high bits must not slip past). libseccomp: MASKED_EQ(mask, value).
+_PID1 = {"value": 0xFFFFFFFF, "valueTwo": 1, "op": "SCMP_CMP_MASKED_EQ"}
+# syscall names -> index of the argument that holds the target pid (tgkill: the tgid)
+ATTEMPT_SYSCALLS: dict[str, int] = {
+    "kill": 0,
+    "tkill": 0,
+    "tgkill": 0,
+    "rt_sigqueueinfo": 0,
+    "rt_tgsigqueueinfo": 0,
+    "ptrace": 1,  # any request: only ptrace(PTRACE_TRACEME) ignores its pid, and no one passes 1 there
+    "pidfd_open": 0,
+    "process_vm_readv": 0,
+}
+
+
+def attempt_rules() -> list[dict[str, Any]]:
+    """SCMP_ACT_NOTIFY rules for calls aimed at pid 1 (the agent). Launcher only: crun and runc
+    would need a listener socket for them."""
+    return [
+        {"names": [name], "action": "SCMP_ACT_NOTIFY", "args": [{"index": index, **_PID1}]}
+        for name, index in ATTEMPT_SYSCALLS.items()
+    ]
+
+
 def default_profile() -> dict[str, Any]:
     names = list(DENIED_SYSCALLS)
     return {
@@ -111,7 +146,7 @@ class _ArgCmp(ctypes.Structure):
     ]
 
 
-_ACTIONS = {"SCMP_ACT_ALLOW": 0x7FFF0000, "SCMP_ACT_KILL": 0x00000000}
+_ACTIONS = {"SCMP_ACT_ALLOW": 0x7FFF0000, "SCMP_ACT_KILL": 0x00000000, "SCMP_ACT_NOTIFY": 0x7FC00000}
 _ERRNO_ACTION = 0x00050000
 _ATTR_OPTIMIZE = 8  # SCMP_FLTATR_CTL_OPTIMIZE (libseccomp >= 2.5)
 _OPS = {"SCMP_CMP_NE": 1, "SCMP_CMP_LT": 2, "SCMP_CMP_LE": 3, "SCMP_CMP_EQ": 4, "SCMP_CMP_GE": 5}
@@ -126,12 +161,15 @@ def _action(rule: dict[str, Any]) -> int:
     return _ACTIONS[name]
 
 
-def compile_bpf(profile: dict[str, Any]) -> bytes:
+def compile_bpf(profile: dict[str, Any], *, attempts: bool = True) -> bytes:
     """Compile an OCI seccomp object to the classic BPF program the kernel loads (struct sock_filter[]).
 
     libseccomp does what crun does with the same profile; the launcher then only has to install the
-    bytes, so a create costs no filter compilation.
+    bytes, so a create costs no filter compilation. `attempts`: add `attempt_rules()` (the launcher
+    installs this filter with a listener the agent serves).
     """
+    if attempts:
+        profile = {**profile, "syscalls": [*profile["syscalls"], *attempt_rules()]}
     try:
         lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
     except OSError as exc:

@@ -22,6 +22,7 @@ import httpx
 from sandfleet.client import AsyncClient
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.api import create_app
+from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.service import SandboxManager
 from sandfleet.daemon.state import StateStore
@@ -61,6 +62,8 @@ class InProcessNode:
             build_missing_images=False,
             snapshot_dir=None,
             client_factory=lambda: self.client(),
+            audit=AuditLog(self.root / "audit"),
+            run_dir=self.root / "run",
         )
         self.app = create_app(self.service, self.metrics, token=token)
         self._serving = asyncio.Event()

@@ -8,7 +8,9 @@ fails when the two drift apart, and tests validate live responses against the ch
 
 from __future__ import annotations
 
+import re
 import secrets
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandfleet import __version__
-from sandfleet.daemon.api import execs, files, images, node, sandboxes, sessions, snapshots
+from sandfleet.daemon.api import execs, files, images, network, node, sandboxes, sessions, snapshots
 from sandfleet.daemon.api.common import ERRORS, CheckedRoute, error_response, log
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.metrics import Metrics
@@ -69,8 +71,10 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
     async def _unexpected(request: Request, call_next: Any) -> Any:
         # A middleware, not an exception handler: Starlette re-raises after running an
         # Exception handler, and uvicorn then drops the client's keep-alive connection.
+        # Also where every call is audited: who, what, and the answer's status.
+        t0 = time.perf_counter()
         try:
-            return await call_next(request)
+            response = await call_next(request)
         except Exception as exc:
             wire = to_wire_error(exc)
             if isinstance(wire, InternalError):
@@ -78,7 +82,27 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
             else:
                 log.warning("%s serving %s %s: %s", wire.code, request.method, request.url.path, exc)
             metrics.http_errors.labels(code=wire.code).inc()
-            return error_response(wire)
+            response = error_response(wire)
+        _audit(request, response.status_code, t0)
+        return response
+
+    def _audit(request: Request, status: int, t0: float) -> None:
+        path = request.url.path
+        m = _SANDBOX_PATH.match(path)
+        try:
+            service.audit_call(
+                _actor(request, token),
+                {
+                    "method": request.method,
+                    "path": path[:256],
+                    "status": status,
+                    "ms": round((time.perf_counter() - t0) * 1000, 2),
+                    "sandbox_id": m.group(1) if m else None,
+                    "agent": request.headers.get("user-agent", "")[:64] or None,
+                },
+            )
+        except Exception:
+            log.exception("auditing %s %s failed", request.method, path[:100])
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus its default 422 responses: validation errors here are 400s."""
@@ -102,9 +126,23 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
         async def _auth(request: Request, call_next: Any) -> Any:
             header = request.headers.get("authorization", "")
             if not secrets.compare_digest(header.encode(), f"Bearer {token}".encode()):
-                return error_response(UnauthenticatedError("missing or invalid bearer token"))
+                response = error_response(UnauthenticatedError("missing or invalid bearer token"))
+                _audit(request, response.status_code, time.perf_counter())
+                return response
             return await call_next(request)
 
-    for resource in (node, sandboxes, snapshots, execs, sessions, files, images):
+    for resource in (node, sandboxes, snapshots, execs, sessions, files, images, network):
         app.include_router(resource.router(service))
+    app.include_router(network.port_router(service))
     return app
+
+
+_SANDBOX_PATH = re.compile(r"^/v1/sandboxes/(sb-[0-9a-f]{1,32})(?:/|$)")
+
+
+def _actor(request: Request, token: str | None) -> str:
+    """Who called: a TCP peer (which held the token) or root's unix socket."""
+    client = request.client
+    if client is None or not client.host:
+        return "unix"
+    return f"{'token' if token else 'tcp'}@{client.host}"

@@ -1,0 +1,187 @@
+"""Network: a sandbox's egress policy, its exposed ports (and HTTP to them), the node's audit stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+import h11
+from fastapi import APIRouter, Query, Request
+from fastapi import Path as PathParam
+from fastapi.responses import StreamingResponse
+
+from sandfleet.daemon.api.common import HEARTBEAT, NDJSON, CheckedRoute
+from sandfleet.daemon.protocol import SandboxService
+from sandfleet.errors import UnavailableError
+from sandfleet.models import (
+    AuditList,
+    AuditQuery,
+    ExposedPort,
+    ExposedPortList,
+    ExposeRequest,
+    IdList,
+    NetworkManyRequest,
+    NetworkUpdate,
+    Ok,
+    SandboxInfo,
+)
+
+# Headers that describe one hop, or carry the daemon's own credentials: never passed on.
+_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"authorization",
+        b"host",
+        b"content-length",
+    }
+)
+RESPONSE_TIMEOUT = 300.0  # seconds a server in a sandbox may take to start answering
+CHUNK = 256 * 1024
+PROXY_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+def router(service: SandboxService) -> APIRouter:
+    r = APIRouter(route_class=CheckedRoute)
+
+    @r.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxInfo)
+    async def set_network(sandbox_id: str, req: NetworkUpdate) -> SandboxInfo:
+        return await service.set_network(sandbox_id, req.network)
+
+    @r.post("/v1/sandboxes/network", response_model=IdList)
+    async def set_network_many(req: NetworkManyRequest) -> IdList:
+        return IdList(sandboxes=await service.set_network_many(req.labels, req.network))
+
+    @r.post("/v1/sandboxes/{sandbox_id}/ports", response_model=ExposedPort, status_code=201)
+    async def expose(sandbox_id: str, req: ExposeRequest) -> ExposedPort:
+        return await service.expose(sandbox_id, req.port)
+
+    @r.get("/v1/sandboxes/{sandbox_id}/ports", response_model=ExposedPortList)
+    async def list_exposed(sandbox_id: str) -> ExposedPortList:
+        return ExposedPortList(ports=await service.list_exposed(sandbox_id))
+
+    @r.delete("/v1/sandboxes/{sandbox_id}/ports/{port}", response_model=Ok)
+    async def unexpose(sandbox_id: str, port: Annotated[int, PathParam(ge=1, le=65535)]) -> Ok:
+        await service.unexpose(sandbox_id, port)
+        return Ok()
+
+    @r.get("/v1/audit", response_model=AuditList, responses=NDJSON)
+    async def audit(
+        since: Annotated[int, Query(ge=0, le=2**62, description="records with a greater seq")] = 0,
+        since_time: Annotated[float | None, Query(ge=0, le=2**40, description="records from this time")] = None,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+        kind: Annotated[list[str], Query(max_length=32, description="only these kinds (repeatable)")] = [],  # noqa: B006
+        sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
+        follow: Annotated[bool, Query(description="stream: what is kept, then each record as it comes")] = False,
+    ) -> AuditList | StreamingResponse:
+        q = AuditQuery(
+            since=since, since_time=since_time, limit=limit, kinds=[k[:64] for k in kind] or None, sandbox_id=sandbox_id
+        )
+        if follow:
+            return StreamingResponse(_audit_lines(service, q), media_type="application/x-ndjson")
+        records = await service.read_audit(q)
+        return AuditList(records=records, last_seq=records[-1].seq if records else max(since, 0))
+
+    return r
+
+
+def port_router(service: SandboxService) -> APIRouter:
+    """HTTP to an exposed port: a plain route (the body streams through, whatever its type)."""
+    r = APIRouter()
+
+    async def to_port(
+        sandbox_id: str, port: Annotated[int, PathParam(ge=1, le=65535)], path: str, request: Request
+    ) -> StreamingResponse:
+        reader, writer = await service.open_port(sandbox_id, port)
+        try:
+            conn = h11.Connection(h11.CLIENT)
+            headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP]
+            headers.append((b"host", f"127.0.0.1:{port}".encode()))
+            has_body = request.method not in ("GET", "HEAD", "OPTIONS") or "transfer-encoding" in request.headers
+            length = request.headers.get("content-length")
+            if length is not None:
+                headers.append((b"content-length", length.encode()))
+            elif has_body:
+                headers.append((b"transfer-encoding", b"chunked"))
+            headers.append((b"connection", b"close"))
+            target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+            writer.write(conn.send(h11.Request(method=request.method, target=target, headers=headers)))
+            if length is not None or has_body:
+                async for chunk in request.stream():
+                    if chunk:
+                        writer.write(conn.send(h11.Data(data=chunk)))
+                        await writer.drain()
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+            async with asyncio.timeout(RESPONSE_TIMEOUT):
+                head = await _next(conn, reader)
+                while isinstance(head, h11.InformationalResponse):
+                    head = await _next(conn, reader)
+            if not isinstance(head, h11.Response):
+                raise UnavailableError(f"port {port} of sandbox {sandbox_id} closed without an HTTP answer")
+        except (h11.ProtocolError, ConnectionError, TimeoutError, OSError) as exc:
+            writer.transport.abort()
+            raise UnavailableError(f"port {port} of sandbox {sandbox_id}: no HTTP answer ({exc})") from exc
+        except BaseException:
+            writer.transport.abort()
+            raise
+        resp = StreamingResponse(_body(conn, reader, writer), status_code=head.status_code)
+        resp.raw_headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP or k.lower() == b"content-length"]
+        return resp
+
+    for method in PROXY_METHODS:  # one operation per method: OpenAPI wants unique operation ids
+        r.add_api_route(
+            "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}",
+            to_port,
+            methods=[method],
+            response_class=StreamingResponse,
+            operation_id=f"to_port_{method.lower()}",
+            summary="HTTP to a server on an exposed port of the sandbox (the API's authentication applies)",
+        )
+    return r
+
+
+async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> object:
+    while True:
+        ev = conn.next_event()
+        if ev is not h11.NEED_DATA:
+            return ev
+        conn.receive_data(await reader.read(CHUNK))
+
+
+async def _body(
+    conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> AsyncIterator[bytes]:
+    try:
+        while True:
+            ev = await _next(conn, reader)
+            if isinstance(ev, h11.Data):
+                yield bytes(ev.data)
+            else:
+                return
+    except (h11.ProtocolError, ConnectionError, OSError):
+        return
+    finally:
+        writer.transport.abort()
+
+
+async def _audit_lines(service: SandboxService, q: AuditQuery) -> AsyncIterator[bytes]:
+    beat = json.dumps({"type": "heartbeat"}).encode() + b"\n"
+    it = service.follow_audit(q, HEARTBEAT)
+    try:
+        async for rec in it:
+            yield beat if rec is None else rec.model_dump_json().encode() + b"\n"
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()

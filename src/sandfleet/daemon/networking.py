@@ -1,0 +1,235 @@
+"""A sandbox's network: its egress policy (set at create, changed at any time), the proxy
+environment of its commands, and the ports it exposes to the node.
+
+The mechanism is egress.py's proxy (a listening socket in the sandbox's namespace, no veth); a
+policy that allows nothing costs nothing. An exposed port is reached the other way: the daemon
+connects to 127.0.0.1:<port> *inside* the sandbox's namespace (a socket made there), for an HTTP
+request to `/v1/sandboxes/{id}/ports/{port}/...` of its API (its authentication applies) or a byte
+stream through a unix socket on the node (mode 0600: root's, like the API socket). Nothing is
+reachable from outside that was not exposed, and everything goes with the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import errno
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandfleet.backends.base import Networked, offers
+from sandfleet.daemon.core import NodeCore
+from sandfleet.daemon.egress import EgressProxy, proxy_env
+from sandfleet.daemon.lifecycle import HOLDING_STATES, Sandbox
+from sandfleet.daemon.monitor import Monitor
+from sandfleet.daemon.network import NetworkConfig, Policy, compile_policy
+from sandfleet.daemon.pausing import Pauser
+from sandfleet.errors import InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError
+from sandfleet.models import ExposedPort, NetworkPolicy, SandboxInfo, SandboxSpec
+from sandfleet.runtime import netns
+
+log = logging.getLogger(__name__)
+
+MAX_EXPOSED = 16  # ports per sandbox
+CONNECT_TIMEOUT = 10.0
+
+
+@dataclass
+class _Exposure:
+    port: int
+    socket_path: Path
+    server: asyncio.AbstractServer
+    conns: set[asyncio.StreamWriter]
+
+
+class Networking:
+    def __init__(self, core: NodeCore, pauser: Pauser, monitor: Monitor, config: NetworkConfig, run_dir: Path) -> None:
+        self.core = core
+        self.pauser = pauser
+        self.monitor = monitor
+        self.config = config
+        self.ports_dir = run_dir / "ports"
+        self.proxy = EgressProxy(config, monitor.connection)
+        self._exposed: dict[str, dict[int, _Exposure]] = {}
+        core.table.on_stopped(self._stopped)
+
+    async def start(self) -> None:
+        """The exposure sockets of a previous daemon are stale (their sandboxes re-expose on demand)."""
+
+        def clean() -> None:
+            self.ports_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for p in self.ports_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+        await asyncio.to_thread(clean)
+
+    async def close(self) -> None:
+        await self.proxy.close()
+        for sid in list(self._exposed):
+            self._unexpose_all(sid)
+
+    # ---- policy ------------------------------------------------------------------------------
+
+    def check(self, spec: SandboxSpec) -> Policy:
+        """The spec's policy, compiled: an unknown service is the caller's mistake, and a tier that
+        cannot enforce a policy refuses anything but `none`."""
+        policy = compile_policy(spec.network, self.config)
+        if not policy.none:
+            backend = self.core.tier_for(spec.backend)
+            if not (isinstance(backend, Networked) and offers(backend, "network")):
+                raise UnsupportedError(f"the {backend.name} tier has no network: its policy can only be 'none'")
+        return policy
+
+    def env(self, sb: Sandbox) -> dict[str, str]:
+        """Variables every command of the sandbox gets (the proxy's address, when it has one)."""
+        return {} if sb.spec.network.none else proxy_env(self.config.proxy_port)
+
+    async def attach(self, sb: Sandbox) -> None:
+        """Enforce the sandbox's policy (after a create, a restore, an adoption)."""
+        if sb.spec.network.none or sb.live is None:
+            return
+        backend = self.core.tier(sb)
+        if not isinstance(backend, Networked):
+            return
+        policy = compile_policy(sb.spec.network, self.config)
+        await self.proxy.apply(sb.id, backend.netns_path(sb.live), policy)
+
+    async def set_network(self, sandbox_id: str, network: NetworkPolicy) -> SandboxInfo:
+        sb, live = await self.pauser.ready(sandbox_id)
+        spec = sb.spec.model_copy(update={"network": network})
+        policy = self.check(spec)
+        backend = self.core.tier(sb)
+        if isinstance(backend, Networked):
+            try:
+                await self.proxy.apply(sb.id, backend.netns_path(live), policy)
+            except OSError as exc:
+                raise UnavailableError(f"sandbox {sandbox_id} is no longer running ({exc.strerror})") from exc
+        sb.spec = spec
+        await self.core.state.update(sb.id, spec=spec.model_dump(mode="json"))
+        self.core.journal.record(sb.id, "network_policy", {"allow": list(network.allow)})
+        return sb.info()
+
+    async def set_network_many(self, labels: dict[str, str], network: NetworkPolicy) -> builtins.list[str]:
+        done = []
+        for sb in self.core.matching(labels, HOLDING_STATES):
+            with contextlib.suppress(NotFoundError, UnavailableError):
+                await self.set_network(sb.id, network)
+                done.append(sb.id)
+        return done
+
+    # ---- exposed ports -------------------------------------------------------------------------
+
+    def _networked(self, sb: Sandbox) -> Networked:
+        backend = self.core.tier(sb)
+        if not (isinstance(backend, Networked) and offers(backend, "network")):
+            raise UnsupportedError(f"the {backend.name} tier cannot expose ports")
+        return backend
+
+    def _info(self, sandbox_id: str, e: _Exposure) -> ExposedPort:
+        return ExposedPort(port=e.port, path=f"/v1/sandboxes/{sandbox_id}/ports/{e.port}/", socket=str(e.socket_path))
+
+    async def expose(self, sandbox_id: str, port: int) -> ExposedPort:
+        sb, _live = await self.pauser.ready(sandbox_id)
+        self._networked(sb)
+        mine = self._exposed.setdefault(sb.id, {})
+        if port in mine:
+            return self._info(sb.id, mine[port])
+        if len(mine) >= MAX_EXPOSED:
+            raise InvalidArgumentError(f"a sandbox exposes at most {MAX_EXPOSED} ports")
+        path = self.ports_dir / f"{sb.id}-{port}.sock"
+        conns: set[asyncio.StreamWriter] = set()
+
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            conns.add(writer)
+            try:
+                up_reader, up_writer = await self.open_port(sb.id, port)
+            except Exception:
+                writer.transport.abort()
+                conns.discard(writer)
+                return
+            conns.add(up_writer)
+            try:
+                await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+            finally:
+                for w in (writer, up_writer):
+                    w.transport.abort()
+                    conns.discard(w)
+
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        old = os.umask(0o177)  # the socket is made 0600 (root's only), with no window
+        try:
+            server = await asyncio.start_unix_server(relay, path=str(path))
+        finally:
+            os.umask(old)
+        if sb.id not in self._exposed or sb.state not in HOLDING_STATES:  # stopped meanwhile
+            server.close()
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise NotFoundError(f"sandbox {sandbox_id} stopped")
+        mine[port] = _Exposure(port, path, server, conns)
+        self.core.journal.record(sb.id, "port_exposed", {"port": port})
+        return self._info(sb.id, mine[port])
+
+    async def unexpose(self, sandbox_id: str, port: int) -> None:
+        sb = self.core.sandbox(sandbox_id)
+        e = self._exposed.get(sb.id, {}).pop(port, None)
+        if e is None:
+            raise NotFoundError(f"sandbox {sandbox_id} does not expose port {port}")
+        _close_exposure(e)
+
+    async def list_exposed(self, sandbox_id: str) -> builtins.list[ExposedPort]:
+        sb = self.core.sandbox(sandbox_id)
+        return [self._info(sb.id, e) for e in sorted(self._exposed.get(sb.id, {}).values(), key=lambda e: e.port)]
+
+    async def open_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection to the sandbox's 127.0.0.1:`port`, which it must have exposed (resumes it if paused)."""
+        sb = self.core.sandbox(sandbox_id)
+        if port not in self._exposed.get(sb.id, {}):
+            raise NotFoundError(f"sandbox {sandbox_id} does not expose port {port} (expose it first)")
+        sb, live = await self.pauser.ready(sandbox_id)
+        ns = self._networked(sb).netns_path(live)
+        try:
+            sock = await asyncio.to_thread(netns.loopback_socket, ns)
+        except OSError as exc:
+            raise UnavailableError(f"sandbox {sandbox_id} is no longer running ({exc.strerror})") from exc
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port)), CONNECT_TIMEOUT)
+            return await asyncio.open_connection(sock=sock)
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            why = "nothing listens there" if getattr(exc, "errno", None) == errno.ECONNREFUSED else str(exc)
+            raise UnavailableError(f"port {port} of sandbox {sandbox_id} does not answer: {why}") from exc
+
+    # ---- the end of a sandbox -------------------------------------------------------------------
+
+    def _unexpose_all(self, sandbox_id: str) -> None:
+        for e in self._exposed.pop(sandbox_id, {}).values():
+            _close_exposure(e)
+
+    def _stopped(self, sb: Sandbox) -> None:
+        self.proxy.detach(sb.id)
+        self._unexpose_all(sb.id)
+
+
+def _close_exposure(e: _Exposure) -> None:
+    e.server.close()
+    for w in list(e.conns):
+        w.transport.abort()
+    with contextlib.suppress(OSError):
+        e.socket_path.unlink()
+
+
+async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    try:
+        while data := await src.read(256 * 1024):
+            dst.write(data)
+            await dst.drain()
+        if dst.can_write_eof():
+            dst.write_eof()
+    except (ConnectionError, OSError):
+        dst.transport.abort()

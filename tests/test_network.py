@@ -1,0 +1,368 @@
+"""Network by policy, against a real upstream (an HTTP/HTTPS server in a network namespace of its own,
+tests/upstream.py) and, for one test, the real Python package index."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandfleet import Client
+from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, UnsupportedError
+from upstream import Upstream, free_subnet
+
+from conftest import Daemon, destroy_daemon, make_daemon, wait_until
+
+TOKEN = "net-test-token"
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+FETCH = (
+    "import sys, urllib.request, urllib.error\n"
+    "try:\n"
+    "    print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode(), end='')\n"
+    "except urllib.error.HTTPError as e:\n"
+    "    print(e.code, e.read().decode(), end='', file=sys.stderr); sys.exit(3)\n"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[Upstream]:
+    up = Upstream(free_subnet(40))
+    yield up
+    up.close()
+
+
+def net_config(upstream: Upstream) -> str:
+    return (
+        "[network]\n"
+        f'hosts = {{ "upstream.test" = "{upstream.ip}", "rebind.test" = "127.0.0.1", '
+        f'"private.test" = "{upstream.ip}", "node.test" = "{upstream.host_ip}" }}\n'
+        "[network.services.upstream]\n"
+        f'hosts = ["upstream.test", "{upstream.ip}", "node.test"]\nports = [80, 443, 7]\ncidrs = ["{upstream.cidr}"]\n'
+        "[network.services.tricks]\n"
+        'hosts = ["rebind.test", "private.test", "169.254.169.254"]\nports = [80]\n'
+    )
+
+
+@pytest.fixture(scope="module")
+def netd(upstream: Upstream) -> Iterator[Daemon]:
+    port = _free_port()
+    d = make_daemon("net", f'tcp = "127.0.0.1:{port}"\ntoken = "{TOKEN}"\n' + net_config(upstream))
+    d.tcp_url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    d.start()
+    yield d
+    destroy_daemon(d)
+
+
+@pytest.fixture()
+def fleet(netd: Daemon) -> Iterator[Client]:
+    with netd.client(timeout=120) as c:
+        yield c
+
+
+def fetch(sb: object, url: str, timeout: float = 30) -> tuple[int, str, str, float]:
+    t0 = time.perf_counter()
+    r = sb.exec(["python3", "-c", FETCH, url], timeout=timeout)  # type: ignore[attr-defined]
+    return r.exit_code, r.stdout, r.stderr, time.perf_counter() - t0
+
+
+def connections(fleet: Client, sandbox_id: str) -> list[dict[str, object]]:
+    return [dict(r.data) for r in fleet.audit(kinds=["connection"], sandbox_id=sandbox_id).records]
+
+
+def test_allowed_service_answers_through_the_policy(fleet: Client, upstream: Upstream) -> None:
+    with fleet.create(image="python", network=["upstream"]) as sb:
+        assert fetch(sb, "http://upstream.test/hello")[:2] == (0, "hello from upstream\n")
+        # TLS end to end (the proxy tunnels it): the sandbox checks the upstream's own certificate.
+        assert upstream.cert is not None
+        sb.files.write("/tmp/ca.pem", upstream.cert.read_bytes())
+        code = (
+            "import ssl, urllib.request; c = ssl.create_default_context(cafile='/tmp/ca.pem'); "
+            "u = urllib.request.urlopen('https://upstream.test/hello', context=c, timeout=10); "
+            "print(u.read().decode(), end='')"
+        )
+        r = sb.exec(["python3", "-c", code], timeout=30)
+        assert (r.exit_code, r.stdout) == (0, "hello from upstream\n"), r.stderr
+        # A large body streams through whole.
+        r = sb.exec(["python3", "-c", FETCH + "", "http://upstream.test/bytes/5000000"], timeout=60)
+        assert r.exit_code == 0
+        seen = connections(fleet, sb.id)
+        tls = [c for c in seen if c["port"] == 443]
+        assert tls and tls[0]["allowed"] is True and tls[0]["method"] == "CONNECT" and int(tls[0]["bytes_down"]) > 0
+        assert any(int(c.get("bytes_down", 0)) >= 5_000_000 for c in seen)
+
+
+def test_denied_host_fails_fast_with_a_clear_error_inside_and_a_record_outside(fleet: Client) -> None:
+    with fleet.create(image="python", network=["upstream"]) as sb:
+        code, out, err, took = fetch(sb, "http://example.com/")
+        assert code == 3 and err.startswith("403") and "not allowed by this sandbox's network policy" in err, err
+        assert took < 5
+        # HTTPS (CONNECT) is refused the same way: curl/pip/urllib see "Tunnel connection failed: 403".
+        r = sb.exec(["python3", "-c", FETCH, "https://pypi.org/simple/"], timeout=30)
+        assert r.exit_code != 0 and "403" in r.stderr
+        # A tool ignoring the proxy variables finds no route, at once.
+        t0 = time.perf_counter()
+        r = sb.exec(["python3", "-c", "import socket; socket.create_connection(('93.184.216.34', 80), timeout=10)"])
+        assert r.exit_code != 0 and "Network is unreachable" in r.stderr and time.perf_counter() - t0 < 5
+        denied = [c for c in connections(fleet, sb.id) if c["allowed"] is False]
+        hosts = {(c["host"], c["port"]) for c in denied}
+        assert ("example.com", 80) in hosts and ("pypi.org", 443) in hosts
+        assert all("not allowed" in str(c["reason"]) for c in denied)
+
+
+def test_ip_literals_private_ranges_and_the_node_are_refused(fleet: Client, upstream: Upstream) -> None:
+    allow = ["upstream", "tricks", "10.1.2.3:80", "127.0.0.1:80", "169.254.169.254:80"]
+    with fleet.create(image="python", network=allow) as sb:
+        for url, why in [
+            ("http://10.1.2.3/", "private address no allowed service names"),  # an explicit private IP
+            ("http://127.0.0.1:80/", None),  # NO_PROXY: the sandbox's own loopback (nothing there)
+            ("http://169.254.169.254/latest/meta-data/", "link-local"),  # cloud metadata, even when named
+            ("http://node.test/hello", "address of this node"),  # a name for the host's own address
+            (f"http://{upstream.host_ip}/", "not allowed"),  # the host-side veth, as a literal
+            ("http://[::1]/", None),
+        ]:
+            code, _out, err, took = fetch(sb, url)
+            assert code != 0 and took < 5, (url, err)
+            if why:
+                assert why in err, (url, err)
+        # Through the proxy on purpose (no NO_PROXY): loopback is never a destination.
+        r = sb.exec(["python3", "-c", FETCH, "http://127.0.0.1:80/"], env={"NO_PROXY": "", "no_proxy": ""}, timeout=30)
+        assert r.exit_code == 3 and "loopback" in r.stderr
+
+
+def test_dns_answers_are_checked_after_resolution(fleet: Client) -> None:
+    """A name the policy allows that resolves to loopback or to a private address no service names
+    (DNS rebinding) is refused; the proxy connects only to an address it checked."""
+    with fleet.create(image="python", network=["tricks"]) as sb:
+        code, _, err, _ = fetch(sb, "http://rebind.test/")
+        assert code == 3 and "resolves only to addresses no sandbox may reach" in err and "loopback" in err
+        code, _, err, _ = fetch(sb, "http://private.test/hello")
+        assert code == 3 and "private address" in err
+
+
+def test_policy_changes_take_effect_at_once(fleet: Client, upstream: Upstream) -> None:
+    with fleet.create(image="python") as sb:
+        code, _, err, took = fetch(sb, "http://upstream.test/hello")
+        assert code != 0 and took < 5  # none: no proxy, no route, no DNS
+        info = sb.set_network(["upstream"])
+        assert info.spec.network.allow == ["upstream"]
+        assert fetch(sb, "http://upstream.test/hello")[:2] == (0, "hello from upstream\n")
+        # A transfer under way is cut when the policy no longer allows it.
+        slow = sb.start(
+            "python3 -c \"import urllib.request as u; r = u.urlopen('http://upstream.test/bytes/4000000000'); "
+            'n = 0\nwhile (b := r.read(65536)): n += len(b)\nprint(n)"',
+        )
+        time.sleep(1.5)  # the transfer is under way
+        t0 = time.perf_counter()
+        sb.set_network("none")
+        done = slow.wait(timeout=30)
+        # Cut short (urllib sees the end of the stream; the upstream would have sent 4 GB).
+        assert done.result is not None and time.perf_counter() - t0 < 10
+        assert done.result.exit_code != 0 or int(done.result.stdout) < 4_000_000_000
+        code, _, _, took = fetch(sb, "http://upstream.test/hello")
+        assert code != 0 and took < 5
+        events = [e.kind for e in sb.events()]
+        assert events.count("network_policy") == 2
+    assert [r.data["allow"] for r in fleet.audit(kinds=["network_policy"], sandbox_id=sb.id).records] == [
+        ["upstream"],
+        [],
+    ]
+
+
+def test_policy_by_labels_and_bad_policies(fleet: Client) -> None:
+    job = {"job": f"net-{os.getpid()}-{time.time_ns()}"}
+    a = fleet.create(image="python", labels=job)
+    b = fleet.create(image="python", labels=job)
+    try:
+        assert sorted(fleet.set_network(job, {"upstream": True})) == sorted([a.id, b.id])
+        assert fetch(b, "http://upstream.test/hello")[0] == 0
+        with pytest.raises(InvalidArgumentError, match="unknown network service 'nope'"):
+            a.set_network(["nope"])
+        with pytest.raises(InvalidArgumentError):
+            fleet.create(image="python", network=["bad host!"])
+        with pytest.raises(InvalidArgumentError, match="unknown network service"):
+            fleet.create(image="python", network=["nope"])
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_two_sandboxes_cannot_reach_each_other(fleet: Client) -> None:
+    with (
+        fleet.create(image="python", network=["upstream"]) as a,
+        fleet.create(image="python", network=["upstream"]) as b,
+    ):
+        a.start("python3 -m http.server 8000 --bind 127.0.0.1")
+        assert wait_until(lambda: fetch(a, "http://127.0.0.1:8000/")[0] == 0, 15)
+        # b's loopback is its own; through the proxy, loopback is refused; a has no other address.
+        assert fetch(b, "http://127.0.0.1:8000/")[0] != 0
+        r = b.exec(["python3", "-c", FETCH, "http://127.0.0.1:8000/"], env={"NO_PROXY": "", "no_proxy": ""})
+        assert r.exit_code == 3
+        # Nor the daemon's API (on the host's loopback).
+        r = b.exec(["python3", "-c", FETCH, "http://localhost.localdomain:1/"], env={"NO_PROXY": ""})
+        assert r.exit_code != 0
+
+
+def test_expose_a_port(fleet: Client, netd: Daemon) -> None:
+    url_base: str = netd.tcp_url  # type: ignore[attr-defined]
+    with fleet.create(image="python") as sb:
+        sb.files.write("/srv/index.txt", b"served from inside\n")
+        sb.start("cd /srv && python3 -m http.server 8000 --bind 127.0.0.1")
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        early = httpx.get(f"{url_base}/v1/sandboxes/{sb.id}/ports/8000/index.txt", headers=auth)
+        assert early.status_code == 404 and "expose it first" in early.json()["error"]["message"]
+        port = sb.expose(8000)
+        assert port.port == 8000 and port.path == f"/v1/sandboxes/{sb.id}/ports/8000/" and port.socket
+        assert sb.ports() == [port]
+
+        def get() -> httpx.Response:
+            return httpx.get(f"{url_base}{port.path}index.txt", headers={"authorization": f"Bearer {TOKEN}"})
+
+        assert wait_until(lambda: get().status_code == 200, 15)
+        r = get()
+        assert r.text == "served from inside\n" and r.headers["content-length"] == "19"
+        # Nobody without the token; the token never reaches the sandbox's server.
+        assert httpx.get(f"{url_base}{port.path}index.txt").status_code == 401
+        assert httpx.get(f"{url_base}{port.path}index.txt", headers={"authorization": "Bearer nope"}).status_code == 401
+        # The unix socket: a byte stream to the same server, root's only.
+        st = os.stat(port.socket)
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == 0
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(port.socket)
+            s.sendall(b"GET /index.txt HTTP/1.0\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.0 200") and data.endswith(b"served from inside\n")
+        # A port nothing listens on answers a typed error, not a hang.
+        sb.expose(8001)
+        bad = httpx.get(f"{url_base}/v1/sandboxes/{sb.id}/ports/8001/", headers={"authorization": f"Bearer {TOKEN}"})
+        assert bad.status_code == 503 and bad.json()["error"]["code"] == "unavailable"
+        sb.unexpose(8001)
+        with pytest.raises(NotFoundError):
+            sb.unexpose(8001)
+        sock_path = port.socket
+    # Gone with the sandbox.
+    assert not os.path.exists(sock_path)
+    r = httpx.get(f"{url_base}{port.path}index.txt", headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.status_code in (400, 404, 409)
+
+
+def test_vm_and_fncall_tiers_refuse_a_policy(fleet: Client) -> None:
+    with pytest.raises((UnsupportedError, InvalidArgumentError)):
+        fleet.create(image="python", backend="fncall", network=["upstream"])
+
+
+def test_audit_stream_records_api_calls_and_follows(fleet: Client, netd: Daemon) -> None:
+    start = fleet.audit(kinds=["api"], limit=1).last_seq
+    with fleet.follow_audit(since=fleet.audit(limit=10000).last_seq, kinds=["api"]) as stream:
+        sb = fleet.create(image="busybox", labels={"who": "audit-test"})
+        sb.exec("true")
+        sb.stop()
+        got = []
+        for rec in stream:
+            if str(rec.data.get("path", "")).startswith("/v1/sandboxes"):
+                got.append(rec)
+            if rec.data.get("method") == "DELETE":
+                break
+    assert [r.data["method"] for r in got][:3] == ["POST", "POST", "DELETE"]
+    assert got[1].sandbox_id == sb.id and got[1].labels == {"who": "audit-test"} and got[1].actor == "unix"
+    assert all(r.seq > start for r in got)
+    # Over TCP: the actor is the token holder's address; a refused token is recorded too.
+    url_base: str = netd.tcp_url  # type: ignore[attr-defined]
+    assert httpx.get(f"{url_base}/v1/health", headers={"authorization": "Bearer wrong"}).status_code == 401
+    recs = fleet.audit(kinds=["api"], since=start).records
+    refused = [r for r in recs if r.data["status"] == 401]
+    assert refused and refused[-1].actor == "token@127.0.0.1"
+    with pytest.raises(InvalidArgumentError):
+        fleet.audit(limit=0)
+    r = httpx.get(f"{url_base}/v1/audit?since=-1", headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400
+
+
+def test_pip_install_through_the_policy(fleet: Client) -> None:
+    """The real Python package index, allowed by name; the same command fails under `none`."""
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+    except OSError as exc:
+        pytest.skip(f"this host cannot reach pypi.org ({exc})")
+    cmd = "pip install --no-cache-dir --retries 0 --timeout 15 --disable-pip-version-check six==1.16.0"
+    with fleet.create(image="python", network=["pypi"]) as sb:
+        # The host's CA bundle: a site may reach the index through a TLS-inspecting gateway whose
+        # CA only the host trusts (this one does). TLS is end to end through the proxy either way.
+        sb.files.write("/tmp/host-ca.pem", HOST_CA.read_bytes())
+        r = sb.exec(cmd, env={"PIP_CERT": "/tmp/host-ca.pem"}, timeout=180)
+        assert r.exit_code == 0, r.stderr[-2000:]
+        assert sb.exec("python3 -c 'import six; print(six.__version__)'").stdout.strip() == "1.16.0"
+        hosts = {c["host"] for c in connections(fleet, sb.id) if c["allowed"]}
+        assert "pypi.org" in hosts or "files.pythonhosted.org" in hosts
+    with fleet.create(image="python") as sb:
+        t0 = time.perf_counter()
+        r = sb.exec(cmd, timeout=180)
+        assert r.exit_code != 0 and time.perf_counter() - t0 < 60
+        assert "six" not in sb.exec("pip list 2>/dev/null").stdout
+
+
+def test_errors_leak_nothing(fleet: Client) -> None:
+    with fleet.create(image="busybox") as sb:
+        with pytest.raises(SandboxError):
+            sb.expose(0)
+        with pytest.raises(NotFoundError):
+            fleet.get("sb-0000000000000000").set_network("none")
+
+
+def socket_fds(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return n
+
+
+def test_nothing_left_behind_after_stop_failed_create_and_daemon_kill(upstream: Upstream) -> None:
+    """No proxy listener, connection, exposure socket or namespace reference outlives a sandbox, a
+    failed create, or a daemon SIGKILL (the restarted daemon enforces the adopted sandbox's policy
+    again and removes the dead daemon's exposure sockets)."""
+    d = make_daemon("netleak", net_config(upstream))
+    d.start()
+    try:
+        with d.client(timeout=120) as fleet:
+            with fleet.create(image="python") as warm:  # image built, connection pool warm
+                fetch(warm, "http://upstream.test/hello")
+            base = socket_fds(d.pid)
+            for _ in range(5):
+                with fleet.create(image="python", network=["upstream"]) as sb:
+                    sb.start("python3 -m http.server 8000 --bind 127.0.0.1")
+                    assert fetch(sb, "http://upstream.test/hello")[0] == 0
+                    sb.expose(8000)
+                    assert socket_fds(d.pid) > base
+            with pytest.raises(SandboxError):
+                fleet.create(image="no-such-image-here", network=["upstream"])
+            assert wait_until(lambda: socket_fds(d.pid) <= base, 10), (socket_fds(d.pid), base)
+            assert list((d.run_dir / "ports").iterdir()) == []
+
+            sb = fleet.create(image="python", network=["upstream"])
+            port = sb.expose(8000)
+            assert port.socket is not None and os.path.exists(port.socket)
+        d.kill()
+        d.start()
+        with d.client(timeout=120) as fleet:
+            again = fleet.get(sb.id)
+            assert again.info.state == "running"
+            assert fetch(again, "http://upstream.test/hello")[:2] == (0, "hello from upstream\n")
+            assert not os.path.exists(port.socket) and again.ports() == []  # exposures end with their daemon
+            again.stop()
+            assert wait_until(lambda: socket_fds(d.pid) <= base + 2, 10)
+    finally:
+        destroy_daemon(d)
