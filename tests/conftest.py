@@ -145,7 +145,27 @@ def daemon() -> Iterator[Daemon]:
     d = make_daemon("main")
     d.start()
     yield d
-    destroy_daemon(d)
+    try:
+        unexpected = unexpected_findings(d)
+    finally:
+        destroy_daemon(d)
+    assert not unexpected, f"misbehaviour detectors fired during the normal test suite: {unexpected}"
+
+
+EXPECT = "sandfleet.test/expect"  # label of a sandbox a test abuses on purpose: the detectors it should trip
+
+
+def unexpected_findings(d: Daemon) -> list[dict[str, object]]:
+    """Findings of the shared daemon's detectors on sandboxes no test meant to trip them."""
+    if not d.process.started or not d.process.alive():
+        return []
+    with d.client(timeout=60) as c:
+        recs = c.audit(kinds=["finding"], limit=10000).records
+    return [
+        {"sandbox": r.sandbox_id, "labels": r.labels, **r.data}
+        for r in recs
+        if str(r.data.get("detector")) not in (r.labels or {}).get(EXPECT, "").split(",")
+    ]
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ def test_defaults_and_unknown_fields_are_refused() -> None:
     assert (c.port_scan.threshold, c.port_scan.window) == (20, 10.0)
     assert (c.connection_flood.threshold, c.connection_flood.window) == (200, 10.0)
     assert (c.fork_flood.threshold, c.fork_flood.window) == (50, 10.0)
-    assert (c.output_flood.threshold, c.output_flood.window) == (5, 60.0)
+    assert (c.output_flood.threshold, c.output_flood.window) == (20, 60.0)
     assert (c.oom_repeat.threshold, c.oom_repeat.window) == (3, 60.0)
     assert (c.cpu_mining.ratio, c.cpu_mining.window) == (0.9, 120.0)
     assert c.agent_attack.threshold == 1
@@ -180,11 +180,11 @@ def test_output_flood_and_its_window() -> None:
     for _ in range(5):  # one truncation a minute: a chatty build, not a flood
         assert d.event("sb", "output_truncated", {}) == []
         clock.tick(60)
-    for _ in range(4):
+    for _ in range(19):
         assert d.event("sb", "output_truncated", {}) == []
-        clock.tick(10)
+        clock.tick(2)
     (f,) = d.event("sb", "output_truncated", {})
-    assert f.detector == "output_flood" and f.evidence == {"count": 5, "threshold": 5, "window": 60.0}
+    assert f.detector == "output_flood" and f.evidence == {"count": 20, "threshold": 20, "window": 60.0}
 
 
 def test_oom_repeat() -> None:

@@ -57,9 +57,10 @@ SCENARIOS = int(os.environ.get("SANDFLEET_FUZZ_SCENARIOS", "40"))
 SEEDS = 2
 FUZZ_SANDBOX_AGE = 10.0  # seconds before a sandbox the fuzzer created is stopped
 
-# A watch streams ndjson until the client leaves: `requests` (schemathesis' transport) would wait forever
-# (it cuts only text/event-stream short). Covered by its own tests, not here.
-ENDLESS = r"/files/watch$"
+# A watch (and the followed audit stream) streams ndjson until the client leaves: `requests`
+# (schemathesis' transport) would wait forever (it cuts only text/event-stream short). Covered by
+# their own tests, not here.
+ENDLESS = r"/files/watch$|^/v1/audit/follow$"
 SCHEMA = schemathesis.openapi.from_path(SPEC).exclude(path_regex=ENDLESS)
 # Pooled calls: each new `resources` value starts a worker (a sandbox plus its interpreter, at that
 # CPU quota: ~10 s at cpu=0.01), so they get fewer examples than the rest.

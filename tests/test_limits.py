@@ -18,7 +18,7 @@ from typing import TypeVar
 from sandfleet import Client, ExecResult, Resources, Sandbox
 from sandfleet.models import SandboxEvent
 
-from conftest import Daemon
+from conftest import EXPECT, Daemon
 
 T = TypeVar("T")
 MiB = 1024**2
@@ -81,7 +81,7 @@ def assert_daemon_healthy(daemon: Daemon, fleet: Client) -> None:
 
 
 def test_oom_is_contained(daemon: Daemon, fleet: Client, sandbox: Sandbox) -> None:
-    with fleet.create(image="busybox", resources=Resources(memory="64MiB")) as sb:
+    with fleet.create(image="busybox", resources=Resources(memory="64MiB"), labels={EXPECT: "oom_repeat"}) as sb:
         mem = cgroup_dir(daemon, "memory", sb.id)
         assert read_int(mem / "memory.limit_in_bytes") == 64 * MiB  # enforced on the host, not just recorded
         # `tail` keeps everything after the last newline: /dev/zero has none, so it holds all 200 MiB.
@@ -111,7 +111,7 @@ BOMB = "bomb() { bomb | bomb & sleep 60; }; bomb"
 
 
 def test_fork_bomb_is_contained(daemon: Daemon, fleet: Client, sandbox: Sandbox) -> None:
-    with fleet.create(image="busybox", resources=Resources(pids=64)) as sb:
+    with fleet.create(image="busybox", resources=Resources(pids=64), labels={EXPECT: "fork_flood"}) as sb:
         pids = cgroup_dir(daemon, "pids", sb.id)
         assert read_int(pids / "pids.max") == 64
         result: list[ExecResult] = []
@@ -140,7 +140,7 @@ def test_fork_bomb_is_contained(daemon: Daemon, fleet: Client, sandbox: Sandbox)
 
 def test_background_fork_bomb_is_reaped_on_stop(daemon: Daemon, fleet: Client) -> None:
     """A bomb that detaches from its exec outlives it; stopping the sandbox must still reap every task."""
-    sb = fleet.create(image="busybox", resources=Resources(pids=64))
+    sb = fleet.create(image="busybox", resources=Resources(pids=64), labels={EXPECT: "fork_flood"})
     try:
         pids = cgroup_dir(daemon, "pids", sb.id)
         agent = int((pids / "cgroup.procs").read_text().split()[0])
@@ -164,7 +164,12 @@ def test_background_fork_bomb_is_reaped_on_stop(daemon: Daemon, fleet: Client) -
 # -- output (exec) --------------------------------------------------------------------------------------------
 
 
-def test_output_is_capped_and_daemon_memory_stays_flat(daemon: Daemon, sandbox: Sandbox) -> None:
+def test_output_is_capped_and_daemon_memory_stays_flat(daemon: Daemon, fleet: Client) -> None:
+    with fleet.create(image="busybox", labels={EXPECT: "output_flood"}) as sandbox:  # an output flood on purpose
+        _output_is_capped(daemon, sandbox)
+
+
+def _output_is_capped(daemon: Daemon, sandbox: Sandbox) -> None:
     r = sandbox.exec("yes", timeout=3)
     assert len(r.stdout) == MiB and r.stdout.startswith("y\ny\n"), len(r.stdout)
     assert r.stdout_truncated and not r.stderr_truncated and r.timed_out and r.exit_code == 137

@@ -4,6 +4,7 @@ tests/upstream.py) and, for one test, the real Python package index."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import time
@@ -366,3 +367,24 @@ def test_nothing_left_behind_after_stop_failed_create_and_daemon_kill(upstream: 
             assert wait_until(lambda: socket_fds(d.pid) <= base + 2, 10)
     finally:
         destroy_daemon(d)
+
+
+def test_command_line(netd: Daemon) -> None:
+    from test_cli import sf
+
+    created = sf(netd, "create", "--image", "python", "--network", "upstream", "--label", "cli=net")
+    assert created.returncode == 0, created.stderr
+    sid = created.stdout.strip()
+    with netd.client() as fleet:
+        sb = fleet.get(sid)
+        assert sb.info.spec.network.allow == ["upstream"]
+        assert fetch(sb, "http://upstream.test/hello")[0] == 0
+        r = sf(netd, "network", "--label", "cli=net")  # no --allow: none
+        assert r.returncode == 0 and r.stdout.split() == [sid]
+        assert fleet.get(sid).info.spec.network.none
+        r = sf(netd, "audit", "--kind", "network_policy", "--sandbox", sid)
+        lines = [json.loads(x) for x in r.stdout.splitlines()]
+        assert r.returncode == 0 and [x["data"]["allow"] for x in lines] == [[]]
+        r = sf(netd, "network", sid, "--allow", "nope")
+        assert r.returncode != 0 and "unknown network service" in r.stderr + r.stdout
+        sb.stop()

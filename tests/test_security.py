@@ -29,7 +29,7 @@ import pytest
 from sandfleet import Client, Mount, Sandbox
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, WrongStateError
 
-from conftest import IMAGES, Daemon, agent_pid
+from conftest import EXPECT, IMAGES, Daemon, agent_pid
 
 T = TypeVar("T")
 HOST_SLEEP = str(31000 + os.getpid() % 1000)  # argv of a host process the sandbox must not see
@@ -106,7 +106,8 @@ def host_primary_ip() -> str | None:
 def sandbox(fleet: Client, request: pytest.FixtureRequest) -> Iterator[Sandbox]:
     """Each escape test on the sandbox runs twice: with no network, and with networking on (an
     egress policy allowing a service: the proxy listens in the sandbox's namespace)."""
-    with fleet.create(image="busybox", idle_ttl=300, network=request.param) as sb:
+    # This file attacks on purpose; the agent is one target (the other detectors must stay quiet).
+    with fleet.create(image="busybox", idle_ttl=300, network=request.param, labels={EXPECT: "agent_attack"}) as sb:
         yield sb
 
 

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from sandfleet.client import Client, Sandbox
 from sandfleet.errors import SandboxError
-from sandfleet.models import Backend, BuildEvent, Resources, SandboxSpec
+from sandfleet.models import Backend, BuildEvent, NetworkPolicy, Resources, SandboxSpec
 
 app = typer.Typer(help="sandfleet: elastic sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 images_app = typer.Typer(help="List and build images.", invoke_without_command=True)
@@ -110,6 +110,9 @@ def create(
     label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
     env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
     idle_ttl: Annotated[float | None, typer.Option(help="seconds")] = 600.0,
+    network: Annotated[
+        list[str] | None, typer.Option(help="a service (pypi) or host[:port] the sandbox may reach; repeatable")
+    ] = None,
     socket: SocketOpt = None,
 ) -> None:
     """Create a sandbox and print its id."""
@@ -121,6 +124,7 @@ def create(
             labels=_pairs(label, "label"),
             env=_pairs(env, "env"),
             idle_ttl=idle_ttl,
+            network=NetworkPolicy.model_validate(network or "none"),
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -276,6 +280,47 @@ def resume(
 ) -> None:
     """Resume paused sandboxes by id or by label (any request to a paused sandbox also resumes it)."""
     _by_id_or_label(socket, sandbox_ids, label, lambda sb: sb.resume(), lambda fleet, sel: fleet.resume_many(sel))
+
+
+@app.command(name="network")
+def network_(
+    sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
+    allow: Annotated[
+        list[str] | None, typer.Option(help="a service or host[:port] to allow, repeatable; none: no network")
+    ] = None,
+    label: Annotated[list[str] | None, typer.Option(help="every running or paused sandbox with KEY=VALUE")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Set the egress policy of sandboxes, at once (no --allow: none, loopback only)."""
+    policy = allow or "none"
+    _by_id_or_label(
+        socket, sandbox_ids, label, lambda sb: sb.set_network(policy), lambda fleet, sel: fleet.set_network(sel, policy)
+    )
+
+
+@app.command()
+def audit(
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing records as they come")] = False,
+    since: Annotated[int, typer.Option(help="records after this seq")] = 0,
+    kind: Annotated[list[str] | None, typer.Option(help="api, connection, finding, ...; repeatable")] = None,
+    sandbox: Annotated[str | None, typer.Option(help="only this sandbox's records")] = None,
+    limit: int = 1000,
+    socket: SocketOpt = None,
+) -> None:
+    """Print the node's audit stream as JSON lines (API calls, connections, limits hit, findings)."""
+    with _client(socket) as fleet:
+        try:
+            if follow:
+                with fleet.follow_audit(since=since, kinds=kind, sandbox_id=sandbox) as records:
+                    for rec in records:
+                        print(rec.model_dump_json(), flush=True)  # noqa: T201 (JSON lines for jq)
+            else:
+                for rec in fleet.audit(since=since, kinds=kind, sandbox_id=sandbox, limit=limit).records:
+                    print(rec.model_dump_json())  # noqa: T201
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+        except KeyboardInterrupt:
+            pass
 
 
 @app.command()

@@ -765,15 +765,17 @@ def audit_query(
 
 
 def call_audit(query: AuditQuery, *, follow: bool) -> Call:
-    params: list[tuple[str, Any]] = [("since", query.since), ("limit", query.limit)]
+    params: list[tuple[str, Any]] = [("since", query.since)]
+    if not follow:
+        params.append(("limit", query.limit))
     if query.since_time is not None:
         params.append(("since_time", query.since_time))
     if query.sandbox_id is not None:
         params.append(("sandbox_id", query.sandbox_id))
     params += [("kind", k) for k in query.kinds or []]
     if follow:
-        params.append(("follow", "true"))
-    return Call("GET", "/v1/audit", params=params, timeout=None if follow else "default")
+        return Call("GET", "/v1/audit/follow", params=params, timeout=None)
+    return Call("GET", "/v1/audit", params=params)
 
 
 def audit_record(line: bytes) -> AuditRecord | None:

@@ -74,7 +74,8 @@ class ForkFloodConfig(DetectorConfig):
 
 
 class OutputFloodConfig(DetectorConfig):
-    threshold: int = Field(5, ge=1, le=_MAX_THRESHOLD, description="output truncations within `window`")
+    # 20 a minute: a test of output caps (or an agent cat-ing a big file now and then) stays under it.
+    threshold: int = Field(20, ge=1, le=_MAX_THRESHOLD, description="output truncations within `window`")
     window: float = Field(60.0, gt=0, le=_MAX_WINDOW, description="seconds; also the quiet time after a finding")
 
 

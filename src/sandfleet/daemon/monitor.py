@@ -20,6 +20,7 @@ from sandfleet.daemon.core import NodeCore
 from sandfleet.daemon.detectors import Detectors, DetectorsConfig, Finding, replaced_system_binaries
 from sandfleet.daemon.lifecycle import RUNNING, Sandbox
 from sandfleet.daemon.pausing import Pauser
+from sandfleet.images.recipe import BUILD_LABEL
 from sandfleet.models import Usage
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,8 @@ class Monitor:
                 cpu = tier.cpu_seconds(live)
             except OSError:
                 pass
-            if isinstance(tier, LayerView) and offers(tier, "layer_view"):
+            # A recipe's build step changes system files by design (apt, pip): its sandboxes are not scanned.
+            if isinstance(tier, LayerView) and offers(tier, "layer_view") and BUILD_LABEL not in sb.spec.labels:
                 try:
                     upper, lowers = tier.layer_paths(live)
                     paths = replaced_system_binaries(upper, lowers)

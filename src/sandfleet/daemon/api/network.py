@@ -74,22 +74,31 @@ def router(service: SandboxService) -> APIRouter:
         await service.unexpose(sandbox_id, port)
         return Ok()
 
-    @r.get("/v1/audit", response_model=AuditList, responses=NDJSON)
+    @r.get("/v1/audit", response_model=AuditList)
     async def audit(
         since: Annotated[int, Query(ge=0, le=2**62, description="records with a greater seq")] = 0,
         since_time: Annotated[float | None, Query(ge=0, le=2**40, description="records from this time")] = None,
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
         kind: Annotated[list[str], Query(max_length=32, description="only these kinds (repeatable)")] = [],  # noqa: B006
         sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
-        follow: Annotated[bool, Query(description="stream: what is kept, then each record as it comes")] = False,
-    ) -> AuditList | StreamingResponse:
+    ) -> AuditList:
         q = AuditQuery(
             since=since, since_time=since_time, limit=limit, kinds=[k[:64] for k in kind] or None, sandbox_id=sandbox_id
         )
-        if follow:
-            return StreamingResponse(_audit_lines(service, q), media_type="application/x-ndjson")
         records = await service.read_audit(q)
-        return AuditList(records=records, last_seq=records[-1].seq if records else max(since, 0))
+        return AuditList(records=records, last_seq=records[-1].seq if records else since)
+
+    @r.get("/v1/audit/follow", response_class=StreamingResponse, responses=NDJSON)
+    async def follow_audit(
+        since: Annotated[int, Query(ge=0, le=2**62, description="records with a greater seq")] = 0,
+        since_time: Annotated[float | None, Query(ge=0, le=2**40, description="records from this time")] = None,
+        kind: Annotated[list[str], Query(max_length=32, description="only these kinds (repeatable)")] = [],  # noqa: B006
+        sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
+    ) -> StreamingResponse:
+        """What `GET /v1/audit` gives, then each record as it is recorded (JSON lines, a heartbeat line
+        every 5 s of silence), until the client leaves."""
+        q = AuditQuery(since=since, since_time=since_time, kinds=[k[:64] for k in kind] or None, sandbox_id=sandbox_id)
+        return StreamingResponse(_audit_lines(service, q), media_type="application/x-ndjson")
 
     return r
 
