@@ -12,8 +12,9 @@ export DEBIAN_FRONTEND=noninteractive
 # nsenter and fincore in tests), git (recipes' git steps), zstd (zstd-compressed
 # OCI layers when the zstandard module is absent), podman (the OCI import test imports archives it
 # saves; a benchmark peer too), qemu-system-x86 and qemu-utils (the microvm and vm tiers; qemu-img
-# makes the vm tier's copy-on-write disks), e2fsprogs (mke2fs -d: the vm tier's base disk of an image).
-PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd podman qemu-system-x86 qemu-utils e2fsprogs)
+# makes the vm tier's copy-on-write disks), e2fsprogs (mke2fs -d: the vm tier's base disk of an image),
+# openssl (tests: the network tests' stand-in upstream serves HTTPS with a certificate it makes).
+PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd podman qemu-system-x86 qemu-utils e2fsprogs openssl)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -23,11 +23,25 @@ from sandfleet.errors import (  # noqa: E402
     UnsupportedError,
     WrongStateError,
 )
-from sandfleet.models import ContainerOptions, ExecEvent, ExecResult, Mount, Resources, SandboxSpec, VMOptions  # noqa: E402
+from sandfleet.models import (  # noqa: E402
+    AuditRecord,
+    ContainerOptions,
+    ExecEvent,
+    ExecResult,
+    ExposedPort,
+    Mount,
+    NetworkPolicy,
+    Resources,
+    SandboxSpec,
+    VMOptions,
+)
 
 __all__ = [
     "AsyncClient",
     "AsyncSandbox",
+    "AuditRecord",
+    "ExposedPort",
+    "NetworkPolicy",
     "Client",
     "DataLossError",
     "ExecEvent",

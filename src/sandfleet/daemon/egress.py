@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -31,7 +33,9 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD = 16 * 1024
 HEAD_TIMEOUT = 30.0
-CHUNK = 256 * 1024
+PIPE_SIZE = 1024 * 1024  # bytes one splice moves at most (the default pipe-max-size)
+F_SETPIPE_SZ = 1031
+SPLICE_F_MOVE, SPLICE_F_NONBLOCK = 1, 2
 _HOP_BY_HOP = (b"proxy-connection:", b"proxy-authorization:", b"connection:", b"keep-alive:")
 
 # (sandbox_id, record): one per connection attempt, refused at once or allowed when it ends.
@@ -50,19 +54,15 @@ class Refused(Exception):
 class _Conn:
     host: str
     port: int
-    writers: list[asyncio.StreamWriter] = field(default_factory=list)
-
-    def close(self) -> None:
-        for w in self.writers:
-            with contextlib.suppress(Exception):
-                w.transport.abort()
+    task: asyncio.Task[None]
 
 
 @dataclass
 class _Attachment:
     sandbox_id: str
     policy: Policy
-    server: asyncio.Server
+    listener: socket.socket
+    accepting: asyncio.Task[None] | None = None
     conns: set[_Conn] = field(default_factory=set)
 
 
@@ -101,28 +101,26 @@ class EgressProxy:
             return
         if att is None:
             sock = await asyncio.to_thread(netns.listen_loopback, ns_path, self.config.proxy_port)
-            try:
-                server = await asyncio.start_server(
-                    lambda r, w: self._serve(sandbox_id, r, w), sock=sock, limit=MAX_HEAD
-                )
-            except BaseException:
-                sock.close()
-                raise
-            self._by_id[sandbox_id] = _Attachment(sandbox_id, policy, server)
+            att = _Attachment(sandbox_id, policy, sock)
+            self._by_id[sandbox_id] = att
+            att.accepting = asyncio.get_running_loop().create_task(self._accept(att), name=f"egress-{sandbox_id}")
             return
         att.policy = policy
         for conn in list(att.conns):
             if policy.rule_for(conn.host, conn.port) is None:
-                conn.close()
+                conn.task.cancel()
 
     def detach(self, sandbox_id: str) -> None:
         """Stop listening for the sandbox and cut its connections (it stopped, or allows nothing)."""
         att = self._by_id.pop(sandbox_id, None)
         if att is None:
             return
-        att.server.close()
+        if att.accepting is not None:
+            att.accepting.cancel()  # closes the listener, and with it the namespace's last reference
+        else:
+            att.listener.close()
         for conn in list(att.conns):
-            conn.close()
+            conn.task.cancel()
 
     async def close(self) -> None:
         for sid in list(self._by_id):
@@ -130,16 +128,31 @@ class EgressProxy:
 
     # ---- one connection --------------------------------------------------------------------
 
-    async def _serve(self, sandbox_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        att = self._by_id.get(sandbox_id)
-        if att is None:
-            writer.transport.abort()
-            return
+    async def _accept(self, att: _Attachment) -> None:
+        loop = asyncio.get_running_loop()
+        pending: set[asyncio.Task[None]] = set()  # accepted, not yet connected upstream
+        try:
+            while True:
+                client, _ = await loop.sock_accept(att.listener)
+                client.setblocking(False)
+                task = loop.create_task(self._serve(att, client))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+        except (asyncio.CancelledError, OSError):
+            for task in pending:
+                task.cancel()
+            raise
+        finally:
+            att.listener.close()
+
+    async def _serve(self, att: _Attachment, client: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         started = time.monotonic()
         rec: dict[str, Any] = {}
+        upstream: socket.socket | None = None
         conn: _Conn | None = None
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+            head, rest = await asyncio.wait_for(_read_head(loop, client), HEAD_TIMEOUT)
             method, host, port, head = _parse_head(head)
             rec.update(host=host, port=port, method=method)
             if len(att.conns) >= self.config.max_connections:
@@ -150,48 +163,69 @@ class EgressProxy:
                     403, f"{host}:{port} is not allowed by this sandbox's network policy (allow: {att.policy.spec})"
                 )
             rec["rule"] = rule.source
-            up_reader, up_writer, ip = await self._connect(att.policy, rule, host, port)
+            upstream, ip = await self._connect(att.policy, rule, host, port)
             rec["ip"] = str(ip)
-            conn = _Conn(host, port, [writer, up_writer])
+            if att.sandbox_id not in self._by_id or att.policy.rule_for(host, port) is None:
+                raise Refused(403, "the sandbox's network policy changed")
+            task = asyncio.current_task()
+            assert task is not None
+            conn = _Conn(host, port, task)
             att.conns.add(conn)
             if method == "CONNECT":
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:
-                up_writer.write(head)
+                await loop.sock_sendall(client, b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await loop.sock_sendall(upstream, head + rest)
             rec["allowed"] = True
-            up, down = await asyncio.gather(
-                self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True
+            counts = [len(head) + len(rest), 0]
+            relays = asyncio.gather(
+                _relay(loop, client, upstream, counts, 0), _relay(loop, upstream, client, counts, 1)
             )
-            rec["bytes_up"] = (up if isinstance(up, int) else 0) + len(head)
-            rec["bytes_down"] = down if isinstance(down, int) else 0
+            try:
+                while True:  # until both directions end, or neither moved a byte for idle_timeout
+                    moved = sum(counts)
+                    done, _ = await asyncio.wait({relays}, timeout=self.config.idle_timeout)
+                    if done:
+                        break
+                    if sum(counts) == moved:
+                        rec["reason"] = f"closed: idle for {self.config.idle_timeout:g} s"
+                        break
+            finally:
+                relays.cancel()
+                with contextlib.suppress(BaseException):
+                    await relays
+            rec["bytes_up"], rec["bytes_down"] = counts
         except Refused as exc:
             rec.update(allowed=False, status=exc.status, reason=exc.reason)
+            body = f"sandfleet: {exc.reason}\n".encode()
             with contextlib.suppress(Exception):
-                body = f"sandfleet: {exc.reason}\n".encode()
-                writer.write(
-                    b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-                    b"X-Sandfleet-Egress: refused\r\nConnection: close\r\n\r\n%s"
-                    % (exc.status, _REASONS.get(exc.status, b"Refused"), len(body), body)
+                await asyncio.wait_for(
+                    loop.sock_sendall(
+                        client,
+                        b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+                        b"X-Sandfleet-Egress: refused\r\nConnection: close\r\n\r\n%s"
+                        % (exc.status, _REASONS.get(exc.status, b"Refused"), len(body), body),
+                    ),
+                    5,
                 )
-                await asyncio.wait_for(writer.drain(), 5)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError, OSError):
+        except asyncio.CancelledError:
+            rec.setdefault("reason", "closed: the policy no longer allows it, or the sandbox stopped")
+        except (TimeoutError, ConnectionError, OSError, EOFError):
             pass  # a client that went away or never sent a request: nothing to tell it
         finally:
             if conn is not None:
                 att.conns.discard(conn)
-                conn.close()
-            writer.transport.abort()
+                rec.setdefault("bytes_up", 0)
+            client.close()
+            if upstream is not None:
+                upstream.close()
             if rec.get("host") is not None:
                 rec.setdefault("allowed", False)
                 rec["duration"] = round(time.monotonic() - started, 3)
                 try:
-                    self._report(sandbox_id, rec)
+                    self._report(att.sandbox_id, rec)
                 except Exception:
-                    log.exception("reporting a connection of sandbox %s failed", sandbox_id)
+                    log.exception("reporting a connection of sandbox %s failed", att.sandbox_id)
 
-    async def _connect(
-        self, policy: Policy, rule: Rule, host: str, port: int
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, IPAddress]:
+    async def _connect(self, policy: Policy, rule: Rule, host: str, port: int) -> tuple[socket.socket, IPAddress]:
         addrs = await self._resolve(host, port)
         refusals = []
         allowed = []
@@ -206,13 +240,15 @@ class EgressProxy:
         if not allowed:
             raise Refused(403, f"{host} resolves only to addresses no sandbox may reach ({'; '.join(refusals[:3])})")
         last: Exception | None = None
+        loop = asyncio.get_running_loop()
         for ip in allowed:
+            sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
             try:
-                r, w = await asyncio.wait_for(
-                    asyncio.open_connection(str(ip), port, limit=CHUNK), self.config.connect_timeout
-                )
-                return r, w, ip
+                await asyncio.wait_for(loop.sock_connect(sock, (str(ip), port)), self.config.connect_timeout)
+                return sock, ip
             except (OSError, TimeoutError) as exc:
+                sock.close()
                 last = exc
         raise Refused(502, f"cannot connect to {host}:{port} ({type(last).__name__}: {last})")
 
@@ -234,22 +270,71 @@ class EgressProxy:
                 out.append(ip)
         return out
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> int:
-        n = 0
-        idle = self.config.idle_timeout
-        try:
-            while True:
-                data = await asyncio.wait_for(src.read(CHUNK), idle)
-                if not data:
-                    break
-                n += len(data)
-                dst.write(data)
-                await dst.drain()
-            if dst.can_write_eof():
-                dst.write_eof()
-        except (TimeoutError, ConnectionError, OSError):
-            dst.transport.abort()
-        return n
+
+async def _read_head(loop: asyncio.AbstractEventLoop, client: socket.socket) -> tuple[bytes, bytes]:
+    """The request head (through its blank line) and whatever came after it."""
+    buf = b""
+    while True:
+        data = await loop.sock_recv(client, MAX_HEAD)
+        if not data:
+            raise EOFError("the client closed before its request")
+        buf += data
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            return buf[: end + 4], buf[end + 4 :]
+        if len(buf) > MAX_HEAD:
+            raise Refused(400, f"request head larger than {MAX_HEAD} bytes")
+
+
+async def _relay(
+    loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket, counts: list[int], i: int
+) -> None:
+    """Move bytes from `src` to `dst` until `src` ends, through a pipe with splice(2): the kernel
+    moves the pages, this loop only waits for readiness (no copy through Python, no buffer of ours).
+    Half-closes `dst` at the end so the other direction can finish."""
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
+    flags = SPLICE_F_MOVE | SPLICE_F_NONBLOCK
+    try:
+        while True:
+            try:
+                n = os.splice(src.fileno(), w, PIPE_SIZE, flags=flags)
+            except BlockingIOError:
+                await _ready(loop, src.fileno(), read=True)
+                continue
+            if n == 0:
+                break
+            while n:
+                try:
+                    m = os.splice(r, dst.fileno(), n, flags=flags)
+                except BlockingIOError:
+                    await _ready(loop, dst.fileno(), read=False)
+                    continue
+                n -= m
+                counts[i] += m
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+    except (ConnectionError, OSError):
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)  # the other direction ends too
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def _ready(loop: asyncio.AbstractEventLoop, fd: int, *, read: bool) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    (loop.add_reader if read else loop.add_writer)(fd, wake)
+    try:
+        await fut
+    finally:
+        (loop.remove_reader if read else loop.remove_writer)(fd)
 
 
 _REASONS = {403: b"Forbidden", 400: b"Bad Request", 502: b"Bad Gateway", 503: b"Service Unavailable"}
