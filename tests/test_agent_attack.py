@@ -28,6 +28,8 @@ from sandfleet import Client, Sandbox, SandboxError
 from sandfleet.runtime import seccomp
 from sandfleet.runtime.agent import AgentChannel, ExitInfo, build_agent, grab_handoff_channel
 
+from conftest import EXPECT
+
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C"}
 
 # Becomes PID 1 of a new pid namespace (with a private /proc), installs the filter with a listener
@@ -347,7 +349,7 @@ def _probe(sb: Sandbox, what: str) -> str:
 
 @pytest.fixture
 def py_sandbox(fleet: Client) -> Iterator[Sandbox]:
-    with fleet.create(image="python", idle_ttl=300) as sb:
+    with fleet.create(image="python", idle_ttl=300, labels={EXPECT: "agent_attack"}) as sb:
         yield sb
 
 
@@ -361,6 +363,9 @@ def test_sandbox_attempts_on_pid1_fail_and_the_agent_keeps_working(py_sandbox: S
     assert _probe(sb, "pidfd1") == "EPERM"
     assert _probe(sb, "vmread1") == "EPERM"
     assert _sh(sb, "echo still here") == (0, "still here\n", "")
+    # the daemon heard it: an event of the sandbox (and a finding of the agent_attack detector)
+    attempts = [e.data for e in sb.events() if e.kind == "agent_attack"]
+    assert {a.get("syscall") for a in attempts} >= {"kill", "ptrace", "pidfd_open", "process_vm_readv"}, attempts
     # ptrace of the sandbox's other processes is untouched
     assert _probe(sb, "attach_child") == "ok"
     # no nested pid namespace to test the pass-through in: the sandbox cannot make one
@@ -369,7 +374,7 @@ def test_sandbox_attempts_on_pid1_fail_and_the_agent_keeps_working(py_sandbox: S
 
 
 def test_snapshot_restore_with_the_listener(fleet: Client) -> None:
-    sb = fleet.create(image="busybox")
+    sb = fleet.create(image="busybox", labels={EXPECT: "agent_attack"})
     try:
         code, _, err = _sh(sb, "kill -0 1")
         assert code != 0 and "not permitted" in err

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from sandfleet import Client
-from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, UnsupportedError
+from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, UnsupportedError, WrongStateError
 from upstream import Upstream, free_subnet
 
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until
@@ -249,7 +249,7 @@ def test_expose_a_port(fleet: Client, netd: Daemon) -> None:
         # A port nothing listens on answers a typed error, not a hang.
         sb.expose(8001)
         bad = httpx.get(f"{url_base}/v1/sandboxes/{sb.id}/ports/8001/", headers={"authorization": f"Bearer {TOKEN}"})
-        assert bad.status_code == 503 and bad.json()["error"]["code"] == "unavailable"
+        assert bad.status_code == 409 and bad.json()["error"]["code"] == "wrong_state"
         sb.unexpose(8001)
         with pytest.raises(NotFoundError):
             sb.unexpose(8001)
@@ -388,3 +388,17 @@ def test_command_line(netd: Daemon) -> None:
         r = sf(netd, "network", sid, "--allow", "nope")
         assert r.returncode != 0 and "unknown network service" in r.stderr + r.stdout
         sb.stop()
+
+
+def test_a_sandbox_holding_the_proxy_port_gets_a_clear_error(fleet: Client) -> None:
+    with fleet.create(image="python") as sb:
+        sb.start("python3 -m http.server 3128 --bind 127.0.0.1")
+        assert wait_until(
+            lambda: (
+                sb.exec("python3 -c \"import socket; socket.create_connection(('127.0.0.1', 3128))\"").exit_code == 0
+            ),
+            15,
+        )
+        with pytest.raises(WrongStateError, match="listens on 127.0.0.1:3128, where the egress proxy must"):
+            sb.set_network(["upstream"])
+        assert sb.info.spec.network.none and fleet.get(sb.id).info.spec.network.none

@@ -27,7 +27,7 @@ from sandfleet.daemon.lifecycle import HOLDING_STATES, Sandbox
 from sandfleet.daemon.monitor import Monitor
 from sandfleet.daemon.network import NetworkConfig, Policy, compile_policy
 from sandfleet.daemon.pausing import Pauser
-from sandfleet.errors import InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError
+from sandfleet.errors import InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError, WrongStateError
 from sandfleet.models import ExposedPort, NetworkPolicy, SandboxInfo, SandboxSpec
 from sandfleet.runtime import netns
 
@@ -107,7 +107,7 @@ class Networking:
             try:
                 await self.proxy.apply(sb.id, backend.netns_path(live), policy)
             except OSError as exc:
-                raise UnavailableError(f"sandbox {sandbox_id} is no longer running ({exc.strerror})") from exc
+                raise _listen_error(sandbox_id, self.config.proxy_port, exc) from exc
         sb.spec = spec
         await self.core.state.update(sb.id, spec=spec.model_dump(mode="json"))
         self.core.journal.record(sb.id, "network_policy", {"allow": list(network.allow)})
@@ -196,14 +196,15 @@ class Networking:
         try:
             sock = await asyncio.to_thread(netns.loopback_socket, ns)
         except OSError as exc:
-            raise UnavailableError(f"sandbox {sandbox_id} is no longer running ({exc.strerror})") from exc
+            raise WrongStateError(f"sandbox {sandbox_id} is no longer running ({exc.strerror})") from exc
         try:
             await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port)), CONNECT_TIMEOUT)
             return await asyncio.open_connection(sock=sock)
         except (OSError, TimeoutError) as exc:
             sock.close()
-            why = "nothing listens there" if getattr(exc, "errno", None) == errno.ECONNREFUSED else str(exc)
-            raise UnavailableError(f"port {port} of sandbox {sandbox_id} does not answer: {why}") from exc
+            if getattr(exc, "errno", None) == errno.ECONNREFUSED:  # the sandbox's state, not the node's
+                raise WrongStateError(f"nothing listens on port {port} of sandbox {sandbox_id}") from exc
+            raise UnavailableError(f"port {port} of sandbox {sandbox_id} does not answer: {exc}") from exc
 
     # ---- the end of a sandbox -------------------------------------------------------------------
 
@@ -214,6 +215,15 @@ class Networking:
     def _stopped(self, sb: Sandbox) -> None:
         self.proxy.detach(sb.id)
         self._unexpose_all(sb.id)
+
+
+def _listen_error(sandbox_id: str, port: int, exc: OSError) -> WrongStateError:
+    if exc.errno == errno.EADDRINUSE:
+        return WrongStateError(
+            f"a process of sandbox {sandbox_id} listens on 127.0.0.1:{port}, where the egress proxy must: "
+            "stop it, or run the node with another [network] proxy_port"
+        )
+    return WrongStateError(f"sandbox {sandbox_id} is no longer running ({exc.strerror})")
 
 
 def _close_exposure(e: _Exposure) -> None:
