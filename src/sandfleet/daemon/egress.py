@@ -100,7 +100,7 @@ class EgressProxy:
             self.detach(sandbox_id)
             return
         if att is None:
-            sock = await asyncio.to_thread(netns.listen_loopback, ns_path, self.config.proxy_port)
+            sock = await netns.listen_loopback(ns_path, self.config.proxy_port)
             att = _Attachment(sandbox_id, policy, sock)
             self._by_id[sandbox_id] = att
             att.accepting = asyncio.get_running_loop().create_task(self._accept(att), name=f"egress-{sandbox_id}")
@@ -231,7 +231,7 @@ class EgressProxy:
         allowed = []
         for ip in addrs:
             why = policy.address_refusal(ip, rule)
-            if why is None and await asyncio.to_thread(netns.is_local_address, str(ip)):
+            if why is None and netns.is_local_address(str(ip)):  # one bind(2): does not block
                 why = f"{ip} is an address of this node"
             if why is None:
                 allowed.append(ip)

@@ -194,7 +194,7 @@ class Networking:
         sb, live = await self.pauser.ready(sandbox_id)
         ns = self._networked(sb).netns_path(live)
         try:
-            sock = await asyncio.to_thread(netns.loopback_socket, ns)
+            sock = await netns.loopback_socket(ns)
         except OSError as exc:
             raise WrongStateError(f"sandbox {sandbox_id} is no longer running ({exc.strerror})") from exc
         try:
