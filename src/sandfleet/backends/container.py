@@ -734,9 +734,19 @@ class ContainerBackend:
                     freezer=str(self.cgroups.freezer_dir(rel)),
                     log=log_file,
                 )
+                ooms = await asyncio.to_thread(self._oom_kills, sandbox)
                 done = await proc.spawn(argv, timeout=300)
                 if done.returncode != 0:
-                    raise InternalError(f"criu dump failed ({done.returncode}): {_criu_error(log_file)}")
+                    why = _criu_error(log_file)
+                    if await asyncio.to_thread(self._oom_kills, sandbox) > ooms or "killed by 9 unexpectedly" in why:
+                        # criu's parasite runs in the sandbox's processes and needs a little memory
+                        # there: a sandbox at its memory limit loses one to the OOM killer (or killed
+                        # it itself). The sandbox's state, not the node's.
+                        raise WrongStateError(
+                            f"a process of sandbox {sandbox.id} was killed while it was being checkpointed "
+                            f"(at its memory limit? raise it, or free memory, and retry): {why}"[:500]
+                        )
+                    raise InternalError(f"criu dump failed ({done.returncode}): {why}")
                 # Still frozen: the tree the images were taken from is the one checked.
                 await self._check_restore_paths(sandbox, images)
             finally:
@@ -1039,6 +1049,12 @@ class ContainerBackend:
 
     def usage(self, sandbox: LiveSandbox) -> Usage:
         return cgroup_usage(self.cgroups, sandbox)
+
+    def _oom_kills(self, sandbox: LiveSandbox) -> int:
+        try:
+            return self.usage(sandbox).oom_kills
+        except OSError:
+            return 0
 
     def netns_path(self, sandbox: LiveSandbox) -> str:
         return f"/proc/{sandbox.agent_pid}/ns/net"
