@@ -267,7 +267,7 @@ _DNS_PATTERN_RE = re.compile(rf"^(\*\.)?({_DNS_LABEL}\.)*{_DNS_LABEL}$")
 MAX_ALLOW = 64
 
 
-def _split_host_port(entry: str) -> tuple[str, int | None]:
+def split_host_port(entry: str) -> tuple[str, int | None]:
     """`host`, `host:port`, `[v6]` or `[v6]:port` -> (host, port or None)."""
     if entry.startswith("["):
         host, sep, rest = entry[1:].partition("]")
@@ -290,7 +290,7 @@ def check_allow_entry(entry: str) -> str:
     entry = entry.strip().lower()
     if _SERVICE_RE.match(entry):
         return entry
-    host, _ = _split_host_port(entry)
+    host, _ = split_host_port(entry)
     try:
         ipaddress.ip_address(host)
         return entry
@@ -383,7 +383,6 @@ class AuditRecord(_Model):
     of its policy (`network_policy`), an attempt on its agent (`agent_attack`), a detector's
     `finding`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     seq: int
     ts: float
     kind: str

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -27,15 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sandfleet.daemon.network import IPAddress, NetworkConfig, Policy, Rule, ip_literal, normalize_host
-from sandfleet.runtime import netns
+from sandfleet.models import split_host_port
+from sandfleet.runtime import netns, splice
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD = 16 * 1024
 HEAD_TIMEOUT = 30.0
-PIPE_SIZE = 1024 * 1024  # bytes one splice moves at most (the default pipe-max-size)
-F_SETPIPE_SZ = 1031
-SPLICE_F_MOVE, SPLICE_F_NONBLOCK = 1, 2
 _HOP_BY_HOP = (b"proxy-connection:", b"proxy-authorization:", b"connection:", b"keep-alive:")
 
 # (sandbox_id, record): one per connection attempt, refused at once or allowed when it ends.
@@ -85,12 +81,6 @@ class EgressProxy:
         self.config = config
         self._report = report
         self._by_id: dict[str, _Attachment] = {}
-
-    def attached(self, sandbox_id: str) -> bool:
-        return sandbox_id in self._by_id
-
-    def __len__(self) -> int:
-        return len(self._by_id)
 
     async def apply(self, sandbox_id: str, ns_path: str, policy: Policy) -> None:
         """Make `policy` the sandbox's, now: listen in its namespace if it allows anything (and did
@@ -177,7 +167,7 @@ class EgressProxy:
             rec["allowed"] = True
             counts = [len(head) + len(rest), 0]
             relays = asyncio.gather(
-                _relay(loop, client, upstream, counts, 0), _relay(loop, upstream, client, counts, 1)
+                splice.relay(loop, client, upstream, counts, 0), splice.relay(loop, upstream, client, counts, 1)
             )
             try:
                 while True:  # until both directions end, or neither moved a byte for idle_timeout
@@ -286,57 +276,6 @@ async def _read_head(loop: asyncio.AbstractEventLoop, client: socket.socket) -> 
             raise Refused(400, f"request head larger than {MAX_HEAD} bytes")
 
 
-async def _relay(
-    loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket, counts: list[int], i: int
-) -> None:
-    """Move bytes from `src` to `dst` until `src` ends, through a pipe with splice(2): the kernel
-    moves the pages, this loop only waits for readiness (no copy through Python, no buffer of ours).
-    Half-closes `dst` at the end so the other direction can finish."""
-    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    with contextlib.suppress(OSError):
-        fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
-    flags = SPLICE_F_MOVE | SPLICE_F_NONBLOCK
-    try:
-        while True:
-            try:
-                n = os.splice(src.fileno(), w, PIPE_SIZE, flags=flags)
-            except BlockingIOError:
-                await _ready(loop, src.fileno(), read=True)
-                continue
-            if n == 0:
-                break
-            while n:
-                try:
-                    m = os.splice(r, dst.fileno(), n, flags=flags)
-                except BlockingIOError:
-                    await _ready(loop, dst.fileno(), read=False)
-                    continue
-                n -= m
-                counts[i] += m
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-    except (ConnectionError, OSError):
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_RDWR)  # the other direction ends too
-    finally:
-        os.close(r)
-        os.close(w)
-
-
-async def _ready(loop: asyncio.AbstractEventLoop, fd: int, *, read: bool) -> None:
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    (loop.add_reader if read else loop.add_writer)(fd, wake)
-    try:
-        await fut
-    finally:
-        (loop.remove_reader if read else loop.remove_writer)(fd)
-
-
 _REASONS = {403: b"Forbidden", 400: b"Bad Request", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
 
@@ -362,21 +301,14 @@ def _parse_head(head: bytes) -> tuple[str, str, int, bytes]:
 
 
 def _host_port(authority: str, default: int | None) -> tuple[str, int]:
-    if authority.startswith("["):
-        host, _, rest = authority[1:].partition("]")
-        port_s = rest[1:] if rest.startswith(":") else ""
-    else:
-        host, sep, port_s = authority.rpartition(":")
-        if not sep:
-            host, port_s = authority, ""
-    if not port_s:
+    try:
+        host, port = split_host_port(authority)
+    except ValueError as exc:
+        raise Refused(400, str(exc)) from None
+    if port is None:
         if default is None:
             raise Refused(400, f"CONNECT needs host:port, got {authority[:80]!r}")
         port = default
-    elif port_s.isdigit() and 0 < int(port_s) < 65536:
-        port = int(port_s)
-    else:
-        raise Refused(400, f"bad port in {authority[:80]!r}")
     host = normalize_host(host)
     if not host:
         raise Refused(400, "no host")

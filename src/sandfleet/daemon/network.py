@@ -9,14 +9,13 @@ see egress.py), whatever the policy.
 
 from __future__ import annotations
 
-import fnmatch
 import ipaddress
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sandfleet.errors import InvalidArgumentError
-from sandfleet.models import NetworkPolicy, _split_host_port
+from sandfleet.models import NetworkPolicy, split_host_port
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -153,7 +152,7 @@ class Rule:
         if port not in self.ports:
             return False
         if self.pattern.startswith("*."):
-            return host.endswith(self.pattern[1:]) and fnmatch.fnmatchcase(host, self.pattern)
+            return host.endswith(self.pattern[1:])  # "*.x.y": any name under x.y
         return host == self.pattern
 
 
@@ -205,7 +204,7 @@ def compile_policy(spec: NetworkPolicy, config: NetworkConfig) -> Policy:
             cidrs = tuple(ipaddress.ip_network(c, strict=False) for c in svc.cidrs)
             rules += [Rule(normalize_host(h), frozenset(svc.ports), cidrs, entry) for h in svc.hosts]
             continue
-        host, port = _split_host_port(entry)
+        host, port = split_host_port(entry)
         rules.append(Rule(normalize_host(host), frozenset([port] if port else [80, 443]), (), entry))
     return Policy(spec, tuple(rules))
 

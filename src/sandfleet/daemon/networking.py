@@ -17,6 +17,7 @@ import contextlib
 import errno
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +28,16 @@ from sandfleet.daemon.lifecycle import HOLDING_STATES, Sandbox
 from sandfleet.daemon.monitor import Monitor
 from sandfleet.daemon.network import NetworkConfig, Policy, compile_policy
 from sandfleet.daemon.pausing import Pauser
-from sandfleet.errors import InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError, WrongStateError
+from sandfleet.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    SandboxError,
+    UnavailableError,
+    UnsupportedError,
+    WrongStateError,
+)
 from sandfleet.models import ExposedPort, NetworkPolicy, SandboxInfo, SandboxSpec
-from sandfleet.runtime import netns
+from sandfleet.runtime import netns, splice
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +49,8 @@ CONNECT_TIMEOUT = 10.0
 class _Exposure:
     port: int
     socket_path: Path
-    server: asyncio.AbstractServer
-    conns: set[asyncio.StreamWriter]
+    accepting: asyncio.Task[None]  # owns the listening unix socket; cancelled, it closes it
+    conns: set[asyncio.Task[None]]
 
 
 class Networking:
@@ -141,29 +149,17 @@ class Networking:
         if len(mine) >= MAX_EXPOSED:
             raise InvalidArgumentError(f"a sandbox exposes at most {MAX_EXPOSED} ports")
         path = self.ports_dir / f"{sb.id}-{port}.sock"
-        conns: set[asyncio.StreamWriter] = set()
-
-        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            conns.add(writer)
-            try:
-                up_reader, up_writer = await self.open_port(sb.id, port)
-            except Exception:
-                writer.transport.abort()
-                conns.discard(writer)
-                return
-            conns.add(up_writer)
-            try:
-                await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
-            finally:
-                for w in (writer, up_writer):
-                    w.transport.abort()
-                    conns.discard(w)
-
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is made 0600 (root's only), with no window
         try:
-            server = await asyncio.start_unix_server(relay, path=str(path))
+            server.bind(str(path))
+            server.listen(64)
+            server.setblocking(False)
+        except BaseException:
+            server.close()
+            raise
         finally:
             os.umask(old)
         if sb.id not in self._exposed or sb.state not in HOLDING_STATES:  # stopped meanwhile
@@ -171,7 +167,9 @@ class Networking:
             with contextlib.suppress(OSError):
                 path.unlink()
             raise NotFoundError(f"sandbox {sandbox_id} stopped")
-        mine[port] = _Exposure(port, path, server, conns)
+        conns: set[asyncio.Task[None]] = set()
+        accepting = asyncio.get_running_loop().create_task(self._accept(sb.id, port, server, conns))
+        mine[port] = _Exposure(port, path, accepting, conns)
         self.core.journal.record(sb.id, "port_exposed", {"port": port})
         return self._info(sb.id, mine[port])
 
@@ -186,8 +184,39 @@ class Networking:
         sb = self.core.sandbox(sandbox_id)
         return [self._info(sb.id, e) for e in sorted(self._exposed.get(sb.id, {}).values(), key=lambda e: e.port)]
 
+    async def _accept(self, sandbox_id: str, port: int, server: socket.socket, conns: set[asyncio.Task[None]]) -> None:
+        """Each connection to an exposure's unix socket: relayed to the port in the sandbox."""
+        loop = asyncio.get_running_loop()
+
+        async def serve(client: socket.socket) -> None:
+            try:
+                upstream = await self.connect_port(sandbox_id, port)
+            except SandboxError:
+                client.close()
+                return
+            try:
+                await splice.both_ways(loop, client, upstream)
+            finally:
+                client.close()
+                upstream.close()
+
+        try:
+            while True:
+                client, _ = await loop.sock_accept(server)
+                client.setblocking(False)
+                task = loop.create_task(serve(client))
+                conns.add(task)
+                task.add_done_callback(conns.discard)
+        finally:
+            server.close()
+
     async def open_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A connection to the sandbox's 127.0.0.1:`port`, which it must have exposed (resumes it if paused)."""
+        """A connection to the sandbox's 127.0.0.1:`port`, as streams (the HTTP route's)."""
+        return await asyncio.open_connection(sock=await self.connect_port(sandbox_id, port))
+
+    async def connect_port(self, sandbox_id: str, port: int) -> socket.socket:
+        """A non-blocking socket connected to the sandbox's 127.0.0.1:`port`, which it must have
+        exposed (resumes it if paused)."""
         sb = self.core.sandbox(sandbox_id)
         if port not in self._exposed.get(sb.id, {}):
             raise NotFoundError(f"sandbox {sandbox_id} does not expose port {port} (expose it first)")
@@ -199,7 +228,7 @@ class Networking:
             raise WrongStateError(f"sandbox {sandbox_id} is no longer running ({exc.strerror})") from exc
         try:
             await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port)), CONNECT_TIMEOUT)
-            return await asyncio.open_connection(sock=sock)
+            return sock
         except (OSError, TimeoutError) as exc:
             sock.close()
             if getattr(exc, "errno", None) == errno.ECONNREFUSED:  # the sandbox's state, not the node's
@@ -227,19 +256,8 @@ def _listen_error(sandbox_id: str, port: int, exc: OSError) -> WrongStateError:
 
 
 def _close_exposure(e: _Exposure) -> None:
-    e.server.close()
-    for w in list(e.conns):
-        w.transport.abort()
+    e.accepting.cancel()
+    for task in list(e.conns):
+        task.cancel()
     with contextlib.suppress(OSError):
         e.socket_path.unlink()
-
-
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-    try:
-        while data := await src.read(256 * 1024):
-            dst.write(data)
-            await dst.drain()
-        if dst.can_write_eof():
-            dst.write_eof()
-    except (ConnectionError, OSError):
-        dst.transport.abort()
