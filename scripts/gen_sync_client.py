@@ -34,6 +34,7 @@ REPLACEMENTS = [
     ("AsyncProcess", "Process"),
     ("AsyncSession", "Session"),
     ("AsyncFiles", "Files"),
+    ("AsyncTrajectory", "Trajectory"),
     ("async def __aenter__", "def __enter__"),
     ("async def __aexit__", "def __exit__"),
     ("async def aclose", "def close"),

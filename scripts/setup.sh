@@ -50,6 +50,12 @@ if ! compgen -G "$GUEST_DIR/boot/vmlinuz-*" >/dev/null; then
     mv "$GUEST_DIR.tmp" "$GUEST_DIR"
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e ".[node,dev]"
+python3 -m pip install -q --disable-pip-version-check -e ".[node,dev,rl]"
+# verl's sandbox-fusion client code, for tests/test_fusion.py (only that part of it is imported:
+# verl itself pulls torch and ray, which its reward client does not need).
+python3 -m pip install -q --disable-pip-version-check --no-deps "verl==0.9.1"
+# SWE-ReX's own runtime tests (in its sdist), run against sandfleet's runtime by tests/test_adapter_swerex.py.
+python3 -m pip download -q --disable-pip-version-check --no-binary :all: --no-deps "swe-rex==1.4.0" \
+    -d "${SANDFLEET_PEER_CACHE:-$HOME/.cache/sandfleet/peer}"
 # The agent, the launcher and criu's shim, compiled once here (the daemon copies them at start).
 python3 -m sandfleet.runtime.prebuild >/dev/null

@@ -35,6 +35,7 @@ from sandfleet import Client, Mount
 from sandfleet.client import _base as wire
 from sandfleet.client.sync import Sandbox
 from sandfleet.errors import (
+    CAUSES,
     WIRE_CODES,
     ImageNotFoundError,
     InvalidArgumentError,
@@ -124,12 +125,13 @@ class Contract:
         return body
 
     def error(self, resp: httpx.Response, code: str, status: int | None = None) -> dict[str, Any]:
-        """The error contract: exactly {"error": {code, message, retryable}}, typed, no internals."""
+        """The error contract: exactly {"error": {code, message, retryable, cause}}, typed, no internals."""
         body = self.check(resp)
         assert set(body) == {"error"}, body
         err = body["error"]
-        assert set(err) == {"code", "message", "retryable"}, body
+        assert set(err) == {"code", "message", "retryable", "cause"}, body
         assert err["code"] in CODES, body
+        assert err["cause"] in CAUSES, body
         assert err["code"] == code, f"{resp.request.method} {resp.request.url}: expected {code}, got {body}"
         cls = WIRE_CODES[code]
         assert resp.status_code == (status or cls.http_status), body
@@ -175,7 +177,7 @@ def test_spec_covers_the_api(spec: dict[str, Any]) -> None:
     body = spec["components"]["schemas"]["ErrorBody"]
     assert set(body["properties"]["code"]["enum"]) == CODES
     assert body["additionalProperties"] is False
-    assert set(body["required"]) == {"code", "message", "retryable"}
+    assert set(body["required"]) == {"code", "message", "retryable", "cause"}
 
 
 def test_spec_documents_only_the_real_error_body(spec: dict[str, Any]) -> None:
@@ -867,5 +869,7 @@ async def test_unexpected_exception_is_a_wire_error_not_a_dropped_connection() -
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sandfleet") as client:
         resp = await client.get("/v1/sandboxes/sb-0123")
         assert resp.status_code == 500
-        assert resp.json() == {"error": {"code": "internal", "message": "internal error: boom", "retryable": False}}
+        assert resp.json() == {
+            "error": {"code": "internal", "message": "internal error: boom", "retryable": False, "cause": "infra"}
+        }
         assert (await client.get("/v1/sandboxes/sb-0123")).status_code == 500

@@ -166,6 +166,8 @@ SERVICE_ORDER = [
     "creation",
     "fncall",
     "snapshots",
+    "verify",
+    "trajectories",
     "reaper",
     "recovery",
     "service",

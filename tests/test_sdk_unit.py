@@ -21,6 +21,7 @@ import pytest
 from sandfleet import AsyncClient, AsyncSandbox, Client, Sandbox
 from sandfleet.client import _base
 from sandfleet.errors import (
+    WIRE_CODES,
     InvalidArgumentError,
     ResourceExhaustedError,
     SandboxError,
@@ -109,7 +110,10 @@ def ok(body: dict[str, Any], status: int = 200) -> httpx.Response:
 
 
 def wire_error(status: int, code: str, message: str, retryable: bool = False) -> httpx.Response:
-    return httpx.Response(status, json={"error": {"code": code, "message": message, "retryable": retryable}})
+    cause = WIRE_CODES[code].default_cause if code in WIRE_CODES else "infra"
+    return httpx.Response(
+        status, json={"error": {"code": code, "message": message, "retryable": retryable, "cause": cause}}
+    )
 
 
 def refused(message: str = "node full: 3 sandboxes") -> httpx.Response:
@@ -289,7 +293,7 @@ def test_create_many_keys_each_spec_and_resends_it_on_retries() -> None:
             {
                 "results": [
                     {"sandbox": info("sb-a")},
-                    {"error": {"code": "resource_exhausted", "message": "full", "retryable": True}},
+                    {"error": {"code": "resource_exhausted", "message": "full", "retryable": True, "cause": "infra"}},
                     {"sandbox": info("sb-c")},
                 ]
             }
@@ -314,7 +318,13 @@ def test_create_many_gives_up_refusals_after_retry_for() -> None:
     fake.route(
         "POST",
         "/v1/sandboxes/batch",
-        lambda _req: ok({"results": [{"error": {"code": "resource_exhausted", "message": "full", "retryable": True}}]}),
+        lambda _req: ok(
+            {
+                "results": [
+                    {"error": {"code": "resource_exhausted", "message": "full", "retryable": True, "cause": "infra"}}
+                ]
+            }
+        ),
     )
     with fake.client(timeout=30) as fleet:
         (outcome,) = fleet.create_many([SandboxSpec()], retry_for=0)
@@ -481,7 +491,10 @@ def test_leaving_a_stream_early_closes_it(quick_silence: None) -> None:
 
 def test_stream_errors_are_typed() -> None:
     fake = Fake()
-    broken = {"type": "error", "error": {"code": "unavailable", "message": "sandbox sb-1 stopped", "retryable": True}}
+    broken = {
+        "type": "error",
+        "error": {"code": "unavailable", "message": "sandbox sb-1 stopped", "retryable": True, "cause": "infra"},
+    }
     replies = [
         FakeStream([(0, {"type": "stdout", "data": "x"}), (0, broken)]),
         FakeStream([(0, {"type": "stdout", "data": "x"})]),  # ends without an exit

@@ -7,7 +7,7 @@ with Client() as fleet, fleet.create(image="debian:bookworm", resources=Resource
 
 __version__ = "0.1.0"
 
-from sandfleet.client import AsyncClient, AsyncSandbox, Client, Sandbox  # noqa: E402
+from sandfleet.client import AsyncClient, AsyncSandbox, AsyncTrajectory, Client, Sandbox, Trajectory  # noqa: E402
 from sandfleet.errors import (  # noqa: E402
     DataLossError,
     ImageNotFoundError,
@@ -33,12 +33,18 @@ from sandfleet.models import (  # noqa: E402
     NetworkPolicy,
     Resources,
     SandboxSpec,
+    VerifyRequest,
+    VerifyResult,
     VMOptions,
 )
 
 __all__ = [
     "AsyncClient",
     "AsyncSandbox",
+    "AsyncTrajectory",
+    "Trajectory",
+    "VerifyRequest",
+    "VerifyResult",
     "AuditRecord",
     "ExposedPort",
     "NetworkPolicy",

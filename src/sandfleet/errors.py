@@ -16,14 +16,24 @@
     ├── DataLossError                 data_loss          a stored layer or snapshot is corrupt or truncated
     └── InternalError                 internal           a bug or a runtime failure
 
-On the wire an error is `{"error": {"code", "message", "retryable"}}`; codes never carry class paths.
+Every error also says whose fault it was (`cause`), so an RL trainer masks infrastructure failures
+instead of scoring them against the policy: `infra` (the node, the daemon, a lost sandbox, a refused
+create), `agent` (what ran in the sandbox: its command failed, it hit a limit, it killed its own
+init), `timeout`, `verifier` (a verification's own checks broke) and `caller` (a bad request: wrong
+id, wrong state, bad argument). Each class has a default; a raise site that knows better passes
+`cause=`.
+
+On the wire an error is `{"error": {"code", "message", "retryable", "cause"}}`; codes never carry class paths.
 The SDK maps the code back to the class (`error_from_wire`), so callers catch the same exceptions
 whether they talk to the daemon over HTTP or in-process.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
+
+Cause = Literal["infra", "agent", "timeout", "verifier", "caller"]
+CAUSES: tuple[str, ...] = get_args(Cause)
 
 
 class SandboxError(Exception):
@@ -32,23 +42,27 @@ class SandboxError(Exception):
     code: ClassVar[str] = "internal"
     http_status: ClassVar[int] = 500
     retryable: ClassVar[bool] = False
+    default_cause: ClassVar[Cause] = "infra"
 
-    def __init__(self, message: str = "") -> None:
+    def __init__(self, message: str = "", *, cause: Cause | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.cause: Cause = cause or self.default_cause
 
     def to_wire(self) -> dict[str, object]:
-        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+        return {"code": self.code, "message": self.message, "retryable": self.retryable, "cause": self.cause}
 
 
 class InvalidArgumentError(SandboxError):
     code = "invalid_argument"
     http_status = 400
+    default_cause = "caller"
 
 
 class NotFoundError(SandboxError):
     code = "not_found"
     http_status = 404
+    default_cause = "caller"
 
 
 class SandboxNotFoundError(NotFoundError):
@@ -66,6 +80,7 @@ class SnapshotNotFoundError(NotFoundError):
 class WrongStateError(SandboxError):
     code = "wrong_state"
     http_status = 409
+    default_cause = "caller"
 
 
 class ResourceExhaustedError(SandboxError):
@@ -77,17 +92,20 @@ class ResourceExhaustedError(SandboxError):
 class SandboxTimeoutError(SandboxError):
     code = "timeout"
     http_status = 504
+    default_cause = "timeout"
     retryable = True
 
 
 class UnauthenticatedError(SandboxError):
     code = "unauthenticated"
     http_status = 401
+    default_cause = "caller"
 
 
 class PermissionDeniedError(SandboxError):
     code = "permission_denied"
     http_status = 403
+    default_cause = "agent"
 
 
 class UnsupportedError(SandboxError):
@@ -95,6 +113,7 @@ class UnsupportedError(SandboxError):
 
     code = "unsupported"
     http_status = 400
+    default_cause = "caller"
 
 
 class UnavailableError(SandboxError):
@@ -146,5 +165,6 @@ def error_from_wire(body: object, *, status: int = 500) -> SandboxError:
                 cls = ImageNotFoundError
             elif message.startswith("snapshot "):
                 cls = SnapshotNotFoundError
-        return cls(message)
+        cause = err.get("cause")
+        return cls(message, cause=cause if cause in CAUSES else None)
     return InternalError(f"unexpected error response (HTTP {status}): {body!r}"[:500])

@@ -11,6 +11,7 @@ from sandfleet.backends.config import BackendConfig, ContainerBackendConfig, Fnc
 from sandfleet.daemon.detectors import DetectorsConfig
 from sandfleet.daemon.network import NetworkConfig
 from sandfleet.daemon.pool import PoolConfig
+from sandfleet.daemon.trajectories import TrajectoryConfig
 from sandfleet.models import ByteSize
 
 DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")
@@ -100,6 +101,10 @@ class DaemonConfig(BaseModel):
     )
     network: NetworkConfig = Field(
         default_factory=NetworkConfig, description="egress: named services, the proxy's resolver and limits"
+    )
+    trajectories: TrajectoryConfig = Field(
+        default_factory=TrajectoryConfig,
+        description="RL trajectories: the step log's durability, idle pause, retention",
     )
     detectors: DetectorsConfig = Field(
         default_factory=DetectorsConfig, description="misbehaviour detectors: thresholds, and record, pause or kill"

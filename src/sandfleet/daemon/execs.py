@@ -163,6 +163,8 @@ class Execs:
             killed = result.signal == signal.SIGKILL or result.exit_code == 128 + signal.SIGKILL
             if new_ooms and killed and not result.timed_out:
                 result = result.model_copy(update={"oom_killed": True})
+        if result.cause is not None:
+            self.core.metrics.failures.labels(cause=result.cause).inc()
         self.core.journal.record(
             sb.id,
             "exec",

@@ -24,7 +24,7 @@ from typing import Any, Final, cast
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon.state import StateStore
-from sandfleet.errors import SandboxNotFoundError, WrongStateError
+from sandfleet.errors import Cause, SandboxNotFoundError, WrongStateError
 from sandfleet.models import ExecResult, SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
 from sandfleet.runtime.agent import CommandExit, ExecProcess, OutputChunk
 
@@ -107,6 +107,26 @@ class Session:
     next_seq: int = 0
 
 
+# Why a sandbox stopped -> whose fault a call on it is. A stop asked for is the caller's; a TTL is a
+# timeout; anything else (its init gone: nothing in the sandbox can kill it; a lost daemon, a failed
+# create, an eviction) is the infrastructure's. A command the OOM killer ended is the agent's: its
+# result says so (`oom_killed`, cause agent).
+GONE_KEPT = 10_000  # stop reasons remembered of sandboxes no longer listed
+
+_STOP_CAUSES: dict[str, Cause] = {
+    "user": "caller",
+    "idle_ttl": "timeout",
+    "max_lifetime": "timeout",
+    "never claimed": "caller",
+    "invalid user": "caller",
+}
+
+
+def stop_cause(reason: str | None) -> Cause:
+    """Whose fault it is that a sandbox stopped for `reason` (its `stop_reason`)."""
+    return _STOP_CAUSES.get(reason or "", "infra")
+
+
 @dataclass(eq=False)
 class Sandbox:
     """One sandbox as the service tracks it. Its state is read-only here: `SandboxTable.move`
@@ -165,6 +185,8 @@ class SandboxTable:
         self._by_id: dict[str, Sandbox] = {}
         self._counts: collections.Counter[str] = collections.Counter()
         self._stopped_hooks: list[Callable[[Sandbox], None]] = []
+        # Why recently dropped sandboxes stopped: a call naming one is told whose fault it is gone.
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -179,7 +201,12 @@ class SandboxTable:
     def get(self, sandbox_id: str) -> Sandbox:
         sb = self._by_id.get(sandbox_id)
         if sb is None:
-            raise SandboxNotFoundError(f"sandbox {sandbox_id} not found")
+            reason = self._gone.get(sandbox_id)
+            if reason is not None:
+                raise SandboxNotFoundError(
+                    f"sandbox {sandbox_id} not found: it stopped ({reason})", cause=stop_cause(reason)
+                )
+            raise SandboxNotFoundError(f"sandbox {sandbox_id[:80]} not found")
         return sb
 
     def add(self, sb: Sandbox) -> None:
@@ -196,6 +223,10 @@ class SandboxTable:
             return False
         del self._by_id[sb.id]
         self._counts[sb.state] -= 1
+        if sb.stop_reason is not None:
+            self._gone[sb.id] = sb.stop_reason[:200]
+            if len(self._gone) > GONE_KEPT:
+                self._gone.popitem(last=False)
         return True
 
     def count(self, *states: str) -> int:
@@ -217,10 +248,17 @@ class SandboxTable:
 
     @staticmethod
     def require(sb: Sandbox, states: Iterable[str], doing: str) -> None:
-        """A call that needs the sandbox in one of `states`, or a `WrongStateError` naming them."""
+        """A call that needs the sandbox in one of `states`, or a `WrongStateError` naming them
+        (for a sandbox that is gone, with whose fault that was: `stop_cause`)."""
         wanted = tuple(states)
         if sb.state not in wanted:
-            raise WrongStateError(f"sandbox {sb.id} is {sb.state}: {doing} needs it {' or '.join(wanted)}")
+            gone = sb.state in (STOPPED, FAILED)
+            raise WrongStateError(
+                f"sandbox {sb.id} is {sb.state}"
+                + (f" ({sb.stop_reason})" if gone and sb.stop_reason else "")
+                + f": {doing} needs it {' or '.join(wanted)}",
+                cause=stop_cause(sb.stop_reason) if gone else None,
+            )
 
     def on_stopped(self, hook: Callable[[Sandbox], None]) -> None:
         """Call `hook(sandbox)` whenever a sandbox has stopped (its backend released it)."""

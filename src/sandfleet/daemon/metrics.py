@@ -46,6 +46,12 @@ class Metrics:
         )
         self.oom_kills = Counter("sandfleet_oom_kills", "Processes killed by a sandbox memory limit", registry=r)
         self.http_errors = Counter("sandfleet_api_errors", "API errors by wire code", ["code"], registry=r)
+        # Whose fault each failure was (infra, agent, timeout, verifier, caller): API errors, commands that
+        # failed, verifications. A trainer masks infra failures instead of scoring them against the policy.
+        self.failures = Counter("sandfleet_failures", "Failures by whose fault they were", ["cause"], registry=r)
+        self.verifications = Counter(
+            "sandfleet_verifications", "Verifications by outcome: passed, or whose fault", ["outcome"], registry=r
+        )
         self.egress_connections = Counter(
             "sandfleet_egress_connections",
             "Connections sandboxes made through the egress proxy",

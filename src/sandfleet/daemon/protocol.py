@@ -30,6 +30,7 @@ from sandfleet.models import (
     ImageInfo,
     NetworkPolicy,
     ProcessInfo,
+    ReproRecord,
     RunCodeBatchItem,
     RunCodeRequest,
     SandboxEvent,
@@ -38,7 +39,14 @@ from sandfleet.models import (
     SessionInfo,
     SessionRunRequest,
     SnapshotInfo,
+    StepRequest,
+    StepResult,
+    TrajectoryClose,
+    TrajectoryInfo,
+    TrajectoryOpen,
     Usage,
+    VerifyRequest,
+    VerifyResult,
 )
 
 T_co = TypeVar("T_co", covariant=True)
@@ -155,6 +163,33 @@ class SandboxService(Protocol):
         ...
 
     def audit_last_seq(self) -> int: ...
+
+    # -- RL: trajectories (exactly-once steps) and verification apart from the agent ------------
+    async def open_trajectory(self, req: TrajectoryOpen) -> TrajectoryInfo:
+        """Open (or re-open: same id, same arguments) a rollout's trajectory and its sandbox."""
+        ...
+
+    async def get_trajectory(self, trajectory_id: str) -> TrajectoryInfo: ...
+
+    async def list_trajectories(self, labels: dict[str, str], state: str | None) -> builtins.list[TrajectoryInfo]: ...
+
+    async def trajectory_step(self, trajectory_id: str, req: StepRequest) -> StepResult:
+        """Take step `req.step` once; asked again, its logged result."""
+        ...
+
+    async def trajectory_steps(self, trajectory_id: str) -> builtins.list[StepResult]: ...
+
+    async def verify_trajectory(self, trajectory_id: str, req: VerifyRequest) -> VerifyResult: ...
+
+    async def close_trajectory(self, trajectory_id: str, req: TrajectoryClose) -> TrajectoryInfo: ...
+
+    async def delete_trajectory(self, trajectory_id: str) -> None: ...
+
+    async def trajectory_record(self, trajectory_id: str) -> ReproRecord: ...
+
+    async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
+        """Run checks in a fresh sandbox: the sandbox's pre-agent state, its changes, hidden layers."""
+        ...
 
     # -- exec and background processes ------------------------------------------------------------
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...

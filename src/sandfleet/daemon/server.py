@@ -187,6 +187,8 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         else None,
         run_dir=config.run_dir,
         monitor_interval=config.monitor_interval,
+        trajectories=config.trajectories,
+        trajectory_dir=config.state_dir / "trajectories",
     )
     if config.pools or config.pool_adaptive_max:
         manager.pools = WarmPools(

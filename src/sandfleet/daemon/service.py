@@ -13,6 +13,8 @@ Backend-independent: a backend only creates/destroys sandboxes and hands back a 
     creation    create (cold or from a warm pool), batches, idempotency keys
     fncall      stateless calls: warm interpreters in worker sandboxes, pools of workers
     snapshots   snapshot, restore, fork, pack
+    verify      a task's checks in a fresh sandbox: pre-agent state + the agent's changes + hidden layers
+    trajectories  a rollout's steps exactly once (logged before answered), its verdict, its record
     reaper      TTLs, retention, idle pause, stop retries, activity flush, CPU accounting
     recovery    adopting what a previous daemon left
 
@@ -57,6 +59,8 @@ from sandfleet.daemon.recovery import Recovery
 from sandfleet.daemon.sessions import Sessions
 from sandfleet.daemon.snapshots import Snapshots
 from sandfleet.daemon.state import StateStore
+from sandfleet.daemon.trajectories import Trajectories, TrajectoryConfig
+from sandfleet.daemon.verify import Verifier
 from sandfleet.errors import SandboxError, UnsupportedError
 from sandfleet.images import ImageManifest, LayerStore
 from sandfleet.models import (
@@ -73,6 +77,7 @@ from sandfleet.models import (
     ImageInfo,
     NetworkPolicy,
     ProcessInfo,
+    ReproRecord,
     RunCodeBatchItem,
     RunCodeRequest,
     SandboxEvent,
@@ -81,7 +86,14 @@ from sandfleet.models import (
     SessionInfo,
     SessionRunRequest,
     SnapshotInfo,
+    StepRequest,
+    StepResult,
+    TrajectoryClose,
+    TrajectoryInfo,
+    TrajectoryOpen,
     Usage,
+    VerifyRequest,
+    VerifyResult,
 )
 
 if TYPE_CHECKING:
@@ -113,6 +125,8 @@ class SandboxManager:
         audit: AuditLog | None = None,
         run_dir: Path | None = None,
         monitor_interval: float = 5.0,
+        trajectories: TrajectoryConfig | None = None,
+        trajectory_dir: Path | None = None,
     ) -> None:
         """`client_factory`: a client of this node's own API (recipe builds create their build
         sandboxes through it)."""
@@ -151,6 +165,17 @@ class SandboxManager:
             retention=snapshot_retention,
             max_bytes=snapshot_max_bytes,
         )
+        self.verifier = Verifier(core, self.creation, self.execs, self.files, self.snapshots)
+        self.trajectories = Trajectories(
+            core,
+            self.creation,
+            self.execs,
+            self.files,
+            self.snapshots,
+            self.verifier,
+            trajectory_dir or state.path.parent / "trajectories",
+            trajectories,
+        )
         self.reaper = Reaper(core, self.pauser, self.images, self.snapshots)
         self.recovery = Recovery(core, self.pauser, self.snapshots, self.networking)
         self.started_at = time.time()
@@ -175,6 +200,7 @@ class SandboxManager:
                 core.spawn(self.audit.run(), name="audit-writer")
             await self.networking.start()
             await self.recovery.recover()
+            await self.trajectories.start()
             core.spawn(self.reaper.run(), name="reaper")
             core.spawn(core.journal.run(), name="event-flusher")
             core.spawn(self.monitor.run(), name="monitor")
@@ -183,6 +209,7 @@ class SandboxManager:
             try:
                 await ready()
             finally:
+                await self.trajectories.drain()
                 core.shutting_down = True
                 if core.pools is not None:
                     await core.pools.drain()
@@ -366,6 +393,38 @@ class SandboxManager:
 
     async def pack(self, sandbox_id: str, ref: str, exclude: builtins.list[str]) -> ImageInfo:
         return await self.snapshots.pack(sandbox_id, ref, exclude)
+
+    # -- RL: trajectories and verification -------------------------------------------------------
+
+    async def open_trajectory(self, req: TrajectoryOpen) -> TrajectoryInfo:
+        return await self.trajectories.open(req)
+
+    async def get_trajectory(self, trajectory_id: str) -> TrajectoryInfo:
+        return await self.trajectories.get(trajectory_id)
+
+    async def list_trajectories(self, labels: dict[str, str], state: str | None) -> builtins.list[TrajectoryInfo]:
+        return await self.trajectories.list(labels, state)
+
+    async def trajectory_step(self, trajectory_id: str, req: StepRequest) -> StepResult:
+        return await self.trajectories.step(trajectory_id, req)
+
+    async def trajectory_steps(self, trajectory_id: str) -> builtins.list[StepResult]:
+        return await self.trajectories.steps(trajectory_id)
+
+    async def verify_trajectory(self, trajectory_id: str, req: VerifyRequest) -> VerifyResult:
+        return await self.trajectories.verify(trajectory_id, req)
+
+    async def close_trajectory(self, trajectory_id: str, req: TrajectoryClose) -> TrajectoryInfo:
+        return await self.trajectories.close(trajectory_id, req)
+
+    async def delete_trajectory(self, trajectory_id: str) -> None:
+        await self.trajectories.delete(trajectory_id)
+
+    async def trajectory_record(self, trajectory_id: str) -> ReproRecord:
+        return await self.trajectories.record(trajectory_id)
+
+    async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
+        return await self.verifier.verify(sandbox_id, req)
 
     # -- exec and background processes ------------------------------------------------------------
 

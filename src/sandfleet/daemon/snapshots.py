@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -41,7 +41,7 @@ from sandfleet.errors import (
     UnavailableError,
     WrongStateError,
 )
-from sandfleet.images import ImageManifest, InvalidRefError, fsutil, parse_ref
+from sandfleet.images import ImageManifest, InvalidRefError, LayerRef, fsutil, parse_ref
 from sandfleet.models import ExecRequest, ImageInfo, SandboxInfo, SandboxSpec, SnapshotInfo, shown
 
 
@@ -64,7 +64,10 @@ SNAPSHOT_IN_PROGRESS = 3600.0  # a snapshot directory without its snapshot.json 
 _SNAPSHOT_ID_RE = re.compile(r"^snap-[0-9a-f]{16}$")
 
 
-def _inside_path(path: str) -> str:
+T = TypeVar("T")
+
+
+def inside_path(path: str) -> str:
     """An absolute path inside the sandbox, normalised, as a relative path of its root."""
     if not path.startswith("/") or "\0" in path:
         raise InvalidArgumentError(f"excluded path {path!r} must be absolute")
@@ -458,6 +461,38 @@ class Snapshots:
 
         return await self._keyed_batch(idempotency_key, fingerprint, count, make)
 
+    async def changes_layer(
+        self, sandbox_id: str, scrub: builtins.list[str], inspect: Callable[[Path], T]
+    ) -> tuple[Sandbox, LayerRef, builtins.list[LayerRef], T]:
+        """What the sandbox changed above its layers, as a new layer of the store: (the sandbox, that
+        layer, the sandbox's own layers bottom -> top, `inspect(staging)`). `inspect` looks at the copied
+        changes (in a thread) before `scrub`'s relative paths are dropped from them."""
+        tier = self.core.tier(self.core.sandbox(sandbox_id))
+        if not isinstance(tier, Packable) or not offers(tier, "pack"):
+            raise unsupported(tier, "export what a sandbox changed")
+        sb, live = await self.pauser.ready(sandbox_id)
+        base = await asyncio.to_thread(self.images.layer_refs, [str(d) for d in live.runtime.get("layers", [])])
+        staging = self.core.store.tmp_dir / f"pack-{secrets.token_hex(8)}"
+        self.core.busy(sb, PACK_TIMEOUT)  # not paused by the idle policy meanwhile
+        try:
+            await tier.export_writable_layer(live, staging)
+            seen = await asyncio.to_thread(inspect, staging)
+            for rel in scrub:
+                await asyncio.to_thread(_scrub, staging, rel)
+            layer = await self.core.store.add_layer_from_dir(
+                staging, f"changes of sandbox {sandbox_id}", kind="layer", shift_ids=False
+            )
+        finally:
+            self.core.idle_done(sb)
+            await asyncio.to_thread(shutil.rmtree, staging, True)
+        return sb, layer, base, seen
+
+    def baseline(self, snapshot_id: str) -> Path | None:
+        """The writable layer a snapshot holds (what its sandbox had changed when it was taken), where
+        its tier keeps one as a directory: the baseline of a sandbox restored from it."""
+        upper = self._snapshot(snapshot_id).path / "fs" / "upper"
+        return upper if upper.is_dir() else None
+
     async def pack(self, sandbox_id: str, ref: str, exclude: builtins.list[str]) -> ImageInfo:
         """A new image: the sandbox's layers plus one new layer holding what it changed.
 
@@ -472,21 +507,8 @@ class Snapshots:
             name, tag = parse_ref(ref)
         except InvalidRefError as exc:
             raise InvalidArgumentError(f"invalid image reference {ref!r}: {exc}") from exc
-        scrub = [_inside_path(path) for path in exclude]
-        sb, live = await self.pauser.ready(sandbox_id)
-        base = await asyncio.to_thread(self.images.layer_refs, [str(d) for d in live.runtime.get("layers", [])])
-        staging = self.core.store.tmp_dir / f"pack-{secrets.token_hex(8)}"
-        self.core.busy(sb, PACK_TIMEOUT)  # not paused by the idle policy meanwhile
-        try:
-            await tier.export_writable_layer(live, staging)
-            for rel in scrub:
-                await asyncio.to_thread(_scrub, staging, rel)
-            layer = await self.core.store.add_layer_from_dir(
-                staging, f"changes of sandbox {sandbox_id}", kind="layer", shift_ids=False
-            )
-        finally:
-            self.core.idle_done(sb)
-            await asyncio.to_thread(shutil.rmtree, staging, True)
+        scrub = [inside_path(path) for path in exclude]
+        sb, layer, base, _ = await self.changes_layer(sandbox_id, scrub, lambda _staging: None)
         recipe = {
             "packed_from": sandbox_id,
             "labels": sb.spec.labels,  # who built it: the job / agent that owned the sandbox

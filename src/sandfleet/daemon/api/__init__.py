@@ -1,6 +1,6 @@
 """The HTTP API (FastAPI), one router per resource, over the `SandboxService` protocol only (the
 node's service, later the cluster gateway's): parse, call the service, map errors to
-`{code, message, retryable}`.
+`{code, message, retryable, cause}`.
 
 The OpenAPI document FastAPI derives from these routes is checked into docs/openapi.json; a test
 fails when the two drift apart, and tests validate live responses against the checked-in copy.
@@ -8,6 +8,7 @@ fails when the two drift apart, and tests validate live responses against the ch
 
 from __future__ import annotations
 
+import base64
 import re
 import secrets
 import time
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandfleet import __version__
-from sandfleet.daemon.api import execs, files, images, network, node, sandboxes, sessions, snapshots
+from sandfleet.daemon.api import execs, files, fusion, images, network, node, rl, sandboxes, sessions, snapshots
 from sandfleet.daemon.api.common import ERRORS, CheckedRoute, error_response, log
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.metrics import Metrics
@@ -31,6 +32,18 @@ from sandfleet.errors import (
     SandboxError,
     UnauthenticatedError,
 )
+
+
+def _authorized(header: str, token: str) -> bool:
+    """`Bearer <token>`, or HTTP Basic with the token as the password: clients that only take a URL
+    (verl's sandbox-fusion reward: `http://any:<token>@node:8600/run_code`) can carry it too."""
+    if header.startswith("Basic "):
+        try:
+            _, _, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            return False
+        return secrets.compare_digest(password.encode(), token.encode())
+    return secrets.compare_digest(header.encode(), f"Bearer {token}".encode())
 
 
 def create_app(service: SandboxService, metrics: Metrics, *, token: str | None = None) -> FastAPI:
@@ -46,6 +59,7 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
     @app.exception_handler(SandboxError)
     async def _sandbox_error(_req: Request, exc: SandboxError) -> JSONResponse:
         metrics.http_errors.labels(code=exc.code).inc()
+        metrics.failures.labels(cause=exc.cause).inc()
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -55,6 +69,7 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")[:100]
             parts.append(f"{loc}: {str(err.get('msg'))[:300]}")  # never the (unbounded) input itself
         metrics.http_errors.labels(code="invalid_argument").inc()
+        metrics.failures.labels(cause="caller").inc()
         return error_response(InvalidArgumentError("; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
@@ -82,6 +97,7 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
             else:
                 log.warning("%s serving %s %s: %s", wire.code, request.method, request.url.path, exc)
             metrics.http_errors.labels(code=wire.code).inc()
+            metrics.failures.labels(cause=wire.cause).inc()
             response = error_response(wire)
         _audit(request, response.status_code, t0)
         return response
@@ -124,16 +140,16 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
 
         @app.middleware("http")
         async def _auth(request: Request, call_next: Any) -> Any:
-            header = request.headers.get("authorization", "")
-            if not secrets.compare_digest(header.encode(), f"Bearer {token}".encode()):
+            if not _authorized(request.headers.get("authorization", ""), token):
                 response = error_response(UnauthenticatedError("missing or invalid bearer token"))
                 _audit(request, response.status_code, time.perf_counter())
                 return response
             return await call_next(request)
 
-    for resource in (node, sandboxes, snapshots, execs, sessions, files, images, network):
+    for resource in (node, sandboxes, snapshots, execs, sessions, files, images, network, rl):
         app.include_router(resource.router(service))
     app.include_router(network.port_router(service))
+    app.include_router(fusion.router(service))
     return app
 
 
