@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sandfleet.client import Client, Sandbox
+from sandfleet.client import AsyncClient, Client, Sandbox
 from sandfleet.errors import SandboxError
 from sandfleet.models import Backend, BuildEvent, NetworkPolicy, Resources, SandboxSpec
 
@@ -592,17 +592,29 @@ def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = Non
 
 @app.command()
 def demo(
-    sandboxes: Annotated[int, typer.Option(help="parallel rollouts")] = 8,
-    image: str = "python:3.11",
+    task: Annotated[
+        str,
+        typer.Option(
+            help="more-itertools: a real task (a bug in more-itertools from PyPI, graded by its hidden suite, "
+            "16-rollout groups forked from a set-up state); toy: a few turns on a one-line bug"
+        ),
+    ] = "more-itertools",
+    groups: Annotated[int, typer.Option(help="more-itertools: groups of rollouts, one after the other")] = 1,
+    group_size: Annotated[int, typer.Option(help="more-itertools: rollouts per group, at once")] = 16,
+    sandboxes: Annotated[int, typer.Option(help="toy: parallel rollouts")] = 8,
+    image: Annotated[str, typer.Option(help="toy: the image")] = "python:3.11",
     backend: Annotated[
         str, typer.Option(help="isolation tier: container, fncall, microvm or vm (VMs: fewer rollouts under TCG)")
     ] = "container",
     socket: SocketOpt = None,
 ) -> None:
-    """A demo rollout: start a daemon if none runs, create sandboxes, drive them for a few turns."""
+    """A demo rollout: start a daemon if none runs, then run RL rollouts on it (see --task)."""
     from sandfleet.daemon.process import DaemonProcess, DaemonStartError
     from sandfleet.demo import run_demo
 
+    if task not in ("more-itertools", "toy"):
+        err_console.print(f"[red]no task {task!r}: more-itertools or toy[/red]")
+        raise typer.Exit(2)
     if backend not in typing.get_args(Backend):
         err_console.print(f"[red]no tier {backend!r}: {', '.join(typing.get_args(Backend))}[/red]")
         raise typer.Exit(2)
@@ -625,8 +637,27 @@ def demo(
             except DaemonStartError as exc:
                 err_console.print(f"[red]the daemon did not start ({exc}); try `sandfleet doctor`[/red]")
                 raise typer.Exit(1) from None
-        ok = run_demo(console, sock, sandboxes, image, backend=typing.cast(Backend, backend))
+        if task == "toy":
+            ok = run_demo(console, sock, sandboxes, image, backend=typing.cast(Backend, backend))
+        else:
+            ok = _rl_demo(sock, groups, group_size)
     raise typer.Exit(0 if ok else 1)
+
+
+def _rl_demo(sock: Path, groups: int, group_size: int) -> bool:
+    from sandfleet.rl_demo import run_task, show
+
+    async def go() -> bool:
+        async with AsyncClient(sock, timeout=120) as fleet:
+            with console.status("building the task (more-itertools from PyPI; python:3.11 on first use)..."):
+                await fleet.build_image("python:3.11")
+            return show(console, await run_task(fleet, groups, group_size))
+
+    try:
+        return asyncio.run(go())
+    except SandboxError as exc:
+        err_console.print(f"[red]{exc.code} ({exc.cause}): {exc.message}[/red]")
+        return False
 
 
 def main() -> None:

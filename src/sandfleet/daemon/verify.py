@@ -15,6 +15,7 @@ the OOM killer, a command not found) -> `verifier`; the node could not make the 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import time
@@ -26,18 +27,20 @@ from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.snapshots import Snapshots, inside_path
-from sandfleet.errors import Cause, SandboxError
+from sandfleet.errors import Cause, ResourceExhaustedError, SandboxError
 from sandfleet.models import (
     ChangedFile,
     ErrorBody,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
+    SandboxInfo,
     SandboxSpec,
     VerifyRequest,
     VerifyResult,
 )
 
+CAPACITY_WAIT = 300.0  # seconds a verification waits for the node to admit its sandbox
 MAX_CHANGED = 10_000  # files listed in a result at most
 VERIFY_LABEL = "sandfleet.verify"  # on a verifier's sandbox: the id of the sandbox it verifies
 
@@ -153,7 +156,7 @@ class Verifier:
         )
         common = {"changed": changed, "dropped": dropped, "changes_layer": layer.digest}
         try:
-            info = await self.creation.create(spec)
+            info = await self._create(spec)
         except SandboxError as exc:
             cause: Cause = exc.cause if exc.cause != "caller" else "verifier"  # e.g. a verifier layer not found
             self.core.metrics.verifications.labels(outcome=cause).inc()
@@ -170,6 +173,20 @@ class Verifier:
         finally:
             if not req.keep:
                 await self.core.stop(info.id, reason="user")
+
+    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
+        """The verifier's sandbox; a full node's refusal is waited out (a burst of rollouts ending
+        together verifies together), up to `CAPACITY_WAIT`."""
+        deadline = time.monotonic() + CAPACITY_WAIT
+        delay = 0.1
+        while True:
+            try:
+                return await self.creation.create(spec)
+            except ResourceExhaustedError:
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def _check(self, vid: str, req: VerifyRequest, t0: float, common: dict[str, object]) -> VerifyResult:
         try:
