@@ -76,7 +76,19 @@ def test_images_and_doctor(daemon: Daemon) -> None:
 
 @pytest.mark.parametrize("image", ["busybox", pytest.param("python:3.11", marks=pytest.mark.slow)])
 def test_demo_rollout(daemon: Daemon, image: str) -> None:
-    r = sf(daemon, "demo", "--task", "toy", "--sandboxes", "3", "--image", image, "--socket", str(daemon.socket), timeout=600)
+    r = sf(
+        daemon,
+        "demo",
+        "--task",
+        "toy",
+        "--sandboxes",
+        "3",
+        "--image",
+        image,
+        "--socket",
+        str(daemon.socket),
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3/3 rollouts solved" in r.stdout
 

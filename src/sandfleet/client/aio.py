@@ -33,7 +33,6 @@ from sandfleet.models import (
     EventList,
     ExecAction,
     ExecEvent,
-    ExecRequest,
     ExecResult,
     ExposedPort,
     ExposedPortList,
@@ -63,7 +62,6 @@ from sandfleet.models import (
     SnapshotInfo,
     SnapshotList,
     StepList,
-    StepRequest,
     StepResult,
     StopManyResult,
     TrajectoryClose,
@@ -1125,18 +1123,22 @@ class AsyncTrajectory:
         self, action: ExecAction | WriteAction | ReadAction | SnapshotAction, *, step: int | None = None
     ) -> StepResult:
         """Take the next step (or step `step`); its result, errors included (`StepResult.error`)."""
-        k = self.next_step if step is None else step
-        req = b.validated(StepRequest, "step", {"step": k, "action": action})
         timeout: float | Literal["default"] = "default"
         if isinstance(action, ExecAction):
             timeout = b.step_timeout(action.exec.timeout, self._c.timeout)
-        call = b.Call("POST", b.trajectory_path(self.id, "/steps"), json=req.model_dump(mode="json"), timeout=timeout)
+        return await self._step(action.model_dump(mode="json"), timeout, step)
+
+    async def _step(self, action: dict[str, Any], timeout: float | Literal["default"], step: int | None) -> StepResult:
+        """Send a step whose action is already validated (as JSON: the hot path builds no more models)."""
+        k = self.next_step if step is None else step
+        body = {"step": k, "action": action}
+        call = b.Call("POST", b.trajectory_path(self.id, "/steps"), json=body, timeout=timeout)
         result = await self._c._idempotent(StepResult, call, self.retry_for)
         self.last = result
         self.next_step = k + 1
         return result
 
-    async def _checked(self, action: ExecAction | WriteAction | ReadAction | SnapshotAction) -> StepResult:
+    async def _checked(self, action: WriteAction | ReadAction | SnapshotAction) -> StepResult:
         result = await self.step(action)
         error = b.step_error(result)
         if error is not None:
@@ -1168,7 +1170,10 @@ class AsyncTrajectory:
             merge_stderr=merge_stderr,
             binary=binary,
         )
-        result = await self._checked(ExecAction(exec=ExecRequest.model_validate(body)))
+        result = await self._step({"kind": "exec", "exec": body}, b.step_timeout(timeout, self._c.timeout), None)
+        error = b.step_error(result)
+        if error is not None:
+            raise error
         assert result.exec is not None
         return result.exec
 

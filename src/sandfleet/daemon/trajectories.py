@@ -24,6 +24,7 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -104,7 +105,7 @@ class Trajectory:
     sandbox: SandboxInfo | None = None
     steps: list[StepResult] = field(default_factory=list)
     digests: list[str] = field(default_factory=list)
-    actions: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)  # each step's action, as the JSON logged
     running: tuple[int, str, asyncio.Future[StepResult]] | None = None
     verification: VerifyResult | None = None
     verify_digest: str | None = None
@@ -112,6 +113,7 @@ class Trajectory:
     closed_at: float | None = None
     reward: float | None = None
     touched: float = 0.0
+    fd: int | None = None  # the log, open for appending while the trajectory is loaded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def info(self) -> TrajectoryInfo:
@@ -170,11 +172,19 @@ class Trajectories:
             raise InvalidArgumentError(f"invalid trajectory id {tid[:80]!r}: 1-117 characters of [A-Za-z0-9._:-]")
         return self.root / f"{tid}.jsonl"
 
-    async def _append(self, t: Trajectory, record: dict[str, Any]) -> None:
-        """One record, one write(2) on an O_APPEND file: whole or (a torn last line, cut at load) not at all."""
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    async def _append(self, t: Trajectory, record: dict[str, Any] | str) -> None:
+        """One record, one write(2) on the log's O_APPEND descriptor: whole, or (a torn last line, cut
+        at load) not at all. Without fsync the write only reaches the page cache, which takes
+        microseconds: it is made on the loop, as a thread hop would cost more than the write
+        (the step log is on the hot path of every step); an fsync'ing one goes to a thread."""
+        line = (record if isinstance(record, str) else json.dumps(record, separators=(",", ":"))).encode() + b"\n"
         t.touched = time.time()
-        await asyncio.to_thread(_write, t.path, line, self.config.fsync)
+        if t.fd is None:
+            t.fd = os.open(t.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if self.config.fsync:
+            await asyncio.to_thread(_write, t.fd, line, True)
+        else:
+            _write(t.fd, line, False)
 
     async def start(self) -> None:
         """Make the log directory; drop logs past their retention."""
@@ -213,7 +223,8 @@ class Trajectories:
                 "so it is not run again",
                 cause="infra",
             )
-            await self._finish(t, step, dig, _error_result(t, step, t.actions[step]["kind"], exc, time.time(), 0.0))
+            kind = json.loads(t.actions[step])["kind"]
+            await self._finish(t, step, dig, _error_result(t, step, kind, exc, time.time(), 0.0))
         return t
 
     def _replay_log(self, tid: str, path: Path, text: bytes) -> Trajectory:
@@ -234,7 +245,7 @@ class Trajectories:
                 elif kind == "sandbox":
                     t.sandbox = SandboxInfo.model_validate(rec["sandbox"])
                 elif kind == "begin":
-                    t.actions.append(rec["action"])
+                    t.actions.append(json.dumps(rec["action"]))
                     t.running = (rec["step"], rec["digest"], asyncio.get_running_loop().create_future())
                 elif kind == "done":
                     t.steps.append(StepResult.model_validate(rec["result"]))
@@ -316,6 +327,10 @@ class Trajectories:
                 now = time.time()
                 await self._append(t, {"k": "close", "t": now, "reward": reward})
                 t.closed_at, t.reward = now, reward
+                # Done with: its descriptor and memory go; a replay reads the log again.
+                _close(t)
+                if self.loaded.get(tid) is t:
+                    del self.loaded[tid]
         if req.stop_sandbox and t.sandbox is not None:
             await self._stop_sandbox(t)
         return t.info()
@@ -326,6 +341,7 @@ class Trajectories:
             raise WrongStateError(f"trajectory {tid} has a step running")
         await self._stop_sandbox(t)
         self.loaded.pop(tid, None)
+        _close(t)
         await asyncio.to_thread(t.path.unlink, True)
 
     async def _stop_sandbox(self, t: Trajectory) -> None:
@@ -340,7 +356,8 @@ class Trajectories:
 
     async def step(self, tid: str, req: StepRequest) -> StepResult:
         t = await self._get(tid)
-        dig = digest(req.action)
+        action = req.action.model_dump_json()
+        dig = hashlib.sha256(action.encode()).hexdigest()[:32]
         k = req.step
         if k < len(t.steps):
             if t.digests[k] != dig:
@@ -358,9 +375,9 @@ class Trajectories:
             raise WrongStateError(f"trajectory {tid} is at step {at}: step {k} cannot be taken now")
         fut: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         t.running = (k, dig, fut)
-        action = req.action.model_dump(mode="json")
-        try:
-            await self._append(t, {"k": "begin", "step": k, "digest": dig, "action": action, "t": time.time()})
+        try:  # built by hand: the action is JSON already (the hot path dumps each model once)
+            begin = f'{{"k":"begin","step":{k},"digest":"{dig}","t":{time.time()},"action":{action}}}'
+            await self._append(t, begin)
         except BaseException:
             t.running = None
             raise
@@ -387,7 +404,7 @@ class Trajectories:
 
     async def _finish(self, t: Trajectory, k: int, dig: str, result: StepResult) -> None:
         """Log the result, then make it the step's (the order makes it exactly once)."""
-        await self._append(t, {"k": "done", "step": k, "digest": dig, "result": result.model_dump(mode="json")})
+        await self._append(t, f'{{"k":"done","step":{k},"digest":"{dig}","result":{result.model_dump_json()}}}')
         t.steps.append(result)
         t.digests.append(dig)
         t.running = None
@@ -481,7 +498,7 @@ class Trajectories:
             layers=layers,
             source_snapshot=t.opened.snapshot_id,
             snapshots=taken,
-            actions=t.actions[: len(t.steps)],
+            actions=[json.loads(a) for a in t.actions[: len(t.steps)]],
             node=NodeVersions(
                 sandfleet=__version__,
                 agent=AGENT_VERSION,
@@ -491,14 +508,18 @@ class Trajectories:
         )
 
 
-def _write(path: Path, line: bytes, sync: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, line)
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+def _write(fd: int, line: bytes, sync: bool) -> None:
+    written = os.write(fd, line)
+    if written != len(line):  # a full disk: the record is torn (cut at load); say so
+        raise OSError(errno.ENOSPC, "the trajectory log could not be written whole")
+    if sync:
+        os.fsync(fd)
+
+
+def _close(t: Trajectory) -> None:
+    if t.fd is not None:
+        os.close(t.fd)
+        t.fd = None
 
 
 def _seed_env(seed: int | None) -> dict[str, str]:

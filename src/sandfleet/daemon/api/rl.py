@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Path, Query
+from fastapi import APIRouter, Body, Path, Query, Response
 
 from sandfleet.daemon.api.common import CheckedRoute, parse_labels
 from sandfleet.daemon.protocol import SandboxService
@@ -51,9 +51,12 @@ def router(service: SandboxService) -> APIRouter:
         return Ok()
 
     @r.post("/v1/trajectories/{trajectory_id}/steps", response_model=StepResult)
-    async def step(trajectory_id: TrajectoryIdParam, req: StepRequest) -> StepResult:
+    async def step(trajectory_id: TrajectoryIdParam, req: StepRequest) -> Response:
         """Take a step once; asked again (a restarted trainer), its logged result (`replayed`)."""
-        return await service.trajectory_step(trajectory_id, req)
+        result = await service.trajectory_step(trajectory_id, req)
+        # Every step of every rollout comes through here: the model is serialized once, not
+        # validated again on the way out.
+        return Response(result.model_dump_json(), media_type="application/json")
 
     @r.get("/v1/trajectories/{trajectory_id}/steps", response_model=StepList)
     async def steps(trajectory_id: TrajectoryIdParam) -> StepList:
