@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import Daemon
-
 from sandfleet import Client
 from sandfleet.client import AsyncClient
 from sandfleet.rl_demo import LABEL, run_task
+
+from conftest import Daemon
 
 
 def test_the_real_task_rewards_fixes_and_nothing_else(daemon: Daemon) -> None:
