@@ -136,6 +136,11 @@ RULES = [
         ),
     ),
     (
+        "the RL adapters and the example task are SDK users, like anyone's trainer",
+        ("sandfleet.adapters", "sandfleet.rl_demo"),
+        ("sandfleet", "sandfleet.adapters", *SDK),
+    ),
+    (
         "the sandbox table is the bottom of the service",
         ("sandfleet.daemon.lifecycle",),
         ("sandfleet.daemon.state", "sandfleet.backends.base", "sandfleet.runtime.agent", *SDK),

@@ -604,7 +604,7 @@ def demo(
     sandboxes: Annotated[int, typer.Option(help="toy: parallel rollouts")] = 8,
     image: Annotated[str, typer.Option(help="toy: the image")] = "python:3.11",
     backend: Annotated[
-        str, typer.Option(help="isolation tier: container, fncall, microvm or vm (VMs: fewer rollouts under TCG)")
+        str, typer.Option(help="toy: isolation tier: container, fncall, microvm or vm (VMs: fewer rollouts under TCG)")
     ] = "container",
     socket: SocketOpt = None,
 ) -> None:

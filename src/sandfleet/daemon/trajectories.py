@@ -214,7 +214,8 @@ class Trajectories:
         if tid in self.loaded:  # loaded by another request meanwhile
             return self.loaded[tid]
         t = self._replay_log(tid, path, text)
-        self.loaded[tid] = t
+        if t.closed_at is None:  # a closed one is read again when asked (listing thousands pins none)
+            self.loaded[tid] = t
         if t.running is not None:  # begun by a daemon that died before its result: never run again
             step, dig, _ = t.running
             t.running = None
