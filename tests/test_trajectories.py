@@ -109,6 +109,8 @@ def test_bad_trajectory_requests_are_typed(fleet: Client) -> None:
         fleet.trajectory("no-place")  # neither spec, snapshot nor sandbox
     with pytest.raises(NotFoundError):
         fleet.trajectory("no-snapshot", snapshot_id="snap-doesnotexist")
+    with pytest.raises(NotFoundError):  # a refused open leaves no trajectory behind
+        fleet.get_trajectory("no-snapshot")
     with fleet.create(image="busybox", idle_ttl=60) as sb:
         t = fleet.trajectory("existing-sandbox", sandbox_id=sb.id)
         assert t.exec("echo hi").stdout == "hi\n"

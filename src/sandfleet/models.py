@@ -409,6 +409,15 @@ class AuditList(_Model):
     last_seq: int = Field(description="pass as `since` to read on from here")
 
 
+def check_layers(v: list[str]) -> list[str]:
+    """Layer entries: image refs or `sha256:` digests."""
+    for ref in v:
+        is_digest = ref.startswith("sha256:")
+        if len(ref) > MAX_REF or not (_DIGEST_RE.match(ref) if is_digest else _IMAGE_REF_RE.match(ref)):
+            raise ValueError(f"invalid layer {shown(ref)}: expected name[:tag] or sha256:<64 hex>")
+    return v
+
+
 class SandboxSpec(_Model):
     """Everything needed to create a sandbox."""
 
@@ -463,11 +472,7 @@ class SandboxSpec(_Model):
     @field_validator("layers")
     @classmethod
     def _layers(cls, v: list[str]) -> list[str]:
-        for ref in v:
-            is_digest = ref.startswith("sha256:")
-            if len(ref) > MAX_REF or not (_DIGEST_RE.match(ref) if is_digest else _IMAGE_REF_RE.match(ref)):
-                raise ValueError(f"invalid layer {shown(ref)}: expected name[:tag] or sha256:<64 hex>")
-        return v
+        return check_layers(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -1117,7 +1122,7 @@ class VerifyRequest(_Model):
     only verifiers ever see (hidden tests), on top; the agent's sandbox is untouched."""
 
     command: str | list[str] = Field(description="the checks; exit 0 passes")
-    layers: list[str] = Field(
+    layers: Annotated[list[str], AfterValidator(check_layers)] = Field(
         default_factory=list,
         max_length=16,
         description="verifier-only layers on top (image refs or 'sha256:' digests): never in the agent's sandbox",
@@ -1135,7 +1140,7 @@ class VerifyRequest(_Model):
     reward_file: SandboxPath | None = Field(
         None, description="a file the checks write a number into: the reward (default: 1.0 if they pass, else 0.0)"
     )
-    agent_exit_codes: list[int] = Field(
+    agent_exit_codes: list[Annotated[int, Field(ge=0, le=255)]] = Field(
         default_factory=lambda: [1],
         max_length=32,
         description="exit codes meaning the agent's work failed the checks (cause agent); any other failure is "

@@ -275,12 +275,20 @@ class Trajectories:
             t = self.loaded.get(req.id) or await self._load(req.id)
             if t is not None and _fingerprint(t.opened) != _fingerprint(req):
                 raise InvalidArgumentError(f"trajectory {req.id} exists, opened with other arguments")
+            new = t is None
             if t is None:
                 t = Trajectory(req.id, req, time.time(), self._path(req.id))
                 await self._append(t, {"k": "open", "t": t.created_at, "request": req.model_dump(mode="json")})
                 self.loaded[req.id] = t
             if t.sandbox is None:  # new, or its sandbox's create was interrupted: the same key claims it
-                t.sandbox = await self._sandbox(req)
+                try:
+                    t.sandbox = await self._sandbox(req)
+                except SandboxError:
+                    if new:  # refused (no such image, snapshot, sandbox; a full node): no trajectory either
+                        self.loaded.pop(req.id, None)
+                        _close(t)
+                        await asyncio.to_thread(t.path.unlink, True)
+                    raise
                 await self._append(t, {"k": "sandbox", "sandbox": t.sandbox.model_dump(mode="json")})
             return t.info()
 

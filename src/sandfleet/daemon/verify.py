@@ -21,13 +21,15 @@ import stat
 import time
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from sandfleet.backends.base import LayerView
 from sandfleet.daemon.core import NodeCore
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.snapshots import Snapshots, inside_path
-from sandfleet.errors import Cause, ResourceExhaustedError, SandboxError
+from sandfleet.errors import Cause, InvalidArgumentError, ResourceExhaustedError, SandboxError
 from sandfleet.models import (
     ChangedFile,
     ErrorBody,
@@ -41,7 +43,8 @@ from sandfleet.models import (
 )
 
 CAPACITY_WAIT = 300.0  # seconds a verification waits for the node to admit its sandbox
-MAX_CHANGED = 10_000  # files listed in a result at most
+MAX_CHANGED = 10_000
+MAX_LAYERS = 32  # SandboxSpec.layers' bound  # files listed in a result at most
 VERIFY_LABEL = "sandfleet.verify"  # on a verifier's sandbox: the id of the sandbox it verifies
 
 
@@ -131,6 +134,11 @@ class Verifier:
         t0 = time.perf_counter()
         protect = [inside_path(p) for p in req.protect]
         sb = self.core.sandbox(sandbox_id)
+        if len(sb.spec.layers) + 1 + len(req.layers) > MAX_LAYERS:
+            raise InvalidArgumentError(
+                f"the sandbox's {len(sb.spec.layers)} layers, its changes and {len(req.layers)} verifier layers "
+                f"make more than {MAX_LAYERS}"
+            )
         tier = self.core.tier(sb)
         lowers: list[Path] = []
         if isinstance(tier, LayerView) and sb.live is not None:
@@ -141,19 +149,12 @@ class Verifier:
         )
         dropped = [c.path for c in changed if _under(c.path.lstrip("/"), protect)]
         base = agent_sb.spec
-        spec = SandboxSpec(
-            backend=base.backend,
-            image=base.image,
-            layers=[*base.layers, layer.digest, *req.layers],
-            resources=req.resources or base.resources,
-            env=base.env,
-            workdir=base.workdir,
-            user=base.user,
-            labels={**base.labels, VERIFY_LABEL: sandbox_id},
-            idle_ttl=req.timeout + 120,
-            network=NetworkPolicy(),  # checks never reach out
-            options=base.options,
-        )
+        try:
+            spec = self._verifier_spec(base, layer.digest, req, sandbox_id)
+        except ValidationError as exc:  # the agent's spec and the request were each valid; together not
+            raise InvalidArgumentError(
+                f"the verifier's sandbox cannot be made: {exc.errors()[0]['msg']}"[:300]
+            ) from exc
         common = {"changed": changed, "dropped": dropped, "changes_layer": layer.digest}
         try:
             info = await self._create(spec)
@@ -173,6 +174,22 @@ class Verifier:
         finally:
             if not req.keep:
                 await self.core.stop(info.id, reason="user")
+
+    @staticmethod
+    def _verifier_spec(base: SandboxSpec, changes: str, req: VerifyRequest, sandbox_id: str) -> SandboxSpec:
+        return SandboxSpec(
+            backend=base.backend,
+            image=base.image,
+            layers=[*base.layers, changes, *req.layers],
+            resources=req.resources or base.resources,
+            env=base.env,
+            workdir=base.workdir,
+            user=base.user,
+            labels={**base.labels, VERIFY_LABEL: sandbox_id},
+            idle_ttl=req.timeout + 120,
+            network=NetworkPolicy(),  # checks never reach out
+            options=base.options,
+        )
 
     async def _create(self, spec: SandboxSpec) -> SandboxInfo:
         """The verifier's sandbox; a full node's refusal is waited out (a burst of rollouts ending
