@@ -185,6 +185,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-rl-daemon-"))
     root.chmod(0o755)  # criu's restore opens the sandbox's run dir from inside its user namespace
     parent = f"/sandfleet-bench-rl-{root.name}"
+    meta = machine_info()  # at the start: its load average is the one the figures ran under
     d = Daemon(root, parent)
     d.start()
     try:
@@ -201,7 +202,7 @@ def main() -> int:
         finally:
             d.stop()
             remove_cgroup_tree(parent)
-    write_report({"meta": machine_info(), "step": step, "replay": rep, "task": task}, results)
+    write_report({"meta": meta, "step": step, "replay": rep, "task": task}, results)
     print(f"wrote {results / 'rl.md'}")
     return 0
 
