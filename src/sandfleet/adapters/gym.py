@@ -25,54 +25,28 @@ from typing import Any, SupportsFloat
 import gymnasium
 from gymnasium import spaces
 
+from sandfleet.adapters._episode import (
+    TRUNCATED,
+    SetupError,
+    connect,
+    run_step,
+    setup_sandbox,
+    start_sandbox,
+    stop_quietly,
+)
 from sandfleet.client import Client, Sandbox
-from sandfleet.errors import SandboxError
 from sandfleet.models import ExecResult, SandboxSpec
+
+__all__ = ["SandboxEnv", "SetupError", "clean_text", "connect", "prepare_snapshot", "register_env"]
 
 # Printable ASCII and its whitespace: what a shell command is made of, and what an observation may
 # hold (other characters of the output are replaced, so every observation is in the space).
 CHARSET = string.printable
 REPLACEMENT = "?"
-TRUNCATED = "\n[output truncated]"
 EXIT_CODES = spaces.Discrete(512, start=-256)  # exit statuses, 128+signal, and negative signal numbers
 ENV_ID = "sandfleet/Shell-v0"
 
 RewardFn = Callable[[Sandbox], float]
-
-
-class SetupError(RuntimeError):
-    """A setup command of the task exited non-zero: the episode cannot start as the task intends."""
-
-    def __init__(self, command: str, result: ExecResult) -> None:
-        super().__init__(
-            f"setup command {command!r} exited {result.exit_code}: {(result.stdout + result.stderr)[-500:]}"
-        )
-        self.command = command
-        self.result = result
-
-
-def connect(fleet: Client | str | os.PathLike[str] | None) -> tuple[Client, bool]:
-    """A client for `fleet` (a Client, a daemon URL, a socket path, or None: the default socket) and
-    whether the caller owns it (and must close it). A path or URL keeps the env picklable and lets
-    `gymnasium.make` copy its arguments."""
-    if isinstance(fleet, Client):
-        return fleet, False
-    text = None if fleet is None else os.fspath(fleet)
-    if text is not None and text.startswith(("http://", "https://")):
-        return Client(url=text), True
-    return Client(text), True
-
-
-def setup_sandbox(
-    sandbox: Sandbox, commands: Sequence[str], files: Mapping[str, bytes | str], timeout: float | None
-) -> None:
-    """Write the task's files, then run its setup commands in order; a failing command raises."""
-    for path, data in files.items():
-        sandbox.files.write(path, data)
-    for command in commands:
-        result = sandbox.exec(command, timeout=timeout, merge_stderr=True)
-        if result.exit_code != 0 or result.timed_out:
-            raise SetupError(command, result)
 
 
 def prepare_snapshot(
@@ -186,44 +160,24 @@ class SandboxEnv(gymnasium.Env[dict[str, Any], str]):
     # -- the episode's sandbox
 
     def _start_sandbox(self) -> Sandbox:
-        labels = dict(self.spec_template.labels)
-        if self.snapshot_id is not None:
-            child = self.fleet.restore(self.snapshot_id, labels=labels)[0]
-            if isinstance(child, SandboxError):
-                raise child
-            return child
-        spec = self.spec_template.model_copy(
-            update={"env": {**self.spec_template.env, "SANDFLEET_SEED": str(self.seed_value)}}
+        assert self.seed_value is not None
+        return start_sandbox(
+            self.fleet,
+            self.spec_template,
+            self.seed_value,
+            snapshot_id=self.snapshot_id,
+            setup=self.setup,
+            files=self.files,
+            setup_timeout=self.setup_timeout,
         )
-        sandbox = self.fleet.create(spec)
-        try:
-            setup_sandbox(sandbox, self.setup, self.files, self.setup_timeout)
-        except BaseException:
-            try:
-                sandbox.stop()
-            except SandboxError:
-                pass  # the setup's own error is the one to report
-            raise
-        return sandbox
 
     def _stop_sandbox(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
-        if sandbox is not None:
-            try:
-                sandbox.stop()
-            except SandboxError:
-                pass  # the node may have stopped it already (TTL) or be unreachable: nothing to keep
+        stop_quietly(sandbox)
 
     def _exec(self, command: str, timeout: float | None) -> ExecResult:
         assert self.sandbox is not None
-        limit = self.max_output * 4 + 1024  # bytes: enough UTF-8 to fill it
-        return self.sandbox.exec(
-            command,
-            env={"SANDFLEET_SEED": str(self.seed_value)},
-            timeout=timeout,
-            output_limit=limit,
-            merge_stderr=True,
-        )
+        return run_step(self.sandbox, command, self.seed_value, timeout, self.max_output)
 
     def _check_passes(self) -> bool:
         if self.check is None:

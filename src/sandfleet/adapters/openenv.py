@@ -37,11 +37,9 @@ from openenv.core.env_server.types import (  # type: ignore[import-untyped]
 )
 from pydantic import Field
 
-from sandfleet.client import Client, Sandbox
-from sandfleet.errors import SandboxError
+from sandfleet.adapters._episode import connect, cut, run_step, start_sandbox, stop_quietly
+from sandfleet.client import Sandbox
 from sandfleet.models import ExecResult, SandboxSpec
-
-TRUNCATED = "\n[output truncated]"
 
 
 class CommandAction(Action):  # type: ignore[misc]
@@ -89,21 +87,6 @@ class ShellTask:
     max_output: int = 16384
 
 
-def _client(fleet: str | os.PathLike[str] | None) -> Client:
-    """A client of its own for `fleet`: a daemon URL, a socket path, or None (the default socket)."""
-    text = None if fleet is None else os.fspath(fleet)
-    if text is not None and text.startswith(("http://", "https://")):
-        return Client(url=text)
-    return Client(text)
-
-
-def _cut(text: str, limit: int) -> str:
-    """`text`, cut to `limit` characters with a marker saying so."""
-    if len(text) <= limit:
-        return text
-    return text[:limit] if limit <= len(TRUNCATED) else text[: limit - len(TRUNCATED)] + TRUNCATED
-
-
 class SandfleetEnvironment(Environment):  # type: ignore[misc]
     """An OpenEnv `Environment` over sandfleet: an episode is a sandbox, a step one command.
 
@@ -120,7 +103,7 @@ class SandfleetEnvironment(Environment):  # type: ignore[misc]
     def __init__(self, task: ShellTask, fleet: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
         self.task = task
-        self.fleet = _client(fleet)
+        self.fleet, _ = connect(fleet)
         self.sandbox: Sandbox | None = None
         self._state = SandboxState()
         self._done = False
@@ -129,46 +112,23 @@ class SandfleetEnvironment(Environment):  # type: ignore[misc]
 
     def _start_sandbox(self, seed: int) -> Sandbox:
         task = self.task
-        if task.snapshot_id is not None:
-            child = self.fleet.restore(task.snapshot_id, labels=task.spec.labels)[0]
-            if isinstance(child, SandboxError):
-                raise child
-            return child
-        sandbox = self.fleet.create(
-            task.spec.model_copy(update={"env": {**task.spec.env, "SANDFLEET_SEED": str(seed)}})
+        return start_sandbox(
+            self.fleet,
+            task.spec,
+            seed,
+            snapshot_id=task.snapshot_id,
+            setup=task.setup,
+            files=task.files,
+            setup_timeout=task.setup_timeout,
         )
-        try:
-            for path, data in task.files.items():
-                sandbox.files.write(path, data)
-            for command in task.setup:
-                result = sandbox.exec(command, timeout=task.setup_timeout, merge_stderr=True)
-                if result.exit_code != 0 or result.timed_out:
-                    raise RuntimeError(f"setup command {command!r} exited {result.exit_code}: {result.stdout[-500:]}")
-        except BaseException:
-            try:
-                sandbox.stop()
-            except SandboxError:
-                pass  # the setup's own error is the one to report
-            raise
-        return sandbox
 
     def _stop_sandbox(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
-        if sandbox is not None:
-            try:
-                sandbox.stop()
-            except SandboxError:
-                pass  # already stopped by the node (TTL), or the node is unreachable: nothing to keep
+        stop_quietly(sandbox)
 
     def _exec(self, command: str, timeout: float | None) -> ExecResult:
         assert self.sandbox is not None
-        return self.sandbox.exec(
-            command,
-            env={"SANDFLEET_SEED": str(self._state.seed)},
-            timeout=timeout,
-            output_limit=self.task.max_output * 4 + 1024,
-            merge_stderr=True,
-        )
+        return run_step(self.sandbox, command, self._state.seed, timeout, self.task.max_output)
 
     def _check_passes(self) -> bool:
         if self.task.check is None:
@@ -193,7 +153,7 @@ class SandfleetEnvironment(Environment):  # type: ignore[misc]
         self._state = SandboxState(episode_id=episode_id or str(uuid.uuid4()), step_count=0, seed=seed)
         self.sandbox = self._start_sandbox(seed)
         self._state.sandbox_id = self.sandbox.id
-        return CommandObservation(output=_cut(self.task.instructions, self.task.max_output), reward=None, done=False)
+        return CommandObservation(output=cut(self.task.instructions, self.task.max_output), reward=None, done=False)
 
     def step(self, action: CommandAction, timeout_s: float | None = None, **kwargs: Any) -> CommandObservation:
         """Run the command (its timeout: `timeout_s`, else the task's `step_timeout`)."""
@@ -208,7 +168,7 @@ class SandfleetEnvironment(Environment):  # type: ignore[misc]
             if self.task.check is not None and self.task.check_each_step:
                 passed = self._check_passes()
             obs = CommandObservation(
-                output=_cut(result.stdout, self.task.max_output),
+                output=cut(result.stdout, self.task.max_output),
                 exit_code=result.exit_code,
                 timed_out=result.timed_out,
                 done=bool(passed),
