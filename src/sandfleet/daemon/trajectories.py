@@ -163,7 +163,7 @@ class Trajectories:
         self.root = root
         self.config = config or TrajectoryConfig()
         self.loaded: dict[str, Trajectory] = {}
-        self._opening: dict[str, asyncio.Lock] = {}
+        self._opening: dict[str, list[Any]] = {}  # id -> [lock, how many open it now]
 
     # -- the log ---------------------------------------------------------------------------------
 
@@ -270,27 +270,36 @@ class Trajectories:
     async def open(self, req: TrajectoryOpen) -> TrajectoryInfo:
         """Open the trajectory `req.id`, or give back the one already open under it (same arguments)."""
         self._path(req.id)
-        lock = self._opening.setdefault(req.id, asyncio.Lock())
-        async with lock:
-            t = self.loaded.get(req.id) or await self._load(req.id)
-            if t is not None and _fingerprint(t.opened) != _fingerprint(req):
-                raise InvalidArgumentError(f"trajectory {req.id} exists, opened with other arguments")
-            new = t is None
-            if t is None:
-                t = Trajectory(req.id, req, time.time(), self._path(req.id))
-                await self._append(t, {"k": "open", "t": t.created_at, "request": req.model_dump(mode="json")})
-                self.loaded[req.id] = t
-            if t.sandbox is None:  # new, or its sandbox's create was interrupted: the same key claims it
-                try:
-                    t.sandbox = await self._sandbox(req)
-                except SandboxError:
-                    if new:  # refused (no such image, snapshot, sandbox; a full node): no trajectory either
-                        self.loaded.pop(req.id, None)
-                        _close(t)
-                        await asyncio.to_thread(t.path.unlink, True)
-                    raise
-                await self._append(t, {"k": "sandbox", "sandbox": t.sandbox.model_dump(mode="json")})
-            return t.info()
+        entry = self._opening.setdefault(req.id, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                return await self._open(req)
+        finally:
+            entry[1] -= 1
+            if not entry[1]:  # nobody else opening it: the lock goes (one per rollout would pile up)
+                self._opening.pop(req.id, None)
+
+    async def _open(self, req: TrajectoryOpen) -> TrajectoryInfo:
+        t = self.loaded.get(req.id) or await self._load(req.id)
+        if t is not None and _fingerprint(t.opened) != _fingerprint(req):
+            raise InvalidArgumentError(f"trajectory {req.id} exists, opened with other arguments")
+        new = t is None
+        if t is None:
+            t = Trajectory(req.id, req, time.time(), self._path(req.id))
+            await self._append(t, {"k": "open", "t": t.created_at, "request": req.model_dump(mode="json")})
+            self.loaded[req.id] = t
+        if t.sandbox is None:  # new, or its sandbox's create was interrupted: the same key claims it
+            try:
+                t.sandbox = await self._sandbox(req)
+            except SandboxError:
+                if new:  # refused (no such image, snapshot, sandbox; a full node): no trajectory either
+                    self.loaded.pop(req.id, None)
+                    _close(t)
+                    await asyncio.to_thread(t.path.unlink, True)
+                raise
+            await self._append(t, {"k": "sandbox", "sandbox": t.sandbox.model_dump(mode="json")})
+        return t.info()
 
     async def _sandbox(self, req: TrajectoryOpen) -> SandboxInfo:
         key = f"trajectory:{req.id}"
@@ -412,8 +421,13 @@ class Trajectories:
         fut.set_result(result)
 
     async def _finish(self, t: Trajectory, k: int, dig: str, result: StepResult) -> None:
-        """Log the result, then make it the step's (the order makes it exactly once)."""
-        await self._append(t, f'{{"k":"done","step":{k},"digest":"{dig}","result":{result.model_dump_json()}}}')
+        """Log the result, then make it the step's. A log that refuses the record (a full disk) still
+        leaves the result here: asked again, this daemon answers it; a restarted one finds the step
+        begun and unfinished and answers `infra`; neither runs it a second time."""
+        try:
+            await self._append(t, f'{{"k":"done","step":{k},"digest":"{dig}","result":{result.model_dump_json()}}}')
+        except OSError as exc:
+            log.error("trajectory %s: step %d's result could not be logged: %s", t.id, k, exc)
         t.steps.append(result)
         t.digests.append(dig)
         t.running = None
