@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.daemon.process import DaemonProcess
+from sandfleet.errors import SandboxError
 
 HERE = Path(__file__).resolve().parent
 
@@ -269,6 +270,19 @@ def _timed(fn: Callable[[], Any]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def stop_labelled(
+    daemon: Daemon, fleet: Any, labels: dict[str, str], where: str
+) -> tuple[list[str], str | None, float]:
+    """`fleet.stop_many(labels)`: (the ids stopped, the error if it failed, seconds taken, a restart
+    included). A daemon that died doing it is started again to stop them (`restart_if_dead`)."""
+    t = time.perf_counter()
+    try:
+        return fleet.stop_many(labels), None, time.perf_counter() - t
+    except SandboxError as exc:
+        restart_if_dead(daemon, fleet, labels, where)
+        return [], f"{type(exc).__name__}: {exc}", time.perf_counter() - t
 
 
 def restart_if_dead(daemon: Daemon, fleet: Any, labels: dict[str, str], where: str) -> None:

@@ -17,10 +17,10 @@ from common import (
     mem_available_kib,
     pss_kib,
     read_status,
-    restart_if_dead,
     rss_kib,
     settle,
     stats,
+    stop_labelled,
 )
 from sandfleet.errors import SandboxError
 
@@ -78,14 +78,7 @@ def bench_density(fleet: Any, daemon: Daemon, n: int, n_exec: int, labels: dict[
         if r.exit_code != 0:
             raise RuntimeError(f"exec into idle sandbox failed: {r}")
     running = len(fleet.list(labels=labels, state="running"))
-    t = time.perf_counter()
-    stop_error = None
-    try:
-        stopped = fleet.stop_many(labels)
-    except SandboxError as exc:
-        stopped, stop_error = [], f"{type(exc).__name__}: {exc}"
-        restart_if_dead(daemon, fleet, labels, "density stop_many")
-    stop_all_s = time.perf_counter() - t
+    stopped, stop_error, stop_all_s = stop_labelled(daemon, fleet, labels, "density stop_many")
     return {
         "sandboxes": n,
         "running_at_measurement": running,

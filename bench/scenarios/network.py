@@ -25,10 +25,10 @@ from common import (
     pct,
     pss_kib,
     read_status,
-    restart_if_dead,
     rss_kib,
     settle,
     stats,
+    stop_labelled,
 )
 from sandfleet.errors import SandboxError
 
@@ -287,13 +287,7 @@ def bench_idle(
             lat.append(time.perf_counter() - t)
             ok += r.stdout == "hello from upstream\n"
         fetch = {"tried": min(20, n), "ok": ok, "wget_exec": stats(lat)}
-    t = time.perf_counter()
-    stop_error = None
-    try:
-        stopped = fleet.stop_many(labels)
-    except SandboxError as exc:
-        stopped, stop_error = [], f"{type(exc).__name__}: {exc}"
-        restart_if_dead(daemon, fleet, labels, "network idle stop_many")
+    stopped, stop_error, stop_s = stop_labelled(daemon, fleet, labels, "network idle stop_many")
     return {
         "sandboxes": n,
         "network": str(policy) if policy is not None else "none",
@@ -314,7 +308,7 @@ def bench_idle(
         "daemon_idle_cpu_percent_of_one_core": round(idle_cpu, 2),
         "exec_into_random_idle": stats(xs),
         "fetch_from_random_idle": fetch,
-        "stop_all_s": round(time.perf_counter() - t, 3),
+        "stop_all_s": round(stop_s, 3),
         "stopped": len(stopped),
         "stop_error": stop_error,
     }

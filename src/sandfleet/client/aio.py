@@ -207,16 +207,14 @@ class AsyncClient:
         """Send a call that is safe to repeat (a trajectory's open, step, verify, close) until it is
         answered: a lost answer, a daemon restarting or a full node is retried with backoff for up to
         `retry_for` seconds; then the last error is raised."""
-        deadline = time.monotonic() + retry_for
-        delay = 0.05
+        deadline = b.Deadline(retry_for)
         while True:
             try:
                 return await self._model(model, call)
             except SandboxError as exc:
-                if not exc.retryable or time.monotonic() + delay > deadline:
+                if not exc.retryable or not deadline.allows(refused=False):
                     raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            await asyncio.sleep(deadline.backoff())
 
     # -- node
 

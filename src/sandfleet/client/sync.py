@@ -198,16 +198,14 @@ class Client:
         """Send a call that is safe to repeat (a trajectory's open, step, verify, close) until it is
         answered: a lost answer, a daemon restarting or a full node is retried with backoff for up to
         `retry_for` seconds; then the last error is raised."""
-        deadline = time.monotonic() + retry_for
-        delay = 0.05
+        deadline = b.Deadline(retry_for)
         while True:
             try:
                 return self._model(model, call)
             except SandboxError as exc:
-                if not exc.retryable or time.monotonic() + delay > deadline:
+                if not exc.retryable or not deadline.allows(refused=False):
                     raise
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            time.sleep(deadline.backoff())
 
     # -- node
 

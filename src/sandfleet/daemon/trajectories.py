@@ -92,8 +92,9 @@ class TrajectoryConfig(BaseModel):
     drain_timeout: float = Field(30.0, ge=0, description="a stopping daemon waits this long for running steps")
 
 
-def digest(action: BaseModel) -> str:
-    return hashlib.sha256(action.model_dump_json().encode()).hexdigest()[:32]
+def digest(dumped: str) -> str:
+    """What identifies a step's action (or a verification's request): its JSON as dumped."""
+    return hashlib.sha256(dumped.encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -375,7 +376,7 @@ class Trajectories:
     async def step(self, tid: str, req: StepRequest) -> StepResult:
         t = await self._get(tid)
         action = req.action.model_dump_json()
-        dig = hashlib.sha256(action.encode()).hexdigest()[:32]
+        dig = digest(action)
         k = req.step
         if k < len(t.steps):
             if t.digests[k] != dig:
@@ -476,7 +477,7 @@ class Trajectories:
     async def verify(self, tid: str, req: VerifyRequest) -> VerifyResult:
         """Verify the trajectory's sandbox apart from it; logged, so asked again it is the same verdict."""
         t = await self._get(tid)
-        dig = digest(req)
+        dig = digest(req.model_dump_json())
         if t.verification is not None:
             if t.verify_digest != dig:
                 raise InvalidArgumentError(f"trajectory {tid} was verified with other checks")

@@ -15,11 +15,11 @@ the OOM killer, a command not found) -> `verifier`; the node could not make the 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -29,14 +29,13 @@ from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.snapshots import Snapshots, inside_path
-from sandfleet.errors import Cause, InvalidArgumentError, ResourceExhaustedError, SandboxError
+from sandfleet.errors import Cause, InvalidArgumentError, SandboxError
 from sandfleet.models import (
     ChangedFile,
     ErrorBody,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
-    SandboxInfo,
     SandboxSpec,
     VerifyRequest,
     VerifyResult,
@@ -157,18 +156,9 @@ class Verifier:
             ) from exc
         common = {"changed": changed, "dropped": dropped, "changes_layer": layer.digest}
         try:
-            info = await self._create(spec)
+            info = await self.creation.create_when_admitted(spec, CAPACITY_WAIT)
         except SandboxError as exc:
-            cause: Cause = exc.cause if exc.cause != "caller" else "verifier"  # e.g. a verifier layer not found
-            self.core.metrics.verifications.labels(outcome=cause).inc()
-            return VerifyResult(
-                passed=False,
-                reward=0.0,
-                cause=cause,
-                error=ErrorBody.model_validate(exc.to_wire()),
-                duration=time.perf_counter() - t0,
-                **common,
-            )
+            return self._failed(exc, None, t0, common)
         try:
             return await self._check(info.id, req, t0, common)
         finally:
@@ -191,21 +181,22 @@ class Verifier:
             options=base.options,
         )
 
-    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
-        """The verifier's sandbox; a full node's refusal is waited out (a burst of rollouts ending
-        together verifies together), up to `CAPACITY_WAIT`."""
-        deadline = time.monotonic() + CAPACITY_WAIT
-        delay = 0.1
-        while True:
-            try:
-                return await self.creation.create(spec)
-            except ResourceExhaustedError:
-                if time.monotonic() + delay > deadline:
-                    raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    def _failed(self, exc: SandboxError, vid: str | None, t0: float, common: dict[str, Any]) -> VerifyResult:
+        """A verification whose checks could not run, or not to their end."""
+        # A request error here is the task's (a verifier layer not found, a checker that cannot start).
+        cause: Cause = "verifier" if exc.cause == "caller" else exc.cause
+        self.core.metrics.verifications.labels(outcome=cause).inc()
+        return VerifyResult(
+            passed=False,
+            reward=0.0,
+            cause=cause,
+            error=ErrorBody.model_validate({**exc.to_wire(), "cause": cause}),
+            verifier_sandbox_id=vid,
+            duration=time.perf_counter() - t0,
+            **common,
+        )
 
-    async def _check(self, vid: str, req: VerifyRequest, t0: float, common: dict[str, object]) -> VerifyResult:
+    async def _check(self, vid: str, req: VerifyRequest, t0: float, common: dict[str, Any]) -> VerifyResult:
         try:
             result = await self.execs.exec(
                 vid,
@@ -214,17 +205,7 @@ class Verifier:
                 ),
             )
         except SandboxError as exc:
-            cause: Cause = "timeout" if exc.cause == "timeout" else "verifier" if exc.cause == "caller" else exc.cause
-            self.core.metrics.verifications.labels(outcome=cause).inc()
-            return VerifyResult(
-                passed=False,
-                reward=0.0,
-                cause=cause,
-                error=ErrorBody.model_validate({**exc.to_wire(), "cause": cause}),
-                verifier_sandbox_id=vid,
-                duration=time.perf_counter() - t0,
-                **common,
-            )
+            return self._failed(exc, vid, t0, common)
         verdict = _cause(result, req)
         passed = verdict is None
         reward = 1.0 if passed else 0.0
