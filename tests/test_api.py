@@ -54,7 +54,7 @@ GENERATOR = REPO / "scripts" / "gen_openapi.py"
 SPEC_URI = "urn:sandfleet:openapi"
 CODES = {
     "invalid_argument", "not_found", "wrong_state", "resource_exhausted", "timeout", "unauthenticated",
-    "permission_denied", "unsupported", "unavailable", "data_loss", "internal",
+    "permission_denied", "unsupported", "unavailable", "sandbox_lost", "data_loss", "internal",
 }  # fmt: skip
 # What must never show up in an error message: tracebacks, source locations, dotted class paths.
 LEAKY = re.compile(

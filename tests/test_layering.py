@@ -109,7 +109,7 @@ def test_no_import_cycles() -> None:
 
 
 # (what, the modules it covers, what they may import of the package): see docs/architecture.md.
-SDK = ("sandfleet.client", "sandfleet.models", "sandfleet.errors")
+SDK = ("sandfleet.client", "sandfleet.models", "sandfleet.errors", "sandfleet.ids")
 RULES = [
     ("the SDK needs only pydantic and httpx", (*SDK, "sandfleet"), SDK),
     ("runtime: kernel mechanisms, no API", ("sandfleet.runtime",), ("sandfleet.runtime", "sandfleet.errors")),
@@ -139,6 +139,18 @@ RULES = [
         "the RL adapters and the example task are SDK users, like anyone's trainer",
         ("sandfleet.adapters", "sandfleet.rl_demo"),
         ("sandfleet", "sandfleet.adapters", *SDK),
+    ),
+    (
+        "a cluster gateway reaches nodes over HTTP only: never their service, a backend or the runtime",
+        ("sandfleet.cluster", "sandfleet.ray"),
+        (
+            "sandfleet",
+            "sandfleet.cluster",
+            "sandfleet.daemon.iam",  # the same projects, tokens and quotas as a node's
+            "sandfleet.daemon.config",  # `sandfleet cluster up` reads the node's config
+            "sandfleet.images.models",  # image references, as placement compares them
+            *SDK,
+        ),
     ),
     (
         "the sandbox table is the bottom of the service",

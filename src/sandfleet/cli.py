@@ -1,4 +1,5 @@
-"""`sandfleet` command line: serve, create, exec, shell, ls, rm, pause, resume, images, doctor, demo."""
+"""`sandfleet` command line: serve, gateway, cluster, create, exec, shell, ls, rm, pause, resume, images,
+doctor, demo."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 from rich.table import Table
 
 from sandfleet.client import AsyncClient, Client, Sandbox
+from sandfleet.cluster.cli import cluster_app
+from sandfleet.cluster.cli import gateway as cluster_gateway
 from sandfleet.errors import SandboxError
 from sandfleet.models import Backend, BuildEvent, NetworkPolicy, Resources, SandboxSpec
 
 app = typer.Typer(help="sandfleet: elastic sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 images_app = typer.Typer(help="List and build images.", invoke_without_command=True)
 app.add_typer(images_app, name="images")
+app.add_typer(cluster_app, name="cluster")
+app.command(name="gateway")(cluster_gateway)
 console = Console()
 err_console = Console(stderr=True)
 

@@ -13,6 +13,7 @@
     ├── PermissionDeniedError         permission_denied  the sandbox refused (e.g. EACCES on a file)
     ├── UnsupportedError              unsupported        the sandbox's tier lacks the capability asked for
     ├── UnavailableError              unavailable        daemon or sandbox channel unreachable (retryable)
+    ├── SandboxLostError              sandbox_lost       its node died (cluster): the sandbox is gone for good
     ├── DataLossError                 data_loss          a stored layer or snapshot is corrupt or truncated
     └── InternalError                 internal           a bug or a runtime failure
 
@@ -122,6 +123,14 @@ class UnavailableError(SandboxError):
     retryable = True
 
 
+class SandboxLostError(SandboxError):
+    """The node holding the sandbox (or snapshot, or trajectory) died or left the cluster: what it held
+    is gone. Not retryable as such: a trainer masks the rollout (cause `infra`) and starts it anew."""
+
+    code = "sandbox_lost"
+    http_status = 410
+
+
 class DataLossError(SandboxError):
     code = "data_loss"
     http_status = 500
@@ -145,6 +154,7 @@ WIRE_CODES: dict[str, type[SandboxError]] = {
         PermissionDeniedError,
         UnsupportedError,
         UnavailableError,
+        SandboxLostError,
         DataLossError,
         InternalError,
     )

@@ -141,6 +141,22 @@ def check_idempotency_key(key: str) -> str:
 
 
 _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# In a label selector (list, stop, pause, resume ... by labels), this key selects by project: a
+# sandbox of that project or of one under it matches. Sandboxes do not carry it as a label.
+PROJECT_LABEL = "sandfleet.project"
+_PROJECT_PART = r"[a-z0-9][a-z0-9_.-]{0,62}"
+_PROJECT_RE = re.compile(rf"^{_PROJECT_PART}(/{_PROJECT_PART}){{0,7}}$")
+
+
+def check_project(project: str) -> str:
+    """A project path: org/team/job, up to 8 levels of 1-63 characters of [a-z0-9_.-]."""
+    if not _PROJECT_RE.match(project):
+        raise ValueError(
+            f"invalid project {shown(project)}: a path like 'org/team/job' of at most 8 parts, each 1-63 "
+            "characters of [a-z0-9_.-] starting with a letter or digit"
+        )
+    return project
+
 
 # Field types that carry these checks, for every model (here, recipes, imports) that takes such values.
 EnvVars = Annotated[dict[str, str], AfterValidator(check_env)]
@@ -148,6 +164,7 @@ AbsPath = Annotated[str, AfterValidator(check_abs_path)]
 SandboxPath = Annotated[str, AfterValidator(check_path)]
 UserName = Annotated[str, AfterValidator(check_user)]
 Labels = Annotated[dict[str, str], AfterValidator(check_labels)]
+ProjectPath = Annotated[str, AfterValidator(check_project)]
 IdempotencyKey = Annotated[str, AfterValidator(check_idempotency_key)]
 Encoding = Literal["utf-8", "base64"]
 
@@ -440,6 +457,11 @@ class SandboxSpec(_Model):
     user: UserName = Field("root", description="default user for commands: a name or a numeric uid")
     hostname: str | None = None
     labels: Labels = Field(default_factory=dict)
+    project: ProjectPath | None = Field(
+        None,
+        description="the project ('org/team/job') the sandbox belongs to and is counted against: its quotas, "
+        "and which tokens see it. Default: the calling token's project (none on a node without projects)",
+    )
     idle_ttl: float | None = Field(600.0, gt=0, le=MAX_SECONDS, description="stop after this many idle seconds")
     max_lifetime: float | None = Field(None, gt=0, le=MAX_SECONDS, description="stop this many seconds after creation")
     qos: QoS = Field(
@@ -838,6 +860,7 @@ class ErrorBody(_Model):
         "permission_denied",
         "unsupported",
         "unavailable",
+        "sandbox_lost",
         "data_loss",
         "internal",
     ]
@@ -955,6 +978,35 @@ class Health(_Model):
     )
 
 
+class ProjectUsage(_Model):
+    """What one project's live sandboxes on a node hold (their limits, as quotas count them)."""
+
+    sandboxes: int
+    cpu: float = Field(description="sum of their CPU limits (cores)")
+    memory: int = Field(description="sum of their memory limits (bytes)")
+
+
+class NodeLoad(_Model):
+    """What cluster placement and quotas read of a node, about once a second."""
+
+    key: str = Field(description="the node's key: the 6 hex digits after sb- and snap- in the ids it makes")
+    group: str = Field(description="its node group (placement spills over from one group to the next)")
+    labels: dict[str, str] = Field(default_factory=dict, description="node labels a create may require")
+    draining: bool = Field(description="taking no new creates (forks and restores of its snapshots still run)")
+    sandboxes: int = Field(description="live sandboxes (creating, running, paused, stopping)")
+    capacity: int = Field(description="its admission limit (max_sandboxes)")
+    tiers: list[str]
+    images: list[str] = Field(default_factory=list, description="image references in its layer store")
+    projects: dict[str, ProjectUsage] = Field(
+        default_factory=dict, description="per project (not rolled up; '' for none): what its sandboxes hold"
+    )
+    at: float = Field(description="when this was read (the node's clock, seconds since the epoch)")
+
+
+class DrainRequest(_Model):
+    draining: bool = Field(True, description="true: take no new creates; false: take them again")
+
+
 class Ok(_Model):
     ok: bool = True
 
@@ -973,6 +1025,7 @@ class SnapshotInfo(_Model):
     seconds: float = Field(description="how long taking it took (the sandbox is frozen meanwhile)")
     labels: dict[str, str] = Field(default_factory=dict, description="the snapshot's own labels")
     expires_at: float | None = Field(None, description="when the node deletes it (None: kept until deleted)")
+    project: str | None = Field(None, description="its sandbox's project: restored sandboxes belong to it too")
 
 
 class SnapshotRequest(_Model):

@@ -24,7 +24,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -46,6 +46,7 @@ from sandfleet.errors import (
     error_from_wire,
 )
 from sandfleet.models import (
+    PROJECT_LABEL,
     TRAJECTORY_ID,
     AuditQuery,
     AuditRecord,
@@ -133,6 +134,8 @@ class Endpoint:
 
     @classmethod
     def resolve(cls, socket: str | os.PathLike[str] | None, url: str | None, token: str | None) -> Endpoint:
+        if url is None and isinstance(socket, str) and socket.startswith(("http://", "https://")):
+            url, socket = socket, None  # Client("http://gateway:8600", token=...)
         url = url or os.environ.get("SANDFLEET_URL")
         token = token or os.environ.get("SANDFLEET_TOKEN")
         if url:
@@ -345,6 +348,22 @@ def _validated(model: type[M], what: str, data: Mapping[str, Any]) -> M:
         return model.model_validate(dict(data))
     except ValidationError as exc:
         raise InvalidArgumentError(f"invalid {what}: {exc}") from exc
+
+
+def selector(labels: Mapping[str, str] | None, project: str | None) -> dict[str, str]:
+    """A label selector, with `project` as the label the daemon matches against each sandbox's
+    project and everything under it (`PROJECT_LABEL`)."""
+    out = dict(labels or {})
+    if project is not None:
+        out[PROJECT_LABEL] = project
+    return out
+
+
+def in_project(specs: Iterable[SandboxSpec], project: str | None) -> list[SandboxSpec]:
+    """The specs, those naming no project put in `project`."""
+    if project is None:
+        return list(specs)
+    return [s if s.project is not None else spec_from(s, {"project": project}) for s in specs]
 
 
 def spec_from(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> SandboxSpec:

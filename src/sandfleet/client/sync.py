@@ -24,6 +24,7 @@ from sandfleet.models import (
     AuditRecord,
     BuildEvent,
     CreateBatchResult,
+    DrainRequest,
     EventList,
     ExecAction,
     ExecEvent,
@@ -39,6 +40,7 @@ from sandfleet.models import (
     ImageList,
     ImportRequest,
     NetworkPolicy,
+    NodeLoad,
     Ok,
     ProcessInfo,
     ProcessList,
@@ -215,6 +217,15 @@ class Client:
         result: dict[str, Any] = json.loads(self._send(b.Call("GET", "/v1/health")))
         return result
 
+    def node_load(self) -> NodeLoad:
+        """What cluster placement and quotas read of the node: its load, per-project usage, drain state."""
+        return NodeLoad.model_validate_json(self._send(b.Call("GET", "/v1/node/load")))
+
+    def drain(self, draining: bool = True) -> NodeLoad:
+        """Take no new creates on this node (False: take them again); what it holds keeps running."""
+        body = DrainRequest(draining=draining).model_dump()
+        return NodeLoad.model_validate_json(self._send(b.Call("POST", "/v1/node/drain", json=body)))
+
     def tiers(self) -> dict[str, builtins.list[str]]:
         """The isolation tiers the node runs, each with its capabilities (`pause`, `snapshot`, ...)."""
         tiers: dict[str, builtins.list[str]] = (self.health()).get("tiers", {})
@@ -347,8 +358,10 @@ class Client:
         batch_size: int = 64,
         timeout: float | None = None,
         retry_for: float | None = None,
+        project: str | None = None,
     ) -> builtins.list[Sandbox | SandboxError]:
         """Create one sandbox per spec; one result per spec, in order: the sandbox or its SandboxError.
+        `project`: the project of the specs that name none.
 
         Specs travel `batch_size` to a request (one round trip per batch, not per sandbox), two
         requests in flight, and the daemon runs `concurrency` creates of each batch at once. Each
@@ -357,7 +370,7 @@ class Client:
         `retry_for` seconds (default: until the timeout). Each spec has its own idempotency key, sent
         again on its retries, so a batch whose answer was lost is retried without duplicates.
         """
-        specs = builtins.list(specs)
+        specs = b.in_project(specs, project)
         attempts = [b.CreateAttempts(b.new_idempotency_key()) for _ in specs]
         deadline = b.Deadline(b.check_timeout(timeout, self.timeout), retry_refusals_for=retry_for)
         results: dict[int, Sandbox | SandboxError] = {}
@@ -404,25 +417,36 @@ class Client:
         """Attach to an existing sandbox by id (e.g. from another process, after a trainer restart)."""
         return Sandbox(self, self._model(SandboxInfo, b.Call("GET", b.sandbox_path(sandbox_id))))
 
-    def list(self, labels: Mapping[str, str] | None = None, state: str | None = None) -> list[SandboxInfo]:
-        """Sandboxes carrying all of `labels`, in `state`: creating, running, paused, stopping,
-        stopped, failed, `live` (the first four) or `all`; None (the default) lists live ones only."""
-        return (self._model(SandboxList, b.call_list(labels, state))).sandboxes
+    def list(
+        self, labels: Mapping[str, str] | None = None, state: str | None = None, *, project: str | None = None
+    ) -> list[SandboxInfo]:
+        """Sandboxes carrying all of `labels` (and in `project` or under it), in `state`: creating,
+        running, paused, stopping, stopped, failed, `live` (the first four) or `all`; None (the
+        default) lists live ones only."""
+        return (self._model(SandboxList, b.call_list(b.selector(labels, project), state))).sandboxes
 
-    def stop_many(self, labels: Mapping[str, str], reason: str = "user") -> builtins.list[str]:
-        """Stop every live sandbox with these labels; the ids stopped."""
-        call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": dict(labels), "reason": reason})
+    def stop_many(
+        self, labels: Mapping[str, str] | None = None, reason: str = "user", *, project: str | None = None
+    ) -> builtins.list[str]:
+        """Stop every live sandbox with these labels (and in `project` or under it); the ids stopped."""
+        selected = b.selector(labels, project)
+        call = b.Call("POST", "/v1/sandboxes/stop", json={"labels": selected, "reason": reason})
         return (self._model(StopManyResult, call)).stopped
 
-    def pause_many(self, labels: Mapping[str, str], *, timeout: float | None = None) -> builtins.list[str]:
-        """Pause every running sandbox with these labels (a preempted trainer's whole job); the ids
-        paused. Waits up to `timeout` seconds (default: the client's)."""
-        call = b.call_labels("pause", labels, b.check_timeout(timeout, self.timeout))
+    def pause_many(
+        self, labels: Mapping[str, str] | None = None, *, project: str | None = None, timeout: float | None = None
+    ) -> builtins.list[str]:
+        """Pause every running sandbox with these labels (and in `project` or under it: a preempted
+        trainer's whole job); the ids paused. Waits up to `timeout` seconds (default: the client's)."""
+        call = b.call_labels("pause", b.selector(labels, project), b.check_timeout(timeout, self.timeout))
         return (self._model(IdList, call)).sandboxes
 
-    def resume_many(self, labels: Mapping[str, str], *, timeout: float | None = None) -> builtins.list[str]:
-        """Resume every paused sandbox with these labels; the ids resumed (`timeout` as `pause_many`)."""
-        call = b.call_labels("resume", labels, b.check_timeout(timeout, self.timeout))
+    def resume_many(
+        self, labels: Mapping[str, str] | None = None, *, project: str | None = None, timeout: float | None = None
+    ) -> builtins.list[str]:
+        """Resume every paused sandbox with these labels (and in `project`); the ids resumed (`timeout`
+        as `pause_many`)."""
+        call = b.call_labels("resume", b.selector(labels, project), b.check_timeout(timeout, self.timeout))
         return (self._model(IdList, call)).sandboxes
 
     def set_network(

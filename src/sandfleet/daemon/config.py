@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandfleet.backends.config import BackendConfig, ContainerBackendConfig, FncallBackendConfig
 from sandfleet.daemon.detectors import DetectorsConfig
+from sandfleet.daemon.iam import IamConfig, token_hash
 from sandfleet.daemon.network import NetworkConfig
 from sandfleet.daemon.pool import PoolConfig
 from sandfleet.daemon.trajectories import TrajectoryConfig
@@ -39,8 +40,19 @@ class DaemonConfig(BaseModel):
     state_dir: Path = Field(Path("/var/lib/sandfleet"), description="SQLite state, images, agent build")
     run_dir: Path = Field(Path("/run/sandfleet"), description="per-boot runtime files (mount points)")
     socket: Path = Field(DEFAULT_SOCKET, description="unix socket the API listens on (mode 0600)")
-    tcp: str | None = Field(None, description="optional HOST:PORT to also listen on; requires `token`")
-    token: str | None = Field(None, description="bearer token required on TCP (the socket is protected by mode 0600)")
+    tcp: str | None = Field(
+        None, description="optional HOST:PORT to also listen on; requires `token` or tokens in `[iam]`"
+    )
+    token: str | None = Field(
+        None,
+        description="bearer token required on TCP (the socket is protected by mode 0600): an admin of the whole "
+        "node, like root's socket",
+    )
+    iam: IamConfig | None = Field(
+        None,
+        description="projects, their quotas, and tokens scoped to them with roles (`[[iam.projects]]`, "
+        "`[[iam.tokens]]`); see docs/architecture.md, 'Projects, tokens and quotas'",
+    )
     image_dir: Path | None = Field(None, description="layer store root; default <state_dir>/images")
     shared_image_dir: Path | None = Field(
         None,
@@ -56,6 +68,20 @@ class DaemonConfig(BaseModel):
         None, description="cap on the local copies of shared-store layers; least recently used unused ones go"
     )
     max_sandboxes: int = Field(10000, ge=1, description="admission limit: running sandboxes on this node")
+    node_key: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{6}$",
+        description="this node's key in sandbox and snapshot ids (6 hex digits); default: made once and kept "
+        "in <state_dir>/node_key. Keys must differ across a cluster",
+    )
+    node_group: str = Field(
+        "default",
+        pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$",
+        description="cluster mode: the node group (e.g. on-prem, burst) placement fills before spilling over",
+    )
+    node_labels: dict[str, str] = Field(
+        default_factory=dict, description="cluster mode: labels a create may require of its node"
+    )
     cpu_overcommit: float = Field(
         32.0, gt=0, description="admit while the sum of CPU requests stays under this many times the node's CPUs"
     )
@@ -135,8 +161,13 @@ class DaemonConfig(BaseModel):
 
     @model_validator(mode="after")
     def _tcp_needs_token(self) -> DaemonConfig:
-        if self.tcp and not self.token:
-            raise ValueError("listening on TCP requires a bearer token (token = ...)")
+        if self.tcp and not self.token and not (self.iam is not None and self.iam.tokens):
+            raise ValueError("listening on TCP requires a bearer token (token = ..., or [[iam.tokens]])")
+        if self.token and self.iam is not None:
+            legacy = token_hash(self.token)
+            for t in self.iam.tokens:
+                if t.sha256 == legacy:
+                    raise ValueError(f"[[iam.tokens]] {t.name}: its secret is the daemon's `token` too")
         if self.shared_image_dir is not None and "," in str(self.shared_image_dir):
             raise ValueError("shared_image_dir must not contain a comma (it goes into mount options)")
         tiers = [b.type for b in self.backends]

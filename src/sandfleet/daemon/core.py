@@ -154,6 +154,7 @@ class NodeCore:
         pools: WarmPools | None,
         stopped_retention: float,
         reaper_interval: float,
+        node_key: str,
     ) -> None:
         # The node's isolation tiers by name; a sandbox's is `sb.spec.backend`. The first is the default.
         self.backends: dict[str, Backend] = {b.name: b for b in backends}
@@ -165,6 +166,7 @@ class NodeCore:
         self.pools = pools
         self.stopped_retention = stopped_retention
         self.reaper_interval = reaper_interval
+        self.node_key = node_key  # in every sandbox and snapshot id this node makes (sandfleet.ids)
         self.table = SandboxTable()
         self.journal = EventJournal(state)
         # idempotency key -> (the sandbox id it made, or the create still running; the request's fingerprint)
@@ -177,6 +179,7 @@ class NodeCore:
         self.best_effort_retired = 0.0  # what best-effort sandboxes that have stopped had used
         self.best_effort_ids: set[str] = set()  # running or paused best-effort sandboxes
         self.shutting_down = False
+        self.draining = False  # cluster mode: finishing what it holds, taking no new creates
         metrics.track_sandboxes(self.usage_sources)
 
     def tier(self, sb: Sandbox) -> Backend:

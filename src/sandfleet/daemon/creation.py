@@ -126,6 +126,8 @@ class Creation:
             delay = min(delay * 2, 2.0)
 
     async def _create(self, spec: SandboxSpec, key: str | None) -> SandboxInfo:
+        if self.core.draining:  # forks and restores still come here: they can go nowhere else
+            raise UnavailableError(f"node {self.core.node_key} is draining: it takes no new sandboxes")
         self.check_backend(spec)
         self.networking.check(spec)
         if self.core.pools is not None:
@@ -175,7 +177,7 @@ class Creation:
         holds_budget = True
         t0 = time.perf_counter()
         try:
-            sandbox_id = new_sandbox_id()
+            sandbox_id = new_sandbox_id(self.core.node_key)
             now = time.time()
             sb = Sandbox(sandbox_id, spec, CREATING, now, now, idempotency_key=key, acked=False)
             sb.claim_by = now + CLAIM_WINDOW

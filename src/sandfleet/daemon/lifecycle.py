@@ -16,7 +16,6 @@ import asyncio
 import collections
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,7 +24,8 @@ from typing import Any, Final, cast
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon.state import StateStore
 from sandfleet.errors import Cause, SandboxNotFoundError, WrongStateError
-from sandfleet.models import ExecResult, SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
+from sandfleet.ids import new_id
+from sandfleet.models import PROJECT_LABEL, ExecResult, SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
 from sandfleet.runtime.agent import CommandExit, ExecProcess, OutputChunk
 
 log = logging.getLogger("sandfleet.daemon")
@@ -52,8 +52,8 @@ LIVE_STATES: Final = frozenset({CREATING, RUNNING, PAUSED, STOPPING})
 HOLDING_STATES: Final = frozenset({RUNNING, PAUSED})  # hold node resources and can take requests
 
 
-def new_sandbox_id() -> str:
-    return "sb-" + secrets.token_hex(8)
+def new_sandbox_id(node_key: str) -> str:
+    return new_id("sb", node_key)
 
 
 @dataclass
@@ -164,7 +164,14 @@ class Sandbox:
         return self._state
 
     def labelled(self, labels: Mapping[str, str]) -> bool:
-        return all(self.spec.labels.get(k) == v for k, v in labels.items())
+        for k, v in labels.items():
+            if k == PROJECT_LABEL:  # a project selects itself and everything under it
+                p = self.spec.project
+                if p is None or not (p == v or p.startswith(v + "/")):
+                    return False
+            elif self.spec.labels.get(k) != v:
+                return False
+        return True
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(
@@ -187,6 +194,23 @@ class SandboxTable:
         self._stopped_hooks: list[Callable[[Sandbox], None]] = []
         # Why recently dropped sandboxes stopped: a call naming one is told whose fault it is gone.
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # What each project's live sandboxes hold: [sandboxes, cpu, memory], kept as states change
+        # (quotas are checked on every create; summing 10,000 specs each time shows).
+        self._projects: dict[str, list[float]] = {}
+
+    def _count_project(self, sb: Sandbox, sign: int) -> None:
+        spec = sb.spec
+        key = spec.project or ""
+        row = self._projects.setdefault(key, [0, 0.0, 0])
+        row[0] += sign
+        row[1] += sign * spec.resources.cpu
+        row[2] += sign * spec.resources.memory
+        if row[0] <= 0:
+            del self._projects[key]
+
+    def project_usage(self) -> dict[str, tuple[int, float, int]]:
+        """Per project ('' for none): live sandboxes, their CPU limits, their memory limits."""
+        return {k: (int(v[0]), round(v[1], 6), int(v[2])) for k, v in self._projects.items()}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -216,6 +240,8 @@ class SandboxTable:
             raise ValueError(f"sandbox {sb.id}: unknown state {sb.state!r}")
         self._by_id[sb.id] = sb
         self._counts[sb.state] += 1
+        if sb.state in LIVE_STATES:
+            self._count_project(sb, 1)
 
     def discard(self, sb: Sandbox) -> bool:
         """Out of the table (and the counts); whether it was there."""
@@ -223,6 +249,8 @@ class SandboxTable:
             return False
         del self._by_id[sb.id]
         self._counts[sb.state] -= 1
+        if sb.state in LIVE_STATES:
+            self._count_project(sb, -1)
         if sb.stop_reason is not None:
             self._gone[sb.id] = sb.stop_reason[:200]
             if len(self._gone) > GONE_KEPT:
@@ -242,6 +270,8 @@ class SandboxTable:
         if self._by_id.get(sb.id) is sb:
             self._counts[old] -= 1
             self._counts[new] += 1
+            if (old in LIVE_STATES) != (new in LIVE_STATES):
+                self._count_project(sb, 1 if new in LIVE_STATES else -1)
         if new == STOPPED:
             for hook in self._stopped_hooks:
                 hook(sb)

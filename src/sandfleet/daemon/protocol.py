@@ -29,6 +29,7 @@ from sandfleet.models import (
     Health,
     ImageInfo,
     NetworkPolicy,
+    NodeLoad,
     ProcessInfo,
     ReproRecord,
     RunCodeBatchItem,
@@ -68,6 +69,14 @@ class SandboxService(Protocol):
 
     async def metrics_text(self) -> tuple[bytes, str]:
         """The Prometheus exposition and its content type."""
+        ...
+
+    async def node_load(self) -> NodeLoad:
+        """What placement and quotas read of the node (cluster mode polls it)."""
+        ...
+
+    async def drain(self, draining: bool) -> NodeLoad:
+        """Stop (or resume) taking new creates; what the node holds keeps running."""
         ...
 
     # -- sandboxes -------------------------------------------------------------------------------

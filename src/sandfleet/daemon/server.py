@@ -27,12 +27,15 @@ from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.api import create_app
 from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.config import DaemonConfig
+from sandfleet.daemon.iam import ROOT, Iam
 from sandfleet.daemon.lifecycle import new_sandbox_id
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.pool import WarmPools
 from sandfleet.daemon.protocol import SandboxService
+from sandfleet.daemon.scoped import NodeDirectory, ScopedService
 from sandfleet.daemon.service import SandboxManager
 from sandfleet.daemon.state import StateError, StateStore
+from sandfleet.ids import is_node_key, new_node_key
 from sandfleet.images import LayerStore
 from sandfleet.runtime import cgroups, mounts, proc, swap
 
@@ -125,6 +128,22 @@ def _tcp_listener(addr: str) -> socket.socket:
     return sock
 
 
+def load_node_key(state_dir: Path) -> str:
+    """The node's key, made on its first start and kept: ids made before a restart still name it."""
+    path = state_dir / "node_key"
+    try:
+        key = path.read_text().strip()
+        if is_node_key(key):
+            return key
+    except FileNotFoundError:
+        pass
+    key = new_node_key()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(key + "\n")
+    os.replace(tmp, path)
+    return key
+
+
 async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT. Call `prepare_process` first."""
     config.state_dir.mkdir(parents=True, exist_ok=True)
@@ -156,6 +175,9 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     except (OSError, swap.SwapSetupError) as exc:
         log.warning("no compressed swap (paused sandboxes keep their anonymous memory): %s", exc)
     metrics = Metrics()
+    node_key = config.node_key
+    if node_key is None:
+        node_key = await asyncio.to_thread(load_node_key, config.state_dir)
     admission = Admission(
         AdmissionPolicy(
             max_sandboxes=config.max_sandboxes,
@@ -189,13 +211,16 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         monitor_interval=config.monitor_interval,
         trajectories=config.trajectories,
         trajectory_dir=config.state_dir / "trajectories",
+        node_key=node_key,
+        node_group=config.node_group,
+        node_labels=config.node_labels,
     )
     if config.pools or config.pool_adaptive_max:
         manager.pools = WarmPools(
             backend=backends[0],  # warm pools hold sandboxes of the default tier
             admission=admission,
             resolve_environment=manager.resolve_environment,
-            new_id=new_sandbox_id,
+            new_id=functools.partial(new_sandbox_id, node_key),
             sandbox_count=manager.node_count,
             configured=config.pools,
             adaptive_max=config.pool_adaptive_max,
@@ -205,10 +230,16 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     ucfg = {"log_level": "warning", "lifespan": "off", "access_log": False, "timeout_keep_alive": 300}
     uds = _unix_listener(config.socket)
     service: SandboxService = manager  # the routes see the protocol, never the manager
-    servers.append((_Server(uvicorn.Config(create_app(service, metrics), **ucfg)), uds))  # type: ignore[arg-type]
+    iam = Iam(config.iam, config.token)
+    socket_auth = None
+    if iam.scoped:  # projects or scoped tokens: each request sees its principal's share of the node
+        service = ScopedService(manager, iam, NodeDirectory(manager))
+        socket_auth = functools.partial(iam.enter, anonymous=ROOT)  # no header on root's socket: root
+    app = create_app(service, metrics, auth=socket_auth)
+    servers.append((_Server(uvicorn.Config(app, **ucfg)), uds))  # type: ignore[arg-type]
     if config.tcp:
         tcp = _tcp_listener(config.tcp)
-        app = create_app(service, metrics, token=config.token)
+        app = create_app(service, metrics, auth=iam.enter)
         servers.append((_Server(uvicorn.Config(app, **ucfg)), tcp))  # type: ignore[arg-type]
 
     stop = asyncio.Event()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import math
 import os
 import signal
 import time
@@ -41,13 +42,14 @@ from sandfleet.backends.base import Backend, capabilities
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.builds import Builds
-from sandfleet.daemon.core import EventStream, NodeCore
+from sandfleet.daemon.core import EventStream, NodeCore, log
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.detectors import DetectorsConfig
 from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.fncall import Calls
 from sandfleet.daemon.images import Images
+from sandfleet.daemon.lifecycle import LIVE_STATES
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.monitor import Monitor
 from sandfleet.daemon.network import NetworkConfig
@@ -62,6 +64,7 @@ from sandfleet.daemon.state import StateStore
 from sandfleet.daemon.trajectories import Trajectories, TrajectoryConfig
 from sandfleet.daemon.verify import Verifier
 from sandfleet.errors import SandboxError, UnsupportedError
+from sandfleet.ids import new_node_key
 from sandfleet.images import ImageManifest, LayerStore
 from sandfleet.models import (
     AuditQuery,
@@ -76,7 +79,9 @@ from sandfleet.models import (
     Health,
     ImageInfo,
     NetworkPolicy,
+    NodeLoad,
     ProcessInfo,
+    ProjectUsage,
     ReproRecord,
     RunCodeBatchItem,
     RunCodeRequest,
@@ -127,6 +132,9 @@ class SandboxManager:
         monitor_interval: float = 5.0,
         trajectories: TrajectoryConfig | None = None,
         trajectory_dir: Path | None = None,
+        node_key: str | None = None,
+        node_group: str = "default",
+        node_labels: dict[str, str] | None = None,
     ) -> None:
         """`client_factory`: a client of this node's own API (recipe builds create their build
         sandboxes through it)."""
@@ -139,8 +147,12 @@ class SandboxManager:
             pools=pools,
             stopped_retention=stopped_retention,
             reaper_interval=reaper_interval,
+            node_key=node_key or new_node_key(),
         )
         self.core = core
+        self.node_group = node_group
+        self.node_labels = dict(node_labels or {})
+        self._image_refs: tuple[float, builtins.list[str]] = (-math.inf, [])
         self.audit = audit
         self.pauser = Pauser(core)
         self.monitor = Monitor(core, self.pauser, detectors or DetectorsConfig(), audit, monitor_interval)
@@ -242,6 +254,33 @@ class SandboxManager:
             pools=core.pools.sizes() if core.pools is not None else {},
             tiers={name: capabilities(backend) for name, backend in core.backends.items()},
         )
+
+    async def node_load(self) -> NodeLoad:
+        core = self.core
+        now = time.monotonic()
+        if now - self._image_refs[0] > 10.0:  # manifests are read from disk: not every second
+            refs = sorted({m.ref for m in await asyncio.to_thread(core.store.list_images)})
+            self._image_refs = (now, refs)
+        return NodeLoad(
+            key=core.node_key,
+            group=self.node_group,
+            labels=self.node_labels,
+            draining=core.draining,
+            sandboxes=core.table.count(*LIVE_STATES),
+            capacity=core.admission.policy.max_sandboxes,
+            tiers=list(core.backends),
+            images=self._image_refs[1],
+            projects={
+                k: ProjectUsage(sandboxes=n, cpu=cpu, memory=mem)
+                for k, (n, cpu, mem) in core.table.project_usage().items()
+            },
+            at=time.time(),
+        )
+
+    async def drain(self, draining: bool) -> NodeLoad:
+        self.core.draining = draining
+        log.info("node %s %s", self.core.node_key, "draining" if draining else "taking creates again")
+        return await self.node_load()
 
     async def metrics_text(self) -> tuple[bytes, str]:
         metrics, adm = self.core.metrics, self.core.admission

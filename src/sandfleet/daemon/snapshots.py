@@ -41,6 +41,7 @@ from sandfleet.errors import (
     UnavailableError,
     WrongStateError,
 )
+from sandfleet.ids import new_id
 from sandfleet.images import ImageManifest, InvalidRefError, LayerRef, fsutil, parse_ref
 from sandfleet.models import ExecRequest, ImageInfo, SandboxInfo, SandboxSpec, SnapshotInfo, shown
 
@@ -173,7 +174,7 @@ class Snapshots:
         async with sb.pause_lock:
             if sb.state != RUNNING or sb.live is not live:
                 raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
-            snapshot_id = "snap-" + secrets.token_hex(8)
+            snapshot_id = new_id("snap", self.core.node_key)
             path = self.snapshot_dir / snapshot_id
             t0 = time.perf_counter()
             inherit = self._inheritance(sb)
@@ -194,6 +195,7 @@ class Snapshots:
                     seconds=round(seconds, 4),
                     labels=labels or {},
                     expires_at=None if keep_for is None else now + keep_for,
+                    project=sb.spec.project,
                 )
                 record = {"info": info.model_dump(mode="json"), "spec": sb.spec.model_dump(mode="json"), "meta": meta}
                 await asyncio.to_thread(_write_json, path / "snapshot.json", record)

@@ -12,7 +12,8 @@ import base64
 import re
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,9 +30,40 @@ from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     SandboxError,
     UnauthenticatedError,
 )
+
+
+class Caller(Protocol):
+    """Who a request comes from, as the routes' layer needs to know it (daemon/iam.py's `Principal`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def can_write(self) -> bool: ...
+
+    def actor(self, host: str | None) -> str:
+        """How the audit stream names it, calling from `host` (None: the unix socket)."""
+        ...
+
+
+# The caller an Authorization header ('' when there is none) stands for, or UnauthenticatedError. It
+# also makes the caller current for the service the routes call (daemon/iam.py: `Iam.enter`).
+Authenticate = Callable[[str], Caller]
+
+
+class _TokenHolder:
+    """The one caller of `create_app(token=...)`: whoever holds the token, in full control."""
+
+    name = "token"
+    can_write = True
+
+    @staticmethod
+    def actor(host: str | None) -> str:
+        return f"token@{host}" if host else "unix"
 
 
 def _authorized(header: str, token: str) -> bool:
@@ -46,8 +78,26 @@ def _authorized(header: str, token: str) -> bool:
     return secrets.compare_digest(header.encode(), f"Bearer {token}".encode())
 
 
-def create_app(service: SandboxService, metrics: Metrics, *, token: str | None = None) -> FastAPI:
-    """The HTTP API over any `SandboxService` (the node's, or later a gateway's)."""
+def _single_token(token: str) -> Authenticate:
+    def authenticate(header: str) -> Caller:
+        if not _authorized(header, token):
+            raise UnauthenticatedError("missing or invalid bearer token")
+        return _TokenHolder()
+
+    return authenticate
+
+
+def create_app(
+    service: SandboxService, metrics: Metrics, *, token: str | None = None, auth: Authenticate | None = None
+) -> FastAPI:
+    """The HTTP API over any `SandboxService` (the node's, or a gateway's).
+
+    `auth`: authenticates each request (its Authorization header, '' when none) before anything else;
+    a caller that cannot write (a read-only token) may only GET (and HEAD): every other method is
+    `permission_denied` (every POST, PUT, PATCH and DELETE of the API acts). `token`: the simple form,
+    one bearer token for full control. Neither: no authentication (root's unix socket)."""
+    if auth is None and token:
+        auth = _single_token(token)
     app = FastAPI(
         title="sandfleet",
         version=__version__,
@@ -107,7 +157,7 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
         m = _SANDBOX_PATH.match(path)
         try:
             service.audit_call(
-                _actor(request, token),
+                _actor(request, auth is not None),
                 {
                     "method": request.method,
                     "path": path[:256],
@@ -136,14 +186,22 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    if token:
+    if auth is not None:
+        authenticate = auth
 
         @app.middleware("http")
         async def _auth(request: Request, call_next: Any) -> Any:
-            if not _authorized(request.headers.get("authorization", ""), token):
-                response = error_response(UnauthenticatedError("missing or invalid bearer token"))
+            try:
+                caller = authenticate(request.headers.get("authorization", ""))
+                if not caller.can_write and request.method not in ("GET", "HEAD"):
+                    request.scope[_CALLER] = caller
+                    raise PermissionDeniedError(f"token {caller.name} is read-only")
+            except SandboxError as exc:
+                metrics.http_errors.labels(code=exc.code).inc()
+                response = error_response(exc)
                 _audit(request, response.status_code, time.perf_counter())
                 return response
+            request.scope[_CALLER] = caller
             return await call_next(request)
 
     for resource in (node, sandboxes, snapshots, execs, sessions, files, images, network, rl):
@@ -162,9 +220,17 @@ def create_app(service: SandboxService, metrics: Metrics, *, token: str | None =
 _SANDBOX_PATH = re.compile(r"^/v1/sandboxes/(sb-[0-9a-f]{1,32})(?:/|$)")
 
 
-def _actor(request: Request, token: str | None) -> str:
-    """Who called: a TCP peer (which held the token) or root's unix socket."""
+_CALLER = "sandfleet.caller"  # where the authenticated caller is kept in the request's scope
+
+
+def _actor(request: Request, authenticated: bool) -> str:
+    """Who called: the caller (`token:<name>@<host>`; the legacy token `token@<host>`), root's unix
+    socket (`unix`); a refused caller as `token@<host>`; a TCP peer when nothing is checked."""
     client = request.client
-    if client is None or not client.host:
+    host = client.host if client is not None and client.host else None
+    caller: Caller | None = request.scope.get(_CALLER)
+    if caller is not None:
+        return caller.actor(host)
+    if host is None:
         return "unix"
-    return f"{'token' if token else 'tcp'}@{client.host}"
+    return f"{'token' if authenticated else 'tcp'}@{host}"

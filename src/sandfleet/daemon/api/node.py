@@ -1,4 +1,5 @@
-"""The node: health (with each tier's capabilities) and Prometheus metrics."""
+"""The node: health (with each tier's capabilities), Prometheus metrics, and what cluster mode
+reads and sets of it (load, drain)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from sandfleet.daemon.api.common import (
 )
 from sandfleet.daemon.protocol import SandboxService
 from sandfleet.models import (
+    DrainRequest,
     Health,
+    NodeLoad,
 )
 
 
@@ -25,5 +28,15 @@ def router(service: SandboxService) -> APIRouter:
     async def prometheus() -> Response:
         body, media_type = await service.metrics_text()
         return Response(body, media_type=media_type)
+
+    @r.get("/v1/node/load", response_model=NodeLoad)
+    async def load() -> NodeLoad:
+        """What cluster placement and quotas read of this node (its gateways poll it)."""
+        return await service.node_load()
+
+    @r.post("/v1/node/drain", response_model=NodeLoad)
+    async def drain(req: DrainRequest) -> NodeLoad:
+        """Take no new creates (or take them again); what the node holds keeps running."""
+        return await service.drain(req.draining)
 
     return r

@@ -1,0 +1,101 @@
+"""Passing a caller's request on to a node, and reading nodes' answers, over HTTP.
+
+A call naming a sandbox goes to its node as it came (method, path, query, the caller's own
+credentials, the body streamed), and the node's answer comes back as it went (status, headers,
+body streamed): exec streams, file transfers and exposed ports need no code of their own here, and
+the node, not the gateway, decides what the caller may do. Only hop-by-hop headers are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from sandfleet.cluster.membership import Node
+from sandfleet.errors import SandboxError, SandboxLostError, UnavailableError, error_from_wire
+
+# RFC 9110 7.6.1, and what the HTTP client sets itself.
+_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "host"}
+)
+
+
+def _unreachable(node: Node, exc: Exception) -> SandboxError:
+    if node.lost:
+        return SandboxLostError(f"node {node.key} died or left the cluster: what it held is gone")
+    return UnavailableError(f"node {node.key} unreachable: {type(exc).__name__}")
+
+
+def passed_headers(request: Request, *, drop_length: bool = False) -> list[tuple[str, str]]:
+    out = []
+    for k, v in request.headers.items():
+        lk = k.lower()
+        if lk in _HOP or (drop_length and lk == "content-length"):
+            continue
+        out.append((k, v))
+    return out
+
+
+async def forward(node: Node, request: Request, *, body: bytes | None = None, path: str | None = None) -> Response:
+    """The caller's request, sent to `node`; the node's answer, streamed back."""
+    url = httpx.URL(path=path or request.url.path, query=request.url.query.encode())
+    content: Any = body if body is not None else request.stream()
+    if body is None and "content-length" not in request.headers and request.method in ("GET", "HEAD", "DELETE"):
+        content = b""  # nothing to stream: no chunked empty body on a GET
+    req = node.http.build_request(
+        request.method,
+        url,
+        headers=passed_headers(request, drop_length=body is not None),
+        content=content,
+    )
+    # The caller's credentials, not the gateway's: the node decides what this caller may do.
+    if "authorization" not in request.headers:
+        req.headers.pop("authorization", None)
+    try:
+        resp = await node.http.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise _unreachable(node, exc) from exc
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+    return StreamingResponse(
+        resp.aiter_raw(), status_code=resp.status_code, headers=headers, background=BackgroundTask(resp.aclose)
+    )
+
+
+async def call_json(
+    node: Node,
+    method: str,
+    path: str,
+    *,
+    request: Request | None = None,
+    json_body: Any = None,
+    params: Any = None,
+    headers: dict[str, str] | None = None,
+) -> Any:
+    """One call to a node whose answer is JSON: the parsed answer, or the node's error raised.
+    With `request`, the call carries that caller's credentials (the node scopes what it answers)."""
+    hdrs = dict(headers or {})
+    if request is not None:
+        auth = request.headers.get("authorization")
+        if auth is None:
+            raise UnavailableError("no credentials to pass on")  # the gateway always has a caller's
+        hdrs["authorization"] = auth
+    try:
+        r = await node.http.request(method, path, json=json_body, params=params, headers=hdrs)
+    except httpx.HTTPError as exc:
+        raise _unreachable(node, exc) from exc
+    try:
+        data = json.loads(r.content) if r.content else None
+    except ValueError as exc:
+        raise UnavailableError(f"node {node.key} answered HTTP {r.status_code} without JSON") from exc
+    if r.status_code >= 400:
+        raise error_from_wire(data, status=r.status_code)
+    return data
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(json.dumps(data, separators=(",", ":")), status_code=status, media_type="application/json")

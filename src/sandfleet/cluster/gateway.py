@@ -1,0 +1,594 @@
+"""The cluster gateway: the node's HTTP API over many nodes, holding no state of its own.
+
+Any number of gateways serve the same API (docs/openapi.json) a node does, so the SDK and every
+client work unchanged. What a gateway does per call:
+- a call naming a sandbox or snapshot goes to the node in its id (`sandfleet.ids`), passed on as it
+  came (forward.py); a dead node's ids answer `sandbox_lost`;
+- a create is placed (placement.py: filter, spill over node groups, power of two choices over loads
+  about a second old plus this gateway's own recent placements), checked against the caller's
+  project quotas (quotas.py: this gateway's share of each quota's headroom, no central call), and
+  sent to the chosen node, which has the last word: a node that refuses (full, draining) is left
+  out and the create placed again;
+- a batch is placed at once (2m sampled nodes for m sandboxes) and sent as one batch per node;
+- list and job-level calls (stop, pause, resume, lifetimes, network by label) go to every node
+  with the caller's own credentials, and the answers are merged;
+- trajectories go to the node of their sandbox, found once and remembered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pydantic
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sandfleet import __version__
+from sandfleet.cluster.config import GatewayConfig
+from sandfleet.cluster.forward import call_json, forward, json_response
+from sandfleet.cluster.membership import Membership, Node
+from sandfleet.cluster.placement import NoCapacity, PlacementRequest, Placer
+from sandfleet.cluster.quotas import GatewayQuotas
+from sandfleet.daemon.iam import Iam, Principal
+from sandfleet.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SandboxError,
+    SandboxLostError,
+    UnavailableError,
+    UnsupportedError,
+)
+from sandfleet.images.models import canonical_ref
+from sandfleet.models import CreateBatchRequest, ErrorBody, SandboxSpec, TrajectoryOpen
+
+log = logging.getLogger("sandfleet.cluster")
+
+MAX_BODY = 8 * 1024**2  # a create batch of 256 specs fits many times over
+_REFUSALS = ("resource_exhausted", "unavailable")  # a node's "not here": placed again elsewhere
+_LABEL_CALLS = {  # job-level calls: path -> the list field of each node's answer to merge
+    "/v1/sandboxes/stop": "stopped",
+    "/v1/sandboxes/pause": "sandboxes",
+    "/v1/sandboxes/resume": "sandboxes",
+    "/v1/sandboxes/lifetimes": "sandboxes",
+    "/v1/sandboxes/network": "sandboxes",
+}
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.placements = Counter("sandfleet_gateway_placements_total", "creates placed, by node", ["node"], registry=r)
+        self.replaced = Counter(
+            "sandfleet_gateway_replacements_total", "creates a node refused, placed again elsewhere", registry=r
+        )
+        self.errors = Counter("sandfleet_gateway_errors_total", "error answers, by wire code", ["code"], registry=r)
+        self.nodes = Gauge("sandfleet_gateway_nodes", "nodes known, by status", ["status"], registry=r)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, *, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.membership = Membership(
+            config.node_token.get_secret_value(),
+            load_interval=config.load_interval,
+            unreachable_after=config.unreachable_after,
+        )
+        self.placer = Placer(choices=config.choices, groups=config.groups, rng=rng)
+        self.iam = Iam(config.iam, config.token.get_secret_value() if config.token else None)
+        self.quotas = GatewayQuotas(self.iam, self.membership)
+        self.metrics = GatewayMetrics()
+        self._rng = rng or random.Random()
+        # idempotency key -> node: a retried create goes where the first attempt went
+        self._keyed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # trajectory id -> node key, found once
+        self._trajectories: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._placed_at = 0.0
+
+    # -- membership ------------------------------------------------------------------------------
+    def refresh_placement(self) -> None:
+        self.placer.update(self.membership.placement_view())
+        counts = collections.Counter(n.status for n in self.membership.nodes.values())
+        for status in ("alive", "draining", "unreachable", "lost"):
+            self.metrics.nodes.labels(status=status).set(counts.get(status, 0))
+
+    async def run_placement_updates(self) -> None:
+        while True:
+            await self.membership.changed.wait()
+            self.membership.changed.clear()
+            self.refresh_placement()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _node(self, key: str) -> Node:
+        node = self.membership.nodes.get(key)
+        if node is None:
+            raise UnavailableError(f"node {key} is not in the cluster")
+        return node
+
+    def _remember(self, table: collections.OrderedDict[str, str], key: str, node: str) -> None:
+        table[key] = node
+        table.move_to_end(key)
+        while len(table) > 100_000:
+            table.popitem(last=False)
+
+    async def _fan_out(self, call: Callable[[Node], Awaitable[Any]]) -> list[Any]:
+        """`call` on every reachable node at once; a node that fails is left out (and logged)
+        unless every node failed: a list or a stop-by-label keeps working while a node dies."""
+        nodes = self.membership.reachable()
+        if not nodes:
+            raise UnavailableError("no node of the cluster is reachable")
+        results = await asyncio.gather(*(call(n) for n in nodes), return_exceptions=True)
+        out, errors = [], []
+        for node, res in zip(nodes, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, Exception):
+                    raise res
+                if isinstance(res, SandboxError) and res.code not in ("unavailable", "sandbox_lost", "internal"):
+                    raise res  # the caller's error (a bad label, no permission): the same on every node
+                log.warning("node %s left out of a fan-out: %s", node.key, res)
+                errors.append(res)
+            else:
+                out.append(res)
+        if not out and errors:
+            raise errors[0]
+        return out
+
+    # -- creates ---------------------------------------------------------------------------------
+    def _placement(self, spec: SandboxSpec) -> PlacementRequest:
+        image = None
+        if spec.image is not None and not spec.layers:
+            try:
+                image = canonical_ref(spec.image)
+            except ValueError:
+                image = spec.image
+        return PlacementRequest(tier=spec.backend, image=image, project=spec.project)
+
+    def _in_project(self, principal: Principal, spec: SandboxSpec) -> SandboxSpec:
+        project = spec.project if spec.project is not None else principal.project
+        if project is not None and not principal.sees(project):
+            raise PermissionDeniedError(f"token {principal.name} cannot create in project {project}")
+        if not principal.can_write:
+            raise PermissionDeniedError(f"token {principal.name} is read-only")
+        return spec if project == spec.project else spec.model_copy(update={"project": project})
+
+    async def create(self, request: Request) -> Response:
+        principal: Principal = request.state.principal
+        spec = self._in_project(principal, _parse(SandboxSpec, await _body(request)))
+        key = request.headers.get("idempotency-key")
+        self.quotas.admit(spec, time.monotonic())
+        body = _spec_json(spec)
+        req = self._placement(spec)
+        exclude: set[str] = set()
+        last: SandboxError | None = None
+        for _attempt in range(self.config.create_attempts):
+            remembered = self._keyed.get(key) if key else None
+            if remembered is not None and remembered not in exclude and remembered in self.membership.nodes:
+                node_key = remembered
+            else:
+                try:
+                    node_key = self.placer.place(req, time.monotonic(), exclude)
+                except NoCapacity as exc:
+                    raise last or ResourceExhaustedError(f"no node can take this sandbox: {exc}") from exc
+            if key:
+                self._remember(self._keyed, key, node_key)
+            node = self._node(node_key)
+            self.metrics.placements.labels(node=node_key).inc()
+            try:
+                data = await call_json(
+                    node,
+                    "POST",
+                    "/v1/sandboxes",
+                    request=request,
+                    json_body=body,
+                    headers={"idempotency-key": key} if key else None,
+                )
+            except SandboxError as exc:
+                if exc.code not in _REFUSALS:
+                    self.quotas.forget(spec)
+                    raise
+                self.placer.release(node_key, full=exc.code == "resource_exhausted")
+                exclude.add(node_key)
+                self.metrics.replaced.inc()
+                last = exc
+                if key:
+                    self._keyed.pop(key, None)
+                continue
+            return json_response(data, 201)
+        self.quotas.forget(spec)
+        assert last is not None
+        raise last
+
+    async def create_batch(self, request: Request) -> Response:
+        principal: Principal = request.state.principal
+        batch = _parse(CreateBatchRequest, await _body(request))
+        specs = [self._in_project(principal, s) for s in batch.specs]
+        keys = batch.idempotency_keys or [None] * len(specs)
+        results: list[dict[str, Any] | None] = [None] * len(specs)
+        pending: list[int] = []
+        now = time.monotonic()
+        for i, spec in enumerate(specs):
+            try:
+                self.quotas.admit(spec, now)
+                pending.append(i)
+            except SandboxError as exc:
+                results[i] = {"error": exc.to_wire()}
+        exclude: set[str] = set()
+        for _attempt in range(self.config.create_attempts):
+            if not pending:
+                break
+            # One placement per distinct need (tier, image) in the batch, each placed as a batch.
+            by_need: dict[tuple[str, str | None], list[int]] = collections.defaultdict(list)
+            needs: dict[tuple[str, str | None], PlacementRequest] = {}
+            for i in pending:
+                need = self._placement(specs[i])
+                by_need[need.tier, need.image].append(i)
+                needs[need.tier, need.image] = need
+            by_node: dict[str, list[int]] = collections.defaultdict(list)
+            for need_key, idx in by_need.items():
+                need = needs[need_key]
+                try:
+                    nodes = self.placer.place_many(need, len(idx), time.monotonic(), exclude)
+                except NoCapacity as exc:
+                    for i in idx:
+                        refused = ResourceExhaustedError(f"no node can take this sandbox: {exc}")
+                        results[i] = {"error": refused.to_wire()}
+                    continue
+                for i, node_key in zip(idx, nodes, strict=True):
+                    by_node[node_key].append(i)
+            retry: list[int] = []
+
+            async def one_node(node_key: str, idx: list[int], retry: list[int] = retry) -> None:
+                node = self._node(node_key)
+                self.metrics.placements.labels(node=node_key).inc(len(idx))
+                body = {
+                    "specs": [_spec_json(specs[i]) for i in idx],
+                    "concurrency": batch.concurrency,
+                    "idempotency_keys": [keys[i] for i in idx],
+                }
+                try:
+                    data = await call_json(node, "POST", "/v1/sandboxes/batch", request=request, json_body=body)
+                    items = data["results"]
+                except SandboxError as exc:
+                    if exc.code not in _REFUSALS:
+                        raise
+                    items = [{"error": exc.to_wire()}] * len(idx)
+                    exclude.add(node_key)
+                refused = 0
+                for i, item in zip(idx, items, strict=True):
+                    err = item.get("error")
+                    if err and err.get("code") in _REFUSALS:
+                        refused += 1
+                        retry.append(i)
+                        results[i] = item
+                    else:
+                        results[i] = item
+                if refused:
+                    self.placer.release(node_key, refused, full=True)
+                    exclude.add(node_key)
+                    self.metrics.replaced.inc(refused)
+
+            await asyncio.gather(*(one_node(k, idx) for k, idx in by_node.items()))
+            pending = retry
+        for i, item in enumerate(results):
+            if item is None or "error" in item and item["error"]:
+                self.quotas.forget(specs[i])
+        return json_response({"results": results})
+
+    # -- fan-outs --------------------------------------------------------------------------------
+    async def list_sandboxes(self, request: Request) -> Response:
+        params = list(request.query_params.multi_items())
+
+        async def one(n: Node) -> list[Any]:
+            data = await call_json(n, "GET", "/v1/sandboxes", request=request, params=params)
+            return list(data["sandboxes"])
+
+        merged = [sb for part in await self._fan_out(one) for sb in part]
+        merged.sort(key=lambda sb: sb.get("created_at", 0))
+        return json_response({"sandboxes": merged})
+
+    async def list_snapshots(self, request: Request) -> Response:
+        params = list(request.query_params.multi_items())
+        sandbox_id = request.query_params.get("sandbox_id")
+        if sandbox_id:  # one sandbox's snapshots live on its node
+            node = self.membership.holder(sandbox_id)
+            return json_response(await call_json(node, "GET", "/v1/snapshots", request=request, params=params))
+
+        async def one(n: Node) -> list[Any]:
+            return list((await call_json(n, "GET", "/v1/snapshots", request=request, params=params))["snapshots"])
+
+        merged = [s for part in await self._fan_out(one) for s in part]
+        merged.sort(key=lambda s: s.get("created_at", 0))
+        return json_response({"snapshots": merged})
+
+    async def by_label(self, request: Request) -> Response:
+        field = _LABEL_CALLS[request.url.path]
+        body = json.loads(await _body(request) or b"{}")
+
+        async def one(n: Node) -> list[Any]:
+            return list((await call_json(n, "POST", request.url.path, request=request, json_body=body))[field])
+
+        return json_response({field: [i for part in await self._fan_out(one) for i in part]})
+
+    async def list_images(self, request: Request) -> Response:
+        async def one(n: Node) -> list[Any]:
+            return list((await call_json(n, "GET", "/v1/images", request=request))["images"])
+
+        seen: dict[str, Any] = {}
+        for part in await self._fan_out(one):
+            for img in part:
+                seen.setdefault(f"{img['name']}:{img['tag']}", img)
+        return json_response({"images": [seen[k] for k in sorted(seen)]})
+
+    async def images_everywhere(self, request: Request) -> Response:
+        """Build, push, import, delete, gc: on every node (each has its own layer store); the first
+        node's answer stands for all."""
+        body = await _body(request)
+        payload = json.loads(body) if body else None
+        params = list(request.query_params.multi_items())
+
+        async def one(n: Node) -> Any:
+            path = request.url.path
+            return await call_json(n, request.method, path, request=request, json_body=payload, params=params)
+
+        answers = await self._fan_out(one)
+        return json_response(answers[0]) if answers[0] is not None else Response(status_code=204)
+
+    async def one_node(self, request: Request) -> Response:
+        """Stateless calls (fncall's run_code, a recipe build): any one node, the least loaded of two."""
+        tier = "fncall" if "run" in request.url.path else "container"
+        try:
+            key = self.placer.place(PlacementRequest(tier=tier), time.monotonic())
+        except NoCapacity as exc:
+            raise UnavailableError(f"no node runs the {tier} tier with room: {exc}") from exc
+        self.placer.release(key)  # nothing stays placed there
+        return await forward(self._node(key), request, body=await _body(request))
+
+    async def audit(self, request: Request) -> Response:
+        params = list(request.query_params.multi_items())
+
+        async def one(n: Node) -> list[Any]:
+            return [
+                {**r, "node": n.key}
+                for r in (await call_json(n, "GET", "/v1/audit", request=request, params=params))["records"]
+            ]
+
+        merged = [r for part in await self._fan_out(one) for r in part]
+        merged.sort(key=lambda r: r.get("time", 0))
+        return json_response({"records": merged})
+
+    # -- trajectories ----------------------------------------------------------------------------
+    async def open_trajectory(self, request: Request) -> Response:
+        principal: Principal = request.state.principal
+        req = _parse(TrajectoryOpen, await _body(request))
+        if req.snapshot_id or req.sandbox_id:
+            what = "snapshot" if req.snapshot_id else "sandbox"
+            node = self.membership.holder(req.snapshot_id or req.sandbox_id or "", what)
+            body = req.model_dump_json(exclude_unset=True).encode()
+        else:
+            known = self._trajectories.get(req.id)
+            if known is not None and known in self.membership.nodes:
+                node = self._node(known)
+            else:
+                spec = self._in_project(principal, req.spec or SandboxSpec())
+                node = self._node(self.placer.place(self._placement(spec), time.monotonic()))
+                req = req.model_copy(update={"spec": spec})
+            fields = json.loads(req.model_dump_json(exclude_unset=True))
+            if req.spec is not None:
+                fields["spec"] = json.loads(req.spec.model_dump_json(exclude_unset=True)) | _project(req.spec)
+            body = json.dumps(fields).encode()
+        resp = await forward(node, request, body=body)
+        if resp.status_code < 300:
+            self._remember(self._trajectories, req.id, node.key)
+        return resp
+
+    async def _trajectory_node(self, request: Request, trajectory_id: str) -> Node:
+        key = self._trajectories.get(trajectory_id)
+        if key is not None and key in self.membership.nodes:
+            node = self.membership.nodes[key]
+            if node.lost:
+                raise SandboxLostError(f"trajectory {trajectory_id} is lost: its node {key} died")
+            return node
+
+        async def one(n: Node) -> str | None:
+            try:
+                await call_json(n, "GET", f"/v1/trajectories/{trajectory_id}", request=request)
+            except NotFoundError:
+                return None
+            return n.key
+
+        found = [k for k in await self._fan_out(one) if k]
+        if not found:
+            raise NotFoundError(f"trajectory {trajectory_id[:80]} not found")
+        self._remember(self._trajectories, trajectory_id, found[0])
+        return self.membership.nodes[found[0]]
+
+    async def trajectory_call(self, request: Request) -> Response:
+        trajectory_id = request.path_params["trajectory_id"]
+        node = await self._trajectory_node(request, trajectory_id)
+        resp = await forward(node, request)
+        if request.method == "DELETE" and resp.status_code < 300:
+            self._trajectories.pop(trajectory_id, None)
+        return resp
+
+    async def list_trajectories(self, request: Request) -> Response:
+        params = list(request.query_params.multi_items())
+
+        async def one(n: Node) -> list[Any]:
+            data = await call_json(n, "GET", "/v1/trajectories", request=request, params=params)
+            return list(data["trajectories"])
+
+        return json_response({"trajectories": [t for part in await self._fan_out(one) for t in part]})
+
+    # -- by id -----------------------------------------------------------------------------------
+    async def sandbox_call(self, request: Request) -> Response:
+        return await forward(self.membership.holder(request.path_params["sandbox_id"]), request)
+
+    async def snapshot_call(self, request: Request) -> Response:
+        return await forward(self.membership.holder(request.path_params["snapshot_id"], "snapshot"), request)
+
+    # -- the cluster itself ----------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        tiers: dict[str, list[str]] = {}
+        running = 0
+        for n in self.membership.nodes.values():
+            if n.load is not None and not n.lost:
+                running += n.load.sandboxes
+                for t in n.load.tiers:
+                    tiers.setdefault(t, [])
+        reachable = self.membership.reachable()
+        if reachable:  # capabilities as a node reports them (every node runs the same build)
+            try:
+                h = await call_json(reachable[0], "GET", "/v1/health")
+                tiers = {**tiers, **h.get("tiers", {})}
+            except SandboxError:
+                pass
+        return json_response(
+            {
+                "status": "ok" if reachable else "degraded",
+                "version": __version__,
+                "sandboxes_running": running,
+                "backends": sorted(tiers),
+                "pools": {},
+                "tiers": tiers,
+            }
+        )
+
+    async def nodes(self, request: Request) -> Response:
+        return json_response(
+            {
+                "nodes": [
+                    {
+                        "key": n.key,
+                        "url": n.url,
+                        "group": n.group,
+                        "status": n.status,
+                        "load": n.load.model_dump() if n.load else None,
+                        "load_age": round(time.monotonic() - n.load_at, 3) if n.load else None,
+                    }
+                    for n in sorted(self.membership.nodes.values(), key=lambda n: n.key)
+                ],
+                "gateways": self.membership.gateways,
+            }
+        )
+
+    async def drain(self, request: Request) -> Response:
+        principal: Principal = request.state.principal
+        if principal.project is not None or principal.role != "admin":
+            raise PermissionDeniedError("draining a node takes a root admin token")
+        node = self.membership.nodes.get(request.path_params["key"])
+        if node is None or node.lost:
+            raise NotFoundError(f"node {request.path_params['key'][:16]} not in the cluster")
+        body = json.loads(await _body(request) or b"{}")
+        data = await call_json(node, "POST", "/v1/node/drain", json_body={"draining": body.get("draining", True)})
+        await self.membership.refresh()
+        return json_response(data)
+
+    async def unsupported(self, request: Request) -> Response:
+        raise UnsupportedError(f"{request.url.path} is a node's own: ask each node (GET /v1/cluster/nodes)")
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
+    """A spec as the caller gave it, plus the project the gateway put it in."""
+    return dict(json.loads(spec.model_dump_json(exclude_unset=True))) | _project(spec)
+
+
+def _project(spec: SandboxSpec) -> dict[str, Any]:
+    return {"project": spec.project} if spec.project is not None else {}
+
+
+async def _body(request: Request) -> bytes:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise InvalidArgumentError(f"request body larger than {MAX_BODY} bytes")
+    return body
+
+
+def _parse(model: type[pydantic.BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body or b"{}")
+    except pydantic.ValidationError as exc:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()))[:100]
+            parts.append(f"{loc}: {str(err.get('msg'))[:300]}")
+        raise InvalidArgumentError("; ".join(parts) or "invalid request") from exc
+
+
+def create_gateway_app(gw: Gateway) -> Starlette:
+    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                request.state.principal = gw.iam.authenticate(request.headers.get("authorization", ""))
+                return await handler(request)
+            except SandboxError as exc:
+                gw.metrics.errors.labels(code=exc.code).inc()
+                return _error(exc)
+            except Exception as exc:
+                log.exception("unexpected error serving %s %s", request.method, request.url.path)
+                gw.metrics.errors.labels(code="internal").inc()
+                return _error(SandboxError(f"gateway error: {type(exc).__name__}"))
+
+        return run
+
+    sb = "/v1/sandboxes/{sandbox_id:str}"
+    all_methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    routes = [
+        Route("/v1/health", guarded(gw.health), methods=["GET"]),
+        Route("/metrics", guarded(gw.prometheus), methods=["GET"]),
+        Route("/v1/cluster/nodes", guarded(gw.nodes), methods=["GET"]),
+        Route("/v1/cluster/nodes/{key:str}/drain", guarded(gw.drain), methods=["POST"]),
+        Route("/v1/sandboxes", guarded(gw.create), methods=["POST"]),
+        Route("/v1/sandboxes", guarded(gw.list_sandboxes), methods=["GET"]),
+        Route("/v1/sandboxes/batch", guarded(gw.create_batch), methods=["POST"]),
+        *[Route(p, guarded(gw.by_label), methods=["POST"]) for p in _LABEL_CALLS],
+        Route(sb, guarded(gw.sandbox_call), methods=all_methods),
+        Route(sb + "/{rest:path}", guarded(gw.sandbox_call), methods=all_methods),
+        Route("/v1/snapshots", guarded(gw.list_snapshots), methods=["GET"]),
+        Route("/v1/snapshots/{snapshot_id:str}", guarded(gw.snapshot_call), methods=all_methods),
+        Route("/v1/snapshots/{snapshot_id:str}/{rest:path}", guarded(gw.snapshot_call), methods=all_methods),
+        Route("/v1/trajectories", guarded(gw.open_trajectory), methods=["POST"]),
+        Route("/v1/trajectories", guarded(gw.list_trajectories), methods=["GET"]),
+        Route("/v1/trajectories/{trajectory_id:str}", guarded(gw.trajectory_call), methods=all_methods),
+        Route("/v1/trajectories/{trajectory_id:str}/{rest:path}", guarded(gw.trajectory_call), methods=all_methods),
+        Route("/v1/images", guarded(gw.list_images), methods=["GET"]),
+        Route("/v1/images/recipes", guarded(gw.one_node), methods=["POST"]),
+        Route("/v1/images/{rest:path}", guarded(gw.images_everywhere), methods=["POST", "DELETE"]),
+        Route("/v1/audit/follow", guarded(gw.unsupported), methods=["GET"]),
+        Route("/v1/run", guarded(gw.one_node), methods=["POST"]),
+        Route("/v1/run/batch", guarded(gw.one_node), methods=["POST"]),
+        Route("/run_code", guarded(gw.one_node), methods=["POST"]),
+        Route("/v1/fusion/run_code", guarded(gw.one_node), methods=["POST"]),
+        Route("/v1/audit", guarded(gw.audit), methods=["GET"]),
+    ]
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return _error(NotFoundError("no such endpoint"))
+
+    async def bad_method(request: Request, exc: Exception) -> Response:
+        return _error(InvalidArgumentError("method not allowed on this endpoint"))
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
+    app.state.gateway = gw
+    return app
+
+
+def _error(exc: SandboxError) -> Response:
+    body = ErrorBody.model_validate(exc.to_wire()).model_dump()
+    return json_response({"error": body}, exc.http_status)

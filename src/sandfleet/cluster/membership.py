@@ -1,0 +1,196 @@
+"""The gateway's view of the cluster's nodes: who they are, whether they live, what they hold.
+
+Two sources, kept apart:
+- *registrations and liveness* come from discovery (Ray: each node's actor; or a fixed list). A node
+  discovery reports dead is `lost`: its sandboxes answer `sandbox_lost`, for good, on every gateway.
+- *load* is read by the gateway itself from each node's `/v1/node/load` over HTTP, about once a
+  second: placement and quotas decide on it. A node that does not answer a few reads in a row is
+  `unreachable` (no creates go there; calls naming its sandboxes are still passed on).
+
+When discovery goes quiet (Ray's head lost), the last registrations stay and loads keep coming:
+the gateway keeps serving the cluster it knew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+
+from sandfleet.cluster.placement import NodeState
+from sandfleet.errors import NotFoundError, SandboxLostError
+from sandfleet.ids import node_of
+from sandfleet.models import NodeLoad
+
+log = logging.getLogger("sandfleet.cluster")
+
+NodeStatus = Literal["alive", "draining", "unreachable", "lost"]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What discovery says of a node."""
+
+    key: str
+    url: str
+    group: str = "default"
+    alive: bool | None = True  # None: discovery had no answer in time (keep what was known)
+
+
+@dataclass
+class Node:
+    key: str
+    url: str
+    group: str
+    http: httpx.AsyncClient
+    lost: bool = False
+    load: NodeLoad | None = None
+    load_at: float = 0.0  # monotonic time the load was read
+    failures: int = 0  # load reads failed in a row
+    unreachable_after: int = 3
+    lost_at: float | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def status(self) -> NodeStatus:
+        if self.lost:
+            return "lost"
+        if self.failures >= self.unreachable_after or self.load is None:
+            return "unreachable"
+        if self.load.draining:
+            return "draining"
+        return "alive"
+
+
+class Membership:
+    def __init__(self, node_token: str, *, load_interval: float = 1.0, unreachable_after: int = 3) -> None:
+        self._token = node_token
+        self.load_interval = load_interval
+        self.unreachable_after = unreachable_after
+        self.nodes: dict[str, Node] = {}
+        self.changed = asyncio.Event()  # set when the set of nodes or their loads changed
+        self.gateways: list[str] = []  # other gateways' URLs, as discovery last saw them
+
+    # -- what discovery says ---------------------------------------------------------------------
+    def apply(self, registrations: Iterable[Registration]) -> None:
+        """Discovery's latest word. A node it no longer lists is left as it was (discovery may have
+        lost sight of it, not the node its life); a node it lists as dead is lost."""
+        for reg in registrations:
+            node = self.nodes.get(reg.key)
+            if node is None or node.url != reg.url:
+                if node is not None:
+                    asyncio.get_running_loop().create_task(node.http.aclose())
+                node = self.nodes[reg.key] = Node(
+                    reg.key, reg.url, reg.group, self._client(reg.url), unreachable_after=self.unreachable_after
+                )
+                log.info("node %s at %s (group %s) joined", reg.key, reg.url, reg.group)
+            node.group = reg.group
+            if reg.alive is False and not node.lost:
+                node.lost, node.lost_at = True, time.time()
+                log.warning("node %s is lost: its sandboxes are gone", reg.key)
+            elif reg.alive is True and node.lost:
+                # A node that came back under its key lost what it held when it died, and starts over.
+                node.lost, node.lost_at, node.load, node.failures = False, None, None, 0
+                log.info("node %s is back", reg.key)
+        self.changed.set()
+
+    def _client(self, url: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=url,
+            headers={"authorization": f"Bearer {self._token}"},
+            timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+
+    # -- what the gateway reads itself -----------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read every node's load once (all at once)."""
+        nodes = [n for n in self.nodes.values() if not n.lost]
+        await asyncio.gather(*(self._read_load(n) for n in nodes))
+        self.changed.set()
+
+    async def _read_load(self, node: Node) -> None:
+        try:
+            r = await node.http.get("/v1/node/load", timeout=max(2.0, self.load_interval * 2))
+            if r.status_code != 200:
+                raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+            load = NodeLoad.model_validate_json(r.content)
+        except (httpx.HTTPError, ValueError) as exc:
+            node.failures += 1
+            if node.failures == self.unreachable_after:
+                log.warning("node %s unreachable (%s): no creates go there", node.key, exc)
+            return
+        if load.key != node.key:
+            node.failures += 1
+            log.error("node at %s says it is %s, registered as %s: ignored", node.url, load.key, node.key)
+            return
+        if node.failures >= self.unreachable_after:
+            log.info("node %s reachable again", node.key)
+        node.load, node.load_at, node.failures = load, time.monotonic(), 0
+
+    async def run(self) -> None:
+        """Read loads forever, every `load_interval` seconds."""
+        while True:
+            t0 = time.monotonic()
+            await self.refresh()
+            await asyncio.sleep(max(0.05, self.load_interval - (time.monotonic() - t0)))
+
+    async def close(self) -> None:
+        for node in self.nodes.values():
+            await node.http.aclose()
+
+    # -- what the routes ask ---------------------------------------------------------------------
+    def holder(self, object_id: str, what: str = "sandbox") -> Node:
+        """The node holding a sandbox or snapshot id; `sandbox_lost` if that node died."""
+        key = node_of(object_id)
+        node = self.nodes.get(key) if key else None
+        if node is None:
+            raise NotFoundError(f"{what} {object_id[:80]} not found")
+        if node.lost:
+            raise SandboxLostError(f"{what} {object_id} is lost: its node {node.key} died or left the cluster")
+        return node
+
+    def reachable(self) -> list[Node]:
+        """Nodes calls can go to (fan-outs: list, stop by label, ...)."""
+        return [n for n in self.nodes.values() if not n.lost and n.status != "unreachable"]
+
+    def placement_view(self) -> list[NodeState]:
+        out = []
+        for n in self.nodes.values():
+            load = n.load
+            if load is None:
+                continue
+            status = n.status
+            out.append(
+                NodeState(
+                    key=n.key,
+                    group=load.group,
+                    alive=status in ("alive", "draining"),
+                    draining=load.draining,
+                    tiers=frozenset(load.tiers),
+                    images=frozenset(load.images),
+                    labels=load.labels,
+                    sandboxes=load.sandboxes,
+                    capacity=load.capacity,
+                    seen_at=n.load_at,
+                )
+            )
+        return out
+
+    def project_usage(self) -> Mapping[str, tuple[int, float, int]]:
+        """Per project, what its live sandboxes hold across the nodes (as last read; not rolled up)."""
+        total: dict[str, list[float]] = {}
+        for n in self.nodes.values():
+            if n.lost or n.load is None:
+                continue
+            for project, u in n.load.projects.items():
+                row = total.setdefault(project, [0, 0.0, 0])
+                row[0] += u.sandboxes
+                row[1] += u.cpu
+                row[2] += u.memory
+        return {k: (int(v[0]), v[1], int(v[2])) for k, v in total.items()}
