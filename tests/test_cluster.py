@@ -256,6 +256,25 @@ def test_batch_and_trajectory_through_gateways(cluster: Cluster) -> None:
         t.delete()
 
 
+def test_a_ray_trainer_finds_the_gateways_through_ray(cluster: Cluster) -> None:
+    """What a trainer's driver (or any Ray task) does: no address of ours passed around."""
+    code = (
+        "import json, sys, ray, sandfleet.ray\n"
+        "ray.init(address=sys.argv[1], logging_level=40, log_to_driver=False)\n"
+        "print(json.dumps(sorted(sandfleet.ray.gateways())))\n"
+        "with sandfleet.ray.connect(token=sys.argv[2]) as fleet, fleet.create(image='busybox') as sb:\n"
+        "    print(sb.exec('echo via-ray').stdout.strip(), sb.id)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, cluster.address, ADMIN], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    urls, result = out.stdout.strip().splitlines()[-2:]
+    assert json.loads(urls) == sorted(cluster.gateway_urls)
+    word, sandbox_id = result.split()
+    assert word == "via-ray" and node_of(sandbox_id) in KEYS
+
+
 def test_projects_quotas_and_tokens_hold_across_the_cluster(cluster: Cluster) -> None:
     with cluster.client(0, TEAM_A) as a0, cluster.client(1, TEAM_A) as a1, cluster.client(1, TEAM_B) as b:
         mine = [(a0 if i % 2 else a1).create(image="busybox", labels={"job": "quota"}) for i in range(4)]
@@ -289,6 +308,37 @@ def test_projects_quotas_and_tokens_hold_across_the_cluster(cluster: Cluster) ->
 def httpx_stop(cluster: Cluster, sandbox_id: str, token: str) -> None:
     with Client(cluster.gateway_urls[0], token=token) as c:
         c.get(sandbox_id).stop()
+
+
+def test_gateway_answers_bad_input_with_typed_errors_and_serves_node_wide_calls(cluster: Cluster) -> None:
+    url = cluster.gateway_urls[0]
+    auth = {"authorization": f"Bearer {ADMIN}"}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        cases = [
+            (http.post("/v1/sandboxes", json={"image": "busybox"}), 401, "unauthenticated"),
+            (http.post("/v1/sandboxes", headers=auth, content=b"{not json"), 400, "invalid_argument"),
+            (http.post("/v1/sandboxes", headers=auth, json={"resources": {"cpu": -1}}), 400, "invalid_argument"),
+            (http.post("/v1/sandboxes", headers=auth, json={"backend": "nope"}), 400, "invalid_argument"),
+            (http.get("/v1/sandboxes/sb-ffffff0123456789", headers=auth), 404, "not_found"),
+            (http.get("/v1/sandboxes/not-an-id/usage", headers=auth), 404, "not_found"),
+            (http.get("/v1/snapshots/snap-ffffff0123456789", headers=auth), 404, "not_found"),
+            (http.get("/v1/no/such/route", headers=auth), 404, "not_found"),
+            (http.get("/v1/audit/follow", headers=auth), 400, "unsupported"),
+            (http.post("/v1/cluster/nodes/c10001/drain", headers={"authorization": f"Bearer {TEAM_A}"}), 403,
+             "permission_denied"),
+        ]  # fmt: skip
+        for r, status, code in cases:
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), (r.request.url, r.text)
+    with cluster.client(1) as g:
+        health = g.health()
+        assert health["status"] == "ok" and "container" in health["tiers"]
+        assert any(i.name == "busybox" for i in g.images())
+        sb = g.create(image="busybox")
+        sb.exec("true")
+        records = g.audit(sandbox_id=sb.id).records
+        assert records and all(r.sandbox_id == sb.id for r in records)
+        assert g.audit(limit=50).records
+        sb.stop()
 
 
 def test_a_drained_node_takes_no_creates(cluster: Cluster) -> None:

@@ -61,6 +61,9 @@ class GatewayConfig(BaseModel):
             raise ValueError("the gateway needs nodes: ray_address or a nodes list")
         if not self.iam and not self.token:
             raise ValueError("the gateway needs callers' credentials: token or [iam] tokens")
+        host = self.listen.rpartition(":")[0]
+        if self.ray_address and not self.advertise and host in ("", "0.0.0.0", "::", "[::]"):
+            raise ValueError(f"listening on {self.listen}: say where clients reach this gateway (advertise = ...)")
         return self
 
     @property

@@ -28,7 +28,10 @@ _HOP = frozenset(
 def _unreachable(node: Node, exc: Exception) -> SandboxError:
     if node.lost:
         return SandboxLostError(f"node {node.key} died or left the cluster: what it held is gone")
-    return UnavailableError(f"node {node.key} unreachable: {type(exc).__name__}")
+    err = UnavailableError(f"node {node.key} unreachable: {type(exc).__name__}")
+    # Whether the node may have got the request: a create is placed again elsewhere only if not.
+    err.sent = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)  # type: ignore[attr-defined]
+    return err
 
 
 def passed_headers(request: Request, *, drop_length: bool = False) -> list[tuple[str, str]]:
@@ -41,12 +44,24 @@ def passed_headers(request: Request, *, drop_length: bool = False) -> list[tuple
     return out
 
 
+SMALL = 1024**2  # bodies up to this size are read whole: fewer event-loop turns than a relay
+# A one-answer call to a node (create, list, stop by label ...): a node that goes silent this long is
+# unavailable. Streams passed on have no such bound (the node bounds them: exec timeouts, heartbeats).
+CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=60.0, pool=30.0)
+
+
 async def forward(node: Node, request: Request, *, body: bytes | None = None, path: str | None = None) -> Response:
-    """The caller's request, sent to `node`; the node's answer, streamed back."""
-    url = httpx.URL(path=path or request.url.path, query=request.url.query.encode())
+    """The caller's request, sent to `node`; the node's answer, streamed back (read whole when it
+    is small and sized: most answers are a few hundred bytes of JSON)."""
+    # The path as the caller sent it (still percent-encoded: an exposed port's path may hold %2F).
+    raw = path or request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
+    url = httpx.URL(raw + (f"?{request.url.query}" if request.url.query else ""))
+    length = request.headers.get("content-length")
+    if body is None and (length is None and request.method in ("GET", "HEAD", "DELETE")):
+        body = b""  # nothing to stream: no chunked empty body on a GET
+    elif body is None and length is not None and length.isdigit() and int(length) <= SMALL:
+        body = await request.body()
     content: Any = body if body is not None else request.stream()
-    if body is None and "content-length" not in request.headers and request.method in ("GET", "HEAD", "DELETE"):
-        content = b""  # nothing to stream: no chunked empty body on a GET
     req = node.http.build_request(
         request.method,
         url,
@@ -61,6 +76,17 @@ async def forward(node: Node, request: Request, *, body: bytes | None = None, pa
     except httpx.HTTPError as exc:
         raise _unreachable(node, exc) from exc
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+    size = resp.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) <= SMALL:
+        try:
+            data = await resp.aread()
+        except httpx.HTTPError as exc:
+            raise _unreachable(node, exc) from exc
+        finally:
+            await resp.aclose()
+        headers.pop("content-length", None)
+        headers.pop("content-encoding", None)  # aread() decoded it
+        return Response(data, status_code=resp.status_code, headers=headers)
     return StreamingResponse(
         resp.aiter_raw(), status_code=resp.status_code, headers=headers, background=BackgroundTask(resp.aclose)
     )
@@ -85,7 +111,7 @@ async def call_json(
             raise UnavailableError("no credentials to pass on")  # the gateway always has a caller's
         hdrs["authorization"] = auth
     try:
-        r = await node.http.request(method, path, json=json_body, params=params, headers=hdrs)
+        r = await node.http.request(method, path, json=json_body, params=params, headers=hdrs, timeout=CALL_TIMEOUT)
     except httpx.HTTPError as exc:
         raise _unreachable(node, exc) from exc
     try:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpx
 import pydantic
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
@@ -38,7 +39,7 @@ from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.forward import call_json, forward, json_response
 from sandfleet.cluster.membership import Membership, Node
 from sandfleet.cluster.placement import NoCapacity, PlacementRequest, Placer
-from sandfleet.cluster.quotas import GatewayQuotas
+from sandfleet.cluster.quotas import GatewayQuotas, ShareSpent
 from sandfleet.daemon.iam import Iam, Principal
 from sandfleet.errors import (
     InvalidArgumentError,
@@ -55,6 +56,7 @@ from sandfleet.models import CreateBatchRequest, ErrorBody, SandboxSpec, Traject
 
 log = logging.getLogger("sandfleet.cluster")
 
+DELEGATED = "x-sandfleet-delegated"  # a create another gateway passed on: not passed on again
 MAX_BODY = 8 * 1024**2  # a create batch of 256 specs fits many times over
 _REFUSALS = ("resource_exhausted", "unavailable")  # a node's "not here": placed again elsewhere
 _LABEL_CALLS = {  # job-level calls: path -> the list field of each node's answer to merge
@@ -88,14 +90,14 @@ class Gateway:
         )
         self.placer = Placer(choices=config.choices, groups=config.groups, rng=rng)
         self.iam = Iam(config.iam, config.token.get_secret_value() if config.token else None)
-        self.quotas = GatewayQuotas(self.iam, self.membership)
+        self.quotas = GatewayQuotas(self.iam, self.membership, config.url)
         self.metrics = GatewayMetrics()
         self._rng = rng or random.Random()
         # idempotency key -> node: a retried create goes where the first attempt went
         self._keyed: collections.OrderedDict[str, str] = collections.OrderedDict()
         # trajectory id -> node key, found once
         self._trajectories: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._placed_at = 0.0
+        self._gateways: dict[str, httpx.AsyncClient] = {}  # other gateways (quota delegation)
 
     # -- membership ------------------------------------------------------------------------------
     def refresh_placement(self) -> None:
@@ -117,15 +119,21 @@ class Gateway:
             raise UnavailableError(f"node {key} is not in the cluster")
         return node
 
+    def _usable(self, key: str) -> bool:
+        node = self.membership.nodes.get(key)
+        return node is not None and not node.lost
+
     def _remember(self, table: collections.OrderedDict[str, str], key: str, node: str) -> None:
         table[key] = node
         table.move_to_end(key)
         while len(table) > 100_000:
             table.popitem(last=False)
 
-    async def _fan_out(self, call: Callable[[Node], Awaitable[Any]]) -> list[Any]:
-        """`call` on every reachable node at once; a node that fails is left out (and logged)
-        unless every node failed: a list or a stop-by-label keeps working while a node dies."""
+    async def _fan_out(self, call: Callable[[Node], Awaitable[Any]], *, every: bool = False) -> list[Any]:
+        """`call` on every reachable node at once. Reads: a node that fails is left out (and logged)
+        unless every node failed, so a list keeps working while a node dies. `every` (writes: stop,
+        pause, image deletes): the others do their part, then `unavailable` names the nodes that
+        could not, so the caller retries (these calls are idempotent) instead of believing it done."""
         nodes = self.membership.reachable()
         if not nodes:
             raise UnavailableError("no node of the cluster is reachable")
@@ -141,8 +149,11 @@ class Gateway:
                 errors.append(res)
             else:
                 out.append(res)
-        if not out and errors:
-            raise errors[0]
+        if errors and (every or not out):
+            if len(errors) == len(nodes):
+                raise errors[0]
+            failed = ", ".join(n.key for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException))
+            raise UnavailableError(f"done on {len(out)} of {len(nodes)} nodes; not on {failed}: retry")
         return out
 
     # -- creates ---------------------------------------------------------------------------------
@@ -167,26 +178,40 @@ class Gateway:
         principal: Principal = request.state.principal
         spec = self._in_project(principal, _parse(SandboxSpec, await _body(request)))
         key = request.headers.get("idempotency-key")
-        self.quotas.admit(spec, time.monotonic())
+        try:
+            self.quotas.admit(spec, time.monotonic())
+        except ShareSpent as exc:
+            if request.headers.get(DELEGATED) or exc.owner == self.config.url:
+                raise ResourceExhaustedError(exc.message) from exc
+            return await self._delegate(exc.owner, request, _spec_json(spec))
+        try:
+            data = await self._place_one(request, spec, key)
+        except BaseException:
+            self.quotas.forget(spec)  # no sandbox came of it: the share is free again
+            raise
+        return json_response(data, 201)
+
+    async def _place_one(self, request: Request, spec: SandboxSpec, key: str | None) -> Any:
+        """Place a create and send it; a node's refusal places it again elsewhere."""
         body = _spec_json(spec)
         req = self._placement(spec)
         exclude: set[str] = set()
         last: SandboxError | None = None
         for _attempt in range(self.config.create_attempts):
             remembered = self._keyed.get(key) if key else None
-            if remembered is not None and remembered not in exclude and remembered in self.membership.nodes:
+            if remembered is not None and remembered not in exclude and self._usable(remembered):
                 node_key = remembered
             else:
                 try:
                     node_key = self.placer.place(req, time.monotonic(), exclude)
                 except NoCapacity as exc:
-                    raise last or ResourceExhaustedError(f"no node can take this sandbox: {exc}") from exc
+                    raise (last or exc) from None
             if key:
                 self._remember(self._keyed, key, node_key)
             node = self._node(node_key)
             self.metrics.placements.labels(node=node_key).inc()
             try:
-                data = await call_json(
+                return await call_json(
                     node,
                     "POST",
                     "/v1/sandboxes",
@@ -195,20 +220,30 @@ class Gateway:
                     headers={"idempotency-key": key} if key else None,
                 )
             except SandboxError as exc:
-                if exc.code not in _REFUSALS:
-                    self.quotas.forget(spec)
-                    raise
+                if exc.code not in _REFUSALS or getattr(exc, "sent", False):
+                    raise  # a node that may have made it: placing it again could make two
                 self.placer.release(node_key, full=exc.code == "resource_exhausted")
                 exclude.add(node_key)
                 self.metrics.replaced.inc()
                 last = exc
                 if key:
                     self._keyed.pop(key, None)
-                continue
-            return json_response(data, 201)
-        self.quotas.forget(spec)
         assert last is not None
         raise last
+
+    async def _delegate(self, gateway_url: str, request: Request, spec: dict[str, Any]) -> Response:
+        """A create this gateway's quota share cannot take, passed to the gateway that holds a share."""
+        client = self._gateways.get(gateway_url)
+        if client is None:
+            client = self._gateways[gateway_url] = httpx.AsyncClient(base_url=gateway_url, timeout=120)
+        headers = {DELEGATED: "1", "authorization": request.headers.get("authorization", "")}
+        if key := request.headers.get("idempotency-key"):
+            headers["idempotency-key"] = key
+        try:
+            r = await client.post("/v1/sandboxes", json=spec, headers=headers)
+        except httpx.HTTPError as exc:
+            raise UnavailableError(f"gateway {gateway_url} holding the project's quota share is unreachable") from exc
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def create_batch(self, request: Request) -> Response:
         principal: Principal = request.state.principal
@@ -216,7 +251,7 @@ class Gateway:
         specs = [self._in_project(principal, s) for s in batch.specs]
         keys = batch.idempotency_keys or [None] * len(specs)
         results: list[dict[str, Any] | None] = [None] * len(specs)
-        pending: list[int] = []
+        pending: list[int] = []  # admitted, not yet made
         now = time.monotonic()
         for i, spec in enumerate(specs):
             try:
@@ -224,6 +259,7 @@ class Gateway:
                 pending.append(i)
             except SandboxError as exc:
                 results[i] = {"error": exc.to_wire()}
+        admitted = list(pending)
         exclude: set[str] = set()
         for _attempt in range(self.config.create_attempts):
             if not pending:
@@ -236,7 +272,15 @@ class Gateway:
                 by_need[need.tier, need.image].append(i)
                 needs[need.tier, need.image] = need
             by_node: dict[str, list[int]] = collections.defaultdict(list)
-            for need_key, idx in by_need.items():
+            for need_key, idx in list(by_need.items()):
+                # A retried item goes where its key went first (the node answers what it made then).
+                for i in list(idx):
+                    went = self._keyed.get(keys[i] or "") if keys[i] else None
+                    if went is not None and went not in exclude and self._usable(went):
+                        by_node[went].append(i)
+                        idx.remove(i)
+                if not idx:
+                    continue
                 need = needs[need_key]
                 try:
                     nodes = self.placer.place_many(need, len(idx), time.monotonic(), exclude)
@@ -247,10 +291,11 @@ class Gateway:
                     continue
                 for i, node_key in zip(idx, nodes, strict=True):
                     by_node[node_key].append(i)
+                    if keys[i]:
+                        self._remember(self._keyed, keys[i] or "", node_key)
             retry: list[int] = []
 
             async def one_node(node_key: str, idx: list[int], retry: list[int] = retry) -> None:
-                node = self._node(node_key)
                 self.metrics.placements.labels(node=node_key).inc(len(idx))
                 body = {
                     "specs": [_spec_json(specs[i]) for i in idx],
@@ -258,22 +303,25 @@ class Gateway:
                     "idempotency_keys": [keys[i] for i in idx],
                 }
                 try:
+                    node = self._node(node_key)
                     data = await call_json(node, "POST", "/v1/sandboxes/batch", request=request, json_body=body)
                     items = data["results"]
-                except SandboxError as exc:
-                    if exc.code not in _REFUSALS:
-                        raise
-                    items = [{"error": exc.to_wire()}] * len(idx)
+                except SandboxError as exc:  # this node's part failed whole; the others' stand
                     exclude.add(node_key)
+                    if getattr(exc, "sent", False):  # it may have made them: not placed again
+                        for i in idx:
+                            results[i] = {"error": exc.to_wire()}
+                        return
+                    items = [{"error": exc.to_wire()}] * len(idx)
                 refused = 0
                 for i, item in zip(idx, items, strict=True):
                     err = item.get("error")
+                    results[i] = item
                     if err and err.get("code") in _REFUSALS:
                         refused += 1
                         retry.append(i)
-                        results[i] = item
-                    else:
-                        results[i] = item
+                        if keys[i]:
+                            self._keyed.pop(keys[i] or "", None)
                 if refused:
                     self.placer.release(node_key, refused, full=True)
                     exclude.add(node_key)
@@ -282,7 +330,11 @@ class Gateway:
             await asyncio.gather(*(one_node(k, idx) for k, idx in by_node.items()))
             pending = retry
         for i, item in enumerate(results):
-            if item is None or "error" in item and item["error"]:
+            if item is None:  # never sent: every node it could go to refused
+                results[i] = {"error": ResourceExhaustedError("no node could take this sandbox").to_wire()}
+        for i in admitted:  # no sandbox came of these: their shares are free again
+            item = results[i]
+            if item is None or item.get("error"):
                 self.quotas.forget(specs[i])
         return json_response({"results": results})
 
@@ -314,12 +366,12 @@ class Gateway:
 
     async def by_label(self, request: Request) -> Response:
         field = _LABEL_CALLS[request.url.path]
-        body = json.loads(await _body(request) or b"{}")
+        body = await _json_object(request)
 
         async def one(n: Node) -> list[Any]:
             return list((await call_json(n, "POST", request.url.path, request=request, json_body=body))[field])
 
-        return json_response({field: [i for part in await self._fan_out(one) for i in part]})
+        return json_response({field: [i for part in await self._fan_out(one, every=True) for i in part]})
 
     async def list_images(self, request: Request) -> Response:
         async def one(n: Node) -> list[Any]:
@@ -334,15 +386,23 @@ class Gateway:
     async def images_everywhere(self, request: Request) -> Response:
         """Build, push, import, delete, gc: on every node (each has its own layer store); the first
         node's answer stands for all."""
-        body = await _body(request)
-        payload = json.loads(body) if body else None
+        payload = await _json_object(request) if request.method != "DELETE" else None
         params = list(request.query_params.multi_items())
 
         async def one(n: Node) -> Any:
             path = request.url.path
-            return await call_json(n, request.method, path, request=request, json_body=payload, params=params)
+            try:
+                return await call_json(n, request.method, path, request=request, json_body=payload, params=params)
+            except NotFoundError:
+                if request.method != "DELETE":
+                    raise
+                return NotFoundError  # not on this node: what a delete wants
 
-        answers = await self._fan_out(one)
+        answers = await self._fan_out(one, every=True)
+        if request.method == "DELETE":
+            if all(a is NotFoundError for a in answers):
+                raise NotFoundError(f"image {request.url.path.rsplit('/', 1)[-1][:200]} not found")
+            return Response(status_code=204)
         return json_response(answers[0]) if answers[0] is not None else Response(status_code=204)
 
     async def one_node(self, request: Request) -> Response:
@@ -356,17 +416,19 @@ class Gateway:
         return await forward(self._node(key), request, body=await _body(request))
 
     async def audit(self, request: Request) -> Response:
+        """One sandbox's records from its node; otherwise every node's, merged by time (each node
+        numbers its own records: `last_seq` is the highest, so paging by `since` is per node)."""
+        sandbox_id = request.query_params.get("sandbox_id")
+        if sandbox_id:
+            return await forward(self.membership.holder(sandbox_id), request)
         params = list(request.query_params.multi_items())
 
-        async def one(n: Node) -> list[Any]:
-            return [
-                {**r, "node": n.key}
-                for r in (await call_json(n, "GET", "/v1/audit", request=request, params=params))["records"]
-            ]
+        async def one(n: Node) -> Any:
+            return await call_json(n, "GET", "/v1/audit", request=request, params=params)
 
-        merged = [r for part in await self._fan_out(one) for r in part]
-        merged.sort(key=lambda r: r.get("time", 0))
-        return json_response({"records": merged})
+        parts = await self._fan_out(one)
+        merged = sorted((r for part in parts for r in part["records"]), key=lambda r: r.get("ts", 0))
+        return json_response({"records": merged, "last_seq": max(p["last_seq"] for p in parts)})
 
     # -- trajectories ----------------------------------------------------------------------------
     async def open_trajectory(self, request: Request) -> Response:
@@ -377,12 +439,18 @@ class Gateway:
             node = self.membership.holder(req.snapshot_id or req.sandbox_id or "", what)
             body = req.model_dump_json(exclude_unset=True).encode()
         else:
-            known = self._trajectories.get(req.id)
-            if known is not None and known in self.membership.nodes:
-                node = self._node(known)
-            else:
+            admitted: SandboxSpec | None = None
+            try:  # opened before (through any gateway): the same trajectory, on its node
+                node = await self._trajectory_node(request, req.id)
+            except NotFoundError:
                 spec = self._in_project(principal, req.spec or SandboxSpec())
-                node = self._node(self.placer.place(self._placement(spec), time.monotonic()))
+                self.quotas.admit(spec, time.monotonic())
+                admitted = spec
+                try:
+                    node = self._node(self.placer.place(self._placement(spec), time.monotonic()))
+                except BaseException:
+                    self.quotas.forget(spec)
+                    raise
                 req = req.model_copy(update={"spec": spec})
             fields = json.loads(req.model_dump_json(exclude_unset=True))
             if req.spec is not None:
@@ -391,6 +459,8 @@ class Gateway:
         resp = await forward(node, request, body=body)
         if resp.status_code < 300:
             self._remember(self._trajectories, req.id, node.key)
+        elif req.spec is not None and admitted is not None:
+            self.quotas.forget(admitted)
         return resp
 
     async def _trajectory_node(self, request: Request, trajectory_id: str) -> Node:
@@ -416,8 +486,14 @@ class Gateway:
 
     async def trajectory_call(self, request: Request) -> Response:
         trajectory_id = request.path_params["trajectory_id"]
+        cached = trajectory_id in self._trajectories
+        body = await _body(request)  # small JSON: kept, to send again if the remembered node was wrong
         node = await self._trajectory_node(request, trajectory_id)
-        resp = await forward(node, request)
+        resp = await forward(node, request, body=body)
+        if resp.status_code == 404 and cached:  # remembered for another caller, or deleted elsewhere
+            self._trajectories.pop(trajectory_id, None)
+            node = await self._trajectory_node(request, trajectory_id)
+            resp = await forward(node, request, body=body)
         if request.method == "DELETE" and resp.status_code < 300:
             self._trajectories.pop(trajectory_id, None)
         return resp
@@ -432,6 +508,50 @@ class Gateway:
         return json_response({"trajectories": [t for part in await self._fan_out(one) for t in part]})
 
     # -- by id -----------------------------------------------------------------------------------
+    async def copies(self, request: Request) -> Response:
+        """A fork of a sandbox or a restore of a snapshot: on the node holding it, counted against the
+        source's project quotas here first (as a create is), `count` times."""
+        fork = "sandbox_id" in request.path_params
+        object_id = request.path_params["sandbox_id" if fork else "snapshot_id"]
+        node = self.membership.holder(object_id, "sandbox" if fork else "snapshot")
+        body = await _json_object(request)
+        count = body.get("count", 1)
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
+            raise InvalidArgumentError("count must be an integer from 1 to 64")
+        spec = await self._source_spec(request, node, object_id, fork)
+        admitted: list[SandboxSpec] = []
+        try:
+            if spec is not None and spec.project is not None:
+                now = time.monotonic()
+                for _ in range(count):
+                    self.quotas.admit(spec, now)
+                    admitted.append(spec)
+            resp = await forward(node, request, body=json.dumps(body).encode())
+        except BaseException:
+            for a in admitted:
+                self.quotas.forget(a)
+            raise
+        if resp.status_code >= 300:
+            for a in admitted:
+                self.quotas.forget(a)
+        return resp
+
+    async def _source_spec(self, request: Request, node: Node, object_id: str, fork: bool) -> SandboxSpec | None:
+        """The spec copies of a sandbox or snapshot are made from (its project and resources), as the
+        caller may see it (a caller that may not gets the node's not_found from here)."""
+        sandbox_id = object_id
+        if not fork:
+            snap = await call_json(node, "GET", f"/v1/snapshots/{object_id}", request=request)
+            sandbox_id = str(snap.get("sandbox_id", ""))
+            project = snap.get("project")
+        try:
+            info = await call_json(node, "GET", f"/v1/sandboxes/{sandbox_id}", request=request)
+        except NotFoundError:
+            if fork:
+                raise
+            return SandboxSpec(project=project) if project else None  # its sandbox is gone
+        return SandboxSpec.model_validate(info["spec"])
+
     async def sandbox_call(self, request: Request) -> Response:
         return await forward(self.membership.holder(request.path_params["sandbox_id"]), request)
 
@@ -466,6 +586,16 @@ class Gateway:
         )
 
     async def nodes(self, request: Request) -> Response:
+        principal: Principal = request.state.principal
+        root = principal.project is None
+
+        def load(n: Node) -> dict[str, Any] | None:
+            if n.load is None:
+                return None
+            data = n.load.model_dump()
+            data["projects"] = {p: u for p, u in data["projects"].items() if root or principal.sees(p or None)}
+            return data
+
         return json_response(
             {
                 "nodes": [
@@ -474,7 +604,7 @@ class Gateway:
                         "url": n.url,
                         "group": n.group,
                         "status": n.status,
-                        "load": n.load.model_dump() if n.load else None,
+                        "load": load(n),
                         "load_age": round(time.monotonic() - n.load_at, 3) if n.load else None,
                     }
                     for n in sorted(self.membership.nodes.values(), key=lambda n: n.key)
@@ -490,8 +620,11 @@ class Gateway:
         node = self.membership.nodes.get(request.path_params["key"])
         if node is None or node.lost:
             raise NotFoundError(f"node {request.path_params['key'][:16]} not in the cluster")
-        body = json.loads(await _body(request) or b"{}")
-        data = await call_json(node, "POST", "/v1/node/drain", json_body={"draining": body.get("draining", True)})
+        body = await _json_object(request)
+        draining = body.get("draining", True)
+        if not isinstance(draining, bool):
+            raise InvalidArgumentError("draining must be true or false")
+        data = await call_json(node, "POST", "/v1/node/drain", json_body={"draining": draining})
         await self.membership.refresh()
         return json_response(data)
 
@@ -499,6 +632,9 @@ class Gateway:
         raise UnsupportedError(f"{request.url.path} is a node's own: ask each node (GET /v1/cluster/nodes)")
 
     async def prometheus(self, request: Request) -> Response:
+        principal: Principal = request.state.principal
+        if principal.project is not None:
+            raise PermissionDeniedError(f"token {principal.name} is scoped to a project: metrics need the root")
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -509,6 +645,20 @@ def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
 
 def _project(spec: SandboxSpec) -> dict[str, Any]:
     return {"project": spec.project} if spec.project is not None else {}
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    """A JSON object body (or none: {}), or `invalid_argument`."""
+    body = await _body(request)
+    if not body:
+        return {}
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise InvalidArgumentError("request body is not valid JSON") from exc
+    if not isinstance(data, dict):
+        raise InvalidArgumentError("request body must be a JSON object")
+    return data
 
 
 async def _body(request: Request) -> bytes:
@@ -558,6 +708,8 @@ def create_gateway_app(gw: Gateway) -> Starlette:
         Route("/v1/sandboxes", guarded(gw.list_sandboxes), methods=["GET"]),
         Route("/v1/sandboxes/batch", guarded(gw.create_batch), methods=["POST"]),
         *[Route(p, guarded(gw.by_label), methods=["POST"]) for p in _LABEL_CALLS],
+        Route(sb + "/fork", guarded(gw.copies), methods=["POST"]),
+        Route("/v1/snapshots/{snapshot_id:str}/restore", guarded(gw.copies), methods=["POST"]),
         Route(sb, guarded(gw.sandbox_call), methods=all_methods),
         Route(sb + "/{rest:path}", guarded(gw.sandbox_call), methods=all_methods),
         Route("/v1/snapshots", guarded(gw.list_snapshots), methods=["GET"]),

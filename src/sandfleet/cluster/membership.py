@@ -75,16 +75,24 @@ class Membership:
         self.nodes: dict[str, Node] = {}
         self.changed = asyncio.Event()  # set when the set of nodes or their loads changed
         self.gateways: list[str] = []  # other gateways' URLs, as discovery last saw them
+        self._closing: set[asyncio.Task[None]] = set()  # clients of nodes gone, being closed
 
     # -- what discovery says ---------------------------------------------------------------------
     def apply(self, registrations: Iterable[Registration]) -> None:
-        """Discovery's latest word. A node it no longer lists is left as it was (discovery may have
-        lost sight of it, not the node its life); a node it lists as dead is lost."""
-        for reg in registrations:
+        """Discovery's latest word. A node it lists as dead is lost. A node it no longer lists was
+        taken out (`sandfleet cluster down`) or discovery lost its records (a new Ray head): it is
+        dropped once it also stops answering, kept as long as it serves."""
+        regs = list(registrations)
+        listed = {r.key for r in regs}
+        for key in [k for k, n in self.nodes.items() if k not in listed and n.status == "unreachable"]:
+            gone = self.nodes.pop(key)
+            self._closing.add(asyncio.get_running_loop().create_task(gone.http.aclose()))
+            log.info("node %s left the cluster", key)
+        for reg in regs:
             node = self.nodes.get(reg.key)
             if node is None or node.url != reg.url:
                 if node is not None:
-                    asyncio.get_running_loop().create_task(node.http.aclose())
+                    self._closing.add(asyncio.get_running_loop().create_task(node.http.aclose()))
                 node = self.nodes[reg.key] = Node(
                     reg.key, reg.url, reg.group, self._client(reg.url), unreachable_after=self.unreachable_after
                 )
@@ -93,6 +101,9 @@ class Membership:
             if reg.alive is False and not node.lost:
                 node.lost, node.lost_at = True, time.time()
                 log.warning("node %s is lost: its sandboxes are gone", reg.key)
+                # Calls still waiting on it fail now (as sandbox_lost), not when TCP gives up.
+                self._closing.add(asyncio.get_running_loop().create_task(node.http.aclose()))
+                node.http = self._client(node.url)
             elif reg.alive is True and node.lost:
                 # A node that came back under its key lost what it held when it died, and starts over.
                 node.lost, node.lost_at, node.load, node.failures = False, None, None, 0
@@ -143,6 +154,7 @@ class Membership:
     async def close(self) -> None:
         for node in self.nodes.values():
             await node.http.aclose()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     # -- what the routes ask ---------------------------------------------------------------------
     def holder(self, object_id: str, what: str = "sandbox") -> Node:

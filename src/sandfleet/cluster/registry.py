@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 NAMESPACE = "sandfleet"
 GATEWAY_TTL = 10.0  # seconds a gateway's record counts after its last refresh
+REREGISTER_GRACE = 30.0  # seconds after a node's (re-)registration its missing actor is not yet its death
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -89,13 +90,15 @@ def register_node(
 ) -> None:
     """Put a node into the cluster: its actor on its Ray node, its record in Ray's store."""
     name = f"node:{key}"
+    here = ray_node_id(ray_node)
+    record = {"key": key, "url": url, "group": group, "ray_node": here, "at": time.time()}
+    _kv_put(name, record, namespace)  # first: watchers give a node re-registering a grace period
     try:
         old = ray.get_actor(name, namespace=namespace)
         ray.kill(old)  # a node registering again (its daemon restarted): a fresh record
         time.sleep(0.2)
     except ValueError:
         pass
-    here = ray_node_id(ray_node)
     agent = NodeAgent.options(  # type: ignore[attr-defined]
         name=name,
         namespace=namespace,
@@ -103,7 +106,7 @@ def register_node(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
     ).remote(key, url, group, pid)
     ray.get(agent.info.remote(), timeout=60)
-    _kv_put(name, {"key": key, "url": url, "group": group, "ray_node": here, "at": time.time()}, namespace)
+    _kv_put(name, record | {"at": time.time()}, namespace)
 
 
 def deregister_node(key: str, namespace: str = NAMESPACE) -> None:
@@ -136,13 +139,15 @@ class Watcher:
         records = _kv_records("node:", self.namespace)
         refs: dict[Any, str] = {}
         dead: set[str] = set()
-        for name in records:
+        now = time.time()
+        for name, rec in records.items():
             handle = self._handles.get(name)
             if handle is None:
                 try:
                     handle = self._handles[name] = ray.get_actor(name, namespace=self.namespace)
                 except ValueError:  # no such actor: it died (a detached actor's name goes with it)
-                    dead.add(name)
+                    if now - float(rec.get("at", 0)) > REREGISTER_GRACE:  # not one being replaced
+                        dead.add(name)
                     continue
             refs[handle.info.remote()] = name
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout) if refs else ([], [])
@@ -153,8 +158,12 @@ class Watcher:
                 ray.get(ref)
                 answered.add(name)
             except ray.exceptions.RayActorError:
-                dead.add(name)
                 self._handles.pop(name, None)
+                try:  # a node registering again replaces its actor: that one answers next time
+                    ray.get_actor(name, namespace=self.namespace)
+                except ValueError:
+                    if now - float(records[name].get("at", 0)) > REREGISTER_GRACE:
+                        dead.add(name)
         out = []
         for name, rec in records.items():
             alive = False if name in dead else True if name in answered else None

@@ -50,7 +50,6 @@ async def watch_ray(gw: Gateway, config: GatewayConfig, gateway_id: str) -> None
                     for n in seen.get("nodes", [])
                 )
                 gw.membership.gateways = list(seen.get("gateways", []))
-                gw.quotas.gateways = max(1, len(gw.membership.gateways))
         finally:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

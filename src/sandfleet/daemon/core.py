@@ -299,7 +299,7 @@ class NodeCore:
         for sb in self.table:
             if wanted is not None and sb.state not in wanted:
                 continue
-            if labels and any(sb.spec.labels.get(k) != v for k, v in labels.items()):
+            if labels and not sb.labelled(labels):
                 continue
             out.append(sb.info())
         return out

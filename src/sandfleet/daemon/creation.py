@@ -126,8 +126,6 @@ class Creation:
             delay = min(delay * 2, 2.0)
 
     async def _create(self, spec: SandboxSpec, key: str | None) -> SandboxInfo:
-        if self.core.draining:  # forks and restores still come here: they can go nowhere else
-            raise UnavailableError(f"node {self.core.node_key} is draining: it takes no new sandboxes")
         self.check_backend(spec)
         self.networking.check(spec)
         if self.core.pools is not None:
@@ -149,6 +147,13 @@ class Creation:
         created = {"image": spec.environment(), "layers": [x.digest for x in image.layers]}
         tier = self.core.tier_for(spec.backend)
         return await self.start_admitted(spec, lambda sid: tier.create(sid, spec, image), created, key)
+
+    def check_draining(self, key: str | None = None) -> None:
+        """A caller's new sandbox (create, batch, a trajectory's): refused while the node drains. The
+        node's own (verifiers, fncall workers), forks and restores of its snapshots, and a retried
+        create whose idempotency key already made its sandbox still go through."""
+        if self.core.draining and (key is None or key not in self.core.keys):
+            raise UnavailableError(f"node {self.core.node_key} is draining: it takes no new sandboxes")
 
     def check_backend(self, spec: SandboxSpec) -> None:
         if self.core.shutting_down:

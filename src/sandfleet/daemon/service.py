@@ -295,6 +295,7 @@ class SandboxManager:
     # -- sandboxes -------------------------------------------------------------------------------
 
     async def create(self, spec: SandboxSpec, *, idempotency_key: str | None = None) -> SandboxInfo:
+        self.creation.check_draining(idempotency_key)
         return await self.creation.create(spec, idempotency_key=idempotency_key)
 
     async def create_batch(
@@ -303,6 +304,7 @@ class SandboxManager:
         concurrency: int,
         idempotency_keys: builtins.list[str | None] | None = None,
     ) -> builtins.list[SandboxInfo | SandboxError]:
+        self.creation.check_draining()
         return await self.creation.create_batch(specs, concurrency, idempotency_keys)
 
     async def ack(self, sandbox_ids: builtins.list[str]) -> None:

@@ -315,6 +315,7 @@ class Trajectories:
                     "pause_after": req.spec.pause_after or self.config.pause_after,
                 }
             )
+            self.creation.check_draining(key)
             return await self.creation.create(spec, idempotency_key=key)
         assert req.snapshot_id is not None
         results = await self.snapshots.restore(req.snapshot_id, 1, labels, idempotency_key=key)
