@@ -103,6 +103,8 @@ class AsyncClient:
         self.timeout = b.check_timeout(timeout, b.DEFAULT_TIMEOUT)
         if transport is None and self.endpoint.socket:
             transport = httpx.AsyncHTTPTransport(uds=self.endpoint.socket)
+        elif transport is None:  # TCP: a request's headers and body leave at once (no Nagle wait)
+            transport = httpx.AsyncHTTPTransport(socket_options=b.TCP_OPTIONS)
         self._http = httpx.AsyncClient(
             base_url=self.endpoint.url, transport=transport, timeout=self.timeout, headers=self.endpoint.headers()
         )

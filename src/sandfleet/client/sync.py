@@ -97,6 +97,8 @@ class Client:
         self.timeout = b.check_timeout(timeout, b.DEFAULT_TIMEOUT)
         if transport is None and self.endpoint.socket:
             transport = httpx.HTTPTransport(uds=self.endpoint.socket)
+        elif transport is None:  # TCP: a request's headers and body leave at once (no Nagle wait)
+            transport = httpx.HTTPTransport(socket_options=b.TCP_OPTIONS)
         self._http = httpx.Client(
             base_url=self.endpoint.url, transport=transport, timeout=self.timeout, headers=self.endpoint.headers()
         )

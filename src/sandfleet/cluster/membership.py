@@ -22,6 +22,7 @@ from typing import Literal
 
 import httpx
 
+from sandfleet.client._base import TCP_OPTIONS
 from sandfleet.cluster.placement import NodeState
 from sandfleet.errors import NotFoundError, SandboxLostError
 from sandfleet.ids import node_of
@@ -113,6 +114,7 @@ class Membership:
     def _client(self, url: str) -> httpx.AsyncClient:
         return httpx.AsyncClient(
             base_url=url,
+            transport=httpx.AsyncHTTPTransport(socket_options=TCP_OPTIONS),
             headers={"authorization": f"Bearer {self._token}"},
             timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
