@@ -24,6 +24,7 @@ import pytest
 
 from sandfleet import Client, SandboxSpec
 from sandfleet.errors import (
+    InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
@@ -147,7 +148,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             assert wait_until(lambda k=key: _ray_node_alive(c, k), timeout=90, interval=1), f"Ray node {key}"
         for key in KEYS:
             tcp = free_port()
-            d = make_daemon(f"cl-{key}", f'tcp = "127.0.0.1:{tcp}"\ntoken = "{ADMIN}"\nnode_key = "{key}"\n' + IAM)
+            labels = 'node_labels = { pool = "gpu" }\n' if key == KEYS[1] else ""
+            d = make_daemon(
+                f"cl-{key}", f'tcp = "127.0.0.1:{tcp}"\ntoken = "{ADMIN}"\nnode_key = "{key}"\n' + labels + IAM
+            )
             c.daemons[key] = d
             c.urls[key] = f"http://127.0.0.1:{tcp}"
             d.start()
@@ -339,6 +343,20 @@ def test_gateway_answers_bad_input_with_typed_errors_and_serves_node_wide_calls(
         assert records and all(r.sandbox_id == sb.id for r in records)
         assert g.audit(limit=50).records
         sb.stop()
+
+
+def test_a_node_selector_places_on_the_nodes_carrying_its_labels(cluster: Cluster) -> None:
+    with cluster.client(0) as g:
+        made = g.create_many([SandboxSpec(image="busybox", node_selector={"pool": "gpu"}) for _ in range(3)])
+        made.append(g.create(image="busybox", node_selector={"pool": "gpu"}))
+        assert {node_of(sb.id) for sb in made if not isinstance(sb, SandboxError)} == {KEYS[1]}, made
+        with pytest.raises(InvalidArgumentError, match="pool=tpu"):
+            g.create(image="busybox", node_selector={"pool": "tpu"})
+        for sb in made:
+            assert not isinstance(sb, SandboxError)
+            sb.stop()
+    with Client(cluster.daemons[KEYS[0]].socket) as direct, pytest.raises(InvalidArgumentError, match="pool=gpu"):
+        direct.create(image="busybox", node_selector={"pool": "gpu"})  # the node has the last word
 
 
 def test_a_drained_node_takes_no_creates(cluster: Cluster) -> None:

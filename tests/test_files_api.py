@@ -267,6 +267,15 @@ def test_upload_as_user_and_single_file(sandbox: Sandbox, tmp_path: Path) -> Non
     assert _sh(sandbox, "cat /home/in/single.txt; stat -c %u /home/in/single.txt /home/in") == "one\n65534\n65534\n"
 
 
+@pytest.mark.parametrize("user", ["\u00b9", "\u0663", "no such user!"])
+def test_upload_as_a_user_no_system_has_is_refused(sandbox: Sandbox, tmp_path: Path, user: str) -> None:
+    """Found by the fuzzer: "¹" passes str.isdigit() but not int(); it was a 500."""
+    f = tmp_path / "one.txt"
+    f.write_text("one\n")
+    with pytest.raises(InvalidArgumentError, match="invalid user"):
+        sandbox.files.upload(f, "/home/in", user=user)
+
+
 def test_download_missing(sandbox: Sandbox, tmp_path: Path) -> None:
     with pytest.raises(NotFoundError):
         sandbox.files.download("/no/such/dir", tmp_path / "x")

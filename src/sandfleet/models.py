@@ -462,6 +462,11 @@ class SandboxSpec(_Model):
         description="the project ('org/team/job') the sandbox belongs to and is counted against: its quotas, "
         "and which tokens see it. Default: the calling token's project (none on a node without projects)",
     )
+    node_selector: Labels = Field(
+        default_factory=dict,
+        description="labels the node must carry (its `node_labels`): a cluster places the sandbox only on such "
+        "a node, and a node without them refuses it",
+    )
     idle_ttl: float | None = Field(600.0, gt=0, le=MAX_SECONDS, description="stop after this many idle seconds")
     max_lifetime: float | None = Field(None, gt=0, le=MAX_SECONDS, description="stop this many seconds after creation")
     qos: QoS = Field(

@@ -164,7 +164,17 @@ class Gateway:
                 image = canonical_ref(spec.image)
             except ValueError:
                 image = spec.image
-        return PlacementRequest(tier=spec.backend, image=image, project=spec.project)
+        return PlacementRequest(tier=spec.backend, image=image, node_labels=spec.node_selector, project=spec.project)
+
+    def _check_selector(self, spec: SandboxSpec) -> None:
+        """A create asking for node labels no node of the cluster carries is the caller's mistake,
+        not a wait for capacity."""
+        wanted = spec.node_selector.items()
+        if wanted and not any(
+            n.load is not None and wanted <= n.load.labels.items() for n in self.membership.nodes.values()
+        ):
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(spec.node_selector.items()))[:300]
+            raise InvalidArgumentError(f"no node of the cluster carries the labels {shown}")
 
     def _in_project(self, principal: Principal, spec: SandboxSpec) -> SandboxSpec:
         project = spec.project if spec.project is not None else principal.project
@@ -193,6 +203,7 @@ class Gateway:
 
     async def _place_one(self, request: Request, spec: SandboxSpec, key: str | None) -> Any:
         """Place a create and send it; a node's refusal places it again elsewhere."""
+        self._check_selector(spec)
         body = _spec_json(spec)
         req = self._placement(spec)
         exclude: set[str] = set()
@@ -265,12 +276,13 @@ class Gateway:
             if not pending:
                 break
             # One placement per distinct need (tier, image) in the batch, each placed as a batch.
-            by_need: dict[tuple[str, str | None], list[int]] = collections.defaultdict(list)
-            needs: dict[tuple[str, str | None], PlacementRequest] = {}
+            by_need: dict[tuple[str, str | None, str], list[int]] = collections.defaultdict(list)
+            needs: dict[tuple[str, str | None, str], PlacementRequest] = {}
             for i in pending:
                 need = self._placement(specs[i])
-                by_need[need.tier, need.image].append(i)
-                needs[need.tier, need.image] = need
+                need_key = (need.tier, need.image, json.dumps(sorted(need.node_labels.items())))
+                by_need[need_key].append(i)
+                needs[need_key] = need
             by_node: dict[str, list[int]] = collections.defaultdict(list)
             for need_key, idx in list(by_need.items()):
                 # A retried item goes where its key went first (the node answers what it made then).

@@ -127,6 +127,7 @@ class Creation:
 
     async def _create(self, spec: SandboxSpec, key: str | None) -> SandboxInfo:
         self.check_backend(spec)
+        self.check_node_selector(spec)
         self.networking.check(spec)
         if self.core.pools is not None:
             pkey = pool_key(spec)
@@ -154,6 +155,14 @@ class Creation:
         create whose idempotency key already made its sandbox still go through."""
         if self.core.draining and (key is None or key not in self.core.keys):
             raise UnavailableError(f"node {self.core.node_key} is draining: it takes no new sandboxes")
+
+    def check_node_selector(self, spec: SandboxSpec) -> None:
+        """A sandbox that asks for node labels this node does not carry is not for this node."""
+        labels = self.core.node_labels
+        missing = {k: v for k, v in spec.node_selector.items() if labels.get(k) != v}
+        if missing:
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(missing.items()))[:300]
+            raise InvalidArgumentError(f"this node does not carry the labels the sandbox asks for: {shown}")
 
     def check_backend(self, spec: SandboxSpec) -> None:
         if self.core.shutting_down:

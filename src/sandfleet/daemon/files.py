@@ -29,7 +29,7 @@ from sandfleet.errors import (
     UnavailableError,
 )
 from sandfleet.images import LayerCorruptError
-from sandfleet.models import FileEvent, FileInfo, shown
+from sandfleet.models import FileEvent, FileInfo, check_user, shown
 from sandfleet.runtime.agent import AgentError, ChannelClosedError, WatchEvent
 from sandfleet.runtime.files import FileOpError, FileStat, SandboxFS
 
@@ -116,6 +116,10 @@ class Files:
         user = sb.users.get(name)
         if user is not None:
             return user
+        try:  # every route's `user` is checked here too: "¹" is a digit to str.isdigit, not to int()
+            check_user(name)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from exc
         if name.isdigit():
             user = User(int(name), int(name), "/")
         else:

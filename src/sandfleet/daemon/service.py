@@ -152,6 +152,7 @@ class SandboxManager:
         self.core = core
         self.node_group = node_group
         self.node_labels = dict(node_labels or {})
+        core.node_labels = self.node_labels
         self._image_refs: tuple[float, builtins.list[str]] = (-math.inf, [])
         self.audit = audit
         self.pauser = Pauser(core)
