@@ -268,12 +268,9 @@ class Placer:
                 continue
             seen.append(i)
             node = pool[i]
-            if node.full or node.state.key in exclude:
+            ratio = None if node.state.key in exclude else _ratio(node, now, ttl)
+            if ratio is None:
                 continue
-            load = node.load(now, ttl)
-            if load >= node.capacity:
-                continue
-            ratio = load / node.capacity
             if ratio < best_ratio:
                 best, best_ratio = node, ratio
             got += 1
@@ -298,8 +295,16 @@ class Placer:
         return f"all {matching} nodes for {what} are full" + (f" or excluded ({excluded} excluded)" if excluded else "")
 
 
+def _ratio(node: _Node, now: float, ttl: float) -> float | None:
+    """Estimated load / capacity, or None for a node without room."""
+    if node.full:
+        return None
+    load = node.load(now, ttl)
+    return None if load >= node.capacity else load / node.capacity
+
+
 def _has_room(node: _Node, now: float, ttl: float) -> bool:
-    return not node.full and node.load(now, ttl) < node.capacity
+    return _ratio(node, now, ttl) is not None
 
 
 def _least_loaded(nodes: Sequence[_Node], now: float, ttl: float) -> _Node | None:
@@ -307,12 +312,7 @@ def _least_loaded(nodes: Sequence[_Node], now: float, ttl: float) -> _Node | Non
     best: _Node | None = None
     best_ratio = 2.0**63
     for node in nodes:
-        if node.full:
-            continue
-        load = node.load(now, ttl)
-        if load >= node.capacity:
-            continue
-        ratio = load / node.capacity
-        if ratio < best_ratio:
+        ratio = _ratio(node, now, ttl)
+        if ratio is not None and ratio < best_ratio:
             best, best_ratio = node, ratio
     return best
