@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,7 +132,8 @@ def _ray_node_alive(c: Cluster, name: str) -> bool:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
     port = free_port()
-    ray = str(Path(sys.executable).parent / "ray")
+    ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+    assert ray, "the `ray` command (pip's `cluster` extra) is not installed"
     common = ["--block", "--disable-usage-stats", f"--object-store-memory={80 * 1024**2}"]
     head = _start(
         [ray, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", "--node-name=head",
