@@ -63,7 +63,7 @@ def test_shares_add_up_to_the_headroom_exactly(used: int) -> None:
 def test_the_last_unit_goes_to_the_projects_first_gateway() -> None:
     seen = Seen({"org/job": (5, 5.0, 0)})
     gws = {me: GatewayQuotas(Iam(IAM), seen, me) for me in GATEWAYS}  # type: ignore[arg-type]
-    owner = next(iter(gws.values())).first("org/job")
+    owner = next(iter(gws.values())).order("org/job")[0]
     for me, gw in gws.items():
         if me != owner:
             with pytest.raises(ShareSpent) as info:

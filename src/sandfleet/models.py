@@ -6,6 +6,7 @@ import base64
 import ipaddress
 import posixpath
 import re
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
@@ -146,6 +147,16 @@ _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 PROJECT_LABEL = "sandfleet.project"
 _PROJECT_PART = r"[a-z0-9][a-z0-9_.-]{0,62}"
 _PROJECT_RE = re.compile(rf"^{_PROJECT_PART}(/{_PROJECT_PART}){{0,7}}$")
+
+
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> str:
+    """What a refused request is told of its validation errors: where and what, for the first five;
+    never the (unbounded) input itself. "body", FastAPI's first place of a JSON body, is left out."""
+    parts = []
+    for err in errors[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")[:100]
+        parts.append(f"{loc}: {str(err.get('msg'))[:300]}")
+    return "; ".join(parts) or "invalid request"
 
 
 def check_project(project: str) -> str:

@@ -52,7 +52,7 @@ from sandfleet.errors import (
     UnsupportedError,
 )
 from sandfleet.images.models import canonical_ref
-from sandfleet.models import CreateBatchRequest, ErrorBody, SandboxSpec, TrajectoryOpen
+from sandfleet.models import CreateBatchRequest, SandboxSpec, TrajectoryOpen, validation_message
 
 log = logging.getLogger("sandfleet.cluster")
 
@@ -446,12 +446,11 @@ class Gateway:
     async def open_trajectory(self, request: Request) -> Response:
         principal: Principal = request.state.principal
         req = _parse(TrajectoryOpen, await _body(request))
+        admitted: SandboxSpec | None = None  # counted against its project here: forgotten if not made
         if req.snapshot_id or req.sandbox_id:
             what = "snapshot" if req.snapshot_id else "sandbox"
             node = self.membership.holder(req.snapshot_id or req.sandbox_id or "", what)
-            body = req.model_dump_json(exclude_unset=True).encode()
         else:
-            admitted: SandboxSpec | None = None
             try:  # opened before (through any gateway): the same trajectory, on its node
                 node = await self._trajectory_node(request, req.id)
             except NotFoundError:
@@ -464,14 +463,10 @@ class Gateway:
                     self.quotas.forget(spec)
                     raise
                 req = req.model_copy(update={"spec": spec})
-            fields = json.loads(req.model_dump_json(exclude_unset=True))
-            if req.spec is not None:
-                fields["spec"] = json.loads(req.spec.model_dump_json(exclude_unset=True)) | _project(req.spec)
-            body = json.dumps(fields).encode()
-        resp = await forward(node, request, body=body)
+        resp = await forward(node, request, body=req.model_dump_json(exclude_unset=True).encode())
         if resp.status_code < 300:
             self._remember(self._trajectories, req.id, node.key)
-        elif req.spec is not None and admitted is not None:
+        elif admitted is not None:
             self.quotas.forget(admitted)
         return resp
 
@@ -651,12 +646,8 @@ class Gateway:
 
 
 def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
-    """A spec as the caller gave it, plus the project the gateway put it in."""
-    return dict(json.loads(spec.model_dump_json(exclude_unset=True))) | _project(spec)
-
-
-def _project(spec: SandboxSpec) -> dict[str, Any]:
-    return {"project": spec.project} if spec.project is not None else {}
+    """A spec as the caller gave it (and the project the gateway put it in: `model_copy` marks it set)."""
+    return spec.model_dump(mode="json", exclude_unset=True)
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -686,11 +677,7 @@ def _parse(model: type[pydantic.BaseModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body or b"{}")
     except pydantic.ValidationError as exc:
-        parts = []
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()))[:100]
-            parts.append(f"{loc}: {str(err.get('msg'))[:300]}")
-        raise InvalidArgumentError("; ".join(parts) or "invalid request") from exc
+        raise InvalidArgumentError(validation_message(exc.errors())) from exc
 
 
 def create_gateway_app(gw: Gateway) -> Starlette:
@@ -754,5 +741,4 @@ def create_gateway_app(gw: Gateway) -> Starlette:
 
 
 def _error(exc: SandboxError) -> Response:
-    body = ErrorBody.model_validate(exc.to_wire()).model_dump()
-    return json_response({"error": body}, exc.http_status)
+    return json_response({"error": exc.to_wire()}, exc.http_status)

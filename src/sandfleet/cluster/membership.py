@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import httpx
@@ -54,8 +54,6 @@ class Node:
     load_at: float = 0.0  # monotonic time the load was read
     failures: int = 0  # load reads failed in a row
     unreachable_after: int = 3
-    lost_at: float | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def status(self) -> NodeStatus:
@@ -100,14 +98,14 @@ class Membership:
                 log.info("node %s at %s (group %s) joined", reg.key, reg.url, reg.group)
             node.group = reg.group
             if reg.alive is False and not node.lost:
-                node.lost, node.lost_at = True, time.time()
+                node.lost = True
                 log.warning("node %s is lost: its sandboxes are gone", reg.key)
                 # Calls still waiting on it fail now (as sandbox_lost), not when TCP gives up.
                 self._closing.add(asyncio.get_running_loop().create_task(node.http.aclose()))
                 node.http = self._client(node.url)
             elif reg.alive is True and node.lost:
                 # A node that came back under its key lost what it held when it died, and starts over.
-                node.lost, node.lost_at, node.load, node.failures = False, None, None, 0
+                node.lost, node.load, node.failures = False, None, 0
                 log.info("node %s is back", reg.key)
         self.changed.set()
 

@@ -57,17 +57,11 @@ class GatewayQuotas:
             row[2] += mem
         return {k: (int(v[0]), v[1], int(v[2])) for k, v in out.items()}
 
-    def first(self, project: str) -> str:
-        """The gateway first in `project`'s order: it holds a share whenever any headroom is left."""
-        urls = sorted(set(self.membership.gateways) | {self.me})
-        return min(urls, key=lambda u: hashlib.sha256(f"{project}\0{u}".encode()).digest())
-
-    def rank(self, project: str) -> tuple[int, int]:
-        """This gateway's place among the gateways for `project` (the same order on every gateway:
-        rendezvous hashing of the project with each gateway's URL), and how many there are."""
-        urls = sorted(set(self.membership.gateways) | {self.me})
-        order = sorted(urls, key=lambda u: hashlib.sha256(f"{project}\0{u}".encode()).digest())
-        return order.index(self.me), len(order)
+    def order(self, project: str) -> list[str]:
+        """The gateways in `project`'s order, the same on every gateway (rendezvous hashing of the
+        project with each gateway's URL). The first holds a share whenever any headroom is left."""
+        urls = set(self.membership.gateways) | {self.me}
+        return sorted(urls, key=lambda u: hashlib.sha256(f"{project}\0{u}".encode()).digest())
 
     def admit(self, spec: SandboxSpec, now: float | None = None) -> None:
         """Refuse (`resource_exhausted`, naming the project) a create this gateway's share of its
@@ -83,7 +77,8 @@ class GatewayQuotas:
             return
         now = time.monotonic() if now is None else now
         cpu, mem = spec.resources.cpu, int(spec.resources.memory)
-        rank, gateways = self.rank(project)
+        order = self.order(project)
+        rank, gateways = order.index(self.me), len(order)
         chain = [(path, q) for path, q in self.iam.chain(project) if q.bounds()]
         if chain:
             paths = tuple(path for path, _ in chain)
@@ -100,9 +95,7 @@ class GatewayQuotas:
                         used = read[path][i] + mine[path][i]
                         amount = f"{int(limit)} sandboxes" if dim == "sandboxes" else f"{limit:g} {dim}"
                         if units > 0 and rank != 0:  # the first gateway of the project holds a share
-                            raise ShareSpent(
-                                f"project {path}: this gateway's share of its quota is spent", self.first(project)
-                            )
+                            raise ShareSpent(f"project {path}: this gateway's share of its quota is spent", order[0])
                         raise ResourceExhaustedError(f"project {path}: quota of {amount} reached ({used:g} in use)")
         if self.iam.rated(project):
             self.iam.take_create(project, share=1.0 / gateways, now=now)

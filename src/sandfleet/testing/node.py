@@ -23,6 +23,7 @@ from sandfleet.client import AsyncClient
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.api import create_app
 from sandfleet.daemon.audit import AuditLog
+from sandfleet.daemon.iam import Iam
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.service import SandboxManager
 from sandfleet.daemon.state import StateStore
@@ -65,7 +66,7 @@ class InProcessNode:
             audit=AuditLog(self.root / "audit"),
             run_dir=self.root / "run",
         )
-        self.app = create_app(self.service, self.metrics, token=token)
+        self.app = create_app(self.service, self.metrics, auth=Iam(None, token).enter if token else None)
         self._serving = asyncio.Event()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

@@ -8,9 +8,7 @@ fails when the two drift apart, and tests validate live responses against the ch
 
 from __future__ import annotations
 
-import base64
 import re
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,8 +30,8 @@ from sandfleet.errors import (
     NotFoundError,
     PermissionDeniedError,
     SandboxError,
-    UnauthenticatedError,
 )
+from sandfleet.models import validation_message
 
 
 class Caller(Protocol):
@@ -55,49 +53,13 @@ class Caller(Protocol):
 Authenticate = Callable[[str], Caller]
 
 
-class _TokenHolder:
-    """The one caller of `create_app(token=...)`: whoever holds the token, in full control."""
-
-    name = "token"
-    can_write = True
-
-    @staticmethod
-    def actor(host: str | None) -> str:
-        return f"token@{host}" if host else "unix"
-
-
-def _authorized(header: str, token: str) -> bool:
-    """`Bearer <token>`, or HTTP Basic with the token as the password: clients that only take a URL
-    (verl's sandbox-fusion reward: `http://any:<token>@node:8600/run_code`) can carry it too."""
-    if header.startswith("Basic "):
-        try:
-            _, _, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            return False
-        return secrets.compare_digest(password.encode(), token.encode())
-    return secrets.compare_digest(header.encode(), f"Bearer {token}".encode())
-
-
-def _single_token(token: str) -> Authenticate:
-    def authenticate(header: str) -> Caller:
-        if not _authorized(header, token):
-            raise UnauthenticatedError("missing or invalid bearer token")
-        return _TokenHolder()
-
-    return authenticate
-
-
-def create_app(
-    service: SandboxService, metrics: Metrics, *, token: str | None = None, auth: Authenticate | None = None
-) -> FastAPI:
+def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate | None = None) -> FastAPI:
     """The HTTP API over any `SandboxService` (the node's, or a gateway's).
 
-    `auth`: authenticates each request (its Authorization header, '' when none) before anything else;
-    a caller that cannot write (a read-only token) may only GET (and HEAD): every other method is
-    `permission_denied` (every POST, PUT, PATCH and DELETE of the API acts). `token`: the simple form,
-    one bearer token for full control. Neither: no authentication (root's unix socket)."""
-    if auth is None and token:
-        auth = _single_token(token)
+    `auth`: authenticates each request (its Authorization header, '' when none) before anything else
+    (`Iam.enter`: tokens, the daemon's single `token`, projects); a caller that cannot write (a
+    read-only token) may only GET (and HEAD): every other method is `permission_denied` (every POST,
+    PUT, PATCH and DELETE of the API acts). None: no authentication (root's unix socket)."""
     app = FastAPI(
         title="sandfleet",
         version=__version__,
@@ -114,13 +76,9 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")[:100]
-            parts.append(f"{loc}: {str(err.get('msg'))[:300]}")  # never the (unbounded) input itself
         metrics.http_errors.labels(code="invalid_argument").inc()
         metrics.failures.labels(cause="caller").inc()
-        return error_response(InvalidArgumentError("; ".join(parts) or "invalid request"))
+        return error_response(InvalidArgumentError(validation_message(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
