@@ -94,6 +94,9 @@ def main() -> int:
                               text=True, check=True).stdout.strip()  # fmt: skip
     this_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()  # fmt: skip
+    if subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                      text=True, check=True).stdout.strip():  # fmt: skip
+        this_rev += " + uncommitted changes"  # "this" runs the working tree
     tmp = Path(tempfile.mkdtemp(prefix="sandfleet-compare-"))
     os.chmod(tmp, 0o755)  # criu, as a sandbox's user-namespace owner, walks down to its sandbox's files
     base_tree = tmp / "base-tree"

@@ -13,8 +13,11 @@ export DEBIAN_FRONTEND=noninteractive
 # OCI layers when the zstandard module is absent), podman (the OCI import test imports archives it
 # saves; a benchmark peer too), qemu-system-x86 and qemu-utils (the microvm and vm tiers; qemu-img
 # makes the vm tier's copy-on-write disks), e2fsprogs (mke2fs -d: the vm tier's base disk of an image),
-# openssl (tests: the network tests' stand-in upstream serves HTTPS with a certificate it makes).
-PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd podman qemu-system-x86 qemu-utils e2fsprogs openssl)
+# openssl (tests: the network tests' stand-in upstream serves HTTPS with a certificate it makes),
+# chromium (tests: the web console driven in a real headless browser by Playwright).
+PACKAGES=(libseccomp2 gcc libc6-dev musl-tools erofs-utils busybox-static mmdebstrap crun runc bubblewrap iproute2 procps util-linux mount git zstd podman qemu-system-x86 qemu-utils e2fsprogs openssl chromium)
+# npm vendors the web console's browser libraries below; a host with node from elsewhere has its npm.
+command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -57,5 +60,7 @@ python3 -m pip install -q --disable-pip-version-check --no-deps "verl==0.9.1"
 # SWE-ReX's own runtime tests (in its sdist), run against sandfleet's runtime by tests/test_adapter_swerex.py.
 python3 -m pip download -q --disable-pip-version-check --no-binary :all: --no-deps "swe-rex==1.4.0" \
     -d "${SANDFLEET_PEER_CACHE:-$HOME/.cache/sandfleet/peer}"
+# The web console's npm libraries (xterm.js, uPlot), pinned by its package-lock.json, into the package.
+bash scripts/vendor_console.sh
 # The agent, the launcher and criu's shim, compiled once here (the daemon copies them at start).
 python3 -m sandfleet.runtime.prebuild >/dev/null

@@ -373,3 +373,17 @@ async def test_odd_data_is_written_as_text(tmp_path: Path) -> None:
     assert "unserializable" in rec["data"]
     assert [r["data"] for r in await log.read()] == [{"path": str(tmp_path), "when": [1, 2]}, rec["data"]]
     await log.close()
+
+
+async def test_newest_gives_the_last_matching_records_oldest_first_across_segments(tmp_path: Path) -> None:
+    log = await opened(tmp_path, max_bytes=10**6, segment_bytes=600)
+    for i in range(60):
+        log.record("finding" if i % 10 == 0 else "api", sandbox_id="a" if i % 2 else "b", i=i)
+    await log.flush()
+    assert len(segments(tmp_path)) > 5
+    assert seqs(await log.read(newest=True, limit=3)) == [58, 59, 60]
+    assert seqs(await log.read(newest=True, limit=4, kinds={"finding"})) == [21, 31, 41, 51]  # from older segments
+    assert seqs(await log.read(newest=True, limit=2, sandbox_id="a", since=55)) == [58, 60]
+    assert seqs(await log.read(newest=True, limit=1000)) == list(range(1, 61))
+    assert await log.read(newest=True, since=60) == []
+    await log.close()

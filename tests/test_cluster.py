@@ -219,6 +219,13 @@ def test_creates_spread_over_nodes_and_every_call_works_through_either_gateway(c
             assert "".join(chunks) == "1\n2\n3\n"
             assert s.usage().pids >= 1
             assert s.events()
+            with s.terminal("sh", rows=31, cols=97) as t:  # the WebSocket relayed to its node
+                t.send("stty size\r")
+                t.expect(b"31 97\r\n")
+                t.resize(20, 60)
+                t.send("stty size; exit 4\r")
+                t.expect(b"20 60\r\n")
+                assert t.wait(10).exit_code == 4
         # pause and resume, snapshot and fork: on the sandbox's own node, through the other gateway
         s = g1.get(made[0].id)
         s.pause()
@@ -235,6 +242,20 @@ def test_creates_spread_over_nodes_and_every_call_works_through_either_gateway(c
         listed0 = {x.id for x in g0.list(labels={"job": "spread"})}
         listed1 = {x.id for x in g1.list(labels={"job": "spread"})}
         assert {sb.id for sb in made} <= listed0 and listed0 == listed1
+        # pages of the merged list (the console's): newest first, every sandbox once, across nodes
+        paged: list[str] = []
+        cursor = None
+        with httpx.Client(base_url=cluster.gateway_urls[0], headers={"authorization": f"Bearer {ADMIN}"}) as raw:
+            while True:
+                params = {"label": "job=spread", "limit": "5", **({"after": cursor} if cursor else {})}
+                page = raw.get("/v1/sandboxes", params=params).json()
+                paged += [x["id"] for x in page["sandboxes"]]
+                assert page["total"] == len(listed0)
+                if (cursor := page["next"]) is None:
+                    break
+            assert paged == [x.id for x in sorted(g0.list(labels={"job": "spread"}), key=lambda x: -x.created_at)]
+            assert raw.get("/v1/whoami").json()["can_write"] is True
+            assert raw.get("/console/").status_code in (200, 503)  # the console's page (503: not vendored)
         assert set(g1.pause_many(labels={"job": "spread"})) >= {sb.id for sb in made[3:6]}
         assert set(g0.resume_many(labels={"job": "spread"})) >= {sb.id for sb in made[3:6]}
         stopped = g1.stop_many(labels={"job": "spread"})
@@ -299,6 +320,8 @@ def test_projects_quotas_and_tokens_hold_across_the_cluster(cluster: Cluster) ->
             assert {x.id for x in ro.list(labels={"job": "quota"})} == {sb.id for sb in mine}
             with pytest.raises(PermissionDeniedError):
                 ro.create(image="busybox")
+            with pytest.raises(PermissionDeniedError):  # a terminal acts: refused by the node, through the gateway
+                ro.get(mine[0].id).terminal("sh")
             with pytest.raises(PermissionDeniedError):
                 ro.get(mine[0].id).stop()
         sb_b = b.create(image="busybox")

@@ -132,8 +132,14 @@ RULES = [
             "sandfleet.daemon.protocol",
             "sandfleet.daemon.metrics",
             "sandfleet.daemon.errormap",  # the boundary's one table from exceptions to wire codes
+            "sandfleet.console",  # the web console's files, served beside the API
             *SDK,
         ),
+    ),
+    (
+        "the console is files served to anyone: it knows nothing of the API's code",
+        ("sandfleet.console",),
+        ("sandfleet", "sandfleet.console"),
     ),
     (
         "the RL adapters and the example task are SDK users, like anyone's trainer",
@@ -149,6 +155,7 @@ RULES = [
             "sandfleet.daemon.iam",  # the same projects, tokens and quotas as a node's
             "sandfleet.daemon.config",  # `sandfleet cluster up` reads the node's config
             "sandfleet.images.models",  # image references, as placement compares them
+            "sandfleet.console",  # the web console's files, served beside the API
             *SDK,
         ),
     ),

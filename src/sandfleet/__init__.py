@@ -7,7 +7,16 @@ with Client() as fleet, fleet.create(image="debian:bookworm", resources=Resource
 
 __version__ = "0.1.0"
 
-from sandfleet.client import AsyncClient, AsyncSandbox, AsyncTrajectory, Client, Sandbox, Trajectory  # noqa: E402
+from sandfleet.client import (  # noqa: E402
+    AsyncClient,
+    AsyncSandbox,
+    AsyncTerminal,
+    AsyncTrajectory,
+    Client,
+    Sandbox,
+    Terminal,
+    Trajectory,
+)
 from sandfleet.errors import (  # noqa: E402
     DataLossError,
     ImageNotFoundError,
@@ -34,6 +43,7 @@ from sandfleet.models import (  # noqa: E402
     NetworkPolicy,
     Resources,
     SandboxSpec,
+    TerminalSize,
     VerifyRequest,
     VerifyResult,
     VMOptions,
@@ -42,6 +52,9 @@ from sandfleet.models import (  # noqa: E402
 __all__ = [
     "AsyncClient",
     "AsyncSandbox",
+    "AsyncTerminal",
+    "Terminal",
+    "TerminalSize",
     "AsyncTrajectory",
     "Trajectory",
     "VerifyRequest",

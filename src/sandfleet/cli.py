@@ -176,8 +176,17 @@ def exec_(
 
 
 @app.command()
-def shell(sandbox_id: str, socket: SocketOpt = None) -> None:
-    """Interactive shell in a sandbox (a persistent session: cd and variables carry over)."""
+def shell(
+    sandbox_id: str,
+    command: Annotated[str | None, typer.Option("--command", "-c", help="run this instead of the login shell")] = None,
+    line_mode: Annotated[bool, typer.Option("--line-mode", help="a line-by-line session even on a terminal")] = False,
+    socket: SocketOpt = None,
+) -> None:
+    """A shell in a sandbox: a real terminal (raw mode, the window size followed, Ctrl-C to the job
+    in the sandbox) when this one is a terminal; otherwise a line-by-line session (cd and variables
+    carry over) reading commands from standard input."""
+    if not line_mode and sys.stdin.isatty() and sys.stdout.isatty():
+        raise typer.Exit(asyncio.run(_attach(socket, sandbox_id, command)))
     with _client(socket) as fleet:
         try:
             sb = fleet.get(sandbox_id)
@@ -207,6 +216,18 @@ def shell(sandbox_id: str, socket: SocketOpt = None) -> None:
         finally:
             with contextlib.suppress(SandboxError):
                 session.close()
+
+
+async def _attach(socket: Path | None, sandbox_id: str, command: str | None) -> int:
+    from sandfleet.client.tty import attach
+
+    try:
+        async with AsyncClient(socket) as fleet:
+            return await attach(await fleet.get(sandbox_id), command)
+    except SandboxError as exc:
+        raise _fail(exc) from exc
+    except asyncio.CancelledError:  # SIGTERM or SIGHUP: the terminal is restored by now
+        return 128 + 15
 
 
 @app.command(name="ls")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import base64
+import bisect
 import ipaddress
 import posixpath
 import re
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import pydantic
 from pydantic import (
@@ -52,6 +53,7 @@ ByteSize = Annotated[
 ]
 
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+LABEL_KEY = _LABEL_KEY_RE  # what a label key may be
 _HOSTNAME_RE = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _USER_RE = re.compile(r"^[a-z_][a-z0-9_-]*\$?$|^[0-9]+$")
@@ -430,6 +432,7 @@ class AuditQuery(_Model):
     limit: int = Field(1000, ge=1, le=10000)
     kinds: list[Annotated[str, Field(max_length=64)]] | None = Field(None, max_length=32)
     sandbox_id: str | None = Field(None, max_length=64)
+    newest: bool = Field(False, description="the last `limit` matching records (still oldest first), not the first")
 
 
 class AuditList(_Model):
@@ -589,6 +592,13 @@ class _Stdin(_Model):
         return self
 
 
+class TerminalSize(_Model):
+    """A pseudo-terminal's window, in character cells."""
+
+    rows: int = Field(24, ge=1, le=1000)
+    cols: int = Field(80, ge=1, le=1000)
+
+
 class ExecRequest(_Stdin):
     command: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
     env: EnvVars = Field(default_factory=dict)
@@ -599,10 +609,20 @@ class ExecRequest(_Stdin):
     merge_stderr: bool = Field(False, description="standard error goes to standard output (one stream, in order)")
     encoding: Encoding = Field("utf-8", description="how output comes back: utf-8 text, or base64 of the raw bytes")
     background: bool = False
+    pty: TerminalSize | None = Field(
+        None,
+        description="run it on a new pseudo-terminal of this size: the terminal is its stdin, stdout, stderr and "
+        "controlling terminal (output is one stream, `stdout`; `stdin` is typed into it); TERM defaults to "
+        "xterm-256color",
+    )
 
     @field_validator("command")
     @classmethod
     def _command(cls, v: str | list[str]) -> str | list[str]:
+        return cls.check_command(v)
+
+    @staticmethod
+    def check_command(v: str | list[str]) -> str | list[str]:
         if isinstance(v, list) and not v:
             raise ValueError("command must not be empty")
         if not v:
@@ -613,6 +633,69 @@ class ExecRequest(_Stdin):
         if sum(len(item) + 1 for item in items) > MAX_COMMAND:
             raise ValueError(f"command is longer than {MAX_COMMAND} characters: write a script file and run it")
         return v
+
+
+class TerminalRequest(_Model):
+    """The first message of a terminal WebSocket (`GET /v1/sandboxes/{id}/terminal`): what to run on it."""
+
+    type: Literal["start"] = "start"
+    command: str | list[str] | None = Field(
+        None, description="a shell string or an argv list; default: the user's login shell (bash, else sh)"
+    )
+    env: EnvVars = Field(default_factory=dict)
+    cwd: SandboxPath | None = None
+    user: UserName | None = None
+    rows: int = Field(24, ge=1, le=1000)
+    cols: int = Field(80, ge=1, le=1000)
+    timeout: float | None = Field(
+        None, gt=0, le=86400, description="seconds; kills it (default: none, it lives while connected)"
+    )
+    output_limit: int | None = Field(
+        None,
+        ge=0,
+        le=64 * 1024**2,
+        description="bytes forwarded in all (default: no limit; a client that reads slowly holds the command "
+        "back, as a terminal does)",
+    )
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: str | list[str] | None) -> str | list[str] | None:
+        return None if v is None else ExecRequest.check_command(v)
+
+    def exec_request(self) -> ExecRequest:
+        login = _LOGIN_SHELL + ('exec "$sh" -l' if self.cwd else 'cd "${HOME:-/}" 2>/dev/null; exec "$sh" -l')
+        return ExecRequest(
+            command=self.command or ["/bin/sh", "-c", login],
+            env=self.env,
+            cwd=self.cwd,
+            user=self.user,
+            timeout=self.timeout,
+            output_limit=64 * 1024**2 if self.output_limit is None else self.output_limit,
+            pty=TerminalSize(rows=self.rows, cols=self.cols),
+        )
+
+
+# The default terminal command: the user's shell from /etc/passwd when it is one that runs (not
+# nologin or false), else bash, else sh; started in the user's home unless a cwd was asked for.
+_LOGIN_SHELL = (
+    "sh=$(awk -F: -v u=\"$(id -un 2>/dev/null)\" '$1 == u {print $7}' /etc/passwd 2>/dev/null); "
+    'case "$sh" in *nologin | *false) sh= ;; esac; [ -x "$sh" ] || sh=$(command -v bash || echo /bin/sh); '
+)
+
+
+class TerminalResize(_Model):
+    type: Literal["resize"]
+    rows: int = Field(ge=1, le=1000)
+    cols: int = Field(ge=1, le=1000)
+
+
+class WhoAmI(_Model):
+    """The caller as the node (or gateway) sees its credentials."""
+
+    name: str
+    can_write: bool = Field(description="false for a read-only token: only GET calls are allowed")
+    project: str | None = None
 
 
 MAX_CALL_FILES = 64
@@ -894,6 +977,49 @@ class ErrorResponse(_Model):
 
 class SandboxList(_Model):
     sandboxes: list[SandboxInfo]
+    next: str | None = Field(None, description="with `limit`: the cursor of the next page (`after`), null on the last")
+    total: int | None = Field(None, description="with `limit`: how many sandboxes match in all")
+
+
+T = TypeVar("T")
+
+
+class JobGroup(_Model):
+    value: str | None = Field(description="the label's value; null: sandboxes without that label")
+    count: int
+    states: dict[str, int] = Field(description="how many in each state")
+
+
+class JobList(_Model):
+    """Sandboxes grouped by one label's value (a job, a team, ...): counts, never the sandboxes."""
+
+    key: str
+    jobs: list[JobGroup]
+    total: int
+
+
+def list_page(
+    items: Sequence[T], limit: int, after: str | None, stamp: Callable[[T], tuple[float, str]]
+) -> tuple[list[T], str | None, int]:
+    """One page of a sandbox list, newest first (`stamp`: an item's created_at and id); the cursor of
+    the next is `<created_at>:<id>` of the last one given (still good when that one is gone); also how
+    many there are in all. ValueError for a cursor no list gave."""
+
+    def key(item: T) -> tuple[float, str]:
+        created, ident = stamp(item)
+        return (-created, ident)
+
+    order = sorted(items, key=key)
+    start = 0
+    if after:
+        created, _, last = after.partition(":")
+        try:
+            start = bisect.bisect_right(order, (-float(created), last), key=key)
+        except ValueError:
+            raise ValueError(f"after: {shown(after)} is not a cursor a list gave") from None
+    page = order[start : start + limit]
+    more = start + limit < len(order) and bool(page)
+    return page, f"{stamp(page[-1])[0]!r}:{stamp(page[-1])[1]}" if more else None, len(order)
 
 
 MAX_BATCH = 256

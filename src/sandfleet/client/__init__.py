@@ -8,9 +8,10 @@ from sandfleet.client.aio import (
     AsyncProcess,
     AsyncSandbox,
     AsyncSession,
+    AsyncTerminal,
     AsyncTrajectory,
 )
-from sandfleet.client.sync import Client, EventStream, Files, Process, Sandbox, Session, Trajectory
+from sandfleet.client.sync import Client, EventStream, Files, Process, Sandbox, Session, Terminal, Trajectory
 
 __all__ = [
     "UNSET",
@@ -20,6 +21,7 @@ __all__ = [
     "AsyncProcess",
     "AsyncSandbox",
     "AsyncSession",
+    "AsyncTerminal",
     "AsyncTrajectory",
     "Client",
     "EventStream",
@@ -27,5 +29,6 @@ __all__ = [
     "Process",
     "Sandbox",
     "Session",
+    "Terminal",
     "Trajectory",
 ]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -74,6 +74,9 @@ from sandfleet.models import (
     SessionRunRequest,
     SnapshotRequest,
     StepResult,
+    TerminalRequest,
+    TerminalResize,
+    TerminalSize,
     VerifyRequest,
     check_idempotency_key,
 )
@@ -413,11 +416,15 @@ def exec_body(
     output_limit: int | None = None,
     merge_stderr: bool = False,
     binary: bool = False,
+    pty: bool | TerminalSize = False,
 ) -> dict[str, Any]:
     """The exec request body: options left at their defaults are not sent (the daemon's defaults
     apply); `timeout=None` means none. `stdin` text travels as is, bytes as base64; `binary` asks for
-    output as base64 of the raw bytes (`ExecResult.stdout_bytes`)."""
+    output as base64 of the raw bytes (`ExecResult.stdout_bytes`); `pty` (True: 24x80) runs it on a
+    pseudo-terminal."""
     fields: dict[str, Any] = {"command": command, "timeout": timeout}
+    if pty:
+        fields["pty"] = TerminalSize() if pty is True else pty
     if env:
         fields["env"] = dict(env)
     if cwd is not None:
@@ -595,6 +602,94 @@ def finished(info: ProcessInfo) -> ProcessInfo:
     return info
 
 
+TERMINAL_PROTOCOL = "sandfleet.terminal"
+TERMINAL_FRAME = 1 << 20  # the largest WebSocket message a terminal accepts (output comes in <= 64 KiB)
+TERMINAL_OPEN_TIMEOUT = 30.0  # from the upgrade to the daemon's `started`
+
+
+TERMINAL_BEARER = "sandfleet.bearer."  # + base64url(token), no padding: a browser's credentials
+
+
+def terminal_credentials(subprotocols: Sequence[str], authorization: str) -> str:
+    """The Authorization header a terminal WebSocket stands for: a browser, which cannot set headers
+    on one, sends its token as the subprotocol `sandfleet.bearer.<base64url>` ('' when none)."""
+    for proto in subprotocols:
+        proto = proto.strip()
+        if proto.startswith(TERMINAL_BEARER):
+            raw = proto[len(TERMINAL_BEARER) :]
+            try:
+                token = base64.b64decode(raw + "=" * (-len(raw) % 4), altchars=b"-_", validate=True).decode()
+                return "Bearer " + (token or "\0")
+            except (ValueError, UnicodeDecodeError):
+                return "Bearer \0"  # a token no one has: refused like any wrong one
+    return authorization
+
+
+def terminal_origin_ok(origin: str | None, host: str) -> bool:
+    """A terminal WebSocket a browser opened from a page of this host (or a client that is not a
+    browser: no Origin): never one from another site's page, credentials or not."""
+    if origin is None:
+        return True
+    return urlsplit(origin).netloc.lower() == host.lower()
+
+
+def terminal_path(sandbox_id: str) -> str:
+    return _sb(sandbox_id, "/terminal")
+
+
+def terminal_start(
+    command: str | list[str] | None,
+    *,
+    rows: int,
+    cols: int,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    user: str | None,
+    timeout: float | None,
+    output_limit: int | None,
+) -> str:
+    """The terminal's first message: a TerminalRequest, checked here (bad input fails before connecting)."""
+    fields: dict[str, Any] = {"type": "start", "command": command, "rows": rows, "cols": cols, "timeout": timeout}
+    if env:
+        fields["env"] = dict(env)
+    if cwd is not None:
+        fields["cwd"] = cwd
+    if user is not None:
+        fields["user"] = user
+    if output_limit is not None:
+        fields["output_limit"] = output_limit
+    return _validated(TerminalRequest, "terminal request", fields).model_dump_json(exclude_unset=True)
+
+
+def terminal_resize(rows: int, cols: int) -> str:
+    return _validated(TerminalResize, "terminal size", {"type": "resize", "rows": rows, "cols": cols}).model_dump_json()
+
+
+def terminal_message(text: str) -> dict[str, Any]:
+    """A text frame of the daemon: `started`, `exit` (returned), or `error` (raised)."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise InternalError(f"malformed terminal message from the daemon: {text[:200]!r}") from exc
+    if not isinstance(data, dict):
+        raise InternalError(f"malformed terminal message from the daemon: {text[:200]!r}")
+    if data.get("type") == "error":
+        raise error_from_wire(data)
+    return data
+
+
+def terminal_result(data: dict[str, Any]) -> ExecResult:
+    try:
+        return ExecResult.model_validate(data.get("result"))
+    except ValueError as exc:
+        raise InternalError(f"malformed terminal exit from the daemon: {exc}") from exc
+
+
+def terminal_closed(code: int | None, reason: str | None) -> SandboxError:
+    """The daemon closed the terminal without saying why in a message first."""
+    return UnavailableError(f"the terminal's connection closed (code {code}{': ' + reason if reason else ''})")
+
+
 def map_transport_error(exc: Exception, endpoint: Endpoint) -> SandboxError:
     if isinstance(exc, httpx.TimeoutException):
         return SandboxTimeoutError(f"request to the sandfleet daemon timed out ({type(exc).__name__})")
@@ -765,6 +860,11 @@ def call_list(labels: Mapping[str, str] | None, state: str | None) -> Call:
     return Call("GET", "/v1/sandboxes", params=params)
 
 
+def call_jobs(key: str, labels: Mapping[str, str] | None, state: str | None) -> Call:
+    call = call_list(labels, state)
+    return Call("GET", "/v1/jobs", params=[("key", key), *(call.params or [])])
+
+
 def _lifetimes(idle_ttl: float | None | Unset, max_lifetime: float | None | Unset) -> dict[str, Any]:
     fields = {
         name: value
@@ -820,10 +920,15 @@ def call_expose(sandbox_id: str, port: int) -> Call:
 
 
 def audit_query(
-    since: int, since_time: float | None, kinds: Sequence[str] | None, sandbox_id: str | None, limit: int
+    since: int,
+    since_time: float | None,
+    kinds: Sequence[str] | None,
+    sandbox_id: str | None,
+    limit: int,
+    newest: bool = False,
 ) -> AuditQuery:
     fields = {"since": since, "since_time": since_time, "kinds": kinds, "sandbox_id": sandbox_id, "limit": limit}
-    return _validated(AuditQuery, "audit query", fields)
+    return _validated(AuditQuery, "audit query", fields | {"newest": newest})
 
 
 def call_audit(query: AuditQuery, *, follow: bool) -> Call:
@@ -835,6 +940,8 @@ def call_audit(query: AuditQuery, *, follow: bool) -> Call:
     if query.sandbox_id is not None:
         params.append(("sandbox_id", query.sandbox_id))
     params += [("kind", k) for k in query.kinds or []]
+    if query.newest and not follow:
+        params.append(("newest", "true"))
     if follow:
         return Call("GET", "/v1/audit/follow", params=params, timeout=None)
     return Call("GET", "/v1/audit", params=params)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import contextlib
 import functools
 import os
+import queue
+import re
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -15,7 +18,16 @@ from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
+import wsproto.events
+from httpx_ws import (
+    AsyncWebSocketSession,
+    WebSocketDisconnect,
+    WebSocketNetworkError,
+    WebSocketUpgradeError,
+    aconnect_ws,
+)
 from pydantic import BaseModel
+from wsproto.utilities import LocalProtocolError
 
 from sandfleet.client import _base as b
 from sandfleet.client._base import UNSET, Unset
@@ -24,7 +36,7 @@ from sandfleet.client._base import UNSET, Unset
 from sandfleet.client._batch import CallBatcher
 
 # async-only: end
-from sandfleet.errors import SandboxError, SandboxNotFoundError
+from sandfleet.errors import SandboxError, SandboxNotFoundError, SandboxTimeoutError, WrongStateError
 from sandfleet.models import (
     AuditList,
     AuditRecord,
@@ -45,6 +57,7 @@ from sandfleet.models import (
     ImageInfo,
     ImageList,
     ImportRequest,
+    JobList,
     NetworkPolicy,
     NodeLoad,
     Ok,
@@ -66,6 +79,7 @@ from sandfleet.models import (
     StepList,
     StepResult,
     StopManyResult,
+    TerminalSize,
     TrajectoryClose,
     TrajectoryInfo,
     TrajectoryList,
@@ -451,6 +465,18 @@ class AsyncClient:
         default) lists live ones only."""
         return (await self._model(SandboxList, b.call_list(b.selector(labels, project), state))).sandboxes
 
+    async def jobs(
+        self,
+        key: str = "job",
+        labels: Mapping[str, str] | None = None,
+        state: str | None = None,
+        *,
+        project: str | None = None,
+    ) -> JobList:
+        """Sandboxes (live ones by default; `state` as in `list`) grouped by the value of label `key`
+        (a job, a team, ...), counted by state: `fleet.jobs().jobs[0].states` -> {"running": 98, ...}."""
+        return await self._model(JobList, b.call_jobs(key, b.selector(labels, project), state))
+
     async def stop_many(
         self, labels: Mapping[str, str] | None = None, reason: str = "user", *, project: str | None = None
     ) -> builtins.list[str]:
@@ -495,10 +521,12 @@ class AsyncClient:
         kinds: Sequence[str] | None = None,
         sandbox_id: str | None = None,
         limit: int = 1000,
+        newest: bool = False,
     ) -> AuditList:
         """The node's audit records after seq `since` (API calls, connections allowed and refused,
-        limits hit, detector findings), oldest first; `last_seq` is where to go on from."""
-        query = b.audit_query(since, since_time, kinds, sandbox_id, limit)
+        limits hit, detector findings), oldest first; `last_seq` is where to go on from. `newest`:
+        the last `limit` of them (still oldest first) instead of the first."""
+        query = b.audit_query(since, since_time, kinds, sandbox_id, limit, newest)
         return await self._model(AuditList, b.call_audit(query, follow=False))
 
     def follow_audit(
@@ -785,12 +813,15 @@ class AsyncSandbox:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        pty: bool | TerminalSize = False,
     ) -> ExecResult:
         """Run a command to completion. A string runs under /bin/sh -c; a list is an argv.
 
         `cwd` may be relative (to the sandbox's working directory). `stdin` is text, or bytes.
         `merge_stderr` sends standard error into stdout (one stream, in order). `binary` returns
-        output as base64 of the raw bytes: read `result.stdout_bytes` / `stderr_bytes`.
+        output as base64 of the raw bytes: read `result.stdout_bytes` / `stderr_bytes`. `pty` (True,
+        or a `TerminalSize`; default 24x80) runs it on a new pseudo-terminal: one output stream
+        (`stdout`, with the terminal's CR LF line ends), `stdin` typed into it, TERM=xterm-256color.
         `timeout` (seconds, None: none) kills the command's process tree. A command whose timeout is
         None or longer than the client's is streamed, so a daemon that stops answering raises
         `SandboxTimeoutError` after the client's timeout of silence rather than hanging.
@@ -805,6 +836,7 @@ class AsyncSandbox:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            pty=pty,
         )
         if b.one_response(timeout, self._c.timeout):
             return await self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
@@ -849,6 +881,7 @@ class AsyncSandbox:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        pty: bool | TerminalSize = False,
     ) -> AsyncEventStream[ExecEvent]:
         """Stream the command's stdout/stderr chunks as they arrive, then one `exit` event with the
         result (options as `exec`; with `binary`, each chunk's `data` is base64): `async for ev in
@@ -865,8 +898,35 @@ class AsyncSandbox:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            pty=pty,
         )
         return self._c._events(b.call_exec(self.id, body, self._c.timeout, stream=True), b.exec_event)
+
+    async def terminal(
+        self,
+        command: str | builtins.list[str] | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        output_limit: int | None = None,
+    ) -> AsyncTerminal:
+        """An interactive terminal: `command` (default: the user's login shell) on a new
+        pseudo-terminal of `rows` x `cols`, over a WebSocket. `async with await sb.terminal() as t:
+        await t.send("ls\\r"); print(await t.expect(b"$ "))`. Keystrokes are bytes as a keyboard sends
+        them ("\\x03" is Ctrl-C: the foreground job gets SIGINT); `resize()` changes the window
+        (SIGWINCH). `timeout` (seconds; None: while connected) kills it as in `exec`; `output_limit`
+        (bytes forwarded in all) is none by default: output not read holds the command back, as a
+        terminal does. Closing the terminal kills what still runs on it."""
+        start = b.terminal_start(
+            command, rows=rows, cols=cols, env=env, cwd=cwd, user=user, timeout=timeout, output_limit=output_limit
+        )
+        term = AsyncTerminal(self)
+        await term._open(start)
+        return term
 
     async def start(
         self,
@@ -1259,3 +1319,147 @@ class AsyncTrajectory:
     async def delete(self) -> None:
         """Forget the trajectory (its log), stopping its sandbox."""
         await self._c._model(Ok, b.Call("DELETE", b.trajectory_path(self.id)))
+
+
+class AsyncTerminal:
+    """A command on a pseudo-terminal in a sandbox (`AsyncSandbox.terminal`). Output is read with
+    `read()` / `expect()`; `result` is set once the command exited (`wait()`)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self.sandbox = sandbox
+        self.pid = -1
+        self.result: ExecResult | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._ws: AsyncWebSocketSession | None = None
+        self._pending = bytearray()  # read but not yet returned by expect()
+
+    async def __aenter__(self) -> AsyncTerminal:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _open(self, start: str) -> None:
+        c = self.sandbox._c
+        try:
+            ws: AsyncWebSocketSession = await self._stack.enter_async_context(
+                aconnect_ws(
+                    b.terminal_path(self.sandbox.id),
+                    c._http,
+                    subprotocols=[b.TERMINAL_PROTOCOL],
+                    max_message_size_bytes=b.TERMINAL_FRAME,
+                    queue_size=64,  # frames read ahead; past them the daemon holds the command back
+                    keepalive_ping_interval_seconds=None,
+                )
+            )
+            self._ws = ws
+            with contextlib.suppress(LocalProtocolError):  # refused at once: its error message is read next
+                await ws.send_text(start)
+            first = await self._next(b.TERMINAL_OPEN_TIMEOUT)
+            if not isinstance(first, dict) or first.get("type") != "started":
+                raise b.terminal_closed(None, "no `started` message")
+            self.pid = int(first.get("pid", -1))
+        except WebSocketUpgradeError as exc:
+            await self.aclose()
+            b.raise_for(exc.response.status_code, exc.response.content, c.endpoint)
+            raise b.terminal_closed(exc.response.status_code, "not upgraded") from exc
+        except (httpx.HTTPError, OSError) as exc:
+            await self.aclose()
+            raise b.map_transport_error(exc, c.endpoint) from exc
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _next(self, timeout: float | None) -> bytes | dict[str, Any] | None:
+        """The next frame: bytes of output, a message (dict), None after the exit or on timeout."""
+        if self._ws is None:
+            return None
+        try:
+            event = await self._ws.receive(timeout)
+        except (TimeoutError, queue.Empty):
+            return None
+        except WebSocketDisconnect as exc:
+            self._ws = None
+            if self.result is None:
+                raise b.terminal_closed(exc.code, exc.reason) from None
+            return None
+        except WebSocketNetworkError as exc:
+            self._ws = None
+            raise b.map_transport_error(exc, self.sandbox._c.endpoint) from exc
+        if isinstance(event, wsproto.events.BytesMessage):
+            return bytes(event.data)
+        if isinstance(event, wsproto.events.TextMessage):
+            msg = b.terminal_message(event.data)
+            if msg.get("type") == "exit":
+                self.result = b.terminal_result(msg)
+            return msg
+        return await self._next(timeout)
+
+    async def send(self, data: str | bytes) -> None:
+        """Keystrokes: text (UTF-8) or bytes, as a terminal sends them ("\\r" is Enter)."""
+        if self._ws is None:
+            raise WrongStateError("the terminal is closed")
+        raw = b.as_bytes(data)
+        for off in range(0, len(raw), 32 * 1024):
+            await self._ws.send_bytes(raw[off : off + 32 * 1024])
+
+    async def resize(self, rows: int, cols: int) -> None:
+        if self._ws is None:
+            raise WrongStateError("the terminal is closed")
+        await self._ws.send_text(b.terminal_resize(rows, cols))
+
+    async def read(self, timeout: float | None = None) -> bytes:
+        """Output that has arrived (waiting up to `timeout` for some; None: until some comes);
+        b"" once the command exited, or when nothing came in time."""
+        if self._pending:
+            out = bytes(self._pending)
+            self._pending.clear()
+            return out
+        while self._ws is not None:
+            item = await self._next(timeout)
+            if item is None:
+                return b""
+            if isinstance(item, bytes):
+                return item
+            if self.result is not None:
+                return b""
+        return b""
+
+    async def expect(self, pattern: str | bytes | re.Pattern[bytes], timeout: float = 10.0) -> bytes:
+        """Output up to and including the first match of `pattern` (a substring, or a compiled bytes
+        regex); the rest stays for the next read. SandboxTimeoutError when it does not come in time."""
+        regex = pattern if isinstance(pattern, re.Pattern) else re.compile(re.escape(b.as_bytes(pattern)))
+        deadline = time.monotonic() + timeout
+        seen = bytearray(self._pending)
+        self._pending.clear()
+        while (m := regex.search(seen)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._ws is None:
+                self._pending[:] = seen
+                raise SandboxTimeoutError(f"{regex.pattern!r} did not appear in {timeout}s: {bytes(seen[-300:])!r}")
+            item = await self._next(left)
+            if isinstance(item, bytes):
+                seen += item
+        self._pending[:] = seen[m.end() :]
+        return bytes(seen[: m.end()])
+
+    async def wait(self, timeout: float | None = None) -> ExecResult:
+        """Read (and drop) output until the command exits; its result."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.result is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or self._ws is None:
+                raise SandboxTimeoutError(f"the terminal's command did not exit within {timeout}s")
+            await self._next(left)
+        return self.result
+
+    async def aclose(self) -> None:
+        """Disconnect: the daemon kills what still runs on the terminal."""
+        ws, self._ws = self._ws, None
+        try:
+            if ws is not None:
+                with contextlib.suppress(Exception):
+                    await ws.close()
+        finally:
+            with contextlib.suppress(Exception):
+                await self._stack.aclose()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import base64
 import builtins
+import contextlib
 import functools
 import os
+import queue
+import re
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
@@ -14,11 +17,20 @@ from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
+import wsproto.events
+from httpx_ws import (
+    WebSocketDisconnect,
+    WebSocketNetworkError,
+    WebSocketSession,
+    WebSocketUpgradeError,
+    connect_ws,
+)
 from pydantic import BaseModel
+from wsproto.utilities import LocalProtocolError
 
 from sandfleet.client import _base as b
 from sandfleet.client._base import UNSET, Unset
-from sandfleet.errors import SandboxError, SandboxNotFoundError
+from sandfleet.errors import SandboxError, SandboxNotFoundError, SandboxTimeoutError, WrongStateError
 from sandfleet.models import (
     AuditList,
     AuditRecord,
@@ -39,6 +51,7 @@ from sandfleet.models import (
     ImageInfo,
     ImageList,
     ImportRequest,
+    JobList,
     NetworkPolicy,
     NodeLoad,
     Ok,
@@ -60,6 +73,7 @@ from sandfleet.models import (
     StepList,
     StepResult,
     StopManyResult,
+    TerminalSize,
     TrajectoryClose,
     TrajectoryInfo,
     TrajectoryList,
@@ -427,6 +441,18 @@ class Client:
         default) lists live ones only."""
         return (self._model(SandboxList, b.call_list(b.selector(labels, project), state))).sandboxes
 
+    def jobs(
+        self,
+        key: str = "job",
+        labels: Mapping[str, str] | None = None,
+        state: str | None = None,
+        *,
+        project: str | None = None,
+    ) -> JobList:
+        """Sandboxes (live ones by default; `state` as in `list`) grouped by the value of label `key`
+        (a job, a team, ...), counted by state: `fleet.jobs().jobs[0].states` -> {"running": 98, ...}."""
+        return self._model(JobList, b.call_jobs(key, b.selector(labels, project), state))
+
     def stop_many(
         self, labels: Mapping[str, str] | None = None, reason: str = "user", *, project: str | None = None
     ) -> builtins.list[str]:
@@ -471,10 +497,12 @@ class Client:
         kinds: Sequence[str] | None = None,
         sandbox_id: str | None = None,
         limit: int = 1000,
+        newest: bool = False,
     ) -> AuditList:
         """The node's audit records after seq `since` (API calls, connections allowed and refused,
-        limits hit, detector findings), oldest first; `last_seq` is where to go on from."""
-        query = b.audit_query(since, since_time, kinds, sandbox_id, limit)
+        limits hit, detector findings), oldest first; `last_seq` is where to go on from. `newest`:
+        the last `limit` of them (still oldest first) instead of the first."""
+        query = b.audit_query(since, since_time, kinds, sandbox_id, limit, newest)
         return self._model(AuditList, b.call_audit(query, follow=False))
 
     def follow_audit(
@@ -757,12 +785,15 @@ class Sandbox:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        pty: bool | TerminalSize = False,
     ) -> ExecResult:
         """Run a command to completion. A string runs under /bin/sh -c; a list is an argv.
 
         `cwd` may be relative (to the sandbox's working directory). `stdin` is text, or bytes.
         `merge_stderr` sends standard error into stdout (one stream, in order). `binary` returns
-        output as base64 of the raw bytes: read `result.stdout_bytes` / `stderr_bytes`.
+        output as base64 of the raw bytes: read `result.stdout_bytes` / `stderr_bytes`. `pty` (True,
+        or a `TerminalSize`; default 24x80) runs it on a new pseudo-terminal: one output stream
+        (`stdout`, with the terminal's CR LF line ends), `stdin` typed into it, TERM=xterm-256color.
         `timeout` (seconds, None: none) kills the command's process tree. A command whose timeout is
         None or longer than the client's is streamed, so a daemon that stops answering raises
         `SandboxTimeoutError` after the client's timeout of silence rather than hanging.
@@ -777,6 +808,7 @@ class Sandbox:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            pty=pty,
         )
         if b.one_response(timeout, self._c.timeout):
             return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
@@ -821,6 +853,7 @@ class Sandbox:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        pty: bool | TerminalSize = False,
     ) -> EventStream[ExecEvent]:
         """Stream the command's stdout/stderr chunks as they arrive, then one `exit` event with the
         result (options as `exec`; with `binary`, each chunk's `data` is base64): `for ev in
@@ -837,8 +870,35 @@ class Sandbox:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            pty=pty,
         )
         return self._c._events(b.call_exec(self.id, body, self._c.timeout, stream=True), b.exec_event)
+
+    def terminal(
+        self,
+        command: str | builtins.list[str] | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        output_limit: int | None = None,
+    ) -> Terminal:
+        """An interactive terminal: `command` (default: the user's login shell) on a new
+        pseudo-terminal of `rows` x `cols`, over a WebSocket. `with sb.terminal() as t:
+        t.send("ls\\r"); print(t.expect(b"$ "))`. Keystrokes are bytes as a keyboard sends
+        them ("\\x03" is Ctrl-C: the foreground job gets SIGINT); `resize()` changes the window
+        (SIGWINCH). `timeout` (seconds; None: while connected) kills it as in `exec`; `output_limit`
+        (bytes forwarded in all) is none by default: output not read holds the command back, as a
+        terminal does. Closing the terminal kills what still runs on it."""
+        start = b.terminal_start(
+            command, rows=rows, cols=cols, env=env, cwd=cwd, user=user, timeout=timeout, output_limit=output_limit
+        )
+        term = Terminal(self)
+        term._open(start)
+        return term
 
     def start(
         self,
@@ -1229,3 +1289,147 @@ class Trajectory:
     def delete(self) -> None:
         """Forget the trajectory (its log), stopping its sandbox."""
         self._c._model(Ok, b.Call("DELETE", b.trajectory_path(self.id)))
+
+
+class Terminal:
+    """A command on a pseudo-terminal in a sandbox (`Sandbox.terminal`). Output is read with
+    `read()` / `expect()`; `result` is set once the command exited (`wait()`)."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+        self.pid = -1
+        self.result: ExecResult | None = None
+        self._stack = contextlib.ExitStack()
+        self._ws: WebSocketSession | None = None
+        self._pending = bytearray()  # read but not yet returned by expect()
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self, start: str) -> None:
+        c = self.sandbox._c
+        try:
+            ws: WebSocketSession = self._stack.enter_context(
+                connect_ws(
+                    b.terminal_path(self.sandbox.id),
+                    c._http,
+                    subprotocols=[b.TERMINAL_PROTOCOL],
+                    max_message_size_bytes=b.TERMINAL_FRAME,
+                    queue_size=64,  # frames read ahead; past them the daemon holds the command back
+                    keepalive_ping_interval_seconds=None,
+                )
+            )
+            self._ws = ws
+            with contextlib.suppress(LocalProtocolError):  # refused at once: its error message is read next
+                ws.send_text(start)
+            first = self._next(b.TERMINAL_OPEN_TIMEOUT)
+            if not isinstance(first, dict) or first.get("type") != "started":
+                raise b.terminal_closed(None, "no `started` message")
+            self.pid = int(first.get("pid", -1))
+        except WebSocketUpgradeError as exc:
+            self.close()
+            b.raise_for(exc.response.status_code, exc.response.content, c.endpoint)
+            raise b.terminal_closed(exc.response.status_code, "not upgraded") from exc
+        except (httpx.HTTPError, OSError) as exc:
+            self.close()
+            raise b.map_transport_error(exc, c.endpoint) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def _next(self, timeout: float | None) -> bytes | dict[str, Any] | None:
+        """The next frame: bytes of output, a message (dict), None after the exit or on timeout."""
+        if self._ws is None:
+            return None
+        try:
+            event = self._ws.receive(timeout)
+        except (TimeoutError, queue.Empty):
+            return None
+        except WebSocketDisconnect as exc:
+            self._ws = None
+            if self.result is None:
+                raise b.terminal_closed(exc.code, exc.reason) from None
+            return None
+        except WebSocketNetworkError as exc:
+            self._ws = None
+            raise b.map_transport_error(exc, self.sandbox._c.endpoint) from exc
+        if isinstance(event, wsproto.events.BytesMessage):
+            return bytes(event.data)
+        if isinstance(event, wsproto.events.TextMessage):
+            msg = b.terminal_message(event.data)
+            if msg.get("type") == "exit":
+                self.result = b.terminal_result(msg)
+            return msg
+        return self._next(timeout)
+
+    def send(self, data: str | bytes) -> None:
+        """Keystrokes: text (UTF-8) or bytes, as a terminal sends them ("\\r" is Enter)."""
+        if self._ws is None:
+            raise WrongStateError("the terminal is closed")
+        raw = b.as_bytes(data)
+        for off in range(0, len(raw), 32 * 1024):
+            self._ws.send_bytes(raw[off : off + 32 * 1024])
+
+    def resize(self, rows: int, cols: int) -> None:
+        if self._ws is None:
+            raise WrongStateError("the terminal is closed")
+        self._ws.send_text(b.terminal_resize(rows, cols))
+
+    def read(self, timeout: float | None = None) -> bytes:
+        """Output that has arrived (waiting up to `timeout` for some; None: until some comes);
+        b"" once the command exited, or when nothing came in time."""
+        if self._pending:
+            out = bytes(self._pending)
+            self._pending.clear()
+            return out
+        while self._ws is not None:
+            item = self._next(timeout)
+            if item is None:
+                return b""
+            if isinstance(item, bytes):
+                return item
+            if self.result is not None:
+                return b""
+        return b""
+
+    def expect(self, pattern: str | bytes | re.Pattern[bytes], timeout: float = 10.0) -> bytes:
+        """Output up to and including the first match of `pattern` (a substring, or a compiled bytes
+        regex); the rest stays for the next read. SandboxTimeoutError when it does not come in time."""
+        regex = pattern if isinstance(pattern, re.Pattern) else re.compile(re.escape(b.as_bytes(pattern)))
+        deadline = time.monotonic() + timeout
+        seen = bytearray(self._pending)
+        self._pending.clear()
+        while (m := regex.search(seen)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._ws is None:
+                self._pending[:] = seen
+                raise SandboxTimeoutError(f"{regex.pattern!r} did not appear in {timeout}s: {bytes(seen[-300:])!r}")
+            item = self._next(left)
+            if isinstance(item, bytes):
+                seen += item
+        self._pending[:] = seen[m.end() :]
+        return bytes(seen[: m.end()])
+
+    def wait(self, timeout: float | None = None) -> ExecResult:
+        """Read (and drop) output until the command exits; its result."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.result is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or self._ws is None:
+                raise SandboxTimeoutError(f"the terminal's command did not exit within {timeout}s")
+            self._next(left)
+        return self.result
+
+    def close(self) -> None:
+        """Disconnect: the daemon kills what still runs on the terminal."""
+        ws, self._ws = self._ws, None
+        try:
+            if ws is not None:
+                with contextlib.suppress(Exception):
+                    ws.close()
+        finally:
+            with contextlib.suppress(Exception):
+                self._stack.close()

@@ -32,14 +32,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
-from sandfleet import __version__
+from sandfleet import __version__, console
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.forward import call_json, forward, json_response
 from sandfleet.cluster.membership import Membership, Node
 from sandfleet.cluster.placement import NoCapacity, PlacementRequest, Placer
 from sandfleet.cluster.quotas import GatewayQuotas, ShareSpent
+from sandfleet.cluster.terminal import relay as relay_terminal
 from sandfleet.daemon.iam import Iam, Principal
 from sandfleet.errors import (
     InvalidArgumentError,
@@ -52,7 +54,7 @@ from sandfleet.errors import (
     UnsupportedError,
 )
 from sandfleet.images.models import canonical_ref
-from sandfleet.models import CreateBatchRequest, SandboxSpec, TrajectoryOpen, validation_message
+from sandfleet.models import CreateBatchRequest, SandboxSpec, TrajectoryOpen, list_page, validation_message
 
 log = logging.getLogger("sandfleet.cluster")
 
@@ -352,15 +354,29 @@ class Gateway:
 
     # -- fan-outs --------------------------------------------------------------------------------
     async def list_sandboxes(self, request: Request) -> Response:
-        params = list(request.query_params.multi_items())
+        # Pages are cut from the merged list (each node's own pages would interleave wrongly).
+        params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("limit", "after")]
+        limit, after = request.query_params.get("limit"), request.query_params.get("after")
+        if limit is not None and not (limit.isdecimal() and limit.isascii() and 1 <= int(limit) <= 10000):
+            raise InvalidArgumentError("limit: an integer from 1 to 10000")
 
         async def one(n: Node) -> list[Any]:
             data = await call_json(n, "GET", "/v1/sandboxes", request=request, params=params)
             return list(data["sandboxes"])
 
         merged = [sb for part in await self._fan_out(one) for sb in part]
-        merged.sort(key=lambda sb: sb.get("created_at", 0))
-        return json_response({"sandboxes": merged})
+        if limit is None and after is None:
+            merged.sort(key=lambda sb: sb.get("created_at", 0))
+            return json_response({"sandboxes": merged})
+        try:
+            page, cursor, total = list_page(merged, int(limit or 1000), after, _stamp)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        return json_response({"sandboxes": page, "next": cursor, "total": total})
+
+    async def whoami(self, request: Request) -> Response:
+        principal: Principal = request.state.principal
+        return json_response({"name": principal.name, "can_write": principal.can_write, "project": principal.project})
 
     async def list_snapshots(self, request: Request) -> Response:
         params = list(request.query_params.multi_items())
@@ -440,7 +456,28 @@ class Gateway:
 
         parts = await self._fan_out(one)
         merged = sorted((r for part in parts for r in part["records"]), key=lambda r: r.get("ts", 0))
+        if request.query_params.get("newest") in ("true", "1") and (limit := request.query_params.get("limit")):
+            merged = merged[-int(limit) :] if limit.isdecimal() and limit.isascii() else merged  # newest of all
         return json_response({"records": merged, "last_seq": max(p["last_seq"] for p in parts)})
+
+    async def jobs(self, request: Request) -> Response:
+        """Every node's groups, added up."""
+        params = list(request.query_params.multi_items())
+
+        async def one(n: Node) -> Any:
+            return await call_json(n, "GET", "/v1/jobs", request=request, params=params)
+
+        parts = await self._fan_out(one)
+        groups: dict[str | None, collections.Counter[str]] = {}
+        for part in parts:
+            for job in part["jobs"]:
+                groups.setdefault(job["value"], collections.Counter()).update(job["states"])
+        jobs = [
+            {"value": value, "count": sum(states.values()), "states": dict(states)}
+            for value, states in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))
+        ]
+        key = parts[0]["key"] if parts else request.query_params.get("key", "job")
+        return json_response({"key": key, "jobs": jobs, "total": sum(p["total"] for p in parts)})
 
     # -- trajectories ----------------------------------------------------------------------------
     async def open_trajectory(self, request: Request) -> Response:
@@ -698,7 +735,7 @@ def create_gateway_app(gw: Gateway) -> Starlette:
 
     sb = "/v1/sandboxes/{sandbox_id:str}"
     all_methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/v1/health", guarded(gw.health), methods=["GET"]),
         Route("/metrics", guarded(gw.prometheus), methods=["GET"]),
         Route("/v1/cluster/nodes", guarded(gw.nodes), methods=["GET"]),
@@ -729,6 +766,16 @@ def create_gateway_app(gw: Gateway) -> Starlette:
         Route("/v1/audit", guarded(gw.audit), methods=["GET"]),
     ]
 
+    async def terminal(ws: WebSocket) -> None:
+        await relay_terminal(ws, gw.iam, gw.membership)
+
+    routes += [
+        Route("/v1/whoami", guarded(gw.whoami), methods=["GET"]),
+        Route("/v1/jobs", guarded(gw.jobs), methods=["GET"]),
+        WebSocketRoute(sb + "/terminal", terminal),
+        *console.routes(),
+    ]
+
     async def not_found(request: Request, exc: Exception) -> Response:
         return _error(NotFoundError("no such endpoint"))
 
@@ -738,6 +785,10 @@ def create_gateway_app(gw: Gateway) -> Starlette:
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
     app.state.gateway = gw
     return app
+
+
+def _stamp(info: dict[str, Any]) -> tuple[float, str]:
+    return float(info.get("created_at") or 0), str(info.get("id", ""))
 
 
 def _error(exc: SandboxError) -> Response:

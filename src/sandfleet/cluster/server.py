@@ -75,6 +75,7 @@ async def serve_gateway(config: GatewayConfig, *, ready: asyncio.Event | None = 
             lifespan="off",
             access_log=False,
             timeout_keep_alive=300,
+            ws="wsproto",  # the WebSocket implementation the dependencies pin (terminals relayed)
         )
     )
     stop = asyncio.Event()

@@ -73,6 +73,14 @@ def _line_seq(line: bytes) -> int | None:
     return None
 
 
+def _matches(rec: Record, kinds: frozenset[str] | None, sandbox_id: str | None, since_time: float | None) -> bool:
+    return (
+        (kinds is None or rec.get("kind") in kinds)
+        and (sandbox_id is None or rec.get("sandbox_id") == sandbox_id)
+        and (since_time is None or rec.get("ts", 0) >= since_time)
+    )
+
+
 def _parse(line: bytes) -> Record | None:
     """A record of a complete line, or None for a line that is not one (damaged)."""
     try:
@@ -249,14 +257,17 @@ class AuditLog:
         limit: int = 1000,
         kinds: Collection[str] | None = None,
         sandbox_id: str | None = None,
+        newest: bool = False,
     ) -> list[Record]:
         """Records with seq > `since` (and ts >= `since_time`), oldest first, of `kinds` and
-        `sandbox_id` when given, at most `limit`. Writes what is pending first. A `since` older than
-        the oldest kept record gives from the oldest kept."""
+        `sandbox_id` when given, at most `limit`: the first such, or with `newest` the last. Writes
+        what is pending first. A `since` older than the oldest kept record gives from the oldest kept."""
         if limit <= 0:
             return []
         await self.flush()
         kind_set = frozenset(kinds) if kinds is not None else None
+        if newest:
+            return await asyncio.to_thread(self._scan_newest, since, since_time, limit, kind_set, sandbox_id)
         records, _ = await asyncio.to_thread(self._scan, since, since_time, limit, kind_set, sandbox_id)
         return records
 
@@ -531,15 +542,47 @@ class AuditLog:
                         rec = _parse(line)
                         if rec is None:
                             continue
-                    if (
-                        (kinds is None or rec.get("kind") in kinds)
-                        and (sandbox_id is None or rec.get("sandbox_id") == sandbox_id)
-                        and (since_time is None or rec.get("ts", 0) >= since_time)
-                    ):
+                    if _matches(rec, kinds, sandbox_id, since_time):
                         out.append(rec)
                         if len(out) >= limit:
                             return out, scanned
         return out, scanned
+
+    def _scan_newest(
+        self,
+        since: int,
+        since_time: float | None,
+        limit: int,
+        kinds: frozenset[str] | None,
+        sandbox_id: str | None,
+    ) -> list[Record]:
+        """The last `limit` records `_scan` would match, oldest first: segments read newest first,
+        each whole (a segment is bounded), until enough are found or older ones cannot match."""
+        found: list[list[Record]] = []
+        count = 0
+        for first, path in reversed(self._list_segments()):
+            part: list[Record] = []
+            try:
+                f = open(path, "rb")  # noqa: SIM115
+            except FileNotFoundError:  # deleted by rotation meanwhile
+                continue
+            with f:
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break  # being written
+                    seq = _line_seq(line)
+                    if seq is not None and seq <= since:
+                        continue
+                    rec = _parse(line)
+                    if rec is not None and rec.get("seq", 0) > since and _matches(rec, kinds, sandbox_id, since_time):
+                        part.append(rec)
+            found.append(part)
+            count += len(part)
+            older = since_time is not None and (ts := self._first_ts(path)) is not None and ts < since_time
+            if count >= limit or first <= since + 1 or older:
+                break
+        out = [rec for part in reversed(found) for rec in part]
+        return out[-limit:]
 
     @staticmethod
     def _first_ts(path: Path) -> float | None:

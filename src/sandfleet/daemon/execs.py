@@ -21,15 +21,25 @@ import signal
 import time
 from collections.abc import AsyncGenerator
 
+import pydantic
+
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, resolve_cwd, wire_text
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.lifecycle import HOLDING_STATES, PAUSED, BackgroundProcess, Sandbox
 from sandfleet.daemon.networking import Networking
 from sandfleet.daemon.pausing import Pauser
-from sandfleet.errors import InvalidArgumentError, NotFoundError, UnavailableError, WrongStateError
-from sandfleet.models import ExecEvent, ExecRequest, ExecResult, ProcessInfo, shown
+from sandfleet.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+    UnsupportedError,
+    WrongStateError,
+)
+from sandfleet.models import ExecEvent, ExecRequest, ExecResult, ProcessInfo, TerminalRequest, shown, validation_message
 from sandfleet.runtime.agent import (
+    AGENT_VERSION,
     SCOPE_TREE,
     AgentError,
     ChannelClosedError,
@@ -45,6 +55,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 FATAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})
 
 KILL_WAIT = 2.0  # after a fatal signal to a background process: wait this long for its exit
+_NO_PTY = frozenset({errno.ENOSPC, errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM})  # none left
 
 
 def _argv(req: ExecRequest) -> list[str]:
@@ -103,9 +114,17 @@ class Execs:
         session: bool = False,
         nondump: bool = False,
     ) -> ExecProcess:
+        if req.pty is not None and live.channel.agent_version not in (None, AGENT_VERSION):
+            raise UnsupportedError(
+                f"sandbox {sb.id} runs {live.channel.agent_version}, from before the daemon was upgraded; "
+                f"terminals need {AGENT_VERSION}"
+            )
         user = await self.files.user(sb, live, req.user or sb.spec.user)
         argv = _argv(req)
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "HOSTNAME": sb.spec.hostname or sb.id}
+        if req.pty is not None:
+            name = req.user or sb.spec.user or "root"
+            env.update(TERM="xterm-256color", LANG="C.UTF-8", USER=name, LOGNAME=name)
         env.update(self.networking.env(sb))
         env.update(sb.spec.env)
         env.update(req.env)
@@ -126,6 +145,7 @@ class Execs:
                     merge_stderr=req.merge_stderr,
                     session=session,
                     nondump=nondump,
+                    pty=None if req.pty is None else (req.pty.rows, req.pty.cols),
                 )
         except TimeoutError:
             raise self.core.unresponsive(sb, f"a command did not start within {AGENT_START_TIMEOUT:.0f}s") from None
@@ -136,6 +156,8 @@ class Execs:
                 f"the command, its environment and working directory are too large together ({exc}); "
                 "write a script file and run it"
             ) from exc
+        if req.pty is not None:
+            keep = True  # typed into the terminal; closing our end of it would end nothing
         if data is not None or (keep is False and (req.stdin is not None or req.stdin_b64 is not None)):
             try:
                 async with asyncio.timeout(AGENT_START_TIMEOUT):
@@ -194,6 +216,8 @@ class Execs:
             raise InvalidArgumentError("use the processes endpoint for background=true")
         deadline = self.core.busy(sb, req.timeout)
         t0 = time.perf_counter()
+        terminal = int(req.pty is not None)
+        sb.terminals += terminal
         try:
             try:
                 process = await self.start(sb, live, req)
@@ -210,6 +234,7 @@ class Execs:
             result = _exec_result(out, err, ex, req.encoding)
             return await self.after_exec(sb, req, result, ex.stdout_bytes, ex.stderr_bytes)
         finally:
+            sb.terminals -= terminal
             self.core.idle_done(sb)
             self.core.metrics.execs.inc()
             self.core.metrics.exec_seconds.observe(time.perf_counter() - t0)
@@ -218,9 +243,12 @@ class Execs:
         """Validate and start now (so errors surface before streaming), then yield events."""
         sb, live = await self.pauser.ready(sandbox_id)
         deadline = self.core.busy(sb, req.timeout)
+        terminal = int(req.pty is not None)
+        sb.terminals += terminal
         try:
             process = await self.start(sb, live, req)
         except ExecStartError as exc:
+            sb.terminals -= terminal
             self.core.idle_done(sb)
             failed = _start_failure(exc, req)
 
@@ -230,11 +258,13 @@ class Execs:
 
             return EventStream(failed_stream(), _nothing)
         except BaseException:
+            sb.terminals -= terminal
             self.core.idle_done(sb)
             raise
         finished = False
 
         async def release() -> None:
+            sb.terminals -= terminal
             self.core.idle_done(sb)
             self.core.metrics.execs.inc()
             if not finished and not live.channel.closed:
@@ -275,7 +305,39 @@ class Execs:
         wrapped = EventStream(stream(), release)
         return wrapped
 
+    async def open_terminal(self, sandbox_id: str, req: TerminalRequest) -> Terminal:
+        """Start a command on a new pseudo-terminal for a client that relays keystrokes and output
+        (the terminal WebSocket). It keeps the sandbox busy (no idle pause, no idle TTL) while open."""
+        try:
+            ereq = req.exec_request()
+        except pydantic.ValidationError as exc:
+            raise InvalidArgumentError(validation_message(exc.errors())) from None
+        sb, live = await self.pauser.ready(sandbox_id)
+        deadline = self.core.busy(sb, req.timeout)
+        try:
+            # no cap by default: the relay holds the command back when its client reads slowly
+            process = await self.start(sb, live, ereq, uncapped=req.output_limit is None)
+        except ExecStartError as exc:
+            self.core.idle_done(sb)
+            if exc.errno == errno.ENOSYS:  # an agent without terminals (the fake tier's)
+                raise UnsupportedError(exc.message) from exc
+            if exc.errno in _NO_PTY:
+                why = errno.errorcode.get(exc.errno, str(exc.errno))
+                raise ResourceExhaustedError(f"sandbox {sb.id} has no pseudo-terminal left ({why})") from exc
+            raise InvalidArgumentError(_start_failure(exc, ereq).stderr.strip()) from exc
+        except BaseException:
+            self.core.idle_done(sb)
+            raise
+        sb.terminals += 1
+        shown_as = ereq.model_copy(update={"command": req.command or "(login shell)"})  # for events
+        self.core.journal.record(
+            sb.id, "terminal_opened", {"command": str(shown_as.command)[:1000], "pid": process.pid}
+        )
+        return Terminal(self, sb, live, process, shown_as, deadline)
+
     async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
+        if req.pty is not None:
+            raise InvalidArgumentError("pty: a background process has no terminal; use a terminal (sb.terminal())")
         sb, live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
         try:
@@ -379,3 +441,70 @@ class Execs:
             raise self.core.unresponsive(sb, "it stopped reading a process's standard input") from None
         except ChannelClosedError as exc:
             raise UnavailableError(f"sandbox {sb.id} stopped") from exc
+
+
+class Terminal:
+    """A command on a pseudo-terminal, as the API relays it: output bytes, then its result; keystrokes
+    and window sizes in. `close()` (idempotent) kills what still runs and releases the sandbox."""
+
+    def __init__(
+        self, execs: Execs, sb: Sandbox, live: LiveSandbox, process: ExecProcess, req: ExecRequest, deadline: float
+    ) -> None:
+        self.pid = process.pid
+        self._execs, self._sb, self._live, self._process = execs, sb, live, process
+        self._req, self._deadline = req, deadline
+        self._finished = self._closed = False
+
+    async def output(self) -> AsyncGenerator[bytes | ExecResult, None]:
+        """Output as it comes, then the ExecResult (no output kept in it: `stdout_bytes` counts)."""
+        core, sb, live = self._execs.core, self._sb, self._live
+        events = self._process.events()
+        try:
+            while True:
+                try:
+                    ev = await core.await_agent(sb, live, anext(events), self._deadline)
+                except StopAsyncIteration:
+                    return
+                if isinstance(ev, OutputChunk):
+                    yield ev.data
+                elif isinstance(ev, ExitInfo):
+                    result = await self._execs.after_exec(
+                        sb, self._req, _exec_result(b"", b"", ev), ev.stdout_bytes, ev.stderr_bytes
+                    )
+                    self._finished = True
+                    yield result
+                    return
+        except (ChannelClosedError, ProtocolError) as exc:
+            raise UnavailableError(f"sandbox {sb.id} stopped while its terminal was open") from exc
+
+    async def write(self, data: bytes) -> None:
+        """Keystrokes (^C is the terminal's interrupt: the foreground job gets SIGINT)."""
+        self._execs.core.touch(self._sb)
+        try:
+            async with asyncio.timeout(AGENT_START_TIMEOUT):
+                await self._process.write_stdin(data)
+        except TimeoutError:
+            raise self._execs.core.unresponsive(self._sb, "it stopped reading its terminal's input") from None
+        except ChannelClosedError as exc:
+            raise UnavailableError(f"sandbox {self._sb.id} stopped while its terminal was open") from exc
+
+    async def resize(self, rows: int, cols: int) -> None:
+        with contextlib.suppress(ChannelClosedError):
+            await self._process.resize(rows, cols)
+
+    async def hold(self, stop: bool) -> None:
+        """Stop reading its output while the client is behind (what it writes then blocks), or read on."""
+        with contextlib.suppress(ChannelClosedError):
+            await self._process.hold(stop)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        core = self._execs.core
+        self._sb.terminals -= 1
+        core.idle_done(self._sb)
+        core.metrics.execs.inc()
+        if not self._finished and not self._live.channel.closed:
+            self._live.channel.kill_nowait(self._process.id)
+        core.journal.record(self._sb.id, "terminal_closed", {"pid": self.pid, "exited": self._finished})

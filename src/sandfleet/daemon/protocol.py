@@ -42,6 +42,7 @@ from sandfleet.models import (
     SnapshotInfo,
     StepRequest,
     StepResult,
+    TerminalRequest,
     TrajectoryClose,
     TrajectoryInfo,
     TrajectoryOpen,
@@ -51,6 +52,25 @@ from sandfleet.models import (
 )
 
 T_co = TypeVar("T_co", covariant=True)
+
+
+class Terminal(Protocol):
+    """A command on a pseudo-terminal: its output (bytes, then one ExecResult), keystrokes and window
+    sizes in; `close` (idempotent) kills what still runs."""
+
+    pid: int
+
+    def output(self) -> AsyncIterator[bytes | ExecResult]: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def resize(self, rows: int, cols: int) -> None: ...
+
+    async def hold(self, stop: bool) -> None:
+        """Flow control: stop reading the command's output (its writes then block), or read on."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 class EventStream(Protocol[T_co]):
@@ -216,6 +236,10 @@ class SandboxService(Protocol):
         ...
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> EventStream[ExecEvent]: ...
+
+    async def open_terminal(self, sandbox_id: str, req: TerminalRequest) -> Terminal:
+        """A command on a new pseudo-terminal (the terminal WebSocket); the caller closes it."""
+        ...
 
     async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo: ...
 

@@ -614,6 +614,7 @@ class ScopedService:
 
     exec = _writes(SandboxService.exec)
     exec_stream = _writes(SandboxService.exec_stream)
+    open_terminal = _writes(SandboxService.open_terminal)
     run_code_in = _writes(SandboxService.run_code_in)
     start_process = _writes(SandboxService.start_process)
     list_processes = _reads(SandboxService.list_processes)

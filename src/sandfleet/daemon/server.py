@@ -231,7 +231,8 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
             refill_concurrency=config.pool_refill_concurrency,
         )
     servers: list[tuple[_Server, socket.socket]] = []
-    ucfg = {"log_level": "warning", "lifespan": "off", "access_log": False, "timeout_keep_alive": 300}
+    # ws: the WebSocket implementation the dependencies pin (wsproto), whatever else is installed
+    ucfg = {"log_level": "warning", "lifespan": "off", "access_log": False, "timeout_keep_alive": 300, "ws": "wsproto"}
     uds = _unix_listener(config.socket)
     service: SandboxService = manager  # the routes see the protocol, never the manager
     iam = Iam(config.iam, config.token)

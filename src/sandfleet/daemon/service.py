@@ -45,7 +45,7 @@ from sandfleet.daemon.builds import Builds
 from sandfleet.daemon.core import EventStream, NodeCore, log
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.detectors import DetectorsConfig
-from sandfleet.daemon.execs import Execs
+from sandfleet.daemon.execs import Execs, Terminal
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.fncall import Calls
 from sandfleet.daemon.images import Images
@@ -93,6 +93,7 @@ from sandfleet.models import (
     SnapshotInfo,
     StepRequest,
     StepResult,
+    TerminalRequest,
     TrajectoryClose,
     TrajectoryInfo,
     TrajectoryOpen,
@@ -381,6 +382,7 @@ class SandboxManager:
             limit=query.limit,
             kinds=query.kinds,
             sandbox_id=query.sandbox_id,
+            newest=query.newest,
         )
         return [AuditRecord.model_validate(r) for r in rows]
 
@@ -475,6 +477,9 @@ class SandboxManager:
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> EventStream[ExecEvent]:
         return await self.execs.exec_stream(sandbox_id, req)
+
+    async def open_terminal(self, sandbox_id: str, req: TerminalRequest) -> Terminal:
+        return await self.execs.open_terminal(sandbox_id, req)
 
     async def run_code(self, req: RunCodeRequest) -> ExecResult:
         return await self.calls.run(req)

@@ -174,6 +174,10 @@ class Snapshots:
         async with sb.pause_lock:
             if sb.state != RUNNING or sb.live is not live:
                 raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
+            if sb.terminals:
+                raise WrongStateError(
+                    f"sandbox {sandbox_id} has {sb.terminals} command(s) on a terminal: close them first"
+                )
             snapshot_id = new_id("snap", self.core.node_key)
             path = self.snapshot_dir / snapshot_id
             t0 = time.perf_counter()

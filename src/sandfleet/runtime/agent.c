@@ -26,6 +26,14 @@
  * not reported. Without fd 5 (crun,
  * runc, tests running the agent directly) there is nothing to serve.
  *
+ * Terminals (F_PTY): the command gets a fresh pseudo-terminal of the sandbox's own devpts as its
+ * stdin, stdout and stderr and as its controlling terminal (it leads a new session); the master is
+ * opened by the agent and its slave taken with TIOCGPTPEER (no path is looked up in /dev/pts, which
+ * the sandbox's root controls). Output is the master's (one stream, capped like stdout), STDIN goes
+ * to the master (so ^C is the line discipline's SIGINT to the foreground job), RESIZE sets its window
+ * size (the kernel signals SIGWINCH); HOLD stops reading the master while the daemon's client is
+ * behind, so a flood blocks its writer instead of filling the daemon.
+ *
  * Build: musl-gcc (or gcc) -O2 -static -Wall -Wextra -o agent agent.c
  */
 #define _GNU_SOURCE
@@ -49,11 +57,15 @@
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <time.h>
 #include <unistd.h>
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "wire format is little-endian and encoded with memcpy"
+#endif
+#ifndef TIOCGPTPEER /* musl's headers may predate it */
+#define TIOCGPTPEER _IO('T', 0x41)
 #endif
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
@@ -61,18 +73,18 @@
 
 enum {
 	M_EXEC = 1, M_STDIN = 2, M_SIGNAL = 3, M_PING = 4, M_REOPEN = 5, M_FORGET = 6, M_SRUN = 7, M_CMDIN = 8,
-	M_WATCH = 9, M_UNWATCH = 20,
+	M_WATCH = 9, M_UNWATCH = 20, M_RESIZE = 22, M_HOLD = 23,
 	M_STARTED = 10, M_STDOUT = 11, M_STDERR = 12, M_EXIT = 13, M_ERROR = 14, M_PONG = 15, M_HELLO = 16,
 	M_SEXIT = 17, M_WEVENT = 18, M_WEND = 19, M_ALERT = 21,
 };
-enum { F_STDIN_PIPE = 1, F_SETSID = 2, F_MERGE = 4, F_SESSION = 8, F_NONDUMP = 16 };
+enum { F_STDIN_PIPE = 1, F_SETSID = 2, F_MERGE = 4, F_SESSION = 8, F_NONDUMP = 16, F_PTY = 32 };
 enum { X_TIMED_OUT = 1, X_OUT_TRUNC = 2, X_ERR_TRUNC = 4, X_LOST = 8 };
 enum { S_STDIN = 1 }; /* SRUN flags */
 enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN, K_EP, K_STATUS, K_CIN, K_WATCH, K_NOTIF }; /* epoll event kinds */
 
 /* 3: exec starts without blocking the agent, F_MERGE, sessions framed by the agent (SRUN, CMDIN,
- * SEXIT), FORGET with a list of ids to keep, WATCH; 4: the seccomp listener, ALERT */
-#define VERSION "sandfleet-agent/4"
+ * SEXIT), FORGET with a list of ids to keep, WATCH; 4: the seccomp listener, ALERT; 5: F_PTY, RESIZE */
+#define VERSION "sandfleet-agent/5"
 #define STATUS_FD 100 /* a session shell's status socket */
 #define CMDIN_FD 101  /* a session shell's per-command stdin (a pipe the agent reopens per command) */
 #define NONCE_LEN 32
@@ -132,6 +144,8 @@ struct exec {
 	uint64_t cap, total[2], start, deadline, reaped_at;
 	/* sessions (F_SESSION) */
 	int session, sfd, cin_r, active;
+	int pty;  /* F_PTY: fd[1] is the terminal's master */
+	int held; /* HOLD: the master is not read (its writers block, as on a terminal nobody reads) */
 	struct wbuf cin; /* the running command's stdin, when it has one */
 	char nonce[NONCE_LEN];
 	uint32_t cxflags, cseq;
@@ -429,6 +443,14 @@ static void drain(struct exec *e, int s, int reads)
 			ep_close(&e->fd[s]);
 			return;
 		}
+		/* a terminal's master gives at most a few KiB a read: gather what is already there into
+		 * one message (16x fewer for a flood; nothing waits for more to come) */
+		while (e->pty && (size_t)n < sizeof obuf) {
+			ssize_t m = read(e->fd[s], obuf + n, sizeof obuf - (size_t)n);
+			if (m <= 0)
+				break; /* EAGAIN, or EIO at the end: the next read sees it again */
+			n += m;
+		}
 		uint64_t cap = e->session ? e->ccap : e->cap, *total = e->session ? e->ctotal : e->total;
 		uint32_t *xf = e->session ? &e->cxflags : &e->xflags;
 		if (e->session && !e->active) {
@@ -575,6 +597,26 @@ static int socketpair_cloexec(int type, int sv[2])
 	return socketpair(AF_UNIX, type | SOCK_CLOEXEC, 0, sv);
 }
 
+/* A new pseudo-terminal of the sandbox's devpts: the master non-blocking (ours), the slave taken
+ * from it (TIOCGPTPEER, Linux 4.13) rather than by a path the sandbox could replace. */
+static int open_pty(int *ptm, int *pts, const struct winsize *wsz)
+{
+	struct stat sb;
+	int unlock = 0;
+	*ptm = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC | O_NONBLOCK);
+	if (*ptm < 0)
+		return -1;
+	if (fstat(*ptm, &sb) < 0 || !S_ISCHR(sb.st_mode) || ioctl(*ptm, TIOCSPTLCK, &unlock) < 0 ||
+	    ioctl(*ptm, TIOCSWINSZ, wsz) < 0 || (*pts = ioctl(*ptm, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0) {
+		int err = errno ? errno : ENOTTY;
+		close(*ptm);
+		*ptm = -1;
+		errno = err;
+		return -1;
+	}
+	return 0;
+}
+
 /* Starting a command never blocks the agent: the child reports a failed setup or exec on a
  * close-on-exec pipe, which the event loop reads (K_EP); EOF means it exec'd. A child stopped
  * between fork and exec (SIGSTOP from the sandbox) therefore wedges nothing but itself, and its
@@ -602,11 +644,24 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 		send_error(id, EEXIST, "exec id in use");
 		return;
 	}
-	int session = (flags & F_SESSION) != 0;
+	int session = (flags & F_SESSION) != 0, pty = (flags & F_PTY) != 0;
+	struct winsize wsz = { .ws_row = 24, .ws_col = 80 };
+	size_t off = 32;
+	if (pty) { /* u16 rows, u16 cols follow the header */
+		uint16_t rc[2];
+		if (session || n < 36) {
+			send_error(id, EINVAL, "bad terminal exec");
+			return;
+		}
+		memcpy(rc, p + 32, 4);
+		wsz.ws_row = rc[0];
+		wsz.ws_col = rc[1];
+		off = 36;
+		flags |= F_SETSID | F_MERGE; /* a controlling terminal needs a session; one stream */
+	}
 	/* strings point into rbuf, which stays untouched until the child has forked */
 	char **argv = calloc(argc + 1, sizeof *argv), **envp = calloc(envc + 1, sizeof *envp);
 	const char *cwd = NULL, *path = DEFAULT_PATH;
-	size_t off = 32;
 	int ok = argv && envp;
 	for (uint32_t i = 0; ok && i < 1 + argc + envc; i++) {
 		size_t len = strnlen(p + off, n - off);
@@ -628,7 +683,7 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 	}
 	/* [0] the child's end, [1] ours. Sessions get sockets (not reopenable through /proc). */
 	int in[2] = { -1, -1 }, out[2] = { -1, -1 }, err[2] = { -1, -1 }, ep[2] = { -1, -1 };
-	int st[2] = { -1, -1 }, cin[2] = { -1, -1 };
+	int st[2] = { -1, -1 }, cin[2] = { -1, -1 }, ptm = -1, pts = -1;
 	size_t slot = (size_t)-1;
 	struct exec *e = NULL;
 	if (!ok) {
@@ -657,6 +712,11 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 			fail = setsockopt(st[0], SOL_SOCKET, SO_PASSCRED, &on, sizeof on) < 0;
 			close(cin[1]); /* write ends are opened per command (see do_srun) */
 			cin[1] = -1;
+		}
+	} else if (pty) {
+		if (open_pty(&ptm, &pts, &wsz) < 0) {
+			send_error(id, errno, "no pseudo-terminal could be opened");
+			goto out;
 		}
 	} else {
 		int pin[2] = { -1, -1 }, pout[2], perr[2];
@@ -691,7 +751,16 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 			setpgid(0, 0);
 		/* first out of the way of the numbers they are placed at */
 		int epw = move_high(ep[1]);
-		int infd = (flags & (F_STDIN_PIPE | F_SESSION)) ? move_high(in[0]) : open("/dev/null", O_RDONLY);
+		if (pty) {
+			in[0] = out[1] = pts;
+			/* our terminal: the user it runs as owns it (as login(1) does); then it becomes the
+			 * session's controlling terminal */
+			if (fchown(pts, uid, (gid_t)-1) < 0) { /* best effort: a terminal it cannot chmod */
+			}
+			if (ioctl(pts, TIOCSCTTY, 0) < 0)
+				child_fail(epw >= 0 ? epw : ep[1], 0);
+		}
+		int infd = (flags & (F_STDIN_PIPE | F_SESSION) || pty) ? move_high(in[0]) : open("/dev/null", O_RDONLY);
 		int o = move_high(out[1]), r = move_high((flags & F_MERGE) ? out[1] : err[1]);
 		int sfd = move_high(st[1]), cfd = move_high(cin[0]);
 		if (epw < 0 || infd < 0 || o < 0 || r < 0 || (session && (sfd < 0 || cfd < 0)))
@@ -739,6 +808,14 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 	}
 	if (!(flags & F_SETSID))
 		setpgid(pid, pid); /* also in the parent, so a SIGNAL right after STARTED can't race */
+	if (pty) { /* the master is our stdout (read) and, through a second fd, the child's stdin */
+		close(pts);
+		pts = -1;
+		in[1] = fcntl(ptm, F_DUPFD_CLOEXEC, 0);
+		out[0] = ptm;
+		ptm = -1;
+		e->pty = 1;
+	}
 	e->id = id;
 	e->pid = pid;
 	e->cap = cap;
@@ -787,6 +864,8 @@ out:
 		if (st[i] >= 0) close(st[i]);
 		if (cin[i] >= 0) close(cin[i]);
 	}
+	if (ptm >= 0) close(ptm);
+	if (pts >= 0) close(pts);
 	free(e);
 	free(argv);
 	free(envp);
@@ -1397,6 +1476,27 @@ static void handle_chan(void)
 			break;
 		case M_PING:
 			chan_send(M_PONG, id, NULL, 0, NULL, 0);
+			break;
+		case M_HOLD: /* u32 1: stop reading a terminal's output (the daemon's client is behind), 0: go on */
+			if (len >= 4 && (e = find_id(id, &slot)) && e->pty && e->fd[1] >= 0) {
+				uint32_t stop;
+				memcpy(&stop, p, 4);
+				if (stop && !e->held)
+					epoll_ctl(epfd, EPOLL_CTL_DEL, e->fd[1], NULL);
+				else if (!stop && e->held)
+					ep_add(e->fd[1], K_OUT, slot, EPOLLIN);
+				e->held = stop != 0;
+			}
+			break;
+		case M_RESIZE: /* u16 rows, u16 cols of a terminal exec */
+			if (len >= 4 && (e = find_id(id, NULL)) && e->pty && !e->reaped) {
+				uint16_t rc[2];
+				memcpy(rc, p, 4);
+				struct winsize w = { .ws_row = rc[0], .ws_col = rc[1] };
+				int fd = e->fd[1] >= 0 ? e->fd[1] : e->in.fd;
+				if (fd >= 0)
+					ioctl(fd, TIOCSWINSZ, &w);
+			}
 			break;
 		case M_FORGET: /* a daemon that never knew our running execs (adopted, restored) */
 			/* the payload lists u32 ids the new daemon does know (a fork keeps its parent's

@@ -42,7 +42,8 @@ from sandfleet.runtime.prebuilt import install_prebuilt, prebuilt_dir
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
 LAUNCHER_SOURCE = Path(__file__).with_name("launcher.c")
 LAUNCHER_NAME = "sandfleet-run"  # <= 15 bytes: it is also the command name the orphan reaper matches
-AGENT_VERSION = "sandfleet-agent/4"  # 2: REOPEN, FORGET; 3: sessions framed by the agent, MERGE, WATCH; 4: ALERT
+# 2: REOPEN, FORGET; 3: sessions framed by the agent, MERGE, WATCH; 4: ALERT; 5: terminals (PTY, RESIZE)
+AGENT_VERSION = "sandfleet-agent/5"
 
 # daemon -> agent
 MSG_EXEC = 1
@@ -56,6 +57,8 @@ MSG_SRUN = 7  # a session command begins (timeout, flags, cap, nonce); its scrip
 MSG_CMDIN = 8  # bytes for the running session command's stdin; empty = EOF
 MSG_WATCH = 9  # watch a directory (u32 flags: 1 recursive; the path)
 MSG_UNWATCH = 20
+MSG_RESIZE = 22  # a terminal exec's window size: u16 rows, u16 cols
+MSG_HOLD = 23  # u32 1: stop reading a terminal exec's output (its writers block), 0: read on
 # agent -> daemon
 MSG_STARTED = 10
 MSG_STDOUT = 11
@@ -75,6 +78,7 @@ EXEC_SETSID = 2
 EXEC_MERGE = 4  # stderr goes to the stdout pipe
 EXEC_SESSION = 8  # a session shell: sockets for stdio, a status socket and a per-command stdin
 EXEC_NONDUMP = 16  # start it with its effective gid differing (bash, dash): non-dumpable from its exec on
+EXEC_PTY = 32  # a new pseudo-terminal as stdio and controlling tty; u16 rows, u16 cols follow the header
 # EXIT flags
 EXIT_TIMED_OUT = 1
 EXIT_STDOUT_TRUNCATED = 2
@@ -101,6 +105,7 @@ _SIGNAL = struct.Struct("<iI")
 _SRUN = struct.Struct("<IIQ")
 _SEXIT = struct.Struct("<iIQQQQI")
 _I32 = struct.Struct("<i")
+_WINSZ = struct.Struct("<HH")
 
 
 log = logging.getLogger("sandfleet.agent")
@@ -262,6 +267,7 @@ class ExecRequest:
     timeout_ms: int
     out_cap: int
     flags: int
+    winsize: tuple[int, int] | None = None  # EXEC_PTY: rows, cols
 
 
 @dataclass(frozen=True)
@@ -354,6 +360,8 @@ def encode_exec(exec_id: int, req: ExecRequest) -> bytes:
     env = [f"{k}={v}" for k, v in req.env.items()]
     strings = b"".join(_cstr(s) for s in [req.cwd, *req.argv, *env])
     head = _EXEC.pack(req.flags, req.uid, req.gid, req.timeout_ms, req.out_cap, len(req.argv), len(env))
+    if req.flags & EXEC_PTY:
+        head += _WINSZ.pack(*(req.winsize or (24, 80)))
     return encode_message(MSG_EXEC, exec_id, head + strings)
 
 
@@ -361,17 +369,35 @@ def decode_exec(payload: bytes) -> ExecRequest:
     if len(payload) < _EXEC.size:
         raise ProtocolError("short EXEC")
     flags, uid, gid, tmo, cap, argc, envc = _EXEC.unpack_from(payload)
-    parts = payload[_EXEC.size :].split(b"\0")
+    winsize = None
+    off = _EXEC.size
+    if flags & EXEC_PTY:
+        if len(payload) < off + _WINSZ.size:
+            raise ProtocolError("short EXEC")
+        winsize = _WINSZ.unpack_from(payload, off)
+        off += _WINSZ.size
+    parts = payload[off:].split(b"\0")
     if len(parts) < 2 + argc + envc:
         raise ProtocolError("EXEC strings truncated")
     strs = [p.decode() for p in parts[: 1 + argc + envc]]
     env = {k: v for k, _, v in (s.partition("=") for s in strs[1 + argc :])}
-    return ExecRequest(strs[1 : 1 + argc], env, strs[0], uid, gid, tmo, cap, flags)
+    return ExecRequest(strs[1 : 1 + argc], env, strs[0], uid, gid, tmo, cap, flags, winsize)
 
 
 def encode_stdin(exec_id: int, data: bytes) -> bytes:
     """Empty data means: close the child's stdin."""
     return encode_message(MSG_STDIN, exec_id, data)
+
+
+def encode_resize(exec_id: int, rows: int, cols: int) -> bytes:
+    return encode_message(MSG_RESIZE, exec_id, _WINSZ.pack(rows, cols))
+
+
+def decode_resize(payload: bytes) -> tuple[int, int]:
+    if len(payload) < _WINSZ.size:
+        raise ProtocolError("short RESIZE")
+    rows, cols = _WINSZ.unpack_from(payload)
+    return rows, cols
 
 
 def encode_signal(exec_id: int, signo: int, scope: int = SCOPE_GROUP) -> bytes:
@@ -472,6 +498,14 @@ class ExecProcess:
 
     async def signal(self, signo: int, scope: int = SCOPE_GROUP) -> None:
         await self._channel._send(encode_signal(self.id, signo, scope))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """A terminal exec's new window size (its foreground job gets SIGWINCH)."""
+        await self._channel._send(encode_resize(self.id, rows, cols))
+
+    async def hold(self, stop: bool) -> None:
+        """A terminal exec: stop reading its output (what it writes then blocks), or read on."""
+        await self._channel._send(encode_message(MSG_HOLD, self.id, struct.pack("<I", 1 if stop else 0)))
 
     async def run_command(
         self, script: bytes, nonce: bytes, *, timeout: float | None, out_cap: int, stdin: bool = False, seq: int = 0
@@ -661,11 +695,14 @@ class AgentChannel:
         merge_stderr: bool = False,
         session: bool = False,
         nondump: bool = False,
+        pty: tuple[int, int] | None = None,
     ) -> ExecProcess:
         """Start a command; returns once it has exec'd. Raises ExecStartError on failure.
 
         `out_cap`: bytes forwarded per stream (the rest is drained and counted); None = no cap.
         `session`: a shell whose commands are framed by the agent (`ExecProcess.run_command`).
+        `pty`: (rows, cols) of a new pseudo-terminal that is its stdin, stdout and stderr (output
+        comes as stdout; stdin is always open; it leads a session of its own).
         """
         self._check_open()
         out_cap = UNLIMITED if out_cap is None else out_cap
@@ -673,8 +710,10 @@ class AgentChannel:
         flags = (EXEC_STDIN_PIPE if stdin else 0) | (EXEC_SETSID if setsid else 0)
         flags |= (EXEC_MERGE if merge_stderr else 0) | (EXEC_SESSION if session else 0)
         flags |= EXEC_NONDUMP if nondump else 0
+        if pty is not None:
+            flags |= EXEC_PTY | EXEC_STDIN_PIPE | EXEC_SETSID | EXEC_MERGE
         exec_id = self._alloc_id()
-        req = ExecRequest(list(argv), dict(env or {}), cwd, uid, gid, timeout_ms, out_cap, flags)
+        req = ExecRequest(list(argv), dict(env or {}), cwd, uid, gid, timeout_ms, out_cap, flags, pty)
         data = encode_exec(exec_id, req)
         proc = ExecProcess(self, exec_id)
         fut: asyncio.Future[int] = self._loop.create_future()

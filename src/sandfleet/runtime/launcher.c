@@ -69,6 +69,7 @@
  * so the sandbox's root cannot enter it): the one place the daemon reaches the writable layer of a
  * running sandbox from outside (/proc/PID/root/dev/.sandfleet), to snapshot it.
  */
+#define PTYS_PER_SANDBOX "32" /* pseudo-terminals one sandbox may hold (devpts max=) */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -318,8 +319,9 @@ static void setup_dev(int root)
 		if (mount(buf, target, NULL, MS_BIND, NULL) < 0)
 			fail("bind %s", buf);
 	}
+	/* max: the node's pseudo-terminals (kernel.pty.max) are shared by every sandbox's devpts */
 	mount_at(root, "dev/pts", "devpts", "devpts", MS_NOSUID | MS_NOEXEC,
-		 "newinstance,ptmxmode=0666,mode=0620");
+		 "newinstance,ptmxmode=0666,mode=0620,max=" PTYS_PER_SANDBOX);
 	/* /dev/shm is a directory of /dev, so it shares the writable layer's size cap; bound onto
 	 * itself to be noexec as crun's shm tmpfs is (nosuid and nodev come locked from the scratch). */
 	if (mount("dev/shm", "dev/shm", NULL, MS_BIND, NULL) < 0 ||

@@ -107,7 +107,7 @@ def build(cfg: ContainerConfig) -> dict[str, Any]:
             "destination": "/dev/pts",
             "type": "devpts",
             "source": "devpts",
-            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "max=32"],
         },
         {
             "destination": "/dev/shm",

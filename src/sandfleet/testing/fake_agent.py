@@ -110,6 +110,9 @@ class FakeAgent:
         if req.flags & wire.EXEC_SESSION:
             await self._send(wire.encode_error(exec_id, errno.ENOSYS, "sessions need a real tier"))
             return
+        if req.flags & wire.EXEC_PTY:
+            await self._send(wire.encode_error(exec_id, errno.ENOSYS, "terminals need a real tier"))
+            return
         cwd = self.root / req.cwd.lstrip("/")
         if not cwd.is_dir():
             await self._send(wire.encode_error(exec_id, errno.ENOENT, f"chdir to {req.cwd}: no such directory"))

@@ -17,9 +17,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
+from starlette.routing import Router
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sandfleet import __version__
-from sandfleet.daemon.api import execs, files, fusion, images, network, node, rl, sandboxes, sessions, snapshots
+from sandfleet import __version__, console
+from sandfleet.daemon.api import (
+    execs,
+    files,
+    fusion,
+    images,
+    network,
+    node,
+    rl,
+    sandboxes,
+    sessions,
+    snapshots,
+    terminal,
+)
 from sandfleet.daemon.api.common import ERRORS, CheckedRoute, error_response, log
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.metrics import Metrics
@@ -31,7 +46,7 @@ from sandfleet.errors import (
     PermissionDeniedError,
     SandboxError,
 )
-from sandfleet.models import validation_message
+from sandfleet.models import WhoAmI, validation_message
 
 
 class Caller(Protocol):
@@ -110,14 +125,14 @@ def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate 
         _audit(request, response.status_code, t0)
         return response
 
-    def _audit(request: Request, status: int, t0: float) -> None:
+    def _audit(request: HTTPConnection, status: int, t0: float) -> None:
         path = request.url.path
         m = _SANDBOX_PATH.match(path)
         try:
             service.audit_call(
                 _actor(request, auth is not None),
                 {
-                    "method": request.method,
+                    "method": request.scope.get("method", "WEBSOCKET"),
                     "path": path[:256],
                     "status": status,
                     "ms": round((time.perf_counter() - t0) * 1000, 2),
@@ -126,7 +141,7 @@ def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate 
                 },
             )
         except Exception:
-            log.exception("auditing %s %s failed", request.method, path[:100])
+            log.exception("auditing %s failed", path[:100])
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus its default 422 responses: validation errors here are 400s."""
@@ -162,10 +177,23 @@ def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate 
             request.scope[_CALLER] = caller
             return await call_next(request)
 
+    @app.get("/v1/whoami", response_model=WhoAmI, tags=["node"])
+    async def whoami(request: Request) -> WhoAmI:
+        """Who the credentials of this call stand for, and whether they may act (the console asks)."""
+        caller: Caller | None = request.scope.get(_CALLER)
+        if caller is None:
+            unix = request.client is None or not request.client.host
+            return WhoAmI(name="root" if unix else "anonymous", can_write=True)
+        return WhoAmI(name=caller.name, can_write=caller.can_write, project=getattr(caller, "project", None))
+
     for resource in (node, sandboxes, snapshots, execs, sessions, files, images, network, rl):
         app.include_router(resource.router(service))
+    app.include_router(terminal.router(service, auth, lambda ws, status, t0: _audit(ws, status, t0)))
     app.include_router(network.port_router(service))
     app.include_router(fusion.router(service))
+    # The console's files hold no data: served ahead of the API's middleware (no token: the page asks
+    # for one, then calls the API with it; not audited), straight from memory.
+    app.add_middleware(ConsoleFirst, console=Router(routes=console.routes()))
     # FastAPI builds an included router's routes on the first request that reaches them (~0.5 s for
     # the whole API here): matching a path no route has builds them all now, so a trainer's first
     # call after a daemon restart does not pay for it.
@@ -178,10 +206,27 @@ def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate 
 _SANDBOX_PATH = re.compile(r"^/v1/sandboxes/(sb-[0-9a-f]{1,32})(?:/|$)")
 
 
+CONSOLE = "/console"  # the web console's page and files (sandfleet/console), served to anyone
+
+
+class ConsoleFirst:
+    """ASGI middleware, the outermost: `/console` and below go to the console's routes."""
+
+    def __init__(self, app: ASGIApp, console: ASGIApp) -> None:
+        self.app, self.console = app, console
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == CONSOLE or path.startswith(CONSOLE + "/")):
+            await self.console(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
 _CALLER = "sandfleet.caller"  # where the authenticated caller is kept in the request's scope
 
 
-def _actor(request: Request, authenticated: bool) -> str:
+def _actor(request: HTTPConnection, authenticated: bool) -> str:
     """Who called: the caller (`token:<name>@<host>`; the legacy token `token@<host>`), root's unix
     socket (`unix`); a refused caller as `token@<host>`; a TCP peer when nothing is checked."""
     client = request.client

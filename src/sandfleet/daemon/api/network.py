@@ -81,9 +81,17 @@ def router(service: SandboxService) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
         kind: Annotated[list[str], Query(max_length=32, description="only these kinds (repeatable)")] = [],  # noqa: B006
         sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
+        newest: Annotated[
+            bool, Query(description="the last `limit` matching records (oldest first), not the first")
+        ] = False,
     ) -> AuditList:
         q = AuditQuery(
-            since=since, since_time=since_time, limit=limit, kinds=[k[:64] for k in kind] or None, sandbox_id=sandbox_id
+            since=since,
+            since_time=since_time,
+            limit=limit,
+            kinds=[k[:64] for k in kind] or None,
+            sandbox_id=sandbox_id,
+            newest=newest,
         )
         records = await service.read_audit(q)
         return AuditList(records=records, last_seq=records[-1].seq if records else since)
@@ -145,6 +153,9 @@ def port_router(service: SandboxService) -> APIRouter:
             raise
         resp = StreamingResponse(_body(conn, reader, writer), status_code=head.status_code)
         resp.raw_headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP or k.lower() == b"content-length"]
+        # What a sandbox serves shares the API's origin (and the console's): as a sandboxed document
+        # it gets an opaque origin of its own, so its scripts cannot read the console's token.
+        resp.raw_headers.append((b"content-security-policy", SANDBOXED))
         return resp
 
     for method in PROXY_METHODS:  # one operation per method: OpenAPI wants unique operation ids
@@ -157,6 +168,9 @@ def port_router(service: SandboxService) -> APIRouter:
             summary="HTTP to a server on an exposed port of the sandbox (the API's authentication applies)",
         )
     return r
+
+
+SANDBOXED = b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
 
 
 async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> object:
