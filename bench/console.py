@@ -5,19 +5,26 @@
      an `[iam]` admin token; admission loose enough for the run) and N real busybox sandboxes made
      with the SDK's `create_many` in batches (labels bench=console, job=job-0..job-49, team=a/b;
      small resources, a long idle_ttl so the reaper leaves them be). Timed; the daemon's RSS before
-     and after.
-  2) The API calls the pages make, timed from Python (httpx, keep-alive, the admin token).
-  3) Every page of the console in headless Chromium (Playwright, /usr/bin/chromium), three ways:
+     and after. The first --baseline (200) are measured on their own first (steps 2-4), then the rest
+     are made and everything is measured again: the same daemon with few and with many.
+  2) The daemon left alone: GET /v1/health every 50 ms for --idle-seconds; its CPU per thread (event
+     loop, others), the host's busy cores and its PID 1.
+  3) The API calls the pages make, timed from Python (httpx, keep-alive, the admin token).
+  4) Every page of the console in headless Chromium (Playwright, /usr/bin/chromium), three ways:
        cold    a new browser context (empty cache, new tab) and `page.goto(<url>/console/#/...)`
-       reload  the same tab, about:blank then `page.goto` of the full URL (the HTTP cache revalidates)
+       reload  the same tab, about:blank then `page.goto` of the full URL (the HTTP cache as it is)
        hash    in-app: from an empty route, `location.hash = "#/..."` (what a click on a link does)
      The time is the browser's own clock: from navigation start (cold, reload) or from setting the
      hash, until the page's data is in the DOM ("dom": a MutationObserver sees the marker element)
      and until the frame after it ("painted": requestAnimationFrame, then a task). The fetches of
-     each load (Resource Timing) say where the time went: waiting on the API or drawing.
+     each load (Resource Timing), its long tasks and the renderer's main-thread time (CDP) say where
+     the time went: the console's files, the API, or the browser itself.
+  5) --profile: py-spy on the daemon, alone and under each slow page's call, in a loop.
+  The host's CPU during each phase is split into this benchmark's process tree and the rest (named).
 
     python3 bench/console.py [--sandboxes 5000] [--rounds 10] [--api-rounds 30] [--profile]
-    python3 bench/console.py --dry        # 200 sandboxes, 3 rounds, results in a temp dir
+    python3 bench/console.py --dry        # 400 sandboxes (100 first), 3 rounds, results in a temp dir
+    python3 bench/console.py --from-json bench/results/console.json   # the report again, from a run's figures
 
 Results: bench/results/console.md (and console.json). Everything it starts is stopped on the way out
 (also on Ctrl-C, SIGTERM or a failure): the browser, every sandbox, the daemon, its cgroups, the temp dir.
@@ -987,11 +994,16 @@ def _code_lines(res: dict[str, Any]) -> list[str]:
         "The daemon runs the Python of the start; the browser loads the console's files as they are at each load.",
         "",
     ]
-    if b and (b["console_static"] != a["console_static"] or b["python_sources"] != a["python_sources"]):
+    if b and b["console_static"] != a["console_static"]:
         out += [
-            f"**The code changed during the run** (after: console {b['console_static']}, newest "
-            f"{b['console_newest']}; Python {b['python_sources']}, newest {b['python_newest']}): figures from "
-            "before and after the change are mixed.",
+            f"**The console's files changed during the run** (after: {b['console_static']}, newest "
+            f"{b['console_newest']}): page loads from before and after the change are mixed.",
+            "",
+        ]
+    if b and b["python_sources"] != a["python_sources"]:
+        out += [
+            f"The Python sources changed during the run (after: {b['python_sources']}, newest {b['python_newest']}); "
+            "the daemon and this script had loaded theirs at the start, so the figures are of the code above.",
             "",
         ]
     return out
@@ -1401,7 +1413,11 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=float, default=10)
     p.add_argument("--dry", action="store_true", help="200 sandboxes, 3 rounds, results in a temp dir")
     p.add_argument("--results", type=Path)
+    p.add_argument("--from-json", type=Path, help="only write the report again from a console.json of a run")
     a = p.parse_args()
+    if a.from_json:
+        print(f"wrote {write_report(json.loads(a.from_json.read_text()), a.results or a.from_json.parent)}")
+        return 0
     if a.dry:
         a.sandboxes, a.rounds, a.api_rounds, a.batch = min(a.sandboxes, 400), 3, 5, 100
         a.baseline, a.baseline_rounds, a.idle_seconds = 100, 2, 5
@@ -1460,27 +1476,21 @@ def main() -> int:
         res["findings"] = findings(res)
         if a.profile:
             sid = quote(sandbox_id)
+            targets = {
+                "the daemon alone (no requests)": [],
+                "the jobs page's call (GET /v1/jobs?key=job&state=live)": ["/v1/jobs?key=job&state=live"],
+                "the sandboxes page's call (GET /v1/sandboxes?state=live&limit=200)": [
+                    "/v1/sandboxes?state=live&limit=200"
+                ],
+                "the audit page's call (GET /v1/audit?newest=true&limit=300)": ["/v1/audit?newest=true&limit=300"],
+                "the sandbox page's calls (info, usage, events)": [
+                    f"/v1/sandboxes/{sid}",
+                    f"/v1/sandboxes/{sid}/usage",
+                    f"/v1/sandboxes/{sid}/events?after=0&limit=1000",
+                ],
+            }
             res["profile"] = {
-                "the daemon alone (no requests)": profile_calls(node, [], a.profile_seconds, root),
-                "the jobs page's first call (GET /v1/sandboxes?state=live&limit=1000)": profile_calls(
-                    node,
-                    ["/v1/sandboxes?state=live&limit=1000"],
-                    a.profile_seconds,
-                    root,
-                ),
-                "sandboxes page's call (GET /v1/sandboxes?state=live&limit=200)": profile_calls(
-                    node, ["/v1/sandboxes?state=live&limit=200"], a.profile_seconds, root
-                ),
-                "sandbox page's calls (info, usage, events)": profile_calls(
-                    node,
-                    [
-                        f"/v1/sandboxes/{sid}",
-                        f"/v1/sandboxes/{sid}/usage",
-                        f"/v1/sandboxes/{sid}/events?after=0&limit=1000",
-                    ],
-                    a.profile_seconds,
-                    root,
-                ),
+                name: profile_calls(node, paths, a.profile_seconds, root) for name, paths in targets.items()
             }
         ok = True
     finally:

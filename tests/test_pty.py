@@ -390,7 +390,12 @@ async def test_terminal_open_blocks_snapshot_and_odd_requests_are_typed(afleet: 
             await t.expect(b"/tmp\r\n")
             with pytest.raises(WrongStateError, match="terminal"):
                 await sb.snapshot()
-        snap = await sb.snapshot()  # closed: fine again
+        for _ in range(50):  # the daemon sees the client leave, then closes the terminal: soon, not at once
+            try:
+                snap = await sb.snapshot()  # closed: fine again
+                break
+            except WrongStateError:
+                await asyncio.sleep(0.1)
         await afleet.delete_snapshot(snap.id)
         with pytest.raises(InvalidArgumentError, match="background"):
             call = b.Call("POST", f"/v1/sandboxes/{sb.id}/processes", json={"command": "sleep 1", "pty": {}})

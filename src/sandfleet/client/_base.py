@@ -605,6 +605,8 @@ def finished(info: ProcessInfo) -> ProcessInfo:
 TERMINAL_PROTOCOL = "sandfleet.terminal"
 TERMINAL_FRAME = 1 << 20  # the largest WebSocket message a terminal accepts (output comes in <= 64 KiB)
 TERMINAL_OPEN_TIMEOUT = 30.0  # from the upgrade to the daemon's `started`
+EXPECT_KEEP = 2 * 1024**2  # `expect`: output kept while looking for a match (halved when past it)
+EXPECT_OVERLAP = 4096  # ... and how far back into what was searched a match may begin
 
 
 TERMINAL_BEARER = "sandfleet.bearer."  # + base64url(token), no padding: a browser's credentials

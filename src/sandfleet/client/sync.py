@@ -1397,18 +1397,23 @@ class Terminal:
 
     def expect(self, pattern: str | bytes | re.Pattern[bytes], timeout: float = 10.0) -> bytes:
         """Output up to and including the first match of `pattern` (a substring, or a compiled bytes
-        regex); the rest stays for the next read. SandboxTimeoutError when it does not come in time."""
+        regex matching at most 4 KiB); the rest stays for the next read. Of a flood before the match
+        only the last MiB is kept. SandboxTimeoutError when it does not come in time."""
         regex = pattern if isinstance(pattern, re.Pattern) else re.compile(re.escape(b.as_bytes(pattern)))
         deadline = time.monotonic() + timeout
         seen = bytearray(self._pending)
         self._pending.clear()
-        while (m := regex.search(seen)) is None:
+        start = 0  # where a match may still begin: each chunk is searched once (with some overlap)
+        while (m := regex.search(seen, start)) is None:
             left = deadline - time.monotonic()
             if left <= 0 or self._ws is None:
                 self._pending[:] = seen
                 raise SandboxTimeoutError(f"{regex.pattern!r} did not appear in {timeout}s: {bytes(seen[-300:])!r}")
             item = self._next(left)
             if isinstance(item, bytes):
+                if len(seen) > b.EXPECT_KEEP:  # a flood before the match: keep its end only
+                    del seen[: len(seen) - b.EXPECT_KEEP // 2]
+                start = max(0, len(seen) - b.EXPECT_OVERLAP)
                 seen += item
         self._pending[:] = seen[m.end() :]
         return bytes(seen[: m.end()])
