@@ -382,6 +382,16 @@ def spec_from(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> SandboxSpec:
     return _validated(SandboxSpec, "sandbox spec", merged)
 
 
+def _where(env: Mapping[str, str] | None, cwd: str | None, user: str | None) -> dict[str, Any]:
+    """A command's environment, working directory and user, as far as given (the daemon's defaults else)."""
+    fields: dict[str, Any] = {"env": dict(env)} if env else {}
+    if cwd is not None:
+        fields["cwd"] = cwd
+    if user is not None:
+        fields["user"] = user
+    return fields
+
+
 def _stdin_fields(stdin: str | bytes | None, keep_stdin_open: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if isinstance(stdin, bytes | bytearray | memoryview):
@@ -425,12 +435,7 @@ def exec_body(
     fields: dict[str, Any] = {"command": command, "timeout": timeout}
     if pty:
         fields["pty"] = TerminalSize() if pty is True else pty
-    if env:
-        fields["env"] = dict(env)
-    if cwd is not None:
-        fields["cwd"] = cwd
-    if user is not None:
-        fields["user"] = user
+    fields |= _where(env, cwd, user)
     fields |= _stdin_fields(stdin, keep_stdin_open) | _output_fields(output_limit, merge_stderr, binary)
     return _validated(ExecRequest, "exec request", fields).model_dump(mode="json", exclude_unset=True)
 
@@ -652,12 +657,7 @@ def terminal_start(
 ) -> str:
     """The terminal's first message: a TerminalRequest, checked here (bad input fails before connecting)."""
     fields: dict[str, Any] = {"type": "start", "command": command, "rows": rows, "cols": cols, "timeout": timeout}
-    if env:
-        fields["env"] = dict(env)
-    if cwd is not None:
-        fields["cwd"] = cwd
-    if user is not None:
-        fields["user"] = user
+    fields |= _where(env, cwd, user)
     if output_limit is not None:
         fields["output_limit"] = output_limit
     return _validated(TerminalRequest, "terminal request", fields).model_dump_json(exclude_unset=True)

@@ -36,7 +36,7 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Collection, Mapping
+from collections.abc import AsyncGenerator, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,19 @@ def _line_seq(line: bytes) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _complete_lines(path: Path) -> Iterator[bytes]:
+    """A segment's lines, up to one still being written; none when rotation deleted it meanwhile."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                return  # being written
+            yield line
 
 
 def _matches(rec: Record, kinds: frozenset[str] | None, sandbox_id: str | None, since_time: float | None) -> bool:
@@ -520,32 +533,25 @@ class AuditLog:
         out: list[Record] = []
         scanned = since
         for _, path in segments[start:]:
-            try:
-                f = open(path, "rb")  # noqa: SIM115
-            except FileNotFoundError:  # deleted by rotation meanwhile
-                continue
-            with f:
-                for line in f:
-                    if not line.endswith(b"\n"):
-                        break  # being written
-                    seq = _line_seq(line)
-                    rec: Record | None = None
-                    if seq is None:
-                        rec = _parse(line)
-                        if rec is None:
-                            continue  # damaged
-                        seq = rec["seq"]
-                    if seq <= scanned:
-                        continue
-                    scanned = seq
+            for line in _complete_lines(path):
+                seq = _line_seq(line)
+                rec: Record | None = None
+                if seq is None:
+                    rec = _parse(line)
                     if rec is None:
-                        rec = _parse(line)
-                        if rec is None:
-                            continue
-                    if _matches(rec, kinds, sandbox_id, since_time):
-                        out.append(rec)
-                        if len(out) >= limit:
-                            return out, scanned
+                        continue  # damaged
+                    seq = rec["seq"]
+                if seq <= scanned:
+                    continue
+                scanned = seq
+                if rec is None:
+                    rec = _parse(line)
+                    if rec is None:
+                        continue
+                if _matches(rec, kinds, sandbox_id, since_time):
+                    out.append(rec)
+                    if len(out) >= limit:
+                        return out, scanned
         return out, scanned
 
     def _scan_newest(
@@ -562,20 +568,13 @@ class AuditLog:
         count = 0
         for first, path in reversed(self._list_segments()):
             part: list[Record] = []
-            try:
-                f = open(path, "rb")  # noqa: SIM115
-            except FileNotFoundError:  # deleted by rotation meanwhile
-                continue
-            with f:
-                for line in f:
-                    if not line.endswith(b"\n"):
-                        break  # being written
-                    seq = _line_seq(line)
-                    if seq is not None and seq <= since:
-                        continue
-                    rec = _parse(line)
-                    if rec is not None and rec.get("seq", 0) > since and _matches(rec, kinds, sandbox_id, since_time):
-                        part.append(rec)
+            for line in _complete_lines(path):
+                seq = _line_seq(line)
+                if seq is not None and seq <= since:
+                    continue
+                rec = _parse(line)
+                if rec is not None and rec.get("seq", 0) > since and _matches(rec, kinds, sandbox_id, since_time):
+                    part.append(rec)
             found.append(part)
             count += len(part)
             older = since_time is not None and (ts := self._first_ts(path)) is not None and ts < since_time
