@@ -563,6 +563,11 @@ class ScopedService:
     async def open_trajectory(self, req: TrajectoryOpen) -> TrajectoryInfo:
         p = current()
         p.require_write()
+        if req.spec is not None:
+            # Placed before anything else: opened again, the request must be the one recorded (placed).
+            placed = p.place(req.spec.project)
+            if placed != req.spec.project:
+                req = req.model_copy(update={"spec": req.spec.model_copy(update={"project": placed})})
         found, project = await self.directory.trajectory_project(req.id)
         if found:  # opened again: the trajectory and its sandbox exist (or its create is retried)
             if p.project is not None and not p.sees(project):
@@ -573,10 +578,7 @@ class ScopedService:
             return await self.inner.open_trajectory(req)
         spec: SandboxSpec | None
         if req.spec is not None:
-            project = p.place(req.spec.project)
-            if project != req.spec.project:
-                req = req.model_copy(update={"spec": req.spec.model_copy(update={"project": project})})
-            spec = req.spec
+            project, spec = req.spec.project, req.spec
         else:
             assert req.snapshot_id is not None
             info = await self._visible_snapshot(req.snapshot_id, p)

@@ -19,6 +19,7 @@ from sandfleet.errors import UnavailableError
 from sandfleet.models import (
     AuditList,
     AuditQuery,
+    AuditRecord,
     ExposedPort,
     ExposedPortList,
     ExposeRequest,
@@ -106,7 +107,9 @@ def router(service: SandboxService) -> APIRouter:
         """What `GET /v1/audit` gives, then each record as it is recorded (JSON lines, a heartbeat line
         every 5 s of silence), until the client leaves."""
         q = AuditQuery(since=since, since_time=since_time, kinds=[k[:64] for k in kind] or None, sandbox_id=sandbox_id)
-        return StreamingResponse(_audit_lines(service, q), media_type="application/x-ndjson")
+        # Asked here, not in the body's generator: a refusal (who may read the audit) is the answer's
+        # status, not a connection reset once the 200 went out.
+        return StreamingResponse(_audit_lines(service.follow_audit(q, HEARTBEAT)), media_type="application/x-ndjson")
 
     return r
 
@@ -197,9 +200,8 @@ async def _body(
         writer.transport.abort()
 
 
-async def _audit_lines(service: SandboxService, q: AuditQuery) -> AsyncIterator[bytes]:
+async def _audit_lines(it: AsyncIterator[AuditRecord | None]) -> AsyncIterator[bytes]:
     beat = json.dumps({"type": "heartbeat"}).encode() + b"\n"
-    it = service.follow_audit(q, HEARTBEAT)
     try:
         async for rec in it:
             yield beat if rec is None else rec.model_dump_json().encode() + b"\n"
