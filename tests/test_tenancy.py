@@ -37,7 +37,7 @@ from sandfleet.client.sync import Sandbox
 from sandfleet.errors import SandboxError
 from sandfleet.models import SandboxInfo
 
-from conftest import Daemon, destroy_daemon, make_daemon, wait_until
+from conftest import Daemon, destroy_daemon, make_daemon, serve_http
 
 OPENAPI = Path(__file__).resolve().parents[1] / "docs" / "openapi.json"
 TOKENS = {"a": "tenant-a-user-secret-0001", "b": "tenant-b-user-secret-0002", "root": "tenant-root-secret-00003"}
@@ -229,41 +229,6 @@ def tenants() -> Iterator[tuple[Daemon, str]]:
         destroy_daemon(d)
 
 
-SERVER = """
-import http.server, sys
-class H(http.server.SimpleHTTPRequestHandler):
-    def end_headers(self):
-        for line in open("/srv/headers.txt").read().splitlines():
-            k, _, v = line.partition(": ")
-            if k:
-                self.send_header(k, v)
-        super().end_headers()
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("content-length") or 0))
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(repr(sorted(self.headers.items())).encode() + b"\\n" + body)
-    do_PUT = do_PATCH = do_DELETE = do_POST
-    def do_GET(self):
-        if self.path.startswith("/echo"):
-            return self.do_POST()
-        return super().do_GET()
-http.server.test(HandlerClass=H, port=int(sys.argv[1]), bind="127.0.0.1")
-"""
-
-
-def _serve(sb: Sandbox, port: int, page: str, headers: str = "") -> None:
-    """Start a python HTTP server on `port` of `sb` (serving /srv, with `headers` on every answer)
-    and expose the port."""
-    sb.files.write("/srv/index.html", page.encode())
-    sb.files.write("/srv/headers.txt", headers.encode())
-    sb.files.write("/opt/server.py", SERVER.encode())
-    sb.start(f"cd /srv && exec python3 /opt/server.py {port}")
-    sb.expose(port)
-    up = f"import urllib.request as u; u.urlopen('http://127.0.0.1:{port}/index.html', timeout=5)"
-    assert wait_until(lambda: sb.exec(["python3", "-c", up]).exit_code == 0, 30)
-
-
 @pytest.fixture(scope="module")
 def b_objects(tenants: tuple[Daemon, str]) -> Iterator[B]:
     _, url = tenants
@@ -278,7 +243,7 @@ def b_objects(tenants: tuple[Daemon, str]) -> Iterator[B]:
         proc = sb.start(f"echo {s['out']}; exec sleep 900")
         session = sb.session()
         assert session.run(f"echo {s['session']}").stdout.strip() == s["session"]
-        _serve(sb, 8000, s["served"])
+        serve_http(sb, 8000, s["served"])
         small = b.create(SandboxSpec(image="busybox", env={"B_SECRET": s["env"]}), idle_ttl=900)
         snap = small.snapshot(labels={"snap-secret": s["snap"]}).id
         tid = f"b-{secrets.token_hex(6)}"
@@ -569,3 +534,55 @@ def test_a_trajectory_id_of_another_project_is_unused(tenants: tuple[Daemon, str
         fresh = a.post("/v1/trajectories", json={"id": f"b-{secrets.token_hex(6)}", "spec": {"image": "busybox"}})
         assert r.status_code == fresh.status_code and r.status_code < 300, r.text
         assert not _leaks(r, b_objects.trajectory, b_objects) and r.json()["sandbox_id"] not in b_objects.ids
+
+
+# -- item 5: what a sandbox serves cannot act on the daemon's origin --------------------------------
+
+# Headers that would act on the daemon's origin (the console's) beyond the answer they come with.
+ORIGIN_WIDE = {
+    "Set-Cookie": "sandfleet.token=planted; Path=/",
+    "Clear-Site-Data": '"*"',
+    "Service-Worker-Allowed": "/",
+    "Strict-Transport-Security": "max-age=31536000; includeSubDomains",
+    "Alt-Svc": 'h2="evil.example:443"; ma=86400',
+    "Origin-Agent-Cluster": "?1",
+    "Access-Control-Allow-Origin": "https://evil.example",
+    "Access-Control-Allow-Credentials": "true",
+    "WWW-Authenticate": 'Basic realm="sandfleet"',
+    "Link": "</console/>; rel=preload; as=document",
+    "Refresh": "0; url=https://evil.example/",
+    "NEL": '{"report_to": "x", "max_age": 86400}',
+    "Report-To": '{"group": "x", "max_age": 86400, "endpoints": [{"url": "https://evil.example/r"}]}',
+    "Accept-CH": "Sec-CH-UA-Model",
+    "Timing-Allow-Origin": "*",
+}
+# What binds the answer alone: passed on.
+ANSWER_ONLY = {
+    "X-Frame-Options": "DENY",
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Content-Security-Policy": "img-src 'self'",
+    "X-App": "kept",
+}
+
+
+def test_an_exposed_port_cannot_act_on_the_daemons_origin(tenants: tuple[Daemon, str], b_objects: B) -> None:
+    _, url = tenants
+    headers = "".join(f"{k}: {v}\n" for k, v in {**ORIGIN_WIDE, **ANSWER_ONLY}.items())
+    port = f"/v1/sandboxes/{b_objects.sandbox}/ports/8000"
+    with Client(url=url, token=TOKENS["b"], timeout=60) as bc, _http(url, "b") as b:
+        bc.get(b_objects.sandbox).files.write("/srv/headers.txt", headers.encode())
+        for method in ("GET", "POST", "OPTIONS"):
+            r = b.request(method, f"{port}/index.html", content=b"x" if method == "POST" else None)
+            assert r.status_code in (200, 501), (method, r.status_code)
+            passed = {k.lower() for k in r.headers}
+            assert not passed & {k.lower() for k in ORIGIN_WIDE}, (method, passed & {k.lower() for k in ORIGIN_WIDE})
+            assert all(r.headers.get(k) is not None for k in ("X-Frame-Options", "Cross-Origin-Opener-Policy", "X-App"))
+            # The daemon's own policy: an opaque origin (no allow-same-origin), whatever the server said.
+            policies = r.headers.get_list("content-security-policy")
+            assert "img-src 'self'" in policies and any(p.startswith("sandbox ") for p in policies), policies
+            assert all("allow-same-origin" not in p for p in policies)
+        # The caller's credentials for the daemon (its token, the origin's cookies) never reach the server.
+        echo = b.post(f"{port}/echo", headers={"Cookie": "console-session=daemon-cookie"}, content=b"body")
+        assert echo.status_code == 200 and echo.content.endswith(b"body")
+        seen = echo.content.decode().lower()
+        assert "daemon-cookie" not in seen and TOKENS["b"] not in echo.text and "authorization" not in seen
