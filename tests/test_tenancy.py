@@ -536,6 +536,18 @@ def test_a_trajectory_id_of_another_project_is_unused(tenants: tuple[Daemon, str
         assert not _leaks(r, b_objects.trajectory, b_objects) and r.json()["sandbox_id"] not in b_objects.ids
 
 
+def test_the_nodes_health_counts_only_what_a_project_sees(
+    tenants: tuple[Daemon, str], b_objects: B, a_sandbox: str
+) -> None:
+    """How many sandboxes B runs is B's to know: A's /v1/health counts A's."""
+    _, url = tenants
+    with _http(url, "a") as a, _http(url, "root") as root:
+        mine = [s["id"] for s in a.get("/v1/sandboxes", params={"state": "running"}).json()["sandboxes"]]
+        assert a_sandbox in mine
+        assert a.get("/v1/health").json()["sandboxes_running"] == len(mine)
+        assert root.get("/v1/health").json()["sandboxes_running"] > len(mine)  # B's are running too
+
+
 # -- item 5: what a sandbox serves cannot act on the daemon's origin --------------------------------
 
 # Headers that would act on the daemon's origin (the console's) beyond the answer they come with.

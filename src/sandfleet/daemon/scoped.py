@@ -9,7 +9,8 @@ applies the principal the API's authentication made current (`iam.CURRENT`):
   otherwise `resource_exhausted` naming the project. Forks and restores keep the parent's project;
 - a call naming a sandbox, snapshot or trajectory of a project the principal does not see answers
   `not_found`, word for word as for one that does not exist (ids of other projects do not leak);
-- lists and label-wide calls (stop, pause, resume, lifetimes, network) touch visible sandboxes only;
+- lists and label-wide calls (stop, pause, resume, lifetimes, network) touch visible sandboxes only,
+  and the node's health counts the sandboxes the principal sees (others' are theirs to know);
 - read-only principals cannot act (also refused earlier by the API, by HTTP method);
 - node-wide things: the audit stream and metrics need a root principal; changing the image store
   (delete, gc, push, import, recipe builds, pack) a root admin; anyone may list images and build a
@@ -326,7 +327,13 @@ class ScopedService:
     # -- node ------------------------------------------------------------------------------------
 
     async def health(self) -> Health:
-        return await self.inner.health()
+        health = await self.inner.health()
+        p = current()
+        if p.project is None:
+            return health
+        # How many sandboxes other projects run is theirs to know: the count is of those it sees.
+        running = sum(1 for s in await self.inner.list(None, "running") if p.sees(s.spec.project))
+        return health.model_copy(update={"sandboxes_running": running})
 
     async def metrics_text(self) -> tuple[bytes, str]:
         current().require_root("the node's metrics")
