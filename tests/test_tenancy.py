@@ -34,8 +34,8 @@ import pytest
 
 from sandfleet import Client, SandboxSpec
 from sandfleet.client.sync import Sandbox
-from sandfleet.errors import SandboxError
-from sandfleet.models import SandboxInfo
+from sandfleet.errors import PermissionDeniedError, SandboxError
+from sandfleet.models import Mount, SandboxInfo
 
 from conftest import Daemon, destroy_daemon, make_daemon, serve_http
 
@@ -350,7 +350,7 @@ def _body(method: str, path: str, label: str) -> dict[str, Any]:
         "/v1/snapshots": {"label": f"b-secret={label}"},
         "/v1/trajectories": {"label": f"t-secret={label}"},
         "/v1/audit": {"kind": "api"},
-        "/v1/sandboxes/{sandbox_id}/processes/{process_id}": {"wait": "false"},
+        "/v1/sandboxes/{sandbox_id}/processes/{process_id}": {"wait": 1},
     }
     out: dict[str, Any] = {"params": queries.get(path, {})}
     if (method, path) in json_bodies:
@@ -546,6 +546,27 @@ def test_the_nodes_health_counts_only_what_a_project_sees(
         assert a_sandbox in mine
         assert a.get("/v1/health").json()["sandboxes_running"] == len(mine)
         assert root.get("/v1/health").json()["sandboxes_running"] > len(mine)  # B's are running too
+
+
+def test_a_project_mounts_host_paths_read_only(tenants: tuple[Daemon, str]) -> None:
+    """A host directory is the same for every project: one a project could write and another mount
+    would carry B's data to A. A project's token mounts read-only; a writable mount is the root's."""
+    d, url = tenants
+    shared = str(d.root / "shared")  # in the daemon's mount_allowlist
+    writable = SandboxSpec(image="busybox", mounts=[Mount(source=shared, target="/mnt", read_only=False)])
+    with Client(url=url, token=TOKENS["b"], timeout=60) as b, _http(url, "b") as bh:
+        with pytest.raises(PermissionDeniedError, match="read-only only"):
+            b.create(writable)
+        batch = bh.post("/v1/sandboxes/batch", json={"specs": [writable.model_dump(mode="json", exclude_unset=True)]})
+        assert batch.json()["results"][0]["error"]["code"] == "permission_denied"
+        opened = bh.post("/v1/trajectories", json={"id": f"m-{secrets.token_hex(4)}", "spec": writable.model_dump(
+            mode="json", exclude_unset=True)})  # fmt: skip
+        assert opened.status_code == 403
+        with b.create(SandboxSpec(image="busybox", mounts=[Mount(source=shared, target="/mnt")])) as ro:
+            assert " /mnt " in ro.exec("cat /proc/mounts").stdout
+            assert ro.exec("grep ' /mnt ' /proc/mounts").stdout.split()[3].split(",")[0] == "ro"
+    with Client(url=url, token=TOKENS["root"], timeout=60) as root, root.create(writable) as rw:
+        assert rw.exec("grep ' /mnt ' /proc/mounts").stdout.split()[3].split(",")[0] == "rw"
 
 
 # -- item 5: what a sandbox serves cannot act on the daemon's origin --------------------------------

@@ -4,7 +4,8 @@ It wraps the node's service (the routes see it in the manager's place when `[iam
 applies the principal the API's authentication made current (`iam.CURRENT`):
 
 - creates (and batches, forks, restores, trajectories with a new sandbox) go into the principal's
-  project by default, or into one of its subtree; elsewhere is `permission_denied`. They must fit the
+  project by default, or into one of its subtree; elsewhere is `permission_denied`, as is a writable
+  host mount (read-only ones only: a host directory is shared by every project). They must fit the
   quotas of their project and of every listed ancestor (`Iam.check_create`, `Iam.take_create`):
   otherwise `resource_exhausted` naming the project. Forks and restores keep the parent's project;
 - a call naming a sandbox, snapshot or trajectory of a project the principal does not see answers
@@ -151,6 +152,18 @@ class NodeDirectory:
                 n, cpu, mem = out.get(sb.spec.project or "", (0, 0.0, 0))
                 out[sb.spec.project or ""] = (n + 1, cpu + sb.spec.resources.cpu, mem + sb.spec.resources.memory)
         return out
+
+
+def _placed(p: Principal, spec: SandboxSpec) -> SandboxSpec:
+    """`spec` as principal `p` may create it: in its project (by default) or one under it, and with
+    host mounts read-only for a project's token (a host directory one project writes and another
+    mounts would carry data between them: the root's to grant); `permission_denied` otherwise."""
+    project = p.place(spec.project)
+    if p.project is not None and any(not m.read_only for m in spec.mounts):
+        raise PermissionDeniedError(
+            f"token {p.name} may mount host paths read-only only (project {p.project}): a writable one needs the root"
+        )
+    return spec if project == spec.project else spec.model_copy(update={"project": project})
 
 
 def _hidden_sandbox(sandbox_id: str) -> SandboxNotFoundError:
@@ -354,9 +367,8 @@ class ScopedService:
         p.require_write()
         if p.project is None and spec.project is None:
             return await self.inner.create(spec, idempotency_key=idempotency_key)
-        project = p.place(spec.project)
-        if project != spec.project:
-            spec = spec.model_copy(update={"project": project})
+        spec = _placed(p, spec)
+        project = spec.project
         if not self.iam.chain(project):
             return await self.inner.create(spec, idempotency_key=idempotency_key)
         self._admit_all(project, spec, 1)
@@ -378,11 +390,11 @@ class ScopedService:
         where: list[int] = []
         for i, spec in enumerate(specs):
             try:
-                project = p.place(spec.project)
+                placed = _placed(p, spec)
             except PermissionDeniedError as exc:
                 results[i] = exc
                 continue
-            wanted.append((project, spec if project == spec.project else spec.model_copy(update={"project": project})))
+            wanted.append((placed.project, placed))
             where.append(i)
         checked = self._check(wanted)
         fits = [(w, i) for w, i, err in zip(wanted, where, checked, strict=True) if err is None]
@@ -572,9 +584,9 @@ class ScopedService:
         p.require_write()
         if req.spec is not None:
             # Placed before anything else: opened again, the request must be the one recorded (placed).
-            placed = p.place(req.spec.project)
-            if placed != req.spec.project:
-                req = req.model_copy(update={"spec": req.spec.model_copy(update={"project": placed})})
+            placed = _placed(p, req.spec)
+            if placed is not req.spec:
+                req = req.model_copy(update={"spec": placed})
         found, project = await self.directory.trajectory_project(req.id)
         if found:  # opened again: the trajectory and its sandbox exist (or its create is retried)
             if p.project is not None and not p.sees(project):
