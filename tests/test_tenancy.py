@@ -187,6 +187,12 @@ def test_a_fork_or_restore_key_of_another_project_is_simply_unused() -> None:
                 sb_a.fork(2, labels={"other": "request"}, idempotency_key="fork-key")
             with pytest.raises(SandboxError, match="used for another request"):
                 a.restore(snap_a, 2, idempotency_key="restore-key")
+        # The root retries a fork of B's sandbox, stopped since: the children it made, in B's project.
+        with Client(url=url, token=TOKENS["root"], timeout=60) as root:
+            parent = root.get(sb_b.id)
+            made = {c.id for c in _made(parent.fork(1, idempotency_key="root-fork"))}
+            parent.stop()
+            assert {c.id for c in _made(parent.fork(1, idempotency_key="root-fork"))} == made
     finally:
         destroy_daemon(d)
 
@@ -463,6 +469,7 @@ def test_every_route_answers_a_for_b_as_for_nothing(tenants: tuple[Daemon, str],
                 if one != other:
                     problems.append(f"{where}: B's objects answer {one}, nothing answers {other}")
     assert probed > 60, probed  # every route of the document, not a few
+    assert set(ELSEWHERE) <= {(m, p) for m, p, _ in _routes()}, "a route probed elsewhere is gone: update ELSEWHERE"
     assert not problems, "\n".join(problems)
     # And B's objects are as B left them.
     with Client(url=url, token=TOKENS["b"], timeout=60) as bc:

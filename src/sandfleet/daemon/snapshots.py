@@ -474,10 +474,10 @@ class Snapshots:
     ) -> builtins.list[SandboxInfo | SandboxError]:
         """`count` copies of a live (or paused) sandbox: a snapshot, restored `count` times, deleted."""
         fingerprint = json.dumps(["fork", sandbox_id, count, sorted((labels or {}).items())])
-        # The children's project is the parent's (one that is gone since: its retry finds no key
-        # but that of a sandbox without a project, and forks nothing: the parent is gone).
+        # The children's project is the parent's; a parent gone since (only the root still names it)
+        # is known by its fork's keys, whose fingerprint names it.
         parent = self.core.table.find(sandbox_id)
-        project = parent.spec.project if parent is not None else None
+        project = parent.spec.project if parent is not None else self._forked_into(idempotency_key, fingerprint)
 
         async def make() -> builtins.list[SandboxInfo | SandboxError]:
             snap = await self.snapshot(sandbox_id, temporary=True)
@@ -490,6 +490,14 @@ class Snapshots:
                     await self._drop_snapshot(rec2)
 
         return await self._keyed_batch(project, idempotency_key, fingerprint, count, make)
+
+    def _forked_into(self, key: str | None, fingerprint: str) -> str | None:
+        """The project of the children a fork with this key and fingerprint made (None: none found)."""
+        if key is not None:
+            for (project, name), (_made, seen) in self.core.keys.items():
+                if seen == fingerprint and (name == key or name.startswith(key + "#")):
+                    return project
+        return None
 
     async def changes_layer(
         self, sandbox_id: str, scrub: builtins.list[str], inspect: Callable[[Path], T]
