@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sandfleet import Client
+from sandfleet.client.sync import Sandbox
 from sandfleet.daemon.process import DaemonProcess, DaemonStartError
 from sandfleet.errors import SandboxError
 
@@ -188,3 +189,41 @@ def own_daemon() -> Iterator[Daemon]:
     d = make_daemon("own")
     yield d
     destroy_daemon(d)
+
+
+# -- an HTTP server in a sandbox, on an exposed port --------------------------------------------------
+
+HTTP_SERVER = """
+import http.server, sys
+class H(http.server.SimpleHTTPRequestHandler):
+    def end_headers(self):
+        for line in open("/srv/headers.txt").read().splitlines():
+            k, _, v = line.partition(": ")
+            if k:
+                self.send_header(k, v)
+        super().end_headers()
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(repr(sorted(self.headers.items())).encode() + b"\\n" + body)
+    do_PUT = do_PATCH = do_DELETE = do_POST
+    def do_GET(self):
+        if self.path.startswith("/echo"):
+            return self.do_POST()
+        return super().do_GET()
+http.server.test(HandlerClass=H, port=int(sys.argv[1]), bind="127.0.0.1")
+"""
+
+
+def serve_http(sb: Sandbox, port: int, page: str, headers: str = "") -> None:
+    """Start an HTTP server on `port` of `sb` (a `python` image sandbox): /srv as it is (`page` its
+    index.html), /srv/headers.txt's lines (`Name: value`, read at each request) on every answer, and
+    /echo* answering the request's headers and body; then expose the port."""
+    sb.files.write("/srv/index.html", page.encode())
+    sb.files.write("/srv/headers.txt", headers.encode())
+    sb.files.write("/opt/server.py", HTTP_SERVER.encode())
+    sb.start(f"cd /srv && exec python3 /opt/server.py {port}")
+    sb.expose(port)
+    up = f"import urllib.request as u; u.urlopen('http://127.0.0.1:{port}/index.html', timeout=5)"
+    assert wait_until(lambda: sb.exec(["python3", "-c", up]).exit_code == 0, 30)

@@ -9,6 +9,7 @@ checked without any of them.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import socket
@@ -24,7 +25,7 @@ from starlette.testclient import TestClient
 import sandfleet
 from sandfleet import Client, console
 
-from conftest import Daemon, destroy_daemon, make_daemon, wait_until
+from conftest import Daemon, destroy_daemon, make_daemon, serve_http, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 ADMIN = "console-admin-secret-00001"
@@ -512,3 +513,56 @@ def test_signing_in_with_a_wrong_token_is_refused(tab: Console) -> None:
     tab.page.locator("#login-message").wait_for(state="visible")
     assert "refused" in tab.text("#login-message")
     assert tab.page.locator("#whoami").is_hidden()
+
+
+# A page a sandbox serves on an exposed port, going for the console's origin: its token, its storage,
+# a cookie, a service worker over the whole origin, the API with the browser's credentials.
+ATTACK_PAGE = """<!doctype html><meta charset="utf-8"><title>port page</title><body>
+<script>
+(async () => {
+  const out = {};
+  const attempt = async (name, fn) => {
+    try { out[name] = String(await fn()); } catch (e) { out[name] = "refused: " + e.name; }
+  };
+  await attempt("token", () => sessionStorage.getItem("sandfleet.token"));
+  await attempt("wipe", () => { sessionStorage.clear(); localStorage.clear(); return "wiped"; });
+  await attempt("cookie", () => { document.cookie = "planted=by-script; path=/"; return document.cookie; });
+  await attempt("worker", () => navigator.serviceWorker.register("sw.js", {scope: "/"}).then(() => "registered"));
+  await attempt("api", () => fetch("/v1/whoami", {credentials: "include"}).then(r => r.text()));
+  document.body.dataset.out = JSON.stringify(out);
+  document.title = "done";
+})();
+</script>
+"""
+# ... and the headers it answers with (on every file, the page and its worker script alike).
+ATTACK_HEADERS = 'Clear-Site-Data: "*"\nSet-Cookie: planted=by-header; Path=/\nService-Worker-Allowed: /\n'
+
+
+def test_a_page_on_an_exposed_port_cannot_touch_the_console(tab: Console, admin: Client) -> None:
+    """Issue 26 item 5: a page served from an exposed port shares the console's origin by URL. It gets
+    an opaque origin (no storage, cookies or service workers of the daemon's), and the headers that act
+    on the origin whatever the page's policy (Clear-Site-Data, Set-Cookie, Service-Worker-Allowed)
+    are dropped: the console's token and data outlive a visit to it."""
+    with admin.create(image="python", idle_ttl=300) as sb:
+        sb.files.write("/srv/sw.js", b"self.addEventListener('fetch', () => {});\n")
+        serve_http(sb, 8000, ATTACK_PAGE, ATTACK_HEADERS)
+        tab.sign_in(ADMIN)
+        tab.page.evaluate("localStorage.setItem('console.probe', 'kept')")
+        # The browser reaches the port with the token (as a user's bookmarked port would, by HTTP Basic).
+        tab.context.route(
+            "**/ports/**",
+            lambda route: route.continue_(headers={**route.request.headers, "authorization": f"Bearer {ADMIN}"}),
+        )
+        tab.page.goto(f"{tab.url}/v1/sandboxes/{sb.id}/ports/8000/index.html")
+        tab.page.wait_for_function("document.title === 'done'")
+        out = json.loads(tab.page.evaluate("document.body.dataset.out"))
+        for name in ("token", "wipe", "cookie", "worker", "api"):
+            assert out[name].startswith("refused"), out
+        # Back on the console, in the same tab: still signed in, its data kept, nothing planted.
+        tab.page.goto(f"{tab.url}/console/")
+        tab.page.wait_for_selector("#whoami:not([hidden]), #login:not([hidden])")
+        assert tab.page.evaluate("sessionStorage.getItem('sandfleet.token')") == ADMIN, "signed out"
+        assert tab.page.locator("#whoami").is_visible()
+        assert tab.page.evaluate("localStorage.getItem('console.probe')") == "kept"
+        assert tab.context.cookies() == []
+        assert tab.page.evaluate("navigator.serviceWorker.getRegistrations().then(r => r.length)") == 0

@@ -112,7 +112,7 @@ async def test_an_old_database_is_migrated_in_place(tmp_path: Path) -> None:
         await store.insert(row("sb-new", idempotency_key="k", acked=False, held=True))
         await store.update("sb-old", held=True)
     with contextlib.closing(sqlite3.connect(db)) as con:
-        assert con.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert con.execute("PRAGMA user_version").fetchone()[0] == 3
         assert con.execute("SELECT id, acked, held FROM sandboxes ORDER BY id").fetchall() == [
             ("sb-new", 0, 1),
             ("sb-old", 1, 1),
@@ -140,6 +140,82 @@ async def test_batch_idempotency_keys(tmp_path: Path) -> None:
         assert await store.get_batch("fork-1") is None
         await store.delete_batches(["restore-2"])
         assert await store.get_batch("restore-2") is None
+
+
+async def test_idempotency_keys_are_per_project_and_keep_their_fingerprint(tmp_path: Path) -> None:
+    db = tmp_path / "state.db"
+    async with opened(db) as store:
+        await store.insert(row("sb-a", idempotency_key="k", project="acme/a", idempotency_fingerprint="fp-a"))
+        await store.insert(row("sb-b", idempotency_key="k", project="acme/b", idempotency_fingerprint="fp-b"))
+        await store.insert(row("sb-none", idempotency_key="k"))  # no project: a namespace of its own
+        with pytest.raises(StateConflictError):  # within a project, a key is still unique
+            await store.insert(row("sb-a2", idempotency_key="k", project="acme/a"))
+        with pytest.raises(StateConflictError):
+            await store.insert(row("sb-none2", idempotency_key="k"))
+        await store.put_batch(BatchRow("fork-1", "fork", 1.0, ["sb-a"], project="acme/a", fingerprint="f"))
+        await store.put_batch(BatchRow("fork-1", "fork", 1.0, ["sb-b"], project="acme/b"))
+        with pytest.raises(StateConflictError):
+            await store.put_batch(BatchRow("fork-1", "fork", 1.0, [], project="acme/a"))
+    async with opened(db) as store:
+        for project, sandbox_id, fingerprint in (("acme/a", "sb-a", "fp-a"), ("acme/b", "sb-b", "fp-b")):
+            got = await store.by_idempotency_key("k", project)
+            assert got is not None and (got.id, got.project, got.idempotency_fingerprint) == (
+                sandbox_id,
+                project,
+                fingerprint,
+            )
+        none = await store.by_idempotency_key("k")
+        assert none is not None and none.id == "sb-none" and none.project is None
+        assert await store.by_idempotency_key("k", "acme/c") is None
+        batch = await store.get_batch("fork-1", "acme/a")
+        assert batch is not None and (batch.sandbox_ids, batch.fingerprint) == (["sb-a"], "f")
+        assert await store.get_batch("fork-1") is None
+        await store.delete_batches(["fork-1"], "acme/b")
+        assert await store.get_batch("fork-1", "acme/b") is None and await store.get_batch("fork-1", "acme/a")
+
+
+async def test_a_schema_2_database_gets_keys_per_project(tmp_path: Path) -> None:
+    """Schema 2 had one key namespace (a unique index on the key, batches keyed by the key alone): the
+    migration fills each row's project from its spec and rebuilds the batches table, rows kept."""
+    db = tmp_path / "state.db"
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        con.executescript(
+            OLD_SCHEMA
+            + """
+            ALTER TABLE sandboxes ADD COLUMN idempotency_key TEXT;
+            ALTER TABLE sandboxes ADD COLUMN acked INTEGER NOT NULL DEFAULT 1;
+            ALTER TABLE sandboxes ADD COLUMN held INTEGER NOT NULL DEFAULT 0;
+            CREATE UNIQUE INDEX sandboxes_by_idempotency_key ON sandboxes (idempotency_key)
+                WHERE idempotency_key IS NOT NULL;
+            CREATE TABLE idempotency_batches (key TEXT PRIMARY KEY, kind TEXT NOT NULL, created_at REAL NOT NULL,
+                sandbox_ids TEXT NOT NULL, result TEXT);
+            CREATE INDEX idempotency_batches_by_time ON idempotency_batches (created_at);
+            PRAGMA user_version=2;
+            """
+        )
+        spec = json.dumps({"image": "busybox", "project": "acme/a"})
+        con.execute(
+            "INSERT INTO sandboxes (id, state, backend, spec, labels, created_at, last_active_at, idempotency_key)"
+            " VALUES ('sb-old', 'running', 'container', ?, '{}', 1, 1, 'trajectory:t-1')",
+            (spec,),
+        )
+        con.execute("INSERT INTO idempotency_batches VALUES ('fork-1', 'fork', 1.0, '[\"sb-old\"]', NULL)")
+        con.commit()
+    async with opened(db) as store:
+        assert store.reset_from is None
+        old = await store.by_idempotency_key("trajectory:t-1", "acme/a")
+        assert old is not None and old.id == "sb-old" and old.idempotency_fingerprint is None
+        assert await store.by_idempotency_key("trajectory:t-1", "acme/b") is None
+        # Another project's sandbox may now carry the same key.
+        await store.insert(row("sb-new", idempotency_key="trajectory:t-1", project="acme/b"))
+        batch = await store.get_batch("fork-1")
+        assert batch is not None and batch.sandbox_ids == ["sb-old"] and batch.project is None
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        assert con.execute("PRAGMA user_version").fetchone()[0] == 3
+        indexes = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+        assert "sandboxes_by_idempotency_key" not in indexes and "sandboxes_by_project_key" in indexes
+    async with opened(db) as store:  # a second open finds nothing to migrate
+        assert len(await store.all()) == 2 and await store.get_batch("fork-1") is not None
 
 
 # --------------------------------------------------------------------------- a full disk

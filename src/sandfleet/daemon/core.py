@@ -65,6 +65,10 @@ CLAIM_WINDOW = 120.0  # a sandbox whose create was never answered is stopped aft
 
 ACTIVITY_FLUSH = 5.0  # last-activity times reach the state store this often
 
+# An idempotency key as the node keeps it: (the project of what it made, the key). Keys of two
+# projects never meet: a create of project A with B's key makes A a sandbox of its own.
+KeyName = tuple[str | None, str]
+
 
 def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
@@ -75,12 +79,14 @@ def wire_text(data: bytes, encoding: str) -> str:
     return base64.b64encode(data).decode() if encoding == "base64" else _decode(data)
 
 
-def store_row(sb: Sandbox, runtime: dict[str, Any]) -> SandboxRow:
-    """The state-store row of a sandbox being created or handed out."""
+def store_row(sb: Sandbox, runtime: dict[str, Any], fingerprint: str | None = None) -> SandboxRow:
+    """The state-store row of a sandbox being created or handed out (`fingerprint`: of the request
+    its idempotency key came with, kept so that a retry after a restart is checked as before one)."""
     spec = sb.spec
     return SandboxRow(sb.id, sb.state, spec.backend, spec.model_dump(mode="json"), spec.labels, runtime,
                       sb.created_at, sb.last_active_at, None, None,
-                      idempotency_key=sb.idempotency_key, acked=sb.acked, held=sb.held)  # fmt: skip
+                      idempotency_key=sb.idempotency_key, acked=sb.acked, held=sb.held,
+                      project=spec.project, idempotency_fingerprint=fingerprint)  # fmt: skip
 
 
 # What a spec made by an older version may carry that this one bounds more tightly: dropped (with a
@@ -169,8 +175,9 @@ class NodeCore:
         self.node_key = node_key  # in every sandbox and snapshot id this node makes (sandfleet.ids)
         self.table = SandboxTable()
         self.journal = EventJournal(state)
-        # idempotency key -> (the sandbox id it made, or the create still running; the request's fingerprint)
-        self.keys: dict[str, tuple[str | asyncio.Future[str], str]] = {}
+        # (project, idempotency key) -> (the sandbox id it made, or the create still running; the
+        # request's fingerprint). Keys are per project: another project's key is simply unused.
+        self.keys: dict[KeyName, tuple[str | asyncio.Future[str], str]] = {}
         self.tg: asyncio.TaskGroup | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
         self.dirty_activity: dict[str, float] = {}  # last-activity times not yet in the state store
@@ -236,9 +243,10 @@ class NodeCore:
         """No longer listed: out of the table, its idempotency key free again."""
         self.table.discard(sb)
         if sb.idempotency_key is not None:
-            entry = self.keys.get(sb.idempotency_key)
+            name = (sb.spec.project, sb.idempotency_key)
+            entry = self.keys.get(name)
             if entry is not None and entry[0] == sb.id:
-                del self.keys[sb.idempotency_key]
+                del self.keys[name]
 
     async def forget(self, sb: Sandbox) -> None:
         """Persist a terminal state; drop the row at once when nothing is retained."""

@@ -4,7 +4,9 @@ A create takes its admission budget first, resolves the image (building a built-
 applies the image's defaults, records the sandbox `creating`, lets the backend start it, and moves it
 to `running` once its agent said hello; a failure anywhere hands the budget back and leaves a
 `failed` record. With an idempotency key, a retried create (after a timeout, a broken connection or
-a daemon restart) gets the sandbox the first one made. Restores (snapshots.py) start through
+a daemon restart) gets the sandbox the first one made. Keys are per project (the spec's): a key of
+another project is simply unused, so keys (a trajectory's `trajectory:<id>` is predictable) neither
+hand out nor reveal another project's sandboxes. Restores (snapshots.py) start through
 `start_admitted` too.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon import failpoints
-from sandfleet.daemon.core import CLAIM_WINDOW, NodeCore, log, store_row
+from sandfleet.daemon.core import CLAIM_WINDOW, KeyName, NodeCore, log, store_row
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.images import Images
 from sandfleet.daemon.lifecycle import CREATING, FAILED, RUNNING, Sandbox, new_sandbox_id
@@ -63,22 +65,28 @@ class Creation:
             tasks = [tg.create_task(one(spec, key)) for spec, key in zip(specs, keys, strict=True)]
         return [t.result() for t in tasks]
 
-    async def claimed(self, key: str, fingerprint: str) -> SandboxInfo | None:
-        """What an idempotency key already made (waiting for a create with it still running)."""
+    def holds(self, project: str | None, key: str) -> bool:
+        """Whether this node holds idempotency key `key` of `project`: a sandbox made with it, or a
+        create with it still running (a retried create that reached another gateway asks)."""
+        return (project, key) in self.core.keys
+
+    async def claimed(self, name: KeyName, fingerprint: str) -> SandboxInfo | None:
+        """What an idempotency key (project, key) already made (waiting for a create with it still
+        running); a key made by another request of the project is `invalid_argument`."""
         while True:
-            entry = self.core.keys.get(key)
+            entry = self.core.keys.get(name)
             if entry is None:
                 return None
             made, seen = entry
-            if seen != fingerprint and seen != "":
-                raise InvalidArgumentError(f"idempotency key {shown(key)} was used for another request")
+            if seen != fingerprint and seen != "":  # "": kept by a version that did not record it
+                raise InvalidArgumentError(f"idempotency key {shown(name[1])} was used for another request")
             if isinstance(made, asyncio.Future):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(made)
                 continue  # settled: look again (a failed create frees its key)
             sb = self.core.table.find(made)
             if sb is None:  # forgotten since (stopped and past retention): the key is free again
-                self.core.keys.pop(key, None)
+                self.core.keys.pop(name, None)
                 return None
             if sb.state == CREATING:
                 await asyncio.shield(sb.created.wait())
@@ -93,19 +101,20 @@ class Creation:
             failpoints.hit("create_before_answer")
             return info
         fingerprint = spec.model_dump_json(exclude_unset=True)
-        existing = await self.claimed(idempotency_key, fingerprint)
+        name = (spec.project, idempotency_key)
+        existing = await self.claimed(name, fingerprint)
         if existing is not None:
             return existing
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.core.keys[idempotency_key] = (fut, fingerprint)
+        self.core.keys[name] = (fut, fingerprint)
         try:
-            info = await self._create(spec, idempotency_key)
+            info = await self._create(spec, idempotency_key, fingerprint)
         except BaseException as exc:
-            self.core.keys.pop(idempotency_key, None)
+            self.core.keys.pop(name, None)
             fut.set_exception(exc if isinstance(exc, Exception) else InternalError("create cancelled"))
             fut.exception()  # retrieved: waiters look again
             raise
-        self.core.keys[idempotency_key] = (info.id, fingerprint)
+        self.core.keys[name] = (info.id, fingerprint)
         fut.set_result(info.id)
         failpoints.hit("create_before_answer")
         return info
@@ -125,7 +134,7 @@ class Creation:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
-    async def _create(self, spec: SandboxSpec, key: str | None) -> SandboxInfo:
+    async def _create(self, spec: SandboxSpec, key: str | None, fingerprint: str | None = None) -> SandboxInfo:
         self.check_backend(spec)
         self.check_node_selector(spec)
         self.networking.check(spec)
@@ -136,7 +145,7 @@ class Creation:
             effective = self.images.with_image_defaults(spec, pooled) if pooled is not None else spec
             live = self.core.pools.take(pkey)
             if live is not None:
-                return await self._hand_out(effective, live, key)
+                return await self._hand_out(effective, live, key, fingerprint)
         self.admit(spec)
         try:
             image = await self.images.resolve_environment(spec)
@@ -147,13 +156,15 @@ class Creation:
             raise
         created = {"image": spec.environment(), "layers": [x.digest for x in image.layers]}
         tier = self.core.tier_for(spec.backend)
-        return await self.start_admitted(spec, lambda sid: tier.create(sid, spec, image), created, key)
+        return await self.start_admitted(
+            spec, lambda sid: tier.create(sid, spec, image), created, key, fingerprint=fingerprint
+        )
 
-    def check_draining(self, key: str | None = None) -> None:
+    def check_draining(self, key: str | None = None, project: str | None = None) -> None:
         """A caller's new sandbox (create, batch, a trajectory's): refused while the node drains. The
         node's own (verifiers, fncall workers), forks and restores of its snapshots, and a retried
-        create whose idempotency key already made its sandbox still go through."""
-        if self.core.draining and (key is None or key not in self.core.keys):
+        create whose idempotency key (of the spec's `project`) already made its sandbox still go through."""
+        if self.core.draining and (key is None or (project, key) not in self.core.keys):
             raise UnavailableError(f"node {self.core.node_key} is draining: it takes no new sandboxes")
 
     def check_node_selector(self, spec: SandboxSpec) -> None:
@@ -185,8 +196,11 @@ class Creation:
         start: Callable[[str], Awaitable[LiveSandbox]],
         created: dict[str, Any],
         key: str | None = None,
+        *,
+        fingerprint: str | None = None,
     ) -> SandboxInfo:
-        """Record a new sandbox, start it with `start(id)` (a create or a restore), make it running."""
+        """Record a new sandbox, start it with `start(id)` (a create or a restore), make it running;
+        `key` and `fingerprint`: its idempotency key and the request's, kept in its row."""
         # Until the backend holds the resources, a failure must hand the admission budget back.
         holds_budget = True
         t0 = time.perf_counter()
@@ -198,7 +212,7 @@ class Creation:
             self.core.table.add(sb)
             finished = sb.created  # set however this create ends; a concurrent stop waits on it
             try:
-                await self.core.state.insert(store_row(sb, {}))
+                await self.core.state.insert(store_row(sb, {}, fingerprint))
             except BaseException as exc:
                 self.core.table.discard(sb)
                 finished.set()
@@ -232,7 +246,9 @@ class Creation:
                 self.core.admission.release(spec.resources)
         return sb.info()
 
-    async def _hand_out(self, spec: SandboxSpec, live: LiveSandbox, key: str | None = None) -> SandboxInfo:
+    async def _hand_out(
+        self, spec: SandboxSpec, live: LiveSandbox, key: str | None = None, fingerprint: str | None = None
+    ) -> SandboxInfo:
         """Give a warm sandbox to this caller (its budget is already committed) and make it theirs."""
         t0 = time.perf_counter()
         now = time.time()
@@ -241,7 +257,7 @@ class Creation:
         sb.created.set()
         self.core.table.add(sb)
         live.channel.on_close = lambda _ch: self.core.on_agent_lost(sb.id)
-        await self.core.state.insert(store_row(sb, live.runtime))
+        await self.core.state.insert(store_row(sb, live.runtime, fingerprint))
         self.core.metrics.pool_hits.inc()
         await self._settle_create(sb, live, {"image": spec.environment(), "pooled": True}, t0)
         return sb.info()

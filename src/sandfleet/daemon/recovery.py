@@ -48,7 +48,9 @@ class Recovery:
                 continue
             unheard = not row.acked and row.idempotency_key is None
             if row.idempotency_key is not None:  # a retry of its create gets this one, stopped or not
-                self.core.keys[row.idempotency_key] = (row.id, "")
+                # In its project's namespace, checked against the request it came with (as before
+                # the restart; "" for a row of a version that did not keep it: any request).
+                self.core.keys[(spec.project, row.idempotency_key)] = (row.id, row.idempotency_fingerprint or "")
             if tier is not None and row.state in HOLDING_STATES and not unheard:
                 # adopt() thaws a paused sandbox first (a frozen agent cannot answer): it comes back
                 # running; one paused on request is paused again below, its idle policy may pause

@@ -4,12 +4,14 @@ It wraps the node's service (the routes see it in the manager's place when `[iam
 applies the principal the API's authentication made current (`iam.CURRENT`):
 
 - creates (and batches, forks, restores, trajectories with a new sandbox) go into the principal's
-  project by default, or into one of its subtree; elsewhere is `permission_denied`. They must fit the
+  project by default, or into one of its subtree; elsewhere is `permission_denied`, as is a writable
+  host mount (read-only ones only: a host directory is shared by every project). They must fit the
   quotas of their project and of every listed ancestor (`Iam.check_create`, `Iam.take_create`):
   otherwise `resource_exhausted` naming the project. Forks and restores keep the parent's project;
 - a call naming a sandbox, snapshot or trajectory of a project the principal does not see answers
   `not_found`, word for word as for one that does not exist (ids of other projects do not leak);
-- lists and label-wide calls (stop, pause, resume, lifetimes, network) touch visible sandboxes only;
+- lists and label-wide calls (stop, pause, resume, lifetimes, network) touch visible sandboxes only,
+  and the node's health counts the sandboxes the principal sees (others' are theirs to know);
 - read-only principals cannot act (also refused earlier by the API, by HTTP method);
 - node-wide things: the audit stream and metrics need a root principal; changing the image store
   (delete, gc, push, import, recipe builds, pack) a root admin; anyone may list images and build a
@@ -150,6 +152,18 @@ class NodeDirectory:
                 n, cpu, mem = out.get(sb.spec.project or "", (0, 0.0, 0))
                 out[sb.spec.project or ""] = (n + 1, cpu + sb.spec.resources.cpu, mem + sb.spec.resources.memory)
         return out
+
+
+def _placed(p: Principal, spec: SandboxSpec) -> SandboxSpec:
+    """`spec` as principal `p` may create it: in its project (by default) or one under it, and with
+    host mounts read-only for a project's token (a host directory one project writes and another
+    mounts would carry data between them: the root's to grant); `permission_denied` otherwise."""
+    project = p.place(spec.project)
+    if p.project is not None and any(not m.read_only for m in spec.mounts):
+        raise PermissionDeniedError(
+            f"token {p.name} may mount host paths read-only only (project {p.project}): a writable one needs the root"
+        )
+    return spec if project == spec.project else spec.model_copy(update={"project": project})
 
 
 def _hidden_sandbox(sandbox_id: str) -> SandboxNotFoundError:
@@ -326,7 +340,13 @@ class ScopedService:
     # -- node ------------------------------------------------------------------------------------
 
     async def health(self) -> Health:
-        return await self.inner.health()
+        health = await self.inner.health()
+        p = current()
+        if p.project is None:
+            return health
+        # How many sandboxes other projects run is theirs to know: the count is of those it sees.
+        running = sum(1 for s in await self.inner.list(None, "running") if p.sees(s.spec.project))
+        return health.model_copy(update={"sandboxes_running": running})
 
     async def metrics_text(self) -> tuple[bytes, str]:
         current().require_root("the node's metrics")
@@ -347,9 +367,8 @@ class ScopedService:
         p.require_write()
         if p.project is None and spec.project is None:
             return await self.inner.create(spec, idempotency_key=idempotency_key)
-        project = p.place(spec.project)
-        if project != spec.project:
-            spec = spec.model_copy(update={"project": project})
+        spec = _placed(p, spec)
+        project = spec.project
         if not self.iam.chain(project):
             return await self.inner.create(spec, idempotency_key=idempotency_key)
         self._admit_all(project, spec, 1)
@@ -371,11 +390,11 @@ class ScopedService:
         where: list[int] = []
         for i, spec in enumerate(specs):
             try:
-                project = p.place(spec.project)
+                placed = _placed(p, spec)
             except PermissionDeniedError as exc:
                 results[i] = exc
                 continue
-            wanted.append((project, spec if project == spec.project else spec.model_copy(update={"project": project})))
+            wanted.append((placed.project, placed))
             where.append(i)
         checked = self._check(wanted)
         fits = [(w, i) for w, i, err in zip(wanted, where, checked, strict=True) if err is None]
@@ -563,6 +582,11 @@ class ScopedService:
     async def open_trajectory(self, req: TrajectoryOpen) -> TrajectoryInfo:
         p = current()
         p.require_write()
+        if req.spec is not None:
+            # Placed before anything else: opened again, the request must be the one recorded (placed).
+            placed = _placed(p, req.spec)
+            if placed is not req.spec:
+                req = req.model_copy(update={"spec": placed})
         found, project = await self.directory.trajectory_project(req.id)
         if found:  # opened again: the trajectory and its sandbox exist (or its create is retried)
             if p.project is not None and not p.sees(project):
@@ -573,10 +597,7 @@ class ScopedService:
             return await self.inner.open_trajectory(req)
         spec: SandboxSpec | None
         if req.spec is not None:
-            project = p.place(req.spec.project)
-            if project != req.spec.project:
-                req = req.model_copy(update={"spec": req.spec.model_copy(update={"project": project})})
-            spec = req.spec
+            project, spec = req.spec.project, req.spec
         else:
             assert req.snapshot_id is not None
             info = await self._visible_snapshot(req.snapshot_id, p)

@@ -297,7 +297,7 @@ class SandboxManager:
     # -- sandboxes -------------------------------------------------------------------------------
 
     async def create(self, spec: SandboxSpec, *, idempotency_key: str | None = None) -> SandboxInfo:
-        self.creation.check_draining(idempotency_key)
+        self.creation.check_draining(idempotency_key, spec.project)
         return await self.creation.create(spec, idempotency_key=idempotency_key)
 
     async def create_batch(

@@ -328,18 +328,23 @@ class Snapshots:
             await asyncio.to_thread(shutil.rmtree, path, True)
 
     async def _batch_key(
-        self, key: str, fingerprint: str, count: int
+        self, project: str | None, key: str, fingerprint: str, count: int
     ) -> builtins.list[SandboxInfo | SandboxError] | None:
-        """A fork or restore retried with its idempotency key: the children the first one made
-        (waiting for it if it still runs); None if the key is new."""
+        """A fork or restore retried with its idempotency key (of the children's `project`): the
+        children the first one made (waiting for it if it still runs); None if the key is new."""
         while True:
-            entry = self.core.keys.get(key)
+            entry = self.core.keys.get((project, key))
             if entry is None:
-                if f"{key}#0" not in self.core.keys:
+                # Made before a restart: its children's rows carry their keys `key#i` and the
+                # batch's fingerprint (any child that was made tells).
+                entry = next(
+                    (("batch", e[1]) for i in range(count) if (e := self.core.keys.get((project, f"{key}#{i}")))),
+                    None,
+                )
+                if entry is None:
                     return None
-                entry = ("batch", fingerprint)  # made before a restart: its children's rows carry the keys
             made, seen = entry
-            if seen != fingerprint:
+            if seen != fingerprint and seen != "":  # "": kept by a version that did not record it
                 raise InvalidArgumentError(f"idempotency key {shown(key)} was used for another request")
             if not isinstance(made, asyncio.Future):
                 break
@@ -347,29 +352,34 @@ class Snapshots:
                 await asyncio.shield(made)  # then look again: it made its children, or nothing
         out: builtins.list[SandboxInfo | SandboxError] = []
         for i in range(count):
-            child = await self.creation.claimed(f"{key}#{i}", "")
+            child = await self.creation.claimed((project, f"{key}#{i}"), seen)
             out.append(child if child is not None else InternalError("this child was not made (it failed)"))
         return out
 
     async def _keyed_batch(
-        self, key: str | None, fingerprint: str, count: int, make: Callable[[], Awaitable[builtins.list[Any]]]
+        self,
+        project: str | None,
+        key: str | None,
+        fingerprint: str,
+        count: int,
+        make: Callable[[], Awaitable[builtins.list[Any]]],
     ) -> builtins.list[SandboxInfo | SandboxError]:
-        """Run a fork or restore under its idempotency key: a concurrent or later retry waits for it
-        and gets the same children."""
+        """Run a fork or restore under its idempotency key (of the children's `project`): a
+        concurrent or later retry waits for it and gets the same children."""
         if key is None:
             return await make()
-        done = await self._batch_key(key, fingerprint, count)
+        done = await self._batch_key(project, key, fingerprint, count)
         if done is not None:
             return done
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.core.keys[key] = (fut, fingerprint)
+        self.core.keys[(project, key)] = (fut, fingerprint)
         try:
             results = await make()
         except BaseException:
-            self.core.keys.pop(key, None)  # it made nothing: a retry runs it again
+            self.core.keys.pop((project, key), None)  # it made nothing: a retry runs it again
             fut.set_result("failed")
             raise
-        self.core.keys[key] = ("batch", fingerprint)
+        self.core.keys[(project, key)] = ("batch", fingerprint)
         fut.set_result("batch")
         return results
 
@@ -400,12 +410,18 @@ class Snapshots:
         spec = self._child_spec(rec, labels)
         fingerprint = json.dumps(["restore", snapshot_id, count, sorted((labels or {}).items())])
         return await self._keyed_batch(
-            idempotency_key, fingerprint, count, lambda: self._restore(rec, spec, count, idempotency_key)
+            spec.project,
+            idempotency_key,
+            fingerprint,
+            count,
+            lambda: self._restore(rec, spec, count, idempotency_key, fingerprint),
         )
 
     async def _restore(
-        self, rec: SnapshotRecord, spec: SandboxSpec, count: int, key: str | None
+        self, rec: SnapshotRecord, spec: SandboxSpec, count: int, key: str | None, fingerprint: str | None = None
     ) -> builtins.list[SandboxInfo | SandboxError]:
+        """`count` children of `rec`; with an idempotency key, child i's is `key#i` (of the spec's
+        project), kept with the batch's `fingerprint` in its row (a retry after a restart is checked)."""
         tier = self.core.tier_for(spec.backend)
         if not isinstance(tier, Snapshottable) or not offers(tier, "snapshot"):
             raise unsupported(tier, "restore a snapshot")
@@ -418,10 +434,14 @@ class Snapshots:
                 self.creation.check_backend(spec)
                 self.creation.admit(spec)
                 info = await self.creation.start_admitted(
-                    spec, lambda sid: tier.restore(sid, spec, rec.path, rec.meta), created, child_key
+                    spec,
+                    lambda sid: tier.restore(sid, spec, rec.path, rec.meta),
+                    created,
+                    child_key,
+                    fingerprint=fingerprint,
                 )
                 if child_key is not None:
-                    self.core.keys[child_key] = (info.id, "")
+                    self.core.keys[(spec.project, child_key)] = (info.id, fingerprint or "")
                 child = self.core.table.find(info.id)
                 if child is not None and child.live is not None:
                     self._inherit(child, child.live, inherit)
@@ -454,18 +474,30 @@ class Snapshots:
     ) -> builtins.list[SandboxInfo | SandboxError]:
         """`count` copies of a live (or paused) sandbox: a snapshot, restored `count` times, deleted."""
         fingerprint = json.dumps(["fork", sandbox_id, count, sorted((labels or {}).items())])
+        # The children's project is the parent's; a parent gone since (only the root still names it)
+        # is known by its fork's keys, whose fingerprint names it.
+        parent = self.core.table.find(sandbox_id)
+        project = parent.spec.project if parent is not None else self._forked_into(idempotency_key, fingerprint)
 
         async def make() -> builtins.list[SandboxInfo | SandboxError]:
             snap = await self.snapshot(sandbox_id, temporary=True)
             try:
                 rec = self._snapshot(snap.id)
-                return await self._restore(rec, self._child_spec(rec, labels), count, idempotency_key)
+                return await self._restore(rec, self._child_spec(rec, labels), count, idempotency_key, fingerprint)
             finally:
                 rec2 = self.records.get(snap.id)
                 if rec2 is not None:
                     await self._drop_snapshot(rec2)
 
-        return await self._keyed_batch(idempotency_key, fingerprint, count, make)
+        return await self._keyed_batch(project, idempotency_key, fingerprint, count, make)
+
+    def _forked_into(self, key: str | None, fingerprint: str) -> str | None:
+        """The project of the children a fork with this key and fingerprint made (None: none found)."""
+        if key is not None:
+            for (project, name), (_made, seen) in self.core.keys.items():
+                if seen == fingerprint and (name == key or name.startswith(key + "#")):
+                    return project
+        return None
 
     async def changes_layer(
         self, sandbox_id: str, scrub: builtins.list[str], inspect: Callable[[Path], T]

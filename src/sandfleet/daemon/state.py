@@ -36,11 +36,26 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
+# The idempotency keys of batch requests, per project ('' for none); also what a schema-2 table (keyed
+# by the key alone) is rebuilt as.
+_BATCHES = """
+CREATE TABLE IF NOT EXISTS idempotency_batches (
+    project TEXT NOT NULL DEFAULT '',
+    key TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    sandbox_ids TEXT NOT NULL,
+    result TEXT,
+    fingerprint TEXT,
+    PRIMARY KEY (project, key)
+)
+"""
 # Tables as a fresh database gets them. Databases made before a column existed get it from
 # `_ADDED_COLUMNS` (ALTER TABLE ADD COLUMN) when opened; indexes on such columns come after that.
-SCHEMA = """
+SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS sandboxes (
     id TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -54,7 +69,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     stop_reason TEXT,
     idempotency_key TEXT,
     acked INTEGER NOT NULL DEFAULT 1,
-    held INTEGER NOT NULL DEFAULT 0
+    held INTEGER NOT NULL DEFAULT 0,
+    project TEXT,
+    idempotency_fingerprint TEXT
 );
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -63,17 +80,13 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL,
     data TEXT NOT NULL
 );
-CREATE TABLE IF NOT EXISTS idempotency_batches (
-    key TEXT PRIMARY KEY,
-    kind TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    sandbox_ids TEXT NOT NULL,
-    result TEXT
-);
 """
+    + _BATCHES
+)
 INDEXES = """
 CREATE INDEX IF NOT EXISTS events_by_sandbox ON events (sandbox_id, seq);
-CREATE UNIQUE INDEX IF NOT EXISTS sandboxes_by_idempotency_key ON sandboxes (idempotency_key)
+DROP INDEX IF EXISTS sandboxes_by_idempotency_key;
+CREATE UNIQUE INDEX IF NOT EXISTS sandboxes_by_project_key ON sandboxes (COALESCE(project, ''), idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS idempotency_batches_by_time ON idempotency_batches (created_at);
 """
@@ -83,13 +96,17 @@ _BASE_COLUMNS = {
         "stop_reason",
     ),
     "events": ("seq", "sandbox_id", "time", "kind", "data"),
-    "idempotency_batches": ("key", "kind", "created_at", "sandbox_ids", "result"),
+    "idempotency_batches": ("project", "key", "kind", "created_at", "sandbox_ids", "result", "fingerprint"),
 }  # fmt: skip
 _ADDED_COLUMNS = (
     ("idempotency_key", "TEXT"),
     ("acked", "INTEGER NOT NULL DEFAULT 1"),
     ("held", "INTEGER NOT NULL DEFAULT 0"),
+    ("project", "TEXT"),  # the spec's, as a column: idempotency keys are unique per project
+    ("idempotency_fingerprint", "TEXT"),
 )
+# idempotency_batches before keys were per project (schema 2): its key alone was the primary key.
+_BATCH_COLUMNS_V2 = ("key", "kind", "created_at", "sandbox_ids", "result")
 SANDBOX_COLUMNS = _BASE_COLUMNS["sandboxes"] + tuple(name for name, _ in _ADDED_COLUMNS)
 _JSON_COLUMNS = ("spec", "labels", "runtime")
 _BOOL_COLUMNS = ("acked", "held")
@@ -203,24 +220,32 @@ class SandboxRow:
     last_active_at: float
     stopped_at: float | None
     stop_reason: str | None
-    # The create request's idempotency key (unique among rows), if it had one.
+    # The create request's idempotency key (unique among the rows of its project), if it had one.
     idempotency_key: str | None = None
     # False while the answer to the create has not been handed to its client.
     acked: bool = True
     # Paused on request (not by the idle policy): survives restarts.
     held: bool = False
+    # The spec's project (None: none): the namespace of its idempotency key.
+    project: str | None = None
+    # What the keyed request was (its fingerprint): a retry after a restart is checked against it.
+    # None for rows made before it was kept.
+    idempotency_fingerprint: str | None = None
 
 
 @dataclass
 class BatchRow:
     """The idempotency key of a batch request (fork, restore, a batch create): the sandboxes it
-    made, in request order (None for an item that failed), and optionally the answer given."""
+    made, in request order (None for an item that failed), and optionally the answer given. Keys
+    are per project (None: none), as sandboxes' are."""
 
     key: str
     kind: str
     created_at: float
     sandbox_ids: list[str | None] = field(default_factory=list)
     result: Any = None
+    project: str | None = None
+    fingerprint: str | None = None
 
 
 def _row(r: sqlite3.Row) -> SandboxRow:
@@ -241,6 +266,8 @@ def _row(r: sqlite3.Row) -> SandboxRow:
         idempotency_key=r["idempotency_key"] if "idempotency_key" in keys else None,
         acked=bool(r["acked"]) if "acked" in keys else True,
         held=bool(r["held"]) if "held" in keys else False,
+        project=r["project"] if "project" in keys else None,
+        idempotency_fingerprint=r["idempotency_fingerprint"] if "idempotency_fingerprint" in keys else None,
     )
 
 
@@ -251,6 +278,8 @@ def _batch(r: sqlite3.Row) -> BatchRow:
         created_at=r["created_at"],
         sandbox_ids=json.loads(r["sandbox_ids"]),
         result=None if r["result"] is None else json.loads(r["result"]),
+        project=r["project"] or None,
+        fingerprint=r["fingerprint"],
     )
 
 
@@ -420,6 +449,16 @@ class StateStore:
             for name, decl in _ADDED_COLUMNS:
                 if name not in have:
                     db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
+            if "project" not in have:  # rows of schema 2: their key's project is their spec's
+                db.execute("UPDATE sandboxes SET project = json_extract(spec, '$.project')")
+            if columns("idempotency_batches") == list(_BATCH_COLUMNS_V2):
+                # Schema 2's table (keyed by the key alone): rebuilt keyed per project, rows kept
+                # (of no project: a key recorded then was not scoped).
+                old = ", ".join(_BATCH_COLUMNS_V2)
+                db.execute("ALTER TABLE idempotency_batches RENAME TO idempotency_batches_v2")
+                db.execute(_BATCHES)
+                db.execute(f"INSERT INTO idempotency_batches ({old}) SELECT {old} FROM idempotency_batches_v2")
+                db.execute("DROP TABLE idempotency_batches_v2")
             for table, expected in _BASE_COLUMNS.items():
                 missing = [c for c in expected if c not in columns(table)]
                 if missing:
@@ -524,11 +563,13 @@ class StateStore:
 
         return await self._run(q)
 
-    async def by_idempotency_key(self, key: str) -> SandboxRow | None:
-        """The row created with this idempotency key, if any."""
+    async def by_idempotency_key(self, key: str, project: str | None = None) -> SandboxRow | None:
+        """The row of `project` (None: none) created with this idempotency key, if any."""
 
         def q(db: sqlite3.Connection) -> SandboxRow | None:
-            r = db.execute("SELECT * FROM sandboxes WHERE idempotency_key=?", (key,)).fetchone()
+            r = db.execute(
+                "SELECT * FROM sandboxes WHERE idempotency_key=? AND COALESCE(project, '')=?", (key, project or "")
+            ).fetchone()
             return _row(r) if r else None
 
         return await self._run(q)
@@ -550,29 +591,41 @@ class StateStore:
     # ------------------------------------------------------------------ idempotency keys of batches
 
     async def put_batch(self, row: BatchRow) -> None:
-        """Record a batch request's key; StateConflictError if the key is taken."""
+        """Record a batch request's key; StateConflictError if its project holds the key already."""
         values = (
+            row.project or "",
             row.key,
             row.kind,
             row.created_at,
             json.dumps(row.sandbox_ids),
             None if row.result is None else json.dumps(row.result),
+            row.fingerprint,
         )
         await self._run(
             lambda db: db.execute(
-                "INSERT INTO idempotency_batches (key, kind, created_at, sandbox_ids, result) VALUES (?,?,?,?,?)",
+                "INSERT INTO idempotency_batches (project, key, kind, created_at, sandbox_ids, result, fingerprint)"
+                " VALUES (?,?,?,?,?,?,?)",
                 values,
             )
         )
 
-    async def get_batch(self, key: str) -> BatchRow | None:
+    async def get_batch(self, key: str, project: str | None = None) -> BatchRow | None:
         def q(db: sqlite3.Connection) -> BatchRow | None:
-            r = db.execute("SELECT * FROM idempotency_batches WHERE key=?", (key,)).fetchone()
+            r = db.execute(
+                "SELECT * FROM idempotency_batches WHERE project=? AND key=?", (project or "", key)
+            ).fetchone()
             return _batch(r) if r else None
 
         return await self._run(q)
 
-    async def update_batch(self, key: str, *, sandbox_ids: list[str | None] | None = None, result: Any = None) -> None:
+    async def update_batch(
+        self,
+        key: str,
+        *,
+        sandbox_ids: list[str | None] | None = None,
+        result: Any = None,
+        project: str | None = None,
+    ) -> None:
         """Replace a batch's sandbox ids and/or its recorded answer (None leaves either as it is)."""
         cols, vals = [], []
         if sandbox_ids is not None:
@@ -583,13 +636,15 @@ class StateStore:
             vals.append(json.dumps(result))
         if not cols:
             return
-        sql = f"UPDATE idempotency_batches SET {', '.join(cols)} WHERE key=?"
-        await self._run(lambda db: db.execute(sql, (*vals, key)))
+        sql = f"UPDATE idempotency_batches SET {', '.join(cols)} WHERE project=? AND key=?"
+        await self._run(lambda db: db.execute(sql, (*vals, project or "", key)))
 
-    async def delete_batches(self, keys: Iterable[str]) -> None:
-        items = [(k,) for k in keys]
+    async def delete_batches(self, keys: Iterable[str], project: str | None = None) -> None:
+        items = [(project or "", k) for k in keys]
         if items:
-            await self._run(lambda db: db.executemany("DELETE FROM idempotency_batches WHERE key=?", items))
+            await self._run(
+                lambda db: db.executemany("DELETE FROM idempotency_batches WHERE project=? AND key=?", items)
+            )
 
     async def expire_batches(self, before: float) -> int:
         """Forget batch keys recorded before `before` (a unix time); returns how many went."""

@@ -19,6 +19,7 @@ from sandfleet.errors import UnavailableError
 from sandfleet.models import (
     AuditList,
     AuditQuery,
+    AuditRecord,
     ExposedPort,
     ExposedPortList,
     ExposeRequest,
@@ -29,7 +30,8 @@ from sandfleet.models import (
     SandboxInfo,
 )
 
-# Headers that describe one hop, or carry the daemon's own credentials: never passed on.
+# Headers that describe one hop, or carry the caller's credentials for the daemon (its token, the
+# cookies of the daemon's origin): never passed on.
 _HOP = frozenset(
     {
         b"connection",
@@ -41,8 +43,40 @@ _HOP = frozenset(
         b"transfer-encoding",
         b"upgrade",
         b"authorization",
+        b"cookie",
         b"host",
         b"content-length",
+    }
+)
+# What a sandbox's server answers that would act on the daemon's origin (the console's and the API's)
+# beyond this one answer, whatever the document's CSP: state the browser keeps for the origin
+# (cookies, wiped storage, service worker scopes, HSTS, alternative services, origin-keyed agent
+# clusters, client hints, network error reports), credentials asked for on it (a Basic prompt, whose
+# answer the browser would send with every later call), other origins let in on it (CORS, timing),
+# fetches made on it (Link preloads, Refresh). Dropped; what binds the answer alone (its own CSP,
+# frame options, COOP/COEP/CORP, permissions) is passed on.
+_ORIGIN_WIDE = frozenset(
+    {
+        b"set-cookie",
+        b"set-cookie2",
+        b"clear-site-data",
+        b"service-worker-allowed",
+        b"strict-transport-security",
+        b"alt-svc",
+        b"origin-agent-cluster",
+        b"accept-ch",
+        b"critical-ch",
+        b"nel",
+        b"report-to",
+        b"reporting-endpoints",
+        b"www-authenticate",
+        b"timing-allow-origin",
+        b"link",
+        b"refresh",
+        b"supports-loading-mode",
+        b"public-key-pins",
+        b"public-key-pins-report-only",
+        b"expect-ct",
     }
 )
 RESPONSE_TIMEOUT = 300.0  # seconds a server in a sandbox may take to start answering
@@ -106,7 +140,9 @@ def router(service: SandboxService) -> APIRouter:
         """What `GET /v1/audit` gives, then each record as it is recorded (JSON lines, a heartbeat line
         every 5 s of silence), until the client leaves."""
         q = AuditQuery(since=since, since_time=since_time, kinds=[k[:64] for k in kind] or None, sandbox_id=sandbox_id)
-        return StreamingResponse(_audit_lines(service, q), media_type="application/x-ndjson")
+        # Asked here, not in the body's generator: a refusal (who may read the audit) is the answer's
+        # status, not a connection reset once the 200 went out.
+        return StreamingResponse(_audit_lines(service.follow_audit(q, HEARTBEAT)), media_type="application/x-ndjson")
 
     return r
 
@@ -152,7 +188,7 @@ def port_router(service: SandboxService) -> APIRouter:
             writer.transport.abort()
             raise
         resp = StreamingResponse(_body(conn, reader, writer), status_code=head.status_code)
-        resp.raw_headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP or k.lower() == b"content-length"]
+        resp.raw_headers = [(k, v) for k, v in head.headers if _answered(k.lower())]
         # What a sandbox serves shares the API's origin (and the console's): as a sandboxed document
         # it gets an opaque origin of its own, so its scripts cannot read the console's token.
         resp.raw_headers.append((b"content-security-policy", SANDBOXED))
@@ -171,6 +207,13 @@ def port_router(service: SandboxService) -> APIRouter:
 
 
 SANDBOXED = b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
+
+
+def _answered(name: bytes) -> bool:
+    """Whether a header (lower case) of a sandbox's answer reaches the caller."""
+    if name == b"content-length":
+        return True
+    return name not in _HOP and name not in _ORIGIN_WIDE and not name.startswith(b"access-control-")
 
 
 async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> object:
@@ -197,9 +240,8 @@ async def _body(
         writer.transport.abort()
 
 
-async def _audit_lines(service: SandboxService, q: AuditQuery) -> AsyncIterator[bytes]:
+async def _audit_lines(it: AsyncIterator[AuditRecord | None]) -> AsyncIterator[bytes]:
     beat = json.dumps({"type": "heartbeat"}).encode() + b"\n"
-    it = service.follow_audit(q, HEARTBEAT)
     try:
         async for rec in it:
             yield beat if rec is None else rec.model_dump_json().encode() + b"\n"
