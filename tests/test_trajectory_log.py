@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from sandfleet import Client, SandboxSpec
-from sandfleet.errors import DataLossError, ResourceExhaustedError, SandboxError
+from sandfleet.errors import DataLossError, NotFoundError, ResourceExhaustedError, SandboxError
 from sandfleet.models import ExecAction, ExecRequest
 
 from conftest import Daemon, agent_pid, destroy_daemon, make_daemon, wait_until
@@ -117,18 +117,28 @@ def _corrupt(path: Path, step: int, old: bytes, new: bytes) -> None:
 
 def test_a_corrupt_record_makes_every_later_step_data_loss(d: Daemon) -> None:
     """Two logs damaged in step 1's result: one so its JSON breaks (what an old daemon's reader
-    skipped silently), one only in content (the JSON still parses: the checksum tells)."""
+    skipped silently), one only in content (the JSON still parses: the checksum tells). A third
+    damaged in its first record: nothing of it can be read, but it can be deleted."""
     tids = {"broken-json": (b'"result":{', b'"result":#'), "changed-byte": (b"out-1", b"oux-1")}
     with d.client(timeout=60) as fleet:
-        for tid in tids:
+        for tid in [*tids, "broken-open"]:
             traj = fleet.trajectory(tid, SPEC)
             for k in range(4):
                 traj.exec(_mark(k))
     d.kill()
     for tid, (old, new) in tids.items():
         _corrupt(_log(d, tid), 1, old, new)
+    _log(d, "broken-open").write_bytes(_log(d, "broken-open").read_bytes().replace(b'"k":"open"', b'"k":"opem"', 1))
     d.start()
     with d.client(timeout=60) as fleet:
+        for call in (lambda: fleet.get_trajectory("broken-open"), lambda: fleet.trajectory("broken-open", SPEC)):
+            with pytest.raises(DataLossError, match="unreadable from its start"):
+                call()
+        assert fleet._http.delete("/v1/trajectories/broken-open").status_code == 200  # type: ignore[attr-defined]
+        with pytest.raises(NotFoundError):
+            fleet.get_trajectory("broken-open")
+        (orphan,) = fleet.list(labels={"sandfleet.trajectory": "broken-open"})  # its sandbox: unknown to it now
+        fleet.get(orphan.id).stop()
         for tid in tids:
             again = fleet.trajectory(tid, SPEC)
             assert again.exec(_mark(0)).stdout == "out-0\n" and again.last is not None and again.last.replayed
