@@ -531,7 +531,6 @@ def test_a_project_token_opens_its_trajectory_again(tenants: tuple[Daemon, str])
         assert again.info.sandbox_id == first.info.sandbox_id and again.info.created_at == first.info.created_at
 
 
-@pytest.mark.xfail(strict=True, reason="trajectory ids per project: another part of issue 26 (trajectories.py)")
 def test_a_trajectory_id_of_another_project_is_unused(tenants: tuple[Daemon, str], b_objects: B) -> None:
     """A's trajectory with the id B's has: A's own (as with any unused id), never B's, never an error
     that tells A the id is taken."""

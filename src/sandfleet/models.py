@@ -1378,6 +1378,11 @@ class TrajectoryInfo(_Model):
     reward: float | None = None
     verification: VerifyResult | None = None
     failures: dict[str, int] = Field(default_factory=dict, description="failed steps by cause")
+    lost_from: int | None = Field(
+        None,
+        description="its log is damaged from this step on: that step and every later one answer data_loss and "
+        "never run (the steps before it replay as logged)",
+    )
 
 
 class TrajectoryList(_Model):

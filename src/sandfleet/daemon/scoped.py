@@ -8,8 +8,11 @@ applies the principal the API's authentication made current (`iam.CURRENT`):
   host mount (read-only ones only: a host directory is shared by every project). They must fit the
   quotas of their project and of every listed ancestor (`Iam.check_create`, `Iam.take_create`):
   otherwise `resource_exhausted` naming the project. Forks and restores keep the parent's project;
-- a call naming a sandbox, snapshot or trajectory of a project the principal does not see answers
-  `not_found`, word for word as for one that does not exist (ids of other projects do not leak);
+- a call naming a sandbox or snapshot of a project the principal does not see answers `not_found`,
+  word for word as for one that does not exist (ids of other projects do not leak);
+- trajectory ids are each project's own (the caller's project is passed to the node's service as
+  their namespace): naming an id another project uses names the caller's own trajectory of that
+  id, or none;
 - lists and label-wide calls (stop, pause, resume, lifetimes, network) touch visible sandboxes only,
   and the node's health counts the sandboxes the principal sees (others' are theirs to know);
 - read-only principals cannot act (also refused earlier by the API, by HTTP method);
@@ -46,7 +49,6 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 from sandfleet.daemon.iam import Iam, Principal, Usage, UsageMap, current
 from sandfleet.daemon.protocol import EventStream, SandboxService
 from sandfleet.errors import (
-    NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
     SandboxError,
@@ -94,8 +96,8 @@ class Directory(Protocol):
         """The spec a restore of the snapshot starts from (None: unknown here)."""
         ...
 
-    async def trajectory_project(self, trajectory_id: str) -> tuple[bool, str | None]:
-        """Whether the trajectory exists, and its sandbox's project."""
+    async def trajectory_exists(self, trajectory_id: str, project: str | None) -> bool:
+        """Whether the project has a trajectory of this id."""
         ...
 
     def project_usage(self) -> UsageMap:
@@ -121,26 +123,8 @@ class NodeDirectory:
         rec = self.manager.snapshots.records.get(snapshot_id)
         return None if rec is None or rec.deleted else rec.spec
 
-    async def trajectory_project(self, trajectory_id: str) -> tuple[bool, str | None]:
-        t = self.manager.trajectories.loaded.get(trajectory_id)
-        if t is None:
-            try:
-                record = await self.manager.trajectory_record(trajectory_id)  # loads it
-            except NotFoundError:
-                return False, None
-            t = self.manager.trajectories.loaded.get(trajectory_id)
-            if t is None:
-                return True, record.spec.project if record.spec is not None else None
-        if t.sandbox is not None:
-            return True, t.sandbox.spec.project
-        opened = t.opened
-        if opened.spec is not None:
-            return True, opened.spec.project
-        if opened.snapshot_id is not None:
-            spec = self.snapshot_spec(opened.snapshot_id)
-            return True, spec.project if spec is not None else None
-        spec = self.sandbox_spec(opened.sandbox_id or "")
-        return True, spec.project if spec is not None else None
+    async def trajectory_exists(self, trajectory_id: str, project: str | None) -> bool:
+        return await self.manager.trajectories.exists(trajectory_id, project=project)
 
     def project_usage(self) -> UsageMap:
         return self.manager.core.table.project_usage()
@@ -174,10 +158,6 @@ def _hidden_snapshot(snapshot_id: str) -> SnapshotNotFoundError:
     return SnapshotNotFoundError(f"snapshot {shown(snapshot_id)} not found")  # as Snapshots says it
 
 
-def _hidden_trajectory(trajectory_id: str) -> NotFoundError:
-    return NotFoundError(f"trajectory {trajectory_id[:80]} not found")  # as Trajectories says it
-
-
 _Method = Callable[Concatenate[Any, str, P], Coroutine[Any, Any, R]]
 _Scoped = Callable[Concatenate["ScopedService", str, P], Coroutine[Any, Any, R]]
 
@@ -206,12 +186,15 @@ def _writes(method: _Method[P, R]) -> _Scoped[P, R]:
 
 
 def _by_trajectory(method: _Method[P, R], write: bool) -> _Scoped[P, R]:
+    """A call naming a trajectory: the id is looked up among the caller's project's."""
     name = method.__name__
 
     async def call(self: ScopedService, trajectory_id: str, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        await self.trajectory_principal(trajectory_id, write)
-        fn: Callable[Concatenate[str, P], Coroutine[Any, Any, R]] = getattr(self.inner, name)
-        return await fn(trajectory_id, *args, **kwargs)
+        p = current()
+        if write:
+            p.require_write()
+        fn: Callable[..., Coroutine[Any, Any, R]] = getattr(self.inner, name)
+        return await fn(trajectory_id, *args, **{**kwargs, "project": p.project})
 
     call.__name__ = call.__qualname__ = name
     return call
@@ -236,16 +219,6 @@ class ScopedService:
             spec = self.directory.sandbox_spec(sandbox_id)
             if spec is None or not p.sees(spec.project):
                 raise _hidden_sandbox(sandbox_id)
-        return p
-
-    async def trajectory_principal(self, trajectory_id: str, write: bool) -> Principal:
-        p = current()
-        if write:
-            p.require_write()
-        if p.project is not None:
-            found, project = await self.directory.trajectory_project(trajectory_id)
-            if found and not p.sees(project):
-                raise _hidden_trajectory(trajectory_id)
         return p
 
     async def _visible_snapshot(self, snapshot_id: str, p: Principal) -> SnapshotInfo:
@@ -579,35 +552,31 @@ class ScopedService:
 
     # -- RL: trajectories and verification -------------------------------------------------------
 
-    async def open_trajectory(self, req: TrajectoryOpen) -> TrajectoryInfo:
+    async def open_trajectory(self, req: TrajectoryOpen, project: str | None = None) -> TrajectoryInfo:
+        """The caller's project's trajectory `req.id` (`project` is the caller's, whatever is passed)."""
         p = current()
         p.require_write()
-        if req.spec is not None:
-            # Placed before anything else: opened again, the request must be the one recorded (placed).
-            placed = _placed(p, req.spec)
-            if placed is not req.spec:
-                req = req.model_copy(update={"spec": placed})
-        found, project = await self.directory.trajectory_project(req.id)
-        if found:  # opened again: the trajectory and its sandbox exist (or its create is retried)
-            if p.project is not None and not p.sees(project):
-                raise _hidden_trajectory(req.id)
-            return await self.inner.open_trajectory(req)
+        spec: SandboxSpec | None = None
+        placed = p.project
+        if req.spec is not None:  # placed first: opened again, the arguments are the same as then
+            spec = _placed(p, req.spec)
+            if spec is not req.spec:
+                req = req.model_copy(update={"spec": spec})
+            placed = spec.project
+        if await self.directory.trajectory_exists(req.id, p.project):  # opened again (its create maybe retried)
+            return await self.inner.open_trajectory(req, p.project)
         if req.sandbox_id is not None:
             self.sandbox_principal(req.sandbox_id, True)
-            return await self.inner.open_trajectory(req)
-        spec: SandboxSpec | None
-        if req.spec is not None:
-            project, spec = req.spec.project, req.spec
-        else:
-            assert req.snapshot_id is not None
+            return await self.inner.open_trajectory(req, p.project)
+        if req.snapshot_id is not None:
             info = await self._visible_snapshot(req.snapshot_id, p)
             spec = self.directory.snapshot_spec(req.snapshot_id)
-            project = spec.project if spec is not None else info.project
-        if spec is None or not self.iam.chain(project):
-            return await self.inner.open_trajectory(req)
-        self._admit_all(project, spec, 1)
-        with self._admitted([(project, spec)]):
-            return await self.inner.open_trajectory(req)
+            placed = spec.project if spec is not None else info.project
+        if spec is None or not self.iam.chain(placed):
+            return await self.inner.open_trajectory(req, p.project)
+        self._admit_all(placed, spec, 1)
+        with self._admitted([(placed, spec)]):
+            return await self.inner.open_trajectory(req, p.project)
 
     get_trajectory = _by_trajectory(SandboxService.get_trajectory, write=False)
     trajectory_step = _by_trajectory(SandboxService.trajectory_step, write=True)
@@ -617,17 +586,10 @@ class ScopedService:
     delete_trajectory = _by_trajectory(SandboxService.delete_trajectory, write=True)
     trajectory_record = _by_trajectory(SandboxService.trajectory_record, write=False)
 
-    async def list_trajectories(self, labels: dict[str, str], state: str | None) -> builtins.list[TrajectoryInfo]:
-        p = current()
-        got = await self.inner.list_trajectories(labels, state)
-        if p.project is None:
-            return got
-        out = []
-        for t in got:
-            found, project = await self.directory.trajectory_project(t.id)
-            if found and p.sees(project):
-                out.append(t)
-        return out
+    async def list_trajectories(
+        self, labels: dict[str, str], state: str | None, project: str | None = None
+    ) -> builtins.list[TrajectoryInfo]:
+        return await self.inner.list_trajectories(labels, state, current().project)
 
     verify = _writes(SandboxService.verify)
 

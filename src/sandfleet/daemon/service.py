@@ -440,32 +440,38 @@ class SandboxManager:
 
     # -- RL: trajectories and verification -------------------------------------------------------
 
-    async def open_trajectory(self, req: TrajectoryOpen) -> TrajectoryInfo:
-        return await self.trajectories.open(req)
+    async def open_trajectory(self, req: TrajectoryOpen, project: str | None = None) -> TrajectoryInfo:
+        return await self.trajectories.open(req, project=project)
 
-    async def get_trajectory(self, trajectory_id: str) -> TrajectoryInfo:
-        return await self.trajectories.get(trajectory_id)
+    async def get_trajectory(self, trajectory_id: str, project: str | None = None) -> TrajectoryInfo:
+        return await self.trajectories.get(trajectory_id, project=project)
 
-    async def list_trajectories(self, labels: dict[str, str], state: str | None) -> builtins.list[TrajectoryInfo]:
-        return await self.trajectories.list(labels, state)
+    async def list_trajectories(
+        self, labels: dict[str, str], state: str | None, project: str | None = None
+    ) -> builtins.list[TrajectoryInfo]:
+        return await self.trajectories.list(labels, state, project=project)
 
-    async def trajectory_step(self, trajectory_id: str, req: StepRequest) -> StepResult:
-        return await self.trajectories.step(trajectory_id, req)
+    async def trajectory_step(self, trajectory_id: str, req: StepRequest, project: str | None = None) -> StepResult:
+        return await self.trajectories.step(trajectory_id, req, project=project)
 
-    async def trajectory_steps(self, trajectory_id: str) -> builtins.list[StepResult]:
-        return await self.trajectories.steps(trajectory_id)
+    async def trajectory_steps(self, trajectory_id: str, project: str | None = None) -> builtins.list[StepResult]:
+        return await self.trajectories.steps(trajectory_id, project=project)
 
-    async def verify_trajectory(self, trajectory_id: str, req: VerifyRequest) -> VerifyResult:
-        return await self.trajectories.verify(trajectory_id, req)
+    async def verify_trajectory(
+        self, trajectory_id: str, req: VerifyRequest, project: str | None = None
+    ) -> VerifyResult:
+        return await self.trajectories.verify(trajectory_id, req, project=project)
 
-    async def close_trajectory(self, trajectory_id: str, req: TrajectoryClose) -> TrajectoryInfo:
-        return await self.trajectories.close(trajectory_id, req)
+    async def close_trajectory(
+        self, trajectory_id: str, req: TrajectoryClose, project: str | None = None
+    ) -> TrajectoryInfo:
+        return await self.trajectories.close(trajectory_id, req, project=project)
 
-    async def delete_trajectory(self, trajectory_id: str) -> None:
-        await self.trajectories.delete(trajectory_id)
+    async def delete_trajectory(self, trajectory_id: str, project: str | None = None) -> None:
+        await self.trajectories.delete(trajectory_id, project=project)
 
-    async def trajectory_record(self, trajectory_id: str) -> ReproRecord:
-        return await self.trajectories.record(trajectory_id)
+    async def trajectory_record(self, trajectory_id: str, project: str | None = None) -> ReproRecord:
+        return await self.trajectories.record(trajectory_id, project=project)
 
     async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
         return await self.verifier.verify(sandbox_id, req)

@@ -5,15 +5,21 @@ for step k again (the trainer was preempted and replays its rollout from the sta
 machine or another), the node answers the logged result and runs nothing; while step k runs, a
 second ask waits for the first's result. The sandbox holds the state those steps made: it is
 kept alive (paused while no trainer drives it: `pause_after`), and survives a daemon restart like
-every sandbox (adopted). The log is one JSON-lines file per trajectory under
-`<state_dir>/trajectories`, appended with one write(2) per record, so a record outlives any
-process that dies after writing it; `fsync = true` also makes it outlive the machine (a machine
-that dies takes the sandbox with it, so the default is not to pay for that).
+every sandbox (adopted). The log is one file per trajectory (daemon/steplog.py: checksummed
+JSON lines) under `<state_dir>/trajectories/<project>/`, appended with one write(2) per record, so a
+record outlives any process that dies after writing it; `fsync = true` also makes it outlive the
+machine (a machine that dies takes the sandbox with it, so the default is not to pay for that).
+
+Ids are a project's own: everything keyed by a trajectory id (the loaded table, the locks, the log's
+path, the sandbox's create key) is keyed by (project, id), the project being the caller's (None for
+root and nodes without `[iam]`). Another project's trajectory of the same id is a different one.
 
 What cannot be exactly once: a step the daemon was killed in the middle of. The command may have
 run (the agent keeps running an orphaned command, but its output is gone), so it is never run
 again: its result becomes a typed `unavailable` error with cause `infra`, which a trainer masks.
-A daemon that is stopped (SIGTERM) waits `drain_timeout` for running steps first.
+A daemon that is stopped (SIGTERM) waits `drain_timeout` for running steps first. A log damaged
+past some point (a changed byte, a fragment an older daemon appended onto) is cut there and gets a
+`lost` record: every step from there on answers `data_loss`, never runs (steps before replay).
 
 Verification (daemon/verify.py) of a trajectory is logged too: asked again, the recorded verdict.
 """
@@ -24,18 +30,17 @@ import asyncio
 import base64
 import builtins
 import contextlib
-import errno
 import hashlib
 import json
 import os
 import platform
 import re
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from sandfleet import __version__
 from sandfleet.daemon.core import NodeCore, log, wire_text
@@ -45,9 +50,11 @@ from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.lifecycle import HOLDING_STATES
 from sandfleet.daemon.snapshots import Snapshots
+from sandfleet.daemon.steplog import Key, Scan, StepLog, Trajectory, encode, mend_tail, replay, rewrite, scan
 from sandfleet.daemon.verify import Verifier
 from sandfleet.errors import (
     Cause,
+    DataLossError,
     InvalidArgumentError,
     NotFoundError,
     SandboxError,
@@ -63,6 +70,7 @@ from sandfleet.models import (
     ReadAction,
     ReproRecord,
     SandboxInfo,
+    SandboxSpec,
     SnapshotAction,
     StepAction,
     StepRequest,
@@ -78,6 +86,7 @@ from sandfleet.runtime.agent import AGENT_VERSION
 
 TRAJECTORY_LABEL = "sandfleet.trajectory"  # on a trajectory's sandbox: the trajectory's id
 _ID = re.compile(TRAJECTORY_ID)
+_ROOT_DIR = "_"  # the root's logs (no project path can be "_": each part begins with [a-z0-9])
 
 
 class TrajectoryConfig(BaseModel):
@@ -97,50 +106,27 @@ def digest(dumped: str) -> str:
     return hashlib.sha256(dumped.encode()).hexdigest()[:32]
 
 
-@dataclass
-class Trajectory:
-    id: str
-    opened: TrajectoryOpen
-    created_at: float
-    path: Path
-    sandbox: SandboxInfo | None = None
-    steps: list[StepResult] = field(default_factory=list)
-    digests: list[str] = field(default_factory=list)
-    actions: list[str] = field(default_factory=list)  # each step's action, as the JSON logged
-    running: tuple[int, str, asyncio.Future[StepResult]] | None = None
-    verification: VerifyResult | None = None
-    verify_digest: str | None = None
-    verifying: asyncio.Future[VerifyResult] | None = None
-    closed_at: float | None = None
-    reward: float | None = None
-    touched: float = 0.0
-    fd: int | None = None  # the log, open for appending while the trajectory is loaded
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def info(self) -> TrajectoryInfo:
-        failures: dict[str, int] = {}
-        for s in self.steps:
-            if s.cause is not None:
-                failures[s.cause] = failures.get(s.cause, 0) + 1
-        return TrajectoryInfo(
-            id=self.id,
-            sandbox_id=self.sandbox.id if self.sandbox else None,
-            state="closed" if self.closed_at is not None else "open",
-            steps=len(self.steps),
-            seed=self.opened.seed,
-            labels=self.opened.labels,
-            metadata=self.opened.metadata,
-            source_snapshot=self.opened.snapshot_id,
-            created_at=self.created_at,
-            closed_at=self.closed_at,
-            reward=self.reward,
-            verification=self.verification,
-            failures=failures,
-        )
-
-
 def _fingerprint(req: TrajectoryOpen) -> str:
     return req.model_dump_json(exclude_defaults=True)
+
+
+class _Locks:
+    """A lock per key, kept only while someone holds or awaits it (one per rollout would pile up)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[Key, list[Any]] = {}  # key -> [lock, how many hold or await it]
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: Key) -> AsyncIterator[None]:
+        entry = self._locks.setdefault(key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                self._locks.pop(key, None)
 
 
 class Trajectories:
@@ -163,65 +149,114 @@ class Trajectories:
         self.verifier = verifier
         self.root = root
         self.config = config or TrajectoryConfig()
-        self.loaded: dict[str, Trajectory] = {}
-        self._opening: dict[str, list[Any]] = {}  # id -> [lock, how many open it now]
+        self.loaded: dict[Key, Trajectory] = {}
+        self._opening = _Locks()
+        self._loading = _Locks()
 
     # -- the log ---------------------------------------------------------------------------------
 
-    def _path(self, tid: str) -> Path:
+    def _path(self, key: Key) -> Path:
+        project, tid = key
         if not _ID.match(tid):
             raise InvalidArgumentError(f"invalid trajectory id {tid[:80]!r}: 1-117 characters of [A-Za-z0-9._:-]")
-        return self.root / f"{tid}.jsonl"
+        return self._folder(project) / f"{tid}.jsonl"
 
-    async def _append(self, t: Trajectory, record: dict[str, Any] | str) -> None:
-        """One record, one write(2) on the log's O_APPEND descriptor: whole, or (a torn last line, cut
-        at load) not at all. Without fsync the write only reaches the page cache, which takes
-        microseconds: it is made on the loop, as a thread hop would cost more than the write
-        (the step log is on the hot path of every step); an fsync'ing one goes to a thread."""
-        line = (record if isinstance(record, str) else json.dumps(record, separators=(",", ":"))).encode() + b"\n"
+    def _folder(self, project: str | None) -> Path:
+        """A project's logs ('/' in its path is '+', which no project path has)."""
+        return self.root / (project.replace("/", "+") if project else _ROOT_DIR)
+
+    async def _append(self, t: Trajectory, record: dict[str, Any] | str, *, hold: bool = False) -> None:
+        """One record on `t`'s log, after any held there (steplog.StepLog.append); OSError if the disk
+        refused it. A log that could not be cut back after a failed write is damaged from here on."""
         t.touched = time.time()
-        if t.fd is None:
-            t.fd = os.open(t.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if self.config.fsync:
-            await asyncio.to_thread(_write, t.fd, line, True)
-        else:
-            _write(t.fd, line, False)
+        try:
+            await t.log.append(encode(record), hold=hold)
+        except OSError:
+            if t.log.broken and t.lost_from is None:
+                t.lost_from = len(t.steps)
+            raise
 
     async def start(self) -> None:
-        """Make the log directory; drop logs past their retention."""
+        """Make the log directory, move logs of the layout before projects; drop logs past their retention."""
         await asyncio.to_thread(self._sweep, time.time())
 
     def _sweep(self, now: float) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for path in self.root.glob("*.jsonl"):
+        for path in self.root.glob("*.jsonl"):  # written before ids were per project: moved to their project's
+            with contextlib.suppress(OSError, InvalidArgumentError):
+                dest = self._path((self._legacy_project(scan(path.read_bytes())), path.stem))
+                dest.parent.mkdir(exist_ok=True, mode=0o700)
+                if dest.exists():
+                    log.error("trajectory log %s: %s exists already: left where it is", path, dest)
+                    continue
+                os.rename(path, dest)
+        for path in self.root.glob("*/*"):
+            if not (path.suffix == ".jsonl" or ".jsonl." in path.name):  # the logs, damaged copies, rewrites
+                continue
+            key = (None if path.parent.name == _ROOT_DIR else path.parent.name.replace("+", "/"), path.stem)
             with contextlib.suppress(OSError):
-                if path.stat().st_mtime < now - self.config.retention and path.stem not in self.loaded:
+                if path.stat().st_mtime < now - self.config.retention and key not in self.loaded:
                     path.unlink()
 
-    async def _get(self, tid: str) -> Trajectory:
-        t = self.loaded.get(tid)
+    def _legacy_project(self, found: Scan) -> str | None:
+        """Whose a log of the layout before projects is: its sandbox's project (None, also when the
+        log does not say: the root's)."""
+        records = {r.get("k"): r for r in (line.record for line in found.lines) if r is not None}
+        spec: SandboxSpec | None = None
+        try:
+            if "sandbox" in records:
+                spec = SandboxInfo.model_validate(records["sandbox"]["sandbox"]).spec
+            elif "open" in records:
+                req = TrajectoryOpen.model_validate(records["open"]["request"])
+                snap = self.snapshots.records.get(req.snapshot_id or "")
+                sb = self.core.table.find(req.sandbox_id or "")
+                spec = req.spec or (snap.spec if snap is not None else sb.spec if sb is not None else None)
+        except (ValueError, KeyError, TypeError):
+            return None
+        return spec.project if spec is not None else None
+
+    async def _get(self, key: Key) -> Trajectory:
+        t = self.loaded.get(key)
         if t is None:
-            t = await self._load(tid)
+            t = await self._load(key)
             if t is None:
-                raise NotFoundError(f"trajectory {tid[:80]} not found")
+                raise NotFoundError(f"trajectory {key[1][:80]} not found")
         return t
 
-    async def _load(self, tid: str) -> Trajectory | None:
-        path = self._path(tid)
-        try:
-            text = await asyncio.to_thread(path.read_bytes)
-        except FileNotFoundError:
-            return None
-        if tid in self.loaded:  # loaded by another request meanwhile
-            return self.loaded[tid]
-        t = self._replay_log(tid, path, text)
-        if t.closed_at is None:  # a closed one is read again when asked (listing thousands pins none)
-            self.loaded[tid] = t
+    async def exists(self, tid: str, *, project: str | None) -> bool:
+        """Whether the project has a trajectory of this id (DataLossError: one whose log is unreadable)."""
+        key = (project, tid)
+        return key in self.loaded or await self._load(key) is not None
+
+    async def _load(self, key: Key) -> Trajectory | None:
+        async with self._loading.hold(key):  # one reader (which may mend the file) at a time
+            if key in self.loaded:  # loaded by another request meanwhile
+                return self.loaded[key]
+            path = self._path(key)
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+            except FileNotFoundError:
+                return None
+            if key in self.loaded:  # opened meanwhile (its log may be half written yet)
+                return self.loaded[key]
+            found = scan(data)
+            t, damage = replay(key, path, found, self.config.fsync)
+            if t is None:  # only a torn open record: the open never finished, nothing was made
+                await asyncio.to_thread(path.unlink, True)
+                return None
+            if damage is not None:
+                keep = data[: found.lines[damage].start] + encode({"k": "lost", "step": t.lost_from, "t": time.time()})
+                await asyncio.to_thread(rewrite, path, keep)
+                t.log.size = len(keep)
+            else:
+                t.log.size = await asyncio.to_thread(mend_tail, path, found, self.config.fsync)
+            if t.closed_at is None:  # a closed one is read again when asked (listing thousands pins none)
+                self.loaded[key] = t
         if t.running is not None:  # begun by a daemon that died before its result: never run again
             step, dig, _ = t.running
             t.running = None
             exc = UnavailableError(
-                f"the daemon restarted while step {step} of trajectory {tid} ran: it may have run, "
+                f"the daemon restarted while step {step} of trajectory {t.id} ran: it may have run, "
                 "so it is not run again",
                 cause="infra",
             )
@@ -229,81 +264,53 @@ class Trajectories:
             await self._finish(t, step, dig, _error_result(t, step, kind, exc, time.time(), 0.0))
         return t
 
-    def _replay_log(self, tid: str, path: Path, text: bytes) -> Trajectory:
-        lines = text.split(b"\n")
-        if lines and lines[-1]:  # a torn last record: the write that never finished
-            lines = lines[:-1]
-        t: Trajectory | None = None
-        for raw in lines:
-            if not raw:
-                continue
-            try:
-                rec = json.loads(raw)
-                kind = rec["k"]
-                if kind == "open":
-                    t = Trajectory(tid, TrajectoryOpen.model_validate(rec["request"]), rec["t"], path)
-                elif t is None:
-                    break
-                elif kind == "sandbox":
-                    t.sandbox = SandboxInfo.model_validate(rec["sandbox"])
-                elif kind == "begin":
-                    t.actions.append(json.dumps(rec["action"]))
-                    t.running = (rec["step"], rec["digest"], asyncio.get_running_loop().create_future())
-                elif kind == "done":
-                    t.steps.append(StepResult.model_validate(rec["result"]))
-                    t.digests.append(rec["digest"])
-                    t.running = None
-                elif kind == "verify":
-                    t.verification = VerifyResult.model_validate(rec["result"])
-                    t.verify_digest = rec["digest"]
-                elif kind == "close":
-                    t.closed_at, t.reward = rec["t"], rec.get("reward")
-            except (ValueError, KeyError, TypeError, ValidationError) as exc:
-                log.error("trajectory %s: a bad record in its log (%s): the rest is ignored", tid, exc)
-                break
-        if t is None:
-            raise WrongStateError(f"trajectory {tid} has no readable log", cause="infra")
-        t.touched = time.time()
-        return t
-
     # -- open, list, close -----------------------------------------------------------------------
 
-    async def open(self, req: TrajectoryOpen) -> TrajectoryInfo:
-        """Open the trajectory `req.id`, or give back the one already open under it (same arguments)."""
-        self._path(req.id)
-        entry = self._opening.setdefault(req.id, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                return await self._open(req)
-        finally:
-            entry[1] -= 1
-            if not entry[1]:  # nobody else opening it: the lock goes (one per rollout would pile up)
-                self._opening.pop(req.id, None)
+    async def open(self, req: TrajectoryOpen, *, project: str | None) -> TrajectoryInfo:
+        """Open the project's trajectory `req.id`, or give back the one already open under it (same
+        arguments)."""
+        key = (project, req.id)
+        self._path(key)
+        async with self._opening.hold(key):
+            return await self._open(key, req)
 
-    async def _open(self, req: TrajectoryOpen) -> TrajectoryInfo:
-        t = self.loaded.get(req.id) or await self._load(req.id)
+    async def _open(self, key: Key, req: TrajectoryOpen) -> TrajectoryInfo:
+        t = self.loaded.get(key) or await self._load(key)
         if t is not None and _fingerprint(t.opened) != _fingerprint(req):
             raise InvalidArgumentError(f"trajectory {req.id} exists, opened with other arguments")
         new = t is None
         if t is None:
-            t = Trajectory(req.id, req, time.time(), self._path(req.id))
-            await self._append(t, {"k": "open", "t": t.created_at, "request": req.model_dump(mode="json")})
-            self.loaded[req.id] = t
+            t = Trajectory(req.id, key[0], req, time.time(), StepLog(self._path(key), 0, self.config.fsync))
+            await asyncio.to_thread(t.log.path.parent.mkdir, exist_ok=True, mode=0o700)
+            self.loaded[key] = t  # before its log has a byte: a reader meanwhile must not take it for torn
+            try:
+                await self._append(t, {"k": "open", "t": t.created_at, "request": req.model_dump(mode="json")})
+            except BaseException:
+                await self._forget(t)
+                raise
         if t.sandbox is None:  # new, or its sandbox's create was interrupted: the same key claims it
             try:
-                t.sandbox = await self._sandbox(req)
+                t.sandbox = await self._sandbox(key, req)
             except SandboxError:
                 if new:  # refused (no such image, snapshot, sandbox; a full node): no trajectory either
-                    self.loaded.pop(req.id, None)
-                    _close(t)
-                    await asyncio.to_thread(t.path.unlink, True)
+                    await self._forget(t)
                 raise
-            await self._append(t, {"k": "sandbox", "sandbox": t.sandbox.model_dump(mode="json")})
+            try:  # a full disk: held, it goes out before the first step's begin (no step without it)
+                await self._append(t, {"k": "sandbox", "sandbox": t.sandbox.model_dump(mode="json")}, hold=True)
+            except OSError as exc:
+                log.error("trajectory %s: its sandbox could not be logged yet: %s", t.id, exc)
         return t.info()
 
-    async def _sandbox(self, req: TrajectoryOpen) -> SandboxInfo:
-        key = f"trajectory:{req.id}"
+    async def _forget(self, t: Trajectory) -> None:
+        """Drop a trajectory and its log."""
+        if self.loaded.get(t.key) is t:
+            del self.loaded[t.key]
+        t.log.close()
+        await asyncio.to_thread(t.log.path.unlink, True)
+
+    async def _sandbox(self, key: Key, req: TrajectoryOpen) -> SandboxInfo:
+        project, tid = key  # the create key is the trajectory's: (project, id), as everything keyed by it
+        idempotency_key = f"trajectory:{project}:{tid}" if project else f"trajectory:{tid}"
         labels = {**req.labels, TRAJECTORY_LABEL: req.id}
         if req.sandbox_id is not None:
             return await self.core.get(req.sandbox_id)
@@ -315,30 +322,33 @@ class Trajectories:
                     "pause_after": req.spec.pause_after or self.config.pause_after,
                 }
             )
-            self.creation.check_draining(key)
-            return await self.creation.create(spec, idempotency_key=key)
+            self.creation.check_draining(idempotency_key, spec.project)
+            return await self.creation.create(spec, idempotency_key=idempotency_key)
         assert req.snapshot_id is not None
-        results = await self.snapshots.restore(req.snapshot_id, 1, labels, idempotency_key=key)
+        results = await self.snapshots.restore(req.snapshot_id, 1, labels, idempotency_key=idempotency_key)
         if isinstance(results[0], SandboxError):
             raise results[0]
         return results[0]
 
-    async def get(self, tid: str) -> TrajectoryInfo:
-        return (await self._get(tid)).info()
+    async def get(self, tid: str, *, project: str | None) -> TrajectoryInfo:
+        return (await self._get((project, tid))).info()
 
-    async def list(self, labels: dict[str, str], state: str | None) -> builtins.list[TrajectoryInfo]:
-        names = await asyncio.to_thread(lambda: sorted(p.stem for p in self.root.glob("*.jsonl")))
+    async def list(
+        self, labels: dict[str, str], state: str | None, *, project: str | None
+    ) -> builtins.list[TrajectoryInfo]:
+        folder = self._folder(project)
+        names = await asyncio.to_thread(lambda: sorted(p.stem for p in folder.glob("*.jsonl")))
         out = []
         for tid in names:
-            with contextlib.suppress(SandboxError):
-                info = (await self._get(tid)).info()
+            with contextlib.suppress(SandboxError, OSError):  # one unreadable log hides no other
+                info = (await self._get((project, tid))).info()
                 if all(info.labels.get(k) == v for k, v in labels.items()) and state in (None, info.state):
                     out.append(info)
         return out
 
-    async def close(self, tid: str, req: TrajectoryClose) -> TrajectoryInfo:
+    async def close(self, tid: str, req: TrajectoryClose, *, project: str | None) -> TrajectoryInfo:
         """Record the end (and the reward); stop the sandbox unless asked not to. Closing again is a no-op."""
-        t = await self._get(tid)
+        t = await self._get((project, tid))
         async with t.lock:
             if t.closed_at is None:
                 if t.running is not None:
@@ -348,21 +358,24 @@ class Trajectories:
                 await self._append(t, {"k": "close", "t": now, "reward": reward})
                 t.closed_at, t.reward = now, reward
                 # Done with: its descriptor and memory go; a replay reads the log again.
-                _close(t)
-                if self.loaded.get(tid) is t:
-                    del self.loaded[tid]
+                t.log.close()
+                if self.loaded.get(t.key) is t:
+                    del self.loaded[t.key]
         if req.stop_sandbox and t.sandbox is not None:
             await self._stop_sandbox(t)
         return t.info()
 
-    async def delete(self, tid: str) -> None:
-        t = await self._get(tid)
+    async def delete(self, tid: str, *, project: str | None) -> None:
+        key = (project, tid)
+        try:
+            t = await self._get(key)
+        except DataLossError:  # a log unreadable from its start: it goes (its sandbox is unknown)
+            await asyncio.to_thread(self._path(key).unlink, True)
+            return
         if t.running is not None or t.verifying is not None:
             raise WrongStateError(f"trajectory {tid} has a step running")
         await self._stop_sandbox(t)
-        self.loaded.pop(tid, None)
-        _close(t)
-        await asyncio.to_thread(t.path.unlink, True)
+        await self._forget(t)
 
     async def _stop_sandbox(self, t: Trajectory) -> None:
         if t.sandbox is None or t.opened.sandbox_id is not None:  # a sandbox it did not make is the caller's
@@ -374,8 +387,8 @@ class Trajectories:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    async def step(self, tid: str, req: StepRequest) -> StepResult:
-        t = await self._get(tid)
+    async def step(self, tid: str, req: StepRequest, *, project: str | None) -> StepResult:
+        t = await self._get((project, tid))
         action = req.action.model_dump_json()
         dig = digest(action)
         k = req.step
@@ -388,6 +401,8 @@ class Trajectories:
                 raise InvalidArgumentError(f"step {k} of trajectory {tid} is running another action")
             done = await asyncio.shield(t.running[2])
             return done.model_copy(update={"replayed": True})
+        if t.lost_from is not None:  # past the damage: it may have run, or not; it never runs
+            raise t.lost(f"step {k}")
         if t.closed_at is not None:
             raise WrongStateError(f"trajectory {tid} is closed")
         if k != len(t.steps) or t.running is not None or t.sandbox is None:
@@ -424,12 +439,15 @@ class Trajectories:
 
     async def _finish(self, t: Trajectory, k: int, dig: str, result: StepResult) -> None:
         """Log the result, then make it the step's. A log that refuses the record (a full disk) still
-        leaves the result here: asked again, this daemon answers it; a restarted one finds the step
-        begun and unfinished and answers `infra`; neither runs it a second time."""
+        leaves the result here: asked again, this daemon answers it, and the record is held to go
+        out before the next one (the next step's `begin`, which waits for room on the disk); a
+        restarted daemon that never wrote it finds the step begun and unfinished and answers
+        `infra`. None runs it a second time."""
+        done = f'{{"k":"done","step":{k},"digest":"{dig}","result":{result.model_dump_json()}}}'
         try:
-            await self._append(t, f'{{"k":"done","step":{k},"digest":"{dig}","result":{result.model_dump_json()}}}')
+            await self._append(t, done, hold=True)
         except OSError as exc:
-            log.error("trajectory %s: step %d's result could not be logged: %s", t.id, k, exc)
+            log.error("trajectory %s: step %d's result could not be logged yet: %s", t.id, k, exc)
         t.steps.append(result)
         t.digests.append(dig)
         t.running = None
@@ -462,8 +480,8 @@ class Trajectories:
         snap = await self.snapshots.snapshot(sid, ttl=action.ttl, labels={**action.labels, TRAJECTORY_LABEL: t.id})
         return StepResult(**base, snapshot_id=snap.id, duration=time.perf_counter() - t0)
 
-    async def steps(self, tid: str) -> builtins.list[StepResult]:
-        return list((await self._get(tid)).steps)
+    async def steps(self, tid: str, *, project: str | None) -> builtins.list[StepResult]:
+        return list((await self._get((project, tid))).steps)
 
     async def drain(self) -> None:
         """Wait (up to `drain_timeout`) for the steps and verifications running now to be logged."""
@@ -472,12 +490,16 @@ class Trajectories:
         if pending and self.config.drain_timeout > 0:
             log.info("waiting for %d trajectory step(s) to finish", len(pending))
             await asyncio.wait(pending, timeout=self.config.drain_timeout)
+        for t in self.loaded.values():  # results answered but not logged yet: a last try
+            if t.log.held:
+                with contextlib.suppress(OSError):
+                    await t.log.append(None)
 
     # -- verification and the reproducibility record ---------------------------------------------
 
-    async def verify(self, tid: str, req: VerifyRequest) -> VerifyResult:
+    async def verify(self, tid: str, req: VerifyRequest, *, project: str | None) -> VerifyResult:
         """Verify the trajectory's sandbox apart from it; logged, so asked again it is the same verdict."""
-        t = await self._get(tid)
+        t = await self._get((project, tid))
         dig = digest(req.model_dump_json())
         if t.verification is not None:
             if t.verify_digest != dig:
@@ -485,6 +507,8 @@ class Trajectories:
             return t.verification.model_copy(update={"replayed": True})
         if t.verifying is not None:
             return (await asyncio.shield(t.verifying)).model_copy(update={"replayed": True})
+        if t.lost_from is not None:  # its verdict may be in the damaged part
+            raise t.lost("its verification")
         if t.sandbox is None or t.running is not None:
             raise WrongStateError(f"trajectory {tid} has a step running")
         fut: asyncio.Future[VerifyResult] = asyncio.get_running_loop().create_future()
@@ -508,8 +532,8 @@ class Trajectories:
         self.core.spawn(run(), name=f"verify-{tid}")
         return await asyncio.shield(fut)
 
-    async def record(self, tid: str) -> ReproRecord:
-        t = await self._get(tid)
+    async def record(self, tid: str, *, project: str | None) -> ReproRecord:
+        t = await self._get((project, tid))
         sb = t.sandbox
         taken = [s.snapshot_id for s in t.steps if s.snapshot_id]
         layers: builtins.list[str] = []
@@ -531,20 +555,6 @@ class Trajectories:
                 backend=sb.spec.backend if sb else "",
             ),
         )
-
-
-def _write(fd: int, line: bytes, sync: bool) -> None:
-    written = os.write(fd, line)
-    if written != len(line):  # a full disk: the record is torn (cut at load); say so
-        raise OSError(errno.ENOSPC, "the trajectory log could not be written whole")
-    if sync:
-        os.fsync(fd)
-
-
-def _close(t: Trajectory) -> None:
-    if t.fd is not None:
-        os.close(t.fd)
-        t.fd = None
 
 
 def _seed_env(seed: int | None) -> dict[str, str]:
