@@ -1,11 +1,12 @@
 """Stateless calls (the fncall tier): `run_code` on a worker sandbox, or on one of the node's pools.
 
 A worker is a sandbox of the fncall tier with a warm interpreter (runtime/zygote.py) started in it
-through the agent on its first call; each call is one JSON line to it and one back, and runs in a
-fresh process forked from it (see zygote.py for what is wiped between calls). A worker serves one
-call at a time, so the sandbox's limits (memory, pids) are the call's. Pools of workers are kept per
-(image, resources): a call takes an idle worker, or creates one while under `max_workers`, or waits
-for one; idle workers above `workers` stop after `worker_idle` seconds (their idle TTL).
+through the agent on its first call; each call is one request to it (a framed JSON document) and
+one JSON line back, and runs in a fresh process forked from it (see zygote.py for what is wiped
+between calls). A worker serves one call at a time, so the sandbox's limits (memory, pids) are the
+call's. Pools of workers are kept per (image, resources): a call takes an idle worker, or creates
+one while under `max_workers`, or waits for one; idle workers above `workers` stop after
+`worker_idle` seconds (their idle TTL).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import ErrorBody, ExecResult, Resources, RunCodeBatchItem, RunCodeRequest, SandboxSpec
 from sandfleet.runtime.agent import AgentError, ExecProcess, ExecStartError, ExitInfo, OutputChunk
+from sandfleet.runtime.zygote import HEADER, MAGIC
 
 ZYGOTE_SOURCE = (Path(__file__).parent.parent / "runtime" / "zygote.py").read_text()
 DEFAULT_IMAGE = "python"
@@ -93,7 +95,8 @@ def _request(req: RunCodeRequest, call_id: int) -> bytes:
         "timeout": req.timeout,
         "cap": req.output_limit,
     }
-    return json.dumps(msg).encode() + b"\n"
+    body = json.dumps(msg).encode()
+    return HEADER.pack(MAGIC, len(body)) + body  # read to the byte by the call's supervisor
 
 
 def _result(msg: dict[str, Any], req: RunCodeRequest) -> ExecResult:
