@@ -8,13 +8,14 @@ network).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from sandfleet import AsyncClient, Client, InvalidArgumentError, Resources
+from sandfleet import AsyncClient, Client, InvalidArgumentError, Resources, Sandbox
 
 from conftest import Daemon, destroy_daemon, make_daemon
 
@@ -123,6 +124,33 @@ def test_limits(fleet: Client) -> None:
     assert fleet.run_code("print('ok')", resources=small).stdout == "ok\n"
 
 
+WARM = """
+import os, signal, sys
+mark = b'warm ' + b'worker'  # not in this program's own command line
+parents = {}
+for p in os.listdir('/proc'):
+    try:
+        if p.isdigit() and mark in open(f'/proc/{p}/cmdline', 'rb').read():
+            parents[int(p)] = int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1])
+    except OSError:
+        pass
+zygotes = {p for p, parent in parents.items() if parent in parents}
+print(sorted(set(parents) - zygotes), sorted(zygotes))
+for p in parents:
+    if sys.argv[1] == 'all' or (sys.argv[1] == 'zygote' and p in zygotes):
+        os.kill(p, signal.SIGKILL)
+"""
+
+
+def _warm(w: Sandbox, *, kill: bool = True, zygote_only: bool = False) -> tuple[list[int], list[int]]:
+    """The pids of a worker's supervisor and zygote (killing both, or the zygote only, or none)."""
+    which = "none" if not kill else "zygote" if zygote_only else "all"
+    r = w.exec(["python3", "-c", WARM, which])
+    supervisors, zygotes = (json.loads(part + "]") for part in r.stdout.strip()[:-1].split("] "))
+    assert len(supervisors) == len(zygotes) == 1, r
+    return supervisors, zygotes
+
+
 def test_worker_sandbox(fleet: Client) -> None:
     """A worker set up through exec and files; calls read that state and cannot change it."""
     with fleet.create(backend="fncall", image="python") as w:
@@ -132,8 +160,14 @@ def test_worker_sandbox(fleet: Client) -> None:
         assert r.exit_code == 1 and "PermissionError" in r.stderr
         assert w.files.read("/srv/input.txt") == b"data\n"
         # The warm interpreter killed from inside the worker: the next call starts another.
-        w.exec("for p in /proc/[0-9]*; do grep -qs 'warm worker' $p/cmdline && kill -9 ${p#/proc/}; done; true")
+        killed, _ = _warm(w)
         assert w.run_code("print(2)").stdout == "2\n"
+        # Its zygote alone: the supervisor starts afresh in the same process (a new program).
+        supervisor, zygote = _warm(w, zygote_only=True)
+        assert supervisor != killed
+        assert w.run_code("print(3)").stdout == "3\n"
+        again, fresh = _warm(w, kill=False)
+        assert again == supervisor and fresh != zygote
     with fleet.create(image="busybox") as plain, pytest.raises(InvalidArgumentError):
         plain.run_code("print(1)")
 

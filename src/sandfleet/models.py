@@ -737,6 +737,11 @@ class RunCodeRequest(_Stdin):
     resources: Resources | None = Field(
         None, description="pooled calls only: each worker's limits (a worker runs one call at a time)"
     )
+    project: ProjectPath | None = Field(
+        None,
+        description="pooled calls only: the project whose workers run the call (workers are never shared between "
+        "projects). Default: the calling token's project",
+    )
 
     @model_validator(mode="after")
     def _files_fit(self) -> RunCodeRequest:

@@ -1,11 +1,14 @@
 """Stateless calls (the fncall tier): `run_code` on a worker sandbox, or on one of the node's pools.
 
 A worker is a sandbox of the fncall tier with a warm interpreter (runtime/zygote.py) started in it
-through the agent on its first call; each call is one JSON line to it and one back, and runs in a
-fresh process forked from it (see zygote.py for what is wiped between calls). A worker serves one
-call at a time, so the sandbox's limits (memory, pids) are the call's. Pools of workers are kept per
-(image, resources): a call takes an idle worker, or creates one while under `max_workers`, or waits
-for one; idle workers above `workers` stop after `worker_idle` seconds (their idle TTL).
+through the agent on its first call; each call is one request to it (a framed JSON document) and
+one JSON line back, and runs in a fresh process forked from it (see zygote.py for what is wiped
+between calls). A worker serves one call at a time, so the sandbox's limits (memory, pids) are the
+call's. Pools of workers are kept per (project, image, resources): the project is the trust domain,
+so workers are never shared between projects (a worker carries its project like any sandbox: its
+tokens see it, a restarted daemon adopts it back into that project's pool). A call takes an idle
+worker, or creates one while under `max_workers`, or waits for one; idle workers above `workers`
+stop after `worker_idle` seconds (their idle TTL).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import ErrorBody, ExecResult, Resources, RunCodeBatchItem, RunCodeRequest, SandboxSpec
 from sandfleet.runtime.agent import AgentError, ExecProcess, ExecStartError, ExitInfo, OutputChunk
+from sandfleet.runtime.zygote import HEADER, MAGIC
 
 ZYGOTE_SOURCE = (Path(__file__).parent.parent / "runtime" / "zygote.py").read_text()
 DEFAULT_IMAGE = "python"
@@ -93,7 +97,8 @@ def _request(req: RunCodeRequest, call_id: int) -> bytes:
         "timeout": req.timeout,
         "cap": req.output_limit,
     }
-    return json.dumps(msg).encode() + b"\n"
+    body = json.dumps(msg).encode()
+    return HEADER.pack(MAGIC, len(body)) + body  # read to the byte by the call's supervisor
 
 
 def _result(msg: dict[str, Any], req: RunCodeRequest) -> ExecResult:
@@ -123,6 +128,7 @@ def _pool_spec(spec: SandboxSpec) -> SandboxSpec:
         resources=spec.resources,
         idle_ttl=spec.idle_ttl,
         labels={POOL_LABEL: "1"},
+        project=spec.project,
     )
 
 
@@ -133,7 +139,8 @@ class Calls:
         self.creation = creation
         self._zygotes: dict[str, _Zygote] = {}
         self._pools: dict[str, _Pool] = {}
-        self._by_choice: dict[tuple[str | None, str | None], _Pool] = {}  # (image, resources) as called
+        # (project, image, resources) as called
+        self._by_choice: dict[tuple[str | None, str | None, str | None], _Pool] = {}
         self._starting: dict[str, asyncio.Future[_Zygote]] = {}
         core.table.on_stopped(self._forget)
 
@@ -161,8 +168,8 @@ class Calls:
             raise InvalidArgumentError(
                 f"sandbox {sandbox_id} is of the {sb.spec.backend} tier: run_code needs a sandbox of the fncall tier"
             )
-        if req.image is not None or req.resources is not None:
-            raise InvalidArgumentError("image and resources are the pool's: a worker sandbox has its own")
+        if req.image is not None or req.resources is not None or req.project is not None:
+            raise InvalidArgumentError("image, resources and project are the pool's: a worker sandbox has its own")
         return await self._run_on(sandbox_id, req)
 
     async def _run_on(self, sandbox_id: str, req: RunCodeRequest) -> ExecResult:
@@ -246,10 +253,10 @@ class Calls:
     # -- pools ----------------------------------------------------------------------------------
 
     async def run(self, req: RunCodeRequest) -> ExecResult:
-        """A call on a pooled worker of (image, resources)."""
+        """A call on a pooled worker of (project, image, resources)."""
         self.core.tier_for("fncall")
         # The pool by what the call chose, looked up before any model is built (the one-call path).
-        fast = (req.image, None if req.resources is None else req.resources.model_dump_json())
+        fast = (req.project, req.image, None if req.resources is None else req.resources.model_dump_json())
         pool = self._by_choice.get(fast)
         if pool is None:
             spec = _pool_spec(
@@ -258,6 +265,7 @@ class Calls:
                     image=req.image or DEFAULT_IMAGE,
                     resources=req.resources or Resources(),
                     idle_ttl=self.config.worker_idle,
+                    project=req.project,
                 )
             )
             key = spec.model_dump_json()

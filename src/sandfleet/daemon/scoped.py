@@ -18,8 +18,9 @@ applies the principal the API's authentication made current (`iam.CURRENT`):
 - read-only principals cannot act (also refused earlier by the API, by HTTP method);
 - node-wide things: the audit stream and metrics need a root principal; changing the image store
   (delete, gc, push, import, recipe builds, pack) a root admin; anyone may list images and build a
-  built-in one, and a writer may run stateless fncall calls (on the node's shared workers, which
-  belong to no project and count against no quota).
+  built-in one, and a writer may run stateless fncall calls: in its project (or one of its subtree),
+  on workers pooled per project, which count as the project's sandboxes but are not refused by its
+  quota (each pool is bounded by the tier's `max_workers`).
 
 A root principal (the socket, root-scoped tokens) passes straight through: one context-variable read
 and two attribute tests per call, nothing else (and a node without `[iam]` is not wrapped at all).
@@ -148,6 +149,14 @@ def _placed(p: Principal, spec: SandboxSpec) -> SandboxSpec:
             f"token {p.name} may mount host paths read-only only (project {p.project}): a writable one needs the root"
         )
     return spec if project == spec.project else spec.model_copy(update={"project": project})
+
+
+def _call_placed(p: Principal, req: RunCodeRequest) -> RunCodeRequest:
+    """A pooled call in its project (the principal's by default, or one of its subtree): workers are
+    pooled per project, never shared across."""
+    p.require_write()
+    project = p.place(req.project)
+    return req if project == req.project else req.model_copy(update={"project": project})
 
 
 def _hidden_sandbox(sandbox_id: str) -> SandboxNotFoundError:
@@ -606,12 +615,11 @@ class ScopedService:
     write_process_stdin = _writes(SandboxService.write_process_stdin)
 
     async def run_code(self, req: RunCodeRequest) -> ExecResult:
-        current().require_write()
-        return await self.inner.run_code(req)
+        return await self.inner.run_code(_call_placed(current(), req))
 
     async def run_code_many(self, reqs: builtins.list[RunCodeRequest]) -> EventStream[RunCodeBatchItem]:
-        current().require_write()
-        return await self.inner.run_code_many(reqs)
+        p = current()
+        return await self.inner.run_code_many([_call_placed(p, req) for req in reqs])
 
     # -- sessions --------------------------------------------------------------------------------
 
