@@ -17,7 +17,7 @@ import pytest
 from sandfleet.runtime.cgroups import Cgroups
 from test_cli import sf
 
-from conftest import IMAGES, Daemon
+from conftest import IMAGES, Daemon, destroy_daemon, make_daemon, wait_until
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -87,3 +87,25 @@ def test_tier_bench_peers_leave_no_cgroup() -> None:
         shutil.rmtree(tmp_path, ignore_errors=True)
         subprocess.run(in_cgroup_ns_wrapper(["rm", "-rf", f"/sys/fs/cgroup/unified/{parent}"]), check=False)
         Cgroups(parent).remove(parent)
+
+
+def test_an_oci_runtime_leaves_nothing_beneath_the_hidden_cgroup2_mount() -> None:
+    """The daemon hides a hybrid host's cgroup2 mount in its namespace (crun 1.8 needs that); crun then
+    writes its "unified" cgroup as plain directories and files into the tmpfs beneath that mount point,
+    invisible from the host. They go with the sandbox, and the parent with the daemon."""
+    if not Path("/sys/fs/cgroup/unified/cgroup.controllers").exists():
+        pytest.skip("not a hybrid cgroup host")
+    d = make_daemon("crun-cg")
+    d.config.write_text(d.config.read_text().replace("[container]\n", '[container]\nruntime = "crun"\n'))
+    d.start()
+    try:
+        parent = d.cgroup_parent
+        with d.client() as fleet:
+            for _ in range(2):
+                with fleet.create(image="busybox") as sb:
+                    assert sb.exec("echo hi").stdout == "hi\n"
+                    assert any(sb.id in p for p in _cgroups_named(f"{parent}/{sb.id}"))  # crun made it there
+                assert wait_until(lambda sid=sb.id: _cgroups_named(f"{parent}/{sid}") == [])  # type: ignore[misc]
+    finally:
+        destroy_daemon(d)
+    assert _cgroups_named(parent) == []
