@@ -18,7 +18,7 @@ from sandfleet import Client
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, UnsupportedError, WrongStateError
 from upstream import Upstream, free_subnet
 
-from conftest import Daemon, destroy_daemon, make_daemon, wait_until
+from conftest import EXPECT, Daemon, destroy_daemon, make_daemon, wait_until
 
 TOKEN = "net-test-token"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -402,3 +402,140 @@ def test_a_sandbox_holding_the_proxy_port_gets_a_clear_error(fleet: Client) -> N
         with pytest.raises(WrongStateError, match="listens on 127.0.0.1:3128, where the egress proxy must"):
             sb.set_network(["upstream"])
         assert sb.info.spec.network.none and fleet.get(sb.id).info.spec.network.none
+
+
+# -- what a sandbox can make the daemon hold ---------------------------------------------------------------
+
+FLOOD = (
+    "import resource, socket, sys, time\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)\n"
+    "n, hold = int(sys.argv[1]), float(sys.argv[2])\n"
+    "socks, errors, refused = [], 0, 0\n"
+    "for _ in range(n):\n"
+    "    s = socket.socket()\n"
+    "    try:\n"
+    "        s.connect(('127.0.0.1', 3128))\n"
+    "        socks.append(s)\n"
+    "    except OSError:\n"
+    "        errors += 1\n"
+    "        s.close()\n"
+    "time.sleep(0.5)\n"
+    "for s in socks:\n"
+    "    s.setblocking(False)\n"
+    "    try:\n"
+    "        refused += s.recv(4096).startswith(b'HTTP/1.1 503')\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "print(len(socks), refused, errors, flush=True)\n"
+    "time.sleep(hold)\n"
+)
+HANG = (
+    "import socket\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 9000)); s.listen(1024); held = []\n"
+    "while True: held.append(s.accept())\n"  # answers nothing, closes nothing
+)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture(scope="module")
+def floodd(upstream: Upstream) -> Iterator[Daemon]:
+    """Small limits, so that a flood reaches them in seconds."""
+    limits = "max_connections = 64\nmax_node_connections = 100\nhead_timeout = 2\nidle_timeout = 3\n"
+    d = make_daemon(
+        "netflood", "monitor_interval = 0.5\n" + net_config(upstream).replace("[network]\n", "[network]\n" + limits)
+    )
+    d.start()
+    yield d
+    destroy_daemon(d)
+
+
+def test_silent_connections_to_the_proxy_are_bounded_audited_and_detected(floodd: Daemon) -> None:
+    """2,000 connections that send nothing: the sandbox holds at most `max_connections` of them (the
+    rest are answered 503 at accept), the daemon's open files stay bounded, every one is accounted for
+    in the audit stream at a bounded rate, `connection_flood` fires, and another sandbox's egress
+    works throughout. Several flooding sandboxes together stay within the node's cap."""
+    with floodd.client(timeout=120) as fleet:
+        with fleet.create(image="python", network=["upstream"]) as warm:
+            assert fetch(warm, "http://upstream.test/hello")[0] == 0
+        base = open_fds(floodd.pid)
+        a = fleet.create(image="python", network=["upstream"], labels={EXPECT: "connection_flood"})
+        b = fleet.create(image="python", network=["upstream"])
+        try:
+            t0 = time.monotonic()
+            flood = a.start(["python3", "-c", FLOOD, "2000", "4"])
+            peak = base
+            while time.monotonic() - t0 < 2.5:
+                peak = max(peak, open_fds(floodd.pid))
+                time.sleep(0.05)
+            assert fetch(b, "http://upstream.test/hello")[:2] == (0, "hello from upstream\n")
+            done = flood.wait(timeout=60).result
+            assert done is not None and done.exit_code == 0, done
+            held, refused, errors = map(int, done.stdout.split())
+            # (Silent ones free their place after head_timeout: a slow connect loop gets a few more in.)
+            assert held + errors == 2000 and refused >= 1000, done.stdout
+            assert peak <= base + 64 + 16, (base, peak)
+            # Silent ones are closed after head_timeout; each connection is one record or in a count.
+            assert wait_until(lambda: open_fds(floodd.pid) <= base + 16, 10)
+
+            def accounted() -> int:  # a record is one connection, and carries a count of those not written
+                return sum(int("allowed" in r) + int(r.get("suppressed", 0)) for r in connections(fleet, a.id))
+
+            assert wait_until(lambda: accounted() == held, 10), (accounted(), held)
+            recs = connections(fleet, a.id)
+            assert len(recs) <= 200 + 20 * (time.monotonic() - t0) + 16  # the audit's burst and rate, then counts
+            assert any("no request within 2 s" in str(r.get("reason")) for r in recs)
+            assert any(str(r.get("reason", "")).startswith("refused at accept") for r in recs)
+            assert any(int(r.get("suppressed", 0)) > 0 for r in recs)
+            findings = [e for e in a.events() if e.kind == "finding" and e.data["detector"] == "connection_flood"]
+            assert findings and findings[0].data["evidence"]["refused"] > 0
+
+            # Three sandboxes flooding at once hold at most the node's 100 connections.
+            c = fleet.create(image="python", network=["upstream"], labels={EXPECT: "connection_flood"})
+            try:
+                procs = [x.start(["python3", "-c", FLOOD, "300", "3"]) for x in (a, c, b)]
+                t0 = time.monotonic()
+                peak = base
+                while time.monotonic() - t0 < 2:
+                    peak = max(peak, open_fds(floodd.pid))
+                    time.sleep(0.05)
+                assert peak <= base + 100 + 16, (base, peak)
+                for p in procs:
+                    assert p.wait(timeout=60).result.exit_code == 0  # type: ignore[union-attr]
+            finally:
+                c.stop()
+            assert wait_until(lambda: open_fds(floodd.pid) <= base + 16, 10)
+            assert fetch(b, "http://upstream.test/hello")[0] == 0
+        finally:
+            a.stop()
+            b.stop()
+
+
+def test_connections_to_an_exposed_port_are_bounded_and_end_when_idle(floodd: Daemon) -> None:
+    """A sandbox server that accepts and then neither answers nor closes: connections to its exposed
+    port hold at most `max_connections` relays, and each ends after `idle_timeout`."""
+    with floodd.client(timeout=120) as fleet, fleet.create(image="python") as sb:
+        sb.start(["python3", "-c", HANG])
+        port = sb.expose(9000)
+        assert port.socket is not None
+        base = open_fds(floodd.pid)
+        clients = []
+        try:
+            for _ in range(150):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(port.socket)
+                clients.append(s)
+            time.sleep(1)
+            assert open_fds(floodd.pid) <= base + 64 * 6 + 16, (base, open_fds(floodd.pid))
+            ended = 0
+            for s in clients:  # the ones over the limit were closed at once
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    ended += s.recv(1) == b""
+            assert ended >= 150 - 64
+            assert wait_until(lambda: open_fds(floodd.pid) <= base + 16, 10)  # idle_timeout: 3 s
+        finally:
+            for s in clients:
+                s.close()

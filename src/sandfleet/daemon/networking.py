@@ -15,6 +15,7 @@ import asyncio
 import builtins
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from sandfleet.backends.base import Networked, offers
 from sandfleet.daemon.core import NodeCore
-from sandfleet.daemon.egress import EgressProxy, proxy_env
+from sandfleet.daemon.egress import ConnectionSlots, EgressProxy, accept_loop, proxy_env
 from sandfleet.daemon.lifecycle import HOLDING_STATES, Sandbox
 from sandfleet.daemon.monitor import Monitor
 from sandfleet.daemon.network import NetworkConfig, Policy, compile_policy
@@ -60,7 +61,8 @@ class Networking:
         self.monitor = monitor
         self.config = config
         self.ports_dir = run_dir / "ports"
-        self.proxy = EgressProxy(config, monitor.connection)
+        self.slots = ConnectionSlots(config.max_node_connections)  # the proxy's and the exposures'
+        self.proxy = EgressProxy(config, monitor, self.slots)
         self._exposed: dict[str, dict[int, _Exposure]] = {}
         core.table.on_stopped(self._stopped)
 
@@ -185,7 +187,9 @@ class Networking:
         return [self._info(sb.id, e) for e in sorted(self._exposed.get(sb.id, {}).values(), key=lambda e: e.port)]
 
     async def _accept(self, sandbox_id: str, port: int, server: socket.socket, conns: set[asyncio.Task[None]]) -> None:
-        """Each connection to an exposure's unix socket: relayed to the port in the sandbox."""
+        """Each connection to an exposure's unix socket: relayed to the port in the sandbox, within the
+        sandbox's `max_connections` (over all its exposures) and the node's slots, until both ends
+        close or neither sends a byte for `idle_timeout` (a server that never closes holds nothing)."""
         loop = asyncio.get_running_loop()
 
         async def serve(client: socket.socket) -> None:
@@ -195,18 +199,26 @@ class Networking:
                 client.close()
                 return
             try:
-                await splice.both_ways(loop, client, upstream)
+                await splice.both_ways(loop, client, upstream, idle=self.config.idle_timeout)
             finally:
                 client.close()
                 upstream.close()
 
+        def closed(client: socket.socket, task: asyncio.Task[None]) -> None:
+            conns.discard(task)
+            client.close()
+            self.slots.give()
+
         try:
             while True:
-                client, _ = await loop.sock_accept(server)
-                client.setblocking(False)
+                client = await accept_loop(server, f"port {port} of sandbox {sandbox_id}")
+                held = sum(len(e.conns) for e in self._exposed.get(sandbox_id, {}).values())
+                if held >= self.config.max_connections or not self.slots.take():
+                    client.close()  # a byte stream: nothing to answer with but its end
+                    continue
                 task = loop.create_task(serve(client))
                 conns.add(task)
-                task.add_done_callback(conns.discard)
+                task.add_done_callback(functools.partial(closed, client))
         finally:
             server.close()
 
