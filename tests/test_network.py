@@ -15,10 +15,11 @@ import httpx
 import pytest
 
 from sandfleet import Client
+from sandfleet.daemon.process import DaemonStartError
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, UnsupportedError, WrongStateError
 from upstream import Upstream, free_subnet
 
-from conftest import EXPECT, Daemon, destroy_daemon, make_daemon, wait_until
+from conftest import EXPECT, Daemon, agent_pid, destroy_daemon, make_daemon, wait_until
 
 TOKEN = "net-test-token"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -441,12 +442,16 @@ def open_fds(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def floodd(upstream: Upstream) -> Iterator[Daemon]:
-    """Small limits, so that a flood reaches them in seconds."""
+def floodd(upstream: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A node with [network] settings of its own: small limits, so that a flood reaches them in
+    seconds, and a CA bundle: the host's trust store plus the upstream's own certificate."""
+    assert upstream.cert is not None
+    bundle = tmp_path_factory.mktemp("ca") / "bundle.pem"
+    bundle.write_bytes(HOST_CA.read_bytes() + upstream.cert.read_bytes())
     limits = "max_connections = 64\nmax_node_connections = 100\nhead_timeout = 2\nidle_timeout = 3\n"
-    d = make_daemon(
-        "netflood", "monitor_interval = 0.5\n" + net_config(upstream).replace("[network]\n", "[network]\n" + limits)
-    )
+    limits += f'ca_bundle = "{bundle}"\n'
+    cfg = net_config(upstream).replace("[network]\n", "[network]\n" + limits)
+    d = make_daemon("netflood", "monitor_interval = 0.5\n" + cfg)
     d.start()
     yield d
     destroy_daemon(d)
@@ -539,3 +544,79 @@ def test_connections_to_an_exposed_port_are_bounded_and_end_when_idle(floodd: Da
         finally:
             for s in clients:
                 s.close()
+
+
+# -- the node's CA bundle ----------------------------------------------------------------------------------
+
+HTTPS = (
+    "import sys, urllib.request\n"
+    "try:\n"
+    "    print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode(), end='')\n"
+    "except Exception as e:\n"
+    "    print(e, file=sys.stderr); sys.exit(3)\n"
+)
+PIP_UPSTREAM = (
+    "pip download --no-deps --retries 0 --timeout 10 --disable-pip-version-check -d /tmp/dl "
+    "--index-url https://upstream.test/simple/ nothing-here"
+)
+
+
+def test_the_node_ca_bundle_is_what_networked_sandboxes_trust(fleet: Client, floodd: Daemon) -> None:
+    """A TLS-inspecting egress's CA (here: the stand-in upstream's own certificate) is trusted by
+    Python, pip (and curl, git, npm through their variables) in a sandbox only on a node whose
+    `[network] ca_bundle` holds it; the bundle is in no layer, not even the sandbox's writable one."""
+    url = "https://upstream.test/hello"
+    with fleet.create(image="python", network=["upstream"]) as sb:  # a node without a bundle
+        r = sb.exec(["python3", "-c", HTTPS, url], timeout=30)
+        assert r.exit_code == 3 and "CERTIFICATE_VERIFY_FAILED" in r.stderr, r.stderr
+        r = sb.exec(PIP_UPSTREAM, timeout=60)
+        assert r.exit_code != 0 and "CERTIFICATE_VERIFY_FAILED" in r.stdout + r.stderr
+        assert sb.exec("echo ${SSL_CERT_FILE:-unset}").stdout == "unset\n"
+    with floodd.client(timeout=120) as tuned:
+        with tuned.create(image="python", network=["upstream"]) as sb:
+            r = sb.exec(["python3", "-c", HTTPS, url], timeout=30)
+            assert (r.exit_code, r.stdout) == (0, "hello from upstream\n"), r.stderr
+            r = sb.exec(PIP_UPSTREAM, timeout=60)  # past TLS: the stand-in is no package index
+            assert r.exit_code != 0 and "CERTIFICATE_VERIFY_FAILED" not in r.stdout + r.stderr
+            assert "404" in r.stdout + r.stderr or "No matching distribution" in r.stdout + r.stderr, r.stderr
+            env = sb.exec("env").stdout
+            for var in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE"):
+                assert f"{var}=/dev/sandfleet-ca.pem" in env, var
+            # Outside the writable layer: never packed, never one of the agent's changes.
+            upper = Path(f"/proc/{agent_pid(floodd, sb.id)}/root/dev/.sandfleet/upper")
+            assert not [f for _, _, files in os.walk(upper) for f in files if f.endswith(".pem")]
+            assert sb.exec("test -f /dev/sandfleet-ca.pem").exit_code == 0
+        # No policy, no bundle; a policy set later brings it.
+        with tuned.create(image="python") as sb:
+            assert sb.exec("test -e /dev/sandfleet-ca.pem").exit_code == 1
+            assert sb.exec("echo ${SSL_CERT_FILE:-unset}").stdout == "unset\n"
+            sb.set_network(["upstream"])
+            r = sb.exec(["python3", "-c", HTTPS, url], timeout=30)
+            assert (r.exit_code, r.stdout) == (0, "hello from upstream\n"), r.stderr
+
+
+def test_pip_install_from_pypi_behind_this_hosts_tls_inspection(floodd: Daemon) -> None:
+    """This host's egress inspects TLS with a CA only its trust store has: with that store as the
+    node's bundle, a plain `pip install` under ["pypi"] works (no PIP_CERT of the user's)."""
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+    except OSError as exc:
+        pytest.skip(f"this host cannot reach pypi.org ({exc})")
+    cmd = "pip install --no-cache-dir --retries 0 --timeout 15 --disable-pip-version-check six==1.16.0"
+    with floodd.client(timeout=120) as fleet, fleet.create(image="python", network=["pypi"]) as sb:
+        r = sb.exec(cmd, timeout=180)
+        assert r.exit_code == 0, r.stderr[-2000:]
+        assert sb.exec("python3 -c 'import six; print(six.__version__)'").stdout.strip() == "1.16.0"
+
+
+def test_a_ca_bundle_that_is_not_one_stops_the_daemon_at_start(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-bundle.pem"
+    bad.write_text("hello\n")
+    for path, why in ((tmp_path / "missing.pem", "No such file"), (bad, "no PEM certificate")):
+        d = make_daemon("badca", f'[network]\nca_bundle = "{path}"\n')
+        try:
+            with pytest.raises(DaemonStartError):
+                d.start(timeout=30)
+            assert why in d.log(), d.log()[-2000:]
+        finally:
+            destroy_daemon(d)

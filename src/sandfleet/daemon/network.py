@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -135,6 +136,12 @@ class NetworkConfig(BaseModel):
         10.0, gt=0, le=300, description="seconds a connection to the proxy has to send its request head"
     )
     idle_timeout: float = Field(600.0, gt=0, description="close a proxied connection silent this many seconds")
+    ca_bundle: Path | None = Field(
+        None,
+        description="a PEM file of the CA certificates the commands of networked sandboxes trust instead of "
+        "their images' own (behind a TLS-inspecting egress: a bundle with its CA, e.g. this host's "
+        "/etc/ssl/certs/ca-certificates.crt); read at start",
+    )
 
     @field_validator("hosts", mode="before")
     @classmethod
