@@ -3,7 +3,9 @@ tests/upstream.py) and, for one test, the real Python package index."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -620,3 +622,47 @@ def test_a_ca_bundle_that_is_not_one_stops_the_daemon_at_start(tmp_path: Path) -
             assert why in d.log(), d.log()[-2000:]
         finally:
             destroy_daemon(d)
+
+
+def test_a_full_file_table_does_not_end_a_sandboxs_proxy() -> None:
+    """accept(2) failing with EMFILE (the daemon's file table full for a moment) used to end the
+    sandbox's accept loop and close its listener for good: its egress was gone until a restart."""
+    from sandfleet.daemon.egress import ConnectionSlots, EgressProxy
+    from sandfleet.daemon.network import NetworkConfig, compile_policy
+    from sandfleet.models import NetworkPolicy
+
+    class Heard:
+        def __init__(self) -> None:
+            self.records: list[dict[str, object]] = []
+
+        def accepted(self, sandbox_id: str, refused: bool) -> None:
+            pass
+
+        def connection(self, sandbox_id: str, rec: dict[str, object]) -> None:
+            self.records.append(rec)
+
+    async def go() -> bytes:
+        loop = asyncio.get_running_loop()
+        config = NetworkConfig(proxy_port=_free_port())
+        heard = Heard()
+        proxy = EgressProxy(config, heard, ConnectionSlots(100))
+        real, failures = loop.sock_accept, [OSError(errno.EMFILE, "Too many open files")]
+
+        async def flaky(sock: socket.socket) -> tuple[socket.socket, object]:
+            if failures:
+                raise failures.pop()
+            return await real(sock)
+
+        loop.sock_accept = flaky  # type: ignore[method-assign]
+        await proxy.apply("sb-test", "/proc/self/ns/net", compile_policy(NetworkPolicy(allow=["example.com"]), config))
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", config.proxy_port)
+            writer.write(b"CONNECT denied.test:443 HTTP/1.1\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return answer
+        finally:
+            await proxy.close()
+
+    answer = asyncio.run(go())
+    assert answer.startswith(b"HTTP/1.1 403") and b"not allowed" in answer, answer
