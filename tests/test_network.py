@@ -8,7 +8,10 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -666,3 +669,45 @@ def test_a_full_file_table_does_not_end_a_sandboxs_proxy() -> None:
 
     answer = asyncio.run(go())
     assert answer.startswith(b"HTTP/1.1 403") and b"not allowed" in answer, answer
+
+
+SLOW_LOOKUPS = (
+    "import threading, urllib.request as u\n"
+    "def one(i):\n"
+    "    try: u.urlopen(f'https://n{i}.slow.test/', timeout=60)\n"
+    "    except Exception: pass\n"
+    "ts = [threading.Thread(target=one, args=(i,)) for i in range(50)]\n"
+    "[t.start() for t in ts]; [t.join() for t in ts]\n"
+)
+
+
+def test_names_that_resolve_slowly_stall_nothing_but_their_own_requests(floodd: Daemon) -> None:
+    """A resolver that does not answer (here: the daemon's /etc/resolv.conf names a server that keeps
+    silent, bound over in the daemon's own mount namespace only) and a sandbox asking the proxy for
+    50 such names at once: the lookups used to fill the daemon's shared worker threads, stalling
+    every other sandbox's file operations and creates for many seconds. They wait among themselves."""
+    quiet = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    quiet.bind(("127.0.0.77", 53))  # receives queries, answers none
+    conf = Path(tempfile.mkdtemp()) / "resolv.conf"
+    conf.write_text("nameserver 127.0.0.77\noptions timeout:3 attempts:1\n")
+    mount = ["nsenter", "-t", str(floodd.pid), "-m", "mount", "--bind", str(conf), "/etc/resolv.conf"]
+    subprocess.run(mount, check=True)
+    try:
+        with (
+            floodd.client(timeout=120) as fleet,
+            fleet.create(image="python", network=["*.slow.test:443"], labels={EXPECT: "connection_flood"}) as a,
+            fleet.create(image="busybox") as b,
+        ):
+            lookups = a.start(["python3", "-c", SLOW_LOOKUPS])
+            worst, t_end = 0.0, time.monotonic() + 8  # while its 50 requests wait for their names
+            while time.monotonic() < t_end:
+                t0 = time.perf_counter()
+                b.files.write("/tmp/f", b"x" * 1000)  # a worker-thread operation of the daemon
+                worst = max(worst, time.perf_counter() - t0)
+                time.sleep(0.2)
+            assert worst < 2, worst
+            lookups.kill()
+    finally:
+        subprocess.run(["nsenter", "-t", str(floodd.pid), "-m", "umount", "/etc/resolv.conf"], check=False)
+        quiet.close()
+        shutil.rmtree(conf.parent, ignore_errors=True)

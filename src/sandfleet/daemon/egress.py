@@ -23,6 +23,7 @@ import logging
 import resource
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +37,11 @@ MAX_HEAD = 16 * 1024
 _HOP_BY_HOP = (b"proxy-connection:", b"proxy-authorization:", b"connection:", b"keep-alive:")
 # A relayed connection holds two sockets and a pipe (two fds) each way.
 FDS_PER_CONNECTION = 6
+# Name lookups run on threads of the proxy's own, at most this many of a sandbox's at once: a resolver
+# that does not answer holds a thread for seconds, and must not hold the daemon's shared ones (every
+# file operation and create needs those) nor every lookup of the other sandboxes.
+RESOLVER_THREADS = 4
+LOOKUPS_PER_SANDBOX = 2
 # Errors of accept(2) that say nothing about the listener: wait a moment and go on accepting.
 _ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED})
 
@@ -127,6 +133,7 @@ class _Attachment:
     accepting: asyncio.Task[None] | None = None
     conns: set[_Conn] = field(default_factory=set)  # relayed (their destination known)
     open: int = 0  # accepted and not closed yet: relayed, or still to send or be answered their request
+    lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOOKUPS_PER_SANDBOX))
 
 
 def proxy_env(port: int) -> dict[str, str]:
@@ -149,6 +156,7 @@ class EgressProxy:
         self._observer = observer
         self.slots = slots
         self._by_id: dict[str, _Attachment] = {}
+        self._resolver = ThreadPoolExecutor(max_workers=RESOLVER_THREADS, thread_name_prefix="sandfleet-resolve")
 
     async def apply(self, sandbox_id: str, ns_path: str, policy: Policy) -> None:
         """Make `policy` the sandbox's, now: listen in its namespace if it allows anything (and did
@@ -183,6 +191,7 @@ class EgressProxy:
     async def close(self) -> None:
         for sid in list(self._by_id):
             self.detach(sid)
+        self._resolver.shutdown(wait=False, cancel_futures=True)
 
     # ---- one connection --------------------------------------------------------------------
 
@@ -253,7 +262,7 @@ class EgressProxy:
                     403, f"{host}:{port} is not allowed by this sandbox's network policy (allow: {att.policy.spec})"
                 )
             rec["rule"] = rule.source
-            upstream, ip = await self._connect(att.policy, rule, host, port)
+            upstream, ip = await self._connect(att, rule, host, port)
             rec["ip"] = str(ip)
             if att.sandbox_id not in self._by_id or att.policy.rule_for(host, port) is None:
                 raise Refused(403, "the sandbox's network policy changed")
@@ -293,12 +302,12 @@ class EgressProxy:
                 rec["duration"] = round(time.monotonic() - started, 3)
                 self._tell(att, rec)
 
-    async def _connect(self, policy: Policy, rule: Rule, host: str, port: int) -> tuple[socket.socket, IPAddress]:
-        addrs = await self._resolve(host, port)
+    async def _connect(self, att: _Attachment, rule: Rule, host: str, port: int) -> tuple[socket.socket, IPAddress]:
+        addrs = await self._resolve(att, host, port)
         refusals = []
         allowed = []
         for ip in addrs:
-            why = policy.address_refusal(ip, rule)
+            why = att.policy.address_refusal(ip, rule)
             if why is None and netns.is_local_address(str(ip)):  # one bind(2): does not block
                 why = f"{ip} is an address of this node"
             if why is None:
@@ -320,15 +329,17 @@ class EgressProxy:
                 last = exc
         raise Refused(502, f"cannot connect to {host}:{port} ({type(last).__name__}: {last})")
 
-    async def _resolve(self, host: str, port: int) -> list[IPAddress]:
+    async def _resolve(self, att: _Attachment, host: str, port: int) -> list[IPAddress]:
         lit = ip_literal(host)
         if lit is not None:
             return [lit]
         static = self.config.hosts.get(host)
         if static is not None:
             return [a for a in (ip_literal(s) for s in static) if a is not None]
+        lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            async with att.lookups:
+                infos = await asyncio.get_running_loop().run_in_executor(self._resolver, lookup)
         except socket.gaierror as exc:
             raise Refused(502, f"cannot resolve {host}: {exc.strerror}") from None
         out: list[IPAddress] = []
