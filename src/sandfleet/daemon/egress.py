@@ -11,6 +11,12 @@ metadata or reserved; private ranges only when a service names them), and the co
 a checked address, so no DNS answer is trusted twice. A refusal is an immediate `403` whose body says
 why; a tool that ignores the proxy variables finds no route at all (ENETUNREACH at once). Changing a
 policy takes effect at once: connections it no longer allows are closed.
+
+What a sandbox can make the daemon hold here is bounded where it starts, at accept: its connections
+(`max_connections`, those that never send a request included, closed after `head_timeout`), the
+node's (`ConnectionSlots`, shared with exposed ports), and its name lookups (threads of the proxy's
+own). Every connection is reported, refused ones too: to the flood detector at accept, to the audit
+stream when it ends.
 """
 
 from __future__ import annotations
@@ -199,7 +205,7 @@ class EgressProxy:
         """Every connection is bounded here, before anything is read from it: past the sandbox's
         `max_connections` or the node's slots it is answered 503 and closed at once."""
         loop = asyncio.get_running_loop()
-        pending: set[asyncio.Task[None]] = set()  # accepted, not yet connected upstream
+        pending: set[asyncio.Task[None]] = set()  # each accepted connection's task, until it ends
         try:
             while True:
                 client = await accept_loop(att.listener, f"the egress proxy of sandbox {att.sandbox_id}")
