@@ -21,7 +21,7 @@ from sandfleet.backends.base import LayerView, offers
 from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.core import NodeCore
 from sandfleet.daemon.detectors import Detectors, DetectorsConfig, Finding, replaced_system_binaries
-from sandfleet.daemon.lifecycle import RUNNING, Sandbox
+from sandfleet.daemon.lifecycle import LIVE_STATES, RUNNING, Sandbox
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.images.recipe import BUILD_LABEL
 from sandfleet.models import Usage
@@ -93,13 +93,23 @@ class Monitor:
         if kind != "finding":
             self._act(self.detectors.event(sandbox_id, kind, data))
 
+    def _live(self, sandbox_id: str) -> bool:
+        sb = self.core.table.find(sandbox_id)
+        return sb is not None and sb.state in LIVE_STATES
+
     def accepted(self, sandbox_id: str, refused: bool) -> None:
         """A connection the egress proxy accepted (`refused` at once: over a limit)."""
-        self._act(self.detectors.accepted(sandbox_id, refused))
+        if self._live(sandbox_id):
+            self._act(self.detectors.accepted(sandbox_id, refused))
 
     def connection(self, sandbox_id: str, rec: dict[str, Any]) -> None:
         """One connection the egress proxy refused, or served and closed."""
         self.core.metrics.egress_connections.labels(allowed=str(bool(rec.get("allowed"))).lower()).inc()
+        if not self._live(sandbox_id):
+            # Cut as its sandbox stopped (at most its `max_connections`): recorded, and no state
+            # is kept for a sandbox whose state was dropped.
+            self.audit_record("connection", sandbox_id, rec)
+            return
         if self._within_rate(sandbox_id):
             bucket = self._buckets[sandbox_id]
             if bucket.suppressed:
