@@ -260,6 +260,8 @@ def test_a_layer_file_deleted_or_replaced_while_mounted_is_checked_before_reuse(
                 assert sb.exec("md5sum /blob").stdout == want
             with fleet.create(image="busybox", layers=[digest]) as sb:
                 assert sb.exec("md5sum /blob").stdout == want
+                path.unlink()  # the other order: mounted by this daemon, then deleted
+                refused(fleet)
             fleet.get(keep.id).stop()
     finally:
         with contextlib.suppress(StoreImageNotFound):
