@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import IMAGES, Daemon, in_cgroup_ns_wrapper, pss_kib, stats  # noqa: E402
 from peers import sandfleet_oci  # noqa: E402
 from sandfleet import AsyncClient, Client  # noqa: E402
+from sandfleet.runtime.cgroups import CGROUP_ROOT, Cgroups  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SNIPPET = "print(1)"
@@ -155,8 +156,21 @@ def peers_worker(params: Path) -> None:
         (b / "config.json").write_text(json.dumps(cfg))
         return ["crun", "--root", str(crun_root), "run", "--bundle", str(b), cid]
 
-    attempt("crun run (sandfleet's config), python3 -c", crun)
+    try:
+        attempt("crun run (sandfleet's config), python3 -c", crun)
+    finally:
+        remove_peer_cgroups(p["cgroup_parent"])
     Path(p["out"]).write_text(json.dumps(out))
+
+
+def remove_peer_cgroups(parent: str) -> None:
+    """What crun made under `parent` (in the namespace without the cgroup2 mount): it removes a
+    container's cgroup but not the parents it made on the way, and with the hybrid host's cgroup2
+    mount hidden it writes plain directories and files into the tmpfs beneath that mount point."""
+    hidden = CGROUP_ROOT / "unified"
+    if not os.path.ismount(hidden):
+        shutil.rmtree(hidden / parent.strip("/"), ignore_errors=True)
+    Cgroups(parent).remove(parent)
 
 
 def bench_fncall(d: Daemon, n: int, width: int) -> dict[str, Any]:
@@ -269,6 +283,16 @@ def _cpu_ticks(pids: list[int]) -> int:
     return total
 
 
+def leftover_cgroups(parents: list[str]) -> list[str]:
+    """The cgroup directories of these parents still present, in any hierarchy (a run leaves none)."""
+    return sorted(
+        str(c / parent.strip("/"))
+        for parent in parents
+        for c in CGROUP_ROOT.iterdir()
+        if (c / parent.strip("/")).is_dir()
+    )
+
+
 def write_report(res: dict[str, Any], results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
     (results / "tiers.json").write_text(json.dumps(res, indent=1))
@@ -322,6 +346,9 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="sfb-tiers-"))
     os.chmod(root, 0o755)  # QEMU's jail (an unprivileged uid) reaches the VM directories under it
     d = Daemon(root, "/sandfleet-bench-tiers")
+    parents = [d.cgroup_parent, d.cgroup_parent + "-peers", "/sandfleet-bench-microvm", "/sandfleet-bench-vm"]
+    if left := leftover_cgroups(parents):
+        raise SystemExit(f"cgroups of an earlier run are still there (remove them first): {left}")
     text = d.config.read_text().replace("[container]\n", '[[backends]]\ntype = "container"\n')
     text += f'[[backends]]\ntype = "fncall"\nworkers = 4\nmax_workers = {a.width // 2}\n'
     for vm in ("microvm", "vm"):
@@ -352,8 +379,12 @@ def main() -> int:
         d.stop_sandboxes()
         d.stop()
         shutil.rmtree(root, ignore_errors=True)
+    res["leftover_cgroups"] = leftover_cgroups(parents)
     write_report(res, a.results)
     print((a.results / "tiers.md").read_text())
+    if res["leftover_cgroups"]:
+        print(f"LEAK: cgroups left behind: {res['leftover_cgroups']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -120,39 +120,44 @@ def test_pip_and_a_test_suite_do_not_trip_anything() -> None:
 
 def test_connection_flood_fires_once_per_window() -> None:
     d, clock = _detectors(connection_flood={"action": "pause"})
+    d.connection("sb", "example.com", 443, allowed=True)  # the latest destinations asked are its sample
+    d.connection("sb", "example.com", 80, allowed=False)
     for i in range(199):
-        assert d.connection("sb", "example.com", 443, allowed=i % 2 == 0) == []
-    (f,) = d.connection("sb", "example.com", 80, allowed=True)
+        assert d.accepted("sb", refused=i % 2 == 0) == []
+    (f,) = d.accepted("sb")
     assert (f.detector, f.action) == ("connection_flood", "pause")
-    assert f.evidence["count"] == 200 and f.evidence["denied"] == 99
+    assert f.evidence["count"] == 200 and f.evidence["refused"] == 100
     assert f.evidence["sample"] == ["example.com:80", "example.com:443"]
     # the flood goes on: quiet for the window, then one more finding
     findings: list[Finding] = []
     for _ in range(100):
         for _ in range(1000):
-            findings += d.connection("sb", "example.com", 443, allowed=True)
+            findings += d.accepted("sb")
         clock.tick(0.1)  # 100k attempts over 10 s
     assert findings == []
     clock.tick(0.1)
     for _ in range(200):
-        findings += d.connection("sb", "example.com", 443, allowed=True)
+        findings += d.accepted("sb")
     assert _names(findings) == ["connection_flood"]
 
 
 def test_connection_flood_under_threshold_or_spread_out_is_silent() -> None:
     d, clock = _detectors()
     for _ in range(199):
-        assert d.connection("sb", "h", 1, allowed=True) == []
+        assert d.accepted("sb") == []
     clock.tick(10)  # they have left the window
     for _ in range(199):
-        assert d.connection("sb", "h", 1, allowed=True) == []
+        assert d.accepted("sb") == []
+    for i in range(1000):  # requests are not the flood's count (their connections were, when accepted)
+        assert d.connection("sb", "h", i % 3, allowed=True) == []
+    assert d.state_size("sb") <= 199 + 10
 
 
-def test_denied_scan_feeds_both_detectors() -> None:
+def test_connections_that_never_send_a_request_are_a_flood() -> None:
     d, _ = _detectors(port_scan={"threshold": 3}, connection_flood={"threshold": 3})
-    d.connection("sb", "h", 1, allowed=False)
-    d.connection("sb", "h", 2, allowed=False)
-    assert sorted(_names(d.connection("sb", "h", 3, allowed=False))) == ["connection_flood", "port_scan"]
+    assert d.accepted("sb") == [] and d.accepted("sb") == []
+    (f,) = d.accepted("sb")
+    assert f.detector == "connection_flood" and f.evidence["sample"] == []
 
 
 # --- events -----------------------------------------------------------------------------------------------
@@ -339,6 +344,7 @@ def test_memory_stays_bounded_under_100k_observations() -> None:
     peak = 0
     for i in range(100_000):
         host = "h" * rng.randrange(1, 5000)  # hosts of any length
+        findings += d.accepted("sb", refused=rng.random() < 0.1)
         findings += d.connection("sb", host + str(rng.randrange(10**6)), rng.randrange(65536), rng.random() < 0.5)
         kind = ("oom_kill", "pids_limit", "output_truncated", "agent_attack", "other")[i % 5]
         findings += d.event("sb", kind, {"count": 1, "refused_forks": 1})
@@ -350,7 +356,7 @@ def test_memory_stays_bounded_under_100k_observations() -> None:
             peak = max(peak, d.state_size())
     peak = max(peak, d.state_size())
     # windows hold at most `threshold` entries; reported paths are capped at 1024
-    assert peak <= 20 + 200 + 50 + 5 + 3 + 1 + 1 + 8 + 1024
+    assert peak <= 20 + 200 + 10 + 50 + 5 + 3 + 1 + 1 + 8 + 1024  # (10: the flood's sample of destinations)
     counts = {name: _names(findings).count(name) for name in set(_names(findings))}
     # 100 s of abuse: one finding per window and detector at most (binaries: once per path, capped)
     assert counts["port_scan"] <= 11 and counts["connection_flood"] <= 11 and counts["fork_flood"] <= 11

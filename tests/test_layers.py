@@ -183,6 +183,92 @@ def test_bytes_flipped_in_place_after_verification_with_the_mtime_put_back_are_d
         path.unlink(missing_ok=True)
 
 
+def _layer_file(digest: str, store: Path = IMAGES) -> Path:
+    return store / "layers" / ("sha256-" + digest.removeprefix("sha256:") + ".erofs")
+
+
+def _put_file(path: Path, data: bytes) -> None:
+    """Replace `path` with a new file holding `data` (a new inode, as a copy or a fetch makes)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.chmod(tmp, 0o444)
+    os.rename(tmp, path)
+
+
+def test_a_layer_file_deleted_or_replaced_while_mounted_is_checked_before_reuse(own_daemon: Daemon) -> None:
+    """A mounted layer's file deleted or replaced under the store: new creates do not reuse the mount
+    blindly. Deleted: `data_loss` for an image naming it (`not_found` for a bare digest), before and
+    after a restart alike; replaced by a corrupt copy: `data_loss`; by an intact copy: fine. A sandbox
+    already running on the layer is unaffected, and a failed create leaves nothing."""
+    d = own_daemon
+    d.start()
+    with d.client() as fleet:
+        digest = _layer_of(fleet, "head -c 200000 /dev/urandom > /blob", "t/gone-src:1")
+    store = LayerStore(IMAGES)
+    path = _layer_file(digest)
+    data = path.read_bytes()
+    base = store.resolve("busybox").layers
+    store.put_manifest("t/gone", "1", [*base, LayerRef(digest=digest, size=len(data), kind="layer")])
+
+    def refused(fleet: Client) -> None:
+        """An image naming the layer has lost it; a digest no image names is no layer at all."""
+        for spec in ({"image": "t/gone:1"}, {"image": "busybox", "layers": [digest]}):
+            with pytest.raises(DataLossError, match="missing"):
+                fleet.create(**spec)  # type: ignore[arg-type]
+        manifest = IMAGES / "images" / "t" / "gone" / "1.json"
+        text = manifest.read_text()
+        store.remove_image("t/gone:1")
+        with pytest.raises(ImageNotFoundError):
+            fleet.create(image="busybox", layers=[digest])
+        manifest.parent.mkdir(parents=True, exist_ok=True)
+        manifest.write_text(text)  # (put_manifest would refuse: the layer is gone)
+
+    try:
+        with d.client() as fleet:
+            keep = fleet.create(image="t/gone:1")  # holds the layer's mount
+            want = keep.exec("md5sum /blob").stdout
+            assert len(want) > 32
+            _put_file(path, data)  # an intact copy: checked again (hashed), then the mount is reused
+            with fleet.create(image="t/gone:1") as sb:
+                assert sb.exec("md5sum /blob").stdout == want
+            assert wait_until(lambda: residue(d).sandbox_ids == (keep.id,))
+            before = residue(d)
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0xFF
+            _put_file(path, bytes(flipped))  # a corrupt copy of the same size
+            for spec in ({"image": "t/gone:1"}, {"image": "busybox", "layers": [digest]}):
+                with pytest.raises(DataLossError, match="corrupt"):
+                    fleet.create(**spec)  # type: ignore[arg-type]
+            path.unlink()  # deleted
+            refused(fleet)
+            after = residue(d)
+            assert (after.mounts, after.cgroups, after.sandbox_dirs, after.processes, after.sandbox_ids) == (
+                before.mounts,
+                before.cgroups,
+                before.sandbox_dirs,
+                before.processes,
+                before.sandbox_ids,
+            )
+            assert keep.exec("md5sum /blob").stdout == want  # its mount holds the file it started with
+        d.kill()
+        d.start()
+        with d.client() as fleet:
+            assert fleet.get(keep.id).exec("md5sum /blob").stdout == want
+            refused(fleet)  # the same answers as before the restart
+            _put_file(path, data)  # put back: usable again
+            with fleet.create(image="t/gone:1") as sb:
+                assert sb.exec("md5sum /blob").stdout == want
+            with fleet.create(image="busybox", layers=[digest]) as sb:
+                assert sb.exec("md5sum /blob").stdout == want
+                path.unlink()  # the other order: mounted by this daemon, then deleted
+                refused(fleet)
+            fleet.get(keep.id).stop()
+    finally:
+        with contextlib.suppress(StoreImageNotFound):
+            store.remove_image("t/gone:1")
+        path.unlink(missing_ok=True)
+
+
 # -- on demand from a shared store ------------------------------------------------------------------
 
 
@@ -271,3 +357,39 @@ def test_shared_blob_missing_is_data_loss(shared_daemon: tuple[Daemon, Path]) ->
         with pytest.raises(DataLossError, match="blob"):
             fleet.create(image="t/ondemand-missing:1")
         assert wait_until(lambda: not residue(d).sandbox_ids)
+
+
+def test_a_shared_layer_deleted_while_mounted_is_fetched_again_or_data_loss(shared_daemon: tuple[Daemon, Path]) -> None:
+    """An on-demand layer in use: its local metadata copy deleted is fetched again from the shared
+    store; its data blob gone from the shared store is `data_loss`, before and after a restart alike."""
+    d, shared = shared_daemon
+    with d.client() as fleet:
+        with fleet.create(image="busybox") as sb:
+            sb.exec("head -c 100000 /dev/urandom > /x")
+            sb.pack("t/shared-gone:1")
+        local = LayerStore(IMAGES, shared=shared)
+        pushed = asyncio.run(local.push("t/shared-gone:1"))
+        local.remove_image("t/shared-gone:1")  # only the shared store has the image now
+        top = pushed.layers[-1]
+        assert top.blob is not None
+        meta = _layer_file(top.digest)
+        blob = shared / "blobs" / ("sha256-" + top.blob.removeprefix("sha256:") + ".blob")
+        keep = fleet.create(image="t/shared-gone:1")
+        want = keep.exec("md5sum /x").stdout
+        meta.unlink()
+        with fleet.create(image="t/shared-gone:1") as sb:
+            assert sb.exec("md5sum /x").stdout == want
+        assert meta.exists()  # fetched again
+        blob.rename(blob.with_suffix(".away"))
+        with pytest.raises(DataLossError, match="blob"):
+            fleet.create(image="t/shared-gone:1")
+        assert keep.exec("md5sum /x").stdout == want  # its mount holds the blob open
+    d.kill()
+    d.start()
+    with d.client() as fleet:
+        with pytest.raises(DataLossError, match="blob"):
+            fleet.create(image="t/shared-gone:1")
+        blob.with_suffix(".away").rename(blob)
+        with fleet.create(image="t/shared-gone:1") as sb:
+            assert sb.exec("md5sum /x").stdout == want
+        fleet.get(keep.id).stop()

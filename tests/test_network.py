@@ -3,10 +3,15 @@ tests/upstream.py) and, for one test, the real Python package index."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +20,11 @@ import httpx
 import pytest
 
 from sandfleet import Client
+from sandfleet.daemon.process import DaemonStartError
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, UnsupportedError, WrongStateError
 from upstream import Upstream, free_subnet
 
-from conftest import Daemon, destroy_daemon, make_daemon, wait_until
+from conftest import EXPECT, Daemon, agent_pid, destroy_daemon, make_daemon, wait_until
 
 TOKEN = "net-test-token"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -402,3 +408,306 @@ def test_a_sandbox_holding_the_proxy_port_gets_a_clear_error(fleet: Client) -> N
         with pytest.raises(WrongStateError, match="listens on 127.0.0.1:3128, where the egress proxy must"):
             sb.set_network(["upstream"])
         assert sb.info.spec.network.none and fleet.get(sb.id).info.spec.network.none
+
+
+# -- what a sandbox can make the daemon hold ---------------------------------------------------------------
+
+FLOOD = (
+    "import resource, socket, sys, time\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)\n"
+    "n, hold = int(sys.argv[1]), float(sys.argv[2])\n"
+    "socks, errors, refused = [], 0, 0\n"
+    "for _ in range(n):\n"
+    "    s = socket.socket()\n"
+    "    try:\n"
+    "        s.connect(('127.0.0.1', 3128))\n"
+    "        socks.append(s)\n"
+    "    except OSError:\n"
+    "        errors += 1\n"
+    "        s.close()\n"
+    "time.sleep(0.5)\n"
+    "for s in socks:\n"
+    "    s.setblocking(False)\n"
+    "    try:\n"
+    "        refused += s.recv(4096).startswith(b'HTTP/1.1 503')\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "print(len(socks), refused, errors, flush=True)\n"
+    "time.sleep(hold)\n"
+)
+HANG = (
+    "import socket\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 9000)); s.listen(1024); held = []\n"
+    "while True: held.append(s.accept())\n"  # answers nothing, closes nothing
+)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture(scope="module")
+def floodd(upstream: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A node with [network] settings of its own: small limits, so that a flood reaches them in
+    seconds, and a CA bundle: the host's trust store plus the upstream's own certificate."""
+    assert upstream.cert is not None
+    bundle = tmp_path_factory.mktemp("ca") / "bundle.pem"
+    bundle.write_bytes(HOST_CA.read_bytes() + upstream.cert.read_bytes())
+    limits = "max_connections = 64\nmax_node_connections = 100\nhead_timeout = 2\nidle_timeout = 3\n"
+    limits += f'ca_bundle = "{bundle}"\n'
+    cfg = net_config(upstream).replace("[network]\n", "[network]\n" + limits)
+    d = make_daemon("netflood", "monitor_interval = 0.5\n" + cfg)
+    d.start()
+    yield d
+    destroy_daemon(d)
+
+
+def test_silent_connections_to_the_proxy_are_bounded_audited_and_detected(floodd: Daemon) -> None:
+    """2,000 connections that send nothing: the sandbox holds at most `max_connections` of them (the
+    rest are answered 503 at accept), the daemon's open files stay bounded, every one is accounted for
+    in the audit stream at a bounded rate, `connection_flood` fires, and another sandbox's egress
+    works throughout. Several flooding sandboxes together stay within the node's cap."""
+    with floodd.client(timeout=120) as fleet:
+        with fleet.create(image="python", network=["upstream"]) as warm:
+            assert fetch(warm, "http://upstream.test/hello")[0] == 0
+        base = open_fds(floodd.pid)
+        a = fleet.create(image="python", network=["upstream"], labels={EXPECT: "connection_flood"})
+        b = fleet.create(image="python", network=["upstream"])
+        try:
+            t0 = time.monotonic()
+            flood = a.start(["python3", "-c", FLOOD, "2000", "4"])
+            peak = base
+            while time.monotonic() - t0 < 2.5:
+                peak = max(peak, open_fds(floodd.pid))
+                time.sleep(0.05)
+            assert fetch(b, "http://upstream.test/hello")[:2] == (0, "hello from upstream\n")
+            done = flood.wait(timeout=60).result
+            assert done is not None and done.exit_code == 0, done
+            held, refused, errors = map(int, done.stdout.split())
+            # (Silent ones free their place after head_timeout: a slow connect loop gets a few more in.)
+            assert held + errors == 2000 and refused >= 1000, done.stdout
+            assert peak <= base + 64 + 16, (base, peak)
+            # Silent ones are closed after head_timeout; each connection is one record or in a count.
+            assert wait_until(lambda: open_fds(floodd.pid) <= base + 16, 10)
+
+            def accounted() -> int:  # a record is one connection, and carries a count of those not written
+                return sum(int("allowed" in r) + int(r.get("suppressed", 0)) for r in connections(fleet, a.id))
+
+            assert wait_until(lambda: accounted() == held, 10), (accounted(), held)
+            recs = connections(fleet, a.id)
+            assert len(recs) <= 200 + 20 * (time.monotonic() - t0) + 16  # the audit's burst and rate, then counts
+            assert any("no request within 2 s" in str(r.get("reason")) for r in recs)
+            assert any(str(r.get("reason", "")).startswith("refused at accept") for r in recs)
+            assert any(int(r.get("suppressed", 0)) > 0 for r in recs)
+            findings = [e for e in a.events() if e.kind == "finding" and e.data["detector"] == "connection_flood"]
+            assert findings and findings[0].data["evidence"]["refused"] > 0
+
+            # Three sandboxes flooding at once hold at most the node's 100 connections.
+            c = fleet.create(image="python", network=["upstream"], labels={EXPECT: "connection_flood"})
+            try:
+                procs = [x.start(["python3", "-c", FLOOD, "300", "3"]) for x in (a, c, b)]
+                t0 = time.monotonic()
+                peak = base
+                while time.monotonic() - t0 < 2:
+                    peak = max(peak, open_fds(floodd.pid))
+                    time.sleep(0.05)
+                assert peak <= base + 100 + 16, (base, peak)
+                for p in procs:
+                    assert p.wait(timeout=60).result.exit_code == 0  # type: ignore[union-attr]
+            finally:
+                c.stop()
+            assert wait_until(lambda: open_fds(floodd.pid) <= base + 16, 10)
+            assert fetch(b, "http://upstream.test/hello")[0] == 0
+        finally:
+            a.stop()
+            b.stop()
+
+
+def test_connections_to_an_exposed_port_are_bounded_and_end_when_idle(floodd: Daemon) -> None:
+    """A sandbox server that accepts and then neither answers nor closes: connections to its exposed
+    port hold at most `max_connections` relays, and each ends after `idle_timeout`."""
+    with floodd.client(timeout=120) as fleet, fleet.create(image="python") as sb:
+        sb.start(["python3", "-c", HANG])
+        port = sb.expose(9000)
+        assert port.socket is not None
+        base = open_fds(floodd.pid)
+        clients = []
+        try:
+            for _ in range(150):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(port.socket)
+                clients.append(s)
+            time.sleep(1)
+            assert open_fds(floodd.pid) <= base + 64 * 6 + 16, (base, open_fds(floodd.pid))
+            ended = 0
+            for s in clients:  # the ones over the limit were closed at once
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    ended += s.recv(1) == b""
+            assert ended >= 150 - 64
+            assert wait_until(lambda: open_fds(floodd.pid) <= base + 16, 10)  # idle_timeout: 3 s
+        finally:
+            for s in clients:
+                s.close()
+
+
+# -- the node's CA bundle ----------------------------------------------------------------------------------
+
+HTTPS = (
+    "import sys, urllib.request\n"
+    "try:\n"
+    "    print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode(), end='')\n"
+    "except Exception as e:\n"
+    "    print(e, file=sys.stderr); sys.exit(3)\n"
+)
+PIP_UPSTREAM = (
+    "pip download --no-deps --retries 0 --timeout 10 --disable-pip-version-check -d /tmp/dl "
+    "--index-url https://upstream.test/simple/ nothing-here"
+)
+
+
+def test_the_node_ca_bundle_is_what_networked_sandboxes_trust(fleet: Client, floodd: Daemon) -> None:
+    """A TLS-inspecting egress's CA (here: the stand-in upstream's own certificate) is trusted by
+    Python, pip (and curl, git, npm through their variables) in a sandbox only on a node whose
+    `[network] ca_bundle` holds it; the bundle is in no layer, not even the sandbox's writable one."""
+    url = "https://upstream.test/hello"
+    with fleet.create(image="python", network=["upstream"]) as sb:  # a node without a bundle
+        r = sb.exec(["python3", "-c", HTTPS, url], timeout=30)
+        assert r.exit_code == 3 and "CERTIFICATE_VERIFY_FAILED" in r.stderr, r.stderr
+        r = sb.exec(PIP_UPSTREAM, timeout=60)
+        assert r.exit_code != 0 and "CERTIFICATE_VERIFY_FAILED" in r.stdout + r.stderr
+        assert sb.exec("echo ${SSL_CERT_FILE:-unset}").stdout == "unset\n"
+    with floodd.client(timeout=120) as tuned:
+        with tuned.create(image="python", network=["upstream"]) as sb:
+            r = sb.exec(["python3", "-c", HTTPS, url], timeout=30)
+            assert (r.exit_code, r.stdout) == (0, "hello from upstream\n"), r.stderr
+            r = sb.exec(PIP_UPSTREAM, timeout=60)  # past TLS: the stand-in is no package index
+            assert r.exit_code != 0 and "CERTIFICATE_VERIFY_FAILED" not in r.stdout + r.stderr
+            assert "404" in r.stdout + r.stderr or "No matching distribution" in r.stdout + r.stderr, r.stderr
+            env = sb.exec("env").stdout
+            for var in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE"):
+                assert f"{var}=/dev/sandfleet-ca.pem" in env, var
+            # Outside the writable layer: never packed, never one of the agent's changes.
+            upper = Path(f"/proc/{agent_pid(floodd, sb.id)}/root/dev/.sandfleet/upper")
+            assert not [f for _, _, files in os.walk(upper) for f in files if f.endswith(".pem")]
+            assert sb.exec("test -f /dev/sandfleet-ca.pem").exit_code == 0
+        # No policy, no bundle; a policy set later brings it.
+        with tuned.create(image="python") as sb:
+            assert sb.exec("test -e /dev/sandfleet-ca.pem").exit_code == 1
+            assert sb.exec("echo ${SSL_CERT_FILE:-unset}").stdout == "unset\n"
+            sb.set_network(["upstream"])
+            r = sb.exec(["python3", "-c", HTTPS, url], timeout=30)
+            assert (r.exit_code, r.stdout) == (0, "hello from upstream\n"), r.stderr
+
+
+def test_pip_install_from_pypi_behind_this_hosts_tls_inspection(floodd: Daemon) -> None:
+    """This host's egress inspects TLS with a CA only its trust store has: with that store as the
+    node's bundle, a plain `pip install` under ["pypi"] works (no PIP_CERT of the user's)."""
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+    except OSError as exc:
+        pytest.skip(f"this host cannot reach pypi.org ({exc})")
+    cmd = "pip install --no-cache-dir --retries 0 --timeout 15 --disable-pip-version-check six==1.16.0"
+    with floodd.client(timeout=120) as fleet, fleet.create(image="python", network=["pypi"]) as sb:
+        r = sb.exec(cmd, timeout=180)
+        assert r.exit_code == 0, r.stderr[-2000:]
+        assert sb.exec("python3 -c 'import six; print(six.__version__)'").stdout.strip() == "1.16.0"
+
+
+def test_a_ca_bundle_that_is_not_one_stops_the_daemon_at_start(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-bundle.pem"
+    bad.write_text("hello\n")
+    for path, why in ((tmp_path / "missing.pem", "No such file"), (bad, "no PEM certificate")):
+        d = make_daemon("badca", f'[network]\nca_bundle = "{path}"\n')
+        try:
+            with pytest.raises(DaemonStartError):
+                d.start(timeout=30)
+            assert why in d.log(), d.log()[-2000:]
+        finally:
+            destroy_daemon(d)
+
+
+def test_a_full_file_table_does_not_end_a_sandboxs_proxy() -> None:
+    """accept(2) failing with EMFILE (the daemon's file table full for a moment) used to end the
+    sandbox's accept loop and close its listener for good: its egress was gone until a restart."""
+    from sandfleet.daemon.egress import ConnectionSlots, EgressProxy
+    from sandfleet.daemon.network import NetworkConfig, compile_policy
+    from sandfleet.models import NetworkPolicy
+
+    class Heard:
+        def __init__(self) -> None:
+            self.records: list[dict[str, object]] = []
+
+        def accepted(self, sandbox_id: str, refused: bool) -> None:
+            pass
+
+        def connection(self, sandbox_id: str, rec: dict[str, object]) -> None:
+            self.records.append(rec)
+
+    async def go() -> bytes:
+        loop = asyncio.get_running_loop()
+        config = NetworkConfig(proxy_port=_free_port())
+        heard = Heard()
+        proxy = EgressProxy(config, heard, ConnectionSlots(100))
+        real, failures = loop.sock_accept, [OSError(errno.EMFILE, "Too many open files")]
+
+        async def flaky(sock: socket.socket) -> tuple[socket.socket, object]:
+            if failures:
+                raise failures.pop()
+            return await real(sock)
+
+        loop.sock_accept = flaky  # type: ignore[method-assign]
+        await proxy.apply("sb-test", "/proc/self/ns/net", compile_policy(NetworkPolicy(allow=["example.com"]), config))
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", config.proxy_port)
+            writer.write(b"CONNECT denied.test:443 HTTP/1.1\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return answer
+        finally:
+            await proxy.close()
+
+    answer = asyncio.run(go())
+    assert answer.startswith(b"HTTP/1.1 403") and b"not allowed" in answer, answer
+
+
+SLOW_LOOKUPS = (
+    "import threading, urllib.request as u\n"
+    "def one(i):\n"
+    "    try: u.urlopen(f'https://n{i}.slow.test/', timeout=60)\n"
+    "    except Exception: pass\n"
+    "ts = [threading.Thread(target=one, args=(i,)) for i in range(50)]\n"
+    "[t.start() for t in ts]; [t.join() for t in ts]\n"
+)
+
+
+def test_names_that_resolve_slowly_stall_nothing_but_their_own_requests(floodd: Daemon) -> None:
+    """A resolver that does not answer (here: the daemon's /etc/resolv.conf names a server that keeps
+    silent, bound over in the daemon's own mount namespace only) and a sandbox asking the proxy for
+    50 such names at once: the lookups used to fill the daemon's shared worker threads, stalling
+    every other sandbox's file operations and creates for many seconds. They wait among themselves."""
+    quiet = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    quiet.bind(("127.0.0.77", 53))  # receives queries, answers none
+    conf = Path(tempfile.mkdtemp()) / "resolv.conf"
+    conf.write_text("nameserver 127.0.0.77\noptions timeout:3 attempts:1\n")
+    mount = ["nsenter", "-t", str(floodd.pid), "-m", "mount", "--bind", str(conf), "/etc/resolv.conf"]
+    subprocess.run(mount, check=True)
+    try:
+        with (
+            floodd.client(timeout=120) as fleet,
+            fleet.create(image="python", network=["*.slow.test:443"], labels={EXPECT: "connection_flood"}) as a,
+            fleet.create(image="busybox") as b,
+        ):
+            lookups = a.start(["python3", "-c", SLOW_LOOKUPS])
+            worst, t_end = 0.0, time.monotonic() + 8  # while its 50 requests wait for their names
+            while time.monotonic() < t_end:
+                t0 = time.perf_counter()
+                b.files.write("/tmp/f", b"x" * 1000)  # a worker-thread operation of the daemon
+                worst = max(worst, time.perf_counter() - t0)
+                time.sleep(0.2)
+            assert worst < 2, worst
+            lookups.kill()
+    finally:
+        subprocess.run(["nsenter", "-t", str(floodd.pid), "-m", "umount", "/etc/resolv.conf"], check=False)
+        quiet.close()
+        shutil.rmtree(conf.parent, ignore_errors=True)

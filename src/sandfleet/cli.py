@@ -625,12 +625,18 @@ def demo(
             "16-rollout groups forked from a set-up state); toy: a few turns on a one-line bug"
         ),
     ] = "more-itertools",
-    groups: Annotated[int, typer.Option(help="more-itertools: groups of rollouts, one after the other")] = 1,
-    group_size: Annotated[int, typer.Option(help="more-itertools: rollouts per group, at once")] = 16,
-    sandboxes: Annotated[int, typer.Option(help="toy: parallel rollouts")] = 8,
-    image: Annotated[str, typer.Option(help="toy: the image")] = "python:3.11",
+    groups: Annotated[
+        int | None, typer.Option(help="more-itertools: groups of rollouts, one after the other [1]")
+    ] = None,
+    group_size: Annotated[int | None, typer.Option(help="more-itertools: rollouts per group, at once [16]")] = None,
+    sandboxes: Annotated[int | None, typer.Option(help="toy: parallel rollouts [8]")] = None,
+    image: Annotated[str | None, typer.Option(help="toy: the image [python:3.11]")] = None,
     backend: Annotated[
-        str, typer.Option(help="toy: isolation tier: container, fncall, microvm or vm (VMs: fewer rollouts under TCG)")
+        str,
+        typer.Option(
+            help="isolation tier: container, fncall, microvm or vm (toy: any; more-itertools: a tier that can "
+            "snapshot and pack, else it refuses; VMs: fewer rollouts under TCG)"
+        ),
     ] = "container",
     socket: SocketOpt = None,
 ) -> None:
@@ -643,6 +649,16 @@ def demo(
         raise typer.Exit(2)
     if backend not in typing.get_args(Backend):
         err_console.print(f"[red]no tier {backend!r}: {', '.join(typing.get_args(Backend))}[/red]")
+        raise typer.Exit(2)
+    # An option of the other task would be ignored: say so instead.
+    other = (
+        {"--groups": groups, "--group-size": group_size}
+        if task == "toy"
+        else {"--sandboxes": sandboxes, "--image": image}
+    )
+    given = [name for name, value in other.items() if value is not None]
+    if given:
+        err_console.print(f"[red]{', '.join(given)}: not an option of --task {task}[/red]")
         raise typer.Exit(2)
     sock = socket or Path(os.environ.get("SANDFLEET_SOCKET", "/run/sandfleet/sandfleet.sock"))
     with contextlib.ExitStack() as stack:
@@ -664,20 +680,26 @@ def demo(
                 err_console.print(f"[red]the daemon did not start ({exc}); try `sandfleet doctor`[/red]")
                 raise typer.Exit(1) from None
         if task == "toy":
-            ok = run_demo(console, sock, sandboxes, image, backend=typing.cast(Backend, backend))
+            n, ref = 8 if sandboxes is None else sandboxes, image or "python:3.11"
+            ok = run_demo(console, sock, n, ref, backend=typing.cast(Backend, backend))
         else:
-            ok = _rl_demo(sock, groups, group_size)
+            size = (1 if groups is None else groups, 16 if group_size is None else group_size)
+            ok = _rl_demo(sock, *size, typing.cast(Backend, backend))
     raise typer.Exit(0 if ok else 1)
 
 
-def _rl_demo(sock: Path, groups: int, group_size: int) -> bool:
-    from sandfleet.rl_demo import run_task, show
+def _rl_demo(sock: Path, groups: int, group_size: int, backend: Backend) -> bool:
+    from sandfleet.rl_demo import run_task, show, tier_refusal
 
     async def go() -> bool:
         async with AsyncClient(sock, timeout=120) as fleet:
+            refusal = tier_refusal(await fleet.tiers(), backend)
+            if refusal is not None:
+                err_console.print(f"[red]{escape(refusal)}: run it on the container tier, or --task toy[/red]")
+                raise typer.Exit(2)
             with console.status("building the task (more-itertools from PyPI; python:3.11 on first use)..."):
                 await fleet.build_image("python:3.11")
-            return show(console, await run_task(fleet, groups, group_size))
+            return show(console, await run_task(fleet, groups, group_size, backend))
 
     try:
         return asyncio.run(go())

@@ -34,7 +34,7 @@ from rich.table import Table
 
 from sandfleet.client import AsyncClient
 from sandfleet.errors import SandboxError
-from sandfleet.models import Resources, SandboxSpec
+from sandfleet.models import Backend, Resources, SandboxSpec
 
 PROJECT, VERSION = "more-itertools", "10.5.0"
 TASK_IMAGE = "tasks/more-itertools-chunked:1"
@@ -42,6 +42,9 @@ HIDDEN_IMAGE = "tasks/more-itertools-chunked-hidden:1"
 REPO = "/work/repo"
 PYTEST = "pytest==8.3.4"
 LABEL = "sandfleet.demo/task"
+# What the task asks of its tier: rollouts restored from a set-up snapshot, each verified apart from
+# the agent's changes taken as a layer (pack).
+NEEDS = ("snapshot", "pack")
 
 BUG = ("                if len(chunk) != n:", "                if len(chunk) > n:")
 ISSUE = """\
@@ -187,14 +190,30 @@ async def _rollout(fleet: AsyncClient, run: str, snapshot: str, hidden: str, gro
     return out
 
 
-async def run_task(fleet: AsyncClient, groups: int = 1, group_size: int = 16) -> Report:
-    """Build the task (cached), set up one sandbox and snapshot it, then run `groups` groups of
-    `group_size` rollouts, one group after the other, each group's rollouts at once."""
+def tier_refusal(tiers: dict[str, list[str]], backend: str) -> str | None:
+    """Why the task cannot run on `backend` of a node running `tiers` (its capabilities), or None."""
+    if backend not in tiers:
+        return f"this node does not run the {backend} tier (it runs: {', '.join(sorted(tiers))})"
+    missing = [c for c in NEEDS if c not in tiers[backend]]
+    if missing:
+        return (
+            f"the {PROJECT} task needs a tier that can {' and '.join(NEEDS)} (rollouts restore a set-up "
+            f"snapshot; verification takes the agent's changes as a layer); the {backend} tier cannot "
+            f"{' or '.join(missing)}"
+        )
+    return None
+
+
+async def run_task(fleet: AsyncClient, groups: int = 1, group_size: int = 16, backend: Backend = "container") -> Report:
+    """Build the task (cached), set up one sandbox of `backend` and snapshot it, then run `groups`
+    groups of `group_size` rollouts, one group after the other, each group's rollouts at once."""
     t0 = time.perf_counter()
     image, hidden = await build_task(fleet)
     t1 = time.perf_counter()
     run = f"demo-{secrets.token_hex(3)}"
-    spec = SandboxSpec(image=image, resources=Resources(cpu=1, memory="512MiB"), idle_ttl=600, labels={LABEL: run})
+    spec = SandboxSpec(
+        backend=backend, image=image, resources=Resources(cpu=1, memory="512MiB"), idle_ttl=600, labels={LABEL: run}
+    )
     async with await fleet.create(spec) as setup:
         await setup.exec(VISIBLE, timeout=120)  # the set-up state: caches warm
         snap = await setup.snapshot(ttl=3600, labels={LABEL: run})

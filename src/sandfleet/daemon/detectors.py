@@ -61,7 +61,11 @@ class PortScanConfig(DetectorConfig):
 
 class ConnectionFloodConfig(DetectorConfig):
     threshold: int = Field(
-        200, ge=1, le=_MAX_THRESHOLD, description="connection attempts (allowed or denied) within `window`"
+        200,
+        ge=1,
+        le=_MAX_THRESHOLD,
+        description="connections accepted by the egress proxy within `window` (whatever became of them: "
+        "relayed, refused, or silent)",
     )
     window: float = Field(10.0, gt=0, le=_MAX_WINDOW, description="seconds; also the quiet time after a finding")
 
@@ -185,6 +189,7 @@ class _Cpu:
 class _SandboxState:
     windows: dict[str, _Window] = field(default_factory=dict)
     denied: OrderedDict[tuple[str, int], float] = field(default_factory=OrderedDict)  # destination -> last denial
+    recent: deque[tuple[str, int]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLE))  # destinations asked
     cpu: _Cpu | None = None
     quiet_until: dict[str, float] = field(default_factory=dict)
     reported_paths: set[str] = field(default_factory=set)
@@ -193,6 +198,7 @@ class _SandboxState:
         return (
             sum(len(w.entries) for w in self.windows.values())
             + len(self.denied)
+            + len(self.recent)
             + (self.cpu is not None)
             + len(self.quiet_until)
             + len(self.reported_paths)
@@ -216,11 +222,40 @@ class Detectors:
         self._clock = clock
         self._sandboxes: dict[str, _SandboxState] = {}
 
+    def accepted(self, sandbox_id: str, refused: bool = False) -> list[Finding]:
+        """A connection the egress proxy accepted, before anything is read from it (`refused`: at once,
+        over a connection limit): a flood of connections that never send a request counts too."""
+        flood = self._config.connection_flood
+        if not flood.enabled:
+            return []
+        now = self._clock()
+        st = self._state(sandbox_id)
+        if self._quiet(st, "connection_flood", now):
+            return []
+        w = st.windows.setdefault("connection_flood", _Window())
+        w.add(now, 1, flood.window, flood.threshold, refused)
+        if w.total < flood.threshold:
+            return []
+        evidence = {
+            "count": w.total,
+            "refused": sum(1 for _, _, was_refused in w.entries if was_refused),
+            "threshold": flood.threshold,
+            "window": flood.window,
+            "sample": [_dest(*d) for d in reversed(st.recent)],  # the latest destinations asked for
+        }
+        w.clear()
+        return [self._fire(st, sandbox_id, "connection_flood", flood.action, flood.window, now, evidence)]
+
     def connection(self, sandbox_id: str, host: str, port: int, allowed: bool) -> list[Finding]:
-        """A connection attempt the network policy saw: `allowed` or denied."""
+        """A request the network policy saw: `allowed` or denied (the flood is counted at `accepted`)."""
         now = self._clock()
         dest = (host[:_MAX_HOST], port)
         findings: list[Finding] = []
+        if self._config.connection_flood.enabled:
+            recent = self._state(sandbox_id).recent
+            if dest in recent:
+                recent.remove(dest)
+            recent.append(dest)
         scan = self._config.port_scan
         if not allowed and scan.enabled:
             st = self._state(sandbox_id)
@@ -240,30 +275,6 @@ class Detectors:
                     }
                     st.denied.clear()
                     findings.append(self._fire(st, sandbox_id, "port_scan", scan.action, scan.window, now, evidence))
-        flood = self._config.connection_flood
-        if flood.enabled:
-            st = self._state(sandbox_id)
-            if not self._quiet(st, "connection_flood", now):
-                w = st.windows.setdefault("connection_flood", _Window())
-                w.add(now, 1, flood.window, flood.threshold, (dest, allowed))
-                if w.total >= flood.threshold:
-                    sample: list[str] = []
-                    for _, _, (d, _ok) in reversed(w.entries):
-                        if (s := _dest(*d)) not in sample:
-                            sample.append(s)
-                            if len(sample) >= _MAX_SAMPLE:
-                                break
-                    evidence = {
-                        "count": w.total,
-                        "denied": sum(1 for _, _, (_d, ok) in w.entries if not ok),
-                        "threshold": flood.threshold,
-                        "window": flood.window,
-                        "sample": sample,
-                    }
-                    w.clear()
-                    findings.append(
-                        self._fire(st, sandbox_id, "connection_flood", flood.action, flood.window, now, evidence)
-                    )
         return findings
 
     def event(self, sandbox_id: str, kind: str, data: Mapping[str, Any]) -> list[Finding]:

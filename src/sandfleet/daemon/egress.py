@@ -11,18 +11,27 @@ metadata or reserved; private ranges only when a service names them), and the co
 a checked address, so no DNS answer is trusted twice. A refusal is an immediate `403` whose body says
 why; a tool that ignores the proxy variables finds no route at all (ENETUNREACH at once). Changing a
 policy takes effect at once: connections it no longer allows are closed.
+
+What a sandbox can make the daemon hold here is bounded where it starts, at accept: its connections
+(`max_connections`, those that never send a request included, closed after `head_timeout`), the
+node's (`ConnectionSlots`, shared with exposed ports), and its name lookups (threads of the proxy's
+own). Every connection is reported, refused ones too: to the flood detector at accept, to the audit
+stream when it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
 import logging
+import resource
 import socket
 import time
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sandfleet.daemon.network import IPAddress, NetworkConfig, Policy, Rule, ip_literal, normalize_host
 from sandfleet.models import split_host_port
@@ -31,11 +40,80 @@ from sandfleet.runtime import netns, splice
 log = logging.getLogger(__name__)
 
 MAX_HEAD = 16 * 1024
-HEAD_TIMEOUT = 30.0
 _HOP_BY_HOP = (b"proxy-connection:", b"proxy-authorization:", b"connection:", b"keep-alive:")
+# A relayed connection holds two sockets and a pipe (two fds) each way.
+FDS_PER_CONNECTION = 6
+# Name lookups run on threads of the proxy's own, at most this many of a sandbox's at once: a resolver
+# that does not answer holds a thread for seconds, and must not hold the daemon's shared ones (every
+# file operation and create needs those) nor every lookup of the other sandboxes.
+RESOLVER_THREADS = 4
+LOOKUPS_PER_SANDBOX = 2
+# Errors of accept(2) that say nothing about the listener: wait a moment and go on accepting.
+_ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED})
 
-# (sandbox_id, record): one per connection attempt, refused at once or allowed when it ends.
-Reporter = Callable[[str, dict[str, Any]], None]
+
+class Observer(Protocol):
+    """Who hears of a sandbox's connections (the monitor: metrics, audit, detectors)."""
+
+    def accepted(self, sandbox_id: str, refused: bool) -> None:
+        """A connection was accepted, before anything was read from it (`refused` at once: over a limit)."""
+
+    def connection(self, sandbox_id: str, rec: dict[str, Any]) -> None:
+        """A connection ended: refused (at accept, for its request, or when it sent none) or relayed."""
+
+
+class ConnectionSlots:
+    """The node's connections held open for sandboxes (egress and exposed ports) against one cap, so
+    that no sandbox, nor all of them, can run the daemon out of file descriptors. The cap is also held
+    to a twelfth of the daemon's open-file limit: at most half its descriptors go to connections."""
+
+    def __init__(self, cap: int) -> None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.cap = max(1, min(cap, nofile // (2 * FDS_PER_CONNECTION)))
+        self.used = 0
+
+    def take(self) -> bool:
+        if self.used >= self.cap:
+            return False
+        self.used += 1
+        return True
+
+    def give(self) -> None:
+        self.used = max(0, self.used - 1)
+
+
+async def accept_loop(sock: socket.socket, what: str) -> socket.socket:
+    """The next connection to `sock` (non-blocking): a full file table or an aborted handshake is
+    waited out, not taken as the end of the listener."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            client, _ = await loop.sock_accept(sock)
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_RETRY:
+                raise
+            log.warning("%s: accept failed (%s): retrying", what, exc.strerror)
+            await asyncio.sleep(0.1)
+            continue
+        client.setblocking(False)
+        return client
+
+
+def refuse_now(client: socket.socket, status: int, reason: str) -> None:
+    """Answer `status` with `reason` in what the socket buffer takes at once, and close: a refusal
+    that never waits on the client, so it holds nothing."""
+    body = f"sandfleet: {reason}\n".encode()
+    with contextlib.suppress(OSError):
+        client.send(_answer(status, body))
+    client.close()
+
+
+def _answer(status: int, body: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+        b"X-Sandfleet-Egress: refused\r\nConnection: close\r\n\r\n%s"
+        % (status, _REASONS.get(status, b"Refused"), len(body), body)
+    )
 
 
 class Refused(Exception):
@@ -59,7 +137,9 @@ class _Attachment:
     policy: Policy
     listener: socket.socket
     accepting: asyncio.Task[None] | None = None
-    conns: set[_Conn] = field(default_factory=set)
+    conns: set[_Conn] = field(default_factory=set)  # relayed (their destination known)
+    open: int = 0  # accepted and not closed yet: relayed, or still to send or be answered their request
+    lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOOKUPS_PER_SANDBOX))
 
 
 def proxy_env(port: int) -> dict[str, str]:
@@ -77,10 +157,12 @@ def proxy_env(port: int) -> dict[str, str]:
 
 
 class EgressProxy:
-    def __init__(self, config: NetworkConfig, report: Reporter) -> None:
+    def __init__(self, config: NetworkConfig, observer: Observer, slots: ConnectionSlots) -> None:
         self.config = config
-        self._report = report
+        self._observer = observer
+        self.slots = slots
         self._by_id: dict[str, _Attachment] = {}
+        self._resolver = ThreadPoolExecutor(max_workers=RESOLVER_THREADS, thread_name_prefix="sandfleet-resolve")
 
     async def apply(self, sandbox_id: str, ns_path: str, policy: Policy) -> None:
         """Make `policy` the sandbox's, now: listen in its namespace if it allows anything (and did
@@ -115,25 +197,56 @@ class EgressProxy:
     async def close(self) -> None:
         for sid in list(self._by_id):
             self.detach(sid)
+        self._resolver.shutdown(wait=False, cancel_futures=True)
 
     # ---- one connection --------------------------------------------------------------------
 
     async def _accept(self, att: _Attachment) -> None:
+        """Every connection is bounded here, before anything is read from it: past the sandbox's
+        `max_connections` or the node's slots it is answered 503 and closed at once."""
         loop = asyncio.get_running_loop()
-        pending: set[asyncio.Task[None]] = set()  # accepted, not yet connected upstream
+        pending: set[asyncio.Task[None]] = set()  # each accepted connection's task, until it ends
         try:
             while True:
-                client, _ = await loop.sock_accept(att.listener)
-                client.setblocking(False)
+                client = await accept_loop(att.listener, f"the egress proxy of sandbox {att.sandbox_id}")
+                why = None
+                if att.open >= self.config.max_connections:
+                    why = f"this sandbox has {att.open} connections open to the proxy (the node allows that many)"
+                elif not self.slots.take():
+                    why = f"the node holds {self.slots.used} proxied connections, its most: try again later"
+                try:
+                    self._observer.accepted(att.sandbox_id, why is not None)
+                except Exception:
+                    log.exception("reporting a connection of sandbox %s failed", att.sandbox_id)
+                if why is not None:
+                    refuse_now(client, 503, why)
+                    self._tell(att, {"allowed": False, "status": 503, "reason": f"refused at accept: {why}"})
+                    continue
+                att.open += 1
                 task = loop.create_task(self._serve(att, client))
                 pending.add(task)
-                task.add_done_callback(pending.discard)
+                task.add_done_callback(functools.partial(self._closed, att, pending, client))
         except (asyncio.CancelledError, OSError):
             for task in pending:
                 task.cancel()
             raise
         finally:
             att.listener.close()
+
+    def _closed(
+        self, att: _Attachment, pending: set[asyncio.Task[None]], client: socket.socket, task: asyncio.Task[None]
+    ) -> None:
+        """A connection's task is done (even one cancelled before it ran): its slot is free again."""
+        pending.discard(task)
+        client.close()
+        att.open -= 1
+        self.slots.give()
+
+    def _tell(self, att: _Attachment, rec: dict[str, Any]) -> None:
+        try:
+            self._observer.connection(att.sandbox_id, rec)
+        except Exception:
+            log.exception("reporting a connection of sandbox %s failed", att.sandbox_id)
 
     async def _serve(self, att: _Attachment, client: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -142,18 +255,20 @@ class EgressProxy:
         upstream: socket.socket | None = None
         conn: _Conn | None = None
         try:
-            head, rest = await asyncio.wait_for(_read_head(loop, client), HEAD_TIMEOUT)
+            try:
+                head, rest = await asyncio.wait_for(_read_head(loop, client), self.config.head_timeout)
+            except TimeoutError:
+                rec["reason"] = f"closed: no request within {self.config.head_timeout:g} s"
+                raise
             method, host, port, head = _parse_head(head)
             rec.update(host=host, port=port, method=method)
-            if len(att.conns) >= self.config.max_connections:
-                raise Refused(503, f"this sandbox has {len(att.conns)} connections open (the node allows that many)")
             rule = att.policy.rule_for(host, port)
             if rule is None:
                 raise Refused(
                     403, f"{host}:{port} is not allowed by this sandbox's network policy (allow: {att.policy.spec})"
                 )
             rec["rule"] = rule.source
-            upstream, ip = await self._connect(att.policy, rule, host, port)
+            upstream, ip = await self._connect(att, rule, host, port)
             rec["ip"] = str(ip)
             if att.sandbox_id not in self._by_id or att.policy.rule_for(host, port) is None:
                 raise Refused(403, "the sandbox's network policy changed")
@@ -166,40 +281,20 @@ class EgressProxy:
             await loop.sock_sendall(upstream, head + rest)
             rec["allowed"] = True
             counts = [len(head) + len(rest), 0]
-            relays = asyncio.gather(
-                splice.relay(loop, client, upstream, counts, 0), splice.relay(loop, upstream, client, counts, 1)
-            )
-            try:
-                while True:  # until both directions end, or neither moved a byte for idle_timeout
-                    moved = sum(counts)
-                    done, _ = await asyncio.wait({relays}, timeout=self.config.idle_timeout)
-                    if done:
-                        break
-                    if sum(counts) == moved:
-                        rec["reason"] = f"closed: idle for {self.config.idle_timeout:g} s"
-                        break
-            finally:
-                relays.cancel()
-                with contextlib.suppress(BaseException):
-                    await relays
+            if await splice.both_ways(loop, client, upstream, counts, idle=self.config.idle_timeout):
+                rec["reason"] = f"closed: idle for {self.config.idle_timeout:g} s"
             rec["bytes_up"], rec["bytes_down"] = counts
         except Refused as exc:
             rec.update(allowed=False, status=exc.status, reason=exc.reason)
-            body = f"sandfleet: {exc.reason}\n".encode()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
-                    loop.sock_sendall(
-                        client,
-                        b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-                        b"X-Sandfleet-Egress: refused\r\nConnection: close\r\n\r\n%s"
-                        % (exc.status, _REASONS.get(exc.status, b"Refused"), len(body), body),
-                    ),
-                    5,
+                    loop.sock_sendall(client, _answer(exc.status, f"sandfleet: {exc.reason}\n".encode())), 5
                 )
         except asyncio.CancelledError:
-            rec.setdefault("reason", "closed: the policy no longer allows it, or the sandbox stopped")
+            if "host" in rec:
+                rec.setdefault("reason", "closed: the policy no longer allows it, or the sandbox stopped")
         except (TimeoutError, ConnectionError, OSError, EOFError):
-            pass  # a client that went away or never sent a request: nothing to tell it
+            pass  # a client that went away, or never sent a request (reported below): nothing to tell it
         finally:
             if conn is not None:
                 att.conns.discard(conn)
@@ -207,20 +302,18 @@ class EgressProxy:
             client.close()
             if upstream is not None:
                 upstream.close()
-            if rec.get("host") is not None:
+            # Every request is reported, and a connection that sent none within the time allowed.
+            if rec.get("host") is not None or "reason" in rec:
                 rec.setdefault("allowed", False)
                 rec["duration"] = round(time.monotonic() - started, 3)
-                try:
-                    self._report(att.sandbox_id, rec)
-                except Exception:
-                    log.exception("reporting a connection of sandbox %s failed", att.sandbox_id)
+                self._tell(att, rec)
 
-    async def _connect(self, policy: Policy, rule: Rule, host: str, port: int) -> tuple[socket.socket, IPAddress]:
-        addrs = await self._resolve(host, port)
+    async def _connect(self, att: _Attachment, rule: Rule, host: str, port: int) -> tuple[socket.socket, IPAddress]:
+        addrs = await self._resolve(att, host, port)
         refusals = []
         allowed = []
         for ip in addrs:
-            why = policy.address_refusal(ip, rule)
+            why = att.policy.address_refusal(ip, rule)
             if why is None and netns.is_local_address(str(ip)):  # one bind(2): does not block
                 why = f"{ip} is an address of this node"
             if why is None:
@@ -242,15 +335,17 @@ class EgressProxy:
                 last = exc
         raise Refused(502, f"cannot connect to {host}:{port} ({type(last).__name__}: {last})")
 
-    async def _resolve(self, host: str, port: int) -> list[IPAddress]:
+    async def _resolve(self, att: _Attachment, host: str, port: int) -> list[IPAddress]:
         lit = ip_literal(host)
         if lit is not None:
             return [lit]
         static = self.config.hosts.get(host)
         if static is not None:
             return [a for a in (ip_literal(s) for s in static) if a is not None]
+        lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            async with att.lookups:
+                infos = await asyncio.get_running_loop().run_in_executor(self._resolver, lookup)
         except socket.gaierror as exc:
             raise Refused(502, f"cannot resolve {host}: {exc.strerror}") from None
         out: list[IPAddress] = []

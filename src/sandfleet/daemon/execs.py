@@ -53,6 +53,10 @@ from sandfleet.runtime.agent import (
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 FATAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})
+# Finished background processes a sandbox keeps (newest first), by count and by their output's bytes:
+# a loop of starts must not make the daemon hold everything each one printed. Running ones are kept.
+MAX_FINISHED_PROCESSES = 1024
+MAX_FINISHED_OUTPUT = 64 * 1024**2
 
 KILL_WAIT = 2.0  # after a fatal signal to a background process: wait this long for its exit
 _NO_PTY = frozenset({errno.ENOSPC, errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM})  # none left
@@ -353,6 +357,7 @@ class Execs:
             limit=req.output_limit,
         )
         sb.processes[bp.id] = bp
+        forget_finished(sb)
         self.core.spawn(self.collect(sb, bp, req), name=f"bg-{sb.id}-{bp.id}")
         self.core.journal.record(sb.id, "process_started", {"process_id": bp.id, "command": str(req.command)[:1000]})
         return self._process_info(bp)
@@ -365,11 +370,13 @@ class Execs:
                     buf.extend(ev.data[: max(0, bp.limit - len(buf))])  # the agent caps it too
                 elif isinstance(ev, ExitInfo):
                     result = _exec_result(bytes(bp.stdout), bytes(bp.stderr), ev, bp.encoding)
+                    bp.stdout, bp.stderr = bytearray(), bytearray()  # the result holds the output now
                     bp.result = await self.after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
         except AgentError:
             bp.lost = bp.lost or "its sandbox's agent went away"
         finally:
             bp.done.set()
+            forget_finished(sb)
 
     def _process_info(self, bp: BackgroundProcess) -> ProcessInfo:
         return ProcessInfo(
@@ -441,6 +448,23 @@ class Execs:
             raise self.core.unresponsive(sb, "it stopped reading a process's standard input") from None
         except ChannelClosedError as exc:
             raise UnavailableError(f"sandbox {sb.id} stopped") from exc
+
+
+def forget_finished(sb: Sandbox) -> None:
+    """Drop the oldest finished background processes of the sandbox past MAX_FINISHED_PROCESSES or
+    MAX_FINISHED_OUTPUT (asked for later, they are `not_found`)."""
+    finished = [(bp, _output_held(bp)) for bp in sb.processes.values() if bp.done.is_set()]  # oldest first
+    count, size = len(finished), sum(n for _, n in finished)
+    for bp, n in finished:
+        if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
+            break
+        del sb.processes[bp.id]
+        count, size = count - 1, size - n
+
+
+def _output_held(bp: BackgroundProcess) -> int:
+    r = bp.result
+    return len(bp.stdout) + len(bp.stderr) + (len(r.stdout) + len(r.stderr) if r is not None else 0)
 
 
 class Terminal:

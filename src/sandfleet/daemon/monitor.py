@@ -2,9 +2,11 @@
 the misbehaviour detectors' inputs, and a finding's action (record, pause or kill).
 
 Inputs: every journal event (`EventJournal.tap`: OOM kills, refused forks, truncated output,
-attempts on the agent), every connection the egress proxy served or refused, and a sweep every
-`interval` seconds over running sandboxes (cgroup counters, CPU time, the system directories of
-their writable layer), read in one thread call for all of them.
+attempts on the agent), every connection the egress proxy accepted, and what became of it (served,
+refused, or silent until closed), and a sweep every `interval` seconds over running sandboxes (cgroup
+counters, CPU time, the system directories of their writable layer), read in one thread call for all
+of them. A sandbox's connection records reach the audit stream at a bounded rate (a flood of
+connections must not become a flood of records): the ones over it are counted, and the count written.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from sandfleet.backends.base import LayerView, offers
 from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.core import NodeCore
 from sandfleet.daemon.detectors import Detectors, DetectorsConfig, Finding, replaced_system_binaries
-from sandfleet.daemon.lifecycle import RUNNING, Sandbox
+from sandfleet.daemon.lifecycle import LIVE_STATES, RUNNING, Sandbox
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.images.recipe import BUILD_LABEL
 from sandfleet.models import Usage
@@ -30,6 +33,23 @@ AUDITED = frozenset(
     {"oom_kill", "pids_limit", "output_truncated", "agent_attack", "finding", "network_policy", "port_exposed"}
 )
 _RESERVED = frozenset({"kind", "sandbox_id", "labels", "actor"})
+# Connection records go to the audit stream at most this fast (token buckets), per sandbox and for
+# the node (many sandboxes flooding at once).
+AUDIT_RATE, AUDIT_BURST = 20.0, 200  # records a second, and at once, per sandbox
+NODE_AUDIT_RATE, NODE_AUDIT_BURST = 200.0, 1000
+
+
+@dataclass
+class _Bucket:
+    rate: float
+    burst: float
+    tokens: float
+    at: float
+    suppressed: int = 0  # records over the rate since the last one written
+
+    def refill(self, now: float) -> None:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
 
 
 class Monitor:
@@ -41,8 +61,15 @@ class Monitor:
         self.audit = audit
         self.interval = interval
         self.detectors = Detectors(config)
+        self._buckets: dict[str, _Bucket] = {}
+        self._node_bucket = _Bucket(NODE_AUDIT_RATE, NODE_AUDIT_BURST, NODE_AUDIT_BURST, time.monotonic())
         core.journal.tap = self._event
-        core.table.on_stopped(lambda sb: self.detectors.forget(sb.id))
+        core.table.on_stopped(self._stopped)
+
+    def _stopped(self, sb: Sandbox) -> None:
+        self.detectors.forget(sb.id)
+        self._flush_suppressed(sb.id)
+        self._buckets.pop(sb.id, None)
 
     # ---- inputs ----------------------------------------------------------------------------
 
@@ -66,13 +93,55 @@ class Monitor:
         if kind != "finding":
             self._act(self.detectors.event(sandbox_id, kind, data))
 
+    def _live(self, sandbox_id: str) -> bool:
+        sb = self.core.table.find(sandbox_id)
+        return sb is not None and sb.state in LIVE_STATES
+
+    def accepted(self, sandbox_id: str, refused: bool) -> None:
+        """A connection the egress proxy accepted (`refused` at once: over a limit)."""
+        if self._live(sandbox_id):
+            self._act(self.detectors.accepted(sandbox_id, refused))
+
     def connection(self, sandbox_id: str, rec: dict[str, Any]) -> None:
         """One connection the egress proxy refused, or served and closed."""
         self.core.metrics.egress_connections.labels(allowed=str(bool(rec.get("allowed"))).lower()).inc()
-        self.audit_record("connection", sandbox_id, rec)
+        if not self._live(sandbox_id):
+            # Cut as its sandbox stopped (at most its `max_connections`): recorded, and no state
+            # is kept for a sandbox whose state was dropped.
+            self.audit_record("connection", sandbox_id, rec)
+            return
+        if self._within_rate(sandbox_id):
+            bucket = self._buckets[sandbox_id]
+            if bucket.suppressed:
+                rec = {**rec, "suppressed": bucket.suppressed}
+                bucket.suppressed = 0
+            self.audit_record("connection", sandbox_id, rec)
         host, port = rec.get("host"), rec.get("port")
         if isinstance(host, str) and isinstance(port, int):
             self._act(self.detectors.connection(sandbox_id, host, port, bool(rec.get("allowed"))))
+
+    def _within_rate(self, sandbox_id: str) -> bool:
+        now = time.monotonic()
+        b = self._buckets.get(sandbox_id)
+        if b is None:
+            b = self._buckets[sandbox_id] = _Bucket(AUDIT_RATE, AUDIT_BURST, AUDIT_BURST, now)
+        node = self._node_bucket
+        b.refill(now)
+        node.refill(now)
+        if b.tokens >= 1 and node.tokens >= 1:
+            b.tokens -= 1
+            node.tokens -= 1
+            return True
+        b.suppressed += 1
+        return False
+
+    def _flush_suppressed(self, sandbox_id: str) -> None:
+        """One record saying how many connection records of the sandbox were over the rate."""
+        b = self._buckets.get(sandbox_id)
+        if b is not None and b.suppressed:
+            why = f"connection records over {AUDIT_RATE:g}/s for this sandbox: counted, not written"
+            self.audit_record("connection", sandbox_id, {"suppressed": b.suppressed, "reason": why})
+            b.suppressed = 0
 
     # ---- the sweep -------------------------------------------------------------------------
 
@@ -86,6 +155,8 @@ class Monitor:
 
     async def sweep(self) -> None:
         """Read every running sandbox's counters, CPU and system dirs (one thread call), then feed them in."""
+        for sandbox_id in list(self._buckets):
+            self._flush_suppressed(sandbox_id)
         running = [sb for sb in self.core.table if sb.state == RUNNING and sb.live is not None]
         if not running:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -117,8 +118,30 @@ class NetworkConfig(BaseModel):
     )
     proxy_port: int = Field(3128, ge=1, le=65535, description="the egress proxy's port on a sandbox's 127.0.0.1")
     connect_timeout: float = Field(10.0, gt=0, le=120, description="seconds to connect to an allowed destination")
-    max_connections: int = Field(256, ge=1, le=65536, description="proxied connections open at once per sandbox")
+    max_connections: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="connections a sandbox may hold open at once to the proxy (counted from accept: those "
+        "still to send their request too) and to each of its exposed ports; more are answered 503 at once",
+    )
+    max_node_connections: int = Field(
+        2048,
+        ge=1,
+        le=1_000_000,
+        description="connections the node holds open for all sandboxes together (proxied and exposed ports; "
+        "each takes up to 6 file descriptors); never more than a twelfth of the daemon's open-file limit",
+    )
+    head_timeout: float = Field(
+        10.0, gt=0, le=300, description="seconds a connection to the proxy has to send its request head"
+    )
     idle_timeout: float = Field(600.0, gt=0, description="close a proxied connection silent this many seconds")
+    ca_bundle: Path | None = Field(
+        None,
+        description="a PEM file of the CA certificates the commands of networked sandboxes trust instead of "
+        "their images' own (behind a TLS-inspecting egress: a bundle with its CA, e.g. this host's "
+        "/etc/ssl/certs/ca-certificates.crt); read at start",
+    )
 
     @field_validator("hosts", mode="before")
     @classmethod

@@ -1,5 +1,6 @@
 """A sandbox's network: its egress policy (set at create, changed at any time), the proxy
-environment of its commands, and the ports it exposes to the node.
+environment of its commands (with the node's CA bundle, when it has one), and the ports it exposes
+to the node.
 
 The mechanism is egress.py's proxy (a listening socket in the sandbox's namespace, no veth); a
 policy that allows nothing costs nothing. An exposed port is reached the other way: the daemon
@@ -7,6 +8,11 @@ connects to 127.0.0.1:<port> *inside* the sandbox's namespace (a socket made the
 request to `/v1/sandboxes/{id}/ports/{port}/...` of its API (its authentication applies) or a byte
 stream through a unix socket on the node (mode 0600: root's, like the API socket). Nothing is
 reachable from outside that was not exposed, and everything goes with the sandbox.
+
+The node's CA bundle (`[network] ca_bundle`, for a TLS-inspecting egress) is written into each
+networked sandbox's /dev: its scratch tmpfs, outside the writable layer, so it is never packed,
+never one of the agent's changes a verification sees, and never in a shared layer; the variables
+tools read a CA bundle from point at it.
 """
 
 from __future__ import annotations
@@ -15,15 +21,16 @@ import asyncio
 import builtins
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.backends.base import Networked, offers
+from sandfleet.backends.base import HostFiles, LiveSandbox, Networked, offers
 from sandfleet.daemon.core import NodeCore
-from sandfleet.daemon.egress import EgressProxy, proxy_env
+from sandfleet.daemon.egress import ConnectionSlots, EgressProxy, accept_loop, proxy_env
 from sandfleet.daemon.lifecycle import HOLDING_STATES, Sandbox
 from sandfleet.daemon.monitor import Monitor
 from sandfleet.daemon.network import NetworkConfig, Policy, compile_policy
@@ -37,12 +44,17 @@ from sandfleet.errors import (
     WrongStateError,
 )
 from sandfleet.models import ExposedPort, NetworkPolicy, SandboxInfo, SandboxSpec
-from sandfleet.runtime import netns, splice
+from sandfleet.runtime import files, netns, splice
+from sandfleet.runtime.files import FileOpError, SandboxFS
 
 log = logging.getLogger(__name__)
 
 MAX_EXPOSED = 16  # ports per sandbox
 CONNECT_TIMEOUT = 10.0
+MAX_CA_BUNDLE = 16 * 1024**2
+CA_BUNDLE_PATH = "/dev/sandfleet-ca.pem"  # inside a networked sandbox
+# What OpenSSL (Python's ssl, curl), requests, pip, Node.js (npm), curl and git read a CA bundle from.
+CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
 
 
 @dataclass
@@ -60,12 +72,15 @@ class Networking:
         self.monitor = monitor
         self.config = config
         self.ports_dir = run_dir / "ports"
-        self.proxy = EgressProxy(config, monitor.connection)
+        self.slots = ConnectionSlots(config.max_node_connections)  # the proxy's and the exposures'
+        self.proxy = EgressProxy(config, monitor, self.slots)
         self._exposed: dict[str, dict[int, _Exposure]] = {}
+        self._ca_bundle: bytes | None = None
         core.table.on_stopped(self._stopped)
 
     async def start(self) -> None:
-        """The exposure sockets of a previous daemon are stale (their sandboxes re-expose on demand)."""
+        """Read the node's CA bundle; the exposure sockets of a previous daemon are stale (their
+        sandboxes re-expose on demand)."""
 
         def clean() -> None:
             self.ports_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -74,6 +89,8 @@ class Networking:
                     p.unlink()
 
         await asyncio.to_thread(clean)
+        if self.config.ca_bundle is not None:
+            self._ca_bundle = await asyncio.to_thread(_read_ca_bundle, self.config.ca_bundle)
 
     async def close(self) -> None:
         await self.proxy.close()
@@ -93,8 +110,14 @@ class Networking:
         return policy
 
     def env(self, sb: Sandbox) -> dict[str, str]:
-        """Variables every command of the sandbox gets (the proxy's address, when it has one)."""
-        return {} if sb.spec.network.none else proxy_env(self.config.proxy_port)
+        """Variables every command of the sandbox gets (the proxy's address and the node's CA bundle,
+        when it has them)."""
+        if sb.spec.network.none:
+            return {}
+        env = proxy_env(self.config.proxy_port)
+        if self._ca_bundle is not None:
+            env.update(dict.fromkeys(CA_VARS, CA_BUNDLE_PATH))
+        return env
 
     async def attach(self, sb: Sandbox) -> None:
         """Enforce the sandbox's policy (after a create, a restore, an adoption)."""
@@ -105,6 +128,34 @@ class Networking:
             return
         policy = compile_policy(sb.spec.network, self.config)
         await self.proxy.apply(sb.id, backend.netns_path(sb.live), policy)
+        await self._install_ca_bundle(sb, sb.live)
+
+    async def _install_ca_bundle(self, sb: Sandbox, live: LiveSandbox) -> None:
+        """The node's CA bundle at CA_BUNDLE_PATH in the sandbox (its /dev: the scratch tmpfs), as its
+        root's, read-only. A sandbox that made that path unwritable gets a warning in the log: it
+        only breaks its own TLS."""
+        host = self.core.tier(sb)
+        bundle = self._ca_bundle
+        if bundle is None or not isinstance(host, HostFiles):
+            return
+
+        def write() -> None:
+            root = host.open_root(live)
+            try:
+                # /dev is a mount of its own, which SandboxFS does not cross: root it there.
+                how = files.RESOLVE_IN_ROOT | files.RESOLVE_NO_SYMLINKS | files.RESOLVE_NO_MAGICLINKS
+                dev = files.openat2(root, "dev", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, how)
+            finally:
+                os.close(root)
+            try:
+                SandboxFS(dev, uid_base=live.uid_base).write(CA_BUNDLE_PATH.removeprefix("/dev"), bundle, mode=0o444)
+            finally:
+                os.close(dev)
+
+        try:
+            await asyncio.to_thread(write)
+        except (FileOpError, OSError, SandboxError) as exc:
+            log.warning("sandbox %s: the node's CA bundle could not be written to %s: %s", sb.id, CA_BUNDLE_PATH, exc)
 
     async def set_network(self, sandbox_id: str, network: NetworkPolicy) -> SandboxInfo:
         sb, live = await self.pauser.ready(sandbox_id)
@@ -116,6 +167,8 @@ class Networking:
                 await self.proxy.apply(sb.id, backend.netns_path(live), policy)
             except OSError as exc:
                 raise _listen_error(sandbox_id, self.config.proxy_port, exc) from exc
+            if not policy.none:
+                await self._install_ca_bundle(sb, live)
         sb.spec = spec
         await self.core.state.update(sb.id, spec=spec.model_dump(mode="json"))
         self.core.journal.record(sb.id, "network_policy", {"allow": list(network.allow)})
@@ -185,7 +238,9 @@ class Networking:
         return [self._info(sb.id, e) for e in sorted(self._exposed.get(sb.id, {}).values(), key=lambda e: e.port)]
 
     async def _accept(self, sandbox_id: str, port: int, server: socket.socket, conns: set[asyncio.Task[None]]) -> None:
-        """Each connection to an exposure's unix socket: relayed to the port in the sandbox."""
+        """Each connection to an exposure's unix socket: relayed to the port in the sandbox, within the
+        sandbox's `max_connections` (over all its exposures) and the node's slots, until both ends
+        close or neither sends a byte for `idle_timeout` (a server that never closes holds nothing)."""
         loop = asyncio.get_running_loop()
 
         async def serve(client: socket.socket) -> None:
@@ -195,18 +250,26 @@ class Networking:
                 client.close()
                 return
             try:
-                await splice.both_ways(loop, client, upstream)
+                await splice.both_ways(loop, client, upstream, idle=self.config.idle_timeout)
             finally:
                 client.close()
                 upstream.close()
 
+        def closed(client: socket.socket, task: asyncio.Task[None]) -> None:
+            conns.discard(task)
+            client.close()
+            self.slots.give()
+
         try:
             while True:
-                client, _ = await loop.sock_accept(server)
-                client.setblocking(False)
+                client = await accept_loop(server, f"port {port} of sandbox {sandbox_id}")
+                held = sum(len(e.conns) for e in self._exposed.get(sandbox_id, {}).values())
+                if held >= self.config.max_connections or not self.slots.take():
+                    client.close()  # a byte stream: nothing to answer with but its end
+                    continue
                 task = loop.create_task(serve(client))
                 conns.add(task)
-                task.add_done_callback(conns.discard)
+                task.add_done_callback(functools.partial(closed, client))
         finally:
             server.close()
 
@@ -244,6 +307,21 @@ class Networking:
     def _stopped(self, sb: Sandbox) -> None:
         self.proxy.detach(sb.id)
         self._unexpose_all(sb.id)
+
+
+def _read_ca_bundle(path: Path) -> bytes:
+    """The node's CA bundle, checked: a daemon told to make sandboxes trust a file that is not
+    there or holds no certificate must not start as if it had been told nothing."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CA_BUNDLE + 1)
+    except OSError as exc:
+        raise ValueError(f"[network] ca_bundle {path}: {exc.strerror}") from exc
+    if len(data) > MAX_CA_BUNDLE:
+        raise ValueError(f"[network] ca_bundle {path}: larger than {MAX_CA_BUNDLE} bytes")
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise ValueError(f"[network] ca_bundle {path}: no PEM certificate in it")
+    return data
 
 
 def _listen_error(sandbox_id: str, port: int, exc: OSError) -> WrongStateError:

@@ -216,6 +216,15 @@ class LayerStore:
         """`layer_ref`, else a record made from the layer's file (a layer no image names: a recipe
         step's, a digest a caller stacks by hand), remembered so that the next lookup scans no
         manifests. Raises LayerCorruptError if there is no such file."""
+        if not self.has_layer(digest):
+            # Gone (maybe deleted under the store since it was looked up): answer from the manifests
+            # as they are now, as a restarted daemon would. An image naming it makes that a loss.
+            self._unnamed.pop(digest, None)
+            named = (x for m in self.list_images() for x in m.layers if x.digest == digest)
+            ref = next(named, None)
+            if ref is None:
+                raise LayerCorruptError(f"layer {digest} missing ({self.layers_dir / _layer_name(digest)})")
+            return ref
         ref = self._unnamed.get(digest) or self.layer_ref(digest)
         if ref is None:
             ref = LayerRef(digest=digest, size=self.layer_path(digest).stat().st_size, kind="layer")

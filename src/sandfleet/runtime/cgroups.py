@@ -8,6 +8,7 @@ and removes leftovers after a crash. Paths are relative to the hierarchy root, e
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -325,11 +326,21 @@ class Cgroups:
         for d in self._dirs(rel):
             if not d.is_dir():
                 continue
-            for sub, _dirs, _files in sorted(os.walk(d, topdown=False), key=lambda t: -len(t[0])):
+            for sub, _dirs, files in sorted(os.walk(d, topdown=False), key=lambda t: -len(t[0])):
                 try:
                     os.rmdir(sub)
                 except FileNotFoundError:
                     pass
+                except OSError as exc:
+                    # A cgroup directory is never "not empty" (a busy one is EBUSY): this is a plain
+                    # directory with files, which an OCI runtime writes into the tmpfs beneath a
+                    # hybrid host's cgroup2 mount point where the daemon's namespace hides that mount.
+                    if exc.errno != errno.ENOTEMPTY:
+                        raise
+                    for name in files:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(sub, name))
+                    os.rmdir(sub)
 
     def remove_parent_if_empty(self) -> None:
         """rmdir our parent cgroup where no sandbox cgroup is left under it (daemon shutdown)."""

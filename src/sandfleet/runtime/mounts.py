@@ -87,14 +87,46 @@ def enter_private_namespace(*, hide_hybrid_cgroup2: bool) -> None:
         umount("/sys/fs/cgroup/unified", lazy=True)
 
 
+# A layer's files as they were when they were opened and verified: (path, device, inode, size, and
+# for the local image file its mtime and ctime; a blob on a shared filesystem is checked by size).
+_Identity = tuple[tuple[str, int, int, int, int, int], ...]
+
+
+def _identity(image_file: Path, blob: Path | None) -> _Identity:
+    st = os.stat(image_file)
+    out = [(str(image_file), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)]
+    if blob is not None:
+        st = os.stat(blob)
+        out.append((str(blob), st.st_dev, st.st_ino, st.st_size, 0, 0))
+    return tuple(out)
+
+
+def _unchanged(identity: _Identity) -> bool:
+    try:
+        for i, (path, dev, ino, size, mtime, ctime) in enumerate(identity):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino, st.st_size) != (dev, ino, size):
+                return False
+            if i == 0 and (st.st_mtime_ns, st.st_ctime_ns) != (mtime, ctime):
+                return False
+    except OSError:
+        return False
+    return True
+
+
 @dataclass
 class _Layer:
     path: str
     refs: int
+    # Its files when verified: a mount is reused only while they are the same (a file deleted or
+    # replaced under the store is checked again, as a restarted daemon would check it).
+    identity: _Identity
+    checking: threading.Lock
 
 
-# Opens a layer for mounting: its EROFS image file and, for an on-demand layer, the blob that
-# holds its file data (else None). Called only when the layer is not mounted yet.
+# Opens a layer for mounting: its verified EROFS image file and, for an on-demand layer, the blob
+# that holds its file data (else None); raises if the layer is missing or corrupt. Called when the
+# layer is not mounted yet, and when its files changed since it was.
 LayerOpener = Callable[[], tuple[Path, Path | None]]
 
 
@@ -130,9 +162,11 @@ class LayerMounts:
             layer = self._layers.get(digest)
             if layer is not None:
                 layer.refs += 1
-                return layer.path
-            lock, waiters = self._mounting.setdefault(digest, (threading.Lock(), [0]))
-            waiters[0] += 1
+            else:
+                lock, waiters = self._mounting.setdefault(digest, (threading.Lock(), [0]))
+                waiters[0] += 1
+        if layer is not None:
+            return self._reuse(digest, layer, open_layer)
         try:
             with lock:
                 return self._mount_once(digest, open_layer)
@@ -142,15 +176,30 @@ class LayerMounts:
                 if not waiters[0]:
                     del self._mounting[digest]
 
+    def _reuse(self, digest: str, layer: _Layer, open_layer: LayerOpener) -> str:
+        """A mounted layer (referenced already) if its files are still the ones verified; else they
+        are opened again (verified, or fetched again from a shared store): the mount stays, since
+        its content is the digest's either way, or the error is raised as a first mount's would be."""
+        try:
+            with layer.checking:
+                if not _unchanged(layer.identity):
+                    layer.identity = _identity(*open_layer())
+        except BaseException:
+            self.release(digest)
+            raise
+        return layer.path
+
     def _mount_once(self, digest: str, open_layer: LayerOpener) -> str:
         with self._lock:
             layer = self._layers.get(digest)
             if layer is not None:  # mounted by the acquire we waited for
                 layer.refs += 1
-                return layer.path
+        if layer is not None:
+            return self._reuse(digest, layer, open_layer)
         target = self.root / digest.replace(":", "-")
+        image_file, blob = open_layer()
+        identity = _identity(image_file, blob)
         if not os.path.ismount(target):
-            image_file, blob = open_layer()
             if blob is not None and "," in str(blob):
                 raise MountError(errno.EINVAL, f"blob path {blob} has a comma (mount option separator)")
             target.mkdir(parents=True, exist_ok=True)
@@ -160,22 +209,26 @@ class LayerMounts:
                 os.rmdir(target)
                 raise
         with self._lock:
-            layer = self._layers.setdefault(digest, _Layer(str(target), 0))
+            layer = self._layers.setdefault(digest, _Layer(str(target), 0, identity, threading.Lock()))
             layer.refs += 1
         return layer.path
 
     def acquire_mounted(self, digests: list[str]) -> list[str] | None:
-        """References to all of `digests` if every one is mounted (nothing that blocks), else none."""
+        """References to all of `digests` if every one is mounted and its local file is the one
+        verified (a stat each; an on-demand layer's blob, maybe on a network filesystem, is not
+        looked at here), else none: `acquire` then checks in a worker thread."""
         with self._lock:
             layers = [self._layers.get(d) for d in digests]
-            if any(layer is None for layer in layers):
+            if any(layer is None or len(layer.identity) > 1 for layer in layers):
                 return None
-            paths = []
             for layer in layers:
                 assert layer is not None
                 layer.refs += 1
-                paths.append(layer.path)
-            return paths
+        if all(_unchanged(layer.identity) for layer in layers if layer is not None):
+            return [layer.path for layer in layers if layer is not None]
+        for digest in digests:
+            self.release(digest)
+        return None
 
     def busy(self) -> set[str]:
         """Layers mounted or being mounted (their files must stay)."""

@@ -70,8 +70,28 @@ async def ready(loop: asyncio.AbstractEventLoop, fd: int, *, read: bool) -> None
         (loop.remove_reader if read else loop.remove_writer)(fd)
 
 
-async def both_ways(loop: asyncio.AbstractEventLoop, a: socket.socket, b: socket.socket) -> list[int]:
-    """Relay `a` <-> `b` until both directions ended; bytes moved [a -> b, b -> a]."""
-    counts = [0, 0]
-    await asyncio.gather(relay(loop, a, b, counts, 0), relay(loop, b, a, counts, 1))
-    return counts
+async def both_ways(
+    loop: asyncio.AbstractEventLoop,
+    a: socket.socket,
+    b: socket.socket,
+    counts: list[int] | None = None,
+    *,
+    idle: float | None = None,
+) -> bool:
+    """Relay `a` <-> `b` until both directions ended or, with `idle`, until neither moved a byte for
+    that many seconds (a peer that never closes holds nothing for ever); True if it ended idle.
+    `counts` [a -> b, b -> a] is added to as bytes move."""
+    counts = counts if counts is not None else [0, 0]
+    relays = asyncio.gather(relay(loop, a, b, counts, 0), relay(loop, b, a, counts, 1))
+    try:
+        while True:
+            moved = sum(counts)
+            done, _ = await asyncio.wait({relays}, timeout=idle)
+            if done:
+                return False
+            if sum(counts) == moved:
+                return True
+    finally:
+        relays.cancel()
+        with contextlib.suppress(BaseException):
+            await relays
