@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon import failpoints
-from sandfleet.daemon.core import CLAIM_WINDOW, NodeCore, log, store_row
+from sandfleet.daemon.core import NodeCore, log, store_row
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.images import Images
 from sandfleet.daemon.lifecycle import CREATING, FAILED, RUNNING, Sandbox, new_sandbox_id
@@ -84,6 +85,18 @@ class Creation:
                 await asyncio.shield(sb.created.wait())
             self.core.ack_one(sb)
             return sb.info()
+
+    def holds(self, project: str | None, key: str) -> bool:
+        """Whether a create with `key` in `project` made a sandbox here (or is making one): that
+        create retried gets it (cluster gateways ask before placing a retried create)."""
+        entry = self.core.keys.get(key)
+        if entry is None:
+            return False
+        made, fingerprint = entry
+        if isinstance(made, asyncio.Future):
+            return bool(fingerprint) and json.loads(fingerprint).get("project") == project
+        sb = self.core.table.find(made)
+        return sb is not None and sb.spec.project == project
 
     async def create(self, spec: SandboxSpec, *, idempotency_key: str | None = None) -> SandboxInfo:
         """Create a sandbox. With an idempotency key, a create retried after a timeout, a broken
@@ -194,7 +207,7 @@ class Creation:
             sandbox_id = new_sandbox_id(self.core.node_key)
             now = time.time()
             sb = Sandbox(sandbox_id, spec, CREATING, now, now, idempotency_key=key, acked=False)
-            sb.claim_by = now + CLAIM_WINDOW
+            sb.claim_by = now + self.core.claim_window
             self.core.table.add(sb)
             finished = sb.created  # set however this create ends; a concurrent stop waits on it
             try:
@@ -237,7 +250,7 @@ class Creation:
         t0 = time.perf_counter()
         now = time.time()
         sb = Sandbox(live.id, spec, RUNNING, now, now, live=live, idempotency_key=key, acked=False)
-        sb.claim_by = now + CLAIM_WINDOW
+        sb.claim_by = now + self.core.claim_window
         sb.created.set()
         self.core.table.add(sb)
         live.channel.on_close = lambda _ch: self.core.on_agent_lost(sb.id)
