@@ -413,7 +413,8 @@ def httpx_stop(cluster: Cluster, sandbox_id: str, token: str) -> None:
 def test_a_project_token_sees_only_what_it_may_use_of_the_cluster(cluster: Cluster) -> None:
     with cluster.client(0, TEAM_A) as a, cluster.client(0, TEAM_B) as b, cluster.client(0) as admin:
         mine = a.create(image="busybox", labels={"job": "view"})
-        theirs = [b.create(image="busybox", labels={"job": "view"}) for _ in range(2)]
+        bkey = f"bkey-{secrets.token_hex(4)}"
+        theirs = [b.create(image="busybox", labels={"job": "view"}, idempotency_key=f"{bkey}-{i}") for i in range(2)]
         assert wait_until(lambda: admin.health()["sandboxes_running"] >= 3, timeout=10)
         assert a.health()["sandboxes_running"] == 1  # its own project's, not the cluster's
         with httpx.Client(base_url=cluster.gateway_urls[0], timeout=30) as http:
@@ -428,6 +429,17 @@ def test_a_project_token_sees_only_what_it_may_use_of_the_cluster(cluster: Clust
             assert set(node["load"]["projects"]) <= {"team-a/grpo"}
         assert sum(n["load"]["projects"].get("team-a/grpo", {}).get("sandboxes", 0) for n in scoped["nodes"]) == 1
         assert {i.name for i in a.images()} >= {"busybox"}  # what it may create from (decided: see docs/cluster.md)
+        with httpx.Client(base_url=cluster.urls[node_of(theirs[0].id)], timeout=30) as node:
+            # The node's cluster-mode routes: a project's token fences no node (that would stop every
+            # project's sandboxes), learns nothing of another project's keys, acknowledges nothing of theirs.
+            as_a = {"authorization": f"Bearer {TEAM_A}"}
+            r = node.post("/v1/node/fence", json={"generation": 99}, headers=as_a)
+            assert (r.status_code, r.json()["error"]["code"]) == (403, "permission_denied")
+            keys = {"keys": [{"key": f"{bkey}-0", "project": "team-b"}, {"key": f"{bkey}-0"}]}
+            assert node.post("/v1/sandboxes/keys", json=keys, headers=as_a).json() == {"held": [False, False]}
+            as_root = {"authorization": f"Bearer {ADMIN}"}
+            assert node.post("/v1/sandboxes/keys", json=keys, headers=as_root).json() == {"held": [True, False]}
+        assert b.get(theirs[0].id).info.state == "running"
         for sb in [mine, *theirs]:
             sb.stop()
 
