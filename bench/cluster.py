@@ -73,6 +73,7 @@ class NullNode:
         self.capacity = capacity
         self.live = 0
         self.created = 0
+        self.acked = 0
 
     def load(self) -> dict[str, Any]:
         return {
@@ -144,6 +145,9 @@ class NullNodes:
                     "tiers": {"container": []},
                 },
             )
+        elif method == "POST" and path == "/v1/sandboxes/ack":  # the gateway's acks of what it passed on
+            node.acked += len(json.loads(body)["sandboxes"])
+            status, data = 200, {"ok": True}
         elif method == "GET" and path == "/_counts":
             status, data = 200, {n.key: n.created for n in self.by_port.values()}
         else:

@@ -61,9 +61,9 @@ FUZZ_SANDBOX_AGE = 10.0  # seconds before a sandbox the fuzzer created is stoppe
 # (schemathesis' transport) would wait forever (it cuts only text/event-stream short). Covered by
 # their own tests, not here.
 ENDLESS = r"/files/watch$|^/v1/audit/follow$"
-# A node-wide switch: a fuzzed drain would make every later create answer `unavailable` (503, as it
-# should); drain is tested in tests/test_cluster.py.
-NODE_WIDE = r"^/v1/node/drain$"
+# Node-wide switches: a fuzzed drain would make every later create answer `unavailable` (503, as it
+# should), a fence stops every sandbox of the node; both are tested in tests/test_cluster.py.
+NODE_WIDE = r"^/v1/node/drain$|^/v1/node/fence$"
 SCHEMA = schemathesis.openapi.from_path(SPEC).exclude(path_regex=f"{ENDLESS}|{NODE_WIDE}")
 # Pooled calls: each new `resources` value starts a worker (a sandbox plus its interpreter, at that
 # CPU quota: ~10 s at cpu=0.01), so they get fewer examples than the rest.

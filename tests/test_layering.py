@@ -194,6 +194,7 @@ SERVICE_ORDER = [
     "trajectories",
     "reaper",
     "recovery",
+    "fencing",
     "service",
 ]
 

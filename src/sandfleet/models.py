@@ -1148,10 +1148,42 @@ class NodeLoad(_Model):
         default_factory=dict, description="per project (not rolled up; '' for none): what its sandboxes hold"
     )
     at: float = Field(description="when this was read (the node's clock, seconds since the epoch)")
+    generation: int = Field(
+        0, description="cluster mode: the generation the node serves under (raised when it is fenced)"
+    )
 
 
 class DrainRequest(_Model):
     draining: bool = Field(True, description="true: take no new creates; false: take them again")
+
+
+class FenceRequest(_Model):
+    """Cluster mode: the node comes back after the cluster declared it lost."""
+
+    generation: int = Field(
+        ge=1, le=2**62, description="the generation to serve under; above the node's own, everything it holds stops"
+    )
+
+
+class AckRequest(_Model):
+    """Sandboxes whose create answer a gateway handed to its caller."""
+
+    sandboxes: list[Annotated[str, Field(max_length=64)]] = Field(max_length=4 * MAX_BATCH)
+
+
+class HeldKey(_Model):
+    key: IdempotencyKey
+    project: ProjectPath | None = None
+
+
+class KeysRequest(_Model):
+    """Idempotency keys of creates retried through a gateway: which of them this node holds."""
+
+    keys: list[HeldKey] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class KeysHeld(_Model):
+    held: list[bool] = Field(description="per key, in order: a create with it made (or is making) a sandbox here")
 
 
 class Ok(_Model):

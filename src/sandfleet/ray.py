@@ -2,7 +2,8 @@
 
 A trainer (verl, SkyRL, OpenRLHF, ...) runs as a Ray driver or in Ray tasks and actors: the cluster's
 gateways register in that same Ray cluster, so no address needs passing around. Calls then go to a
-gateway over HTTP, never through Ray.
+gateway over HTTP, never through Ray; the client knows every gateway registered, and moves on to
+another when its gateway fails.
 """
 
 from __future__ import annotations
@@ -28,22 +29,24 @@ def gateways(namespace: str = NAMESPACE, address: str | None = None) -> list[str
     return registry.gateway_urls(namespace)
 
 
-def _pick(namespace: str, address: str | None) -> str:
+def _shuffled(namespace: str, address: str | None) -> list[str]:
     urls = gateways(namespace, address)
     if not urls:
         raise UnavailableError("no sandfleet gateway is registered in this Ray cluster (sandfleet gateway ...)")
-    return random.choice(urls)  # spreads a trainer's workers over the gateways
+    random.shuffle(urls)  # spreads a trainer's workers over the gateways; the others are its fail-overs
+    return urls
 
 
 def connect(
     *, token: str | None = None, namespace: str = NAMESPACE, address: str | None = None, timeout: float = 60.0
 ) -> Client:
-    """A `Client` of the cluster through one of its gateways (token: `SANDFLEET_TOKEN` by default)."""
-    return Client(url=_pick(namespace, address), token=token, timeout=timeout)
+    """A `Client` of the cluster through its gateways (token: `SANDFLEET_TOKEN` by default): calls go
+    to one, and move on to the next when it fails (docs/cluster.md, "Membership and failure")."""
+    return Client(url=_shuffled(namespace, address), token=token, timeout=timeout)
 
 
 def connect_async(
     *, token: str | None = None, namespace: str = NAMESPACE, address: str | None = None, timeout: float = 60.0
 ) -> AsyncClient:
     """The same as `connect`, an `AsyncClient`."""
-    return AsyncClient(url=_pick(namespace, address), token=token, timeout=timeout)
+    return AsyncClient(url=_shuffled(namespace, address), token=token, timeout=timeout)

@@ -12,12 +12,19 @@ timeout, or a longer one, is streamed, and there the client's timeout bounds *si
 sends a heartbeat every `HEARTBEAT_INTERVAL` seconds while nothing else happens), never less than
 `MIN_SILENCE`. Calls that retry (create, create_many, fork, restore) keep to one deadline for all
 their attempts.
+
+Several gateways (`Client(["http://gw1:8600", "http://gw2:8600"])`, `sandfleet.ray.connect()`): calls
+go to one; a transport failure there moves every later call to the next (`fail_over`), and the
+call itself is sent there at once when that is safe (it never reached the first, or it is a read).
+A create whose answer was lost is retried with its idempotency key, marked `RETRIED`, so whichever
+gateway gets it asks the nodes which one holds the key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import os
 import random
@@ -100,6 +107,11 @@ MIN_SILENCE = 2 * HEARTBEAT_INTERVAL + 2.0
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 1.0
 MIN_ATTEMPT = 0.5
+# With several gateways: a connection not made within this many seconds moves on to the next one.
+FAILOVER_CONNECT = 5.0
+# On a create retried after an attempt whose answer was lost (or with the caller's own key): the
+# gateway that gets it asks the nodes which holds the key first (another gateway may have placed it).
+RETRIED = "x-sandfleet-retry"
 
 
 class Unset(Enum):
@@ -130,28 +142,65 @@ class Call:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where the daemon is: a unix socket (default) or an HTTP URL with a bearer token."""
+    """Where the daemon is: a unix socket (default), or HTTP URLs (a node's, or one or several
+    cluster gateways': `urls`, the first used first) with a bearer token."""
 
     socket: str | None
     url: str
     token: str | None
+    urls: tuple[str, ...] = ()
 
     @classmethod
-    def resolve(cls, socket: str | os.PathLike[str] | None, url: str | None, token: str | None) -> Endpoint:
+    def resolve(
+        cls, socket: str | os.PathLike[str] | Sequence[str] | None, url: str | Sequence[str] | None, token: str | None
+    ) -> Endpoint:
         if url is None and isinstance(socket, str) and socket.startswith(("http://", "https://")):
             url, socket = socket, None  # Client("http://gateway:8600", token=...)
+        elif url is None and isinstance(socket, list | tuple):
+            url, socket = socket, None  # Client(["http://gw1:8600", "http://gw2:8600"], token=...)
         url = url or os.environ.get("SANDFLEET_URL")
         token = token or os.environ.get("SANDFLEET_TOKEN")
         if url:
-            return cls(None, url.rstrip("/"), token)
+            urls = tuple(u.strip().rstrip("/") for u in (url.split(",") if isinstance(url, str) else url) if u.strip())
+            if not urls:
+                raise InvalidArgumentError("no URL given")
+            return cls(None, urls[0], token, urls)
         sock = str(socket or os.environ.get("SANDFLEET_SOCKET") or DEFAULT_SOCKET)
-        return cls(sock, "http://sandfleet", token)
+        return cls(sock, "http://sandfleet", token, ("http://sandfleet",))
 
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.token}"} if self.token else {}
 
     def describe(self) -> str:
-        return f"unix socket {self.socket}" if self.socket else self.url
+        if self.socket:
+            return f"unix socket {self.socket}"
+        return self.url if len(self.urls) < 2 else "any of " + ", ".join(self.urls)
+
+    def timeout(self, timeout: float | httpx.Timeout) -> float | httpx.Timeout:
+        """A call's timeouts, the connect phase cut to FAILOVER_CONNECT when other gateways wait."""
+        if len(self.urls) < 2:
+            return timeout
+        t = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        connect = min(t.connect or FAILOVER_CONNECT, FAILOVER_CONNECT)
+        return httpx.Timeout(connect=connect, read=t.read, write=t.write, pool=t.pool)
+
+
+def fail_over(
+    http: httpx.Client | httpx.AsyncClient, endpoint: Endpoint, base: httpx.URL, exc: BaseException, call: Call
+) -> bool:
+    """After a transport failure of `call` at `base`: with several gateways, every later call goes
+    to the next one. True when `call` itself may be sent there at once: it surely never reached
+    `base` (no connection was made), or it is a read that did not time out. Anything else is for
+    the caller's own retries (creates have them, with their idempotency key)."""
+    if len(endpoint.urls) < 2:
+        return False
+    if http.base_url == base:
+        here = str(base).rstrip("/")
+        i = endpoint.urls.index(here) if here in endpoint.urls else -1
+        http.base_url = endpoint.urls[(i + 1) % len(endpoint.urls)]
+    if not request_sent(exc):
+        return True
+    return call.method in ("GET", "HEAD") and not isinstance(exc, httpx.TimeoutException)
 
 
 # -- deadlines ----------------------------------------------------------------------------------------
@@ -308,6 +357,12 @@ class CreateAttempts:
 
     key: str
     in_doubt: bool = False
+    given: bool = False  # the caller's own key: an earlier call may have used it
+
+    @property
+    def retried(self) -> bool:
+        """Whether a gateway should look for what the key made before placing this attempt."""
+        return self.in_doubt or self.given
 
     def retry_reason(self, exc: SandboxError) -> Literal["refused", "lost"] | None:
         """Why `exc` calls for another attempt with the same key, or None if it does not."""
@@ -694,12 +749,14 @@ def terminal_closed(code: int | None, reason: str | None) -> SandboxError:
 
 def map_transport_error(exc: Exception, endpoint: Endpoint) -> SandboxError:
     if isinstance(exc, httpx.TimeoutException):
-        return SandboxTimeoutError(f"request to the sandfleet daemon timed out ({type(exc).__name__})")
+        return SandboxTimeoutError(f"request to sandfleet at {endpoint.describe()} timed out ({type(exc).__name__})")
     if isinstance(exc, httpx.ConnectError | FileNotFoundError | ConnectionRefusedError):
-        return UnavailableError(
-            f"cannot reach the sandfleet daemon at {endpoint.describe()} (is `sandfleet serve` running?)"
-        )
-    return UnavailableError(f"transport error talking to the daemon: {exc}")
+        if endpoint.socket:
+            return UnavailableError(
+                f"cannot reach the sandfleet daemon at {endpoint.describe()} (is `sandfleet serve` running?)"
+            )
+        return UnavailableError(f"cannot reach sandfleet at {endpoint.describe()} ({type(exc).__name__})")
+    return UnavailableError(f"transport error talking to sandfleet at {endpoint.describe()}: {exc}")
 
 
 async def gather_bounded(limit: int, factories: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
@@ -803,6 +860,11 @@ def session_path(sandbox_id: str, session_id: str) -> str:
 
 # Fields the caller left unset are not sent: the daemon fills them from the image's defaults
 # (an OCI image's WorkingDir and User) before its own.
+def retried(call: Call, retried: bool) -> Call:
+    """`call`, marked RETRIED if `retried` (see `CreateAttempts.retried`)."""
+    return dataclasses.replace(call, headers={**call.headers, RETRIED: "1"}) if retried else call
+
+
 def call_create(spec: SandboxSpec, key: str, timeout: float) -> Call:
     return Call(
         "POST",
@@ -956,9 +1018,10 @@ def audit_record(line: bytes) -> AuditRecord | None:
     return _stream_item(AuditRecord, line)
 
 
-def exposed(endpoint: Endpoint, port: ExposedPort) -> ExposedPort:
-    """The daemon's answer with the full URL this client reaches the port at."""
-    return port.model_copy(update={"url": endpoint.url + port.path})
+def exposed(base: httpx.URL, port: ExposedPort) -> ExposedPort:
+    """The daemon's answer with the full URL this client reaches the port at (through the gateway
+    it uses now, when there are several)."""
+    return port.model_copy(update={"url": str(base).rstrip("/") + port.path})
 
 
 def call_pack(sandbox_id: str, image: str, exclude: Sequence[str], timeout: float) -> Call:

@@ -49,6 +49,7 @@ from sandfleet.models import (
     ExecResult,
     ExposedPort,
     ExposedPortList,
+    FenceRequest,
     FileEvent,
     FileInfo,
     FileList,
@@ -101,14 +102,15 @@ class AsyncClient:
     answering raises `SandboxTimeoutError` after it, streams included (there it bounds silence, never
     below `b.MIN_SILENCE`: the daemon sends heartbeats while a command is quiet). `transport`
     replaces the HTTP transport (tests pass an `httpx.MockTransport`); `socket`/`url` then only name
-    the daemon in errors.
+    the daemon in errors. Several URLs (a list, or comma-separated): a cluster's gateways, calls move
+    to the next one when one fails (see `b.fail_over`).
     """
 
     def __init__(
         self,
-        socket: str | os.PathLike[str] | None = None,
+        socket: str | os.PathLike[str] | Sequence[str] | None = None,
         *,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         token: str | None = None,
         timeout: float = b.DEFAULT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -138,18 +140,24 @@ class AsyncClient:
     # -- plumbing
 
     async def _send(self, call: b.Call) -> bytes:
-        try:
-            resp = await self._http.request(
-                call.method,
-                call.path,
-                params=call.params,
-                json=call.json,
-                content=call.content,
-                headers=dict(call.headers),
-                timeout=b.request_timeout(call, self.timeout),
-            )
-        except (httpx.HTTPError, OSError) as exc:
-            raise b.map_transport_error(exc, self.endpoint) from exc
+        tries = len(self.endpoint.urls)  # several gateways: on to the next where that is safe
+        while True:
+            base = self._http.base_url
+            try:
+                resp = await self._http.request(
+                    call.method,
+                    call.path,
+                    params=call.params,
+                    json=call.json,
+                    content=call.content,
+                    headers=dict(call.headers),
+                    timeout=self.endpoint.timeout(b.request_timeout(call, self.timeout)),
+                )
+                break
+            except (httpx.HTTPError, OSError) as exc:
+                tries -= 1
+                if not (b.fail_over(self._http, self.endpoint, base, exc, call) and tries > 0):
+                    raise b.map_transport_error(exc, self.endpoint) from exc
         b.raise_for(resp.status_code, resp.content, self.endpoint)
         return resp.content
 
@@ -164,25 +172,33 @@ class AsyncClient:
         ends what the stream was for."""
         silence = b.silence_limit(self.timeout)
         deadline = b.stream_deadline(call, time.monotonic())
-        try:
-            async with self._http.stream(
-                call.method,
-                call.path,
-                params=call.params,
-                json=call.json,
-                content=call.content,
-                headers=dict(call.headers),
-                timeout=b.stream_timeouts(self.timeout),
-            ) as resp:
-                if resp.status_code >= 400:
-                    b.raise_for(resp.status_code, await resp.aread(), self.endpoint)
-                yield None
-                lines = resp.aiter_lines()
-                while (line := await b.next_line(lines, silence, deadline)) is not None:
-                    if line and (item := decode(line.encode())) is not None:
-                        yield item
-        except (httpx.HTTPError, OSError) as exc:
-            raise b.map_transport_error(exc, self.endpoint) from exc
+        tries = len(self.endpoint.urls)
+        opened = False  # once the daemon answered, a failure ends the stream (items were given)
+        while True:
+            base = self._http.base_url
+            try:
+                async with self._http.stream(
+                    call.method,
+                    call.path,
+                    params=call.params,
+                    json=call.json,
+                    content=call.content,
+                    headers=dict(call.headers),
+                    timeout=self.endpoint.timeout(b.stream_timeouts(self.timeout)),
+                ) as resp:
+                    opened = True
+                    if resp.status_code >= 400:
+                        b.raise_for(resp.status_code, await resp.aread(), self.endpoint)
+                    yield None
+                    lines = resp.aiter_lines()
+                    while (line := await b.next_line(lines, silence, deadline)) is not None:
+                        if line and (item := decode(line.encode())) is not None:
+                            yield item
+                return
+            except (httpx.HTTPError, OSError) as exc:
+                tries -= 1
+                if opened or not (b.fail_over(self._http, self.endpoint, base, exc, call) and tries > 0):
+                    raise b.map_transport_error(exc, self.endpoint) from exc
 
     def _events(self, call: b.Call, decode: Callable[[bytes], T | None]) -> AsyncEventStream[T]:
         return AsyncEventStream(self._stream(call, decode))
@@ -211,7 +227,8 @@ class AsyncClient:
         `refusals`, each while the deadline leaves room; then the last error is raised."""
         while True:
             try:
-                return await self._model(model, make(attempts.key, deadline.attempt_timeout(self.timeout)))
+                call = b.retried(make(attempts.key, deadline.attempt_timeout(self.timeout)), attempts.retried)
+                return await self._model(model, call)
             except SandboxError as exc:
                 reason = attempts.retry_reason(exc)
                 if reason is None or (reason == "refused" and not refusals) or not deadline.allows(reason == "refused"):
@@ -250,6 +267,13 @@ class AsyncClient:
         """Take no new creates on this node (False: take them again); what it holds keeps running."""
         body = DrainRequest(draining=draining).model_dump()
         return NodeLoad.model_validate_json(await self._send(b.Call("POST", "/v1/node/drain", json=body)))
+
+    async def fence(self, generation: int, *, timeout: float = 600.0) -> NodeLoad:
+        """Cluster mode (`sandfleet cluster up` calls it): serve under `generation`; one above the
+        node's own first stops every sandbox the node holds (the cluster declared the node lost)."""
+        body = b.validated(FenceRequest, "fence request", {"generation": generation}).model_dump()
+        call = b.Call("POST", "/v1/node/fence", json=body, timeout=b.check_timeout(timeout, 0))
+        return NodeLoad.model_validate_json(await self._send(call))
 
     async def tiers(self) -> dict[str, builtins.list[str]]:
         """The isolation tiers the node runs, each with its capabilities (`pause`, `snapshot`, ...)."""
@@ -383,7 +407,7 @@ class AsyncClient:
         create with it to get the sandbox if it was made.
         """
         full = b.spec_from(spec, fields)
-        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key), given=idempotency_key is not None)
         deadline = b.Deadline(b.check_timeout(timeout, self.timeout))
         info = await self._retrying(
             lambda key, t: b.call_create(full, key, t), SandboxInfo, attempts, deadline, refusals=True
@@ -420,7 +444,11 @@ class AsyncClient:
             chunks = [pending[i : i + batch_size] for i in range(0, len(pending), batch_size)]
             calls = [
                 functools.partial(
-                    self._create_batch, [(i, specs[i], attempts[i].key) for i in chunk], concurrency, per_request
+                    self._create_batch,
+                    [(i, specs[i], attempts[i].key) for i in chunk],
+                    concurrency,
+                    per_request,
+                    any(attempts[i].retried for i in chunk),
                 )
                 for chunk in chunks
             ]
@@ -441,9 +469,10 @@ class AsyncClient:
         return [results[i] for i in range(len(specs))]
 
     async def _create_batch(
-        self, chunk: Sequence[tuple[int, SandboxSpec, str]], concurrency: int, timeout: float
+        self, chunk: Sequence[tuple[int, SandboxSpec, str]], concurrency: int, timeout: float, retried: bool = False
     ) -> builtins.list[tuple[int, AsyncSandbox | SandboxError]]:
         call = b.call_create_batch([spec for _, spec, _ in chunk], [key for *_, key in chunk], concurrency, timeout)
+        call = b.retried(call, retried)
         try:
             reply = await self._model(CreateBatchResult, call)
         except SandboxError as exc:
@@ -614,7 +643,7 @@ class AsyncClient:
         """`count` new sandboxes from a snapshot (processes, memory, files); one result per child, in
         order. Works after the snapshot's sandbox stopped. A lost answer is retried with the same
         idempotency key (given, or a fresh one) within `timeout` (default: the client's)."""
-        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key), given=idempotency_key is not None)
         deadline = b.Deadline(b.check_timeout(timeout, self.timeout))
         reply = await self._retrying(
             lambda key, t: b.call_restore(snapshot_id, count, labels, key, t),
@@ -722,7 +751,7 @@ class AsyncSandbox:
         """Reach a server listening on 127.0.0.1:`port` inside the sandbox: over HTTP at `url` (the
         daemon's API, its token required), or as a byte stream at `socket` (a unix socket on the
         node, root's). Closed with the sandbox, or by `unexpose`."""
-        return b.exposed(self._c.endpoint, await self._c._model(ExposedPort, b.call_expose(self.id, port)))
+        return b.exposed(self._c._http.base_url, await self._c._model(ExposedPort, b.call_expose(self.id, port)))
 
     async def unexpose(self, port: int) -> None:
         await self._c._send(b.Call("DELETE", b.sandbox_path(self.id) + f"/ports/{int(port)}"))
@@ -730,7 +759,7 @@ class AsyncSandbox:
     async def ports(self) -> builtins.list[ExposedPort]:
         """The ports this sandbox exposes."""
         found = await self._c._model(ExposedPortList, b.Call("GET", b.sandbox_path(self.id) + "/ports"))
-        return [b.exposed(self._c.endpoint, p) for p in found.ports]
+        return [b.exposed(self._c._http.base_url, p) for p in found.ports]
 
     async def set_lifetime(
         self, *, idle_ttl: float | None | Unset = UNSET, max_lifetime: float | None | Unset = UNSET
@@ -766,7 +795,7 @@ class AsyncSandbox:
         """`count` copies of this sandbox as it is now, each isolated from it and from each other (with
         its sessions and background processes, under the same ids). A lost answer is retried with
         the same idempotency key (given, or a fresh one) within `timeout` (default: the client's)."""
-        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key), given=idempotency_key is not None)
         deadline = b.Deadline(b.check_timeout(timeout, self._c.timeout))
         reply = await self._c._retrying(
             lambda key, t: b.call_fork(self.id, count, labels, key, t),
@@ -1341,6 +1370,7 @@ class AsyncTerminal:
 
     async def _open(self, start: str) -> None:
         c = self.sandbox._c
+        base = c._http.base_url
         try:
             ws: AsyncWebSocketSession = await self._stack.enter_async_context(
                 aconnect_ws(
@@ -1365,6 +1395,7 @@ class AsyncTerminal:
             raise b.terminal_closed(exc.response.status_code, "not upgraded") from exc
         except (httpx.HTTPError, OSError) as exc:
             await self.aclose()
+            b.fail_over(c._http, c.endpoint, base, exc, b.Call("GET", b.terminal_path(self.sandbox.id)))  # later calls
             raise b.map_transport_error(exc, c.endpoint) from exc
         except BaseException:
             await self.aclose()

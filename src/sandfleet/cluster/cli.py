@@ -79,11 +79,26 @@ def up(
                 raise typer.Exit(1) from None
             time.sleep(0.1)
         pid = proc.pid
+    registry.connect(address, namespace)
     with Client(cfg.socket, timeout=30) as c:
         load = c.node_load()
-    registry.connect(address, namespace)
-    registry.register_node(load.key, node_url, load.group, pid or 0, namespace, ray_node)
-    typer.echo(json.dumps({"node": load.key, "url": node_url, "group": load.group, "pid": pid}))
+        # A lost mark at or above the recorded generation: the cluster told callers what this node
+        # held is lost. It is fenced (stops all it holds) under a higher generation before it joins;
+        # again if a watcher marked it lost while it was registering (it read the old record).
+        for _ in range(3):
+            recorded, lost = registry.standing(load.key, namespace)
+            generation = max(recorded, load.generation)
+            if lost is not None and lost >= recorded:
+                generation = max(generation, lost + 1)
+            if generation > load.generation:
+                load = c.fence(generation)
+            registry.register_node(load.key, node_url, load.group, pid or 0, namespace, ray_node, generation)
+            lost = registry.standing(load.key, namespace)[1]
+            if lost is None or lost < generation:
+                break
+    typer.echo(
+        json.dumps({"node": load.key, "url": node_url, "group": load.group, "pid": pid, "generation": generation})
+    )
 
 
 @cluster_app.command("down")

@@ -50,9 +50,16 @@ SMALL = 1024**2  # bodies up to this size are read whole: fewer event-loop turns
 CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=60.0, pool=30.0)
 
 
-async def forward(node: Node, request: Request, *, body: bytes | None = None, path: str | None = None) -> Response:
-    """The caller's request, sent to `node`; the node's answer, streamed back (read whole when it
-    is small and sized: most answers are a few hundred bytes of JSON)."""
+async def forward(
+    node: Node,
+    request: Request,
+    *,
+    body: bytes | None = None,
+    path: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """The caller's request, sent to `node` (with `headers` added); the node's answer, streamed back
+    (read whole when it is small and sized: most answers are a few hundred bytes of JSON)."""
     # The path as the caller sent it (still percent-encoded: an exposed port's path may hold %2F).
     raw = path or request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
     url = httpx.URL(raw + (f"?{request.url.query}" if request.url.query else ""))
@@ -71,11 +78,12 @@ async def forward(node: Node, request: Request, *, body: bytes | None = None, pa
     # The caller's credentials, not the gateway's: the node decides what this caller may do.
     if "authorization" not in request.headers:
         req.headers.pop("authorization", None)
+    req.headers.update(headers or {})
     try:
         resp = await node.http.send(req, stream=True)
     except httpx.HTTPError as exc:
         raise _unreachable(node, exc) from exc
-    headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+    back = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
     size = resp.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) <= SMALL:
         try:
@@ -84,11 +92,11 @@ async def forward(node: Node, request: Request, *, body: bytes | None = None, pa
             raise _unreachable(node, exc) from exc
         finally:
             await resp.aclose()
-        headers.pop("content-length", None)
-        headers.pop("content-encoding", None)  # aread() decoded it
-        return Response(data, status_code=resp.status_code, headers=headers)
+        back.pop("content-length", None)
+        back.pop("content-encoding", None)  # aread() decoded it
+        return Response(data, status_code=resp.status_code, headers=back)
     return StreamingResponse(
-        resp.aiter_raw(), status_code=resp.status_code, headers=headers, background=BackgroundTask(resp.aclose)
+        resp.aiter_raw(), status_code=resp.status_code, headers=back, background=BackgroundTask(resp.aclose)
     )
 
 
@@ -123,5 +131,6 @@ async def call_json(
     return data
 
 
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(json.dumps(data, separators=(",", ":")), status_code=status, media_type="application/json")
+def json_response(data: Any, status: int = 200, background: BackgroundTask | None = None) -> Response:
+    body = json.dumps(data, separators=(",", ":"))
+    return Response(body, status_code=status, media_type="application/json", background=background)

@@ -11,31 +11,40 @@ client work unchanged. What a gateway does per call:
   out and the create placed again;
 - a batch is placed at once (2m sampled nodes for m sandboxes) and sent as one batch per node;
 - list and job-level calls (stop, pause, resume, lifetimes, network by label) go to every node
-  with the caller's own credentials, and the answers are merged;
-- trajectories go to the node of their sandbox, found once and remembered.
+  with the caller's own credentials, and the answers are merged; a write that could not reach a
+  node says which;
+- trajectories go to the node of their sandbox, found once and remembered (per caller's project);
+- a create's sandbox is acknowledged to its node once the caller has the answer (acks.py), so one
+  whose answer was lost (this gateway died) is reaped by its node; a retried create (the SDK marks
+  it) asks the nodes which holds its idempotency key and goes there, whichever gateway it reaches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pydantic
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from sandfleet import __version__, console
+from sandfleet.client._base import RETRIED
+from sandfleet.cluster.acks import FORWARDED, Acks
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.forward import call_json, forward, json_response
 from sandfleet.cluster.membership import Membership, Node
@@ -60,6 +69,7 @@ log = logging.getLogger("sandfleet.cluster")
 
 DELEGATED = "x-sandfleet-delegated"  # a create another gateway passed on: not passed on again
 MAX_BODY = 8 * 1024**2  # a create batch of 256 specs fits many times over
+_Scoped = tuple[str | None, str]  # (a project, an id or key of that project's): what nodes key by
 _REFUSALS = ("resource_exhausted", "unavailable")  # a node's "not here": placed again elsewhere
 _LABEL_CALLS = {  # job-level calls: path -> the list field of each node's answer to merge
     "/v1/sandboxes/stop": "stopped",
@@ -95,10 +105,11 @@ class Gateway:
         self.quotas = GatewayQuotas(self.iam, self.membership, config.url)
         self.metrics = GatewayMetrics()
         self._rng = rng or random.Random()
-        # idempotency key -> node: a retried create goes where the first attempt went
-        self._keyed: collections.OrderedDict[str, str] = collections.OrderedDict()
-        # trajectory id -> node key, found once
-        self._trajectories: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.acks = Acks(self.membership)
+        # (project, idempotency key) -> node: a retried create goes where the first attempt went
+        self._keyed: collections.OrderedDict[_Scoped, str] = collections.OrderedDict()
+        # (caller's project, trajectory id) -> node key, found once: ids are per project on the nodes
+        self._trajectories: collections.OrderedDict[_Scoped, str] = collections.OrderedDict()
         self._gateways: dict[str, httpx.AsyncClient] = {}  # other gateways (quota delegation)
 
     # -- membership ------------------------------------------------------------------------------
@@ -121,41 +132,79 @@ class Gateway:
             raise UnavailableError(f"node {key} is not in the cluster")
         return node
 
+    def _acked(self, request: Request, ids: list[str]) -> BackgroundTask | None:
+        """The background task of an answer handing these sandboxes to the caller: acknowledged to
+        their nodes once it went out (a delegated create's by the gateway that delegated it)."""
+        if not ids or request.headers.get(DELEGATED):
+            return None
+        return BackgroundTask(self.acks.add, ids)
+
     def _usable(self, key: str) -> bool:
         node = self.membership.nodes.get(key)
         return node is not None and not node.lost
 
-    def _remember(self, table: collections.OrderedDict[str, str], key: str, node: str) -> None:
+    def _remember(self, table: collections.OrderedDict[_Scoped, str], key: _Scoped, node: str) -> None:
         table[key] = node
         table.move_to_end(key)
         while len(table) > 100_000:
             table.popitem(last=False)
 
-    async def _fan_out(self, call: Callable[[Node], Awaitable[Any]], *, every: bool = False) -> list[Any]:
-        """`call` on every reachable node at once. Reads: a node that fails is left out (and logged)
-        unless every node failed, so a list keeps working while a node dies. `every` (writes: stop,
-        pause, image deletes): the others do their part, then `unavailable` names the nodes that
-        could not, so the caller retries (these calls are idempotent) instead of believing it done."""
-        nodes = self.membership.reachable()
-        if not nodes:
-            raise UnavailableError("no node of the cluster is reachable")
+    async def _ask(
+        self, nodes: list[Node], call: Callable[[Node], Awaitable[Any]], *, strict: bool = True
+    ) -> tuple[list[tuple[Node, Any]], list[tuple[Node, Exception]]]:
+        """`call` on `nodes` at once: the answers, and the nodes that gave none (unreachable, or an
+        error of theirs). `strict`: an error that is the caller's (a bad label, no permission: the
+        same on every node) is raised."""
         results = await asyncio.gather(*(call(n) for n in nodes), return_exceptions=True)
-        out, errors = [], []
+        answers, failed = [], []
         for node, res in zip(nodes, results, strict=True):
             if isinstance(res, BaseException):
                 if not isinstance(res, Exception):
                     raise res
-                if isinstance(res, SandboxError) and res.code not in ("unavailable", "sandbox_lost", "internal"):
-                    raise res  # the caller's error (a bad label, no permission): the same on every node
-                log.warning("node %s left out of a fan-out: %s", node.key, res)
-                errors.append(res)
+                caller = isinstance(res, SandboxError) and res.code not in ("unavailable", "sandbox_lost", "internal")
+                if caller and strict:
+                    raise res
+                log.warning("node %s gave no answer to a call on every node: %s", node.key, res)
+                failed.append((node, res))
             else:
-                out.append(res)
-        if errors and (every or not out):
-            if len(errors) == len(nodes):
-                raise errors[0]
-            failed = ", ".join(n.key for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException))
-            raise UnavailableError(f"done on {len(out)} of {len(nodes)} nodes; not on {failed}: retry")
+                answers.append((node, res))
+        return answers, failed
+
+    async def _fan_out(self, call: Callable[[Node], Awaitable[Any]], *, every: bool = False) -> list[Any]:
+        """`call` on every node at once. Reads: the reachable nodes; one that fails is left out (and
+        logged) unless every node failed, so a list keeps working while a node dies. `every` (writes:
+        stop, pause, image deletes): every node not lost, also one that stopped answering load reads
+        (what it holds still runs): the others do their part, then `unavailable` names the nodes
+        that could not, so the caller retries (these calls are idempotent) instead of believing
+        it done."""
+        nodes = self.membership.live() if every else self.membership.reachable()
+        if not nodes:
+            raise UnavailableError("no node of the cluster is reachable")
+        answers, failed = await self._ask(nodes, call)
+        if failed and (every or not answers):
+            if not answers:
+                raise failed[0][1]
+            missed = ", ".join(n.key for n, _ in failed)
+            raise UnavailableError(f"done on {len(answers)} of {len(nodes)} nodes; not on {missed}: retry")
+        return [res for _, res in answers]
+
+    async def _holders(self, request: Request, wanted: list[_Scoped]) -> list[str | None]:
+        """Per (project, idempotency key): the node that made (or is making) a sandbox with it, asked
+        of every node not lost with the caller's credentials (a create retried through another
+        gateway: the node decides by key). A node that does not answer is taken to hold none: the
+        create is placed afresh, and if that node did make one, nobody acknowledges it and it is
+        reaped after the node's claim window."""
+        body = {"keys": [{"project": project, "key": key} for project, key in wanted]}
+
+        async def one(n: Node) -> list[bool]:
+            return list((await call_json(n, "POST", "/v1/sandboxes/keys", request=request, json_body=body))["held"])
+
+        answers, _ = await self._ask(self.membership.live(), one, strict=False)
+        out: list[str | None] = [None] * len(wanted)
+        for node, held in answers:
+            for i, h in enumerate(held[: len(wanted)]):
+                if h and out[i] is None:
+                    out[i] = node.key
         return out
 
     # -- creates ---------------------------------------------------------------------------------
@@ -201,46 +250,43 @@ class Gateway:
         except BaseException:
             self.quotas.forget(spec)  # no sandbox came of it: the share is free again
             raise
-        return json_response(data, 201)
+        return json_response(data, 201, background=self._acked(request, [data["id"]]))
 
     async def _place_one(self, request: Request, spec: SandboxSpec, key: str | None) -> Any:
         """Place a create and send it; a node's refusal places it again elsewhere."""
         self._check_selector(spec)
         body = _spec_json(spec)
         req = self._placement(spec)
+        scoped = (spec.project, key) if key else None
+        went = self._keyed.get(scoped) if scoped else None
+        if scoped and went is None and request.headers.get(RETRIED):
+            went = (await self._holders(request, [scoped]))[0]
+        headers = {FORWARDED: "1"} | ({"idempotency-key": key} if key else {})
         exclude: set[str] = set()
         last: SandboxError | None = None
         for _attempt in range(self.config.create_attempts):
-            remembered = self._keyed.get(key) if key else None
-            if remembered is not None and remembered not in exclude and self._usable(remembered):
-                node_key = remembered
+            if went is not None and went not in exclude and self._usable(went):
+                node_key = went
             else:
                 try:
                     node_key = self.placer.place(req, time.monotonic(), exclude)
                 except NoCapacity as exc:
                     raise (last or exc) from None
-            if key:
-                self._remember(self._keyed, key, node_key)
+            if scoped:
+                self._remember(self._keyed, scoped, node_key)
             node = self._node(node_key)
             self.metrics.placements.labels(node=node_key).inc()
             try:
-                return await call_json(
-                    node,
-                    "POST",
-                    "/v1/sandboxes",
-                    request=request,
-                    json_body=body,
-                    headers={"idempotency-key": key} if key else None,
-                )
+                return await call_json(node, "POST", "/v1/sandboxes", request=request, json_body=body, headers=headers)
             except SandboxError as exc:
                 if exc.code not in _REFUSALS or getattr(exc, "sent", False):
                     raise  # a node that may have made it: placing it again could make two
                 self.placer.release(node_key, full=exc.code == "resource_exhausted")
                 exclude.add(node_key)
                 self.metrics.replaced.inc()
-                last = exc
-                if key:
-                    self._keyed.pop(key, None)
+                last, went = exc, None
+                if scoped:
+                    self._keyed.pop(scoped, None)
         assert last is not None
         raise last
 
@@ -250,13 +296,19 @@ class Gateway:
         if client is None:
             client = self._gateways[gateway_url] = httpx.AsyncClient(base_url=gateway_url, timeout=120)
         headers = {DELEGATED: "1", "authorization": request.headers.get("authorization", "")}
-        if key := request.headers.get("idempotency-key"):
-            headers["idempotency-key"] = key
+        for name in ("idempotency-key", RETRIED):
+            if value := request.headers.get(name):
+                headers[name] = value
         try:
             r = await client.post("/v1/sandboxes", json=spec, headers=headers)
         except httpx.HTTPError as exc:
             raise UnavailableError(f"gateway {gateway_url} holding the project's quota share is unreachable") from exc
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
+        made = []  # the other gateway left the ack to this one: its caller is here
+        if r.status_code < 300:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                made = [str(json.loads(r.content)["id"])]
+        background = self._acked(request, made)
+        return Response(r.content, status_code=r.status_code, media_type="application/json", background=background)
 
     async def create_batch(self, request: Request) -> Response:
         principal: Principal = request.state.principal
@@ -273,6 +325,13 @@ class Gateway:
             except SandboxError as exc:
                 results[i] = {"error": exc.to_wire()}
         admitted = list(pending)
+        # A keyed item retried goes where its key went first (the node answers what it made then).
+        scoped = {i: (specs[i].project, key) for i, key in enumerate(keys) if key}
+        went = {i: node for i, k in scoped.items() if (node := self._keyed.get(k)) is not None}
+        unknown = [i for i in scoped if i not in went and i in pending]
+        if unknown and request.headers.get(RETRIED):
+            holders = await self._holders(request, [scoped[i] for i in unknown])
+            went |= {i: node for i, node in zip(unknown, holders, strict=True) if node is not None}
         exclude: set[str] = set()
         for _attempt in range(self.config.create_attempts):
             if not pending:
@@ -287,11 +346,10 @@ class Gateway:
                 needs[need_key] = need
             by_node: dict[str, list[int]] = collections.defaultdict(list)
             for need_key, idx in list(by_need.items()):
-                # A retried item goes where its key went first (the node answers what it made then).
                 for i in list(idx):
-                    went = self._keyed.get(keys[i] or "") if keys[i] else None
-                    if went is not None and went not in exclude and self._usable(went):
-                        by_node[went].append(i)
+                    node_key = went.get(i)
+                    if node_key is not None and node_key not in exclude and self._usable(node_key):
+                        by_node[node_key].append(i)
                         idx.remove(i)
                 if not idx:
                     continue
@@ -305,8 +363,8 @@ class Gateway:
                     continue
                 for i, node_key in zip(idx, nodes, strict=True):
                     by_node[node_key].append(i)
-                    if keys[i]:
-                        self._remember(self._keyed, keys[i] or "", node_key)
+                    if i in scoped:
+                        self._remember(self._keyed, scoped[i], node_key)
             retry: list[int] = []
 
             async def one_node(node_key: str, idx: list[int], retry: list[int] = retry) -> None:
@@ -318,7 +376,9 @@ class Gateway:
                 }
                 try:
                     node = self._node(node_key)
-                    data = await call_json(node, "POST", "/v1/sandboxes/batch", request=request, json_body=body)
+                    data = await call_json(
+                        node, "POST", "/v1/sandboxes/batch", request=request, json_body=body, headers={FORWARDED: "1"}
+                    )
                     items = data["results"]
                 except SandboxError as exc:  # this node's part failed whole; the others' stand
                     exclude.add(node_key)
@@ -334,8 +394,9 @@ class Gateway:
                     if err and err.get("code") in _REFUSALS:
                         refused += 1
                         retry.append(i)
-                        if keys[i]:
-                            self._keyed.pop(keys[i] or "", None)
+                        went.pop(i, None)
+                        if i in scoped:
+                            self._keyed.pop(scoped[i], None)
                 if refused:
                     self.placer.release(node_key, refused, full=True)
                     exclude.add(node_key)
@@ -350,7 +411,8 @@ class Gateway:
             item = results[i]
             if item is None or item.get("error"):
                 self.quotas.forget(specs[i])
-        return json_response({"results": results})
+        made = [str(item["sandbox"]["id"]) for item in results if item is not None and item.get("sandbox")]
+        return json_response({"results": results}, background=self._acked(request, made))
 
     # -- fan-outs --------------------------------------------------------------------------------
     async def list_sandboxes(self, request: Request) -> Response:
@@ -489,8 +551,8 @@ class Gateway:
             node = self.membership.holder(req.snapshot_id or req.sandbox_id or "", what)
         else:
             try:  # opened before (through any gateway): the same trajectory, on its node
-                node = await self._trajectory_node(request, req.id)
-            except NotFoundError:
+                node = await self._trajectory_node(request, principal, req.id)
+            except NotFoundError:  # on no node, every node having answered
                 spec = self._in_project(principal, req.spec or SandboxSpec())
                 self.quotas.admit(spec, time.monotonic())
                 admitted = spec
@@ -502,44 +564,59 @@ class Gateway:
                 req = req.model_copy(update={"spec": spec})
         resp = await forward(node, request, body=req.model_dump_json(exclude_unset=True).encode())
         if resp.status_code < 300:
-            self._remember(self._trajectories, req.id, node.key)
+            self._remember(self._trajectories, (principal.project, req.id), node.key)
         elif admitted is not None:
             self.quotas.forget(admitted)
         return resp
 
-    async def _trajectory_node(self, request: Request, trajectory_id: str) -> Node:
-        key = self._trajectories.get(trajectory_id)
+    async def _trajectory_node(self, request: Request, principal: Principal, trajectory_id: str) -> Node:
+        """The node holding the caller's trajectory `trajectory_id` (ids are per project on the nodes,
+        so what is remembered is per caller's project): remembered, or asked of every node not lost.
+        `not_found` only when every one answered so; a node that did not answer may hold it:
+        `unavailable` (never a second trajectory of that id opened elsewhere)."""
+        scoped = (principal.project, trajectory_id)
+        key = self._trajectories.get(scoped)
         if key is not None and key in self.membership.nodes:
             node = self.membership.nodes[key]
             if node.lost:
                 raise SandboxLostError(f"trajectory {trajectory_id} is lost: its node {key} died")
             return node
+        path = "/v1/trajectories/" + quote(trajectory_id, safe="")
 
-        async def one(n: Node) -> str | None:
+        async def one(n: Node) -> bool:
             try:
-                await call_json(n, "GET", f"/v1/trajectories/{trajectory_id}", request=request)
+                await call_json(n, "GET", path, request=request)
             except NotFoundError:
-                return None
-            return n.key
+                return False
+            return True
 
-        found = [k for k in await self._fan_out(one) if k]
+        nodes = self.membership.live()
+        answers, failed = await self._ask(nodes, one)
+        found = [n for n, held in answers if held]
+        if not found and failed:
+            missed = ", ".join(n.key for n, _ in failed)
+            raise UnavailableError(
+                f"trajectory {trajectory_id[:80]}: nodes {missed} did not answer whether they hold it"
+            )
         if not found:
             raise NotFoundError(f"trajectory {trajectory_id[:80]} not found")
-        self._remember(self._trajectories, trajectory_id, found[0])
-        return self.membership.nodes[found[0]]
+        self._remember(self._trajectories, scoped, found[0].key)
+        return found[0]
 
     async def trajectory_call(self, request: Request) -> Response:
+        principal: Principal = request.state.principal
         trajectory_id = request.path_params["trajectory_id"]
-        cached = trajectory_id in self._trajectories
+        scoped = (principal.project, trajectory_id)
+        cached = scoped in self._trajectories
         body = await _body(request)  # small JSON: kept, to send again if the remembered node was wrong
-        node = await self._trajectory_node(request, trajectory_id)
+        node = await self._trajectory_node(request, principal, trajectory_id)
         resp = await forward(node, request, body=body)
-        if resp.status_code == 404 and cached:  # remembered for another caller, or deleted elsewhere
-            self._trajectories.pop(trajectory_id, None)
-            node = await self._trajectory_node(request, trajectory_id)
+        if resp.status_code == 404 and cached:  # deleted since, or remembered wrongly: asked again
+            self._trajectories.pop(scoped, None)
+            node = await self._trajectory_node(request, principal, trajectory_id)
             resp = await forward(node, request, body=body)
         if request.method == "DELETE" and resp.status_code < 300:
-            self._trajectories.pop(trajectory_id, None)
+            self._trajectories.pop(scoped, None)
         return resp
 
     async def list_trajectories(self, request: Request) -> Response:
@@ -570,7 +647,7 @@ class Gateway:
                 for _ in range(count):
                     self.quotas.admit(spec, now)
                     admitted.append(spec)
-            resp = await forward(node, request, body=json.dumps(body).encode())
+            resp = await forward(node, request, body=json.dumps(body).encode(), headers={FORWARDED: "1"})
         except BaseException:
             for a in admitted:
                 self.quotas.forget(a)
@@ -578,6 +655,10 @@ class Gateway:
         if resp.status_code >= 300:
             for a in admitted:
                 self.quotas.forget(a)
+        elif not isinstance(resp, StreamingResponse):  # a few children's infos: read whole
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                items = json.loads(bytes(resp.body))["results"]
+                resp.background = self._acked(request, [str(i["sandbox"]["id"]) for i in items if i.get("sandbox")])
         return resp
 
     async def _source_spec(self, request: Request, node: Node, object_id: str, fork: bool) -> SandboxSpec | None:
@@ -604,11 +685,17 @@ class Gateway:
 
     # -- the cluster itself ----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
+        """The cluster's tiers and live sandboxes: all of them for a root token, the caller's
+        projects' for a scoped one (what other projects run is theirs)."""
+        principal: Principal = request.state.principal
         tiers: dict[str, list[str]] = {}
         running = 0
         for n in self.membership.nodes.values():
             if n.load is not None and not n.lost:
-                running += n.load.sandboxes
+                if principal.project is None:
+                    running += n.load.sandboxes
+                else:
+                    running += sum(u.sandboxes for p, u in n.load.projects.items() if principal.sees(p or None))
                 for t in n.load.tiers:
                     tiers.setdefault(t, [])
         reachable = self.membership.reachable()
@@ -630,32 +717,25 @@ class Gateway:
         )
 
     async def nodes(self, request: Request) -> Response:
+        """Every node: for a root token, all the gateway knows (URL, generation, load); for a token
+        scoped to a project, what it may use (status, group, labels, tiers, draining) and its own
+        projects' usage: no node URL, no count of other projects' sandboxes, no node's image list."""
         principal: Principal = request.state.principal
         root = principal.project is None
 
-        def load(n: Node) -> dict[str, Any] | None:
-            if n.load is None:
-                return None
-            data = n.load.model_dump()
-            data["projects"] = {p: u for p, u in data["projects"].items() if root or principal.sees(p or None)}
-            return data
+        def entry(n: Node) -> dict[str, Any]:
+            load = n.load.model_dump() if n.load is not None else None
+            if load is not None:
+                load["projects"] = {p: u for p, u in load["projects"].items() if root or principal.sees(p or None)}
+            out = {"key": n.key, "group": n.group, "status": n.status}
+            if root:
+                age = round(time.monotonic() - n.load_at, 3) if n.load else None
+                return out | {"url": n.url, "generation": n.generation, "load": load, "load_age": age}
+            shown = ("labels", "draining", "tiers", "projects")
+            return out | {"load": {k: load[k] for k in shown} if load is not None else None}
 
-        return json_response(
-            {
-                "nodes": [
-                    {
-                        "key": n.key,
-                        "url": n.url,
-                        "group": n.group,
-                        "status": n.status,
-                        "load": load(n),
-                        "load_age": round(time.monotonic() - n.load_at, 3) if n.load else None,
-                    }
-                    for n in sorted(self.membership.nodes.values(), key=lambda n: n.key)
-                ],
-                "gateways": self.membership.gateways,
-            }
-        )
+        nodes = [entry(n) for n in sorted(self.membership.nodes.values(), key=lambda n: n.key)]
+        return json_response({"nodes": nodes, "gateways": self.membership.gateways})
 
     async def drain(self, request: Request) -> Response:
         principal: Principal = request.state.principal

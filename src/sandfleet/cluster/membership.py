@@ -41,6 +41,7 @@ class Registration:
     url: str
     group: str = "default"
     alive: bool | None = True  # None: discovery had no answer in time (keep what was known)
+    generation: int = 0  # what it registered under (raised each time it is fenced)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Node:
     load_at: float = 0.0  # monotonic time the load was read
     failures: int = 0  # load reads failed in a row
     unreachable_after: int = 3
+    generation: int = 0  # as registered: a node answering with a lower one was not fenced
 
     @property
     def status(self) -> NodeStatus:
@@ -97,6 +99,7 @@ class Membership:
                 )
                 log.info("node %s at %s (group %s) joined", reg.key, reg.url, reg.group)
             node.group = reg.group
+            node.generation = reg.generation
             if reg.alive is False and not node.lost:
                 node.lost = True
                 log.warning("node %s is lost: its sandboxes are gone", reg.key)
@@ -140,6 +143,12 @@ class Membership:
             node.failures += 1
             log.error("node at %s says it is %s, registered as %s: ignored", node.url, load.key, node.key)
             return
+        if load.generation < node.generation:  # it holds what the cluster gave up on: never served
+            node.failures += 1
+            log.error(
+                "node %s serves generation %d, registered as %d: ignored", node.key, load.generation, node.generation
+            )
+            return
         if node.failures >= self.unreachable_after:
             log.info("node %s reachable again", node.key)
         node.load, node.load_at, node.failures = load, time.monotonic(), 0
@@ -170,6 +179,11 @@ class Membership:
     def reachable(self) -> list[Node]:
         """Nodes calls can go to (fan-outs: list, stop by label, ...)."""
         return [n for n in self.nodes.values() if not n.lost and n.status != "unreachable"]
+
+    def live(self) -> list[Node]:
+        """Nodes not lost, answering or not: what they hold still exists (writes to every node go to
+        each of them, and say which did not answer)."""
+        return [n for n in self.nodes.values() if not n.lost]
 
     def placement_view(self) -> list[NodeState]:
         out = []

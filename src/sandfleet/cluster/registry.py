@@ -4,8 +4,11 @@ A node daemon runs as its own service, never as a Ray worker's child (Ray kills 
 children). What Ray holds of a node is small:
 - a detached actor `node:<key>` (namespace "sandfleet") pinned to the node's Ray node: Ray keeps
   it alive exactly as long as that node is in the cluster, so its death is the node's death;
-- a record `node:<key>` in Ray's key-value store (GCS): its URL and group. It outlives the actor,
-  so a gateway started after a node died still answers `sandbox_lost` for that node's ids.
+- a record `node:<key>` in Ray's key-value store (GCS): its URL, group and generation. It outlives
+  the actor, so a gateway started after a node died still answers `sandbox_lost` for that node's ids;
+- a mark `lost:<key>` (the generation given up on), written by a gateway's watcher before any
+  gateway answers `sandbox_lost` for the node: a node registering again after that is fenced first
+  (daemon/fencing.py: it stops what it held) and joins under a higher generation.
 Gateways put `gateway:<id>` records there too (refreshed every second), which is how a trainer's
 `sandfleet.ray.connect()` finds them and how gateways count each other for quota shares.
 
@@ -85,13 +88,34 @@ def ray_node_id(name: str | None) -> str:
     raise LookupError(f"no live Ray node named {name}")
 
 
+def _kv_get(key: str, namespace: str) -> dict[str, Any] | None:
+    raw = internal_kv._internal_kv_get(key, namespace=namespace)
+    return json.loads(raw) if raw else None
+
+
+def standing(key: str, namespace: str = NAMESPACE) -> tuple[int, int | None]:
+    """The generation the cluster records for node `key` (0: none yet), and the generation a
+    watcher declared lost (None: never). A lost mark at or above the recorded generation means the
+    cluster gave up on what the node holds: it must be fenced before it joins again."""
+    record = _kv_get(f"node:{key}", namespace) or {}
+    mark = _kv_get(f"lost:{key}", namespace)
+    return int(record.get("generation", 0)), (int(mark["generation"]) if mark else None)
+
+
 def register_node(
-    key: str, url: str, group: str, pid: int, namespace: str = NAMESPACE, ray_node: str | None = None
+    key: str,
+    url: str,
+    group: str,
+    pid: int,
+    namespace: str = NAMESPACE,
+    ray_node: str | None = None,
+    generation: int = 0,
 ) -> None:
-    """Put a node into the cluster: its actor on its Ray node, its record in Ray's store."""
+    """Put a node into the cluster under `generation`: its actor on its Ray node, its record in Ray's
+    store (fencing first is the caller's: `sandfleet cluster up`)."""
     name = f"node:{key}"
     here = ray_node_id(ray_node)
-    record = {"key": key, "url": url, "group": group, "ray_node": here, "at": time.time()}
+    record = {"key": key, "url": url, "group": group, "ray_node": here, "at": time.time(), "generation": generation}
     _kv_put(name, record, namespace)  # first: watchers give a node re-registering a grace period
     try:
         old = ray.get_actor(name, namespace=namespace)
@@ -125,6 +149,7 @@ class Seen:
     url: str
     group: str
     alive: bool | None  # None: no answer in time (keep what was known)
+    generation: int = 0
 
 
 class Watcher:
@@ -134,19 +159,20 @@ class Watcher:
         self.namespace = namespace
         self.timeout = timeout
         self._handles: dict[str, Any] = {}
+        self._marked: set[tuple[str, int]] = set()  # lost marks this watcher wrote
 
     def nodes(self) -> list[Seen]:
         records = _kv_records("node:", self.namespace)
         refs: dict[Any, str] = {}
         dead: set[str] = set()
         now = time.time()
-        for name, rec in records.items():
+        for name in records:
             handle = self._handles.get(name)
             if handle is None:
                 try:
                     handle = self._handles[name] = ray.get_actor(name, namespace=self.namespace)
                 except ValueError:  # no such actor: it died (a detached actor's name goes with it)
-                    if now - float(rec.get("at", 0)) > REREGISTER_GRACE:  # not one being replaced
+                    if self._gone(name, now):  # not one being replaced
                         dead.add(name)
                     continue
             refs[handle.info.remote()] = name
@@ -162,13 +188,27 @@ class Watcher:
                 try:  # a node registering again replaces its actor: that one answers next time
                     ray.get_actor(name, namespace=self.namespace)
                 except ValueError:
-                    if now - float(records[name].get("at", 0)) > REREGISTER_GRACE:
+                    if self._gone(name, now):
                         dead.add(name)
         out = []
         for name, rec in records.items():
             alive = False if name in dead else True if name in answered else None
-            out.append(Seen(rec["key"], rec["url"], rec.get("group", "default"), alive))
+            generation = int(rec.get("generation", 0))
+            out.append(Seen(rec["key"], rec["url"], rec.get("group", "default"), alive, generation))
         return out
+
+    def _gone(self, name: str, now: float) -> bool:
+        """Whether the node whose actor is missing is lost: its record (read again now: a node
+        registering again writes it first) is older than the grace. If so, the lost mark is written
+        before anyone is told: what callers hear is `sandbox_lost` is never served again."""
+        rec = _kv_get(name, self.namespace)
+        if rec is None or now - float(rec.get("at", 0)) <= REREGISTER_GRACE:
+            return False
+        mark = (rec["key"], int(rec.get("generation", 0)))
+        if mark not in self._marked:
+            _kv_put(f"lost:{mark[0]}", {"generation": mark[1], "at": now}, self.namespace)
+            self._marked.add(mark)
+        return True
 
     def beat(self, gateway_id: str, url: str) -> None:
         _kv_put(f"gateway:{gateway_id}", {"url": url, "at": time.time()}, self.namespace)

@@ -46,7 +46,7 @@ async def watch_ray(gw: Gateway, config: GatewayConfig, gateway_id: str) -> None
                 except ValueError:
                     continue
                 gw.membership.apply(
-                    Registration(n["key"], n["url"], n.get("group", "default"), n.get("alive"))
+                    Registration(n["key"], n["url"], n.get("group", "default"), n.get("alive"), n.get("generation", 0))
                     for n in seen.get("nodes", [])
                 )
                 gw.membership.gateways = list(seen.get("gateways", []))
@@ -98,4 +98,5 @@ async def serve_gateway(config: GatewayConfig, *, ready: asyncio.Event | None = 
             for t in tasks:
                 t.cancel()
     finally:
+        await gw.acks.close()  # creates answered, not yet acknowledged to their nodes
         await gw.membership.close()

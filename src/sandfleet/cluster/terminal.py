@@ -51,7 +51,8 @@ async def relay(ws: WebSocket, iam: Iam, membership: Membership) -> None:
             async with connect as upstream:
                 await _pipe(ws, upstream)
         except* (httpx.HTTPError, OSError, WebSocketUpgradeError, WebSocketNetworkError) as eg:
-            raise UnavailableError(f"node {node.key} holding {sandbox_id} is unreachable: {eg.exceptions[0]}") from None
+            why = type(eg.exceptions[0]).__name__  # the exception's text may name the node's address
+            raise UnavailableError(f"node {node.key} holding {sandbox_id} is unreachable: {why}") from None
     except* SandboxError as eg:
         await _fail(ws, eg.exceptions[0])  # type: ignore[arg-type]
     except* ClientGone:

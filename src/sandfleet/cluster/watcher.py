@@ -39,7 +39,10 @@ def main() -> None:
         watcher.beat(args.gateway_id, args.gateway_url)
         nodes = watcher.nodes()
         line = {
-            "nodes": [{"key": n.key, "url": n.url, "group": n.group, "alive": n.alive} for n in nodes],
+            "nodes": [
+                {"key": n.key, "url": n.url, "group": n.group, "alive": n.alive, "generation": n.generation}
+                for n in nodes
+            ],
             "gateways": watcher.gateways(),
         }
         sys.stdout.write(json.dumps(line) + "\n")

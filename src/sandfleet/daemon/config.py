@@ -98,6 +98,13 @@ class DaemonConfig(BaseModel):
     max_task_fraction: float = Field(0.9, gt=0, le=1, description="refuse creates above this share of pid_max in use")
     stopped_retention: float = Field(300.0, ge=0, description="seconds a stopped sandbox stays listable")
     reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
+    claim_window: float = Field(
+        120.0,
+        gt=0,
+        description="seconds a sandbox whose create answer never reached its caller (unacknowledged: a "
+        "gateway or client that died) lives before it is stopped, unless a retry of its create or a call "
+        "naming it claims it first",
+    )
     build_missing_images: bool = Field(True, description="build a built-in image on first use")
     pools: list[PoolConfig] = Field(default_factory=list, description="warm pools kept ready")
     pool_adaptive_max: int = Field(

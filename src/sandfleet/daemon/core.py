@@ -187,6 +187,7 @@ class NodeCore:
         self.best_effort_ids: set[str] = set()  # running or paused best-effort sandboxes
         self.shutting_down = False
         self.draining = False  # cluster mode: finishing what it holds, taking no new creates
+        self.claim_window = CLAIM_WINDOW  # the node's `claim_window` (config)
         self.node_labels: dict[str, str] = {}  # cluster mode: what `SandboxSpec.node_selector` matches
         metrics.track_sandboxes(self.usage_sources)
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon import failpoints
-from sandfleet.daemon.core import CLAIM_WINDOW, KeyName, NodeCore, log, store_row
+from sandfleet.daemon.core import KeyName, NodeCore, log, store_row
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.images import Images
 from sandfleet.daemon.lifecycle import CREATING, FAILED, RUNNING, Sandbox, new_sandbox_id
@@ -208,7 +209,7 @@ class Creation:
             sandbox_id = new_sandbox_id(self.core.node_key)
             now = time.time()
             sb = Sandbox(sandbox_id, spec, CREATING, now, now, idempotency_key=key, acked=False)
-            sb.claim_by = now + CLAIM_WINDOW
+            sb.claim_by = now + self.core.claim_window
             self.core.table.add(sb)
             finished = sb.created  # set however this create ends; a concurrent stop waits on it
             try:
@@ -253,7 +254,7 @@ class Creation:
         t0 = time.perf_counter()
         now = time.time()
         sb = Sandbox(live.id, spec, RUNNING, now, now, live=live, idempotency_key=key, acked=False)
-        sb.claim_by = now + CLAIM_WINDOW
+        sb.claim_by = now + self.core.claim_window
         sb.created.set()
         self.core.table.add(sb)
         live.channel.on_close = lambda _ch: self.core.on_agent_lost(sb.id)

@@ -99,6 +99,15 @@ class SandboxService(Protocol):
         """Stop (or resume) taking new creates; what the node holds keeps running."""
         ...
 
+    async def fence(self, generation: int) -> NodeLoad:
+        """Cluster mode: serve under `generation`; one above the node's own first stops every
+        sandbox it holds (the cluster declared the node lost and told their callers so)."""
+        ...
+
+    async def held_keys(self, keys: builtins.list[tuple[str | None, str]]) -> builtins.list[bool]:
+        """Per (project, idempotency key): whether a create with it made (or is making) a sandbox here."""
+        ...
+
     # -- sandboxes -------------------------------------------------------------------------------
     async def create(self, spec: SandboxSpec, *, idempotency_key: str | None = None) -> SandboxInfo: ...
 

@@ -11,7 +11,7 @@ import time
 from pydantic import ValidationError
 
 from sandfleet.backends.base import Backend, Recoverable
-from sandfleet.daemon.core import ACTIVITY_FLUSH, CLAIM_WINDOW, NodeCore, lenient_spec, log, store_row
+from sandfleet.daemon.core import ACTIVITY_FLUSH, NodeCore, lenient_spec, log, store_row
 from sandfleet.daemon.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
 from sandfleet.daemon.networking import Networking
 from sandfleet.daemon.pausing import Pauser
@@ -60,7 +60,7 @@ class Recovery:
                     sb = self._recovered(row, spec, RUNNING, now)
                     sb.live = live
                     if not sb.acked:  # a create whose answer was lost: its retry (same key) claims it
-                        sb.claim_by = now + CLAIM_WINDOW
+                        sb.claim_by = now + self.core.claim_window
                     self.core.admission.commit(spec.resources)
                     live.channel.on_close = lambda _ch, sid=row.id: self.core.on_agent_lost(sid)
                     self.core.table.add(sb)

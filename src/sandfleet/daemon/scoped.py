@@ -342,6 +342,24 @@ class ScopedService:
         current().require_root_admin("draining the node")
         return await self.inner.drain(draining)
 
+    async def fence(self, generation: int) -> NodeLoad:
+        current().require_root_admin("fencing the node")
+        return await self.inner.fence(generation)
+
+    async def held_keys(self, keys: builtins.list[tuple[str | None, str]]) -> builtins.list[bool]:
+        """Only keys of projects the principal creates in (as its creates would be placed): another
+        project's key is simply not held (never an oracle)."""
+        p = current()
+        placed: list[tuple[str | None, str] | None] = []
+        for project, key in keys:
+            try:
+                placed.append((p.place(project), key))
+            except PermissionDeniedError:
+                placed.append(None)
+        asked = [k for k in placed if k is not None]
+        held = iter(await self.inner.held_keys(asked) if asked else [])
+        return [k is not None and next(held) for k in placed]
+
     # -- sandboxes -------------------------------------------------------------------------------
 
     async def create(self, spec: SandboxSpec, *, idempotency_key: str | None = None) -> SandboxInfo:

@@ -219,6 +219,8 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         node_group=config.node_group,
         node_labels=config.node_labels,
     )
+    manager.core.claim_window = config.claim_window
+    await manager.fencing.load()  # the generation it serves under (cluster mode)
     if config.pools or config.pool_adaptive_max:
         manager.pools = WarmPools(
             backend=backends[0],  # warm pools hold sandboxes of the default tier

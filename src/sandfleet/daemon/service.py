@@ -46,6 +46,7 @@ from sandfleet.daemon.core import EventStream, NodeCore, log
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.detectors import DetectorsConfig
 from sandfleet.daemon.execs import Execs, Terminal
+from sandfleet.daemon.fencing import Fencing
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.fncall import Calls
 from sandfleet.daemon.images import Images
@@ -192,6 +193,7 @@ class SandboxManager:
         )
         self.reaper = Reaper(core, self.pauser, self.images, self.snapshots)
         self.recovery = Recovery(core, self.pauser, self.snapshots, self.networking)
+        self.fencing = Fencing(core, state.path.parent / "generation")
         self.started_at = time.time()
 
     @property
@@ -277,12 +279,20 @@ class SandboxManager:
                 for k, (n, cpu, mem) in core.table.project_usage().items()
             },
             at=time.time(),
+            generation=self.fencing.generation,
         )
 
     async def drain(self, draining: bool) -> NodeLoad:
         self.core.draining = draining
         log.info("node %s %s", self.core.node_key, "draining" if draining else "taking creates again")
         return await self.node_load()
+
+    async def fence(self, generation: int) -> NodeLoad:
+        await self.fencing.fence(generation)
+        return await self.node_load()
+
+    async def held_keys(self, keys: builtins.list[tuple[str | None, str]]) -> builtins.list[bool]:
+        return [self.creation.holds(project, key) for project, key in keys]
 
     async def metrics_text(self) -> tuple[bytes, str]:
         metrics, adm = self.core.metrics, self.core.admission

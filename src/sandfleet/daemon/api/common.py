@@ -10,7 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import BackgroundTasks, Path, Query, Request
+from fastapi import BackgroundTasks, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
@@ -197,9 +197,16 @@ FILE_BEAT = FileEvent(type="heartbeat").model_dump_json(exclude_none=True).encod
 BUILD_BEAT = BuildEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
 
 
-def acked(service: SandboxService, background: BackgroundTasks, ids: list[str]) -> None:
-    """Once the answer naming these sandboxes has gone out: they were heard (see `ack`)."""
-    background.add_task(service.ack, ids)
+# A create a cluster gateway passed on: the node's answer goes to the gateway, not to the caller, so
+# the gateway acknowledges it (POST /v1/sandboxes/ack) once its own caller has the answer.
+Forwarded = Annotated[str | None, Header(alias="x-sandfleet-forwarded", include_in_schema=False)]
+
+
+def acked(service: SandboxService, background: BackgroundTasks, ids: list[str], forwarded: str | None = None) -> None:
+    """Once the answer naming these sandboxes has gone out: they were heard (see `ack`); not for a
+    `forwarded` create (its gateway acknowledges it)."""
+    if forwarded is None:
+        background.add_task(service.ack, ids)
 
 
 async def file_body(request: Request) -> bytes:

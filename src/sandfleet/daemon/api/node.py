@@ -1,5 +1,5 @@
 """The node: health (with each tier's capabilities), Prometheus metrics, and what cluster mode
-reads and sets of it (load, drain)."""
+reads and sets of it (load, drain, fence; creates its gateways acknowledge; idempotency keys)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ from sandfleet.daemon.api.common import (
 )
 from sandfleet.daemon.protocol import SandboxService
 from sandfleet.models import (
+    AckRequest,
     DrainRequest,
+    FenceRequest,
     Health,
+    KeysHeld,
+    KeysRequest,
     NodeLoad,
+    Ok,
 )
 
 
@@ -38,5 +43,23 @@ def router(service: SandboxService) -> APIRouter:
     async def drain(req: DrainRequest) -> NodeLoad:
         """Take no new creates (or take them again); what the node holds keeps running."""
         return await service.drain(req.draining)
+
+    @r.post("/v1/node/fence", response_model=NodeLoad)
+    async def fence(req: FenceRequest) -> NodeLoad:
+        """Serve under a new generation: above the node's own, every sandbox it holds is stopped first
+        (`sandfleet cluster up` fences a node the cluster declared lost before it rejoins)."""
+        return await service.fence(req.generation)
+
+    @r.post("/v1/sandboxes/ack", response_model=Ok)
+    async def ack(req: AckRequest) -> Ok:
+        """These sandboxes' create answers reached their callers (a gateway says so of the creates it
+        passed on): they are no longer stopped as creates nobody heard of."""
+        await service.ack(req.sandboxes)
+        return Ok()
+
+    @r.post("/v1/sandboxes/keys", response_model=KeysHeld)
+    async def keys(req: KeysRequest) -> KeysHeld:
+        """Which of these idempotency keys (each in its project) made or is making a sandbox here."""
+        return KeysHeld(held=await service.held_keys([(k.project, k.key) for k in req.keys]))
 
     return r

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from sandfleet.daemon.api.common import (
     MAX_INT64,
     CheckedRoute,
+    Forwarded,
     acked,
     batch_result,
     log,
@@ -61,15 +62,18 @@ def router(service: SandboxService) -> APIRouter:
                 description="a retried create with the same key returns the sandbox the first one made",
             ),
         ] = None,
+        forwarded: Forwarded = None,
     ) -> SandboxInfo:
         info = await service.create(spec, idempotency_key=idempotency_key)
-        acked(service, background, [info.id])
+        acked(service, background, [info.id], forwarded)
         return info
 
     @r.post("/v1/sandboxes/batch", response_model=CreateBatchResult)
-    async def create_batch(req: CreateBatchRequest, background: BackgroundTasks) -> CreateBatchResult:
+    async def create_batch(
+        req: CreateBatchRequest, background: BackgroundTasks, forwarded: Forwarded = None
+    ) -> CreateBatchResult:
         results = await service.create_batch(req.specs, req.concurrency, req.idempotency_keys)
-        acked(service, background, [r.id for r in results if isinstance(r, SandboxInfo)])
+        acked(service, background, [r.id for r in results if isinstance(r, SandboxInfo)], forwarded)
         return batch_result(results)
 
     @r.get("/v1/sandboxes", response_model=SandboxList)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, BackgroundTasks, Body, Query
 
 from sandfleet.daemon.api.common import (
     CheckedRoute,
+    Forwarded,
     acked,
     batch_result,
     parse_labels,
@@ -36,11 +37,14 @@ def router(service: SandboxService) -> APIRouter:
 
     @r.post("/v1/sandboxes/{sandbox_id}/fork", response_model=CreateBatchResult)
     async def fork(
-        sandbox_id: str, background: BackgroundTasks, req: Annotated[ForkRequest | None, Body()] = None
+        sandbox_id: str,
+        background: BackgroundTasks,
+        req: Annotated[ForkRequest | None, Body()] = None,
+        forwarded: Forwarded = None,
     ) -> CreateBatchResult:
         req = req or ForkRequest()
         results = await service.fork(sandbox_id, req.count, req.labels, idempotency_key=req.idempotency_key)
-        acked(service, background, [r.id for r in results if isinstance(r, SandboxInfo)])
+        acked(service, background, [r.id for r in results if isinstance(r, SandboxInfo)], forwarded)
         return batch_result(results)
 
     @r.post("/v1/sandboxes/{sandbox_id}/pack", response_model=ImageInfo, status_code=201)
@@ -65,11 +69,14 @@ def router(service: SandboxService) -> APIRouter:
 
     @r.post("/v1/snapshots/{snapshot_id}/restore", response_model=CreateBatchResult)
     async def restore(
-        snapshot_id: str, background: BackgroundTasks, req: Annotated[ForkRequest | None, Body()] = None
+        snapshot_id: str,
+        background: BackgroundTasks,
+        req: Annotated[ForkRequest | None, Body()] = None,
+        forwarded: Forwarded = None,
     ) -> CreateBatchResult:
         req = req or ForkRequest()
         results = await service.restore(snapshot_id, req.count, req.labels, idempotency_key=req.idempotency_key)
-        acked(service, background, [r.id for r in results if isinstance(r, SandboxInfo)])
+        acked(service, background, [r.id for r in results if isinstance(r, SandboxInfo)], forwarded)
         return batch_result(results)
 
     return r

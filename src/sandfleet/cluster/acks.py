@@ -1,0 +1,81 @@
+"""Acknowledging creates to their nodes once the gateway's caller has the answer.
+
+A node stops a sandbox whose create was never acknowledged after its `claim_window`: that is how a
+create whose caller never got the id (a gateway or client that died mid-way) is reaped instead of
+living until its TTL. A node acknowledges a create itself once its answer went out, except one a
+gateway passed on (`x-sandfleet-forwarded`): that answer reached the gateway, not the caller. The
+gateway acknowledges those here, after its own answer went out (a response's background task):
+per node, ids gathered for GATHER seconds and sent in one `POST /v1/sandboxes/ack`, one such request
+in flight per node (the ones that come meanwhile go in the next). Gathering keeps the cost low (a
+gateway placing hundreds of creates a second over many nodes sends a few acks per node a second,
+not one per create); its price: a sandbox whose answer went out in the GATHER seconds before the
+gateway died is acknowledged only by its caller's first call naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Iterable
+
+from sandfleet.cluster.forward import call_json
+from sandfleet.cluster.membership import Membership
+from sandfleet.errors import SandboxError
+from sandfleet.ids import node_of
+
+log = logging.getLogger("sandfleet.cluster")
+
+FORWARDED = "x-sandfleet-forwarded"  # on a create passed on to a node: the gateway acknowledges it
+GATHER = 0.25  # seconds ids wait for others to the same node
+ATTEMPTS = 5  # an ack a node did not take is sent again this many times (1 s apart), then dropped
+MAX_IDS = 1024  # per request (the node's limit)
+
+
+class Acks:
+    def __init__(self, membership: Membership, *, gather: float = GATHER) -> None:
+        self.membership = membership
+        self.gather = gather
+        self._pending: dict[str, set[str]] = collections.defaultdict(set)
+        self._senders: dict[str, asyncio.Task[None]] = {}
+
+    async def add(self, sandbox_ids: Iterable[str]) -> None:
+        """These sandboxes' create answers went out to the caller: acknowledge them to their nodes
+        (soon: this returns at once)."""
+        for sandbox_id in sandbox_ids:
+            key = node_of(sandbox_id)
+            if key is None:
+                continue
+            self._pending[key].add(sandbox_id)
+            if key not in self._senders:
+                self._senders[key] = asyncio.get_running_loop().create_task(self._send(key))
+
+    async def _send(self, key: str) -> None:
+        failures = 0
+        try:
+            while self._pending.get(key):  # nothing comes between the last check and the end: no await
+                await asyncio.sleep(self.gather if failures == 0 else 1.0)
+                ids = sorted(self._pending.pop(key, set()))
+                if len(ids) > MAX_IDS:  # the rest go in the next
+                    ids, rest = ids[:MAX_IDS], ids[MAX_IDS:]
+                    self._pending[key].update(rest)
+                node = self.membership.nodes.get(key)
+                if node is None or node.lost:
+                    return  # what it held is gone with it
+                try:
+                    await call_json(node, "POST", "/v1/sandboxes/ack", json_body={"sandboxes": ids})
+                    failures = 0
+                except SandboxError as exc:
+                    failures += 1
+                    if failures < ATTEMPTS:
+                        self._pending[key].update(ids)
+                    else:
+                        log.error("node %s took no acks of %d creates (%s): it will reap them", key, len(ids), exc)
+                        failures = 0
+        finally:
+            self._senders.pop(key, None)
+
+    async def close(self) -> None:
+        """Send what is pending (a gateway stopping on purpose)."""
+        while self._senders:
+            await asyncio.gather(*self._senders.values(), return_exceptions=True)
