@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
