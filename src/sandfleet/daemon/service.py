@@ -1,22 +1,8 @@
 """The node's `SandboxService`: its parts wired together, and the protocol's calls handed to them.
 
 Backend-independent: a backend only creates/destroys sandboxes and hands back a `LiveSandbox`
-(agent channel + root). Each concern lives in a module of its own, each calling only those below:
-
-    lifecycle   the sandbox table, its state machine, the event journal
-    core        the node's parts, get/list/stop, activity, agent calls under deadlines, accounting
-    pausing     pause, resume, the transparent resume of any request
-    images      resolve-or-build, image defaults, list/push/import/delete/gc, the cache cap
-    files       user lookup, the host-side file operations, downloads, uploads, watches
-    execs       exec, streams, background processes
-    sessions    shells whose commands the agent frames
-    creation    create (cold or from a warm pool), batches, idempotency keys
-    fncall      stateless calls: warm interpreters in worker sandboxes, pools of workers
-    snapshots   snapshot, restore, fork, pack
-    verify      a task's checks in a fresh sandbox: pre-agent state + the agent's changes + hidden layers
-    trajectories  a rollout's steps exactly once (logged before answered), its verdict, its record
-    reaper      TTLs, retention, idle pause, stop retries, activity flush, CPU accounting
-    recovery    adopting what a previous daemon left
+(agent channel + root). Each concern lives in a module of its own, each calling only those below
+it (docs/architecture.md lists them, bottom to top: lifecycle, core, pausing, ..., recovery).
 
 Every long-lived task (reaper, event flusher, background processes, session readers) runs in the
 service's task group; nothing is fire-and-forget.
