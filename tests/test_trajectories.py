@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from sandfleet import Client, SandboxSpec
@@ -24,7 +25,7 @@ from sandfleet.errors import (
     WrongStateError,
 )
 
-from conftest import EXPECT, Daemon, agent_pid, wait_until
+from conftest import EXPECT, Daemon, agent_pid, destroy_daemon, make_daemon, wait_until
 
 TRAINER = Path(__file__).with_name("rl_trainer.py")
 
@@ -190,6 +191,29 @@ def test_daemon_restart_mid_rollout_completes_each_step_once(own_daemon: Daemon,
     assert trainer.returncode == 0, output.decode()
     with d.client() as fleet:
         _check_exactly_once(fleet, "restart", out, rollouts, steps)
+
+
+def test_a_trajectory_holds_its_sandbox_past_the_claim_window() -> None:
+    """A trainer that thinks longer than the node's claim window before its first step still finds
+    the trajectory's sandbox: the trajectory claimed it (it was reaped as a create nobody heard of
+    unless the client happened to name the sandbox, as the SDK does; a plain HTTP client does not)."""
+    if os.geteuid() != 0:
+        pytest.skip("the container tier needs root")
+    d = make_daemon("claim", "claim_window = 1\n")
+    try:
+        d.start()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.socket)), base_url="http://node") as http:
+            opened = http.post("/v1/trajectories", json={"id": "slow-thinker", "spec": {"image": "busybox"}})
+            assert opened.status_code == 200, opened.text
+            time.sleep(2.5)  # the claim window, and a few reaper sweeps, pass before the first step
+            step = http.post(
+                "/v1/trajectories/slow-thinker/steps",
+                json={"step": 0, "action": {"kind": "exec", "exec": {"command": "echo still-here"}}},
+            )
+            assert step.status_code == 200, step.text
+            assert step.json()["exec"]["stdout"] == "still-here\n"
+    finally:
+        destroy_daemon(d)
 
 
 # httpcore's sync transport leaves the socket of a refused unix-socket connect to the garbage

@@ -299,6 +299,9 @@ class Trajectories:
                 await self._append(t, {"k": "sandbox", "sandbox": t.sandbox.model_dump(mode="json")}, hold=True)
             except OSError as exc:
                 log.error("trajectory %s: its sandbox could not be logged yet: %s", t.id, exc)
+            # The trajectory holds its sandbox from here (a trainer may think for longer than the
+            # node's claim window before its first step): never reaped as a create nobody heard of.
+            await self.core.ack([t.sandbox.id])
         return t.info()
 
     async def _forget(self, t: Trajectory) -> None:
