@@ -605,6 +605,14 @@ class ExecRequest(_Stdin):
     cwd: SandboxPath | None = Field(None, description="absolute, or relative to the sandbox's working directory")
     user: UserName | None = None
     timeout: float | None = Field(60.0, gt=0, le=86400, description="seconds; kills the process tree")
+    cpu_time: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="CPU seconds the command may use (the sandbox's CPU time while it runs); past them its "
+        "process tree is killed as by a timeout (`cpu_time_exceeded`). Unlike `timeout`, time spent waiting "
+        "for a CPU on a busy node does not count",
+    )
     output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
     merge_stderr: bool = Field(False, description="standard error goes to standard output (one stream, in order)")
     encoding: Encoding = Field("utf-8", description="how output comes back: utf-8 text, or base64 of the raw bytes")
@@ -752,9 +760,10 @@ class RunCodeRequest(_Stdin):
 
 
 class ExecResult(_Model):
-    """How a command ended. `cause` says whose fault a failure was: `timeout` when it ran out of time,
-    `agent` for anything else that did not exit 0 (its exit status, a signal, the OOM killer), None on
-    success. Errors raised instead of a result carry their own cause (SandboxError.cause)."""
+    """How a command ended. `cause` says whose fault a failure was: `timeout` when it ran out of time
+    (`infra` instead when its timeout fired while the node starved it of CPU: `starved`), `agent` for
+    anything else that did not exit 0 (its exit status, a signal, the OOM killer), None on success.
+    Errors raised instead of a result carry their own cause (SandboxError.cause)."""
 
     exit_code: int
     stdout: str = Field(description="text, or base64 when `encoding` is base64")
@@ -765,15 +774,26 @@ class ExecResult(_Model):
     stderr_truncated: bool = False
     signal: int | None = None
     oom_killed: bool = Field(False, description="the kernel's OOM killer ended it (the memory limit was hit)")
+    cpu_time_exceeded: bool = Field(False, description="killed for using its `cpu_time` (then `timed_out` too)")
+    starved: bool = Field(
+        False,
+        description="its timeout fired while the node starved it: its processes wanted a CPU and got less than "
+        "half of what they could have used (cause infra, not timeout)",
+    )
+    cpu_seconds: float | None = Field(
+        None, description="CPU time the sandbox used while the command ran (measured when it had a `cpu_time`)"
+    )
     encoding: Encoding = "utf-8"
-    cause: Cause | None = Field(None, description="whose fault a failure was: timeout or agent; None when it exited 0")
+    cause: Cause | None = Field(
+        None, description="whose fault a failure was: timeout, agent or infra (starved); None when it exited 0"
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _attribute(cls, data: Any) -> Any:
         if isinstance(data, dict) and "cause" not in data:
             if data.get("timed_out"):
-                data = {**data, "cause": "timeout"}
+                data = {**data, "cause": "infra" if data.get("starved") else "timeout"}
             elif data.get("exit_code", 0) != 0 or data.get("oom_killed") or data.get("signal"):
                 data = {**data, "cause": "agent"}
         return data

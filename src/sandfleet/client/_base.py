@@ -427,12 +427,15 @@ def exec_body(
     merge_stderr: bool = False,
     binary: bool = False,
     pty: bool | TerminalSize = False,
+    cpu_time: float | None = None,
 ) -> dict[str, Any]:
     """The exec request body: options left at their defaults are not sent (the daemon's defaults
     apply); `timeout=None` means none. `stdin` text travels as is, bytes as base64; `binary` asks for
     output as base64 of the raw bytes (`ExecResult.stdout_bytes`); `pty` (True: 24x80) runs it on a
-    pseudo-terminal."""
+    pseudo-terminal; `cpu_time`: CPU seconds it may use."""
     fields: dict[str, Any] = {"command": command, "timeout": timeout}
+    if cpu_time is not None:
+        fields["cpu_time"] = cpu_time
     if pty:
         fields["pty"] = TerminalSize() if pty is True else pty
     fields |= _where(env, cwd, user)

@@ -814,6 +814,7 @@ class AsyncSandbox:
         merge_stderr: bool = False,
         binary: bool = False,
         pty: bool | TerminalSize = False,
+        cpu_time: float | None = None,
     ) -> ExecResult:
         """Run a command to completion. A string runs under /bin/sh -c; a list is an argv.
 
@@ -824,7 +825,8 @@ class AsyncSandbox:
         (`stdout`, with the terminal's CR LF line ends), `stdin` typed into it, TERM=xterm-256color.
         `timeout` (seconds, None: none) kills the command's process tree. A command whose timeout is
         None or longer than the client's is streamed, so a daemon that stops answering raises
-        `SandboxTimeoutError` after the client's timeout of silence rather than hanging.
+        `SandboxTimeoutError` after the client's timeout of silence rather than hanging. `cpu_time`
+        (CPU seconds) kills it once it has used that much CPU, however long a busy node made it wait.
         """
         body = b.exec_body(
             command,
@@ -837,6 +839,7 @@ class AsyncSandbox:
             merge_stderr=merge_stderr,
             binary=binary,
             pty=pty,
+            cpu_time=cpu_time,
         )
         if b.one_response(timeout, self._c.timeout):
             return await self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
@@ -1241,6 +1244,7 @@ class AsyncTrajectory:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        cpu_time: float | None = None,
     ) -> ExecResult:
         """Run a command as the next step (see `AsyncSandbox.exec`); its result, recorded."""
         body = b.exec_body(
@@ -1253,6 +1257,7 @@ class AsyncTrajectory:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            cpu_time=cpu_time,
         )
         result = await self._step({"kind": "exec", "exec": body}, b.step_timeout(timeout, self._c.timeout), None)
         error = b.step_error(result)

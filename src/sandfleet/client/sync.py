@@ -786,6 +786,7 @@ class Sandbox:
         merge_stderr: bool = False,
         binary: bool = False,
         pty: bool | TerminalSize = False,
+        cpu_time: float | None = None,
     ) -> ExecResult:
         """Run a command to completion. A string runs under /bin/sh -c; a list is an argv.
 
@@ -796,7 +797,8 @@ class Sandbox:
         (`stdout`, with the terminal's CR LF line ends), `stdin` typed into it, TERM=xterm-256color.
         `timeout` (seconds, None: none) kills the command's process tree. A command whose timeout is
         None or longer than the client's is streamed, so a daemon that stops answering raises
-        `SandboxTimeoutError` after the client's timeout of silence rather than hanging.
+        `SandboxTimeoutError` after the client's timeout of silence rather than hanging. `cpu_time`
+        (CPU seconds) kills it once it has used that much CPU, however long a busy node made it wait.
         """
         body = b.exec_body(
             command,
@@ -809,6 +811,7 @@ class Sandbox:
             merge_stderr=merge_stderr,
             binary=binary,
             pty=pty,
+            cpu_time=cpu_time,
         )
         if b.one_response(timeout, self._c.timeout):
             return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
@@ -1213,6 +1216,7 @@ class Trajectory:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        cpu_time: float | None = None,
     ) -> ExecResult:
         """Run a command as the next step (see `Sandbox.exec`); its result, recorded."""
         body = b.exec_body(
@@ -1225,6 +1229,7 @@ class Trajectory:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            cpu_time=cpu_time,
         )
         result = self._step({"kind": "exec", "exec": body}, b.step_timeout(timeout, self._c.timeout), None)
         error = b.step_error(result)
