@@ -1348,18 +1348,37 @@ class VerifyRequest(_Model):
         description="paths whose changes by the agent are dropped (visible tests, the grader): the checks see "
         "them as before the agent ran",
     )
+    allow: list[AbsPath] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="keep only the agent's changes under these paths (the code it was asked to change); "
+        "everything else it changed (a conftest.py, a .pth file, a binary on PATH) is dropped and listed in "
+        "`dropped`. `protect` still applies below them",
+    )
     cwd: SandboxPath | None = None
     env: EnvVars = Field(default_factory=dict)
-    timeout: float = Field(600.0, gt=0, le=86400)
+    timeout: float = Field(600.0, gt=0, le=86400, description="seconds the checks may run (wall clock)")
+    cpu_time: float | None = Field(
+        None, gt=0, le=86400, description="CPU seconds the checks may use (see ExecRequest.cpu_time)"
+    )
+    queue_timeout: float = Field(
+        3600.0,
+        ge=0,
+        le=86400,
+        description="seconds the verification may wait for room on the node (the verification queue, then "
+        "admission of its sandbox) before its checks start; not part of `timeout`",
+    )
     resources: Resources | None = Field(None, description="default: the agent sandbox's")
     reward_file: SandboxPath | None = Field(
         None, description="a file the checks write a number into: the reward (default: 1.0 if they pass, else 0.0)"
     )
     agent_exit_codes: list[Annotated[int, Field(ge=0, le=255)]] = Field(
-        default_factory=lambda: [1],
+        default_factory=lambda: [1, 2],
         max_length=32,
         description="exit codes meaning the agent's work failed the checks (cause agent); any other failure is "
-        "the verifier's (pytest: 1 = tests failed, 2-5 = the run itself broke)",
+        "the verifier's unless the agent's code crashed or ran out of memory (pytest: 1 = tests failed, "
+        "2 = a collection error, e.g. the agent's code does not import; 3-5 = the checker itself broke)",
     )
     output_limit: int = Field(256 * 1024, ge=0, le=64 * 1024**2)
     keep: bool = Field(False, description="keep the verifier's sandbox (to look into a failure)")
@@ -1377,7 +1396,8 @@ class VerifyResult(_Model):
     result: ExecResult | None = Field(None, description="the checks' command (None when it could not run)")
     error: ErrorBody | None = None
     changed: list[ChangedFile] = Field(description="what the agent changed (protected paths included)")
-    dropped: list[str] = Field(default_factory=list, description="changed paths dropped as protected")
+    dropped: list[str] = Field(default_factory=list, description="changed paths dropped: protected, or outside `allow`")
+    queued: float = Field(0.0, description="seconds spent waiting for room on the node (not part of `timeout`)")
     changes_layer: str | None = Field(None, description="digest of the layer holding the agent's changes")
     verifier_sandbox_id: str | None = None
     replayed: bool = False

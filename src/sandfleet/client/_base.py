@@ -782,6 +782,11 @@ STEP_RETRY = 300.0  # seconds a trajectory call is retried through lost answers 
 STEP_GRACE = 30.0  # a step's call waits this much longer than its command may run
 
 
+def verify_timeout(req: VerifyRequest) -> float:
+    """A verification's call waits for its turn on the node (`queue_timeout`), then for its checks."""
+    return req.queue_timeout + req.timeout + STEP_GRACE + 60
+
+
 def step_timeout(command_timeout: float | None, client_timeout: float) -> float:
     """A step's call waits for its command (a step is one answer, never a stream: it may be a replay)."""
     return max(client_timeout, (command_timeout or 86400.0) + STEP_GRACE)

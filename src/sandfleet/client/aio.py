@@ -787,7 +787,7 @@ class AsyncSandbox:
             "POST",
             b.sandbox_path(self.id) + "/verify",
             json=req.model_dump(mode="json", exclude_defaults=True),
-            timeout=req.timeout + b.STEP_GRACE + 60,
+            timeout=b.verify_timeout(req),
         )
         return await self._c._model(VerifyResult, call)
 
@@ -1298,7 +1298,7 @@ class AsyncTrajectory:
             "POST",
             b.trajectory_path(self.id, "/verify"),
             json=req.model_dump(mode="json", exclude_defaults=True),
-            timeout=req.timeout + b.STEP_GRACE + 60,
+            timeout=b.verify_timeout(req),
         )
         return await self._c._idempotent(VerifyResult, call, self.retry_for)
 

@@ -761,7 +761,7 @@ class Sandbox:
             "POST",
             b.sandbox_path(self.id) + "/verify",
             json=req.model_dump(mode="json", exclude_defaults=True),
-            timeout=req.timeout + b.STEP_GRACE + 60,
+            timeout=b.verify_timeout(req),
         )
         return self._c._model(VerifyResult, call)
 
@@ -1268,7 +1268,7 @@ class Trajectory:
             "POST",
             b.trajectory_path(self.id, "/verify"),
             json=req.model_dump(mode="json", exclude_defaults=True),
-            timeout=req.timeout + b.STEP_GRACE + 60,
+            timeout=b.verify_timeout(req),
         )
         return self._c._idempotent(VerifyResult, call, self.retry_for)
 

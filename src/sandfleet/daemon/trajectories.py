@@ -16,6 +16,8 @@ again: its result becomes a typed `unavailable` error with cause `infra`, which 
 A daemon that is stopped (SIGTERM) waits `drain_timeout` for running steps first.
 
 Verification (daemon/verify.py) of a trajectory is logged too: asked again, the recorded verdict.
+Its start is logged first, so one a daemon was killed in the middle of is answered `infra` (never a
+verdict of a second run on a node that just lost the first), like a step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.lifecycle import HOLDING_STATES
 from sandfleet.daemon.snapshots import Snapshots
-from sandfleet.daemon.verify import Verifier
+from sandfleet.daemon.verify import Verifier, interrupted
 from sandfleet.errors import (
     Cause,
     InvalidArgumentError,
@@ -111,6 +113,7 @@ class Trajectory:
     verification: VerifyResult | None = None
     verify_digest: str | None = None
     verifying: asyncio.Future[VerifyResult] | None = None
+    verify_begun: str | None = None  # the digest of a verification begun (logged), verdict or not
     closed_at: float | None = None
     reward: float | None = None
     touched: float = 0.0
@@ -227,6 +230,12 @@ class Trajectories:
             )
             kind = json.loads(t.actions[step])["kind"]
             await self._finish(t, step, dig, _error_result(t, step, kind, exc, time.time(), 0.0))
+        if t.verify_begun is not None and t.verification is None:  # its verifier is gone with that daemon
+            why = f"the daemon restarted while trajectory {tid} was being verified: the verification was lost"
+            result = interrupted(why)
+            self.core.metrics.verifications.labels(outcome="infra").inc()
+            await self._append(t, {"k": "verify", "digest": t.verify_begun, "result": result.model_dump(mode="json")})
+            t.verification, t.verify_digest = result, t.verify_begun
         return t
 
     def _replay_log(self, tid: str, path: Path, text: bytes) -> Trajectory:
@@ -253,6 +262,8 @@ class Trajectories:
                     t.steps.append(StepResult.model_validate(rec["result"]))
                     t.digests.append(rec["digest"])
                     t.running = None
+                elif kind == "verifying":
+                    t.verify_begun = rec["digest"]
                 elif kind == "verify":
                     t.verification = VerifyResult.model_validate(rec["result"])
                     t.verify_digest = rec["digest"]
@@ -489,6 +500,12 @@ class Trajectories:
             raise WrongStateError(f"trajectory {tid} has a step running")
         fut: asyncio.Future[VerifyResult] = asyncio.get_running_loop().create_future()
         t.verifying = fut
+        try:  # logged before it starts: a daemon killed meanwhile leaves its verdict `infra`
+            await self._append(t, {"k": "verifying", "digest": dig, "t": time.time()})
+        except BaseException:
+            t.verifying = None
+            raise
+        t.verify_begun = dig
 
         async def run() -> None:
             try:
@@ -498,6 +515,10 @@ class Trajectories:
                 t.verification, t.verify_digest = result, dig
                 fut.set_result(result)
             except BaseException as exc:
+                if isinstance(exc, Exception):  # refused, no verdict: a restart must not make one up
+                    with contextlib.suppress(OSError):
+                        await self._append(t, {"k": "verifying", "digest": None})
+                    t.verify_begun = None
                 fut.set_exception(exc if isinstance(exc, Exception) else UnavailableError("the daemon is stopping"))
                 fut.exception()
                 if not isinstance(exc, Exception):
