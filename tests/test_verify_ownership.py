@@ -5,6 +5,7 @@ lost is answered `infra`, never a verdict of some other run."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from sandfleet import Client, SandboxSpec
 from sandfleet.daemon.verify import VERIFY_LABEL
 from sandfleet.errors import SandboxError
 
-from conftest import CGROUP_ROOT, Daemon, wait_until
+from conftest import CGROUP_ROOT, Daemon, destroy_daemon, make_daemon, wait_until
 
 JOB = {"job": "verify-ownership"}
 CHECK = "touch /tmp/started; sleep 20"
@@ -40,52 +41,62 @@ def _cgroup(d: Daemon, sandbox_id: str) -> Path:
 # httpcore's sync transport leaves the socket of a refused unix-socket connect to the garbage
 # collector (connect_unix_socket does not close it): the retries while the daemon is down do that.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_verifications_cut_by_a_daemon_sigkill_answer_infra_and_leave_no_verifier(own_daemon: Daemon) -> None:
-    d = own_daemon
-    d.start()
-    with d.client(timeout=30) as fleet:
-        agent = fleet.create(SandboxSpec(image="busybox", idle_ttl=300, labels=JOB))
-        traj = fleet.trajectory("verify-killed", SandboxSpec(image="busybox", idle_ttl=300, labels=JOB))
-        traj.exec("echo fixed > /answer")
-        got: dict[str, Any] = {}
-
-        def plain() -> None:
-            try:
-                got["plain"] = agent.verify(CHECK, timeout=60)
-            except SandboxError as exc:
-                got["plain"] = exc
-
-        def logged() -> None:  # the SDK retries a trajectory's verify through the restart
-            try:
-                got["traj"] = traj.verify(CHECK, timeout=60)
-            except SandboxError as exc:
-                got["traj"] = exc
-
-        threads = [threading.Thread(target=plain), threading.Thread(target=logged)]
-        for t in threads:
-            t.start()
-        # Both checks are running, each in a verifier sandbox of its own.
-        assert wait_until(
-            lambda: len(vids := _verifiers(fleet)) == 2 and all(_started(fleet, v) for v in vids), timeout=60
-        ), d.log()[-2000:]
-        verifiers = _verifiers(fleet)
-        d.kill()
+def test_verifications_cut_by_a_daemon_sigkill_answer_infra_and_leave_no_verifier() -> None:
+    """Two checks running (a plain verify, a trajectory's) and a third trajectory's waiting its turn
+    (two CPUs for checks) when the daemon is SIGKILLed: the two running answer infra, the waiting
+    one had not started and runs when asked again, and no verifier is left."""
+    d = make_daemon("verify-kill", "[verify]\ncpus = 2\n")
+    try:
         d.start()
-        for t in threads:
-            t.join(timeout=120)
-        plain_got, traj_got = got.get("plain"), got.get("traj")
-        assert isinstance(plain_got, SandboxError) and plain_got.cause == "infra", got
-        assert traj_got is not None and not isinstance(traj_got, SandboxError), got
-        assert (traj_got.passed, traj_got.cause) == (False, "infra"), traj_got
-        assert traj_got.error is not None and "restarted" in traj_got.error.message
-        again = fleet.get_trajectory("verify-killed").verify(CHECK, timeout=60)  # the same recorded verdict
-        assert again.replayed and again.cause == "infra"
-        # Neither verifier was taken back by the new daemon: not listed, no cgroup, nothing running.
-        assert _verifiers(fleet) == []
-        assert wait_until(lambda: not any(_cgroup(d, v).exists() for v in verifiers), timeout=15)
-        traj.close()
-        traj.delete()
-        agent.stop()
+        with d.client(timeout=30) as fleet:
+            agent = fleet.create(SandboxSpec(image="busybox", idle_ttl=300, labels=JOB))
+            running = fleet.trajectory("verify-killed", SandboxSpec(image="busybox", idle_ttl=300, labels=JOB))
+            waiting = fleet.trajectory("verify-queued", SandboxSpec(image="busybox", idle_ttl=300, labels=JOB))
+            for traj in (running, waiting):
+                traj.exec("echo fixed > /answer")
+            got: dict[str, Any] = {}
+
+            def call(name: str, verify: Any, check: str) -> threading.Thread:
+                def run() -> None:  # the SDK retries a trajectory's verify through the restart
+                    try:
+                        got[name] = verify(check, timeout=60)
+                    except SandboxError as exc:
+                        got[name] = exc
+
+                t = threading.Thread(target=run)
+                t.start()
+                return t
+
+            threads = [call("plain", agent.verify, CHECK), call("running", running.verify, CHECK)]
+            assert wait_until(
+                lambda: len(vids := _verifiers(fleet)) == 2 and all(_started(fleet, v) for v in vids), timeout=60
+            ), d.log()[-2000:]
+            threads.append(call("waiting", waiting.verify, "test -f /answer"))
+            time.sleep(1)  # in the queue: no sandbox for it
+            assert len(_verifiers(fleet)) == 2
+            verifiers = _verifiers(fleet)
+            d.kill()
+            d.start()
+            for t in threads:
+                t.join(timeout=120)
+            plain, killed, queued = got.get("plain"), got.get("running"), got.get("waiting")
+            assert isinstance(plain, SandboxError) and plain.cause == "infra", got
+            assert killed is not None and not isinstance(killed, SandboxError), got
+            assert (killed.passed, killed.cause) == (False, "infra"), killed
+            assert killed.error is not None and "restarted" in killed.error.message
+            again = fleet.get_trajectory("verify-killed").verify(CHECK, timeout=60)  # the same recorded verdict
+            assert again.replayed and again.cause == "infra"
+            assert queued is not None and not isinstance(queued, SandboxError), got
+            assert (queued.passed, queued.cause) == (True, None), queued
+            # Neither verifier was taken back by the new daemon: not listed, no cgroup, nothing running.
+            assert _verifiers(fleet) == []
+            assert wait_until(lambda: not any(_cgroup(d, v).exists() for v in verifiers), timeout=15)
+            for traj in (running, waiting):
+                traj.close()
+                traj.delete()
+            agent.stop()
+    finally:
+        destroy_daemon(d)
 
 
 def test_a_verification_whose_client_left_still_stops_its_verifier(daemon: Daemon, fleet: Client) -> None:

@@ -16,8 +16,9 @@ again: its result becomes a typed `unavailable` error with cause `infra`, which 
 A daemon that is stopped (SIGTERM) waits `drain_timeout` for running steps first.
 
 Verification (daemon/verify.py) of a trajectory is logged too: asked again, the recorded verdict.
-Its start is logged first, so one a daemon was killed in the middle of is answered `infra` (never a
-verdict of a second run on a node that just lost the first), like a step.
+The start of its checks is logged first, so one a daemon was killed in the middle of is answered
+`infra` (never the verdict of a second run on a node that just lost the first), like a step; one
+still waiting its turn in the verification queue had not started, and runs when asked again.
 """
 
 from __future__ import annotations
@@ -500,22 +501,22 @@ class Trajectories:
             raise WrongStateError(f"trajectory {tid} has a step running")
         fut: asyncio.Future[VerifyResult] = asyncio.get_running_loop().create_future()
         t.verifying = fut
-        try:  # logged before it starts: a daemon killed meanwhile leaves its verdict `infra`
+
+        async def begun() -> None:
+            """Logged as its checks start (not while it waits its turn): a daemon killed from then on
+            leaves its verdict `infra`; one killed before, nothing, and asked again it runs."""
             await self._append(t, {"k": "verifying", "digest": dig, "t": time.time()})
-        except BaseException:
-            t.verifying = None
-            raise
-        t.verify_begun = dig
+            t.verify_begun = dig
 
         async def run() -> None:
             try:
                 assert t.sandbox is not None
-                result = await self.verifier.verify(t.sandbox.id, req, since_snapshot=t.opened.snapshot_id)
+                result = await self.verifier.verify(t.sandbox.id, req, since_snapshot=t.opened.snapshot_id, begun=begun)
                 await self._append(t, {"k": "verify", "digest": dig, "result": result.model_dump(mode="json")})
                 t.verification, t.verify_digest = result, dig
                 fut.set_result(result)
             except BaseException as exc:
-                if isinstance(exc, Exception):  # refused, no verdict: a restart must not make one up
+                if isinstance(exc, Exception) and t.verify_begun is not None:  # no verdict: a restart must not make one
                     with contextlib.suppress(OSError):
                         await self._append(t, {"k": "verifying", "digest": None})
                     t.verify_begun = None

@@ -39,6 +39,7 @@ import shutil
 import signal
 import stat
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -220,9 +221,17 @@ class Verifier:
         self.queue = CpuQueue(self.config.cpus or float(core.admission.cpus))
         self._creating: set[asyncio.Task[SandboxInfo]] = set()
 
-    async def verify(self, sandbox_id: str, req: VerifyRequest, *, since_snapshot: str | None = None) -> VerifyResult:
+    async def verify(
+        self,
+        sandbox_id: str,
+        req: VerifyRequest,
+        *,
+        since_snapshot: str | None = None,
+        begun: Callable[[], Awaitable[None]] | None = None,
+    ) -> VerifyResult:
         """Grade the agent sandbox `sandbox_id` (see the module's docstring). `since_snapshot`: the
-        set-up snapshot it was restored from, so `changed` lists only what the agent did."""
+        set-up snapshot it was restored from, so `changed` lists only what the agent did; `begun`:
+        called once its turn has come, before its sandbox is made (a trajectory logs it)."""
         t0 = time.perf_counter()
         protect = [inside_path(p) for p in req.protect]
         allow = None if req.allow is None else [inside_path(p) for p in req.allow]
@@ -266,6 +275,8 @@ class Verifier:
             )
             return self._failed(full, None, t0, {**common, "queued": time.monotonic() - waited})
         try:
+            if begun is not None:
+                await begun()
             try:
                 left = max(0.0, req.queue_timeout - (time.monotonic() - waited))
                 info = await self._create(spec, left)
