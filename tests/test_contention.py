@@ -71,6 +71,8 @@ def test_a_cpu_budget_cuts_by_cpu_used_not_by_time_waited(fleet: Client) -> None
         assert r.cpu_seconds is not None and 1.0 <= r.cpu_seconds < 2.5, r
         ok = sb.exec("echo done", cpu_time=5)
         assert (ok.exit_code, ok.cpu_time_exceeded, ok.cause) == (0, False, None)
+        bg = sb.start(SPIN, cpu_time=0.5).wait(timeout=30)  # a background process too
+        assert bg.result is not None and bg.result.cpu_time_exceeded and bg.result.cause == "timeout", bg
     traj = fleet.trajectory("contention-budget", _spec())
     step = traj.exec(SPIN, timeout=60, cpu_time=0.5)
     assert step.cpu_time_exceeded and traj.last is not None and traj.last.cause == "timeout"

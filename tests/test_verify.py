@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from sandfleet import Client, SandboxSpec
+from sandfleet.errors import InvalidArgumentError
 from sandfleet.models import VerifyRequest
 
 JOB = {"job": "verify-test"}
@@ -222,3 +224,18 @@ def test_allow_keeps_only_the_agents_changes_under_named_paths(fleet: Client, py
         assert "2 passed" in v.result.stdout, v.result.stdout  # the visible test and the hidden one
         assert f"{REPO}/junk" in v.dropped and f"{REPO}/pkg/mod.py" not in v.dropped
     assert fleet.list(labels=PY_JOB) == []
+
+
+def test_bad_verify_requests_are_typed(daemon: object, fleet: Client, task: tuple[str, str]) -> None:
+    image, _ = task
+    bad = [{"allow": ["/"]}, {"protect": ["/.."]}, {"allow": []}, {"allow": ["relative"]}, {"cpu_time": 0},
+           {"queue_timeout": -1}, {"agent_exit_codes": [256]}]  # fmt: skip
+    with _agent(fleet, image) as sb:  # type: ignore[attr-defined]
+        transport = httpx.HTTPTransport(uds=str(daemon.socket))  # type: ignore[attr-defined]
+        with httpx.Client(transport=transport, base_url="http://sandfleet", timeout=30) as http:
+            for fields in bad:
+                r = http.post(f"/v1/sandboxes/{sb.id}/verify", json={"command": "true", **fields})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_argument", (fields, r.text)
+            with pytest.raises(InvalidArgumentError, match="allow"):
+                sb.verify("true", allow=["/"])
+    assert fleet.list(labels=JOB) == []

@@ -944,10 +944,11 @@ class AsyncSandbox:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        cpu_time: float | None = None,
     ) -> AsyncProcess:
         """Start a background process (its own session); returns a handle to wait on, kill or feed.
         `stdin` is written first; with `keep_stdin_open` its standard input then stays open for
-        `process.write_stdin(...)` until `process.close_stdin()`."""
+        `process.write_stdin(...)` until `process.close_stdin()`. `timeout` and `cpu_time` as in exec."""
         body = b.exec_body(
             command,
             env=env,
@@ -959,6 +960,7 @@ class AsyncSandbox:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            cpu_time=cpu_time,
         )
         return AsyncProcess(self, await self._c._model(ProcessInfo, b.call_start(self.id, body)))
 

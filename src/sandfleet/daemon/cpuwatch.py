@@ -61,7 +61,8 @@ class CommandWatch:
             every.append(min(max(req.cpu_time / 10, BUDGET_EVERY[0]), BUDGET_EVERY[1]))
         self.every = min(every, default=WATCH_EVERY[1])
         # A VM's root is its QEMU, whose threads are older than any command: nothing to judge there.
-        self.tree = TreeStats(root, since) if root > 0 else None
+        self.root, self.since = root, since
+        self.tree: TreeStats | None = None  # made at the first look (most commands end before it)
         self.handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(self.every, self._look)
 
     @staticmethod
@@ -78,7 +79,8 @@ class CommandWatch:
 
     def _look(self) -> None:
         self.handle = None
-        if self.tree is not None:
+        if self.root > 0:
+            self.tree = self.tree or TreeStats(self.root, self.since)
             self.tree.sample()
             self.looked_at = time.monotonic()
         if self.req.cpu_time is not None and self._cpu() - self.cpu0 >= self.req.cpu_time:

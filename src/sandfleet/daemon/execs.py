@@ -381,10 +381,12 @@ class Execs:
             raise InvalidArgumentError("pty: a background process has no terminal; use a terminal (sb.terminal())")
         sb, live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
+        since = boot_ticks()
         try:
             process = await self.start(sb, live, req, setsid=True)
         except ExecStartError as exc:
             raise InvalidArgumentError(_start_failure(exc, req).stderr.strip()) from exc
+        watch = self._watch(sb, live, req, process, since)
         bp = BackgroundProcess(
             "p-" + secrets.token_hex(6),
             req.command,
@@ -394,11 +396,13 @@ class Execs:
             limit=req.output_limit,
         )
         sb.processes[bp.id] = bp
-        self.core.spawn(self.collect(sb, bp, req), name=f"bg-{sb.id}-{bp.id}")
+        self.core.spawn(self.collect(sb, bp, req, watch), name=f"bg-{sb.id}-{bp.id}")
         self.core.journal.record(sb.id, "process_started", {"process_id": bp.id, "command": str(req.command)[:1000]})
         return self._process_info(bp)
 
-    async def collect(self, sb: Sandbox, bp: BackgroundProcess, req: ExecRequest) -> None:
+    async def collect(
+        self, sb: Sandbox, bp: BackgroundProcess, req: ExecRequest, watch: CommandWatch | None = None
+    ) -> None:
         try:
             async for ev in bp.process.events():
                 if isinstance(ev, OutputChunk):
@@ -406,10 +410,14 @@ class Execs:
                     buf.extend(ev.data[: max(0, bp.limit - len(buf))])  # the agent caps it too
                 elif isinstance(ev, ExitInfo):
                     result = _exec_result(bytes(bp.stdout), bytes(bp.stderr), ev, bp.encoding)
+                    if watch is not None:
+                        result = watch.judged(result)
                     bp.result = await self.after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
         except AgentError:
             bp.lost = bp.lost or "its sandbox's agent went away"
         finally:
+            if watch is not None:
+                watch.stop()
             bp.done.set()
 
     def _process_info(self, bp: BackgroundProcess) -> ProcessInfo:

@@ -233,8 +233,8 @@ class Verifier:
         set-up snapshot it was restored from, so `changed` lists only what the agent did; `begun`:
         called once its turn has come, before its sandbox is made (a trajectory logs it)."""
         t0 = time.perf_counter()
-        protect = [inside_path(p) for p in req.protect]
-        allow = None if req.allow is None else [inside_path(p) for p in req.allow]
+        protect = _inside(req.protect, "protect")
+        allow = None if req.allow is None else _inside(req.allow, "allow")
         sb = self.core.sandbox(sandbox_id)
         if len(sb.spec.layers) + 1 + len(req.layers) > MAX_LAYERS:
             raise InvalidArgumentError(
@@ -382,6 +382,17 @@ class Verifier:
             duration=time.perf_counter() - t0,
             **common,
         )
+
+
+def _inside(paths: list[str], what: str) -> list[str]:
+    """Absolute paths of the sandbox as relative ones of its root (each below /)."""
+    out = []
+    for path in paths:
+        try:
+            out.append(inside_path(path))
+        except InvalidArgumentError:
+            raise InvalidArgumentError(f"{what}: {path[:200]!r} must name something below /") from None
+    return out
 
 
 def interrupted(why: str) -> VerifyResult:
