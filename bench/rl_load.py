@@ -26,6 +26,7 @@ import asyncio
 import collections
 import json
 import secrets
+import shutil
 import sys
 import tempfile
 import time
@@ -181,6 +182,7 @@ def run_variant(variant: str, n: int, hogs: int) -> dict[str, Any]:
         finally:
             d.stop()
             remove_cgroup_tree(parent)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 async def _variant(d: Daemon, variant: str, n: int, hogs: int, kills: list[dict[str, Any]]) -> dict[str, Any]:
