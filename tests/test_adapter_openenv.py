@@ -175,7 +175,8 @@ def test_snapshot_task_and_step_timeout(daemon: Daemon, fleet: Client, no_leaks:
 
 
 def test_http_endpoints_and_validator(daemon: Daemon, fleet: Client, no_leaks: None) -> None:
-    """OpenEnv's runtime validator passes; its stateless HTTP routes work and leave nothing behind."""
+    """OpenEnv's runtime validator passes; its stateless HTTP routes work and leave nothing behind:
+    /reset answers an episode's first observation, /step runs its action as an episode of one step."""
     with serving(create_sandfleet_app(COUNTER, daemon.socket)) as url:
         report = validate_running_environment(url, timeout_s=30)
         assert report["passed"], report
@@ -189,6 +190,14 @@ def test_http_endpoints_and_validator(daemon: Daemon, fleet: Client, no_leaks: N
             assert {"output", "exit_code"} <= set(schema["observation"]["properties"])
             assert http.get("/metadata").json()["name"] == "sandfleet-shell"
             assert http.post("/step", json={"action": {"command": 1}}).status_code == 422
+            # A step of its own: a fresh sandbox (set up, seeded), the command, done, scored, stopped.
+            step = http.post("/step", json={"action": {"command": BUMP + "; echo $SANDFLEET_SEED"}, "seed": 7})
+            assert step.status_code == 200, step.text
+            body = step.json()
+            assert (body["observation"]["output"], body["done"], body["reward"]) == ("1\n7\n", True, 0.0)
+            solved = http.post("/step", json={"action": {"command": "echo 3 > /task/count"}}).json()
+            assert (solved["done"], solved["reward"]) == (True, 1.0)
+            assert fleet.list(labels=JOB) == []
 
 
 def test_setup_failure_reported_and_cleaned(daemon: Daemon, fleet: Client, no_leaks: None) -> None:

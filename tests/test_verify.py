@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from sandfleet import Client, SandboxSpec
+from sandfleet.errors import InvalidArgumentError
 from sandfleet.models import VerifyRequest
 
 JOB = {"job": "verify-test"}
@@ -81,8 +83,11 @@ def test_an_agent_that_edits_the_tests_gets_no_reward(fleet: Client, task: tuple
 def test_a_broken_verifier_or_a_slow_one_is_not_the_agents_fault(fleet: Client, task: tuple[str, str]) -> None:
     image, hidden = task
     with _agent(fleet, image) as sb:  # type: ignore[attr-defined]
-        assert sb.verify("exit 2").cause == "verifier"  # pytest's "the run itself broke"
+        assert sb.verify("exit 3").cause == "verifier"  # pytest's internal error
+        assert sb.verify("exit 4").cause == "verifier"  # pytest's usage error
+        assert sb.verify("exit 2", agent_exit_codes=[1]).cause == "verifier"  # a task whose 2 means broken
         assert sb.verify("no-such-checker").cause == "verifier"
+        assert sb.verify("kill -TERM $$").cause == "verifier"  # a signal that is no crash
         assert sb.verify("sleep 30", timeout=1).cause == "timeout"
         missing = sb.verify("true", layers=["sha256:" + "0" * 64])
         assert missing.cause == "verifier" and missing.error is not None and missing.error.code == "not_found"
@@ -111,4 +116,126 @@ def test_a_trajectory_verifies_once_against_its_set_up_state(fleet: Client, task
         traj.delete()
     finally:
         fleet.delete_snapshot(snap.id)
+    assert fleet.list(labels=JOB) == []
+
+
+# -- a Python task graded by pytest: whose fault a failure is, and what reaches the checks ------------
+
+REPO = "/work/repo"
+BUGGY = "def add(a, b):\n    return a - b\n"
+FIXED = "def add(a, b):\n    return a + b\n"
+PYTEST = f"cd {REPO} && python3 -m pytest -q -p no:cacheprovider tests"
+PY_JOB = {"job": "verify-pytest"}
+
+
+@pytest.fixture(scope="module")
+def pytask(daemon: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(a python:3.11 + pytest image holding /work/repo: the package `pkg` with a bug and its visible
+    tests; the digest of a layer with the hidden test)."""
+    root = tmp_path_factory.mktemp("pytask")
+    (root / "repo" / "pkg").mkdir(parents=True)
+    (root / "repo" / "tests").mkdir()
+    (root / "repo" / "pkg" / "__init__.py").write_text("")
+    (root / "repo" / "pkg" / "mod.py").write_text(BUGGY)
+    (root / "repo" / "tests" / "test_visible.py").write_text(
+        "from pkg.mod import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"
+    )
+    recipe = (
+        f'ref = "verify-pytask:1"\nbase = "python:3.11"\nworkdir = "{REPO}"\n'
+        f'[[step]]\npip = ["pytest==8.3.4"]\n[[step]]\ncopy = {{ src = "repo", dest = "{REPO}" }}\n'
+    )
+    with daemon.client(timeout=600) as fleet:  # type: ignore[attr-defined]
+        image = fleet.build_recipe(recipe, base_dir=root)
+        with fleet.create(image="busybox", idle_ttl=120, labels=PY_JOB) as sb:
+            sb.files.write(
+                f"{REPO}/tests/test_hidden.py",
+                "from pkg.mod import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
+            )
+            hidden = sb.pack("verify-pytask-hidden:1").layers[-1]
+        yield f"{image.name}:{image.tag}", hidden
+        fleet.delete_image("verify-pytask:1")
+        fleet.delete_image("verify-pytask-hidden:1")
+
+
+def _py_agent(fleet: Client, image: str, mod: str | None = None, **resources: object) -> object:
+    sb = fleet.create(SandboxSpec(image=image, idle_ttl=120, labels=PY_JOB, resources=resources or {}))
+    if mod is not None:
+        sb.files.write(f"{REPO}/pkg/mod.py", mod)
+    return sb
+
+
+def test_failures_are_blamed_on_who_caused_them(fleet: Client, pytask: tuple[str, str]) -> None:
+    """The agent's code that does not import (pytest exits 2), runs out of memory or crashes failed
+    the checks: `agent`, scored. A checker that collects no tests broke: `verifier`, masked."""
+    image, hidden = pytask
+    cases = {
+        "syntax error": ("def add(a, b) return a + b\n", {}),
+        "out of memory": ("def add(a, b):\n    x = b'1' * (400 << 20)\n    return a + b + len(x) * 0\n", {}),
+        "crash": ("import ctypes\n\n\ndef add(a, b):\n    return ctypes.string_at(0)\n", {}),
+    }
+    for what, (mod, _) in cases.items():
+        with _py_agent(fleet, image, mod) as sb:  # type: ignore[attr-defined]
+            v = sb.verify(PYTEST, layers=[hidden], resources={"memory": "128MiB"})
+            assert (v.passed, v.reward, v.cause) == (False, 0.0, "agent"), (what, v)
+            if what == "out of memory":
+                assert v.result.oom_killed, v.result
+            if what == "syntax error":
+                assert v.result.exit_code == 2 and "SyntaxError" in v.result.stdout, v.result
+    with _py_agent(fleet, image, FIXED) as sb:  # type: ignore[attr-defined]
+        assert sb.verify(PYTEST, layers=[hidden]).passed
+        none = sb.verify(PYTEST + " -k no_such_test", layers=[hidden])  # pytest: no tests ran (5)
+        assert (none.result.exit_code, none.cause) == (5, "verifier"), none.result
+    assert fleet.list(labels=PY_JOB) == []
+
+
+# Each plants something outside the code it was asked to fix, so that a check run by `python3 -m
+# pytest` passes without the fix.
+CHEATS = {
+    "root conftest.py": (
+        f"{REPO}/conftest.py",
+        "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+        "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n",
+    ),
+    ".pth file": ("/usr/local/lib/python3.11/dist-packages/zz.pth", "import os; os._exit(0)\n"),
+    "sitecustomize": ("/etc/python3.11/sitecustomize.py", "import os\nos._exit(0)\n"),
+    "binary on PATH": ("/usr/local/bin/python3", "#!/bin/sh\nexit 0\n"),
+}
+
+
+def test_allow_keeps_only_the_agents_changes_under_named_paths(fleet: Client, pytask: tuple[str, str]) -> None:
+    image, hidden = pytask
+    for what, (path, content) in CHEATS.items():
+        with _py_agent(fleet, image) as sb:  # type: ignore[attr-defined]
+            sb.files.write(path, content, mode=0o755)
+            assert sb.exec(PYTEST).exit_code == 0, what  # in its own sandbox the cheat works
+            # `protect` alone keeps it: the tests are as they were, but the cheat sits outside them.
+            leaky = sb.verify(PYTEST, layers=[hidden], protect=[f"{REPO}/tests"])
+            assert leaky.reward == 1.0, (what, leaky)
+            v = sb.verify(PYTEST, layers=[hidden], allow=[f"{REPO}/pkg"], protect=[f"{REPO}/tests"])
+            assert (v.passed, v.reward, v.cause) == (False, 0.0, "agent"), (what, v)
+            assert path in v.dropped and path in {c.path for c in v.changed}, (what, v.dropped)
+    # An honest fix under `allow` passes, even by a repository deleted and made again: the directory
+    # on the way keeps what the layers below hold beside the allowed path (the visible tests here).
+    with _py_agent(fleet, image) as sb:  # type: ignore[attr-defined]
+        sb.exec(f"rm -rf {REPO} && mkdir -p {REPO}/pkg && touch {REPO}/pkg/__init__.py {REPO}/junk")
+        sb.files.write(f"{REPO}/pkg/mod.py", FIXED)
+        v = sb.verify(PYTEST, layers=[hidden], allow=[f"{REPO}/pkg"], protect=[f"{REPO}/tests"])
+        assert v.passed and v.reward == 1.0, v
+        assert "2 passed" in v.result.stdout, v.result.stdout  # the visible test and the hidden one
+        assert f"{REPO}/junk" in v.dropped and f"{REPO}/pkg/mod.py" not in v.dropped
+    assert fleet.list(labels=PY_JOB) == []
+
+
+def test_bad_verify_requests_are_typed(daemon: object, fleet: Client, task: tuple[str, str]) -> None:
+    image, _ = task
+    bad = [{"allow": ["/"]}, {"protect": ["/.."]}, {"allow": []}, {"allow": ["relative"]}, {"cpu_time": 0},
+           {"queue_timeout": -1}, {"agent_exit_codes": [256]}]  # fmt: skip
+    with _agent(fleet, image) as sb:  # type: ignore[attr-defined]
+        transport = httpx.HTTPTransport(uds=str(daemon.socket))  # type: ignore[attr-defined]
+        with httpx.Client(transport=transport, base_url="http://sandfleet", timeout=30) as http:
+            for fields in bad:
+                r = http.post(f"/v1/sandboxes/{sb.id}/verify", json={"command": "true", **fields})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_argument", (fields, r.text)
+            with pytest.raises(InvalidArgumentError, match="allow"):
+                sb.verify("true", allow=["/"])
     assert fleet.list(labels=JOB) == []

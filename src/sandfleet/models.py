@@ -605,6 +605,14 @@ class ExecRequest(_Stdin):
     cwd: SandboxPath | None = Field(None, description="absolute, or relative to the sandbox's working directory")
     user: UserName | None = None
     timeout: float | None = Field(60.0, gt=0, le=86400, description="seconds; kills the process tree")
+    cpu_time: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="CPU seconds the command may use (the sandbox's CPU time while it runs); past them its "
+        "process tree is killed as by a timeout (`cpu_time_exceeded`). Unlike `timeout`, time spent waiting "
+        "for a CPU on a busy node does not count",
+    )
     output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
     merge_stderr: bool = Field(False, description="standard error goes to standard output (one stream, in order)")
     encoding: Encoding = Field("utf-8", description="how output comes back: utf-8 text, or base64 of the raw bytes")
@@ -757,9 +765,10 @@ class RunCodeRequest(_Stdin):
 
 
 class ExecResult(_Model):
-    """How a command ended. `cause` says whose fault a failure was: `timeout` when it ran out of time,
-    `agent` for anything else that did not exit 0 (its exit status, a signal, the OOM killer), None on
-    success. Errors raised instead of a result carry their own cause (SandboxError.cause)."""
+    """How a command ended. `cause` says whose fault a failure was: `timeout` when it ran out of time
+    (`infra` instead when its timeout fired while the node starved it of CPU: `starved`), `agent` for
+    anything else that did not exit 0 (its exit status, a signal, the OOM killer), None on success.
+    Errors raised instead of a result carry their own cause (SandboxError.cause)."""
 
     exit_code: int
     stdout: str = Field(description="text, or base64 when `encoding` is base64")
@@ -770,15 +779,26 @@ class ExecResult(_Model):
     stderr_truncated: bool = False
     signal: int | None = None
     oom_killed: bool = Field(False, description="the kernel's OOM killer ended it (the memory limit was hit)")
+    cpu_time_exceeded: bool = Field(False, description="killed for using its `cpu_time` (then `timed_out` too)")
+    starved: bool = Field(
+        False,
+        description="its timeout fired while the node starved it: its processes wanted a CPU and got less than "
+        "half of what they could have used (cause infra, not timeout)",
+    )
+    cpu_seconds: float | None = Field(
+        None, description="CPU time the sandbox used while the command ran (measured when it had a `cpu_time`)"
+    )
     encoding: Encoding = "utf-8"
-    cause: Cause | None = Field(None, description="whose fault a failure was: timeout or agent; None when it exited 0")
+    cause: Cause | None = Field(
+        None, description="whose fault a failure was: timeout, agent or infra (starved); None when it exited 0"
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _attribute(cls, data: Any) -> Any:
         if isinstance(data, dict) and "cause" not in data:
             if data.get("timed_out"):
-                data = {**data, "cause": "timeout"}
+                data = {**data, "cause": "infra" if data.get("starved") else "timeout"}
             elif data.get("exit_code", 0) != 0 or data.get("oom_killed") or data.get("signal"):
                 data = {**data, "cause": "agent"}
         return data
@@ -1365,18 +1385,37 @@ class VerifyRequest(_Model):
         description="paths whose changes by the agent are dropped (visible tests, the grader): the checks see "
         "them as before the agent ran",
     )
+    allow: list[AbsPath] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="keep only the agent's changes under these paths (the code it was asked to change); "
+        "everything else it changed (a conftest.py, a .pth file, a binary on PATH) is dropped and listed in "
+        "`dropped`. `protect` still applies below them",
+    )
     cwd: SandboxPath | None = None
     env: EnvVars = Field(default_factory=dict)
-    timeout: float = Field(600.0, gt=0, le=86400)
+    timeout: float = Field(600.0, gt=0, le=86400, description="seconds the checks may run (wall clock)")
+    cpu_time: float | None = Field(
+        None, gt=0, le=86400, description="CPU seconds the checks may use (see ExecRequest.cpu_time)"
+    )
+    queue_timeout: float = Field(
+        3600.0,
+        ge=0,
+        le=86400,
+        description="seconds the verification may wait for room on the node (the verification queue, then "
+        "admission of its sandbox) before its checks start; not part of `timeout`",
+    )
     resources: Resources | None = Field(None, description="default: the agent sandbox's")
     reward_file: SandboxPath | None = Field(
         None, description="a file the checks write a number into: the reward (default: 1.0 if they pass, else 0.0)"
     )
     agent_exit_codes: list[Annotated[int, Field(ge=0, le=255)]] = Field(
-        default_factory=lambda: [1],
+        default_factory=lambda: [1, 2],
         max_length=32,
         description="exit codes meaning the agent's work failed the checks (cause agent); any other failure is "
-        "the verifier's (pytest: 1 = tests failed, 2-5 = the run itself broke)",
+        "the verifier's unless the agent's code crashed or ran out of memory (pytest: 1 = tests failed, "
+        "2 = a collection error, e.g. the agent's code does not import; 3-5 = the checker itself broke)",
     )
     output_limit: int = Field(256 * 1024, ge=0, le=64 * 1024**2)
     keep: bool = Field(False, description="keep the verifier's sandbox (to look into a failure)")
@@ -1394,7 +1433,8 @@ class VerifyResult(_Model):
     result: ExecResult | None = Field(None, description="the checks' command (None when it could not run)")
     error: ErrorBody | None = None
     changed: list[ChangedFile] = Field(description="what the agent changed (protected paths included)")
-    dropped: list[str] = Field(default_factory=list, description="changed paths dropped as protected")
+    dropped: list[str] = Field(default_factory=list, description="changed paths dropped: protected, or outside `allow`")
+    queued: float = Field(0.0, description="seconds spent waiting for room on the node (not part of `timeout`)")
     changes_layer: str | None = Field(None, description="digest of the layer holding the agent's changes")
     verifier_sandbox_id: str | None = None
     replayed: bool = False

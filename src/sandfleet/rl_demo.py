@@ -10,8 +10,8 @@ A run: one sandbox is set up (its first test run warms the caches) and snapshott
 rollouts restores from that snapshot, one trajectory per rollout (every step logged exactly once);
 a scripted "policy" reads the issue, runs the visible tests, looks at the code and, by its seed,
 patches it right, patches it wrong, does nothing, cheats on the tests, or hangs a command; each
-rollout is then verified apart (a fresh sandbox: the set-up state + its changes + the hidden
-suite, its edits to `tests/` dropped) and closed with the verifier's reward. Only the SDK is used.
+rollout is then verified apart (a fresh sandbox: the set-up state + its changes to the package, and
+nothing else it changed, + the hidden suite) and closed with the verifier's reward. Only the SDK is used.
 """
 
 from __future__ import annotations
@@ -171,12 +171,15 @@ async def _rollout(fleet: AsyncClient, run: str, snapshot: str, hidden: str, gro
         )
         commands = [f"cat {REPO}/ISSUE.md", VISIBLE, f"grep -n 'def chunked' -A 32 {REPO}/more_itertools/more.py"]
         for cmd in [*commands, *moves, VISIBLE]:
-            result = await traj.exec(cmd, timeout=3 if "while True" in cmd else 60)
+            # A hang is cut by the CPU it burns, not by the time a busy node makes it wait.
+            result = await traj.exec(cmd, timeout=60, cpu_time=3 if "while True" in cmd else None)
             out.steps += 1
             out.replayed += bool(traj.last and traj.last.replayed)
             if result.cause is not None:
                 out.step_causes.append(result.cause)
-        verdict = await traj.verify(CHECKS, layers=[hidden], protect=[f"{REPO}/tests"], timeout=300)
+        verdict = await traj.verify(
+            CHECKS, layers=[hidden], allow=[f"{REPO}/more_itertools"], protect=[f"{REPO}/tests"], timeout=300
+        )
         out.reward, out.cause = verdict.reward, verdict.cause
         out.changed = [
             f"{c.change[0].upper()} {c.path.removeprefix(REPO + '/')}"

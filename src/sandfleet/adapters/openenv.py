@@ -5,7 +5,10 @@ its `EnvClient` speaks) gets an environment instance of its own, made by a facto
 the session ends. Here an instance holds one sandbox per episode: `reset` creates it (or restores it
 from a snapshot), each `step` runs one command in it, and `close` stops it, so a disconnected client
 leaves nothing running. OpenEnv's plain HTTP `/reset` and `/step` make a fresh instance per request
-and close it at once: they work, but an episode needs the WebSocket session.
+and close it at once (its server defines them so): `/reset` answers an episode's first observation,
+and `/step` runs its action as an episode of one step (a sandbox of its own: reset with the
+request's `seed`, the command, the score, stop). An episode of several steps needs the WebSocket
+session.
 
     app = create_sandfleet_app(ShellTask(spec=SandboxSpec(image="busybox"), check="test -f /done"),
                                fleet="/run/sandfleet/sandfleet.sock", max_concurrent_envs=16)
@@ -107,6 +110,7 @@ class SandfleetEnvironment(Environment):  # type: ignore[misc]
         self.sandbox: Sandbox | None = None
         self._state = SandboxState()
         self._done = False
+        self._fresh = True  # never reset: a step is then an episode of its own (OpenEnv's HTTP /step)
 
     # -- the episode's sandbox
 
@@ -149,16 +153,22 @@ class SandfleetEnvironment(Environment):  # type: ignore[misc]
         drawn, so the state always says which `SANDFLEET_SEED` the episode ran with."""
         self._stop_sandbox()
         seed = secrets.randbelow(2**31) if seed is None else seed
-        self._done = False
+        self._done, self._fresh = False, False
         self._state = SandboxState(episode_id=episode_id or str(uuid.uuid4()), step_count=0, seed=seed)
         self.sandbox = self._start_sandbox(seed)
         self._state.sandbox_id = self.sandbox.id
         return CommandObservation(output=cut(self.task.instructions, self.task.max_output), reward=None, done=False)
 
     def step(self, action: CommandAction, timeout_s: float | None = None, **kwargs: Any) -> CommandObservation:
-        """Run the command (its timeout: `timeout_s`, else the task's `step_timeout`)."""
+        """Run the command (its timeout: `timeout_s`, else the task's `step_timeout`). On an
+        environment never reset (OpenEnv's plain HTTP /step makes one per request), the step is an
+        episode of its own: a reset (with the request's `seed`), the command, done, scored."""
+        alone = self._fresh
+        if alone:
+            seed = kwargs.get("seed")
+            self.reset(seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None)
         if self.sandbox is None or self._done:
-            raise RuntimeError("no episode is running: reset first (OpenEnv's HTTP /step has no session: use /ws)")
+            raise RuntimeError("no episode is running: reset first (an episode of several steps needs /ws)")
         self._state.step_count += 1
         passed: bool | None = None
         if action.command.strip() == self.task.submit_action:
@@ -173,7 +183,7 @@ class SandfleetEnvironment(Environment):  # type: ignore[misc]
                 timed_out=result.timed_out,
                 done=bool(passed),
             )
-        if not obs.done and self._state.step_count >= self.task.max_steps:
+        if not obs.done and (alone or self._state.step_count >= self.task.max_steps):
             obs.done = obs.truncated = True
         obs.reward = 0.0
         if obs.done:

@@ -482,12 +482,15 @@ def exec_body(
     merge_stderr: bool = False,
     binary: bool = False,
     pty: bool | TerminalSize = False,
+    cpu_time: float | None = None,
 ) -> dict[str, Any]:
     """The exec request body: options left at their defaults are not sent (the daemon's defaults
     apply); `timeout=None` means none. `stdin` text travels as is, bytes as base64; `binary` asks for
     output as base64 of the raw bytes (`ExecResult.stdout_bytes`); `pty` (True: 24x80) runs it on a
-    pseudo-terminal."""
+    pseudo-terminal; `cpu_time`: CPU seconds it may use."""
     fields: dict[str, Any] = {"command": command, "timeout": timeout}
+    if cpu_time is not None:
+        fields["cpu_time"] = cpu_time
     if pty:
         fields["pty"] = TerminalSize() if pty is True else pty
     fields |= _where(env, cwd, user)
@@ -834,6 +837,11 @@ def trajectory_path(trajectory_id: str, suffix: str = "") -> str:
 
 STEP_RETRY = 300.0  # seconds a trajectory call is retried through lost answers and a daemon restart
 STEP_GRACE = 30.0  # a step's call waits this much longer than its command may run
+
+
+def verify_timeout(req: VerifyRequest) -> float:
+    """A verification's call waits for its turn on the node (`queue_timeout`), then for its checks."""
+    return req.queue_timeout + req.timeout + STEP_GRACE + 60
 
 
 def step_timeout(command_timeout: float | None, client_timeout: float) -> float:

@@ -816,7 +816,7 @@ class AsyncSandbox:
             "POST",
             b.sandbox_path(self.id) + "/verify",
             json=req.model_dump(mode="json", exclude_defaults=True),
-            timeout=req.timeout + b.STEP_GRACE + 60,
+            timeout=b.verify_timeout(req),
         )
         return await self._c._model(VerifyResult, call)
 
@@ -843,6 +843,7 @@ class AsyncSandbox:
         merge_stderr: bool = False,
         binary: bool = False,
         pty: bool | TerminalSize = False,
+        cpu_time: float | None = None,
     ) -> ExecResult:
         """Run a command to completion. A string runs under /bin/sh -c; a list is an argv.
 
@@ -853,7 +854,8 @@ class AsyncSandbox:
         (`stdout`, with the terminal's CR LF line ends), `stdin` typed into it, TERM=xterm-256color.
         `timeout` (seconds, None: none) kills the command's process tree. A command whose timeout is
         None or longer than the client's is streamed, so a daemon that stops answering raises
-        `SandboxTimeoutError` after the client's timeout of silence rather than hanging.
+        `SandboxTimeoutError` after the client's timeout of silence rather than hanging. `cpu_time`
+        (CPU seconds) kills it once it has used that much CPU, however long a busy node made it wait.
         """
         body = b.exec_body(
             command,
@@ -866,6 +868,7 @@ class AsyncSandbox:
             merge_stderr=merge_stderr,
             binary=binary,
             pty=pty,
+            cpu_time=cpu_time,
         )
         if b.one_response(timeout, self._c.timeout):
             return await self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
@@ -970,10 +973,11 @@ class AsyncSandbox:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        cpu_time: float | None = None,
     ) -> AsyncProcess:
         """Start a background process (its own session); returns a handle to wait on, kill or feed.
         `stdin` is written first; with `keep_stdin_open` its standard input then stays open for
-        `process.write_stdin(...)` until `process.close_stdin()`."""
+        `process.write_stdin(...)` until `process.close_stdin()`. `timeout` and `cpu_time` as in exec."""
         body = b.exec_body(
             command,
             env=env,
@@ -985,6 +989,7 @@ class AsyncSandbox:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            cpu_time=cpu_time,
         )
         return AsyncProcess(self, await self._c._model(ProcessInfo, b.call_start(self.id, body)))
 
@@ -1270,6 +1275,7 @@ class AsyncTrajectory:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        cpu_time: float | None = None,
     ) -> ExecResult:
         """Run a command as the next step (see `AsyncSandbox.exec`); its result, recorded."""
         body = b.exec_body(
@@ -1282,6 +1288,7 @@ class AsyncTrajectory:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            cpu_time=cpu_time,
         )
         result = await self._step({"kind": "exec", "exec": body}, b.step_timeout(timeout, self._c.timeout), None)
         error = b.step_error(result)
@@ -1322,7 +1329,7 @@ class AsyncTrajectory:
             "POST",
             b.trajectory_path(self.id, "/verify"),
             json=req.model_dump(mode="json", exclude_defaults=True),
-            timeout=req.timeout + b.STEP_GRACE + 60,
+            timeout=b.verify_timeout(req),
         )
         return await self._c._idempotent(VerifyResult, call, self.retry_for)
 

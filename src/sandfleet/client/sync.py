@@ -790,7 +790,7 @@ class Sandbox:
             "POST",
             b.sandbox_path(self.id) + "/verify",
             json=req.model_dump(mode="json", exclude_defaults=True),
-            timeout=req.timeout + b.STEP_GRACE + 60,
+            timeout=b.verify_timeout(req),
         )
         return self._c._model(VerifyResult, call)
 
@@ -815,6 +815,7 @@ class Sandbox:
         merge_stderr: bool = False,
         binary: bool = False,
         pty: bool | TerminalSize = False,
+        cpu_time: float | None = None,
     ) -> ExecResult:
         """Run a command to completion. A string runs under /bin/sh -c; a list is an argv.
 
@@ -825,7 +826,8 @@ class Sandbox:
         (`stdout`, with the terminal's CR LF line ends), `stdin` typed into it, TERM=xterm-256color.
         `timeout` (seconds, None: none) kills the command's process tree. A command whose timeout is
         None or longer than the client's is streamed, so a daemon that stops answering raises
-        `SandboxTimeoutError` after the client's timeout of silence rather than hanging.
+        `SandboxTimeoutError` after the client's timeout of silence rather than hanging. `cpu_time`
+        (CPU seconds) kills it once it has used that much CPU, however long a busy node made it wait.
         """
         body = b.exec_body(
             command,
@@ -838,6 +840,7 @@ class Sandbox:
             merge_stderr=merge_stderr,
             binary=binary,
             pty=pty,
+            cpu_time=cpu_time,
         )
         if b.one_response(timeout, self._c.timeout):
             return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
@@ -942,10 +945,11 @@ class Sandbox:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        cpu_time: float | None = None,
     ) -> Process:
         """Start a background process (its own session); returns a handle to wait on, kill or feed.
         `stdin` is written first; with `keep_stdin_open` its standard input then stays open for
-        `process.write_stdin(...)` until `process.close_stdin()`."""
+        `process.write_stdin(...)` until `process.close_stdin()`. `timeout` and `cpu_time` as in exec."""
         body = b.exec_body(
             command,
             env=env,
@@ -957,6 +961,7 @@ class Sandbox:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            cpu_time=cpu_time,
         )
         return Process(self, self._c._model(ProcessInfo, b.call_start(self.id, body)))
 
@@ -1242,6 +1247,7 @@ class Trajectory:
         output_limit: int | None = None,
         merge_stderr: bool = False,
         binary: bool = False,
+        cpu_time: float | None = None,
     ) -> ExecResult:
         """Run a command as the next step (see `Sandbox.exec`); its result, recorded."""
         body = b.exec_body(
@@ -1254,6 +1260,7 @@ class Trajectory:
             output_limit=output_limit,
             merge_stderr=merge_stderr,
             binary=binary,
+            cpu_time=cpu_time,
         )
         result = self._step({"kind": "exec", "exec": body}, b.step_timeout(timeout, self._c.timeout), None)
         error = b.step_error(result)
@@ -1292,7 +1299,7 @@ class Trajectory:
             "POST",
             b.trajectory_path(self.id, "/verify"),
             json=req.model_dump(mode="json", exclude_defaults=True),
-            timeout=req.timeout + b.STEP_GRACE + 60,
+            timeout=b.verify_timeout(req),
         )
         return self._c._idempotent(VerifyResult, call, self.retry_for)
 

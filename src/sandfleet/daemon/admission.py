@@ -7,12 +7,17 @@ ask for) and CPU observed in use by latency-sensitive sandboxes (best-effort wor
 not count); the memory committed by limits (overcommitted by a separate, smaller factor) together
 with the memory actually available; and the node's task count against pid_max (which binds before
 memory at thousands of sandboxes on hosts with the default pid_max).
+
+`CpuQueue` is the other side of the same budget for work the node starts on its own (a
+verification's checks, CPU-bound by nature): it waits for CPUs to be free instead of being refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,3 +123,49 @@ class Admission:
         last, self._last_cpu = self._last_cpu, (cpu_seconds, now)
         if last is not None and now - last[1] > 0.05:
             self.cpu_load = max(0.0, (cpu_seconds - last[0]) / (now - last[1]))
+
+
+class CpuQueue:
+    """Room for CPU-bound work the node does on its callers' behalf (a verification's checks): each
+    holds the CPUs it may use while it runs, up to `capacity` in all; the rest wait their turn in
+    order (first come, first served, so a big request is not passed over forever). One that asks for
+    more than the capacity holds all of it."""
+
+    def __init__(self, capacity: float) -> None:
+        self.capacity = capacity
+        self.held = 0.0
+        self._waiting: deque[tuple[float, asyncio.Future[None]]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def acquire(self, cpus: float) -> float:
+        """Wait for room for `cpus`; returns what was taken (give it back with `release`)."""
+        cpus = min(cpus, self.capacity)
+        if not self._waiting and self.held + cpus <= self.capacity + 1e-9:
+            self.held += cpus
+            return cpus
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (cpus, fut)
+        self._waiting.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():  # granted as it was cancelled: give it back
+                self.release(cpus)
+            else:
+                self._waiting.remove(entry)
+                self._grant()  # it may have been the head holding others back
+            raise
+        return cpus
+
+    def release(self, cpus: float) -> None:
+        self.held = max(0.0, self.held - cpus)
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self.held + self._waiting[0][0] <= self.capacity + 1e-9:
+            cpus, fut = self._waiting.popleft()
+            self.held += cpus
+            fut.set_result(None)

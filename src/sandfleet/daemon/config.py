@@ -13,6 +13,7 @@ from sandfleet.daemon.iam import IamConfig, token_hash
 from sandfleet.daemon.network import NetworkConfig
 from sandfleet.daemon.pool import PoolConfig
 from sandfleet.daemon.trajectories import TrajectoryConfig
+from sandfleet.daemon.verify import VerifyConfig
 from sandfleet.models import ByteSize
 
 DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")
@@ -138,6 +139,9 @@ class DaemonConfig(BaseModel):
     trajectories: TrajectoryConfig = Field(
         default_factory=TrajectoryConfig,
         description="RL trajectories: the step log's durability, idle pause, retention",
+    )
+    verify: VerifyConfig = Field(
+        default_factory=VerifyConfig, description="verification: the CPUs its checks may hold at once"
     )
     detectors: DetectorsConfig = Field(
         default_factory=DetectorsConfig, description="misbehaviour detectors: thresholds, and record, pause or kill"

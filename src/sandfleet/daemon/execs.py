@@ -5,6 +5,9 @@ Each command goes to the sandbox's agent as one EXEC; the daemon keeps its own d
 statuses become `ExecResult`s; a SIGKILL the cgroup counted as an OOM kill says so. Background
 processes keep their output (capped) until someone waits for them; a stop hook marks them lost
 when their sandbox stops.
+
+A command that runs a while is watched (cpuwatch.py: its CPU budget, and whether the node starved
+it when its timeout fired).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import builtins
 import codecs
 import contextlib
 import errno
+import os
 import secrets
 import shlex
 import signal
@@ -25,6 +29,7 @@ import pydantic
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, resolve_cwd, wire_text
+from sandfleet.daemon.cpuwatch import CommandWatch, boot_ticks
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.lifecycle import HOLDING_STATES, PAUSED, BackgroundProcess, Sandbox
 from sandfleet.daemon.networking import Networking
@@ -176,6 +181,29 @@ class Execs:
                 raise UnavailableError(f"sandbox {sb.id} stopped while the command started") from exc
         return process
 
+    def _watch(
+        self, sb: Sandbox, live: LiveSandbox, req: ExecRequest, process: ExecProcess, since: int
+    ) -> CommandWatch | None:
+        """The watch of a command started at `since` (cpuwatch.boot_ticks()), if it needs one."""
+        if not CommandWatch.wanted(req):
+            return None
+        tier = self.core.tier(sb)
+
+        def kill() -> None:
+            if not live.channel.closed:
+                live.channel.kill_nowait(process.id)
+
+        return CommandWatch(
+            req,
+            # The sandbox's init is the root of its process tree (a fake tier's "init" is this process).
+            root=live.agent_pid if live.agent_pid != os.getpid() else 0,
+            since=since,
+            cpu_limit=sb.spec.resources.cpu,
+            node_cpus=self.core.admission.cpus,
+            cpu_seconds=lambda: tier.cpu_seconds(live),
+            kill=kill,
+        )
+
     async def after_exec(
         self, sb: Sandbox, req: ExecRequest, result: ExecResult, out_bytes: int, err_bytes: int
     ) -> ExecResult:
@@ -223,10 +251,12 @@ class Execs:
         terminal = int(req.pty is not None)
         sb.terminals += terminal
         try:
+            since = boot_ticks()
             try:
                 process = await self.start(sb, live, req)
             except ExecStartError as exc:
                 return _start_failure(exc, req)
+            watch = self._watch(sb, live, req, process, since)
             try:
                 out, err, ex = await self.core.await_agent(sb, live, process.wait(), deadline)
             except (ChannelClosedError, ProtocolError) as exc:
@@ -235,7 +265,12 @@ class Execs:
                 if not live.channel.closed:  # abandoned (deadline, client gone): don't leave it running
                     live.channel.kill_nowait(process.id)
                 raise
+            finally:
+                if watch is not None:
+                    watch.stop()
             result = _exec_result(out, err, ex, req.encoding)
+            if watch is not None:
+                result = watch.judged(result)
             return await self.after_exec(sb, req, result, ex.stdout_bytes, ex.stderr_bytes)
         finally:
             sb.terminals -= terminal
@@ -249,6 +284,7 @@ class Execs:
         deadline = self.core.busy(sb, req.timeout)
         terminal = int(req.pty is not None)
         sb.terminals += terminal
+        since = boot_ticks()
         try:
             process = await self.start(sb, live, req)
         except ExecStartError as exc:
@@ -266,8 +302,11 @@ class Execs:
             self.core.idle_done(sb)
             raise
         finished = False
+        watch = self._watch(sb, live, req, process, since)
 
         async def release() -> None:
+            if watch is not None:
+                watch.stop()
             sb.terminals -= terminal
             self.core.idle_done(sb)
             self.core.metrics.execs.inc()
@@ -297,6 +336,8 @@ class Execs:
                                 yield ExecEvent(type=ev.stream, data=text)
                     elif isinstance(ev, ExitInfo):
                         result = _exec_result(b"".join(out), b"".join(err), ev, req.encoding)
+                        if watch is not None:
+                            result = watch.judged(result)
                         result = await self.after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
                         finished = True
                         yield ExecEvent(type="exit", result=result)
@@ -344,10 +385,12 @@ class Execs:
             raise InvalidArgumentError("pty: a background process has no terminal; use a terminal (sb.terminal())")
         sb, live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
+        since = boot_ticks()
         try:
             process = await self.start(sb, live, req, setsid=True)
         except ExecStartError as exc:
             raise InvalidArgumentError(_start_failure(exc, req).stderr.strip()) from exc
+        watch = self._watch(sb, live, req, process, since)
         bp = BackgroundProcess(
             "p-" + secrets.token_hex(6),
             req.command,
@@ -358,11 +401,13 @@ class Execs:
         )
         sb.processes[bp.id] = bp
         forget_finished(sb)
-        self.core.spawn(self.collect(sb, bp, req), name=f"bg-{sb.id}-{bp.id}")
+        self.core.spawn(self.collect(sb, bp, req, watch), name=f"bg-{sb.id}-{bp.id}")
         self.core.journal.record(sb.id, "process_started", {"process_id": bp.id, "command": str(req.command)[:1000]})
         return self._process_info(bp)
 
-    async def collect(self, sb: Sandbox, bp: BackgroundProcess, req: ExecRequest) -> None:
+    async def collect(
+        self, sb: Sandbox, bp: BackgroundProcess, req: ExecRequest, watch: CommandWatch | None = None
+    ) -> None:
         try:
             async for ev in bp.process.events():
                 if isinstance(ev, OutputChunk):
@@ -371,10 +416,14 @@ class Execs:
                 elif isinstance(ev, ExitInfo):
                     result = _exec_result(bytes(bp.stdout), bytes(bp.stderr), ev, bp.encoding)
                     bp.stdout, bp.stderr = bytearray(), bytearray()  # the result holds the output now
+                    if watch is not None:
+                        result = watch.judged(result)
                     bp.result = await self.after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
         except AgentError:
             bp.lost = bp.lost or "its sandbox's agent went away"
         finally:
+            if watch is not None:
+                watch.stop()
             bp.done.set()
             forget_finished(sb)
 

@@ -1,6 +1,7 @@
 """Recovery at daemon start: adopt the sandboxes a previous daemon left running, clean the dead
 and half-created ones, and, when the state database was damaged, take back what still runs on the
-node from its cgroups and agents."""
+node from its cgroups and agents. A verification's sandbox is never adopted (unless kept on
+request): its verification died with the previous daemon, so nothing would ever stop it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sandfleet.daemon.networking import Networking
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.daemon.snapshots import Snapshots
 from sandfleet.daemon.state import SandboxRow
+from sandfleet.daemon.verify import KEPT_LABEL, VERIFY_LABEL
 from sandfleet.errors import SandboxError
 from sandfleet.models import SandboxSpec
 
@@ -47,11 +49,12 @@ class Recovery:
                 await self.core.state.delete([row.id])
                 continue
             unheard = not row.acked and row.idempotency_key is None
+            orphaned = VERIFY_LABEL in spec.labels and KEPT_LABEL not in spec.labels  # its verification is gone
             if row.idempotency_key is not None:  # a retry of its create gets this one, stopped or not
                 # In its project's namespace, checked against the request it came with (as before
                 # the restart; "" for a row of a version that did not keep it: any request).
                 self.core.keys[(spec.project, row.idempotency_key)] = (row.id, row.idempotency_fingerprint or "")
-            if tier is not None and row.state in HOLDING_STATES and not unheard:
+            if tier is not None and row.state in HOLDING_STATES and not unheard and not orphaned:
                 # adopt() thaws a paused sandbox first (a frozen agent cannot answer): it comes back
                 # running; one paused on request is paused again below, its idle policy may pause
                 # the others again.
@@ -80,7 +83,11 @@ class Recovery:
                     await tier.cleanup(row.id, row.runtime)
                 sb = self._recovered(row, spec, FAILED if row.state == CREATING else STOPPED, now)
                 sb.stop_reason = sb.stop_reason or (
-                    "its create was never answered" if unheard else "lost in daemon restart"
+                    "its create was never answered"
+                    if unheard
+                    else "its verification was lost in a daemon restart"
+                    if orphaned
+                    else "lost in daemon restart"
                 )
                 sb.stopped_at = time.time()
                 self.core.journal.record(row.id, "stopped", {"reason": sb.stop_reason})
@@ -148,6 +155,10 @@ class Recovery:
             if row is not None:
                 with contextlib.suppress(ValidationError):
                     spec = SandboxSpec.model_validate(row.spec)
+            if VERIFY_LABEL in spec.labels and KEPT_LABEL not in spec.labels:  # its verification is gone
+                live.channel.close()
+                await rebuild.cleanup(sandbox_id, live.runtime)
+                continue
             now = time.time()
             sb = Sandbox(sandbox_id, spec, RUNNING, now, now, live=live)
             self.core.table.add(sb)

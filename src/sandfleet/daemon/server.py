@@ -215,6 +215,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         monitor_interval=config.monitor_interval,
         trajectories=config.trajectories,
         trajectory_dir=config.state_dir / "trajectories",
+        verify=config.verify,
         node_key=node_key,
         node_group=config.node_group,
         node_labels=config.node_labels,

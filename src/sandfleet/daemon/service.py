@@ -49,7 +49,7 @@ from sandfleet.daemon.sessions import Sessions
 from sandfleet.daemon.snapshots import Snapshots
 from sandfleet.daemon.state import StateStore
 from sandfleet.daemon.trajectories import Trajectories, TrajectoryConfig
-from sandfleet.daemon.verify import Verifier
+from sandfleet.daemon.verify import Verifier, VerifyConfig
 from sandfleet.errors import SandboxError, UnsupportedError
 from sandfleet.ids import new_node_key
 from sandfleet.images import ImageManifest, LayerStore
@@ -120,6 +120,7 @@ class SandboxManager:
         monitor_interval: float = 5.0,
         trajectories: TrajectoryConfig | None = None,
         trajectory_dir: Path | None = None,
+        verify: VerifyConfig | None = None,
         node_key: str | None = None,
         node_group: str = "default",
         node_labels: dict[str, str] | None = None,
@@ -166,7 +167,7 @@ class SandboxManager:
             retention=snapshot_retention,
             max_bytes=snapshot_max_bytes,
         )
-        self.verifier = Verifier(core, self.creation, self.execs, self.files, self.snapshots)
+        self.verifier = Verifier(core, self.creation, self.execs, self.files, self.snapshots, verify)
         self.trajectories = Trajectories(
             core,
             self.creation,

@@ -18,7 +18,7 @@ A write that fails (a full disk, EIO) or is short is undone at once: the file is
 last whole record (`StepLog.append`). If even that fails the log is `broken` and takes nothing more.
 
 `replay` makes a `Trajectory` (its state in memory) of the records: open, sandbox, then each step's
-begin and done, verify, close, lost. A record that does not follow from those before it (a step
+begin and done, verifying (its checks began) and verify, close, lost. A record that does not follow from those before it (a step
 that skips one, a result for another step) is damage like a changed byte.
 """
 
@@ -232,6 +232,7 @@ class Trajectory:
     verification: VerifyResult | None = None
     verify_digest: str | None = None
     verifying: asyncio.Future[VerifyResult] | None = None
+    verify_begun: str | None = None  # the digest of a verification whose checks began (logged), verdict or not
     closed_at: float | None = None
     reward: float | None = None
     lost_from: int | None = None  # the log is damaged from this step on: it and every later one are data_loss
@@ -286,6 +287,8 @@ def _take(t: Trajectory, rec: dict[str, Any]) -> None:
         t.steps.append(StepResult.model_validate(rec["result"]))
         t.digests.append(rec["digest"])
         t.running = None
+    elif kind == "verifying" and t.verification is None:
+        t.verify_begun = rec["digest"]
     elif kind == "verify" and t.verification is None:
         t.verification = VerifyResult.model_validate(rec["result"])
         t.verify_digest = rec["digest"]

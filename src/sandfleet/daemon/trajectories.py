@@ -22,6 +22,9 @@ past some point (a changed byte, a fragment an older daemon appended onto) is cu
 `lost` record: every step from there on answers `data_loss`, never runs (steps before replay).
 
 Verification (daemon/verify.py) of a trajectory is logged too: asked again, the recorded verdict.
+The start of its checks is logged first, so one a daemon was killed in the middle of is answered
+`infra` (never the verdict of a second run on a node that just lost the first), like a step; one
+still waiting its turn in the verification queue had not started, and runs when asked again.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from sandfleet.daemon.files import Files
 from sandfleet.daemon.lifecycle import HOLDING_STATES
 from sandfleet.daemon.snapshots import Snapshots
 from sandfleet.daemon.steplog import Key, Scan, StepLog, Trajectory, encode, mend_tail, replay, rewrite, scan
-from sandfleet.daemon.verify import Verifier
+from sandfleet.daemon.verify import Verifier, interrupted
 from sandfleet.errors import (
     Cause,
     DataLossError,
@@ -262,6 +265,12 @@ class Trajectories:
             )
             kind = json.loads(t.actions[step])["kind"]
             await self._finish(t, step, dig, _error_result(t, step, kind, exc, time.time(), 0.0))
+        if t.verify_begun is not None and t.verification is None:  # its verifier is gone with that daemon
+            why = f"the daemon restarted while trajectory {t.id} was being verified: the verification was lost"
+            result = interrupted(why)
+            self.core.metrics.verifications.labels(outcome="infra").inc()
+            await self._append(t, {"k": "verify", "digest": t.verify_begun, "result": result.model_dump(mode="json")})
+            t.verification, t.verify_digest = result, t.verify_begun
         return t
 
     # -- open, list, close -----------------------------------------------------------------------
@@ -517,14 +526,24 @@ class Trajectories:
         fut: asyncio.Future[VerifyResult] = asyncio.get_running_loop().create_future()
         t.verifying = fut
 
+        async def begun() -> None:
+            """Logged as its checks start (not while it waits its turn): a daemon killed from then on
+            leaves its verdict `infra`; one killed before, nothing, and asked again it runs."""
+            await self._append(t, {"k": "verifying", "digest": dig, "t": time.time()})
+            t.verify_begun = dig
+
         async def run() -> None:
             try:
                 assert t.sandbox is not None
-                result = await self.verifier.verify(t.sandbox.id, req, since_snapshot=t.opened.snapshot_id)
+                result = await self.verifier.verify(t.sandbox.id, req, since_snapshot=t.opened.snapshot_id, begun=begun)
                 await self._append(t, {"k": "verify", "digest": dig, "result": result.model_dump(mode="json")})
                 t.verification, t.verify_digest = result, dig
                 fut.set_result(result)
             except BaseException as exc:
+                if isinstance(exc, Exception) and t.verify_begun is not None:  # no verdict: a restart must not make one
+                    with contextlib.suppress(OSError):
+                        await self._append(t, {"k": "verifying", "digest": None})
+                    t.verify_begun = None
                 fut.set_exception(exc if isinstance(exc, Exception) else UnavailableError("the daemon is stopping"))
                 fut.exception()
                 if not isinstance(exc, Exception):

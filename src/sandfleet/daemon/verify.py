@@ -3,48 +3,86 @@
 The verifier's sandbox is the agent sandbox's pre-agent state (its image and layers), plus what the
 agent changed (its writable layer, exported as one layer of the store), plus verifier-only layers
 (hidden tests) on top, which no agent sandbox ever mounts. Changes under `protect` (the visible
-tests, a grader script) are dropped before the layer is made, and the hidden layers sit above the
-agent's anyway: an agent that edits the tests, or writes files where the hidden tests will be, is
-graded on the real ones. The agent's sandbox keeps running, untouched.
+tests, a grader script) are dropped before the layer is made; with `allow`, only changes under the
+named paths are kept at all (a conftest.py, a .pth file or a binary on PATH planted elsewhere never
+reach the checks). The hidden layers sit above the agent's anyway: an agent that edits the tests, or
+writes files where the hidden tests will be, is graded on the real ones. The agent's sandbox keeps
+running, untouched.
 
-Whose fault a failed verification is: the checks ran and failed with one of `agent_exit_codes`
--> `agent`; they ran out of time -> `timeout`; anything else they did (another exit code, a signal,
-the OOM killer, a command not found) -> `verifier`; the node could not make the verifier's sandbox
--> `infra` (or the error's own cause).
+Right on a busy node: the agent's changes are taken at once, then the checks wait their turn in a
+`CpuQueue` sized to the node's CPUs (each holds its sandbox's CPU limit while it runs), so a burst
+of rollouts ending together does not run 64 test suites on 2 cores; that wait (`queued`) is not
+part of the checks' `timeout`. The checks may have a CPU budget (`cpu_time`) besides the wall-clock
+one, and a timeout that fired while the node starved them is `infra` (execs.CommandWatch).
+
+The verifier's sandbox belongs to its verification: stopped when it ends, however it ends (an
+answer, an error, cancellation); one left by a daemon that died mid-verification is stopped when
+the next one starts (recovery.py), never adopted (unless the caller asked to `keep` it).
+
+Whose fault a failed verification is, by who caused it:
+- the checks ran the agent's code and it failed them: an exit code in `agent_exit_codes` (pytest's 1,
+  tests failed, and 2, a collection error: the agent's code does not even import), the OOM killer,
+  or a crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) -> `agent`;
+- they ran out of time (`timeout`, `cpu_time`) with the CPU they were due -> `timeout`;
+- the checker itself broke: any other exit code (126/127: not runnable or not found; pytest's 3-5:
+  internal error, usage error, no tests), another signal, a promised reward file not written, a
+  verifier layer not found -> `verifier`;
+- the node: its sandbox could not be made, was lost, starved the checks, the daemon restarted -> `infra`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import shutil
+import signal
 import stat
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandfleet.backends.base import LayerView
-from sandfleet.daemon.core import NodeCore
+from sandfleet.daemon.admission import CpuQueue
+from sandfleet.daemon.core import NodeCore, log
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.snapshots import Snapshots, inside_path
-from sandfleet.errors import Cause, InvalidArgumentError, SandboxError
+from sandfleet.errors import Cause, InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import (
     ChangedFile,
     ErrorBody,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
+    SandboxInfo,
     SandboxSpec,
     VerifyRequest,
     VerifyResult,
 )
 
-CAPACITY_WAIT = 300.0  # seconds a verification waits for the node to admit its sandbox
-MAX_CHANGED = 10_000
-MAX_LAYERS = 32  # SandboxSpec.layers' bound  # files listed in a result at most
+MAX_CHANGED = 10_000  # files listed in a result at most
+MAX_LAYERS = 32  # SandboxSpec.layers' bound
 VERIFY_LABEL = "sandfleet.verify"  # on a verifier's sandbox: the id of the sandbox it verifies
+KEPT_LABEL = "sandfleet.verify.kept"  # on one the caller asked to keep: a restart adopts it
+# How the checks' process ended that is the agent's code crashing (directly, or 128+n from a shell).
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+
+
+class VerifyConfig(BaseModel):
+    """`[verify]` in the node's config."""
+
+    model_config = ConfigDict(extra="forbid")
+    cpus: float | None = Field(
+        None,
+        gt=0,
+        description="CPUs the checks of verifications may hold at once (each holds its sandbox's CPU limit; the "
+        "rest wait their turn); default: the node's CPUs",
+    )
 
 
 def _kind(st: os.stat_result) -> str:
@@ -109,29 +147,94 @@ def _under(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+def _above(path: str, roots: list[str]) -> bool:
+    """Whether `path` is a directory on the way to one of `roots` (all relative)."""
+    return any(r.startswith(path + "/") for r in roots)
+
+
+def keep_only(root: Path, allow: list[str], lowers: list[Path]) -> None:
+    """Drop from a copied writable layer `root` everything outside `allow` (relative paths): what is
+    left is the agent's changes under them, and the directories on the way to them as plain
+    directories (never opaque, which would hide what the layers below hold beside them; with the
+    mode the layers below give them), never following a symlink the sandbox made."""
+
+    def walk(d: Path, rel: str) -> None:
+        for entry in list(os.scandir(d)):
+            sub = f"{rel}/{entry.name}" if rel else entry.name
+            if _under(sub, allow):
+                continue
+            if entry.is_dir(follow_symlinks=False) and _above(sub, allow):
+                _plain_dir(Path(entry.path), sub, lowers)
+                walk(Path(entry.path), sub)
+            elif entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+
+    walk(root, "")
+
+
+def _plain_dir(path: Path, rel: str, lowers: list[Path]) -> None:
+    for name in os.listxattr(path, follow_symlinks=False):
+        if name.endswith("overlay.opaque"):
+            os.removexattr(path, name, follow_symlinks=False)
+    for lower in lowers:
+        st = _lstat(lower / rel)
+        if st is not None:
+            if stat.S_ISDIR(st.st_mode):
+                os.chmod(path, stat.S_IMODE(st.st_mode), follow_symlinks=False)
+            return
+
+
 def _cause(result: ExecResult, req: VerifyRequest) -> Cause | None:
+    """Whose fault the checks' result is (see the module's docstring); None when they passed."""
     if result.exit_code == 0 and not result.timed_out:
         return None
     if result.timed_out:
-        return "timeout"
-    if result.signal is None and not result.oom_killed and result.exit_code in req.agent_exit_codes:
+        return "infra" if result.starved else "timeout"
+    if result.oom_killed:
+        return "agent"
+    signo = result.signal if result.signal is not None else result.exit_code - 128
+    if signo in CRASH_SIGNALS:
+        return "agent"
+    if result.signal is None and result.exit_code in req.agent_exit_codes:
         return "agent"
     return "verifier"
 
 
 class Verifier:
-    def __init__(self, core: NodeCore, creation: Creation, execs: Execs, files: Files, snapshots: Snapshots) -> None:
+    def __init__(
+        self,
+        core: NodeCore,
+        creation: Creation,
+        execs: Execs,
+        files: Files,
+        snapshots: Snapshots,
+        config: VerifyConfig | None = None,
+    ) -> None:
         self.core = core
         self.creation = creation
         self.execs = execs
         self.files = files
         self.snapshots = snapshots
+        self.config = config or VerifyConfig()
+        self.queue = CpuQueue(self.config.cpus or float(core.admission.cpus))
+        self._creating: set[asyncio.Task[SandboxInfo]] = set()
 
-    async def verify(self, sandbox_id: str, req: VerifyRequest, *, since_snapshot: str | None = None) -> VerifyResult:
+    async def verify(
+        self,
+        sandbox_id: str,
+        req: VerifyRequest,
+        *,
+        since_snapshot: str | None = None,
+        begun: Callable[[], Awaitable[None]] | None = None,
+    ) -> VerifyResult:
         """Grade the agent sandbox `sandbox_id` (see the module's docstring). `since_snapshot`: the
-        set-up snapshot it was restored from, so `changed` lists only what the agent did."""
+        set-up snapshot it was restored from, so `changed` lists only what the agent did; `begun`:
+        called once its turn has come, before its sandbox is made (a trajectory logs it)."""
         t0 = time.perf_counter()
-        protect = [inside_path(p) for p in req.protect]
+        protect = _inside(req.protect, "protect")
+        allow = None if req.allow is None else _inside(req.allow, "allow")
         sb = self.core.sandbox(sandbox_id)
         if len(sb.spec.layers) + 1 + len(req.layers) > MAX_LAYERS:
             raise InvalidArgumentError(
@@ -143,10 +246,15 @@ class Verifier:
         if isinstance(tier, LayerView) and sb.live is not None:
             lowers = tier.layer_paths(sb.live)[1]
         baseline = self.snapshots.baseline(since_snapshot) if since_snapshot else None
-        agent_sb, layer, _, changed = await self.snapshots.changes_layer(
-            sandbox_id, protect, lambda upper: list_changes(upper, lowers, baseline)
-        )
-        dropped = [c.path for c in changed if _under(c.path.lstrip("/"), protect)]
+
+        def inspect(staging: Path) -> list[ChangedFile]:
+            changed = list_changes(staging, lowers, baseline)
+            if allow is not None:
+                keep_only(staging, allow, lowers)
+            return changed
+
+        agent_sb, layer, _, changed = await self.snapshots.changes_layer(sandbox_id, protect, inspect)
+        dropped = [c.path for c in changed if not _kept(c, protect, allow)]
         base = agent_sb.spec
         try:
             spec = self._verifier_spec(base, layer.digest, req, sandbox_id)
@@ -154,28 +262,72 @@ class Verifier:
             raise InvalidArgumentError(
                 f"the verifier's sandbox cannot be made: {exc.errors()[0]['msg']}"[:300]
             ) from exc
-        common = {"changed": changed, "dropped": dropped, "changes_layer": layer.digest}
+        common: dict[str, Any] = {"changed": changed, "dropped": dropped, "changes_layer": layer.digest}
+        # The checks wait for CPUs (not counted in their timeout), then for the node to admit their
+        # sandbox, `queue_timeout` in all.
+        waited = time.monotonic()
         try:
-            info = await self.creation.create_when_admitted(spec, CAPACITY_WAIT)
-        except SandboxError as exc:
-            return self._failed(exc, None, t0, common)
+            async with asyncio.timeout(req.queue_timeout):
+                held = await self.queue.acquire(spec.resources.cpu)
+        except TimeoutError:
+            full = ResourceExhaustedError(
+                f"the verification waited {req.queue_timeout:g}s for room on the node ({self.queue.waiting} waiting)"
+            )
+            return self._failed(full, None, t0, {**common, "queued": time.monotonic() - waited})
         try:
-            return await self._check(info.id, req, t0, common)
+            if begun is not None:
+                await begun()
+            try:
+                left = max(0.0, req.queue_timeout - (time.monotonic() - waited))
+                info = await self._create(spec, left)
+            except SandboxError as exc:
+                return self._failed(exc, None, t0, {**common, "queued": time.monotonic() - waited})
+            common["queued"] = time.monotonic() - waited
+            try:
+                return await self._check(info.id, req, t0, common)
+            finally:
+                if not req.keep:
+                    await self._stop(info.id)
         finally:
-            if not req.keep:
-                await self.core.stop(info.id, reason="user")
+            self.queue.release(held)
+
+    async def _create(self, spec: SandboxSpec, wait: float) -> SandboxInfo:
+        """The verifier's sandbox, waiting out a full node for up to `wait` seconds. The create runs
+        in a task of its own: a verification cancelled meanwhile still stops the sandbox once made."""
+        task = asyncio.ensure_future(self.creation.create_when_admitted(spec, wait))
+        self._creating.add(task)
+        task.add_done_callback(self._creating.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._stop_made)
+            raise
+
+    def _stop_made(self, task: asyncio.Task[SandboxInfo]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            with contextlib.suppress(SandboxError):
+                self.core.spawn(self._stop(task.result().id), name=f"stop-verifier-{task.result().id}")
+
+    async def _stop(self, vid: str) -> None:
+        try:
+            await self.core.stop(vid, reason="user")
+        except SandboxError as exc:  # it is gone already, or the reaper retries the stop
+            log.warning("verifier sandbox %s: %s", vid, exc)
 
     @staticmethod
     def _verifier_spec(base: SandboxSpec, changes: str, req: VerifyRequest, sandbox_id: str) -> SandboxSpec:
+        resources = req.resources or base.resources
+        labels = {**base.labels, VERIFY_LABEL: sandbox_id, **({KEPT_LABEL: "true"} if req.keep else {})}
         return SandboxSpec(
             backend=base.backend,
             image=base.image,
             layers=[*base.layers, changes, *req.layers],
-            resources=req.resources or base.resources,
+            # The checks are CPU-bound: admission counts all of their limit, not an idle agent's request.
+            resources=resources.model_copy(update={"cpu_request": resources.cpu}),
             env=base.env,
             workdir=base.workdir,
             user=base.user,
-            labels={**base.labels, VERIFY_LABEL: sandbox_id},
+            labels=labels,
             idle_ttl=req.timeout + 120,
             network=NetworkPolicy(),  # checks never reach out
             options=base.options,
@@ -201,7 +353,12 @@ class Verifier:
             result = await self.execs.exec(
                 vid,
                 ExecRequest(
-                    command=req.command, cwd=req.cwd, env=req.env, timeout=req.timeout, output_limit=req.output_limit
+                    command=req.command,
+                    cwd=req.cwd,
+                    env=req.env,
+                    timeout=req.timeout,
+                    cpu_time=req.cpu_time,
+                    output_limit=req.output_limit,
                 ),
             )
         except SandboxError as exc:
@@ -225,3 +382,33 @@ class Verifier:
             duration=time.perf_counter() - t0,
             **common,
         )
+
+
+def _inside(paths: list[str], what: str) -> list[str]:
+    """Absolute paths of the sandbox as relative ones of its root (each below /)."""
+    out = []
+    for path in paths:
+        try:
+            out.append(inside_path(path))
+        except InvalidArgumentError:
+            raise InvalidArgumentError(f"{what}: {path[:200]!r} must name something below /") from None
+    return out
+
+
+def interrupted(why: str) -> VerifyResult:
+    """The verdict of a verification the node lost (the daemon was killed while it ran): `infra`."""
+    exc = UnavailableError(why, cause="infra")
+    return VerifyResult(
+        passed=False, reward=0.0, cause="infra", error=ErrorBody.model_validate(exc.to_wire()), changed=[], duration=0.0
+    )
+
+
+def _kept(change: ChangedFile, protect: list[str], allow: list[str] | None) -> bool:
+    """Whether the agent's change reaches the checks: not protected, and under `allow` if given (a
+    directory on the way to an allowed path is kept as a plain directory)."""
+    rel = change.path.lstrip("/")
+    if _under(rel, protect):
+        return False
+    if allow is None or _under(rel, allow):
+        return True
+    return change.type == "dir" and change.change != "deleted" and _above(rel, allow)
