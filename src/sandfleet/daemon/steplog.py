@@ -18,8 +18,8 @@ A write that fails (a full disk, EIO) or is short is undone at once: the file is
 last whole record (`StepLog.append`). If even that fails the log is `broken` and takes nothing more.
 
 `replay` makes a `Trajectory` (its state in memory) of the records: open, sandbox, then each step's
-begin and done, verifying (its checks began) and verify, close, lost. A record that does not follow from those before it (a step
-that skips one, a result for another step) is damage like a changed byte.
+begin and done, verifying (its checks began) and verify, close, lost. A record that does not follow
+from those before it (a step that skips one, a result for another step) is damage like a changed byte.
 """
 
 from __future__ import annotations

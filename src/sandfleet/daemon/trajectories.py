@@ -1,30 +1,27 @@
 """Trajectories: a rollout's steps, each taken exactly once, its result logged before it is answered.
 
-A trainer drives a rollout through a trajectory keyed by its rollout id; step k is (id, k). Asked
-for step k again (the trainer was preempted and replays its rollout from the start, from this
-machine or another), the node answers the logged result and runs nothing; while step k runs, a
-second ask waits for the first's result. The sandbox holds the state those steps made: it is
-kept alive (paused while no trainer drives it: `pause_after`), and survives a daemon restart like
-every sandbox (adopted). The log is one file per trajectory (daemon/steplog.py: checksummed
-JSON lines) under `<state_dir>/trajectories/<project>/`, appended with one write(2) per record, so a
-record outlives any process that dies after writing it; `fsync = true` also makes it outlive the
-machine (a machine that dies takes the sandbox with it, so the default is not to pay for that).
+Step k of a trajectory is (id, k). Asked for step k again (a preempted trainer replays its rollout,
+from this machine or another), the node answers the logged result and runs nothing; while step k
+runs, a second ask waits for the first's result. The sandbox holds the state the steps made: kept
+alive (paused while no trainer drives it: `pause_after`), adopted after a daemon restart. The log is
+one file per trajectory (daemon/steplog.py: checksummed JSON lines) under
+`<state_dir>/trajectories/<project>/`, one write(2) per record, so a record outlives any process
+that dies after writing it; `fsync = true` also makes it outlive the machine (which takes the
+sandbox with it, so the default is not to pay for that).
 
 Ids are a project's own: everything keyed by a trajectory id (the loaded table, the locks, the log's
 path, the sandbox's create key) is keyed by (project, id), the project being the caller's (None for
-root and nodes without `[iam]`). Another project's trajectory of the same id is a different one.
+root and nodes without `[iam]`).
 
-What cannot be exactly once: a step the daemon was killed in the middle of. The command may have
-run (the agent keeps running an orphaned command, but its output is gone), so it is never run
-again: its result becomes a typed `unavailable` error with cause `infra`, which a trainer masks.
-A daemon that is stopped (SIGTERM) waits `drain_timeout` for running steps first. A log damaged
-past some point (a changed byte, a fragment an older daemon appended onto) is cut there and gets a
-`lost` record: every step from there on answers `data_loss`, never runs (steps before replay).
+Not exactly once: a step the daemon was killed in the middle of may have run (its output is gone),
+so it is never run again: it answers `unavailable` with cause `infra`, which a trainer masks. A
+stopping daemon (SIGTERM) waits `drain_timeout` for running steps first. A log damaged past some
+point (a changed byte, a fragment appended onto) is cut there with a `lost` record: every step from
+there on answers `data_loss` and never runs (steps before it replay).
 
-Verification (daemon/verify.py) of a trajectory is logged too: asked again, the recorded verdict.
-The start of its checks is logged first, so one a daemon was killed in the middle of is answered
-`infra` (never the verdict of a second run on a node that just lost the first), like a step; one
-still waiting its turn in the verification queue had not started, and runs when asked again.
+A trajectory's verification (daemon/verify.py) is logged too, the start of its checks first: one a
+daemon was killed in the middle of answers `infra` (never a second run's verdict); one still queued
+had not started, and runs when asked again.
 """
 
 from __future__ import annotations
@@ -308,9 +305,7 @@ class Trajectories:
                 await self._append(t, {"k": "sandbox", "sandbox": t.sandbox.model_dump(mode="json")}, hold=True)
             except OSError as exc:
                 log.error("trajectory %s: its sandbox could not be logged yet: %s", t.id, exc)
-            # The trajectory holds its sandbox from here (a trainer may think for longer than the
-            # node's claim window before its first step): never reaped as a create nobody heard of.
-            await self.core.ack([t.sandbox.id])
+            await self.core.ack([t.sandbox.id])  # held by the trajectory: never reaped as unheard of
         return t.info()
 
     async def _forget(self, t: Trajectory) -> None:
