@@ -34,7 +34,7 @@ import pytest
 
 from sandfleet import Client, SandboxSpec
 from sandfleet.client.sync import Sandbox
-from sandfleet.errors import PermissionDeniedError, SandboxError
+from sandfleet.errors import PermissionDeniedError, SandboxError, SandboxNotFoundError
 from sandfleet.models import Mount, SandboxInfo
 
 from conftest import Daemon, destroy_daemon, make_daemon, serve_http
@@ -552,6 +552,24 @@ def test_the_nodes_health_counts_only_what_a_project_sees(
         assert a_sandbox in mine
         assert a.get("/v1/health").json()["sandboxes_running"] == len(mine)
         assert root.get("/v1/health").json()["sandboxes_running"] > len(mine)  # B's are running too
+
+
+def test_a_verifier_belongs_to_its_agents_project(tenants: tuple[Daemon, str], b_objects: B) -> None:
+    """A verifier kept (`keep=True`) is the project's sandbox like the agent's: its project sees it and
+    counts it, another project does not (it held the agent's changes and B's env)."""
+    _, url = tenants
+    with Client(url=url, token=TOKENS["a"], timeout=120) as a, Client(url=url, token=TOKENS["b"], timeout=120) as b:
+        agent = a.create(image="busybox", idle_ttl=300)
+        try:
+            v = agent.verify("true", keep=True)
+            assert v.passed and v.verifier_sandbox_id is not None
+            kept = a.get(v.verifier_sandbox_id)
+            assert kept.refresh().spec.project == "ta"
+            with pytest.raises(SandboxNotFoundError):
+                b.get(v.verifier_sandbox_id)
+            kept.stop()
+        finally:
+            agent.stop()
 
 
 def test_a_project_mounts_host_paths_read_only(tenants: tuple[Daemon, str]) -> None:

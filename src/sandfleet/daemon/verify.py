@@ -328,6 +328,7 @@ class Verifier:
             workdir=base.workdir,
             user=base.user,
             labels=labels,
+            project=base.project,  # the agent's: it sees (and keeps) its verifiers, others do not
             idle_ttl=req.timeout + 120,
             network=NetworkPolicy(),  # checks never reach out
             options=base.options,
