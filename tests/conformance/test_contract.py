@@ -5,6 +5,10 @@ client) -> `sb` (a fresh sandbox) -> `busy` (that sandbox with a background proc
 without a capability a test needs skips it with the reason (`needs`), never silently. After every
 test the node must hold nothing of the sandboxes that test stopped: no directory, mount or cgroup.
 Every tier joins `TIERS` and runs this file.
+
+The contract runs on busybox; the paths that depend on the image's own tools (its shells for
+sessions, its coreutils and tar for a VM's files, its users) run on a Debian image too (`debian`:
+one sandbox of python:3.11 per tier, and `image_sb`: each test on both).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ TIERS = {
     "vm": ("vm", "", "qemu-system-x86_64"),
 }
 VM_TIERS = ("microvm", "vm")
+DEBIAN = "python:3.11"  # Debian: bash and dash, coreutils, GNU tar, users (busybox has busybox's)
 
 
 @dataclass
@@ -105,6 +110,24 @@ def fleet(tier: Tier) -> Iterator[Client]:
 def sb(fleet: Client, tier: Tier) -> Iterator[Sandbox]:
     with fleet.create(backend=tier.backend, image="busybox", idle_ttl=120, resources=Resources(memory="128MiB")) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def debian(tier: Tier) -> Iterator[Sandbox]:
+    """One sandbox of the Debian image per tier (the tests using it leave it as they found it)."""
+    with tier.daemon.client(timeout=120) as c:
+        s = c.create(backend=tier.backend, image=DEBIAN, idle_ttl=900, resources=Resources(memory="256MiB"))
+        try:
+            yield s
+        finally:
+            with contextlib.suppress(SandboxError):
+                s.stop()
+
+
+@pytest.fixture(params=["busybox", "debian"])
+def image_sb(request: pytest.FixtureRequest, tier: Tier) -> Sandbox:
+    """The test on a busybox sandbox and on the Debian one (of every tier: `tier` says so to pytest)."""
+    return request.getfixturevalue("sb" if request.param == "busybox" else "debian")  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -176,6 +199,73 @@ def test_sessions_keep_state(sb: Sandbox) -> None:
     assert r.stdout.split() == ["/tmp", "42"]
     assert s.run("sleep 30", timeout=0.5).timed_out
     assert s.run("echo alive").stdout == "alive\n"
+
+
+def test_sessions_on_a_debian_image(debian: Sandbox) -> None:
+    """Its bash runs the session (a VM's files are reached through its agent to find it)."""
+    with debian.session() as s:
+        assert s.info.shell == "/bin/bash"
+        assert s.run("echo one").stdout == "one\n"
+        s.run("cd /tmp && export X=42 && f() { echo fn; }")
+        assert s.run("pwd; echo $X; f").stdout.split() == ["/tmp", "42", "fn"]
+        assert s.run("cat; echo err >&2", stdin="in", merge_stderr=True).stdout == "inerr\n"
+        assert s.run("sleep 30", timeout=0.5).timed_out
+        assert s.run("echo alive").stdout == "alive\n"
+
+
+def test_session_of_a_dash_only_image(debian: Sandbox) -> None:
+    """With no bash the session's shell is /bin/sh, dash, which cannot name a descriptor above 9:
+    its status socket and command stdin sit at 9 and 8, and no command sees them."""
+    debian.exec("mv /usr/bin/bash /usr/bin/bash.hidden")
+    try:
+        with debian.session() as s:
+            assert s.info.shell == "/bin/sh"
+            assert s.run("echo one").stdout == "one\n"
+            s.run("cd /tmp && X=42")
+            assert s.run("pwd; echo $X").stdout.split() == ["/tmp", "42"]
+            assert s.run("cat", stdin="in").stdout == "in"
+            assert s.run("ls /proc/self/fd").stdout.split() == ["0", "1", "2", "3"]
+            assert s.run("exec 9>/tmp/nine 8</dev/null; echo moved").stdout == "moved\n"
+            assert s.run("(exit 5)").exit_code == 5  # still framed: its descriptors came back
+            assert s.run("sleep 30", timeout=0.5).timed_out
+            assert s.run("echo alive").stdout == "alive\n"
+    finally:
+        debian.exec("mv /usr/bin/bash.hidden /usr/bin/bash")
+
+
+def test_terminal_session(image_sb: Sandbox) -> None:
+    """A session on a pseudo-terminal: each command's output (one stream) and exit code, its stdin
+    the terminal; ^C typed into it ends the running command, and the shell lives on."""
+    with image_sb.session(pty=True) as s:
+        assert s.info.pty
+        r = s.run("test -t 0 && test -t 1 && echo tty; echo err >&2; (exit 3)")
+        assert (r.exit_code, r.stdout, r.stderr) == (3, "tty\r\nerr\r\n", "")
+        s.run("cd /tmp && X=42")
+        assert s.run("pwd; echo $X").stdout == "/tmp\r\n42\r\n"
+        t0 = time.monotonic()
+        with s.run_stream("sh -c 'echo ready; exec sleep 30'", timeout=60) as events:
+            for ev in events:
+                if ev.type == "stdout" and "ready" in (ev.data or ""):
+                    s.write_stdin("\x03")
+                if ev.type == "exit":
+                    assert ev.result is not None and ev.result.exit_code == 130
+        assert time.monotonic() - t0 < 20
+        assert s.run("sleep 30", timeout=0.5).timed_out
+        assert s.run("echo alive").stdout == "alive\r\n"
+
+
+def test_terminal_session_runs_a_repl(debian: Sandbox) -> None:
+    with debian.session(pty=True) as s, s.run_stream("python3 -q", timeout=60) as events:
+        seen = ""
+        for ev in events:
+            seen += ev.data or ""
+            if seen.endswith(">>> ") and "42" not in seen:
+                s.write_stdin("print(6*7)\n")
+            elif seen.endswith(">>> "):
+                s.write_stdin("\x04")  # the terminal's end of input: the REPL exits
+            if ev.type == "exit":
+                assert ev.result is not None and ev.result.exit_code == 0
+        assert "42\r\n" in seen
 
 
 # -- files ------------------------------------------------------------------------------------------

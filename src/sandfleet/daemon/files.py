@@ -188,6 +188,19 @@ class Files:
 
         return EventStream(events(), w.close)
 
+    async def stat(self, sb: Sandbox, live: LiveSandbox, path: str, *, follow_symlinks: bool = False) -> FileStat:
+        """A path's metadata, reached as this sandbox's tier reaches its files (host side, or through
+        its agent): for the daemon's own look inside a sandbox (a session's shell)."""
+        agent = self.agent_fs(sb, live)
+        if agent is None:
+            return await self.fs(sb, live, lambda fs: fs.stat(path, follow_symlinks=follow_symlinks))
+        try:
+            return await agent.stat(path, follow_symlinks=follow_symlinks)
+        except FileOpError as exc:
+            raise to_wire_error(exc, limit=1000) from exc
+        except AgentError as exc:
+            raise UnavailableError(f"sandbox {sb.id}: {exc}") from exc
+
     def agent_fs(self, sb: Sandbox, live: LiveSandbox) -> AgentFS | None:
         """Files through the agent, for a tier whose sandbox root the host cannot reach (a VM's);
         None where the host-side path applies."""
