@@ -14,12 +14,17 @@ one sandbox of python:3.11 per tier, and `image_sb`: each test on both).
 from __future__ import annotations
 
 import contextlib
+import functools
+import gzip
+import io
 import os
 import shutil
+import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from sandfleet import (
@@ -300,6 +305,98 @@ def test_files_stay_inside_the_sandbox(sb: Sandbox, tmp_path_factory: pytest.Tem
         with contextlib.suppress(SandboxError):
             sb.files.write(path, "x")
     assert not (host / "written").exists()
+
+
+def test_special_files_are_refused_at_once(image_sb: Sandbox) -> None:
+    """A FIFO (or device) is never opened by a file call: writing or reading one, a download of a
+    directory holding one, and a user lookup with /etc/passwd replaced by one answer at once."""
+    sb = image_sb
+    sb.exec("mkfifo /tmp/fifo && mkdir -p /tmp/sp && mkfifo /tmp/sp/p && echo hi > /tmp/sp/f")
+    t0 = time.monotonic()
+    for call in (lambda: sb.files.write("/tmp/fifo", "x"), lambda: sb.files.read("/tmp/fifo")):
+        with pytest.raises(InvalidArgumentError, match="not a regular file"):
+            call()
+    with pytest.raises(InvalidArgumentError):
+        sb.files.download_tar("/tmp/fifo")
+    with tarfile.open(fileobj=io.BytesIO(sb.files.download_tar("/tmp/sp"))) as tar:
+        assert sorted(m.name.removeprefix("./") for m in tar if m.name not in (".", "./")) == ["f"]
+    sb.exec("mv /etc/passwd /etc/passwd.real && mkfifo /etc/passwd")
+    try:
+        with pytest.raises(InvalidArgumentError, match="not a regular file"):
+            sb.exec("id -u", user="nobody")
+        with pytest.raises(InvalidArgumentError, match="not a regular file"):
+            sb.files.write("/tmp/owned", "x", user="nobody")
+    finally:
+        sb.exec("rm /etc/passwd && mv /etc/passwd.real /etc/passwd")
+    assert time.monotonic() - t0 < 30
+    assert sb.exec("id -u", user="nobody").stdout == "65534\n"
+    assert sb.files.stat("/tmp/fifo").type == "other"
+    sb.exec("rm -r /tmp/fifo /tmp/sp")
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = "") -> bytes:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.size, ti.linkname, ti.mode, ti.mtime = kind, len(data), link, 0o644, 1_700_000_000
+    return ti.tobuf(tarfile.PAX_FORMAT) + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+
+
+def _archive(*members: bytes) -> bytes:
+    return b"".join(members) + bytes(2 * tarfile.BLOCKSIZE)
+
+
+@functools.cache
+def _gzip_bomb(gib: int = 2) -> bytes:
+    """A gzipped tar of one file of `gib` GiB of zeros, ~2 MiB on the wire: gzip members one after
+    the other (a gzip stream may hold several), each 64 MiB of zeros compressed once."""
+    ti = tarfile.TarInfo("zeros")
+    ti.size = gib * 1024**3
+    zeros = gzip.compress(bytes(64 * 1024**2), compresslevel=9)
+    return gzip.compress(ti.tobuf(tarfile.PAX_FORMAT)) + zeros * (gib * 16) + gzip.compress(bytes(1024))
+
+
+HOSTILE_UPLOADS: dict[str, Callable[[], bytes]] = {
+    "hardlink to an absolute path": lambda: _archive(_member("h", tarfile.LNKTYPE, link="/etc/passwd")),
+    "hardlink out of the archive": lambda: _archive(_member("h", tarfile.LNKTYPE, link="../../../etc/passwd")),
+    "hardlink to a replaced file": lambda: _archive(
+        _member("f", data=b"x"),
+        _member("f", tarfile.SYMTYPE, link="/etc/passwd"),
+        _member("h", tarfile.LNKTYPE, link="f"),
+    ),
+    "a FIFO member": lambda: _archive(_member("p", tarfile.FIFOTYPE)),
+    "a device member": lambda: _archive(_member("d", tarfile.CHRTYPE)),
+    "a dot-dot name": lambda: _archive(_member("../../etc/evil", data=b"x")),
+    "a size that lies": lambda: _member("big", data=b"x" * 10_000)[: tarfile.BLOCKSIZE + 1000],
+    "a gzip bomb": _gzip_bomb,
+}
+
+
+def test_hostile_uploads_are_typed_400s(image_sb: Sandbox, tier: Tier) -> None:
+    """Every tier checks an upload by the same rules before anything lands: each of these is a
+    400 naming the problem (never a 500), and nothing of it is left in the sandbox."""
+    sb = image_sb
+    passwd = sb.files.read("/etc/passwd")
+    transport = httpx.HTTPTransport(uds=str(tier.daemon.socket))
+    with httpx.Client(transport=transport, base_url="http://sandfleet", timeout=120) as h:
+        for what, make in HOSTILE_UPLOADS.items():
+            r = h.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/up"}, content=make())
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_argument", (what, r.text[:300])
+        # A symlink, then a file through it: resolved inside the sandbox's own root, as there.
+        link = _archive(_member("link", tarfile.SYMTYPE, link="/etc"), _member("link/pwned", data=b"in the root"))
+        r = h.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/up"}, content=link)
+        assert r.status_code == 200, r.text[:300]
+    assert sb.files.read("/etc/pwned") == b"in the root"
+    assert sb.files.read("/etc/passwd") == passwd
+    assert sb.exec("ls -A /up").stdout.split() == ["link"]
+    sb.exec("rm -r /up /etc/pwned")
+
+
+def test_users_of_a_debian_image(debian: Sandbox) -> None:
+    assert debian.exec("id -u; id -g", user="nobody").stdout.split() == ["65534", "65534"]
+    assert debian.files.write("/tmp/by-daemon", "x", user="daemon").uid == 1
+    assert debian.exec("stat -c %u:%g /tmp/by-daemon").stdout == "1:1\n"
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        debian.exec("true", user="no-such-user")
+    debian.exec("rm /tmp/by-daemon")
 
 
 # -- events and errors ------------------------------------------------------------------------------
