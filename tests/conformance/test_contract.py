@@ -32,6 +32,7 @@ from sandfleet import (
     ContainerOptions,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     Resources,
     SandboxError,
     SandboxNotFoundError,
@@ -318,6 +319,9 @@ def test_special_files_are_refused_at_once(image_sb: Sandbox) -> None:
             call()
     with pytest.raises(InvalidArgumentError):
         sb.files.download_tar("/tmp/fifo")
+    for device in (lambda: sb.files.write("/dev/zero", "x"), lambda: sb.files.read("/dev/zero")):
+        with pytest.raises((InvalidArgumentError, PermissionDeniedError)):  # a device; or /dev, a mount
+            device()
     with tarfile.open(fileobj=io.BytesIO(sb.files.download_tar("/tmp/sp"))) as tar:
         assert sorted(m.name.removeprefix("./") for m in tar if m.name not in (".", "./")) == ["f"]
     sb.exec("mv /etc/passwd /etc/passwd.real && mkfifo /etc/passwd")
