@@ -343,6 +343,7 @@ async def _without_special(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]
     buf = bytearray()
     prefix = bytearray()  # pax or GNU long-name records that belong to the next member
     passing = 0  # bytes of the current member's data still to pass through
+    dropping = 0  # bytes of a left-out member's data still to drop (none, from an honest tar)
     ended = False
     async for chunk in chunks:
         if ended:
@@ -351,12 +352,15 @@ async def _without_special(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]
         buf += chunk
         out = bytearray()
         while True:
-            if passing:
-                n = min(passing, len(buf))
-                out += buf[:n]
-                del buf[:n]
-                passing -= n
+            if passing or dropping:
+                n = min(passing or dropping, len(buf))
                 if passing:
+                    out += buf[:n]
+                    passing -= n
+                else:
+                    dropping -= n
+                del buf[:n]
+                if passing or dropping:
                     break
             if len(buf) < BLOCK:
                 break
@@ -380,8 +384,7 @@ async def _without_special(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]
             del buf[:BLOCK]
             if kind in (b"3", b"4", b"6"):  # character device, block device, FIFO
                 prefix.clear()
-                passing = 0
-                del buf[: min(padded, len(buf))]  # they carry no data; a bogus size is dropped too
+                dropping = padded
                 continue
             out += prefix + header
             prefix.clear()
