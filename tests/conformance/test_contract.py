@@ -258,6 +258,12 @@ def test_terminal_session(image_sb: Sandbox) -> None:
         assert time.monotonic() - t0 < 20
         assert s.run("sleep 30", timeout=0.5).timed_out
         assert s.run("echo alive").stdout == "alive\r\n"
+        # Terminal modes: a command that exits keeps what it set; after one that a signal ended
+        # (a pager killed in raw mode) the modes from before it come back.
+        s.run("stty -echo")
+        assert s.run("sh -c 'stty -icanon; kill -9 $$'").exit_code == 137
+        modes = s.run("stty -a").stdout.split()
+        assert "-echo" in modes and "icanon" in modes, modes
 
 
 def test_terminal_session_runs_a_repl(debian: Sandbox) -> None:

@@ -885,13 +885,13 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 	if (pty) { /* the master is our stdout (read) and, through a second fd, the child's stdin */
 		close(pts);
 		pts = -1;
-		if (!session) /* a session types into it per command (do_srun) */
+		if (session) /* it types into it per command (do_srun) */
+			e->tio = tio;
+		else
 			in[1] = fcntl(ptm, F_DUPFD_CLOEXEC, 0);
 		out[0] = ptm;
 		ptm = -1;
 		e->pty = 1;
-		if (session)
-			e->tio = tio;
 	}
 	e->id = id;
 	e->pid = pid;
