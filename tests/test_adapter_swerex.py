@@ -9,6 +9,7 @@ missing (setup: `pip download --no-binary :all: --no-deps swe-rex==1.4.0 -d ~/.c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from swerex.exceptions import (  # noqa: E402
     NonZeroExitCodeError,
     SessionDoesNotExistError,
     SessionExistsError,
+    SwerexException,
 )
 from swerex.runtime.abstract import (  # noqa: E402
     BashAction,
@@ -50,12 +52,13 @@ from sandfleet.adapters.swerex import SandfleetDeployment, SandfleetDeploymentCo
 LABELS = {"job": "swerex-test"}
 PEER_LABELS = {"job": "swerex-peer-test"}
 IMAGE = "python:3.11"
+# The peer tests' image: python:3.11 and `less` (test_interrupt_pager interrupts it), built once.
+PEER_RECIPE = Path(__file__).parent / "data" / "recipes" / "python-less.toml"
 CACHE = Path(os.environ.get("SANDFLEET_PEER_CACHE", Path.home() / ".cache" / "sandfleet" / "peer"))
 
 # Peer tests left out, and why (everything else in test_execution.py runs).
 DESELECTED = {
     "test_server_dead": "checks SWE-ReX's RemoteRuntime against an unresolvable host, not the runtime under test",
-    "test_interrupt_pager": "needs `less`, which the python:3.11 image lacks",
 }
 
 
@@ -95,10 +98,11 @@ def test_swerex_own_runtime_tests(daemon: object, fleet: Client, tmp_path: Path)
     # pytest's temp dirs, bind-mounted into the sandbox: under the daemon's mount allowlist.
     basetemp = Path(daemon.root) / "shared" / f"swerex-peer-{uuid.uuid4().hex[:8]}"  # type: ignore[attr-defined]
     junit = tmp_path / "junit.xml"
+    image = fleet.build_recipe(PEER_RECIPE)
     env = {
         **os.environ,
         "SANDFLEET_PEER_SOCKET": str(daemon.socket),  # type: ignore[attr-defined]
-        "SANDFLEET_PEER_IMAGE": IMAGE,
+        "SANDFLEET_PEER_IMAGE": f"{image.name}:{image.tag}",
         "SANDFLEET_PEER_LABELS": json.dumps(PEER_LABELS),
     }
     deselect = [f"--deselect=tests/test_execution.py::{name}" for name in DESELECTED]
@@ -121,7 +125,7 @@ def test_swerex_own_runtime_tests(daemon: object, fleet: Client, tmp_path: Path)
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     assert proc.returncode == 0 and counts["failures"] == counts["errors"] == 0, report
     # Only the upstream xfail (mixed interactive and normal commands) may be skipped.
-    assert counts["tests"] - counts["skipped"] >= 45 and counts["skipped"] <= 1, report
+    assert counts["tests"] - counts["skipped"] >= 46 and counts["skipped"] <= 1, report
     assert fleet.list(labels=PEER_LABELS) == []
 
 
@@ -245,8 +249,24 @@ async def test_interrupt_ends_a_program_that_ignores_ctrl_c(runtime: SandfleetRu
         BashAction(command=prog, is_interactive_command=True, expect=["ready"], timeout=10)
     )
     assert r.expect_string == "ready"
-    await runtime.run_in_session(BashInterruptAction(timeout=1, n_retry=2))  # ^C ignored; end of input ends it
-    assert (await runtime.run_in_session(BashAction(command="echo ok"))).output == "ok\n"
+    # ^C ignored: as SWE-ReX, ^Z (the shell's job control takes the terminal back) and kill -9 of the job
+    await runtime.run_in_session(BashInterruptAction(timeout=1, n_retry=2))
+    r = await runtime.run_in_session(BashAction(command="echo ok"))
+    assert r.output.endswith("ok\n") and "Killed" in r.output  # the shell's notice of the job it killed
+
+
+async def test_a_timed_out_command_runs_on_until_interrupted(runtime: SandfleetRuntime) -> None:
+    """As in SWE-ReX's shell: a timeout leaves the command running; what it prints afterwards comes
+    with the next observation; ^C ends it, and the shell (its state) lives on."""
+    await runtime.run_in_session(BashAction(command="export KEEP=1"))
+    with pytest.raises(CommandTimeoutError):
+        await runtime.run_in_session(BashAction(command="sleep 1; echo late; sleep 60", timeout=0.3))
+    with pytest.raises(SwerexException):  # busy: a command is still running
+        await runtime.run_in_session(BashAction(command="echo next"))
+    await asyncio.sleep(1.5)
+    r = await runtime.run_in_session(BashInterruptAction(timeout=5))
+    assert "late" in r.output
+    assert (await runtime.run_in_session(BashAction(command="echo $KEEP"))).output == "1\n"
 
 
 async def test_execute_files_and_upload(runtime: SandfleetRuntime, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from sandfleet import Resources
 from sandfleet.errors import SandboxError
 from sandfleet.runtime import guest, vmdisk
 
@@ -22,6 +24,7 @@ from conftest import Daemon, destroy_daemon, make_daemon, wait_until
 pytestmark = [pytest.mark.vm]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+MIB = 1024**2
 
 
 def _with_vms(d: Daemon, vm_extra: str = "") -> str:
@@ -230,6 +233,35 @@ def test_vm_full_machine(vmd: tuple[Daemon, str]) -> None:
         assert bases[0].exists()  # the base is a cache: it outlives its VMs
 
 
+@pytest.mark.parametrize("tier", ["microvm", "vm"])
+def test_writes_stop_at_the_disk_limit(vmd: tuple[Daemon, str], tier: str) -> None:
+    """`resources.disk` bounds what a guest writes: ENOSPC in the guest after about that much (the
+    vm tier's root overlay is that much larger than the image's base, and vminit grows the root
+    filesystem into it; the microvm's writable layer is a tmpfs of that size), and the vm tier's
+    overlay never grows past it on the host."""
+    d, _parent = vmd
+    with d.client(timeout=300) as c:
+        sb = c.create(backend=tier, image="busybox", idle_ttl=600, resources=Resources(disk="64MiB"))
+        try:
+            r = sb.exec("dd if=/dev/zero of=/fill bs=1M count=200 2>&1; sync; stat -c %s /fill", timeout=300)
+            assert "No space left on device" in r.stdout, r.stdout
+            written = int(r.stdout.split()[-1])
+            assert 60 * MIB <= written <= 80 * MIB, written  # the disk, and a busybox base's few MiB of slack
+            if tier == "vm":
+                overlay = d.run_dir / "vm" / sb.id / "root.qcow2"
+                virtual = json.loads(
+                    subprocess.run(
+                        ["qemu-img", "info", "-U", "--output=json", str(overlay)], capture_output=True, check=True
+                    ).stdout
+                )["virtual-size"]
+                allocated = overlay.stat().st_blocks * 512
+                assert allocated <= virtual <= 64 * MIB + 64 * MIB, (allocated, virtual)
+                _measured(f"vm disk=64MiB: {written / MIB:.0f} MiB written, overlay {allocated / MIB:.0f} MiB")
+            assert sb.exec("rm /fill && echo ok").stdout == "ok\n"  # the guest goes on
+        finally:
+            sb.stop()
+
+
 def test_vm_failed_create_leaves_nothing() -> None:
     """QEMU starts but the agent cannot say hello within start_timeout: nothing may stay."""
     d, parent = _daemon_with_vms("vmfail", "start_timeout = 1.0\n")
@@ -289,7 +321,8 @@ def test_snapshot_restore_twice_at_once(vmd: tuple[Daemon, str], tier: str) -> N
         sb = c.create(backend=tier, image="busybox", idle_ttl=600)
         try:
             sb.exec("echo parent > /tmp/state")
-            counter = sb.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done")
+            # (renamed into place: a reader never sees the file empty between truncate and write)
+            counter = sb.start("i=0; while true; do i=$((i+1)); echo $i >/tmp/c; mv /tmp/c /tmp/count; sleep 0.1; done")
             time.sleep(1)
             t0 = time.monotonic()
             snap = sb.snapshot()

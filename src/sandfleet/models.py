@@ -846,6 +846,7 @@ class SessionInfo(_Model):
     shell: str
     created_at: float
     busy: bool = Field(False, description="a command is running in it")
+    pty: bool = Field(False, description="its shell runs on a pseudo-terminal")
 
 
 class SessionRunRequest(_Stdin):
@@ -869,6 +870,12 @@ class SessionCreateRequest(_Model):
     env: EnvVars = Field(default_factory=dict)
     cwd: SandboxPath | None = None
     user: UserName | None = None
+    pty: TerminalSize | None = Field(
+        None,
+        description="run the shell on a new pseudo-terminal of this size: it is the shell's stdout and stderr "
+        "and each command's stdin (output is one stream, `stdout`, with the terminal's CRLF line ends; stdin is "
+        "typed into it, ^C interrupts the command); TERM defaults to xterm-256color",
+    )
 
 
 class LifetimeUpdate(_Model):

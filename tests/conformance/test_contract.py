@@ -5,17 +5,26 @@ client) -> `sb` (a fresh sandbox) -> `busy` (that sandbox with a background proc
 without a capability a test needs skips it with the reason (`needs`), never silently. After every
 test the node must hold nothing of the sandboxes that test stopped: no directory, mount or cgroup.
 Every tier joins `TIERS` and runs this file.
+
+The contract runs on busybox; the paths that depend on the image's own tools (its shells for
+sessions, its coreutils and tar for a VM's files, its users) run on a Debian image too (`debian`:
+one sandbox of python:3.11 per tier, and `image_sb`: each test on both).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gzip
+import io
 import os
 import shutil
+import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from sandfleet import (
@@ -23,6 +32,7 @@ from sandfleet import (
     ContainerOptions,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     Resources,
     SandboxError,
     SandboxNotFoundError,
@@ -45,6 +55,7 @@ TIERS = {
     "vm": ("vm", "", "qemu-system-x86_64"),
 }
 VM_TIERS = ("microvm", "vm")
+DEBIAN = "python:3.11"  # Debian: bash and dash, coreutils, GNU tar, users (busybox has busybox's)
 
 
 @dataclass
@@ -105,6 +116,24 @@ def fleet(tier: Tier) -> Iterator[Client]:
 def sb(fleet: Client, tier: Tier) -> Iterator[Sandbox]:
     with fleet.create(backend=tier.backend, image="busybox", idle_ttl=120, resources=Resources(memory="128MiB")) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def debian(tier: Tier) -> Iterator[Sandbox]:
+    """One sandbox of the Debian image per tier (the tests using it leave it as they found it)."""
+    with tier.daemon.client(timeout=120) as c:
+        s = c.create(backend=tier.backend, image=DEBIAN, idle_ttl=900, resources=Resources(memory="256MiB"))
+        try:
+            yield s
+        finally:
+            with contextlib.suppress(SandboxError):
+                s.stop()
+
+
+@pytest.fixture(params=["busybox", "debian"])
+def image_sb(request: pytest.FixtureRequest, tier: Tier) -> Sandbox:
+    """The test on a busybox sandbox and on the Debian one (of every tier: `tier` says so to pytest)."""
+    return request.getfixturevalue("sb" if request.param == "busybox" else "debian")  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -178,6 +207,79 @@ def test_sessions_keep_state(sb: Sandbox) -> None:
     assert s.run("echo alive").stdout == "alive\n"
 
 
+def test_sessions_on_a_debian_image(debian: Sandbox) -> None:
+    """Its bash runs the session (a VM's files are reached through its agent to find it)."""
+    with debian.session() as s:
+        assert s.info.shell == "/bin/bash"
+        assert s.run("echo one").stdout == "one\n"
+        s.run("cd /tmp && export X=42 && f() { echo fn; }")
+        assert s.run("pwd; echo $X; f").stdout.split() == ["/tmp", "42", "fn"]
+        assert s.run("cat; echo err >&2", stdin="in", merge_stderr=True).stdout == "inerr\n"
+        assert s.run("sleep 30", timeout=0.5).timed_out
+        assert s.run("echo alive").stdout == "alive\n"
+
+
+def test_session_of_a_dash_only_image(debian: Sandbox) -> None:
+    """With no bash the session's shell is /bin/sh, dash, which cannot name a descriptor above 9:
+    its status socket and command stdin sit at 9 and 8, and no command sees them."""
+    debian.exec("mv /usr/bin/bash /usr/bin/bash.hidden")
+    try:
+        with debian.session() as s:
+            assert s.info.shell == "/bin/sh"
+            assert s.run("echo one").stdout == "one\n"
+            s.run("cd /tmp && X=42")
+            assert s.run("pwd; echo $X").stdout.split() == ["/tmp", "42"]
+            assert s.run("cat", stdin="in").stdout == "in"
+            assert s.run("ls /proc/self/fd").stdout.split() == ["0", "1", "2", "3"]
+            assert s.run("exec 9>/tmp/nine 8</dev/null; echo moved").stdout == "moved\n"
+            assert s.run("(exit 5)").exit_code == 5  # still framed: its descriptors came back
+            assert s.run("sleep 30", timeout=0.5).timed_out
+            assert s.run("echo alive").stdout == "alive\n"
+    finally:
+        debian.exec("mv /usr/bin/bash.hidden /usr/bin/bash")
+
+
+def test_terminal_session(image_sb: Sandbox) -> None:
+    """A session on a pseudo-terminal: each command's output (one stream) and exit code, its stdin
+    the terminal; ^C typed into it ends the running command, and the shell lives on."""
+    with image_sb.session(pty=True) as s:
+        assert s.info.pty
+        r = s.run("test -t 0 && test -t 1 && echo tty; echo err >&2; (exit 3)")
+        assert (r.exit_code, r.stdout, r.stderr) == (3, "tty\r\nerr\r\n", "")
+        s.run("cd /tmp && X=42")
+        assert s.run("pwd; echo $X").stdout == "/tmp\r\n42\r\n"
+        t0 = time.monotonic()
+        with s.run_stream("sh -c 'echo ready; exec sleep 30'", timeout=60) as events:
+            for ev in events:
+                if ev.type == "stdout" and "ready" in (ev.data or ""):
+                    s.write_stdin("\x03")
+                if ev.type == "exit":
+                    assert ev.result is not None and ev.result.exit_code == 130
+        assert time.monotonic() - t0 < 20
+        assert s.run("sleep 30", timeout=0.5).timed_out
+        assert s.run("echo alive").stdout == "alive\r\n"
+        # Terminal modes: a command that exits keeps what it set; after one that a signal ended
+        # (a pager killed in raw mode) the modes from before it come back.
+        s.run("stty -echo")
+        assert s.run("sh -c 'stty -icanon; kill -9 $$'").exit_code == 137
+        modes = s.run("stty -a").stdout.split()
+        assert "-echo" in modes and "icanon" in modes, modes
+
+
+def test_terminal_session_runs_a_repl(debian: Sandbox) -> None:
+    with debian.session(pty=True) as s, s.run_stream("python3 -q", timeout=60) as events:
+        seen = ""
+        for ev in events:
+            seen += ev.data or ""
+            if seen.endswith(">>> ") and "42" not in seen:
+                s.write_stdin("print(6*7)\n")
+            elif seen.endswith(">>> "):
+                s.write_stdin("\x04")  # the terminal's end of input: the REPL exits
+            if ev.type == "exit":
+                assert ev.result is not None and ev.result.exit_code == 0
+        assert "42\r\n" in seen
+
+
 # -- files ------------------------------------------------------------------------------------------
 
 
@@ -210,6 +312,101 @@ def test_files_stay_inside_the_sandbox(sb: Sandbox, tmp_path_factory: pytest.Tem
         with contextlib.suppress(SandboxError):
             sb.files.write(path, "x")
     assert not (host / "written").exists()
+
+
+def test_special_files_are_refused_at_once(image_sb: Sandbox) -> None:
+    """A FIFO (or device) is never opened by a file call: writing or reading one, a download of a
+    directory holding one, and a user lookup with /etc/passwd replaced by one answer at once."""
+    sb = image_sb
+    sb.exec("mkfifo /tmp/fifo && mkdir -p /tmp/sp && mkfifo /tmp/sp/p && echo hi > /tmp/sp/f")
+    t0 = time.monotonic()
+    for call in (lambda: sb.files.write("/tmp/fifo", "x"), lambda: sb.files.read("/tmp/fifo")):
+        with pytest.raises(InvalidArgumentError, match="not a regular file"):
+            call()
+    with pytest.raises(InvalidArgumentError):
+        sb.files.download_tar("/tmp/fifo")
+    for device in (lambda: sb.files.write("/dev/zero", "x"), lambda: sb.files.read("/dev/zero")):
+        with pytest.raises((InvalidArgumentError, PermissionDeniedError)):  # a device; or /dev, a mount
+            device()
+    with tarfile.open(fileobj=io.BytesIO(sb.files.download_tar("/tmp/sp"))) as tar:
+        assert sorted(m.name.removeprefix("./") for m in tar if m.name not in (".", "./")) == ["f"]
+    sb.exec("mv /etc/passwd /etc/passwd.real && mkfifo /etc/passwd")
+    try:
+        with pytest.raises(InvalidArgumentError, match="not a regular file"):
+            sb.exec("id -u", user="nobody")
+        with pytest.raises(InvalidArgumentError, match="not a regular file"):
+            sb.files.write("/tmp/owned", "x", user="nobody")
+    finally:
+        sb.exec("rm /etc/passwd && mv /etc/passwd.real /etc/passwd")
+    assert time.monotonic() - t0 < 30
+    assert sb.exec("id -u", user="nobody").stdout == "65534\n"
+    assert sb.files.stat("/tmp/fifo").type == "other"
+    sb.exec("rm -r /tmp/fifo /tmp/sp")
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = "") -> bytes:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.size, ti.linkname, ti.mode, ti.mtime = kind, len(data), link, 0o644, 1_700_000_000
+    return ti.tobuf(tarfile.PAX_FORMAT) + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+
+
+def _archive(*members: bytes) -> bytes:
+    return b"".join(members) + bytes(2 * tarfile.BLOCKSIZE)
+
+
+@functools.cache
+def _gzip_bomb(gib: int = 2) -> bytes:
+    """A gzipped tar of one file of `gib` GiB of zeros, ~2 MiB on the wire: gzip members one after
+    the other (a gzip stream may hold several), each 64 MiB of zeros compressed once."""
+    ti = tarfile.TarInfo("zeros")
+    ti.size = gib * 1024**3
+    zeros = gzip.compress(bytes(64 * 1024**2), compresslevel=9)
+    return gzip.compress(ti.tobuf(tarfile.PAX_FORMAT)) + zeros * (gib * 16) + gzip.compress(bytes(1024))
+
+
+HOSTILE_UPLOADS: dict[str, Callable[[], bytes]] = {
+    "hardlink to an absolute path": lambda: _archive(_member("h", tarfile.LNKTYPE, link="/etc/passwd")),
+    "hardlink out of the archive": lambda: _archive(_member("h", tarfile.LNKTYPE, link="../../../etc/passwd")),
+    "hardlink to a replaced file": lambda: _archive(
+        _member("f", data=b"x"),
+        _member("f", tarfile.SYMTYPE, link="/etc/passwd"),
+        _member("h", tarfile.LNKTYPE, link="f"),
+    ),
+    "a FIFO member": lambda: _archive(_member("p", tarfile.FIFOTYPE)),
+    "a device member": lambda: _archive(_member("d", tarfile.CHRTYPE)),
+    "a dot-dot name": lambda: _archive(_member("../../etc/evil", data=b"x")),
+    "a size that lies": lambda: _member("big", data=b"x" * 10_000)[: tarfile.BLOCKSIZE + 1000],
+    "a gzip bomb": _gzip_bomb,
+}
+
+
+def test_hostile_uploads_are_typed_400s(image_sb: Sandbox, tier: Tier) -> None:
+    """Every tier checks an upload by the same rules before anything lands: each of these is a
+    400 naming the problem (never a 500), and nothing of it is left in the sandbox."""
+    sb = image_sb
+    passwd = sb.files.read("/etc/passwd")
+    transport = httpx.HTTPTransport(uds=str(tier.daemon.socket))
+    with httpx.Client(transport=transport, base_url="http://sandfleet", timeout=120) as h:
+        for what, make in HOSTILE_UPLOADS.items():
+            r = h.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/up"}, content=make())
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_argument", (what, r.text[:300])
+        # A symlink, then a file through it: resolved inside the sandbox's own root, as there.
+        link = _archive(_member("link", tarfile.SYMTYPE, link="/etc"), _member("link/pwned", data=b"in the root"))
+        r = h.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/up"}, content=link)
+        assert r.status_code == 200, r.text[:300]
+    assert sb.files.read("/etc/pwned") == b"in the root"
+    assert sb.files.read("/etc/passwd") == passwd
+    assert sb.exec("ls -A /up").stdout.split() == ["link"]
+    sb.exec("rm -r /up /etc/pwned")
+
+
+def test_users_of_a_debian_image(debian: Sandbox) -> None:
+    assert debian.exec("id -u; id -g", user="nobody").stdout.split() == ["65534", "65534"]
+    assert debian.files.write("/tmp/by-daemon", "x", user="daemon").uid == 1
+    assert debian.exec("stat -c %u:%g /tmp/by-daemon").stdout == "1:1\n"
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        debian.exec("true", user="no-such-user")
+    debian.exec("rm /tmp/by-daemon")
 
 
 # -- events and errors ------------------------------------------------------------------------------

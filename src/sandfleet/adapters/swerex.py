@@ -8,17 +8,20 @@ works (bash for SWE-agent's tools).
 
 How SWE-ReX's semantics map:
 
-- a bash session (`create_session` / `run_in_session`) is a sandfleet session: one long-lived shell
-  whose cwd, environment and variables carry over. A command is syntax-checked first (`bash -n`, as
-  SWE-ReX does: `BashIncorrectSyntaxError` with the checker's stdout/stderr in `extra_info`); its
-  output is stdout and stderr merged (SWE-ReX reads a terminal); a timeout raises
-  `CommandTimeoutError`. Unlike SWE-ReX, sandfleet kills a timed-out command (the shell lives on),
-  so a following `BashInterruptAction` finds nothing left to interrupt.
-- interactive programs (`is_interactive_command`, `is_interactive_quit`) run in the session with
-  their standard input kept open, under `script` (util-linux) for a terminal when the image has it,
-  so REPLs print their prompts; each action writes a line to the program and waits for one of its
-  `expect` strings, or for the program to end (where SWE-ReX waits for its shell prompt).
-  `BashInterruptAction` sends ^C to such a program (and ends its input if that does not help).
+- a bash session (`create_session` / `run_in_session`) is a sandfleet terminal session (`pty=True`):
+  one long-lived shell on a pseudo-terminal, as SWE-ReX's pexpect shell is, whose cwd, environment
+  and variables carry over. A command is syntax-checked first (`bash -n`, as SWE-ReX does:
+  `BashIncorrectSyntaxError` with the checker's stdout/stderr in `extra_info`); its output is the
+  terminal's (stdout and stderr in one, CRLF as LF, escape sequences gone). A timeout raises
+  `CommandTimeoutError` and, as in SWE-ReX, leaves the command running: `BashInterruptAction`
+  types ^C into the terminal (`n_retry` times, each waiting `timeout` for it to end), then, as
+  SWE-ReX, ^Z and `kill -9 %%` (the shell's notice of the killed job comes with the next
+  command's output). What a command printed after the action that left it running returned comes
+  with the next observation.
+- interactive programs (`is_interactive_command`, `is_interactive_quit`) run in the session the
+  same way, so REPLs print their prompts; each action types a line into the terminal and waits
+  for one of its `expect` strings, or for the program to end (where SWE-ReX waits for its shell
+  prompt).
 - `execute` is one process (`/bin/sh -c` when `shell`), `read_file`/`write_file`/`upload` are
   sandfleet's file calls (relative paths are relative to the sandbox's workdir).
 
@@ -234,8 +237,9 @@ def _terminal_text(s: str) -> str:
 
 
 class _Foreground:
-    """An interactive program running in a session: its streamed output collected in the
-    background, so each action can wait for what it expects without ending the stream."""
+    """A command running in a session (a program left running by a timeout, an interactive one):
+    its streamed output collected in the background, so each action can wait for what it expects
+    without ending the stream."""
 
     def __init__(self, stream: AsyncEventStream[ExecEvent]) -> None:
         self.buffer = ""
@@ -261,6 +265,11 @@ class _Foreground:
             self.done = True
             self._changed.set()
 
+    def rest(self) -> str:
+        """What no action consumed yet."""
+        before, self.seen = self.buffer[self.seen :], len(self.buffer)
+        return before
+
     async def expect(self, patterns: list[str], timeout: float | None, what: str) -> tuple[str, str]:
         """Wait for the first of `patterns` after what was consumed, or for the program to end:
         (the output before it, the pattern; "" for the end). Raises CommandTimeoutError."""
@@ -276,8 +285,7 @@ class _Foreground:
                 if self.error is not None:
                     with _as_swerex(what):
                         raise self.error
-                before, self.seen = self.buffer[self.seen :], len(self.buffer)
-                return before, ""
+                return self.rest(), ""
             self._changed.clear()
             left = None if deadline is None else deadline - loop.time()
             try:
@@ -299,6 +307,22 @@ class _BashSession:
         self.session = session
         self.last_exit = 0
         self.foreground: _Foreground | None = None
+        self.pending = ""  # what an ended command printed after the last observation
+
+    def _start(self, command: str) -> _Foreground:
+        stream = self.session.run_stream(command, merge_stderr=True, timeout=None, output_limit=self.rt.output_limit)
+        self.foreground = _Foreground(stream)
+        return self.foreground
+
+    def _ended(self, fg: _Foreground) -> None:
+        """The foreground command is over: its exit code is the session's, its unread output the next one's."""
+        self.foreground = None
+        self.pending += _terminal_text(fg.rest())
+        self.last_exit = fg.exit_code if fg.exit_code is not None else self.last_exit
+
+    def _take_pending(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
 
     async def run(self, action: BashAction | BashInterruptAction) -> BashObservation:
         if isinstance(action, BashInterruptAction):
@@ -318,18 +342,17 @@ class _BashSession:
         return obs
 
     async def _normal(self, action: BashAction) -> BashObservation:
+        if self.foreground is not None and self.foreground.done:
+            self._ended(self.foreground)
         if not action.command.strip():  # an empty line: nothing runs, $? stays
             return BashObservation(exit_code=None if action.check == "ignore" else self.last_exit)
         await self._check_syntax(action.command)
         with _as_swerex(f"running {action.command!r}"):
-            r = await self.session.run(
-                action.command, timeout=action.timeout, merge_stderr=True, output_limit=self.rt.output_limit
-            )
-        if r.timed_out:
-            msg = f"timeout after {action.timeout} seconds while running command {action.command!r}"
-            raise CommandTimeoutError(msg)
-        self.last_exit = r.exit_code
-        return BashObservation(output=r.stdout, exit_code=None if action.check == "ignore" else r.exit_code)
+            fg = self._start(action.command)
+        before, _ = await fg.expect([], action.timeout, action.command)  # CommandTimeoutError: it runs on
+        self._ended(fg)
+        output = self._take_pending() + _terminal_text(before)
+        return BashObservation(output=output, exit_code=None if action.check == "ignore" else self.last_exit)
 
     async def _check_syntax(self, command: str) -> None:
         """SWE-ReX refuses a command its shell cannot parse before running any of it."""
@@ -346,41 +369,50 @@ class _BashSession:
         fg = self.foreground
         with _as_swerex(f"running {action.command!r}"):
             if fg is None or fg.done:
-                command = action.command
-                if await self.rt.has_script():  # a terminal, so REPLs prompt as they do for a person
-                    command = f"script -qfec {shlex.quote(command)} /dev/null"
-                stream = self.session.run_stream(command, keep_stdin_open=True, merge_stderr=True, timeout=None)
-                fg = self.foreground = _Foreground(stream)
+                if fg is not None:
+                    self._ended(fg)
+                fg = self._start(action.command)
             else:
                 await self.session.write_stdin(action.command + "\n")
         before, matched = await fg.expect(action.expect, action.timeout, action.command)
         if fg.done and not matched:
-            self.foreground = None
-            self.last_exit = fg.exit_code if fg.exit_code is not None else self.last_exit
+            self._ended(fg)
         # A terminal echoes what was typed: the output is what follows it.
-        output = _terminal_text(before).lstrip().removeprefix(action.command.strip()).strip()
+        before = self._take_pending() + _terminal_text(before)
+        output = before.lstrip().removeprefix(action.command.strip()).strip()
         return BashObservation(output=output, exit_code=0, expect_string=matched)
 
     async def _interrupt(self, action: BashInterruptAction) -> BashObservation:
         fg = self.foreground
-        if fg is None or fg.done:  # sandfleet already killed a timed-out command
-            self.foreground = None
-            return BashObservation(output="", exit_code=0)
-        for keys in ["\x03"] * action.n_retry + ["\x04"]:  # ^C, then end of input
+        if fg is None or fg.done:
+            if fg is not None:
+                self._ended(fg)
+            return BashObservation(output=self._take_pending().strip(), exit_code=0)
+        for _ in range(action.n_retry):
             with _as_swerex("interrupting the session"):
-                await self.session.write_stdin(keys)
+                await self.session.write_stdin("\x03")  # ^C: the terminal's SIGINT to the command
             try:
                 before, matched = await fg.expect(action.expect, action.timeout, "interrupt")
             except CommandTimeoutError:
                 continue
             if fg.done:
-                self.foreground = None
-            return BashObservation(output=_terminal_text(before).strip(), exit_code=0, expect_string=matched)
+                self._ended(fg)
+            output = self._take_pending() + _terminal_text(before)
+            return BashObservation(output=output.strip(), exit_code=0, expect_string=matched)
+        # As SWE-ReX: suspend it (^Z: job control gives the shell the terminal back) and kill the job.
         with _as_swerex("interrupting the session"):
-            await self.session.close_stdin()
-        before, matched = await fg.expect([], action.timeout, "interrupt")
-        self.foreground = None
-        return BashObservation(output=_terminal_text(before).strip(), exit_code=0, expect_string=matched)
+            await self.session.write_stdin("\x1a")
+        try:
+            before, _ = await fg.expect([], max(action.timeout, 5.0), "interrupt")
+        except CommandTimeoutError:  # it would not stop either: the daemon kills what the shell runs
+            await fg.cancel()
+            before = fg.rest()
+        self._ended(fg)
+        output = self._take_pending() + _terminal_text(before)
+        with _as_swerex("interrupting the session"):
+            r = await self.session.run("kill -9 %%", timeout=30, merge_stderr=True)
+        self.pending += _terminal_text(r.stdout)  # the shell's notice of the killed job: for the next one, as there
+        return BashObservation(output=output.strip(), exit_code=0, expect_string="")
 
     async def close(self) -> None:
         if self.foreground is not None:
@@ -400,14 +432,6 @@ class SandfleetRuntime(AbstractRuntime):
         self.output_limit = output_limit
         self.logger = logger or get_logger("rex-runtime")
         self._sessions: dict[str, _BashSession] = {}
-        self._has_script: bool | None = None
-
-    async def has_script(self) -> bool:
-        """Whether the image has util-linux `script` (interactive programs then get a terminal)."""
-        if self._has_script is None:
-            r = await self.sandbox.exec("command -v script", timeout=30)
-            self._has_script = r.exit_code == 0
-        return self._has_script
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         try:
@@ -422,14 +446,14 @@ class SandfleetRuntime(AbstractRuntime):
         if request.session in self._sessions:
             raise SessionExistsError(f"session {request.session} already exists")
         with _as_swerex(f"creating session {request.session!r}"):
-            session = _BashSession(self, await self.sandbox.session())
+            session = _BashSession(self, await self.sandbox.session(pty=True))
         self._sessions[request.session] = session
         output = ""
         if request.startup_source:
             sources = " ; ".join(f"source {shlex.quote(p)}" for p in request.startup_source)
             with _as_swerex(f"starting session {request.session!r}"):
                 r = await session.session.run(sources, timeout=max(request.startup_timeout, 1.0), merge_stderr=True)
-            output = r.stdout
+            output = _terminal_text(r.stdout)
         return CreateBashSessionResponse(output=output)
 
     def _session(self, name: str) -> _BashSession:

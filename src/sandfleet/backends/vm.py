@@ -8,8 +8,10 @@ channel is out of its reach.
 
 vm: a full virtual machine. Its root disk is a qcow2 overlay (in the VM's directory, gone with it)
 over an ext4 base disk of the image's merged tree, built once per image and shared read-only by all
-its VMs (runtime/vmdisk.py). It boots the image's own kernel if the image has one (/boot/vmlinuz-V
-and /lib/modules/V; with an initramfs built for it), else the node's. vminit runs in full mode: the
+its VMs (runtime/vmdisk.py); the overlay is `resources.disk` larger than the base and vminit grows
+the root filesystem into it, so that is what the guest can write and what the overlay can grow to.
+It boots the image's own kernel if the image has one (/boot/vmlinuz-V and /lib/modules/V; with an
+initramfs built for it), else the node's. vminit runs in full mode: the
 disk becomes the root, the agent runs there as the guest's real root (no container: docker, mount,
 modprobe work as on any machine), and with `options.init` the image's /sbin/init becomes PID 1.
 In such a guest, root owns everything, the agent and its channel included: user code can break its
@@ -33,7 +35,7 @@ an overlay of its own over the snapshot's disk; the parent resumes and keeps run
 
 Not done yet: snapshots of a restored vm-tier VM (its disk chain would need the parent snapshot's
 disk); removing base disks of images that are gone (they are a cache under the
-state dir); enforcing `resources.disk` in the vm tier (the base's free space, HEADROOM, bounds it).
+state dir).
 """
 
 from __future__ import annotations
@@ -314,6 +316,7 @@ class VMBackend:
         if boot.base is not None:
             runtime["base"] = boot.base.path.parent.name
             runtime["kernel"] = "node" if boot.kernel == self.kernel.image else str(boot.kernel)
+            runtime["disk_bytes"] = boot.base.size + int(spec.resources.disk)  # the root overlay's virtual size
         try:
             return await self._boot(sandbox_id, spec, boot, runtime)
         except BaseException as exc:
@@ -363,10 +366,11 @@ class VMBackend:
         if boot.base is not None:
             overlay = vdir / ROOT_DISK
             layout = qemu.VMLayout()
+            size = int(runtime.get("disk_bytes") or boot.base.size)  # a snapshot of an older daemon: the base's
             if boot.snapdisk is None:
-                await asyncio.to_thread(vmdisk.create_overlay, overlay, boot.base, layout.base, uid)
+                await asyncio.to_thread(vmdisk.create_overlay, overlay, size, layout.base, uid)
             else:  # a restored child: its own overlay over the snapshot's frozen disk
-                await asyncio.to_thread(vmdisk.create_overlay, overlay, boot.base, layout.snapdisk, uid, "qcow2")
+                await asyncio.to_thread(vmdisk.create_overlay, overlay, size, layout.snapdisk, uid, "qcow2")
         procs = await asyncio.to_thread(self._make_cgroup, sandbox_id, spec, vm_spec.memory_mib)
         jail = await asyncio.to_thread(self._spawn, vdir, uid, boot, vm_spec, procs, incoming=incoming)
         runtime["jail_pid"] = jail
@@ -580,6 +584,7 @@ class VMBackend:
             "vm": runtime["vm"],
             "layers": runtime.get("layers", []),
             "base": runtime.get("base"),
+            "disk_bytes": runtime.get("disk_bytes"),
             "qemu": saved["qemu"],
             "files": files,
             # The restored agent still runs the snapshot's execs: new ids start past theirs.
@@ -645,6 +650,7 @@ class VMBackend:
         runtime: dict[str, Any] = {"uid": uid, "layers": list(meta["layers"]), "vm": meta["vm"], "restored": True}
         if boot.base is not None:
             runtime["base"] = meta["base"]
+            runtime["disk_bytes"] = meta.get("disk_bytes")
         try:
             return await self._restore(sandbox_id, spec, source, meta, boot, vm_spec, runtime)
         except BaseException as exc:

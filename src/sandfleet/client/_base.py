@@ -1066,12 +1066,20 @@ def call_stdin(base_path: str, data: bytes, close: bool) -> Call:
     return Call("POST", base_path + "/stdin", params={"close": str(close).lower()}, content=data, headers=_OCTET_STREAM)
 
 
-def call_session_create(sandbox_id: str, env: Mapping[str, str] | None, cwd: str | None, user: str | None) -> Call:
+def call_session_create(
+    sandbox_id: str,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    user: str | None,
+    pty: bool | TerminalSize = False,
+) -> Call:
     fields: dict[str, Any] = {"env": dict(env or {})}
     if cwd is not None:
         fields["cwd"] = cwd
     if user is not None:
         fields["user"] = user
+    if pty:
+        fields["pty"] = TerminalSize() if pty is True else pty
     body = _validated(SessionCreateRequest, "session request", fields)
     return Call("POST", _sb(sandbox_id, "/sessions"), json=body.model_dump(mode="json", exclude_unset=True))
 

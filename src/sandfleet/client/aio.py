@@ -998,10 +998,19 @@ class AsyncSandbox:
         return (await self._c._model(ProcessList, b.Call("GET", b.sandbox_path(self.id) + "/processes"))).processes
 
     async def session(
-        self, *, env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None
+        self,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        pty: bool | TerminalSize = False,
     ) -> AsyncSession:
-        """Open a persistent shell: commands share cwd, environment and shell variables."""
-        info = await self._c._model(SessionInfo, b.call_session_create(self.id, env, cwd, user))
+        """Open a persistent shell: commands share cwd, environment and shell variables. With `pty`
+        (True, or a `TerminalSize`) the shell runs on a pseudo-terminal: each command's output is one
+        stream (`stdout`, CRLF line ends), its stdin is the terminal (`write_stdin` types into it:
+        "\\x03" is ^C) and programs see a terminal (pagers, REPLs); `run` still returns each command's
+        own output and exit code."""
+        info = await self._c._model(SessionInfo, b.call_session_create(self.id, env, cwd, user, pty))
         return AsyncSession(self, info)
 
     async def sessions(self) -> builtins.list[SessionInfo]:

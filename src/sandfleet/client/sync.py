@@ -970,10 +970,19 @@ class Sandbox:
         return (self._c._model(ProcessList, b.Call("GET", b.sandbox_path(self.id) + "/processes"))).processes
 
     def session(
-        self, *, env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None
+        self,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        pty: bool | TerminalSize = False,
     ) -> Session:
-        """Open a persistent shell: commands share cwd, environment and shell variables."""
-        info = self._c._model(SessionInfo, b.call_session_create(self.id, env, cwd, user))
+        """Open a persistent shell: commands share cwd, environment and shell variables. With `pty`
+        (True, or a `TerminalSize`) the shell runs on a pseudo-terminal: each command's output is one
+        stream (`stdout`, CRLF line ends), its stdin is the terminal (`write_stdin` types into it:
+        "\\x03" is ^C) and programs see a terminal (pagers, REPLs); `run` still returns each command's
+        own output and exit code."""
+        info = self._c._model(SessionInfo, b.call_session_create(self.id, env, cwd, user, pty))
         return Session(self, info)
 
     def sessions(self) -> builtins.list[SessionInfo]:

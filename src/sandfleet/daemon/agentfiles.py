@@ -7,19 +7,40 @@ Paths are resolved by the sandbox's own kernel inside its own root, so nothing h
 host; the host-side path (`runtime/files.py` over an O_PATH root) stays the container tier's. What
 the tools print on failure is typed like the host-side errors (not found, exists, is a directory,
 ...). Names are passed as arguments ("$1"), never spliced into the script.
+
+The container tier's rules hold here too. Only regular files are read or written: a FIFO, device
+or socket is refused (`invalid_path`) before it is opened, and a write opens its file read-write
+(which never blocks, even on a FIFO swapped in after the check) and checks the opened file again;
+/etc/passwd is looked up only when it is a regular file, within its first 4 MiB. A download leaves
+FIFOs and devices out of its tar. An upload is checked on the host with `files.check_upload` (names,
+types, hard links, the size it expands to) and reaches the guest's tar rewritten from the members
+that passed, owned by the caller, in parts where a member lies under a symlink the archive itself
+made (the guest's tar makes symlinks last), so it resolves through it as in the container tier.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import dataclasses
 import errno
 import posixpath
 import stat as st
-from collections.abc import AsyncIterator, Sequence
+import tarfile
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from sandfleet.runtime.agent import AgentChannel, OutputChunk
-from sandfleet.runtime.files import FileKind, FileOpError, FileStat, FileTooLargeError, _from_oserror
+from sandfleet.runtime.files import (
+    FileKind,
+    FileOpError,
+    FileStat,
+    FileTooLargeError,
+    _from_oserror,
+    _member_parts,
+    check_upload,
+)
 
 # stderr phrases of coreutils and busybox, and the errno each means
 _PHRASES = (
@@ -37,6 +58,9 @@ _PHRASES = (
 )
 STAT_FORMAT = "%f %s %u %g %Y %n"  # raw mode (hex), size, uid, gid, mtime, name: busybox and GNU alike
 CHUNK = 64 * 1024
+NOT_REGULAR = "not a regular file"  # what our scripts say of a FIFO, device or socket (invalid_path)
+PASSWD_MAX_BYTES = 4 * 1024**2  # of /etc/passwd searched for a user name (as the host-side lookup)
+BLOCK = tarfile.BLOCKSIZE
 
 
 @dataclass(frozen=True)
@@ -48,6 +72,10 @@ class Ran:
 
 def _error(path: str, err: bytes) -> FileOpError:
     text = err.decode(errors="replace")
+    if NOT_REGULAR in text:
+        return FileOpError("invalid_path", path, NOT_REGULAR)
+    if "too large" in text:
+        return FileTooLargeError(path, text.strip()[-300:])
     for phrase, code in _PHRASES:
         if phrase.lower() in text.lower():
             return _from_oserror(OSError(code, phrase), path)
@@ -125,20 +153,26 @@ class AgentFS:
         if info.type == "dir":
             raise _from_oserror(OSError(errno.EISDIR, "Is a directory"), p)
         if info.type != "file":
-            raise FileOpError("invalid_path", p, "not a regular file")
+            raise FileOpError("invalid_path", p, NOT_REGULAR)
         if length is None and info.size - offset > self.max_read:
             raise FileTooLargeError(p, f"file of {info.size} bytes exceeds the limit of {self.max_read}")
         count = length if length is not None else max(0, info.size - offset)
-        r = await self._checked(p, 'tail -c +"$2" -- "$1" | head -c "$3"', p, str(offset + 1), str(count))
+        script = f'[ -f "$1" ] || {{ echo "$1: {NOT_REGULAR}" >&2; exit 1; }}; tail -c +"$2" -- "$1" | head -c "$3"'
+        r = await self._checked(p, script, p, str(offset + 1), str(count))
         return r.out[:count]
 
     async def write(self, path: str, data: bytes, *, mode: int, uid: int, gid: int, append: bool) -> None:
+        """As the host-side write: missing parents made (owned like the file); a new file gets the
+        mode and owner, an existing one is truncated (or appended to) in place, keeping both; only a
+        regular file is written, and a FIFO never blocks it (opened read-write, then checked)."""
         p = self.norm(path)
         redirect = ">>" if append else ">"
-        # Missing parents are made, owned like the file (as the host-side write does).
         script = 'd=$(dirname -- "$1"); if [ ! -d "$d" ]; then mkdir -p -- "$d" && chown "$3" -- "$d" || exit 1; fi; '
-        script += f'[ ! -d "$1" ] || {{ echo "$1: Is a directory" >&2; exit 1; }}; cat {redirect} "$1" && '
-        script += 'chmod "$2" -- "$1" && chown "$3" -- "$1"'
+        script += '[ ! -d "$1" ] || { echo "$1: Is a directory" >&2; exit 1; }; '
+        script += f'new=1; if [ -e "$1" ]; then new=0; [ -f "$1" ] || {{ echo "$1: {NOT_REGULAR}" >&2; exit 1; }}; fi; '
+        script += f'exec 3<>"$1" || exit 1; [ -f /proc/self/fd/3 ] || {{ echo "$1: {NOT_REGULAR}" >&2; exit 1; }}; '
+        script += f"cat {redirect} /proc/self/fd/3 || exit 1; "
+        script += '[ "$new" = 0 ] || { chmod "$2" /proc/self/fd/3 && chown "$3" /proc/self/fd/3; }'
         await self._checked(p, script, p, format(mode & 0o7777, "o"), f"{uid}:{gid}", stdin=data)
 
     async def list(self, path: str) -> list[FileStat]:
@@ -170,7 +204,17 @@ class AgentFS:
         await self._checked(p, script, p)
 
     async def lookup_user(self, name: str) -> tuple[int, int, str] | None:
-        r = await self.run('grep -m1 -- "^$1:" /etc/passwd', name, cap=64 * 1024)
+        """(uid, gid, home) of `name` from the sandbox's /etc/passwd (None: no such user, or no
+        /etc/passwd); FileOpError if it is no regular file, or larger than the search reads and
+        the name is not in what it read."""
+        script = "[ -e /etc/passwd ] || exit 1; "
+        script += f'[ -f /etc/passwd ] || {{ echo "/etc/passwd: {NOT_REGULAR}" >&2; exit 2; }}; '
+        script += 'head -c "$2" /etc/passwd | grep -m1 -- "^$1:" && exit 0; '
+        script += '[ "$(stat -L -c %s /etc/passwd)" -le "$2" ] || '
+        script += '{ echo "/etc/passwd: too large: searched its first $2 bytes" >&2; exit 2; }; exit 1'
+        r = await self.run(script, name, str(PASSWD_MAX_BYTES), cap=64 * 1024)
+        if r.code == 2:
+            raise _error("/etc/passwd", r.err)
         fields = r.out.decode(errors="replace").strip().split(":")
         if r.code != 0 or len(fields) < 6:
             return None
@@ -180,38 +224,175 @@ class AgentFS:
             return None
 
     async def tar_out(self, path: str, *, max_bytes: int) -> AsyncIterator[bytes]:
-        """A tar of `path` (a directory's contents, or one file), streamed."""
+        """A tar of `path` (a directory's contents, or one file), streamed; FIFOs and devices left out."""
         p = self.norm(path)
         info = await self.stat(p)
         if info.type == "dir":
             argv = ["tar", "-C", p, "-cf", "-", "."]
+        elif info.type == "other":
+            raise FileOpError("invalid_path", p, NOT_REGULAR)
         else:
             argv = ["tar", "-C", posixpath.dirname(p) or "/", "-cf", "-", posixpath.basename(p)]
         proc = await self.channel.start(argv, out_cap=max_bytes, timeout=3600)
-        return _stdout_chunks(proc.events(), p)
+        return _without_special(_stdout_chunks(proc.events(), p))
 
-    async def tar_in(self, path: str, data: Sequence[bytes], *, uid: int, gid: int) -> None:
-        """Extract a tar into directory `path` (made if missing), owned by uid:gid."""
+    async def tar_in(self, path: str, tar: BinaryIO, *, uid: int, gid: int, max_bytes: int) -> None:
+        """Extract an uploaded tar (seekable: checked whole first, see the module docstring) into
+        directory `path` (made if missing, owned by uid:gid); every member owned by uid:gid."""
         p = self.norm(path)
+        try:
+            src = await asyncio.to_thread(tarfile.open, fileobj=tar, mode="r:*")
+        except tarfile.TarError as exc:
+            raise FileOpError("invalid_path", p, f"not a valid tar archive: {exc}") from exc
+        with src:
+            try:
+                parts = await asyncio.to_thread(_checked_parts, src, p, max_bytes)
+                for members in parts:
+                    await self._extract(p, _tar_stream(src, members, uid, gid, max_bytes), uid, gid)
+            except tarfile.TarError as exc:
+                raise FileOpError("invalid_path", p, f"corrupt tar archive: {exc}") from exc
+
+    async def _extract(self, path: str, stream: Iterator[bytes], uid: int, gid: int) -> None:
+        """One run of the guest's tar (as root: it keeps the members' owners and modes) over `stream`."""
+        script = 'if [ ! -d "$1" ]; then mkdir -p -- "$1" && chown "$2" -- "$1" || exit 1; fi; exec tar -C "$1" -xf -'
         proc = await self.channel.start(
-            [
-                "/bin/sh",
-                "-c",
-                'mkdir -p -- "$1" && tar -C "$1" -xf - --no-same-owner && chown -R "$2" -- "$1"',
-                "sh",
-                p,
-                f"{uid}:{gid}",
-            ],
-            stdin=True,
-            out_cap=64 * 1024,
-            timeout=3600,
+            ["/bin/sh", "-c", script, "sh", path, f"{uid}:{gid}"], stdin=True, out_cap=64 * 1024, timeout=3600
         )
-        for chunk in data:
-            await proc.write_stdin(chunk)
+        try:
+            while chunk := await asyncio.to_thread(next, stream, b""):
+                await proc.write_stdin(chunk)
+        except BaseException:
+            self.channel.kill_nowait(proc.id)
+            raise
         await proc.close_stdin()
         _out, err, ex = await proc.wait()
         if ex.exit_code != 0:
-            raise _error(p, err)
+            raise _error(path, err)
+
+
+def _checked_parts(src: tarfile.TarFile, dest: str, max_bytes: int) -> list[list[tarfile.TarInfo]]:
+    """The upload's members (blocking), checked by the shared rules (a truncated archive fails
+    there, before the guest has any of it), cut into parts: a new part where a member lies under
+    (or is) a symlink an earlier member of this part made."""
+    parts: list[list[tarfile.TarInfo]] = [[]]
+    links: set[str] = set()  # symlinks the current part makes
+    for m, names in check_upload(src, dest, max_bytes=max_bytes):
+        if not names:
+            continue  # the "." entry
+        rel = "/".join(names)
+        if any("/".join(names[:i]) in links for i in range(1, len(names) + 1)):
+            parts.append([])
+            links = set()
+        parts[-1].append(m)
+        if m.issym():
+            links.add(rel)
+    return [x for x in parts if x]
+
+
+def _tar_stream(
+    src: tarfile.TarFile, members: list[tarfile.TarInfo], uid: int, gid: int, max_bytes: int
+) -> Iterator[bytes]:
+    """A tar of checked members rewritten for the guest (blocking): normalised names, owned by
+    uid:gid (numerically), setuid/setgid bits dropped, hard links by their normalised target, file
+    data streamed (at most max_bytes in all: a sparse member is sent whole)."""
+    sent = 0
+    for m in members:
+        ti = copy.copy(m)
+        ti.name = "/".join(_member_parts(m.name))
+        ti.uid, ti.gid, ti.uname, ti.gname = uid, gid, "", ""
+        ti.mode = m.mode & 0o1777
+        ti.pax_headers = {}
+        if m.islnk():
+            ti.linkname = "/".join(_member_parts(m.linkname))
+        if not m.isreg():
+            ti.size = 0
+            yield ti.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+            continue
+        ti.type = tarfile.REGTYPE  # a sparse member arrives whole
+        ti.sparse = None
+        yield ti.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+        data = src.extractfile(m)
+        left = ti.size
+        while data is not None and left > 0:
+            chunk = data.read(min(CHUNK * 16, left))
+            if not chunk:
+                raise tarfile.ReadError("unexpected end of data")
+            sent += len(chunk)
+            if sent > max_bytes:
+                raise FileTooLargeError(ti.name, f"the archive's files hold more than {max_bytes} bytes")
+            left -= len(chunk)
+            yield chunk
+        if ti.size % BLOCK:
+            yield bytes(BLOCK - ti.size % BLOCK)
+    yield bytes(2 * BLOCK)
+
+
+def _header_size(field: bytes) -> int:
+    """A tar header's size field: octal digits, or base-256 (GNU) when its first bit is set."""
+    if field[0] & 0x80:
+        return int.from_bytes(field[1:], "big")
+    try:
+        return int(field.replace(b"\0", b" ").strip() or b"0", 8)
+    except ValueError:
+        raise FileOpError("io_error", "", "the sandbox's tar wrote a malformed header") from None
+
+
+async def _without_special(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A tar stream with its FIFO and device members left out (the container tier's download skips
+    them, and an SDK's data filter would refuse them), header by header: the rest passes unchanged."""
+    buf = bytearray()
+    prefix = bytearray()  # pax or GNU long-name records that belong to the next member
+    passing = 0  # bytes of the current member's data still to pass through
+    dropping = 0  # bytes of a left-out member's data still to drop (none, from an honest tar)
+    ended = False
+    async for chunk in chunks:
+        if ended:
+            yield chunk
+            continue
+        buf += chunk
+        out = bytearray()
+        while True:
+            if passing or dropping:
+                n = min(passing or dropping, len(buf))
+                if passing:
+                    out += buf[:n]
+                    passing -= n
+                else:
+                    dropping -= n
+                del buf[:n]
+                if passing or dropping:
+                    break
+            if len(buf) < BLOCK:
+                break
+            header = bytes(buf[:BLOCK])
+            if not header.strip(b"\0"):  # the end-of-archive blocks: the rest as it comes
+                out += prefix + buf
+                buf.clear()
+                ended = True
+                break
+            kind = header[156:157]
+            size = _header_size(header[124:136])
+            padded = -(-size // BLOCK) * BLOCK
+            if kind in (b"x", b"L", b"K"):  # describes the next member: kept with it
+                if len(prefix) + BLOCK + padded > 1024**2:  # the guest's tar is the sandbox's: bounded
+                    raise FileOpError("io_error", "", "the sandbox's tar wrote header records of over 1 MiB")
+                if len(buf) < BLOCK + padded:
+                    break
+                prefix += buf[: BLOCK + padded]
+                del buf[: BLOCK + padded]
+                continue
+            del buf[:BLOCK]
+            if kind in (b"3", b"4", b"6"):  # character device, block device, FIFO
+                prefix.clear()
+                dropping = padded
+                continue
+            out += prefix + header
+            prefix.clear()
+            passing = padded
+        if out:
+            yield bytes(out)
+    if buf or prefix:
+        yield bytes(prefix + buf)
 
 
 async def _stdout_chunks(events: AsyncIterator[object], path: str) -> AsyncIterator[bytes]:

@@ -122,6 +122,7 @@ class Execs:
         uncapped: bool = False,
         session: bool = False,
         nondump: bool = False,
+        low_fds: bool = False,
     ) -> ExecProcess:
         if req.pty is not None and live.channel.agent_version not in (None, AGENT_VERSION):
             raise UnsupportedError(
@@ -155,6 +156,7 @@ class Execs:
                     session=session,
                     nondump=nondump,
                     pty=None if req.pty is None else (req.pty.rows, req.pty.cols),
+                    low_fds=low_fds,
                 )
         except TimeoutError:
             raise self.core.unresponsive(sb, f"a command did not start within {AGENT_START_TIMEOUT:.0f}s") from None

@@ -133,6 +133,10 @@ class Files:
                     found = await self.fs(sb, live, lambda fs: fs.lookup_user(name, max_bytes=PASSWD_MAX_BYTES))
             except NotFoundError:
                 found = None
+            except FileOpError as exc:  # through the agent: /etc/passwd no regular file, or too large
+                raise to_wire_error(exc, limit=1000) from exc
+            except AgentError as exc:
+                raise UnavailableError(f"sandbox {sb.id}: {exc}") from exc
             if found is None:
                 raise InvalidArgumentError(f"user {shown(name)} does not exist in the sandbox")
             user = User(*found)
@@ -187,6 +191,19 @@ class Files:
                 await w.close()
 
         return EventStream(events(), w.close)
+
+    async def stat(self, sb: Sandbox, live: LiveSandbox, path: str, *, follow_symlinks: bool = False) -> FileStat:
+        """A path's metadata, reached as this sandbox's tier reaches its files (host side, or through
+        its agent): for the daemon's own look inside a sandbox (a session's shell)."""
+        agent = self.agent_fs(sb, live)
+        if agent is None:
+            return await self.fs(sb, live, lambda fs: fs.stat(path, follow_symlinks=follow_symlinks))
+        try:
+            return await agent.stat(path, follow_symlinks=follow_symlinks)
+        except FileOpError as exc:
+            raise to_wire_error(exc, limit=1000) from exc
+        except AgentError as exc:
+            raise UnavailableError(f"sandbox {sb.id}: {exc}") from exc
 
     def agent_fs(self, sb: Sandbox, live: LiveSandbox) -> AgentFS | None:
         """Files through the agent, for a tier whose sandbox root the host cannot reach (a VM's);
@@ -323,20 +340,20 @@ class Files:
         return disk + disk // 8 + 1024**2
 
     async def upload_tar(self, sandbox_id: str, path: str, tar: BinaryIO, size: int, user: str | None) -> None:
+        """Unpack an uploaded tar (seekable): checked whole before anything is written, by the same
+        rules on every tier (`files.check_upload`), its files at most the sandbox's disk."""
         owner = await self._file_owner(sandbox_id, user)
+        disk = self.core.sandbox(sandbox_id).spec.resources.disk
 
         async def via_agent(a: AgentFS) -> bool:
-            chunks = []
-            while chunk := await asyncio.to_thread(tar.read, 64 * 1024):
-                chunks.append(chunk)
-            await a.tar_in(path, chunks, uid=owner.uid, gid=owner.gid)
+            await a.tar_in(path, tar, uid=owner.uid, gid=owner.gid, max_bytes=disk)
             return True
 
         if await self._agent_op(sandbox_id, via_agent, ("upload", {"path": path, "bytes": size})):
             return
 
         def op(fs: SandboxFS) -> None:
-            fs.upload_tar(path, tar, uid=owner.uid, gid=owner.gid)
+            fs.upload_tar(path, tar, uid=owner.uid, gid=owner.gid, max_bytes=disk)
 
         await self._file_op(sandbox_id, op, ("upload", {"path": path, "bytes": size}), mutating=True)
 

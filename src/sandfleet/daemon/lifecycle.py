@@ -26,7 +26,7 @@ from sandfleet.daemon.state import StateStore
 from sandfleet.errors import Cause, SandboxNotFoundError, WrongStateError
 from sandfleet.ids import new_id
 from sandfleet.models import PROJECT_LABEL, ExecResult, SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
-from sandfleet.runtime.agent import CommandExit, ExecProcess, OutputChunk
+from sandfleet.runtime.agent import SESSION_FDS, CommandExit, ExecProcess, OutputChunk
 
 log = logging.getLogger("sandfleet.daemon")
 
@@ -105,6 +105,8 @@ class Session:
     current: CommandRun | None = None
     dead: bool = False
     next_seq: int = 0
+    pty: bool = False  # the shell's stdout, stderr and its commands' stdin are a pseudo-terminal
+    fds: tuple[int, int] = SESSION_FDS  # (status, command stdin) in the shell: SESSION_LOW_FDS for dash
 
 
 # Why a sandbox stopped -> whose fault a call on it is. A stop asked for is the caller's; a TTL is a

@@ -43,6 +43,7 @@ from sandfleet.models import (
     StepRequest,
     StepResult,
     TerminalRequest,
+    TerminalSize,
     TrajectoryClose,
     TrajectoryInfo,
     TrajectoryOpen,
@@ -270,7 +271,7 @@ class SandboxService(Protocol):
 
     # -- sessions --------------------------------------------------------------------------------
     async def create_session(
-        self, sandbox_id: str, env: dict[str, str], cwd: str | None, user: str | None
+        self, sandbox_id: str, env: dict[str, str], cwd: str | None, user: str | None, pty: TerminalSize | None = None
     ) -> SessionInfo: ...
 
     async def list_sessions(self, sandbox_id: str) -> builtins.list[SessionInfo]: ...

@@ -81,6 +81,7 @@ from sandfleet.models import (
     StepRequest,
     StepResult,
     TerminalRequest,
+    TerminalSize,
     TrajectoryClose,
     TrajectoryInfo,
     TrajectoryOpen,
@@ -511,9 +512,9 @@ class SandboxManager:
     # -- sessions --------------------------------------------------------------------------------
 
     async def create_session(
-        self, sandbox_id: str, env: dict[str, str], cwd: str | None, user: str | None
+        self, sandbox_id: str, env: dict[str, str], cwd: str | None, user: str | None, pty: TerminalSize | None = None
     ) -> SessionInfo:
-        return await self.sessions.create_session(sandbox_id, env, cwd, user)
+        return await self.sessions.create_session(sandbox_id, env, cwd, user, pty)
 
     async def list_sessions(self, sandbox_id: str) -> builtins.list[SessionInfo]:
         return await self.sessions.list_sessions(sandbox_id)

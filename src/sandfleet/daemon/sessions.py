@@ -1,6 +1,13 @@
 """Sessions: a long-lived shell per session whose commands the agent frames (a nonce, a sequence
 number, an exit reported on a socket only the shell can write), run whole or streamed; a stop hook
-marks them dead when their sandbox stops."""
+marks them dead when their sandbox stops.
+
+The shell is the image's bash, else its /bin/sh. A shell that cannot name a descriptor above 9
+(dash) gets its status socket and command stdin at 9 and 8 (the agent's low fds); every script
+hides both from the command it runs. A terminal session (`pty`) runs its shell with job control
+(`set -m`: each command's processes are the terminal's foreground group, so a ^C reaches them and
+not the shell) and an INT trap (a ^C that lands between two commands does not end the shell).
+"""
 
 from __future__ import annotations
 
@@ -29,13 +36,26 @@ from sandfleet.errors import (
     SandboxError,
     SandboxTimeoutError,
     UnavailableError,
+    UnsupportedError,
     WrongStateError,
 )
-from sandfleet.models import MAX_COMMAND, ExecEvent, ExecRequest, ExecResult, SessionInfo, SessionRunRequest, shown
+from sandfleet.models import (
+    MAX_COMMAND,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    SessionInfo,
+    SessionRunRequest,
+    TerminalSize,
+    shown,
+)
 from sandfleet.runtime.agent import (
+    AGENT_VERSION,
     NONCE_LEN,
     SCOPE_DESCENDANTS,
     SCOPE_TREE,
+    SESSION_FDS,
+    SESSION_LOW_FDS,
     AgentError,
     ChannelClosedError,
     CommandExit,
@@ -46,6 +66,11 @@ from sandfleet.runtime.agent import (
 MAX_SESSIONS = 64  # open sessions per sandbox
 
 SESSION_LOST_GRACE = 5.0  # the agent's wait for a shell to report after a timeout (agent.c LOST_GRACE_US)
+
+# Whether the shell can name fd 10 (dash cannot: a syntax error, which ends it before the echo).
+_HIGH_FD_PROBE = 'eval ": 2>&10" 2>/dev/null; echo ok'
+# A terminal session's shell, before its first command (see the module docstring).
+_PTY_PRELUDE = b"set -m; trap : INT\n"
 
 
 class Sessions:
@@ -63,37 +88,81 @@ class Sessions:
             session.dead = True
 
     async def create_session(
-        self, sandbox_id: str, env: dict[str, str], cwd: str | None, user: str | None
+        self,
+        sandbox_id: str,
+        env: dict[str, str],
+        cwd: str | None,
+        user: str | None,
+        pty: TerminalSize | None = None,
     ) -> SessionInfo:
         sb, live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
         if len([s for s in sb.sessions.values() if not s.dead]) >= MAX_SESSIONS:
             raise ResourceExhaustedError(f"sandbox {sb.id} has {MAX_SESSIONS} sessions open: close one first")
         shell, shielded = await self._session_shell(sb, live)
-        req = ExecRequest(command=[shell], env=env, cwd=cwd, user=user, timeout=None, output_limit=0)
+        low_fds = shell != "/bin/bash" and not await self._names_high_fds(sb, live, shell)
+        if (low_fds or pty is not None) and live.channel.agent_version not in (None, AGENT_VERSION):
+            raise UnsupportedError(
+                f"sandbox {sb.id} runs {live.channel.agent_version}, from before the daemon was upgraded; "
+                f"{'terminal sessions' if pty is not None else f'sessions of its shell ({shell})'} need {AGENT_VERSION}"
+            )
+        req = ExecRequest(command=[shell], env=env, cwd=cwd, user=user, timeout=None, output_limit=0, pty=pty)
         try:
             # Output is capped per command by the agent (SRUN), dropped and counted between commands.
             process = await self.execs.start(
-                sb, live, req, setsid=True, keep_stdin=True, uncapped=True, session=True, nondump=shielded
+                sb,
+                live,
+                req,
+                setsid=True,
+                keep_stdin=True,
+                uncapped=True,
+                session=True,
+                nondump=shielded,
+                low_fds=low_fds,
             )
         except ExecStartError as exc:
             raise InvalidArgumentError(f"cannot start a shell in the sandbox: {exc.message}") from exc
-        session = Session("s-" + secrets.token_hex(6), shell, time.time(), process)
+        fds = SESSION_LOW_FDS if low_fds else SESSION_FDS
+        session = Session("s-" + secrets.token_hex(6), shell, time.time(), process, pty=pty is not None, fds=fds)
+        if pty is not None:
+            try:
+                async with asyncio.timeout(AGENT_START_TIMEOUT):
+                    await process.write_stdin(_PTY_PRELUDE)
+            except (TimeoutError, ChannelClosedError):
+                live.channel.kill_nowait(process.id, SCOPE_TREE)
+                raise UnavailableError(f"sandbox {sb.id} stopped taking a session's shell") from None
         self.add(sb, session)
-        self.core.journal.record(sb.id, "session_created", {"session_id": session.id, "shell": shell})
+        self.core.journal.record(
+            sb.id, "session_created", {"session_id": session.id, "shell": shell, **({"pty": True} if pty else {})}
+        )
         return self._session_info(session)
 
     async def _session_shell(self, sb: Sandbox, live: LiveSandbox) -> tuple[str, bool]:
         """The shell for a session, and whether it may start non-dumpable: bash and dash give up the
-        differing effective gid the agent starts them with (busybox ash would keep it)."""
+        differing effective gid the agent starts them with (busybox ash would keep it). Looked up the
+        way the sandbox's tier reaches its files (a VM's through its agent)."""
         with contextlib.suppress(SandboxError):
-            st = await self.files.fs(sb, live, lambda fs: fs.stat("/bin/bash", follow_symlinks=True))
+            st = await self.files.stat(sb, live, "/bin/bash", follow_symlinks=True)
             if st.type == "file":
                 return "/bin/bash", True
         target = ""
         with contextlib.suppress(SandboxError):
-            target = (await self.files.fs(sb, live, lambda fs: fs.stat("/bin/sh"))).link_target or ""
+            target = (await self.files.stat(sb, live, "/bin/sh")).link_target or ""
         return "/bin/sh", posixpath.basename(target) in ("dash", "bash")
+
+    async def _names_high_fds(self, sb: Sandbox, live: LiveSandbox, shell: str) -> bool:
+        """Whether `shell` can redirect descriptors above 9 (POSIX only promises 0-9: dash cannot)."""
+        try:
+            async with asyncio.timeout(AGENT_START_TIMEOUT):
+                proc = await live.channel.start([shell, "-c", _HIGH_FD_PROBE], out_cap=64, timeout=AGENT_START_TIMEOUT)
+                out, _err, _ex = await proc.wait()
+        except TimeoutError:
+            raise self.core.unresponsive(sb, "it did not run a shell's probe") from None
+        except ChannelClosedError as exc:
+            raise UnavailableError(f"sandbox {sb.id} stopped") from exc
+        except ExecStartError as exc:
+            raise InvalidArgumentError(f"cannot start a shell in the sandbox: {exc.message}") from exc
+        return out.strip() == b"ok"
 
     def add(self, sb: Sandbox, session: Session) -> None:
         sb.sessions[session.id] = session
@@ -101,7 +170,7 @@ class Sessions:
 
     @staticmethod
     def _session_info(s: Session) -> SessionInfo:
-        return SessionInfo(id=s.id, shell=s.shell, created_at=s.created_at, busy=s.current is not None)
+        return SessionInfo(id=s.id, shell=s.shell, created_at=s.created_at, busy=s.current is not None, pty=s.pty)
 
     async def reader(self, sb: Sandbox, session: Session) -> None:
         try:
@@ -151,15 +220,19 @@ class Sessions:
             raise WrongStateError(f"session {session_id} has exited")
         return self._session_info(session)
 
-    def _script(self, req: SessionRunRequest, nonce: str) -> bytes:
+    @staticmethod
+    def _script(session: Session, req: SessionRunRequest, nonce: str) -> bytes:
         """What the shell runs for one command: `command eval` keeps a syntax error from ending the
-        shell; the status goes to the agent through fd 100, which only the shell itself may write
-        (the agent checks the sender's pid), with a nonce no other process can read."""
-        stdin = "<&101" if req.stdin is not None or req.stdin_b64 is not None or req.keep_stdin_open else "</dev/null"
+        shell; the status goes to the agent through the status fd, which only the shell itself may
+        write (the agent checks the sender's pid), with a nonce no other process can read. The
+        command sees neither of the shell's two fds (the shell puts them back after it)."""
+        status, cmdin = session.fds
+        typed = session.pty or req.stdin is not None or req.stdin_b64 is not None or req.keep_stdin_open
+        stdin = f"<&{cmdin}" if typed else "</dev/null"
         merge = " 2>&1" if req.merge_stderr else ""
         return (
-            f"command eval {shlex.quote(req.command)} {stdin}{merge}\n"
-            f"command printf '%s %d\\n' '{nonce}' \"$?\" >&100\n"
+            f"command eval {shlex.quote(req.command)} {stdin}{merge} {cmdin}<&- {status}>&-\n"
+            f"command printf '%s %d\\n' '{nonce}' \"$?\" >&{status}\n"
         ).encode()
 
     async def _session_begin(
@@ -184,7 +257,7 @@ class Sessions:
             data = req.stdin_bytes()
             session.next_seq += 1
             run = CommandRun(req.output_limit, req.encoding, ended=loop.create_future(), seq=session.next_seq)
-            run.stdin_open = data is not None or req.keep_stdin_open
+            run.stdin_open = session.pty or data is not None or req.keep_stdin_open  # a terminal is always open
             if stream:
                 run.stream = asyncio.Queue()
             session.current = run
@@ -192,7 +265,7 @@ class Sessions:
             try:
                 async with asyncio.timeout(AGENT_START_TIMEOUT):  # even an agent that stopped reading
                     await session.process.run_command(
-                        self._script(req, nonce),
+                        self._script(session, req, nonce),
                         nonce.encode(),
                         timeout=req.timeout,
                         out_cap=req.output_limit,

@@ -174,9 +174,10 @@ class Snapshots:
         async with sb.pause_lock:
             if sb.state != RUNNING or sb.live is not live:
                 raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
-            if sb.terminals:
+            terminals = sb.terminals + sum(1 for s in sb.sessions.values() if s.pty and not s.dead)
+            if terminals:
                 raise WrongStateError(
-                    f"sandbox {sandbox_id} has {sb.terminals} command(s) on a terminal: close them first"
+                    f"sandbox {sandbox_id} has {terminals} command(s) or session(s) on a terminal: close them first"
                 )
             snapshot_id = new_id("snap", self.core.node_key)
             path = self.snapshot_dir / snapshot_id
@@ -225,6 +226,7 @@ class Snapshots:
         processes are in the snapshot, the handles to drive them are these."""
         sessions = [
             {"id": s.id, "exec_id": s.process.id, "pid": s.process.pid, "shell": s.shell, "created_at": s.created_at}
+            | {"pty": s.pty, "fds": list(s.fds)}
             for s in sb.sessions.values()
             if not s.dead
         ]
@@ -250,7 +252,10 @@ class Snapshots:
         for s in inherit.get("sessions", []):
             proc = live.inherited.get(int(s["exec_id"]))
             if proc is not None:
-                self.sessions.add(sb, Session(str(s["id"]), str(s["shell"]), float(s["created_at"]), proc))
+                session = Session(str(s["id"]), str(s["shell"]), float(s["created_at"]), proc, pty=bool(s.get("pty")))
+                if isinstance(fds := s.get("fds"), list) and len(fds) == 2:
+                    session.fds = (int(fds[0]), int(fds[1]))
+                self.sessions.add(sb, session)
         for p in inherit.get("processes", []):
             proc = live.inherited.get(int(p["exec_id"]))
             if proc is None:

@@ -11,7 +11,16 @@
  * says the shell process itself sent it (SCM_CREDENTIALS). The shell's stdin, stdout and stderr are
  * socketpairs (a socket cannot be reopened through /proc/PID/fd, a pipe can), so no other process of
  * the sandbox can read the script (and its nonce) or forge the report; output is forwarded only
- * while a command runs, capped per command, and drained and counted between commands.
+ * while a command runs, capped per command, and drained and counted between commands. Shells that
+ * cannot name a descriptor above 9 (dash: "Bad fd number") get those two at LOW_STATUS_FD and
+ * LOW_CMDIN_FD instead (F_LOWFD); the daemon's script then hides them from the command.
+ *
+ * A terminal session (F_SESSION | F_PTY): the shell still reads its script from its socket, but its
+ * stdout, stderr and controlling terminal are a new pseudo-terminal, and the command's stdin (the
+ * CMDIN descriptor) is that terminal too; CMDIN bytes are typed into it (^C is the line discipline's
+ * SIGINT to the foreground job), an empty CMDIN types the terminal's end-of-file character. Its
+ * output is the master's, one stream. After a command killed by a signal (a pager ^C'd, killed at its
+ * timeout) the terminal's modes go back to those before it, as an interactive shell restores them.
  *
  * Attempts on the agent: the sandbox's seccomp filter (runtime/seccomp.py attempt_rules) returns
  * SECCOMP_RET_USER_NOTIF for signals, ptrace, pidfd_open and process_vm_readv aimed at pid 1, and
@@ -77,16 +86,19 @@ enum {
 	M_STARTED = 10, M_STDOUT = 11, M_STDERR = 12, M_EXIT = 13, M_ERROR = 14, M_PONG = 15, M_HELLO = 16,
 	M_SEXIT = 17, M_WEVENT = 18, M_WEND = 19, M_ALERT = 21,
 };
-enum { F_STDIN_PIPE = 1, F_SETSID = 2, F_MERGE = 4, F_SESSION = 8, F_NONDUMP = 16, F_PTY = 32 };
+enum { F_STDIN_PIPE = 1, F_SETSID = 2, F_MERGE = 4, F_SESSION = 8, F_NONDUMP = 16, F_PTY = 32, F_LOWFD = 64 };
 enum { X_TIMED_OUT = 1, X_OUT_TRUNC = 2, X_ERR_TRUNC = 4, X_LOST = 8 };
 enum { S_STDIN = 1 }; /* SRUN flags */
 enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN, K_EP, K_STATUS, K_CIN, K_WATCH, K_NOTIF }; /* epoll event kinds */
 
 /* 3: exec starts without blocking the agent, F_MERGE, sessions framed by the agent (SRUN, CMDIN,
- * SEXIT), FORGET with a list of ids to keep, WATCH; 4: the seccomp listener, ALERT; 5: F_PTY, RESIZE */
-#define VERSION "sandfleet-agent/5"
+ * SEXIT), FORGET with a list of ids to keep, WATCH; 4: the seccomp listener, ALERT; 5: F_PTY, RESIZE;
+ * 6: F_LOWFD, terminal sessions (F_SESSION | F_PTY) */
+#define VERSION "sandfleet-agent/6"
 #define STATUS_FD 100 /* a session shell's status socket */
 #define CMDIN_FD 101  /* a session shell's per-command stdin (a pipe the agent reopens per command) */
+#define LOW_STATUS_FD 9 /* the same, with F_LOWFD */
+#define LOW_CMDIN_FD 8
 #define NONCE_LEN 32
 #define LOST_GRACE_US 5000000 /* after a session command's timeout: how long the shell may take to report */
 #define MAX_WATCHES 8192	  /* inotify watches per WATCH request (a recursive tree) */
@@ -147,6 +159,7 @@ struct exec {
 	int pty;  /* F_PTY: fd[1] is the terminal's master */
 	int held; /* HOLD: the master is not read (its writers block, as on a terminal nobody reads) */
 	struct wbuf cin; /* the running command's stdin, when it has one */
+	struct termios tio; /* a terminal session: its terminal's modes between commands */
 	char nonce[NONCE_LEN];
 	uint32_t cxflags, cseq;
 	uint64_t ccap, ctotal[2], cstart, cdeadline, cgrace, dropped;
@@ -320,6 +333,37 @@ static void sig_pid(pid_t pid, int sig)
 		kill(pid, sig);
 }
 
+/* A process's state letter from /proc (0 if it is gone). */
+static char proc_state(pid_t pid)
+{
+	char path[64], buf[512];
+	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	ssize_t n = read(fd, buf, sizeof buf - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	char *rp = strrchr(buf, ')');
+	return rp && rp[1] == ' ' ? rp[2] : 0;
+}
+
+/* SIGSTOP, and wait (at most 50 ms) until it took effect: a process blocked in wait() could still
+ * collect a child's state change between our kill() and its stop. */
+static void stop_settled(pid_t pid)
+{
+	sig_pid(pid, SIGSTOP);
+	for (int i = 0; i < 200; i++) {
+		char st = proc_state(pid);
+		if (st == 0 || st == 'T' || st == 't' || st == 'Z' || st == 'X')
+			return;
+		struct timespec ts = { 0, 250000 };
+		nanosleep(&ts, NULL);
+	}
+}
+
 /* scope 0: process group; 1: group + all descendants; 2: descendants only. */
 static void signal_exec(struct exec *e, int sig, uint32_t scope)
 {
@@ -330,12 +374,14 @@ static void signal_exec(struct exec *e, int sig, uint32_t scope)
 		return;
 	}
 	/* For SIGKILL, stop everything found first: a killed parent's children would be
-	 * reparented to us mid-scan and escape the ppid-chain walk. */
+	 * reparented to us mid-scan and escape the ppid-chain walk. The root too when it is to live
+	 * on (a session's shell, scope 2), and first: a shell with job control would see its job
+	 * stopped (as by ^Z) and report that; stopped itself, it sees only the job killed. */
 	int freeze = sig == SIGKILL;
 	struct pidset s = { 0 };
 	ps_add(&s, e->pid);
-	if (freeze && scope == 1)
-		sig_pid(e->pid, SIGSTOP);
+	if (freeze)
+		stop_settled(e->pid);
 	for (int round = 0; round < 64; round++) {
 		size_t before = s.n;
 		scan_children(&s);
@@ -351,6 +397,8 @@ static void signal_exec(struct exec *e, int sig, uint32_t scope)
 	if (scope == 1) {
 		sig_pid(-e->pid, sig);
 		sig_pid(e->pid, sig);
+	} else if (freeze) {
+		sig_pid(e->pid, SIGCONT);
 	}
 	free(s.v);
 }
@@ -476,6 +524,20 @@ static void session_done(struct exec *e, int32_t status, uint32_t extra)
 	for (int s = 1; s <= 2; s++)
 		drain(e, s, 256);
 	wbuf_close(&e->cin);
+	if (e->pty && e->fd[1] >= 0) {
+		/* a command that ended on a signal (a pager ^C'd or killed) leaves the terminal in its raw
+		 * mode: back to the modes before it; one that exited keeps what it set (`stty -echo`) */
+		if (extra || (e->cxflags & X_TIMED_OUT) || status >= 128)
+			tcsetattr(e->fd[1], TCSANOW, &e->tio);
+		else
+			tcgetattr(e->fd[1], &e->tio);
+		/* and what was typed but not read is not the next command's input */
+		int s = ioctl(e->fd[1], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_NONBLOCK | O_CLOEXEC);
+		if (s >= 0) {
+			tcflush(s, TCIFLUSH);
+			close(s);
+		}
+	}
 	/* what the command left unread of its stdin must not reach the next one (bounded: a writer that
 	 * keeps it fed through /proc/self/fd/101 must not hold the agent here) */
 	for (int i = 0; e->cin_r >= 0 && i < 64 && read(e->cin_r, obuf, sizeof obuf) > 0; i++)
@@ -649,7 +711,7 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 	size_t off = 32;
 	if (pty) { /* u16 rows, u16 cols follow the header */
 		uint16_t rc[2];
-		if (session || n < 36) {
+		if (n < 36) {
 			send_error(id, EINVAL, "bad terminal exec");
 			return;
 		}
@@ -684,6 +746,7 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 	/* [0] the child's end, [1] ours. Sessions get sockets (not reopenable through /proc). */
 	int in[2] = { -1, -1 }, out[2] = { -1, -1 }, err[2] = { -1, -1 }, ep[2] = { -1, -1 };
 	int st[2] = { -1, -1 }, cin[2] = { -1, -1 }, ptm = -1, pts = -1;
+	struct termios tio;
 	size_t slot = (size_t)-1;
 	struct exec *e = NULL;
 	if (!ok) {
@@ -697,21 +760,27 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 		/* the script travels on a stream socket: [0] child reads, [1] we write */
 		fail = fail || socketpair_cloexec(SOCK_STREAM, sv) < 0;
 		if (!fail) { in[0] = sv[0]; in[1] = sv[1]; }
-		fail = fail || socketpair_cloexec(SOCK_STREAM, sv) < 0;
-		if (!fail) { out[1] = sv[0]; out[0] = sv[1]; }
-		fail = fail || socketpair_cloexec(SOCK_STREAM, sv) < 0;
-		if (!fail) { err[1] = sv[0]; err[0] = sv[1]; }
 		fail = fail || socketpair_cloexec(SOCK_DGRAM, sv) < 0;
 		if (!fail) { st[1] = sv[0]; st[0] = sv[1]; }
-		fail = fail || pipe2(cin, O_CLOEXEC) < 0;
+		if (pty) { /* the terminal is its stdout, stderr and every command's stdin */
+			fail = fail || open_pty(&ptm, &pts, &wsz) < 0 || tcgetattr(ptm, &tio) < 0;
+		} else {
+			fail = fail || socketpair_cloexec(SOCK_STREAM, sv) < 0;
+			if (!fail) { out[1] = sv[0]; out[0] = sv[1]; }
+			fail = fail || socketpair_cloexec(SOCK_STREAM, sv) < 0;
+			if (!fail) { err[1] = sv[0]; err[0] = sv[1]; }
+			fail = fail || pipe2(cin, O_CLOEXEC) < 0;
+		}
 		if (!fail) {
 			int on = 1;
 			shutdown(in[0], SHUT_WR);
-			shutdown(out[0], SHUT_WR);
-			shutdown(err[0], SHUT_WR);
+			if (!pty) {
+				shutdown(out[0], SHUT_WR);
+				shutdown(err[0], SHUT_WR);
+				close(cin[1]); /* write ends are opened per command (see do_srun) */
+				cin[1] = -1;
+			}
 			fail = setsockopt(st[0], SOL_SOCKET, SO_PASSCRED, &on, sizeof on) < 0;
-			close(cin[1]); /* write ends are opened per command (see do_srun) */
-			cin[1] = -1;
 		}
 	} else if (pty) {
 		if (open_pty(&ptm, &pts, &wsz) < 0) {
@@ -752,7 +821,11 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 		/* first out of the way of the numbers they are placed at */
 		int epw = move_high(ep[1]);
 		if (pty) {
-			in[0] = out[1] = pts;
+			if (session)
+				cin[0] = pts; /* stdin stays the script's socket */
+			else
+				in[0] = pts;
+			out[1] = pts;
 			/* our terminal: the user it runs as owns it (as login(1) does); then it becomes the
 			 * session's controlling terminal */
 			if (fchown(pts, uid, (gid_t)-1) < 0) { /* best effort: a terminal it cannot chmod */
@@ -767,12 +840,13 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 			child_fail(epw >= 0 ? epw : ep[1], 0);
 		if (dup2(infd, 0) < 0 || dup2(o, 1) < 0 || dup2(r, 2) < 0)
 			child_fail(epw, 0);
-		if (session && (dup2(sfd, STATUS_FD) < 0 || dup2(cfd, CMDIN_FD) < 0))
+		int sat = (flags & F_LOWFD) ? LOW_STATUS_FD : STATUS_FD, cat = (flags & F_LOWFD) ? LOW_CMDIN_FD : CMDIN_FD;
+		if (session && (dup2(sfd, sat) < 0 || dup2(cfd, cat) < 0))
 			child_fail(epw, 0);
 		close_from(3, CLOSE_RANGE_CLOEXEC); /* keeps epw open until exec succeeds */
 		if (session) {
-			fcntl(STATUS_FD, F_SETFD, 0);
-			fcntl(CMDIN_FD, F_SETFD, 0);
+			fcntl(sat, F_SETFD, 0);
+			fcntl(cat, F_SETFD, 0);
 		}
 		if (chdir(cwd) < 0)
 			child_fail(epw, 1);
@@ -811,7 +885,10 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 	if (pty) { /* the master is our stdout (read) and, through a second fd, the child's stdin */
 		close(pts);
 		pts = -1;
-		in[1] = fcntl(ptm, F_DUPFD_CLOEXEC, 0);
+		if (session) /* it types into it per command (do_srun) */
+			e->tio = tio;
+		else
+			in[1] = fcntl(ptm, F_DUPFD_CLOEXEC, 0);
 		out[0] = ptm;
 		ptm = -1;
 		e->pty = 1;
@@ -928,7 +1005,11 @@ static void do_srun(uint32_t id, const char *p, size_t n)
 	e->cstart = now_us();
 	e->cdeadline = tmo ? e->cstart + (uint64_t)tmo * 1000u : 0;
 	e->cgrace = 0;
-	if (flags & S_STDIN) {
+	if (e->pty) {
+		/* typed into the terminal; closed (whatever is still queued dropped) when the command ends */
+		if (e->fd[1] >= 0)
+			e->cin.fd = fcntl(e->fd[1], F_DUPFD_CLOEXEC, 0);
+	} else if (flags & S_STDIN) {
 		char path[64];
 		snprintf(path, sizeof path, "/proc/self/fd/%d", e->cin_r);
 		/* a new write end of the same pipe: closing it is this command's EOF */
@@ -1459,8 +1540,15 @@ static void handle_chan(void)
 				wbuf_data(&e->in, K_IN, slot, p, len);
 			break;
 		case M_CMDIN:
-			if ((e = find_id(id, &slot)) && e->session && e->active)
-				wbuf_data(&e->cin, K_CIN, slot, p, len);
+			if ((e = find_id(id, &slot)) && e->session && e->active) {
+				if (len == 0 && e->pty) { /* a terminal's end of input is a character */
+					struct termios t;
+					char eof = tcgetattr(e->fd[1], &t) == 0 && t.c_cc[VEOF] ? (char)t.c_cc[VEOF] : 4;
+					wbuf_data(&e->cin, K_CIN, slot, &eof, 1);
+				} else {
+					wbuf_data(&e->cin, K_CIN, slot, p, len);
+				}
+			}
 			break;
 		case M_SRUN:
 			do_srun(id, p, len);

@@ -42,8 +42,9 @@ from sandfleet.runtime.prebuilt import install_prebuilt, prebuilt_dir
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
 LAUNCHER_SOURCE = Path(__file__).with_name("launcher.c")
 LAUNCHER_NAME = "sandfleet-run"  # <= 15 bytes: it is also the command name the orphan reaper matches
-# 2: REOPEN, FORGET; 3: sessions framed by the agent, MERGE, WATCH; 4: ALERT; 5: terminals (PTY, RESIZE)
-AGENT_VERSION = "sandfleet-agent/5"
+# 2: REOPEN, FORGET; 3: sessions framed by the agent, MERGE, WATCH; 4: ALERT; 5: terminals (PTY, RESIZE);
+# 6: LOWFD, terminal sessions (SESSION | PTY)
+AGENT_VERSION = "sandfleet-agent/6"
 
 # daemon -> agent
 MSG_EXEC = 1
@@ -79,6 +80,9 @@ EXEC_MERGE = 4  # stderr goes to the stdout pipe
 EXEC_SESSION = 8  # a session shell: sockets for stdio, a status socket and a per-command stdin
 EXEC_NONDUMP = 16  # start it with its effective gid differing (bash, dash): non-dumpable from its exec on
 EXEC_PTY = 32  # a new pseudo-terminal as stdio and controlling tty; u16 rows, u16 cols follow the header
+EXEC_LOWFD = 64  # a session shell's status socket and command stdin at fds 9 and 8 (dash cannot name 100, 101)
+SESSION_FDS = (100, 101)  # (status, command stdin) of a session shell
+SESSION_LOW_FDS = (9, 8)  # the same with EXEC_LOWFD
 # EXIT flags
 EXIT_TIMED_OUT = 1
 EXIT_STDOUT_TRUNCATED = 2
@@ -696,20 +700,23 @@ class AgentChannel:
         session: bool = False,
         nondump: bool = False,
         pty: tuple[int, int] | None = None,
+        low_fds: bool = False,
     ) -> ExecProcess:
         """Start a command; returns once it has exec'd. Raises ExecStartError on failure.
 
         `out_cap`: bytes forwarded per stream (the rest is drained and counted); None = no cap.
         `session`: a shell whose commands are framed by the agent (`ExecProcess.run_command`).
         `pty`: (rows, cols) of a new pseudo-terminal that is its stdin, stdout and stderr (output
-        comes as stdout; stdin is always open; it leads a session of its own).
+        comes as stdout; stdin is always open; it leads a session of its own); with `session`, the
+        terminal is the shell's stdout and stderr and each command's stdin (its script still comes
+        on a socket). `low_fds`: a session shell's descriptors at SESSION_LOW_FDS.
         """
         self._check_open()
         out_cap = UNLIMITED if out_cap is None else out_cap
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000 + 0.999))
         flags = (EXEC_STDIN_PIPE if stdin else 0) | (EXEC_SETSID if setsid else 0)
         flags |= (EXEC_MERGE if merge_stderr else 0) | (EXEC_SESSION if session else 0)
-        flags |= EXEC_NONDUMP if nondump else 0
+        flags |= (EXEC_NONDUMP if nondump else 0) | (EXEC_LOWFD if low_fds else 0)
         if pty is not None:
             flags |= EXEC_PTY | EXEC_STDIN_PIPE | EXEC_SETSID | EXEC_MERGE
         exec_id = self._alloc_id()

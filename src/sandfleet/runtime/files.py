@@ -74,6 +74,7 @@ __all__ = [
     "FileTooLargeError",
     "SandboxFS",
     "TarStream",
+    "check_upload",
     "mount_points",
     "openat2",
     "RESOLVE_BENEATH",
@@ -1598,7 +1599,9 @@ class SandboxFS:
 
     # ---------------------------------------------------------------- tar upload
 
-    def upload_tar(self, path: str, data: bytes | BinaryIO, *, uid: int = 0, gid: int = 0) -> None:
+    def upload_tar(
+        self, path: str, data: bytes | BinaryIO, *, uid: int = 0, gid: int = 0, max_bytes: int | None = None
+    ) -> None:
         """Extract a tar archive into directory ``path`` (created if missing).
 
         Members are owned by uid/gid (archive ownership is ignored); permission bits are kept
@@ -1611,8 +1614,8 @@ class SandboxFS:
         inside the root, never outside. An existing non-directory at a member's path is
         replaced (never written through), unless it is a mount point (``permission_denied``).
 
-        Seekable input is validated completely before anything is extracted; a non-seekable
-        stream is validated member by member.
+        Seekable input is validated completely before anything is extracted (:func:`check_upload`,
+        with ``max_bytes``); a non-seekable stream is validated member by member.
         """
         dest = self._norm(path)
         huid, hgid = self._host_id(uid), self._host_id(gid)
@@ -1627,15 +1630,11 @@ class SandboxFS:
         with tar:
             try:
                 if seekable:
-                    members = tar.getmembers()
-                    for m in members:
-                        self._check_member(m, dest)
-                    it: Iterator[tarfile.TarInfo] = iter(members)
+                    it: Iterator[tuple[tarfile.TarInfo, _StrList]] = iter(check_upload(tar, dest, max_bytes=max_bytes))
                 else:
-                    it = iter(tar)
+                    it = ((m, self._check_member(m, dest)) for m in tar)
                 created: dict[str, tuple[int, int]] = {}  # member path -> (st_dev, st_ino)
-                for m in it:
-                    parts = self._check_member(m, dest)
+                for m, parts in it:
                     if not parts:
                         continue  # "." entry
                     self._extract_member(tar, m, dest, parts, huid, hgid, created, parents)
@@ -1779,6 +1778,42 @@ class SandboxFS:
                     at += n
                 left -= len(chunk)
         os.ftruncate(fd, m.size)
+
+
+# --------------------------------------------------------------------------- upload rules
+
+
+def check_upload(
+    tar: tarfile.TarFile, dest: str, *, max_bytes: int | None = None
+) -> list[tuple[tarfile.TarInfo, list[str]]]:
+    """Every member of an archive to be unpacked into ``dest``, with its name's parts, checked
+    before anything is written: the rules of :meth:`SandboxFS.upload_tar` (names, types), hard
+    links only to regular files of the archive named before them (and not replaced since), and
+    the data all members hold (a sparse member by its extents) at most ``max_bytes``, counted
+    header by header: an archive that would expand past what the sandbox can hold (a gzip bomb)
+    is refused at its first oversized header, never unpacked (and one cut short, by tarfile's own
+    check at its end, as ``tarfile.ReadError``). Raises FileOpError (``invalid_path``,
+    ``too_large``). One set of rules for every tier (the VM tiers check uploads with it on the
+    host before their guest's tar sees a byte)."""
+    out: list[tuple[tarfile.TarInfo, list[str]]] = []
+    files: set[str] = set()  # regular files (and their hard links) named so far
+    total = 0
+    while (m := tar.next()) is not None:
+        parts = SandboxFS._check_member(m, dest)
+        rel = "/".join(parts)
+        if m.islnk() and "/".join(_member_parts(m.linkname)) not in files:
+            where = f"{dest} (member {m.name[:200]!r})"
+            raise FileOpError("invalid_path", where, f"hard link target {m.linkname!r} is not a file extracted earlier")
+        if m.isreg() or m.islnk():
+            files.add(rel)
+        else:
+            files.discard(rel)
+        sparse = _sparse_map(m)
+        total += m.size if sparse is None else sum(length for _off, length in sparse)
+        if max_bytes is not None and total > max_bytes:
+            raise FileTooLargeError(dest, f"the archive's files hold more than {max_bytes} bytes, more than fits")
+        out.append((m, parts))
+    return out
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,10 +1,11 @@
 """The `vm` tier's disks: one ext4 base disk per image, shared read-only, and a qcow2 overlay per VM.
 
 The base holds the image's merged tree (its EROFS layers stacked, upper wins, whiteouts honoured by
-overlayfs itself) plus free space for the VMs' writes. It is content-addressed by the layer digests
-under the backend's cache directory, built once in a private mount namespace (`unshare -m`, so no
-mount outlives the build), renamed into place atomically, and built by one creator at a time
-(an flock per key: concurrent creates of one image wait for that build and reuse it).
+overlayfs itself) plus a little slack (an eighth of the tree and SLACK), not the VMs' writes. It
+is content-addressed by the layer digests (and LAYOUT) under the backend's cache directory, built
+once in a private mount namespace (`unshare -m`, so no mount outlives the build), renamed into place
+atomically, and built by one creator at a time (an flock per key: concurrent creates of one image
+wait for that build and reuse it).
 
 If the image brings a kernel (/boot/vmlinuz-V with /lib/modules/V), the build also copies that
 kernel and the modules the guest's init needs into the base's directory, laid out as
@@ -12,7 +13,11 @@ kernel and the modules the guest's init needs into the base's directory, laid ou
 
 Each VM's root disk is a qcow2 overlay in its own directory whose backing file is the base *as the
 VM's jailed QEMU sees it* (qemu.VMLayout.base): the overlay is created with `-u` (the host never
-opens that path) and QEMU opens the base read-only through the fd the jail binds there.
+opens that path) and QEMU opens the base read-only through the fd the jail binds there. The
+overlay's virtual size is the base's plus the sandbox's `resources.disk`; the guest's init grows
+the filesystem to it at boot (ext4 online resize), so the guest gets ENOSPC once it has written
+about `disk` bytes, and the overlay, which only ever holds blocks of that virtual disk, never grows
+past it on the host.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from pathlib import Path
 from sandfleet.runtime import guest
 
 MIB = 1024**2
-HEADROOM = 1024 * MIB  # free space in every base: what a VM can write (sparse: it costs nothing until used)
+SLACK = 8 * MIB  # free space in every base beyond an eighth of its tree (a VM's own room is its overlay's)
+BLOCK = 4096
+LAYOUT = "2"  # in the key: bases of an earlier layout (1 GiB free for every VM) are not reused
 BUILD_TIMEOUT = 1800.0
 META = "meta.json"
 
@@ -51,7 +58,7 @@ class BaseDisk:
 
 
 def base_key(digests: list[str]) -> str:
-    return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:32]
+    return hashlib.sha256("\n".join([f"layout {LAYOUT}", *digests]).encode()).hexdigest()[:32]
 
 
 def _load(d: Path) -> BaseDisk:
@@ -101,11 +108,12 @@ def ensure_base(cache_dir: Path, digests: list[str], layers: list[Path]) -> Base
     return _load(final)
 
 
-def create_overlay(path: Path, base: BaseDisk, backing_as_seen: str, owner: int, backing_format: str = "raw") -> None:
-    """A qcow2 overlay over the base (or over a snapshot's qcow2 copy of an overlay over it: then
-    backing_format is qcow2), owned by the VM's jail uid (blocking)."""
+def create_overlay(path: Path, size: int, backing_as_seen: str, owner: int, backing_format: str = "raw") -> None:
+    """A qcow2 overlay of `size` bytes (the base's and the VM's own room) over the base (or over a
+    snapshot's qcow2 copy of an overlay over it: then backing_format is qcow2, and the size that
+    copy's), owned by the VM's jail uid (blocking)."""
     argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", backing_format, "-b", backing_as_seen]
-    run = subprocess.run([*argv, str(path), str(base.size)], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([*argv, str(path), str(size)], capture_output=True, text=True, timeout=60)
     if run.returncode != 0:
         raise DiskBuildError(f"qemu-img create failed: {run.stderr.strip()}")
     os.chown(path, owner, owner)
@@ -146,13 +154,16 @@ def _merged_tree(out: Path, layers: list[Path]) -> Path:
     return merged
 
 
-def _used_bytes(tree: Path) -> int:
-    total = 0
+def _used(tree: Path) -> tuple[int, int]:
+    """(bytes, entries) of the tree once on ext4: sizes in whole blocks (st_blocks would count an
+    EROFS layer's compressed size)."""
+    total = entries = 0
     for root, dirs, files in os.walk(tree):
         for name in [*dirs, *files]:
+            entries += 1
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512 + 256  # + its inode
-    return total
+                total += -(-os.lstat(os.path.join(root, name)).st_size // BLOCK) * BLOCK
+    return total, entries
 
 
 def resolve_in(tree: Path, rel: str, depth: int = 0) -> Path | None:
@@ -231,12 +242,18 @@ def extract_kernel(tree: Path, dest: Path) -> bool:
 
 def build(out: Path, layers: list[Path]) -> None:
     tree = _merged_tree(out, layers)
-    size = _used_bytes(tree) * 5 // 4 + HEADROOM
-    size = -(-size // MIB) * MIB
+    used, entries = _used(tree)
+    inodes = entries * 5 // 4 + 16384
+    size = used * 9 // 8 + inodes * 256 + SLACK
+    journal = 4 if size < 128 * MIB else 16  # MiB, mke2fs's choice for a filesystem of that size
+    size = -(-size // MIB) * MIB + journal * MIB
     raw = out / "base.raw"
     # -m 0: no blocks reserved for root (the guest's root is the only user); -d: the tree's files,
-    # owners, modes, xattrs; lazy inits: the guest's kernel finishes them in the background.
-    argv = ["mke2fs", "-q", "-F", "-t", "ext4", "-m", "0", "-L", "sandfleet-root", "-d", str(tree)]
+    # owners, modes, xattrs; lazy inits: the guest's kernel finishes them in the background. 4 KiB
+    # blocks and inodes for the tree and more: a small base would get 1 KiB blocks and, grown to
+    # the VM's size at boot, too few inodes for its size.
+    argv = ["mke2fs", "-q", "-F", "-t", "ext4", "-m", "0", "-b", str(BLOCK), "-N", str(inodes)]
+    argv += ["-J", f"size={journal}", "-L", "sandfleet-root", "-d", str(tree)]
     argv += ["-E", "lazy_itable_init=1,lazy_journal_init=1", str(raw), f"{size // 1024}k"]
     subprocess.run(argv, check=True, capture_output=True, timeout=BUILD_TIMEOUT)
     os.chmod(raw, 0o644)  # QEMU opens it read-only as its jail uid (through a bound fd)

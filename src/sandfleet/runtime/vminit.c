@@ -19,7 +19,9 @@
  *
  * Full mode (the vm tier: sandfleet.mode=full): the guest is the user's machine, not a container host.
  * Its one disk (/dev/vda, ext4, a copy-on-write overlay over the image's base) becomes the root
- * (devtmpfs, proc, sysfs moved onto it, then mount --move + chroot, as switch_root does); a child
+ * (devtmpfs, proc, sysfs moved onto it, then mount --move + chroot, as switch_root does), its
+ * filesystem first grown to the disk (the overlay is the sandbox's `disk` larger than the base:
+ * that is the guest's room to write, and the bound of the overlay's growth on the host); a child
  * (the relay) starts the agent directly in the guest's root namespaces as real root (fd 3 its
  * channel, exec'd from an fd opened in the initramfs before the chroot) and relays the port; then,
  * with sandfleet.init=1 and an executable /sbin/init, PID 1 execs the image's init (systemd, ...),
@@ -54,8 +56,10 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -80,6 +84,10 @@
 #ifndef SYS_finit_module
 #define SYS_finit_module 313
 #endif
+#ifndef BLKGETSIZE64
+#define BLKGETSIZE64 _IOR(0x12, 114, size_t)
+#endif
+#define EXT4_IOC_RESIZE_FS _IOW('f', 16, uint64_t)
 
 static char hostname[65] = "sandbox";
 static unsigned long long disk = 256ULL << 20, inodes = 65536;
@@ -587,6 +595,23 @@ static void wait_for(const char *dev)
 		msleep(10);
 }
 
+/* Grow the mounted root filesystem to its whole disk (online; nothing to do when it already is). */
+static void grow_root(void)
+{
+	uint64_t bytes = 0, blocks;
+	struct statfs sf;
+	int dev = open("/dev/vda", O_RDONLY | O_CLOEXEC), root = open("/newroot", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (dev >= 0 && root >= 0 && ioctl(dev, BLKGETSIZE64, &bytes) == 0 && fstatfs(root, &sf) == 0 && sf.f_bsize > 0) {
+		blocks = bytes / (uint64_t)sf.f_bsize;
+		if (blocks > (uint64_t)sf.f_blocks && ioctl(root, EXT4_IOC_RESIZE_FS, &blocks) < 0)
+			say("growing the root filesystem to %llu bytes: %s", (unsigned long long)bytes, strerror(errno));
+	}
+	if (dev >= 0)
+		close(dev);
+	if (root >= 0)
+		close(root);
+}
+
 /* The root disk becomes / (the initramfs stays underneath, unreachable: a few MiB of guest RAM). */
 static void enter_root_disk(void)
 {
@@ -594,6 +619,7 @@ static void enter_root_disk(void)
 	mkdir("/newroot", 0755);
 	if (mount("/dev/vda", "/newroot", "ext4", 0, NULL) < 0)
 		die("mount the root disk");
+	grow_root();
 	mkdir("/newroot/dev", 0755);
 	mkdir("/newroot/proc", 0555);
 	mkdir("/newroot/sys", 0555);

@@ -34,7 +34,7 @@ def router(service: SandboxService) -> APIRouter:
         sandbox_id: str, req: Annotated[SessionCreateRequest | None, Body()] = None
     ) -> SessionInfo:
         r = req or SessionCreateRequest()
-        return await service.create_session(sandbox_id, r.env, r.cwd, r.user)
+        return await service.create_session(sandbox_id, r.env, r.cwd, r.user, r.pty)
 
     @r.get("/v1/sandboxes/{sandbox_id}/sessions", response_model=SessionList)
     async def list_sessions(sandbox_id: str) -> SessionList:
