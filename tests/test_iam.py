@@ -425,10 +425,13 @@ def test_a_daemon_with_projects(iam_daemon: tuple[Daemon, str]) -> None:
         with pytest.raises(PermissionDeniedError, match="read-only"):
             Sandbox(ro, sa.info).stop()
         # Quotas: team-a holds 3 sandboxes.
-        more = [a.create(image="busybox", idle_ttl=120) for _ in range(2)]
+        more = [a.create(image="busybox", idle_ttl=120)]
+        more.append(a.create(image="busybox", idle_ttl=120, idempotency_key="the-third"))  # 3 of 3
         with pytest.raises(ResourceExhaustedError) as quota:
             a.create(image="busybox", timeout=1)
         assert quota.value.code == "resource_exhausted" and "project acme/team-a: quota of 3" in str(quota.value)
+        # A retry of a create that made its sandbox (its answer lost) gets it, at the quota as below it.
+        assert a.create(image="busybox", idle_ttl=120, idempotency_key="the-third", timeout=1).id == more[-1].id
         # Root's socket: everything, as always.
         assert {s.id for s in unix.list()} >= {sa.id, *(m.id for m in more)}
         for s in (sa, *more):

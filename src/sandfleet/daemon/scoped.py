@@ -310,6 +310,20 @@ class ScopedService:
                 refused[project] = exc
         return refused
 
+    async def _held_each(self, keys: builtins.list[tuple[str | None, str | None]]) -> builtins.list[bool]:
+        """Whether each (project, key) already made its sandbox here: a retry, which gets that sandbox
+        and takes no quota again (a retry refused at the quota would leave its sandbox unclaimed, and
+        a gateway would place it anew: a second sandbox)."""
+        asked = [(project, key) for project, key in keys if key is not None]
+        held = iter(await self.inner.held_keys(asked) if asked else [])
+        return [key is not None and next(held) for _, key in keys]
+
+    async def _held(self, project: str | None, key: str | None, child: int | None = None) -> bool:
+        """`_held_each` of one key (of a fork or restore: its first child's, `key#0`)."""
+        if key is not None and child is not None:
+            key = f"{key}#{child}"
+        return (await self._held_each([(project, key)]))[0]
+
     def _admit_all(self, project: str | None, spec: SandboxSpec, count: int) -> None:
         """All `count` sandboxes of `spec` fit, or the refusal is raised."""
         for err in self._check([(project, spec)] * count):
@@ -369,7 +383,7 @@ class ScopedService:
             return await self.inner.create(spec, idempotency_key=idempotency_key)
         spec = _placed(p, spec)
         project = spec.project
-        if not self.iam.chain(project):
+        if not self.iam.chain(project) or await self._held(project, idempotency_key):
             return await self.inner.create(spec, idempotency_key=idempotency_key)
         self._admit_all(project, spec, 1)
         with self._admitted([(project, spec)]):
@@ -396,22 +410,26 @@ class ScopedService:
                 continue
             wanted.append((placed.project, placed))
             where.append(i)
-        checked = self._check(wanted)
-        fits = [(w, i) for w, i, err in zip(wanted, where, checked, strict=True) if err is None]
-        for i, err in zip(where, checked, strict=True):
+        # An item whose key already made its sandbox here is a retry: it takes no quota again.
+        keys = idempotency_keys or [None] * len(specs)
+        retried = await self._held_each([(w[0], keys[i]) for w, i in zip(wanted, where, strict=True)])
+        go = [(w, i) for w, i, r in zip(wanted, where, retried, strict=True) if r]
+        new = [(w, i) for w, i, r in zip(wanted, where, retried, strict=True) if not r]
+        checked = self._check([w for w, _ in new])
+        fits = [(w, i) for (w, i), err in zip(new, checked, strict=True) if err is None]
+        for (_, i), err in zip(new, checked, strict=True):
             if err is not None:
                 results[i] = err
         refused = self._rate([w for w, _ in fits])
-        go = []
         for w, i in fits:
             if w[0] in refused:
                 results[i] = refused[w[0]]
             else:
                 go.append((w, i))
         if go:
-            keys = [idempotency_keys[i] for _, i in go] if idempotency_keys is not None else None
-            with self._admitted([w for w, _ in go]):
-                made = await self.inner.create_batch([w[1] for w, _ in go], concurrency, keys)
+            go_keys = [keys[i] for _, i in go] if idempotency_keys is not None else None
+            with self._admitted([w for w, _ in fits if w[0] not in refused]):
+                made = await self.inner.create_batch([w[1] for w, _ in go], concurrency, go_keys)
             for (_, i), r in zip(go, made, strict=True):
                 results[i] = r
         return [r if r is not None else UnavailableError("not created") for r in results]
@@ -502,7 +520,7 @@ class ScopedService:
     ) -> builtins.list[SandboxInfo | SandboxError]:
         self.sandbox_principal(sandbox_id, True)
         spec = self.directory.sandbox_spec(sandbox_id)
-        if spec is None or not self.iam.chain(spec.project):
+        if spec is None or not self.iam.chain(spec.project) or await self._held(spec.project, idempotency_key, 0):
             return await self.inner.fork(sandbox_id, count, labels, idempotency_key=idempotency_key)
         self._admit_all(spec.project, spec, count)
         with self._admitted([(spec.project, spec)] * count):
@@ -516,7 +534,7 @@ class ScopedService:
         info = await self._visible_snapshot(snapshot_id, p)
         spec = self.directory.snapshot_spec(snapshot_id)
         project = spec.project if spec is not None else info.project
-        if spec is None or not self.iam.chain(project):
+        if spec is None or not self.iam.chain(project) or await self._held(project, idempotency_key, 0):
             return await self.inner.restore(snapshot_id, count, labels, idempotency_key=idempotency_key)
         self._admit_all(project, spec, count)
         with self._admitted([(project, spec)] * count):
