@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from sandfleet.daemon.state import (
-    BatchRow,
     SandboxRow,
     StateConflictError,
     StateDiskFullError,
@@ -124,24 +123,6 @@ async def test_an_old_database_is_migrated_in_place(tmp_path: Path) -> None:
         assert len(await store.all()) == 2
 
 
-async def test_batch_idempotency_keys(tmp_path: Path) -> None:
-    async with opened(tmp_path / "state.db") as store:
-        await store.put_batch(BatchRow("fork-1", "fork", 100.0, ["sb-a", None, "sb-c"]))
-        with pytest.raises(StateConflictError):
-            await store.put_batch(BatchRow("fork-1", "fork", 100.0, []))
-        got = await store.get_batch("fork-1")
-        assert got == BatchRow("fork-1", "fork", 100.0, ["sb-a", None, "sb-c"], None)
-        answer = [{"id": "sb-a"}, {"error": {"code": "resource_exhausted"}}, {"id": "sb-c"}]
-        await store.update_batch("fork-1", result=answer)
-        got = await store.get_batch("fork-1")
-        assert got is not None and got.result == answer and got.sandbox_ids == ["sb-a", None, "sb-c"]
-        await store.put_batch(BatchRow("restore-2", "restore", 200.0, ["sb-d"]))
-        assert await store.expire_batches(150.0) == 1
-        assert await store.get_batch("fork-1") is None
-        await store.delete_batches(["restore-2"])
-        assert await store.get_batch("restore-2") is None
-
-
 async def test_idempotency_keys_are_per_project_and_keep_their_fingerprint(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
     async with opened(db) as store:
@@ -152,10 +133,6 @@ async def test_idempotency_keys_are_per_project_and_keep_their_fingerprint(tmp_p
             await store.insert(row("sb-a2", idempotency_key="k", project="acme/a"))
         with pytest.raises(StateConflictError):
             await store.insert(row("sb-none2", idempotency_key="k"))
-        await store.put_batch(BatchRow("fork-1", "fork", 1.0, ["sb-a"], project="acme/a", fingerprint="f"))
-        await store.put_batch(BatchRow("fork-1", "fork", 1.0, ["sb-b"], project="acme/b"))
-        with pytest.raises(StateConflictError):
-            await store.put_batch(BatchRow("fork-1", "fork", 1.0, [], project="acme/a"))
     async with opened(db) as store:
         for project, sandbox_id, fingerprint in (("acme/a", "sb-a", "fp-a"), ("acme/b", "sb-b", "fp-b")):
             got = await store.by_idempotency_key("k", project)
@@ -167,16 +144,11 @@ async def test_idempotency_keys_are_per_project_and_keep_their_fingerprint(tmp_p
         none = await store.by_idempotency_key("k")
         assert none is not None and none.id == "sb-none" and none.project is None
         assert await store.by_idempotency_key("k", "acme/c") is None
-        batch = await store.get_batch("fork-1", "acme/a")
-        assert batch is not None and (batch.sandbox_ids, batch.fingerprint) == (["sb-a"], "f")
-        assert await store.get_batch("fork-1") is None
-        await store.delete_batches(["fork-1"], "acme/b")
-        assert await store.get_batch("fork-1", "acme/b") is None and await store.get_batch("fork-1", "acme/a")
 
 
 async def test_a_schema_2_database_gets_keys_per_project(tmp_path: Path) -> None:
-    """Schema 2 had one key namespace (a unique index on the key, batches keyed by the key alone): the
-    migration fills each row's project from its spec and rebuilds the batches table, rows kept."""
+    """Schema 2 had one key namespace (a unique index on the key) and a table of batch keys nothing
+    read: the migration fills each row's project from its spec and drops that table."""
     db = tmp_path / "state.db"
     with contextlib.closing(sqlite3.connect(db)) as con:
         con.executescript(
@@ -208,14 +180,13 @@ async def test_a_schema_2_database_gets_keys_per_project(tmp_path: Path) -> None
         assert await store.by_idempotency_key("trajectory:t-1", "acme/b") is None
         # Another project's sandbox may now carry the same key.
         await store.insert(row("sb-new", idempotency_key="trajectory:t-1", project="acme/b"))
-        batch = await store.get_batch("fork-1")
-        assert batch is not None and batch.sandbox_ids == ["sb-old"] and batch.project is None
     with contextlib.closing(sqlite3.connect(db)) as con:
         assert con.execute("PRAGMA user_version").fetchone()[0] == 3
         indexes = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='index'")}
         assert "sandboxes_by_idempotency_key" not in indexes and "sandboxes_by_project_key" in indexes
+        assert con.execute("SELECT name FROM sqlite_master WHERE name='idempotency_batches'").fetchone() is None
     async with opened(db) as store:  # a second open finds nothing to migrate
-        assert len(await store.all()) == 2 and await store.get_batch("fork-1") is not None
+        assert len(await store.all()) == 2
 
 
 # --------------------------------------------------------------------------- a full disk

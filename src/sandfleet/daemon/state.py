@@ -1,5 +1,5 @@
-"""SQLite state store: sandboxes (with their runtime handles), the per-sandbox event log, and the
-idempotency keys of batch requests.
+"""SQLite state store: sandboxes (with their runtime handles, idempotency keys and request
+fingerprints) and the per-sandbox event log.
 
 One connection, used from one dedicated worker thread, so the event loop never blocks on disk and
 SQLite never sees concurrent use. WAL mode: a crash loses at most the last unsynced transaction.
@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,24 +38,9 @@ T = TypeVar("T")
 
 SCHEMA_VERSION = 3
 
-# The idempotency keys of batch requests, per project ('' for none); also what a schema-2 table (keyed
-# by the key alone) is rebuilt as.
-_BATCHES = """
-CREATE TABLE IF NOT EXISTS idempotency_batches (
-    project TEXT NOT NULL DEFAULT '',
-    key TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    sandbox_ids TEXT NOT NULL,
-    result TEXT,
-    fingerprint TEXT,
-    PRIMARY KEY (project, key)
-)
-"""
 # Tables as a fresh database gets them. Databases made before a column existed get it from
 # `_ADDED_COLUMNS` (ALTER TABLE ADD COLUMN) when opened; indexes on such columns come after that.
-SCHEMA = (
-    """
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     id TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -80,15 +65,14 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL,
     data TEXT NOT NULL
 );
+-- Batch keys were kept here until schema 3 (never read), children's keys (`key#i`) are in their rows.
+DROP TABLE IF EXISTS idempotency_batches;
 """
-    + _BATCHES
-)
 INDEXES = """
 CREATE INDEX IF NOT EXISTS events_by_sandbox ON events (sandbox_id, seq);
 DROP INDEX IF EXISTS sandboxes_by_idempotency_key;
 CREATE UNIQUE INDEX IF NOT EXISTS sandboxes_by_project_key ON sandboxes (COALESCE(project, ''), idempotency_key)
     WHERE idempotency_key IS NOT NULL;
-CREATE INDEX IF NOT EXISTS idempotency_batches_by_time ON idempotency_batches (created_at);
 """
 _BASE_COLUMNS = {
     "sandboxes": (
@@ -96,7 +80,6 @@ _BASE_COLUMNS = {
         "stop_reason",
     ),
     "events": ("seq", "sandbox_id", "time", "kind", "data"),
-    "idempotency_batches": ("project", "key", "kind", "created_at", "sandbox_ids", "result", "fingerprint"),
 }  # fmt: skip
 _ADDED_COLUMNS = (
     ("idempotency_key", "TEXT"),
@@ -105,8 +88,6 @@ _ADDED_COLUMNS = (
     ("project", "TEXT"),  # the spec's, as a column: idempotency keys are unique per project
     ("idempotency_fingerprint", "TEXT"),
 )
-# idempotency_batches before keys were per project (schema 2): its key alone was the primary key.
-_BATCH_COLUMNS_V2 = ("key", "kind", "created_at", "sandbox_ids", "result")
 SANDBOX_COLUMNS = _BASE_COLUMNS["sandboxes"] + tuple(name for name, _ in _ADDED_COLUMNS)
 _JSON_COLUMNS = ("spec", "labels", "runtime")
 _BOOL_COLUMNS = ("acked", "held")
@@ -233,21 +214,6 @@ class SandboxRow:
     idempotency_fingerprint: str | None = None
 
 
-@dataclass
-class BatchRow:
-    """The idempotency key of a batch request (fork, restore, a batch create): the sandboxes it
-    made, in request order (None for an item that failed), and optionally the answer given. Keys
-    are per project (None: none), as sandboxes' are."""
-
-    key: str
-    kind: str
-    created_at: float
-    sandbox_ids: list[str | None] = field(default_factory=list)
-    result: Any = None
-    project: str | None = None
-    fingerprint: str | None = None
-
-
 def _row(r: sqlite3.Row) -> SandboxRow:
     # Columns added after the first schema default when absent: a database salvaged from an older
     # version (`_salvage`) is read without migrating it.
@@ -268,18 +234,6 @@ def _row(r: sqlite3.Row) -> SandboxRow:
         held=bool(r["held"]) if "held" in keys else False,
         project=r["project"] if "project" in keys else None,
         idempotency_fingerprint=r["idempotency_fingerprint"] if "idempotency_fingerprint" in keys else None,
-    )
-
-
-def _batch(r: sqlite3.Row) -> BatchRow:
-    return BatchRow(
-        key=r["key"],
-        kind=r["kind"],
-        created_at=r["created_at"],
-        sandbox_ids=json.loads(r["sandbox_ids"]),
-        result=None if r["result"] is None else json.loads(r["result"]),
-        project=r["project"] or None,
-        fingerprint=r["fingerprint"],
     )
 
 
@@ -451,14 +405,6 @@ class StateStore:
                     db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
             if "project" not in have:  # rows of schema 2: their key's project is their spec's
                 db.execute("UPDATE sandboxes SET project = json_extract(spec, '$.project')")
-            if columns("idempotency_batches") == list(_BATCH_COLUMNS_V2):
-                # Schema 2's table (keyed by the key alone): rebuilt keyed per project, rows kept
-                # (of no project: a key recorded then was not scoped).
-                old = ", ".join(_BATCH_COLUMNS_V2)
-                db.execute("ALTER TABLE idempotency_batches RENAME TO idempotency_batches_v2")
-                db.execute(_BATCHES)
-                db.execute(f"INSERT INTO idempotency_batches ({old}) SELECT {old} FROM idempotency_batches_v2")
-                db.execute("DROP TABLE idempotency_batches_v2")
             for table, expected in _BASE_COLUMNS.items():
                 missing = [c for c in expected if c not in columns(table)]
                 if missing:
@@ -488,11 +434,6 @@ class StateStore:
                 _row(r)
             except (ValueError, TypeError, KeyError) as exc:
                 raise _Damaged(f"sandbox row {r['id']!r} does not decode: {exc}") from exc
-        for r in db.execute("SELECT * FROM idempotency_batches"):
-            try:
-                _batch(r)
-            except (ValueError, TypeError, KeyError) as exc:
-                raise _Damaged(f"idempotency batch {r['key']!r} does not decode: {exc}") from exc
 
     def _set_aside(self) -> Path:
         """Move the damaged database (and its -wal, -shm, -journal) to ``<name>.corrupt-<unix time>``."""
@@ -587,70 +528,6 @@ class StateStore:
             db.executemany("DELETE FROM events WHERE sandbox_id=?", ids)
 
         await self._run(q)
-
-    # ------------------------------------------------------------------ idempotency keys of batches
-
-    async def put_batch(self, row: BatchRow) -> None:
-        """Record a batch request's key; StateConflictError if its project holds the key already."""
-        values = (
-            row.project or "",
-            row.key,
-            row.kind,
-            row.created_at,
-            json.dumps(row.sandbox_ids),
-            None if row.result is None else json.dumps(row.result),
-            row.fingerprint,
-        )
-        await self._run(
-            lambda db: db.execute(
-                "INSERT INTO idempotency_batches (project, key, kind, created_at, sandbox_ids, result, fingerprint)"
-                " VALUES (?,?,?,?,?,?,?)",
-                values,
-            )
-        )
-
-    async def get_batch(self, key: str, project: str | None = None) -> BatchRow | None:
-        def q(db: sqlite3.Connection) -> BatchRow | None:
-            r = db.execute(
-                "SELECT * FROM idempotency_batches WHERE project=? AND key=?", (project or "", key)
-            ).fetchone()
-            return _batch(r) if r else None
-
-        return await self._run(q)
-
-    async def update_batch(
-        self,
-        key: str,
-        *,
-        sandbox_ids: list[str | None] | None = None,
-        result: Any = None,
-        project: str | None = None,
-    ) -> None:
-        """Replace a batch's sandbox ids and/or its recorded answer (None leaves either as it is)."""
-        cols, vals = [], []
-        if sandbox_ids is not None:
-            cols.append("sandbox_ids=?")
-            vals.append(json.dumps(sandbox_ids))
-        if result is not None:
-            cols.append("result=?")
-            vals.append(json.dumps(result))
-        if not cols:
-            return
-        sql = f"UPDATE idempotency_batches SET {', '.join(cols)} WHERE project=? AND key=?"
-        await self._run(lambda db: db.execute(sql, (*vals, project or "", key)))
-
-    async def delete_batches(self, keys: Iterable[str], project: str | None = None) -> None:
-        items = [(project or "", k) for k in keys]
-        if items:
-            await self._run(
-                lambda db: db.executemany("DELETE FROM idempotency_batches WHERE project=? AND key=?", items)
-            )
-
-    async def expire_batches(self, before: float) -> int:
-        """Forget batch keys recorded before `before` (a unix time); returns how many went."""
-        return await self._run(
-            lambda db: db.execute("DELETE FROM idempotency_batches WHERE created_at<?", (before,)).rowcount
-        )
 
     # ------------------------------------------------------------------ events
 
