@@ -139,7 +139,10 @@ class Monitor:
         """One record saying how many connection records of the sandbox were over the rate."""
         b = self._buckets.get(sandbox_id)
         if b is not None and b.suppressed:
-            why = f"connection records over {AUDIT_RATE:g}/s for this sandbox: counted, not written"
+            why = (
+                f"connection records over the audit's rate ({AUDIT_RATE:g}/s a sandbox, {NODE_AUDIT_RATE:g}/s "
+                "the node): counted, not written"
+            )
             self.audit_record("connection", sandbox_id, {"suppressed": b.suppressed, "reason": why})
             b.suppressed = 0
 

@@ -123,7 +123,7 @@ class NetworkConfig(BaseModel):
         ge=1,
         le=65536,
         description="connections a sandbox may hold open at once to the proxy (counted from accept: those "
-        "still to send their request too) and to each of its exposed ports; more are answered 503 at once",
+        "still to send their request too), and again to its exposed ports together; more are answered 503 at once",
     )
     max_node_connections: int = Field(
         2048,
