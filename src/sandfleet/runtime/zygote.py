@@ -78,7 +78,7 @@ LIBC = ctypes.CDLL(None, use_errno=True)
 STATUS = struct.Struct("i")
 
 
-class ZygoteGone(Exception):
+class _ZygoteGone(Exception):
     """The zygote died (killed from inside the worker, say): the supervisor starts afresh."""
 
 
@@ -446,7 +446,7 @@ def call(req: dict[str, Any], order: bytes, ctl: socket.socket, wdirs: list[str]
                 continue
             msg = ctl.recv(16)
             if not msg:
-                raise ZygoteGone
+                raise _ZygoteGone
             if msg[:1] == b"x":
                 status, ended = STATUS.unpack(msg[1:])[0], time.monotonic()
                 # The call is over: whatever it left running goes now (and its pipes close with it).
@@ -543,7 +543,7 @@ def main() -> None:
     write_all(b'{"ready": true}\n')
     try:
         serve(ctl, wdirs)
-    except ZygoteGone:
+    except _ZygoteGone:
         # Killed from inside the worker (say): no zygote may be forked from this process, which
         # has read requests, so it starts afresh as a new program (the daemon's pipes stay).
         with open("/proc/self/cmdline", "rb") as f:
@@ -552,11 +552,11 @@ def main() -> None:
 
 
 def serve(ctl: socket.socket, wdirs: list[str]) -> None:
-    """Requests until the daemon closes fd 0; ZygoteGone when the zygote dies."""
+    """Requests until the daemon closes fd 0; _ZygoteGone when the zygote dies."""
     while True:
         r, _, _ = select.select([0, ctl.fileno()], [], [])
         if ctl.fileno() in r and not ctl.recv(16):
-            raise ZygoteGone
+            raise _ZygoteGone
         if 0 not in r:
             continue
         head = read_exactly(HEADER.size)
@@ -579,7 +579,7 @@ def serve(ctl: socket.socket, wdirs: list[str]) -> None:
             continue
         try:
             res = call(req, order, ctl, wdirs)
-        except ZygoteGone:
+        except _ZygoteGone:
             write_all(json.dumps({"error": "the worker's zygote died"}).encode() + b"\n")
             raise
         except Exception as exc:
