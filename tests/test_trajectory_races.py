@@ -1,7 +1,8 @@
 """Work on a trajectory going on while other calls come: a verification in flight while the
 trajectory is closed, read, listed or verified again (one verification, one verdict, a log that
-replays clean, no descriptor left open); a verdict the disk refuses is still the verdict. A real
-daemon of the module's own (it is restarted), its logs on a small tmpfs of their own (filled by one test); each
+replays clean, no descriptor left open); a verdict the disk refuses is still the verdict; a fenced
+node answers for none of its trajectories or idempotency keys. A real daemon of the module's own
+(it is restarted and fenced), its logs on a small tmpfs of their own (filled by one test); each
 verification's checks wait for the test's signal, so the calls meet it in flight."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from sandfleet import Client, SandboxSpec
-from sandfleet.errors import SandboxError, WrongStateError
+from sandfleet.errors import NotFoundError, SandboxError, WrongStateError
 
 from conftest import Daemon, agent_pid, destroy_daemon, make_daemon, wait_until
 
@@ -226,3 +227,52 @@ def test_a_verdict_the_disk_refuses_is_still_the_verdict(d: Daemon) -> None:
         assert again.info.verification == verdict and again.info.reward == 1.0
         assert [r["k"] for r in _records(d, "verdict-on-full-disk")][-3:] == ["verifying", "verify", "close"]
         again.delete()
+
+
+# Last in the module: a fence stops every sandbox of the node.
+def test_a_fenced_node_answers_for_none_of_its_trajectories_or_keys(d: Daemon) -> None:
+    """Fenced (the cluster told callers all it held is lost): its trajectories (open, closed, one in
+    mid-step) answer `not_found`, its idempotency keys are not held (also after a restart), and an
+    id or key used again makes something new; nothing the fence set aside is written again."""
+    ids = ("fenced-open", "fenced-closed", "fenced-mid-step")
+    with d.client(timeout=60) as fleet:
+        trajectories = {tid: fleet.trajectory(tid, SPEC) for tid in ids}
+        for traj in trajectories.values():
+            traj.exec("echo step-0 >> /ran")
+        trajectories["fenced-closed"].close()
+        keyed = fleet.create(SPEC, idempotency_key="fence-key-1")
+        mid = trajectories["fenced-mid-step"]
+        got: dict[str, Any] = {}
+        thread = _in_thread(got, "step", lambda: mid.exec("echo step-1 >> /ran; sleep 30", timeout=60))
+        assert mid.sandbox is not None
+        assert wait_until(lambda: "step-1" in _read(d, mid.sandbox.id, "ran"), timeout=30)  # type: ignore[union-attr]
+        held = [{"key": "fence-key-1"}, {"key": "trajectory:fenced-open"}]
+        assert fleet._http.post("/v1/sandboxes/keys", json={"keys": held}).json() == {"held": [True, True]}  # type: ignore[attr-defined]
+
+        fleet.fence(1)
+        thread.join(timeout=60)
+        for tid in ids:
+            with pytest.raises(NotFoundError):
+                fleet.get_trajectory(tid)
+        assert not [t for t in fleet.trajectories() if t.id in ids]
+        assert fleet._http.post("/v1/sandboxes/keys", json={"keys": held}).json() == {"held": [False, False]}  # type: ignore[attr-defined]
+        folder = _log(d, "x").parent
+        assert not [p.name for p in folder.glob("fenced-*.jsonl")]
+        assert sorted(p.name.split(".jsonl.")[0] for p in folder.glob("fenced-*.jsonl.fenced-*")) == sorted(ids)
+        assert not _open_fds(d, "fenced-")
+    d.stop()
+    d.start()
+    with d.client(timeout=60) as fleet:
+        assert fleet._http.post("/v1/sandboxes/keys", json={"keys": held}).json() == {"held": [False, False]}  # type: ignore[attr-defined]
+        for tid in ids:
+            with pytest.raises(NotFoundError):
+                fleet.get_trajectory(tid)
+        fresh = fleet.create(SPEC, idempotency_key="fence-key-1")
+        assert fresh.id != keyed.id and fresh.info.state == "running"
+        again = fleet.trajectory("fenced-open", SPEC)  # a new trajectory, in a new sandbox
+        assert again.sandbox is not None and again.sandbox.id != trajectories["fenced-open"].sandbox.id  # type: ignore[union-attr]
+        assert again.exec("cat /ran 2>/dev/null; echo new").stdout == "new\n" and again.last is not None
+        assert not again.last.replayed
+        again.close()
+        again.delete()
+        fresh.stop()

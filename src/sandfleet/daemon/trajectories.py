@@ -492,6 +492,19 @@ class Trajectories:
         self._release(t)
         return list(t.steps)
 
+    async def fence(self, why: str) -> None:
+        """Set every log aside (`why`): the cluster told callers that all this node held is lost, so
+        none of its trajectories answers again (an id opened again is a new one). Work still going
+        on here logs nothing more."""
+        for key in await asyncio.to_thread(self.logs.keys):
+            async with self._loading.hold(key):  # no reader meanwhile loads what goes
+                t = self.loaded.pop(key, None)
+                if t is not None:
+                    t.log.retire(why)
+                await asyncio.to_thread(self.logs.set_aside, key, why)
+            self.logs.forget(key)
+        await asyncio.to_thread(self.logs.save)
+
     async def drain(self) -> None:
         """Wait (up to `drain_timeout`) for the steps and verifications running now to be logged."""
         pending: builtins.list[asyncio.Future[Any]] = [t.running[2] for t in self.loaded.values() if t.running]

@@ -1,11 +1,14 @@
 """Where trajectory logs live: `<root>/<project>/<id>.jsonl` (the root's in `_`), kept for their
-retention; what a caller's id names.
+retention; what a caller's id names; logs set aside.
 
 Logs of the layout before ids were per project (all in `<root>`) are moved at start to their
 sandbox's project. Back then an id was the node's, reachable by whoever saw its sandbox's project
 (the root, that project and those above it); whether the root or the project opened it is not in
 the log. So a moved log stays reachable by all of them (`moved.json`: id -> project), until it is
 deleted or expires.
+
+A log is set aside (renamed `<id>.jsonl.<why>-<time>`) when its node is fenced: nothing it held
+answers again, and the file stays for whoever looks into what happened.
 """
 
 from __future__ import annotations
@@ -88,9 +91,8 @@ class LogFolder:
         for path in self.root.glob("*/*"):
             if not (path.suffix == ".jsonl" or ".jsonl." in path.name):  # the logs, damaged copies, rewrites
                 continue
-            key = (None if path.parent.name == _ROOT_DIR else path.parent.name.replace("+", "/"), path.stem)
             with contextlib.suppress(OSError):
-                if path.stat().st_mtime < now - retention and key not in busy:
+                if path.stat().st_mtime < now - retention and _key(path) not in busy:
                     path.unlink()
         gone = [t for t, owner_ in self.moved.items() if not self.path((owner_, t)).exists()]
         if gone:
@@ -98,9 +100,24 @@ class LogFolder:
                 del self.moved[t]
             self.save()
 
+    def keys(self) -> list[Key]:
+        """Every log's key (blocking)."""
+        return [_key(p) for p in self.root.glob("*/*.jsonl")]
+
+    def set_aside(self, key: Key, why: str) -> None:
+        """Rename its log `<id>.jsonl.<why>-<time>`: no longer found, kept to look into (blocking)."""
+        path = self.path(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, path.with_name(f"{path.name}.{why}-{time.time_ns()}"))
+
     def save(self) -> None:
         """Write `moved` (blocking). Two at once may leave the older: what start prunes (ids whose
         log is gone) is all an older one can hold too many."""
         tmp = self.root / f"{_MOVED}.{time.time_ns()}.tmp"
         tmp.write_text(json.dumps(dict(self.moved)))
         os.replace(tmp, self.root / _MOVED)
+
+
+def _key(path: Path) -> Key:
+    """The key of a log (or of a copy beside it) in a project's folder."""
+    return None if path.parent.name == _ROOT_DIR else path.parent.name.replace("+", "/"), path.stem
