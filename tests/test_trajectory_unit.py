@@ -86,6 +86,19 @@ def test_a_caller_reaches_what_it_reached_before_ids_were_per_project(tmp_path: 
     assert logs.forget(("org/team-a", "old")) and logs.key(None, "old") == (None, "old")
 
 
+@pytest.mark.parametrize("saved", [b"[1]", b'"x"', b'{"old": 1, "../x": "org"}', b"\xff{", b""])
+def test_a_damaged_list_of_moved_logs_stops_nothing(tmp_path: Path, saved: bytes) -> None:
+    """`moved.json` unreadable or wrong: the daemon starts, and a log moved now is listed again."""
+    (tmp_path / "moved.json").write_bytes(saved)
+    (tmp_path / "old.jsonl").write_bytes(b"{}\n")
+    logs = LogFolder(tmp_path)
+    logs.sweep(0.0, 1.0, (), lambda _found: "org/team-a")
+    assert logs.moved == {"old": "org/team-a"} and (tmp_path / "org+team-a" / "old.jsonl").exists()
+    again = LogFolder(tmp_path)
+    again.sweep(0.0, 1.0, (), lambda _found: None)
+    assert again.moved == {"old": "org/team-a"}
+
+
 @pytest.fixture
 async def trajectories(tmp_path: Path) -> AsyncIterator[Trajectories]:
     async with InProcessNode(tmp_path) as node:
@@ -135,3 +148,22 @@ async def test_no_step_begins_on_a_trajectory_being_deleted(trajectories: Trajec
     info = await tr.open(TrajectoryOpen(id="deleting", spec=SandboxSpec(image="busybox")), project=None)
     assert info.steps == 0 and info.state == "open"
     await tr.delete("deleting", project=None)
+
+
+async def test_a_new_trajectory_is_looked_for_once(trajectories: Trajectories, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scoped service asks whether the id exists, then opens it: one look for its log, not two."""
+    tr = trajectories
+    looked: list[object] = []
+    load = tr._load
+
+    async def counted(key: tuple[str | None, str]) -> object:
+        looked.append(key)
+        return await load(key)
+
+    monkeypatch.setattr(tr, "_load", counted)
+    assert not await tr.exists("looked-for", project="org/a")
+    await tr.open(TrajectoryOpen(id="looked-for", spec=SandboxSpec(image="busybox")), project="org/a")
+    assert looked == [("org/a", "looked-for")]
+    assert await tr.exists("looked-for", project="org/a")  # open: in memory, no look
+    assert looked == [("org/a", "looked-for")]
+    await tr.delete("looked-for", project="org/a")

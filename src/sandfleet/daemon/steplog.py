@@ -229,10 +229,12 @@ class StepLog:
             os.close(self.fd)
             self.fd = None
 
-    def retire(self, why: str) -> None:
-        """Close it for good: its file was deleted or set aside (`why`), and an append is an OSError."""
-        self.close()
-        self.retired = why
+    async def retire(self, why: str) -> None:
+        """Close it for good: its file was deleted or set aside (`why`), and an append is an OSError.
+        After an append in a thread (sync): its descriptor is never closed under a write."""
+        async with self._lock:
+            self.close()
+            self.retired = why
 
 
 # -- what identifies a request in the log -----------------------------------------------------

@@ -313,7 +313,7 @@ class Trajectories:
             t = self.loaded.get(t.key, t)
             if idle and (t.running is not None or t.verifying is not None):
                 raise WrongStateError(f"trajectory {t.id} has a step running")
-            t.log.retire("deleted")  # whatever still holds it logs nothing more
+            await t.log.retire("deleted")  # whatever still holds it logs nothing more
             if self.loaded.get(t.key) is t:
                 del self.loaded[t.key]
             await asyncio.to_thread(t.log.path.unlink, True)
@@ -446,8 +446,10 @@ class Trajectories:
             try:  # built by hand: the action is JSON already
                 begin = f'{{"k":"begin","step":{k},"digest":"{dig}","t":{time.time()},"action":{action}}}'
                 await self._append(t, begin)
-            except BaseException:
+            except BaseException as exc:
                 t.running = None
+                if t.log.retired is not None:  # deleted (or fenced) meanwhile
+                    raise NotFoundError(f"trajectory {t.id[:80]} not found") from exc
                 raise
             t.actions.append(action)
         # In the service's task group: a trainer that goes away mid-step does not cancel it.
@@ -500,7 +502,7 @@ class Trajectories:
             async with self._loading.hold(key):  # no reader meanwhile loads what goes
                 t = self.loaded.pop(key, None)
                 if t is not None:
-                    t.log.retire(why)
+                    await t.log.retire(why)
                 await asyncio.to_thread(self.logs.set_aside, key, why)
             self.logs.forget(key)
         await asyncio.to_thread(self.logs.save)

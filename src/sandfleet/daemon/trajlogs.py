@@ -72,21 +72,28 @@ class LogFolder:
         """Make the folder, move logs of the layout before projects (to `owner`'s), drop logs and
         set-aside copies past their retention unless `busy` (blocking: a thread)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with contextlib.suppress(OSError, ValueError):
-            self.moved = dict(json.loads((self.root / _MOVED).read_bytes()))
+        with contextlib.suppress(OSError, ValueError):  # damaged: the moved logs answer to their project only
+            saved = json.loads((self.root / _MOVED).read_bytes())
+            if isinstance(saved, dict):
+                self.moved = {t: p for t, p in saved.items() if isinstance(p, str) and _ID.match(t)}
         for tmp in self.root.glob(f"{_MOVED}.*.tmp"):  # a save a crash cut short
             tmp.unlink(missing_ok=True)
+        moves: list[tuple[Path, Path]] = []
         for path in self.root.glob("*.jsonl"):
             with contextlib.suppress(OSError, InvalidArgumentError):
                 project = owner(scan(path.read_bytes()))
                 dest = self.path((project, path.stem))
-                dest.parent.mkdir(exist_ok=True, mode=0o700)
                 if dest.exists():
                     log.error("trajectory log %s: %s exists already: left where it is", path, dest)
                     continue
+                moves.append((path, dest))
                 if project is not None:
                     self.moved[path.stem] = project
-                    self.save()  # before the move: a crash between leaves it reachable still
+        if moves:
+            self.save()  # before the moves: a crash between leaves them reachable still
+        for path, dest in moves:
+            with contextlib.suppress(OSError):
+                dest.parent.mkdir(exist_ok=True, mode=0o700)
                 os.rename(path, dest)
         for path in self.root.glob("*/*"):
             if not (path.suffix == ".jsonl" or ".jsonl." in path.name):  # the logs, damaged copies, rewrites
@@ -94,10 +101,10 @@ class LogFolder:
             with contextlib.suppress(OSError):
                 if path.stat().st_mtime < now - retention and _key(path) not in busy:
                     path.unlink()
-        gone = [t for t, owner_ in self.moved.items() if not self.path((owner_, t)).exists()]
+        gone = [t for t, project in self.moved.items() if not self.path((project, t)).exists()]
+        for t in gone:
+            del self.moved[t]
         if gone:
-            for t in gone:
-                del self.moved[t]
             self.save()
 
     def keys(self) -> list[Key]:
