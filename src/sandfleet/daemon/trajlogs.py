@@ -119,10 +119,15 @@ class LogFolder:
 
     def save(self) -> None:
         """Write `moved` (blocking). Two at once may leave the older: what start prunes (ids whose
-        log is gone) is all an older one can hold too many."""
+        log is gone) is all an older one can hold too many. Not written (a full disk): logged, and
+        the moved logs a restart then reads answer to their project only."""
         tmp = self.root / f"{_MOVED}.{time.time_ns()}.tmp"
-        tmp.write_text(json.dumps(dict(self.moved)))
-        os.replace(tmp, self.root / _MOVED)
+        try:
+            tmp.write_text(json.dumps(dict(self.moved)))
+            os.replace(tmp, self.root / _MOVED)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            log.error("%s could not be written: %s", self.root / _MOVED, exc)
 
 
 def _key(path: Path) -> Key:
