@@ -1,9 +1,12 @@
 """Trajectory ids are each project's own: another project's id names one's own trajectory of that
 id (or none), never theirs, and answers nothing that tells it is in use. A real daemon with
-`[iam]` over TCP; logs written before ids were per project are still replayed after an upgrade."""
+`[iam]` over TCP; logs written before ids were per project are still replayed (and verified) after
+an upgrade, by whoever reached them then."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import zlib
@@ -154,3 +157,94 @@ def test_logs_from_before_projects_are_replayed_after_an_upgrade(node: tuple[Dae
         with pytest.raises(NotFoundError):
             b.get_trajectory("old-a")
     assert not list(Path(logs).glob("*.jsonl"))
+
+
+# What sandfleet before per-default digests hashed for `COUNT` and for `verify("true")`: its models'
+# whole JSON (verbatim from that version: no `cpu_time`, `allow`, `queue_timeout`; exit codes [1]).
+OLD_COUNT = (
+    '{"kind":"exec","exec":{"stdin":null,"stdin_b64":null,"keep_stdin_open":false,"command":"echo ran >> /ran; '
+    'wc -l < /ran","env":{},"cwd":null,"user":null,"timeout":60.0,"output_limit":1048576,"merge_stderr":false,'
+    '"encoding":"utf-8","background":false,"pty":null}}'
+)
+OLD_VERIFY = (
+    '{"command":"true","layers":[],"protect":[],"cwd":null,"env":{},"timeout":600.0,"resources":null,'
+    '"reward_file":null,"agent_exit_codes":[1],"output_limit":262144,"keep":false}'
+)
+
+
+def _as_an_old_daemon_wrote_it(data: bytes) -> bytes:
+    """The log of a trajectory whose one step ran `COUNT` and was verified with "true", as the
+    daemon before this version wrote it: no checksums, no `verifying` record, the old digests."""
+
+    def old(dumped: str) -> str:
+        return hashlib.sha256(dumped.encode()).hexdigest()[:32]
+
+    out = []
+    for line in _strip_checksums(data).splitlines():
+        rec = json.loads(line)
+        if rec["k"] == "begin":
+            rec["action"], rec["digest"] = json.loads(OLD_COUNT), old(OLD_COUNT)
+        elif rec["k"] == "done":
+            rec["digest"] = old(OLD_COUNT)
+        elif rec["k"] == "verify":
+            rec["digest"] = old(OLD_VERIFY)
+        elif rec["k"] == "verifying":
+            continue
+        out.append(json.dumps(rec, separators=(",", ":")).encode() + b"\n")
+    return b"".join(out)
+
+
+def _upgrade(d: Daemon, logs: Path, moved: dict[str, str], old_digests: bool = False) -> None:
+    """Stop the node, put the logs `moved` ({id: its folder}) back as the layout before projects had
+    them (one directory, no checksums; `old_digests`: as that daemon hashed), start it again."""
+    d.stop()
+    for tid, folder in moved.items():
+        data = (logs / folder / f"{tid}.jsonl").read_bytes()
+        (logs / f"{tid}.jsonl").write_bytes(_as_an_old_daemon_wrote_it(data) if old_digests else _strip_checksums(data))
+        (logs / folder / f"{tid}.jsonl").unlink()
+    d.start()
+
+
+def test_steps_and_verdicts_an_older_daemon_logged_replay_after_an_upgrade(node: tuple[Daemon, str]) -> None:
+    """Digests logged before this version (of the whole JSON, as its models were) still match the
+    same step and the same verification asked again: replayed, not `invalid_argument`."""
+    d, url = node
+    with _client(url, "a") as a, d.client() as root:
+        ta, tr = a.trajectory("old-digests-a", SPEC), root.trajectory("old-digests-root", SPEC)
+        answers = {t.id: (t.exec(COUNT).stdout, t.verify("true")) for t in (ta, tr)}
+    _upgrade(d, d.state_dir / "trajectories", {"old-digests-a": "org+team-a", "old-digests-root": "_"}, True)
+    with _client(url, "a") as a, d.client() as root:
+        for client, tid in ((a, "old-digests-a"), (root, "old-digests-root")):
+            again = client.trajectory(tid, SPEC)
+            assert again.exec(COUNT).stdout == answers[tid][0] and again.last is not None and again.last.replayed
+            verdict = again.verify("true")
+            assert verdict.replayed and verdict.model_copy(update={"replayed": False}) == answers[tid][1]
+            assert again.exec(COUNT).stdout == "2\n"  # step 1: new, after step 0's single run
+            again.delete()
+
+
+def test_a_log_the_root_opened_in_a_project_stays_the_roots_after_an_upgrade(node: tuple[Daemon, str]) -> None:
+    """Before ids were per project, the root opened trajectories in any project, and the log does not
+    say who opened it: moved to its sandbox's project, it stays reachable by the root (and by that
+    project and those above it, as then), never by another project."""
+    d, url = node
+    in_a = SPEC.model_copy(update={"project": "org/team-a"})
+    with d.client() as root:
+        traj = root.trajectory("opened-by-root", in_a)
+        answer = traj.exec(COUNT).stdout
+    _upgrade(d, d.state_dir / "trajectories", {"opened-by-root": "_"})  # the root's today
+    assert (d.state_dir / "trajectories" / "org+team-a" / "opened-by-root.jsonl").exists()  # its sandbox's project
+    with _client(url, "a") as a, _client(url, "b") as b, d.client() as root:
+        assert [t.id for t in root.trajectories() if t.id == "opened-by-root"] == ["opened-by-root"]
+        again = root.trajectory("opened-by-root", in_a)  # the trainer that opened it, resumed
+        assert again.exec(COUNT).stdout == answer and again.last is not None and again.last.replayed
+        assert again.exec(COUNT).stdout == "2\n"
+        assert a.get_trajectory("opened-by-root").info.steps == 2  # its sandbox's project: as before
+        with pytest.raises(NotFoundError):
+            b.get_trajectory("opened-by-root")
+        assert not [t for t in b.trajectories() if t.id == "opened-by-root"]
+        root.get_trajectory("opened-by-root").delete()
+        with pytest.raises(NotFoundError):
+            a.get_trajectory("opened-by-root")
+        with pytest.raises(NotFoundError):  # the id is free again: the root's own next time
+            root.get_trajectory("opened-by-root")

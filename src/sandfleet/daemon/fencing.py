@@ -5,8 +5,10 @@ everything it held, and callers start their work anew elsewhere. If the node the
 daemon restarted and adopted its sandboxes, or a partition healed), those sandboxes must not be
 served again: `sandfleet cluster up` fences the node before registering it, with a generation one
 above the one the cluster gave up on. A fence to a higher generation stops every sandbox the node
-holds, then records the generation in `<state_dir>/generation` (in that order: a crash in between
-fences again); the node reports its generation in its load, and gateways take no node whose
+holds, sets its trajectories' logs aside and drops its idempotency keys (callers were told all of
+it is lost: an id or a key used again makes something new, here or elsewhere, never what was
+given up), then records the generation in `<state_dir>/generation` (in that order: a crash in
+between fences again); the node reports its generation in its load, and gateways take no node whose
 generation is below the one it registered under. A fence to the node's own generation or lower
 does nothing.
 """
@@ -20,12 +22,14 @@ from pathlib import Path
 
 from sandfleet.daemon.core import NodeCore, log
 from sandfleet.daemon.lifecycle import LIVE_STATES
+from sandfleet.daemon.trajectories import Trajectories
 from sandfleet.errors import InternalError
 
 
 class Fencing:
-    def __init__(self, core: NodeCore, path: Path) -> None:
+    def __init__(self, core: NodeCore, trajectories: Trajectories, path: Path) -> None:
         self.core = core
+        self.trajectories = trajectories
         self.path = path  # holds the generation, one decimal number
         self.generation = 0
         self._lock = asyncio.Lock()
@@ -46,8 +50,17 @@ class Fencing:
             failed = [i for i, r in zip(held, results, strict=True) if isinstance(r, BaseException)]
             if failed:  # something still runs: the generation stays, so the next fence tries again
                 raise InternalError(f"fence: {len(failed)} sandboxes could not be stopped (e.g. {failed[0]}): retry")
+            await self.trajectories.fence("fenced")
+            await self._drop_keys()
             await asyncio.to_thread(_write, self.path, generation)
             self.generation = generation
+
+    async def _drop_keys(self) -> None:
+        """Forget every idempotency key, in memory and in the rows kept (a restart reads them back)."""
+        self.core.keys.clear()
+        for row in await self.core.state.all():
+            if row.idempotency_key is not None:
+                await self.core.state.update(row.id, idempotency_key=None, idempotency_fingerprint=None)
 
 
 def _write(path: Path, generation: int) -> None:

@@ -181,7 +181,7 @@ class SandboxManager:
         )
         self.reaper = Reaper(core, self.pauser, self.images, self.snapshots)
         self.recovery = Recovery(core, self.pauser, self.snapshots, self.networking)
-        self.fencing = Fencing(core, state.path.parent / "generation")
+        self.fencing = Fencing(core, self.trajectories, state.path.parent / "generation")
         self.started_at = time.time()
 
     @property

@@ -20,12 +20,17 @@ last whole record (`StepLog.append`). If even that fails the log is `broken` and
 `replay` makes a `Trajectory` (its state in memory) of the records: open, sandbox, then each step's
 begin and done, verifying (its checks began) and verify, close, lost. A record that does not follow
 from those before it (a step that skips one, a result for another step) is damage like a changed byte.
+
+A step's action and a verification's request are logged with their digest (`identity`), which a
+retried request must match. It leaves out fields at their default, so a field added later (at its
+default) changes nothing; digests of logs written before that (`earlier_identities`) still match.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -35,10 +40,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from sandfleet.errors import DataLossError
-from sandfleet.models import SandboxInfo, StepResult, TrajectoryInfo, TrajectoryOpen, VerifyResult
+from sandfleet.models import (
+    ExecAction,
+    SandboxInfo,
+    StepResult,
+    TrajectoryInfo,
+    TrajectoryOpen,
+    VerifyRequest,
+    VerifyResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +177,7 @@ class StepLog:
         self.fd: int | None = None
         self.held: list[bytes] = []
         self.broken = False
+        self.retired: str | None = None  # why it takes nothing more (its file was deleted or set aside)
         self._lock = asyncio.Lock()  # one append at a time in a thread (sync only)
 
     async def append(self, line: bytes | None, *, hold: bool = False) -> None:
@@ -178,6 +192,8 @@ class StepLog:
             await asyncio.to_thread(self._append, line, hold)
 
     def _append(self, line: bytes | None, hold: bool) -> None:
+        if self.retired is not None:  # opened again by name, it would be a file without its open record
+            raise OSError(errno.ENOENT, f"the log {self.path.name} was {self.retired}")
         if self.broken:
             raise OSError(errno.EIO, f"the log {self.path.name} could not be cut back after a failed write")
         lines = [*self.held, line] if line is not None else self.held
@@ -212,6 +228,52 @@ class StepLog:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    async def retire(self, why: str) -> None:
+        """Close it for good: its file was deleted or set aside (`why`), and an append is an OSError.
+        After an append in a thread (sync): its descriptor is never closed under a write."""
+        async with self._lock:
+            self.close()
+            self.retired = why
+
+
+# -- what identifies a request in the log -----------------------------------------------------
+
+
+def digest(dumped: str) -> str:
+    return hashlib.sha256(dumped.encode()).hexdigest()[:32]
+
+
+def identity(req: BaseModel) -> str:
+    """The digest of a step's action or a verification's request: its JSON without the fields at
+    their default (a field added to the model later, left at its default, changes nothing)."""
+    return digest(req.model_dump_json(exclude_defaults=True))
+
+
+# Daemons before `identity` logged the digest of the whole JSON, as the models were then: without
+# the fields added since (at their default: a request setting one cannot be from then), and with
+# the defaults of then where one changed (a request that does not set the field means that one).
+_ADDED_EXEC = {"cpu_time"}
+_ADDED_VERIFY = {"allow", "cpu_time", "queue_timeout"}
+_DEFAULTS_THEN: dict[str, Any] = {"agent_exit_codes": [1]}
+
+
+def earlier_identities(req: BaseModel) -> set[str]:
+    """The digests a daemon before `identity` may have logged for `req`."""
+    if isinstance(req, ExecAction):
+        if req.exec.cpu_time is not None:
+            return set()
+        return {digest(req.model_dump_json(exclude={"exec": _ADDED_EXEC}))}
+    if isinstance(req, VerifyRequest):
+        fields = VerifyRequest.model_fields
+        if any(getattr(req, f) != fields[f].get_default(call_default_factory=True) for f in _ADDED_VERIFY):
+            return set()
+        forms = [req]
+        for name, then in _DEFAULTS_THEN.items():  # unset, or sent as today's default: either meaning
+            if getattr(req, name) == fields[name].get_default(call_default_factory=True):
+                forms.append(req.model_copy(update={name: then}))
+        return {digest(r.model_dump_json(exclude=_ADDED_VERIFY)) for r in forms}
+    return {digest(req.model_dump_json())}  # the other actions are as they were
 
 
 # -- a trajectory, as its log says -------------------------------------------------------------

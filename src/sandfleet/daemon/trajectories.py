@@ -11,7 +11,11 @@ sandbox with it, so the default is not to pay for that).
 
 Ids are a project's own: everything keyed by a trajectory id (the loaded table, the locks, the log's
 path, the sandbox's create key) is keyed by (project, id), the project being the caller's (None for
-root and nodes without `[iam]`).
+root and nodes without `[iam]`; daemon/trajlogs.py: logs from before that stay reachable as then).
+
+One object per trajectory: `loaded` holds the open ones, and a closed one while work on it goes on
+(a verification, a record held for the disk); only then is a closed one read from its log again. So
+what the log says begun and unfinished at a read died with an earlier daemon.
 
 Not exactly once: a step the daemon was killed in the middle of may have run (its output is gone),
 so it is never run again: it answers `unavailable` with cause `infra`, which a trainer masks. A
@@ -27,14 +31,9 @@ had not started, and runs when asked again.
 from __future__ import annotations
 
 import asyncio
-import base64
 import builtins
 import contextlib
-import hashlib
 import json
-import os
-import platform
-import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -42,36 +41,41 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandfleet import __version__
-from sandfleet.daemon.core import NodeCore, log, wire_text
+from sandfleet.daemon.core import NodeCore, log
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.execs import Execs
 from sandfleet.daemon.files import Files
 from sandfleet.daemon.lifecycle import HOLDING_STATES
 from sandfleet.daemon.snapshots import Snapshots
-from sandfleet.daemon.steplog import Key, Scan, StepLog, Trajectory, encode, mend_tail, replay, rewrite, scan
+from sandfleet.daemon.steplog import (
+    Key,
+    Scan,
+    StepLog,
+    Trajectory,
+    earlier_identities,
+    encode,
+    identity,
+    mend_tail,
+    replay,
+    rewrite,
+    scan,
+)
+from sandfleet.daemon.trajlogs import LogFolder
+from sandfleet.daemon.trajsteps import TRAJECTORY_LABEL, act, agent_fault, error_result, reproduction, seed_env
 from sandfleet.daemon.verify import Verifier, interrupted
 from sandfleet.errors import (
-    Cause,
     DataLossError,
     InvalidArgumentError,
     NotFoundError,
     SandboxError,
-    SandboxNotFoundError,
     UnavailableError,
     WrongStateError,
 )
 from sandfleet.models import (
-    TRAJECTORY_ID,
-    ErrorBody,
-    ExecAction,
-    NodeVersions,
-    ReadAction,
     ReproRecord,
     SandboxInfo,
     SandboxSpec,
-    SnapshotAction,
     StepAction,
     StepRequest,
     StepResult,
@@ -80,13 +84,7 @@ from sandfleet.models import (
     TrajectoryOpen,
     VerifyRequest,
     VerifyResult,
-    WriteAction,
 )
-from sandfleet.runtime.agent import AGENT_VERSION
-
-TRAJECTORY_LABEL = "sandfleet.trajectory"  # on a trajectory's sandbox: the trajectory's id
-_ID = re.compile(TRAJECTORY_ID)
-_ROOT_DIR = "_"  # the root's logs (no project path can be "_": each part begins with [a-z0-9])
 
 
 class TrajectoryConfig(BaseModel):
@@ -99,11 +97,6 @@ class TrajectoryConfig(BaseModel):
         7 * 86400.0, gt=0, description="a trajectory's log is kept this long after its last record"
     )
     drain_timeout: float = Field(30.0, ge=0, description="a stopping daemon waits this long for running steps")
-
-
-def digest(dumped: str) -> str:
-    """What identifies a step's action (or a verification's request): its JSON as dumped."""
-    return hashlib.sha256(dumped.encode()).hexdigest()[:32]
 
 
 def _fingerprint(req: TrajectoryOpen) -> str:
@@ -147,23 +140,16 @@ class Trajectories:
         self.files = files
         self.snapshots = snapshots
         self.verifier = verifier
-        self.root = root
+        self.logs = LogFolder(root)
         self.config = config or TrajectoryConfig()
-        self.loaded: dict[Key, Trajectory] = {}
+        self.loaded: dict[Key, Trajectory] = {}  # one object per trajectory (the module's doc)
         self._opening = _Locks()
         self._loading = _Locks()
+        # Keys `exists` found without a log, for the open that follows (it reads no second time).
+        # Only `_open` makes a log, and it drops the key as it does: one here still has none.
+        self._vacant: dict[Key, bool] = {}
 
     # -- the log ---------------------------------------------------------------------------------
-
-    def _path(self, key: Key) -> Path:
-        project, tid = key
-        if not _ID.match(tid):
-            raise InvalidArgumentError(f"invalid trajectory id {tid[:80]!r}: 1-117 characters of [A-Za-z0-9._:-]")
-        return self._folder(project) / f"{tid}.jsonl"
-
-    def _folder(self, project: str | None) -> Path:
-        """A project's logs ('/' in its path is '+', which no project path has)."""
-        return self.root / (project.replace("/", "+") if project else _ROOT_DIR)
 
     async def _append(self, t: Trajectory, record: dict[str, Any] | str, *, hold: bool = False) -> None:
         """One record on `t`'s log, after any held there (steplog.StepLog.append); OSError if the disk
@@ -178,25 +164,7 @@ class Trajectories:
 
     async def start(self) -> None:
         """Make the log directory, move logs of the layout before projects; drop logs past their retention."""
-        await asyncio.to_thread(self._sweep, time.time())
-
-    def _sweep(self, now: float) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for path in self.root.glob("*.jsonl"):  # written before ids were per project: moved to their project's
-            with contextlib.suppress(OSError, InvalidArgumentError):
-                dest = self._path((self._legacy_project(scan(path.read_bytes())), path.stem))
-                dest.parent.mkdir(exist_ok=True, mode=0o700)
-                if dest.exists():
-                    log.error("trajectory log %s: %s exists already: left where it is", path, dest)
-                    continue
-                os.rename(path, dest)
-        for path in self.root.glob("*/*"):
-            if not (path.suffix == ".jsonl" or ".jsonl." in path.name):  # the logs, damaged copies, rewrites
-                continue
-            key = (None if path.parent.name == _ROOT_DIR else path.parent.name.replace("+", "/"), path.stem)
-            with contextlib.suppress(OSError):
-                if path.stat().st_mtime < now - self.config.retention and key not in self.loaded:
-                    path.unlink()
+        await asyncio.to_thread(self.logs.sweep, time.time(), self.config.retention, self.loaded, self._legacy_project)
 
     def _legacy_project(self, found: Scan) -> str | None:
         """Whose a log of the layout before projects is: its sandbox's project (None, also when the
@@ -216,27 +184,45 @@ class Trajectories:
         return spec.project if spec is not None else None
 
     async def _get(self, key: Key) -> Trajectory:
-        t = self.loaded.get(key)
+        """The trajectory, in `loaded` as this returns (a closed one: `_release` it when done)."""
+        t = self.loaded.get(key) or await self._load(key)
         if t is None:
-            t = await self._load(key)
-            if t is None:
-                raise NotFoundError(f"trajectory {key[1][:80]} not found")
+            raise NotFoundError(f"trajectory {key[1][:80]} not found")
         return t
+
+    def _release(self, t: Trajectory) -> None:
+        """A closed trajectory leaves memory once no work on it goes on (read again when asked)."""
+        if t.closed_at is None or t.running is not None or t.verifying is not None or t.log.held:
+            return
+        t.log.close()
+        if self.loaded.get(t.key) is t:
+            del self.loaded[t.key]
 
     async def exists(self, tid: str, *, project: str | None) -> bool:
         """Whether the project has a trajectory of this id (DataLossError: one whose log is unreadable)."""
-        key = (project, tid)
-        return key in self.loaded or await self._load(key) is not None
+        key = self.logs.key(project, tid)
+        if key in self.loaded:
+            return True
+        t = await self._load(key)
+        if t is None:
+            if len(self._vacant) > 1024:  # keys no open followed (refused first): forgotten
+                self._vacant.clear()
+            self._vacant[key] = True
+            return False
+        self._release(t)
+        return True
 
     async def _load(self, key: Key) -> Trajectory | None:
+        """Read the trajectory's log into `loaded`. Work it shows begun and unfinished died with an
+        earlier daemon (work going on here keeps its trajectory loaded): it gets its `infra` result."""
         async with self._loading.hold(key):  # one reader (which may mend the file) at a time
             if key in self.loaded:  # loaded by another request meanwhile
                 return self.loaded[key]
-            path = self._path(key)
+            path = self.logs.path(key)
             try:
                 data = await asyncio.to_thread(path.read_bytes)
             except FileNotFoundError:
-                return None
+                return self.loaded.get(key)  # opened meanwhile, or none
             if key in self.loaded:  # opened meanwhile (its log may be half written yet)
                 return self.loaded[key]
             found = scan(data)
@@ -250,8 +236,15 @@ class Trajectories:
                 t.log.size = len(keep)
             else:
                 t.log.size = await asyncio.to_thread(mend_tail, path, found, self.config.fsync)
-            if t.closed_at is None:  # a closed one is read again when asked (listing thousands pins none)
-                self.loaded[key] = t
+            try:
+                await self._repair(t)
+            except BaseException:
+                t.log.close()
+                raise
+            self.loaded[key] = t
+            return t
+
+    async def _repair(self, t: Trajectory) -> None:
         if t.running is not None:  # begun by a daemon that died before its result: never run again
             step, dig, _ = t.running
             t.running = None
@@ -261,40 +254,45 @@ class Trajectories:
                 cause="infra",
             )
             kind = json.loads(t.actions[step])["kind"]
-            await self._finish(t, step, dig, _error_result(t, step, kind, exc, time.time(), 0.0))
+            await self._finish(t, step, dig, error_result(t, step, kind, exc, time.time(), 0.0))
         if t.verify_begun is not None and t.verification is None:  # its verifier is gone with that daemon
             why = f"the daemon restarted while trajectory {t.id} was being verified: the verification was lost"
             result = interrupted(why)
             self.core.metrics.verifications.labels(outcome="infra").inc()
             await self._append(t, {"k": "verify", "digest": t.verify_begun, "result": result.model_dump(mode="json")})
             t.verification, t.verify_digest = result, t.verify_begun
-        return t
 
     # -- open, list, close -----------------------------------------------------------------------
 
     async def open(self, req: TrajectoryOpen, *, project: str | None) -> TrajectoryInfo:
         """Open the project's trajectory `req.id`, or give back the one already open under it (same
         arguments)."""
-        key = (project, req.id)
-        self._path(key)
+        key = self.logs.key(project, req.id)
+        self.logs.path(key)
         async with self._opening.hold(key):
-            return await self._open(key, req)
+            t = await self._open(key, req)
+        self._release(t)
+        return t.info()
 
-    async def _open(self, key: Key, req: TrajectoryOpen) -> TrajectoryInfo:
-        t = self.loaded.get(key) or await self._load(key)
+    async def _open(self, key: Key, req: TrajectoryOpen) -> Trajectory:
+        t = self.loaded.get(key)
+        if t is None and not self._vacant.pop(key, False):
+            t = await self._load(key)
         if t is not None and _fingerprint(t.opened) != _fingerprint(req):
+            self._release(t)
             raise InvalidArgumentError(f"trajectory {req.id} exists, opened with other arguments")
         new = t is None
         if t is None:
-            t = Trajectory(req.id, key[0], req, time.time(), StepLog(self._path(key), 0, self.config.fsync))
+            t = Trajectory(req.id, key[0], req, time.time(), StepLog(self.logs.path(key), 0, self.config.fsync))
             await asyncio.to_thread(t.log.path.parent.mkdir, exist_ok=True, mode=0o700)
+            self._vacant.pop(key, None)
             self.loaded[key] = t  # before its log has a byte: a reader meanwhile must not take it for torn
             try:
                 await self._append(t, {"k": "open", "t": t.created_at, "request": req.model_dump(mode="json")})
             except BaseException:
                 await self._forget(t)
                 raise
-        if t.sandbox is None:  # new, or its sandbox's create was interrupted: the same key claims it
+        if t.sandbox is None and t.closed_at is None:  # new, or its create was interrupted: its key claims it
             try:
                 t.sandbox = await self._sandbox(key, req)
             except SandboxError:
@@ -306,14 +304,22 @@ class Trajectories:
             except OSError as exc:
                 log.error("trajectory %s: its sandbox could not be logged yet: %s", t.id, exc)
             await self.core.ack([t.sandbox.id])  # held by the trajectory: never reaped as unheard of
-        return t.info()
+        return t
 
-    async def _forget(self, t: Trajectory) -> None:
-        """Drop a trajectory and its log."""
-        if self.loaded.get(t.key) is t:
-            del self.loaded[t.key]
-        t.log.close()
-        await asyncio.to_thread(t.log.path.unlink, True)
+    async def _forget(self, t: Trajectory, *, idle: bool = False) -> Trajectory:
+        """Drop a trajectory and its log (`idle`: unless work on it goes on); the one dropped. Under
+        its key's loading lock: no reader meanwhile finds the file going away and loads it."""
+        async with self._loading.hold(t.key):
+            t = self.loaded.get(t.key, t)
+            if idle and (t.running is not None or t.verifying is not None):
+                raise WrongStateError(f"trajectory {t.id} has a step running")
+            await t.log.retire("deleted")  # whatever still holds it logs nothing more
+            if self.loaded.get(t.key) is t:
+                del self.loaded[t.key]
+            await asyncio.to_thread(t.log.path.unlink, True)
+        if self.logs.forget(t.key):
+            await asyncio.to_thread(self.logs.save)
+        return t
 
     async def _sandbox(self, key: Key, req: TrajectoryOpen) -> SandboxInfo:
         project, tid = key  # the create key is the trajectory's: (project, id), as everything keyed by it
@@ -325,7 +331,7 @@ class Trajectories:
             spec = req.spec.model_copy(
                 update={
                     "labels": {**req.spec.labels, **labels},
-                    "env": {**req.spec.env, **_seed_env(req.seed)},
+                    "env": {**req.spec.env, **seed_env(req.seed)},
                     "pause_after": req.spec.pause_after or self.config.pause_after,
                 }
             )
@@ -338,51 +344,57 @@ class Trajectories:
         return results[0]
 
     async def get(self, tid: str, *, project: str | None) -> TrajectoryInfo:
-        return (await self._get((project, tid))).info()
+        t = await self._get(self.logs.key(project, tid))
+        self._release(t)
+        return t.info()
 
     async def list(
         self, labels: dict[str, str], state: str | None, *, project: str | None
     ) -> builtins.list[TrajectoryInfo]:
-        folder = self._folder(project)
-        names = await asyncio.to_thread(lambda: sorted(p.stem for p in folder.glob("*.jsonl")))
+        names = await asyncio.to_thread(self.logs.own, project) | self.logs.reached(project)
         out = []
-        for tid in names:
+        for tid in sorted(names):
             with contextlib.suppress(SandboxError, OSError):  # one unreadable log hides no other
-                info = (await self._get((project, tid))).info()
+                info = await self.get(tid, project=project)
                 if all(info.labels.get(k) == v for k, v in labels.items()) and state in (None, info.state):
                     out.append(info)
         return out
 
     async def close(self, tid: str, req: TrajectoryClose, *, project: str | None) -> TrajectoryInfo:
-        """Record the end (and the reward); stop the sandbox unless asked not to. Closing again is a no-op."""
-        t = await self._get((project, tid))
-        async with t.lock:
-            if t.closed_at is None:
-                if t.running is not None:
-                    raise WrongStateError(f"step {t.running[0]} of trajectory {tid} is still running")
-                reward = req.reward if req.reward is not None else (t.verification.reward if t.verification else None)
-                now = time.time()
-                await self._append(t, {"k": "close", "t": now, "reward": reward})
-                t.closed_at, t.reward = now, reward
-                # Done with: its descriptor and memory go; a replay reads the log again.
-                t.log.close()
-                if self.loaded.get(t.key) is t:
-                    del self.loaded[t.key]
-        if req.stop_sandbox and t.sandbox is not None:
-            await self._stop_sandbox(t)
-        return t.info()
+        """Record the end (and the reward); stop the sandbox unless asked not to. Closing again is a
+        no-op; closing while a step or the verification runs is refused (the reward may be its)."""
+        t = await self._get(self.logs.key(project, tid))
+        try:
+            async with t.lock:  # a step begins under it: none begins on a trajectory being closed
+                if t.log.retired is not None:
+                    raise NotFoundError(f"trajectory {tid[:80]} not found")
+                if t.closed_at is None:
+                    if t.running is not None:
+                        raise WrongStateError(f"step {t.running[0]} of trajectory {tid} is still running")
+                    if t.verifying is not None:
+                        raise WrongStateError(f"trajectory {tid} is being verified")
+                    verdict = t.verification
+                    reward = req.reward if req.reward is not None else (verdict.reward if verdict else None)
+                    now = time.time()
+                    await self._append(t, {"k": "close", "t": now, "reward": reward})
+                    t.closed_at, t.reward = now, reward
+            if req.stop_sandbox and t.sandbox is not None:
+                await self._stop_sandbox(t)
+            return t.info()
+        finally:
+            self._release(t)  # done with: its descriptor and memory go; a replay reads the log again
 
     async def delete(self, tid: str, *, project: str | None) -> None:
-        key = (project, tid)
+        key = self.logs.key(project, tid)
         try:
             t = await self._get(key)
         except DataLossError:  # a log unreadable from its start: it goes (its sandbox is unknown)
-            await asyncio.to_thread(self._path(key).unlink, True)
+            await asyncio.to_thread(self.logs.path(key).unlink, True)
+            if self.logs.forget(key):
+                await asyncio.to_thread(self.logs.save)
             return
-        if t.running is not None or t.verifying is not None:
-            raise WrongStateError(f"trajectory {tid} has a step running")
+        t = await self._forget(t, idle=True)  # first: nothing begins on it while its sandbox stops
         await self._stop_sandbox(t)
-        await self._forget(t)
 
     async def _stop_sandbox(self, t: Trajectory) -> None:
         if t.sandbox is None or t.opened.sandbox_id is not None:  # a sandbox it did not make is the caller's
@@ -395,46 +407,62 @@ class Trajectories:
     # -- steps -----------------------------------------------------------------------------------
 
     async def step(self, tid: str, req: StepRequest, *, project: str | None) -> StepResult:
-        t = await self._get((project, tid))
-        action = req.action.model_dump_json()
-        dig = digest(action)
+        t = await self._get(self.logs.key(project, tid))
+        try:
+            got = await self._begin(t, req)
+        finally:
+            self._release(t)
+        if isinstance(got, StepResult):
+            return got
+        fut, began = got
+        done = await asyncio.shield(fut)
+        return done if began else done.model_copy(update={"replayed": True})
+
+    async def _begin(self, t: Trajectory, req: StepRequest) -> StepResult | tuple[asyncio.Future[StepResult], bool]:
+        """The logged result of step `req.step`, or the future of its run and whether it began now."""
+        action = req.action.model_dump_json()  # logged as dumped: the record says what ran, defaults too
+        dig = identity(req.action)
         k = req.step
         if k < len(t.steps):
-            if t.digests[k] != dig:
-                raise InvalidArgumentError(f"step {k} of trajectory {tid} was taken with another action")
+            if t.digests[k] != dig and t.digests[k] not in earlier_identities(req.action):
+                raise InvalidArgumentError(f"step {k} of trajectory {t.id} was taken with another action")
             return t.steps[k].model_copy(update={"replayed": True})
         if t.running is not None and t.running[0] == k:
             if t.running[1] != dig:
-                raise InvalidArgumentError(f"step {k} of trajectory {tid} is running another action")
-            done = await asyncio.shield(t.running[2])
-            return done.model_copy(update={"replayed": True})
-        if t.lost_from is not None:  # past the damage: it may have run, or not; it never runs
-            raise t.lost(f"step {k}")
-        if t.closed_at is not None:
-            raise WrongStateError(f"trajectory {tid} is closed")
-        if k != len(t.steps) or t.running is not None or t.sandbox is None:
-            at = len(t.steps) if t.running is None else t.running[0]
-            raise WrongStateError(f"trajectory {tid} is at step {at}: step {k} cannot be taken now")
+                raise InvalidArgumentError(f"step {k} of trajectory {t.id} is running another action")
+            return t.running[2], False
         fut: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        t.running = (k, dig, fut)
-        try:  # built by hand: the action is JSON already (the hot path dumps each model once)
-            begin = f'{{"k":"begin","step":{k},"digest":"{dig}","t":{time.time()},"action":{action}}}'
-            await self._append(t, begin)
-        except BaseException:
-            t.running = None
-            raise
-        t.actions.append(action)
+        async with t.lock:  # close logs its record under it: no step begins on a trajectory being closed
+            if t.log.retired is not None:
+                raise NotFoundError(f"trajectory {t.id[:80]} not found")
+            if t.lost_from is not None:  # past the damage: it may have run, or not; it never runs
+                raise t.lost(f"step {k}")
+            if t.closed_at is not None:
+                raise WrongStateError(f"trajectory {t.id} is closed")
+            if k != len(t.steps) or t.running is not None or t.sandbox is None:
+                at = len(t.steps) if t.running is None else t.running[0]
+                raise WrongStateError(f"trajectory {t.id} is at step {at}: step {k} cannot be taken now")
+            t.running = (k, dig, fut)
+            try:  # built by hand: the action is JSON already
+                begin = f'{{"k":"begin","step":{k},"digest":"{dig}","t":{time.time()},"action":{action}}}'
+                await self._append(t, begin)
+            except BaseException as exc:
+                t.running = None
+                if t.log.retired is not None:  # deleted (or fenced) meanwhile
+                    raise NotFoundError(f"trajectory {t.id[:80]} not found") from exc
+                raise
+            t.actions.append(action)
         # In the service's task group: a trainer that goes away mid-step does not cancel it.
-        self.core.spawn(self._run(t, k, dig, req.action, fut), name=f"step-{tid}-{k}")
-        return await asyncio.shield(fut)
+        self.core.spawn(self._run(t, k, dig, req.action, fut), name=f"step-{t.id}-{k}")
+        return fut, True
 
     async def _run(self, t: Trajectory, k: int, dig: str, action: StepAction, fut: asyncio.Future[StepResult]) -> None:
         t0, wall = time.perf_counter(), time.time()
         try:
             try:
-                result = await self._act(t, k, action, t0, wall)
+                result = await act(self.execs, self.files, self.snapshots, t, k, action, t0, wall)
             except Exception as exc:  # noqa: BLE001 (every outcome is the step's recorded result)
-                result = _error_result(t, k, action.kind, _agent_fault(to_wire_error(exc)), wall, t0)
+                result = error_result(t, k, action.kind, agent_fault(to_wire_error(exc)), wall, t0)
             await self._finish(t, k, dig, result)
         except BaseException as exc:
             t.running = None
@@ -461,34 +489,23 @@ class Trajectories:
         if result.cause is not None:
             self.core.metrics.failures.labels(cause=result.cause).inc()
 
-    async def _act(self, t: Trajectory, k: int, action: StepAction, t0: float, wall: float) -> StepResult:
-        assert t.sandbox is not None
-        sid = t.sandbox.id
-        base = {"trajectory_id": t.id, "step": k, "kind": action.kind, "replayed": False, "started_at": wall}
-        if isinstance(action, ExecAction):
-            req = action.exec
-            if t.opened.seed is not None and "SANDFLEET_SEED" not in req.env:
-                req = req.model_copy(update={"env": {**req.env, **_seed_env(t.opened.seed)}})
-            r = await self.execs.exec(sid, req)
-            return StepResult(**base, exec=r, cause=r.cause, duration=time.perf_counter() - t0)
-        if isinstance(action, WriteAction):
-            data = base64.b64decode(action.content) if action.encoding == "base64" else action.content.encode()
-            info = await self.files.write_file(sid, action.path, data, mode=action.mode, user=None, append=False)
-            return StepResult(**base, file=info, duration=time.perf_counter() - t0)
-        if isinstance(action, ReadAction):
-            data = await self.files.read_file(sid, action.path, length=action.limit)
-            return StepResult(
-                **base,
-                content=wire_text(data, action.encoding),
-                encoding=action.encoding,
-                duration=time.perf_counter() - t0,
-            )
-        assert isinstance(action, SnapshotAction)
-        snap = await self.snapshots.snapshot(sid, ttl=action.ttl, labels={**action.labels, TRAJECTORY_LABEL: t.id})
-        return StepResult(**base, snapshot_id=snap.id, duration=time.perf_counter() - t0)
-
     async def steps(self, tid: str, *, project: str | None) -> builtins.list[StepResult]:
-        return list((await self._get((project, tid))).steps)
+        t = await self._get(self.logs.key(project, tid))
+        self._release(t)
+        return list(t.steps)
+
+    async def fence(self, why: str) -> None:
+        """Set every log aside (`why`): the cluster told callers that all this node held is lost, so
+        none of its trajectories answers again (an id opened again is a new one). Work still going
+        on here logs nothing more."""
+        for key in await asyncio.to_thread(self.logs.keys):
+            async with self._loading.hold(key):  # no reader meanwhile loads what goes
+                t = self.loaded.pop(key, None)
+                if t is not None:
+                    await t.log.retire(why)
+                await asyncio.to_thread(self.logs.set_aside, key, why)
+            self.logs.forget(key)
+        await asyncio.to_thread(self.logs.save)
 
     async def drain(self) -> None:
         """Wait (up to `drain_timeout`) for the steps and verifications running now to be logged."""
@@ -497,7 +514,7 @@ class Trajectories:
         if pending and self.config.drain_timeout > 0:
             log.info("waiting for %d trajectory step(s) to finish", len(pending))
             await asyncio.wait(pending, timeout=self.config.drain_timeout)
-        for t in self.loaded.values():  # results answered but not logged yet: a last try
+        for t in list(self.loaded.values()):  # results answered but not logged yet: a last try
             if t.log.held:
                 with contextlib.suppress(OSError):
                     await t.log.append(None)
@@ -506,14 +523,28 @@ class Trajectories:
 
     async def verify(self, tid: str, req: VerifyRequest, *, project: str | None) -> VerifyResult:
         """Verify the trajectory's sandbox apart from it; logged, so asked again it is the same verdict."""
-        t = await self._get((project, tid))
-        dig = digest(req.model_dump_json())
+        t = await self._get(self.logs.key(project, tid))
+        try:
+            fut = self._verification(t, req)
+        finally:
+            self._release(t)  # a verification begun keeps it (closed or not) until it ends
+        if isinstance(fut, VerifyResult):
+            return fut
+        return (await asyncio.shield(fut[0])).model_copy(update={"replayed": not fut[1]})
+
+    def _verification(
+        self, t: Trajectory, req: VerifyRequest
+    ) -> VerifyResult | tuple[asyncio.Future[VerifyResult], bool]:
+        """The logged verdict, or the future of the verification and whether it began now (on the
+        object `_get` gave, with no await in between: the one in `loaded`)."""
+        tid = t.id
+        dig = identity(req)
         if t.verification is not None:
-            if t.verify_digest != dig:
+            if t.verify_digest != dig and t.verify_digest not in earlier_identities(req):
                 raise InvalidArgumentError(f"trajectory {tid} was verified with other checks")
             return t.verification.model_copy(update={"replayed": True})
         if t.verifying is not None:
-            return (await asyncio.shield(t.verifying)).model_copy(update={"replayed": True})
+            return t.verifying, False
         if t.lost_from is not None:  # its verdict may be in the damaged part
             raise t.lost("its verification")
         if t.sandbox is None or t.running is not None:
@@ -531,7 +562,11 @@ class Trajectories:
             try:
                 assert t.sandbox is not None
                 result = await self.verifier.verify(t.sandbox.id, req, since_snapshot=t.opened.snapshot_id, begun=begun)
-                await self._append(t, {"k": "verify", "digest": dig, "result": result.model_dump(mode="json")})
+                try:  # a full disk: held, as a step's result (answered; a restart without it says infra)
+                    record = {"k": "verify", "digest": dig, "result": result.model_dump(mode="json")}
+                    await self._append(t, record, hold=True)
+                except OSError as exc:
+                    log.error("trajectory %s: its verdict could not be logged yet: %s", tid, exc)
                 t.verification, t.verify_digest = result, dig
                 fut.set_result(result)
             except BaseException as exc:
@@ -545,56 +580,16 @@ class Trajectories:
                     raise
             finally:
                 t.verifying = None
+                self._release(t)
 
-        self.core.spawn(run(), name=f"verify-{tid}")
-        return await asyncio.shield(fut)
+        try:
+            self.core.spawn(run(), name=f"verify-{tid}")
+        except BaseException:
+            t.verifying = None
+            raise
+        return fut, True
 
     async def record(self, tid: str, *, project: str | None) -> ReproRecord:
-        t = await self._get((project, tid))
-        sb = t.sandbox
-        taken = [s.snapshot_id for s in t.steps if s.snapshot_id]
-        layers: builtins.list[str] = []
-        found = self.core.table.find(sb.id) if sb else None
-        if found is not None and found.live is not None:
-            layers = [str(d) for d in found.live.runtime.get("layers", [])]
-        return ReproRecord(
-            trajectory=t.info(),
-            spec=sb.spec if sb else None,
-            image=sb.spec.environment() if sb else None,
-            layers=layers,
-            source_snapshot=t.opened.snapshot_id,
-            snapshots=taken,
-            actions=[json.loads(a) for a in t.actions[: len(t.steps)]],
-            node=NodeVersions(
-                sandfleet=__version__,
-                agent=AGENT_VERSION,
-                kernel=platform.release(),
-                backend=sb.spec.backend if sb else "",
-            ),
-        )
-
-
-def _seed_env(seed: int | None) -> dict[str, str]:
-    return {} if seed is None else {"SANDFLEET_SEED": str(seed)}
-
-
-def _agent_fault(exc: SandboxError) -> SandboxError:
-    """An action refused for what it asked (a missing file, a bad path) is the agent's failure, not
-    the trainer's: the action is the agent's. Errors about the sandbox itself keep their cause."""
-    if exc.cause == "caller" and not isinstance(exc, SandboxNotFoundError | WrongStateError):
-        exc.cause = "agent"
-    return exc
-
-
-def _error_result(t: Trajectory, k: int, kind: Any, exc: SandboxError, wall: float, t0: float) -> StepResult:
-    cause: Cause = exc.cause
-    return StepResult(
-        trajectory_id=t.id,
-        step=k,
-        kind=kind,
-        replayed=False,
-        error=ErrorBody.model_validate(exc.to_wire()),
-        cause=cause,
-        started_at=wall,
-        duration=time.perf_counter() - t0 if t0 else 0.0,
-    )
+        t = await self._get(self.logs.key(project, tid))
+        self._release(t)
+        return reproduction(t, self.core.table)
