@@ -78,6 +78,10 @@ ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
 RAY_COMMON = ["--block", "--disable-usage-stats", f"--object-store-memory={80 * 1024**2}"]
 # Seconds a node keeps a sandbox whose create answer reached no caller (a gateway died): short here.
 CLAIM_WINDOW = 6
+# Seconds a node's daemon may be dead (its Ray node alive) before the cluster gives it up: longer than
+# a test that kills a daemon and starts it again keeps it down.
+LOST_AFTER = 15
+AUTH = {"authorization": f"Bearer {ADMIN}"}
 # Ray's own defaults take ~20-55 s to call a node dead; a test cluster says so within seconds.
 FAST_HEALTH = {
     "health_check_period_ms": 500,
@@ -155,7 +159,7 @@ class Cluster:
         if not cfg.exists():
             cfg.write_text(
                 f'listen = "127.0.0.1:{free_port()}"\nray_address = "{self.address}"\nnode_token = "{ADMIN}"\n'
-                f'token = "{ADMIN}"\nload_interval = 0.5\n' + IAM
+                f'token = "{ADMIN}"\nload_interval = 0.5\nlost_after = {LOST_AFTER}\n' + IAM
             )
         process = _start([sys.executable, "-m", "sandfleet", "gateway", "--config", str(cfg)], self.root / f"gw{i}.log")
         url = "http://" + tomllib.loads(cfg.read_text())["listen"]
@@ -720,6 +724,40 @@ def test_job_level_writes_name_the_node_they_could_not_reach(cluster: Cluster) -
         cluster.wait_alive(0)
         assert set(g.stop_many(labels={"job": "reach"})) == on_victim
         assert not g.list(labels={"job": "reach"})
+
+
+def test_a_node_whose_daemon_died_is_lost_and_new_trajectories_open_again(cluster: Cluster) -> None:
+    """A node's daemon dies while its Ray node lives on. While the node may hold a trajectory id, a
+    new trajectory of that id is `unavailable` (never opened a second time), answered at once; after
+    LOST_AFTER the cluster gives the node up as a dead one (lost mark first): its sandboxes answer
+    `sandbox_lost`, the trajectory opens elsewhere, and the daemon, back, is fenced by `cluster up`."""
+    victim = KEYS[0]
+    tid = f"orphaned-{secrets.token_hex(4)}"
+    with cluster.client(0) as g, httpx.Client(base_url=cluster.gateway_urls[1], timeout=60) as http:
+        made = []
+        while victim not in {node_of(sb.id) for sb in made}:
+            made.append(g.create(image="busybox", labels={"job": "orphaned"}))
+        on_victim = [sb.id for sb in made if node_of(sb.id) == victim]
+        cluster.daemons[victim].kill()
+        t0 = time.monotonic()
+        r = http.post("/v1/trajectories", json={"id": tid, "spec": {"image": "busybox"}}, headers=AUTH)
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "unavailable") and time.monotonic() - t0 < 10
+        for i in range(2):
+            assert wait_until(lambda i=i: cluster.nodes(i)[victim] == "lost", timeout=LOST_AFTER + 30, interval=0.5)
+        with pytest.raises(SandboxLostError):
+            g.get(on_victim[0]).exec("true")
+        t = g.trajectory(tid, SandboxSpec(image="busybox"))
+        assert t.sandbox is not None and node_of(t.sandbox.id) != victim
+        t.delete()
+        assert set(g.stop_many(labels={"job": "orphaned"})) >= {sb.id for sb in made} - set(on_victim)
+    cluster.daemons[victim].start()  # it adopts what it held; callers were told it is lost
+    with Client(cluster.daemons[victim].socket) as direct:
+        assert {x.id for x in direct.list(labels={"job": "orphaned"})} == set(on_victim)
+        before = direct.node_load().generation
+        assert cluster.cluster_up(victim)["generation"] == before + 1
+        assert not direct.list(labels={"job": "orphaned"})
+    for i in range(2):
+        cluster.wait_alive(i)
 
 
 def test_a_create_retried_through_another_gateway_gets_what_its_key_made(cluster: Cluster) -> None:

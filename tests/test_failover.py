@@ -112,14 +112,25 @@ async def test_a_batch_whose_answer_was_lost_is_retried_marked() -> None:
     assert _base.RETRIED not in first.headers and second.headers[_base.RETRIED] == "1"
 
 
-def test_a_create_with_the_callers_own_key_is_marked_from_the_first_attempt() -> None:
+def test_a_first_attempt_is_not_marked_even_with_the_callers_own_key() -> None:
+    # A marked create costs a request to every node: a trainer passing deterministic keys must not pay
+    # it on every create. Only a key the caller says another process may have used is looked for first.
     gws = Gateways()
     gws.route("POST", "/v1/sandboxes", ok(info(), 201))
+    gws.route("GET", "/v1/sandboxes/sb-1", info())
+    gws.route("POST", "/v1/sandboxes/sb-1/fork", ok({"results": [{"sandbox": info("sb-2")}]}))
     with gws.client() as fleet:
+
+        def marked() -> list[str | None]:
+            return [r.headers.get(_base.RETRIED) for r in gws["gw-a"].requests if r.method == "POST"]
+
         fleet.create(image="busybox")
-        fleet.create(image="busybox", idempotency_key="job-7:rollout-3")  # an earlier call may have used it
-    fresh, given = gws["gw-a"].requests
-    assert _base.RETRIED not in fresh.headers and given.headers[_base.RETRIED] == "1"
+        fleet.create(image="busybox", idempotency_key="job-7:rollout-3")
+        fleet.get("sb-1").fork(1, idempotency_key="job-7:fork")  # goes to its node, which decides by key
+        assert marked() == [None, None, None]
+        fleet.create(image="busybox", idempotency_key="job-7:rollout-3", key_reused=True)  # a restarted trainer
+        fleet.create(image="busybox", key_reused=True)  # a fresh key was used by nobody
+        assert marked() == [None, None, None, "1", None]
 
 
 def test_a_write_whose_answer_was_lost_is_not_sent_again() -> None:

@@ -17,7 +17,8 @@ Several gateways (`Client(["http://gw1:8600", "http://gw2:8600"])`, `sandfleet.r
 go to one; a transport failure there moves every later call to the next (`fail_over`), and the
 call itself is sent there at once when that is safe (it never reached the first, or it is a read).
 A create whose answer was lost is retried with its idempotency key, marked `RETRIED`, so whichever
-gateway gets it asks the nodes which one holds the key.
+gateway gets it asks the nodes which one holds the key (a first attempt is not marked: it costs
+nothing extra, unless the caller says its key may have been used by another process, `key_reused`).
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ BACKOFF_MAX = 1.0
 MIN_ATTEMPT = 0.5
 # With several gateways: a connection not made within this many seconds moves on to the next one.
 FAILOVER_CONNECT = 5.0
-# On a create retried after an attempt whose answer was lost (or with the caller's own key): the
-# gateway that gets it asks the nodes which holds the key first (another gateway may have placed it).
+# On a create retried after an attempt whose answer was lost (or whose key the caller says another
+# process may have used): the gateway that gets it asks the nodes which holds the key first (another
+# gateway may have placed it).
 RETRIED = "x-sandfleet-retry"
 
 
@@ -201,6 +203,27 @@ def fail_over(
     if not request_sent(exc):
         return True
     return call.method in ("GET", "HEAD") and not isinstance(exc, httpx.TimeoutException)
+
+
+class Route:
+    """One call's way through the gateways: where it was last sent, and whether a transport failure
+    there sends it to the next one (`fail_over`, at most once per gateway)."""
+
+    def __init__(self, http: httpx.Client | httpx.AsyncClient, endpoint: Endpoint, call: Call) -> None:
+        self.http, self.endpoint, self.call = http, endpoint, call
+        self.left = len(endpoint.urls)
+        self.base = http.base_url
+
+    def sending(self) -> None:
+        self.base = self.http.base_url
+
+    def failed(self, exc: Exception, again: bool = True) -> SandboxError | None:
+        """After a transport failure: None if the call is to be sent again (to the next gateway),
+        else the error to raise. `again` False: it is not (a stream whose items were given)."""
+        self.left -= 1
+        if again and fail_over(self.http, self.endpoint, self.base, exc, self.call) and self.left > 0:
+            return None
+        return map_transport_error(exc, self.endpoint)
 
 
 # -- deadlines ----------------------------------------------------------------------------------------
@@ -357,12 +380,13 @@ class CreateAttempts:
 
     key: str
     in_doubt: bool = False
-    given: bool = False  # the caller's own key: an earlier call may have used it
+    reused: bool = False  # the caller says another process (a trainer before its restart) may have used the key
 
     @property
     def retried(self) -> bool:
-        """Whether a gateway should look for what the key made before placing this attempt."""
-        return self.in_doubt or self.given
+        """Whether a gateway should look for what the key made before placing this attempt (a node
+        answers a key it holds anyway: this is for a cluster, where another node may hold it)."""
+        return self.in_doubt or self.reused
 
     def retry_reason(self, exc: SandboxError) -> Literal["refused", "lost"] | None:
         """Why `exc` calls for another attempt with the same key, or None if it does not."""
@@ -866,13 +890,13 @@ def session_path(sandbox_id: str, session_id: str) -> str:
     return _sb(sandbox_id, "/sessions/" + _id("session", session_id))
 
 
-# Fields the caller left unset are not sent: the daemon fills them from the image's defaults
-# (an OCI image's WorkingDir and User) before its own.
 def retried(call: Call, retried: bool) -> Call:
     """`call`, marked RETRIED if `retried` (see `CreateAttempts.retried`)."""
     return dataclasses.replace(call, headers={**call.headers, RETRIED: "1"}) if retried else call
 
 
+# Fields the caller left unset are not sent: the daemon fills them from the image's defaults
+# (an OCI image's WorkingDir and User) before its own.
 def call_create(spec: SandboxSpec, key: str, timeout: float) -> Call:
     return Call(
         "POST",

@@ -140,9 +140,9 @@ class AsyncClient:
     # -- plumbing
 
     async def _send(self, call: b.Call) -> bytes:
-        tries = len(self.endpoint.urls)  # several gateways: on to the next where that is safe
+        route = b.Route(self._http, self.endpoint, call)  # several gateways: on to the next where safe
         while True:
-            base = self._http.base_url
+            route.sending()
             try:
                 resp = await self._http.request(
                     call.method,
@@ -155,9 +155,8 @@ class AsyncClient:
                 )
                 break
             except (httpx.HTTPError, OSError) as exc:
-                tries -= 1
-                if not (b.fail_over(self._http, self.endpoint, base, exc, call) and tries > 0):
-                    raise b.map_transport_error(exc, self.endpoint) from exc
+                if (err := route.failed(exc)) is not None:
+                    raise err from exc
         b.raise_for(resp.status_code, resp.content, self.endpoint)
         return resp.content
 
@@ -172,10 +171,10 @@ class AsyncClient:
         ends what the stream was for."""
         silence = b.silence_limit(self.timeout)
         deadline = b.stream_deadline(call, time.monotonic())
-        tries = len(self.endpoint.urls)
+        route = b.Route(self._http, self.endpoint, call)
         opened = False  # once the daemon answered, a failure ends the stream (items were given)
         while True:
-            base = self._http.base_url
+            route.sending()
             try:
                 async with self._http.stream(
                     call.method,
@@ -196,9 +195,8 @@ class AsyncClient:
                             yield item
                 return
             except (httpx.HTTPError, OSError) as exc:
-                tries -= 1
-                if opened or not (b.fail_over(self._http, self.endpoint, base, exc, call) and tries > 0):
-                    raise b.map_transport_error(exc, self.endpoint) from exc
+                if (err := route.failed(exc, again=not opened)) is not None:
+                    raise err from exc
 
     def _events(self, call: b.Call, decode: Callable[[bytes], T | None]) -> AsyncEventStream[T]:
         return AsyncEventStream(self._stream(call, decode))
@@ -394,6 +392,7 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         idempotency_key: str | None = None,
+        key_reused: bool = False,
         **fields: Any,
     ) -> AsyncSandbox:
         """Create a sandbox from a spec or from SandboxSpec fields (`image=..., resources=...`).
@@ -404,10 +403,13 @@ class AsyncClient:
         attempt carries one Idempotency-Key (`idempotency_key`, or a fresh one), so an attempt whose
         answer was lost (timeout, broken connection, a daemon restart) is retried without ever making
         a second sandbox. An error raised while the outcome is unknown names the key: repeat the
-        create with it to get the sandbox if it was made.
+        create with it to get the sandbox if it was made. `key_reused`: `idempotency_key` may have
+        been used by another process (a trainer before its restart): in a cluster, the gateway asks
+        every node which holds it before placing the create (one small request per node); without
+        it, a first attempt is placed as new.
         """
         full = b.spec_from(spec, fields)
-        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key), given=idempotency_key is not None)
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key), reused=key_reused and bool(idempotency_key))
         deadline = b.Deadline(b.check_timeout(timeout, self.timeout))
         info = await self._retrying(
             lambda key, t: b.call_create(full, key, t), SandboxInfo, attempts, deadline, refusals=True
@@ -643,7 +645,7 @@ class AsyncClient:
         """`count` new sandboxes from a snapshot (processes, memory, files); one result per child, in
         order. Works after the snapshot's sandbox stopped. A lost answer is retried with the same
         idempotency key (given, or a fresh one) within `timeout` (default: the client's)."""
-        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key), given=idempotency_key is not None)
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
         deadline = b.Deadline(b.check_timeout(timeout, self.timeout))
         reply = await self._retrying(
             lambda key, t: b.call_restore(snapshot_id, count, labels, key, t),
@@ -795,7 +797,7 @@ class AsyncSandbox:
         """`count` copies of this sandbox as it is now, each isolated from it and from each other (with
         its sessions and background processes, under the same ids). A lost answer is retried with
         the same idempotency key (given, or a fresh one) within `timeout` (default: the client's)."""
-        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key), given=idempotency_key is not None)
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
         deadline = b.Deadline(b.check_timeout(timeout, self._c.timeout))
         reply = await self._c._retrying(
             lambda key, t: b.call_fork(self.id, count, labels, key, t),

@@ -50,6 +50,15 @@ class GatewayConfig(BaseModel):
     unreachable_after: int = Field(
         3, ge=1, description="failed load reads in a row after which a node takes no creates"
     )
+    lost_after: float = Field(
+        60.0,
+        ge=5,
+        description="seconds a node's daemon may not answer on its own machine (its Ray node alive) before "
+        "the cluster gives up on it as on a dead node: its ids answer sandbox_lost, `cluster up` fences it",
+    )
+    node_connections: int = Field(
+        256, ge=1, le=65536, description="connections to each node for callers' calls passed on (streams hold one)"
+    )
     create_attempts: int = Field(3, ge=1, le=10, description="nodes a refused create is tried on")
     choices: int = Field(2, ge=1, le=8, description="nodes compared per placement (power of d choices)")
 

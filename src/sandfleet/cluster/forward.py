@@ -48,6 +48,11 @@ SMALL = 1024**2  # bodies up to this size are read whole: fewer event-loop turns
 # A one-answer call to a node (create, list, stop by label ...): a node that goes silent this long is
 # unavailable. Streams passed on have no such bound (the node bounds them: exec timeouts, heartbeats).
 CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=60.0, pool=30.0)
+# A question every node is asked before a create or a trajectory is placed (which holds this key, this
+# trajectory): a node silent this long is taken as silent, so one hung daemon costs seconds, not minutes.
+LOOKUP_TIMEOUT = httpx.Timeout(3.0)
+# The gateway's own calls on its control client (acks, drain): small answers, never queued behind callers'.
+CONTROL_TIMEOUT = httpx.Timeout(connect=5.0, read=10.0, write=10.0, pool=5.0)
 
 
 async def forward(
@@ -57,9 +62,11 @@ async def forward(
     body: bytes | None = None,
     path: str | None = None,
     headers: dict[str, str] | None = None,
+    whole: bool = False,
 ) -> Response:
     """The caller's request, sent to `node` (with `headers` added); the node's answer, streamed back
-    (read whole when it is small and sized: most answers are a few hundred bytes of JSON)."""
+    (read whole when it is small and sized: most answers are a few hundred bytes of JSON; and always
+    with `whole`: an answer the gateway must read, whose size its request bounds)."""
     # The path as the caller sent it (still percent-encoded: an exposed port's path may hold %2F).
     raw = path or request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
     url = httpx.URL(raw + (f"?{request.url.query}" if request.url.query else ""))
@@ -85,7 +92,7 @@ async def forward(
         raise _unreachable(node, exc) from exc
     back = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
     size = resp.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) <= SMALL:
+    if whole or (size is not None and size.isdigit() and int(size) <= SMALL):
         try:
             data = await resp.aread()
         except httpx.HTTPError as exc:
@@ -109,9 +116,12 @@ async def call_json(
     json_body: Any = None,
     params: Any = None,
     headers: dict[str, str] | None = None,
+    timeout: httpx.Timeout = CALL_TIMEOUT,
+    control: bool = False,
 ) -> Any:
     """One call to a node whose answer is JSON: the parsed answer, or the node's error raised.
-    With `request`, the call carries that caller's credentials (the node scopes what it answers)."""
+    With `request`, the call carries that caller's credentials (the node scopes what it answers);
+    `control`: one of the gateway's own (an ack), on the node's control client."""
     hdrs = dict(headers or {})
     if request is not None:
         auth = request.headers.get("authorization")
@@ -119,7 +129,8 @@ async def call_json(
             raise UnavailableError("no credentials to pass on")  # the gateway always has a caller's
         hdrs["authorization"] = auth
     try:
-        r = await node.http.request(method, path, json=json_body, params=params, headers=hdrs, timeout=CALL_TIMEOUT)
+        http = node.control if control else node.http
+        r = await http.request(method, path, json=json_body, params=params, headers=hdrs, timeout=timeout)
     except httpx.HTTPError as exc:
         raise _unreachable(node, exc) from exc
     try:

@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
@@ -46,7 +46,7 @@ from sandfleet import __version__, console
 from sandfleet.client._base import RETRIED
 from sandfleet.cluster.acks import FORWARDED, Acks
 from sandfleet.cluster.config import GatewayConfig
-from sandfleet.cluster.forward import call_json, forward, json_response
+from sandfleet.cluster.forward import LOOKUP_TIMEOUT, call_json, forward, json_response
 from sandfleet.cluster.membership import Membership, Node
 from sandfleet.cluster.placement import NoCapacity, PlacementRequest, Placer
 from sandfleet.cluster.quotas import GatewayQuotas, ShareSpent
@@ -99,6 +99,7 @@ class Gateway:
             config.node_token.get_secret_value(),
             load_interval=config.load_interval,
             unreachable_after=config.unreachable_after,
+            connections=config.node_connections,
         )
         self.placer = Placer(choices=config.choices, groups=config.groups, rng=rng)
         self.iam = Iam(config.iam, config.token.get_secret_value() if config.token else None)
@@ -190,22 +191,38 @@ class Gateway:
 
     async def _holders(self, request: Request, wanted: list[_Scoped]) -> list[str | None]:
         """Per (project, idempotency key): the node that made (or is making) a sandbox with it, asked
-        of every node not lost with the caller's credentials (a create retried through another
-        gateway: the node decides by key). A node that does not answer is taken to hold none: the
-        create is placed afresh, and if that node did make one, nobody acknowledges it and it is
-        reaped after the node's claim window."""
+        of every live node with the caller's credentials (a create retried through another gateway:
+        the node decides by key), each given LOOKUP_TIMEOUT to answer. A node that does not answer,
+        or whose load reads already fail (not asked), is taken to hold none: the create is placed
+        afresh, and if that node did make one, nobody acknowledges it and it is reaped after the
+        node's claim window."""
         body = {"keys": [{"project": project, "key": key} for project, key in wanted]}
 
         async def one(n: Node) -> list[bool]:
-            return list((await call_json(n, "POST", "/v1/sandboxes/keys", request=request, json_body=body))["held"])
+            data = await call_json(
+                n, "POST", "/v1/sandboxes/keys", request=request, json_body=body, timeout=LOOKUP_TIMEOUT
+            )
+            return list(data["held"])
 
-        answers, _ = await self._ask(self.membership.live(), one, strict=False)
+        asked, _silent = self.membership.askable()
+        answers, _ = await self._ask(asked, one, strict=False)
         out: list[str | None] = [None] * len(wanted)
         for node, held in answers:
             for i, h in enumerate(held[: len(wanted)]):
                 if h and out[i] is None:
                     out[i] = node.key
         return out
+
+    async def _key_holders(self, request: Request, scoped: dict[int, _Scoped], ask: bool) -> dict[int, str]:
+        """Of these keyed creates (index -> (project, key)), the node each key went to: remembered
+        (this gateway sent it there), or, with `ask`, the node that says it holds it. Only live
+        nodes: a lost one's sandboxes are gone, and the create is a new one."""
+        found = {i: node for i, k in scoped.items() if (node := self._keyed.get(k)) is not None}
+        unknown = [i for i in scoped if i not in found]
+        if ask and unknown:
+            held = await self._holders(request, [scoped[i] for i in unknown])
+            found |= {i: node for i, node in zip(unknown, held, strict=True) if node is not None}
+        return {i: node for i, node in found.items() if self._usable(node)}
 
     # -- creates ---------------------------------------------------------------------------------
     def _placement(self, spec: SandboxSpec) -> PlacementRequest:
@@ -239,18 +256,52 @@ class Gateway:
         principal: Principal = request.state.principal
         spec = self._in_project(principal, _parse(SandboxSpec, await _body(request)))
         key = request.headers.get("idempotency-key")
-        try:
-            self.quotas.admit(spec, time.monotonic())
-        except ShareSpent as exc:
-            if request.headers.get(DELEGATED) or exc.owner == self.config.url:
-                raise ResourceExhaustedError(exc.message) from exc
-            return await self._delegate(exc.owner, request, _spec_json(spec))
-        try:
-            data = await self._place_one(request, spec, key)
-        except BaseException:
-            self.quotas.forget(spec)  # no sandbox came of it: the share is free again
-            raise
+        scoped = {0: (spec.project, key)} if key else {}
+        retried = bool(request.headers.get(RETRIED))
+        holder = (await self._key_holders(request, scoped, retried)).get(0)
+        if holder is None:
+            try:
+                self.quotas.admit(spec, time.monotonic())
+            except ResourceExhaustedError as exc:
+                # At the quota, a key a node already holds is a retry: it gets what it made, no new share.
+                if scoped and not retried:
+                    holder = (await self._key_holders(request, scoped, True)).get(0)
+                if holder is None:
+                    if not isinstance(exc, ShareSpent):
+                        raise
+                    if request.headers.get(DELEGATED) or exc.owner == self.config.url:
+                        raise ResourceExhaustedError(exc.message) from exc
+                    return await self._delegate(exc.owner, request, _spec_json(spec))
+        if holder is not None and key is not None:
+            data = await self._to_holder(request, spec, key, holder)
+        else:
+            try:
+                data = await self._place_one(request, spec, key)
+            except BaseException:
+                self.quotas.forget(spec)  # no sandbox came of it: the share is free again
+                raise
         return json_response(data, 201, background=self._acked(request, [data["id"]]))
+
+    async def _to_holder(self, request: Request, spec: SandboxSpec, key: str, node_key: str) -> Any:
+        """A create sent where its idempotency key went (the node holds it, or may: an earlier attempt
+        went there), taking no new quota share: the node answers what the key made. Never placed
+        elsewhere from here: a node that could not be reached may hold the key's sandbox (a second
+        one would be made); one that answered a refusal holds none (a node answers a key it holds
+        with its sandbox), and the next attempt is placed afresh."""
+        headers = {FORWARDED: "1", "idempotency-key": key}
+        try:
+            return await call_json(
+                self._node(node_key),
+                "POST",
+                "/v1/sandboxes",
+                request=request,
+                json_body=_spec_json(spec),
+                headers=headers,
+            )
+        except SandboxError as exc:
+            if not hasattr(exc, "sent"):  # the node answered: it does not hold the key
+                self._keyed.pop((spec.project, key), None)
+            raise
 
     async def _place_one(self, request: Request, spec: SandboxSpec, key: str | None) -> Any:
         """Place a create and send it; a node's refusal places it again elsewhere."""
@@ -258,20 +309,14 @@ class Gateway:
         body = _spec_json(spec)
         req = self._placement(spec)
         scoped = (spec.project, key) if key else None
-        went = self._keyed.get(scoped) if scoped else None
-        if scoped and went is None and request.headers.get(RETRIED):
-            went = (await self._holders(request, [scoped]))[0]
         headers = {FORWARDED: "1"} | ({"idempotency-key": key} if key else {})
         exclude: set[str] = set()
         last: SandboxError | None = None
         for _attempt in range(self.config.create_attempts):
-            if went is not None and went not in exclude and self._usable(went):
-                node_key = went
-            else:
-                try:
-                    node_key = self.placer.place(req, time.monotonic(), exclude)
-                except NoCapacity as exc:
-                    raise (last or exc) from None
+            try:
+                node_key = self.placer.place(req, time.monotonic(), exclude)
+            except NoCapacity as exc:
+                raise (last or exc) from None
             if scoped:
                 self._remember(self._keyed, scoped, node_key)
             node = self._node(node_key)
@@ -284,7 +329,7 @@ class Gateway:
                 self.placer.release(node_key, full=exc.code == "resource_exhausted")
                 exclude.add(node_key)
                 self.metrics.replaced.inc()
-                last, went = exc, None
+                last = exc
                 if scoped:
                     self._keyed.pop(scoped, None)
         assert last is not None
@@ -316,22 +361,30 @@ class Gateway:
         specs = [self._in_project(principal, s) for s in batch.specs]
         keys = batch.idempotency_keys or [None] * len(specs)
         results: list[dict[str, Any] | None] = [None] * len(specs)
-        pending: list[int] = []  # admitted, not yet made
+        scoped = {i: (specs[i].project, key) for i, key in enumerate(keys) if key}
+        retried = bool(request.headers.get(RETRIED))
+        # A keyed item whose key went to a node goes there, taking no new share (see `_to_holder`).
+        went = await self._key_holders(request, scoped, retried)
+        admitted: list[int] = []
+        refused: dict[int, _Scoped] = {}
         now = time.monotonic()
         for i, spec in enumerate(specs):
+            if i in went:
+                continue
             try:
                 self.quotas.admit(spec, now)
-                pending.append(i)
+                admitted.append(i)
             except SandboxError as exc:
                 results[i] = {"error": exc.to_wire()}
-        admitted = list(pending)
-        # A keyed item retried goes where its key went first (the node answers what it made then).
-        scoped = {i: (specs[i].project, key) for i, key in enumerate(keys) if key}
-        went = {i: node for i, k in scoped.items() if (node := self._keyed.get(k)) is not None}
-        unknown = [i for i in scoped if i not in went and i in pending]
-        if unknown and request.headers.get(RETRIED):
-            holders = await self._holders(request, [scoped[i] for i in unknown])
-            went |= {i: node for i, node in zip(unknown, holders, strict=True) if node is not None}
+                if i in scoped:
+                    refused[i] = scoped[i]
+        if refused and not retried:  # at the quota, a key a node holds is a retry: no new share
+            held = await self._key_holders(request, refused, True)
+            for i in held:
+                results[i] = None
+            went |= held
+        pinned = set(went)
+        pending = sorted(pinned) + admitted
         exclude: set[str] = set()
         for _attempt in range(self.config.create_attempts):
             if not pending:
@@ -339,41 +392,38 @@ class Gateway:
             # One placement per distinct need (tier, image) in the batch, each placed as a batch.
             by_need: dict[tuple[str, str | None, str], list[int]] = collections.defaultdict(list)
             needs: dict[tuple[str, str | None, str], PlacementRequest] = {}
+            by_node: dict[str, list[int]] = collections.defaultdict(list)
             for i in pending:
+                if i in pinned:
+                    by_node[went[i]].append(i)
+                    continue
                 need = self._placement(specs[i])
                 need_key = (need.tier, need.image, json.dumps(sorted(need.node_labels.items())))
                 by_need[need_key].append(i)
                 needs[need_key] = need
-            by_node: dict[str, list[int]] = collections.defaultdict(list)
-            for need_key, idx in list(by_need.items()):
-                for i in list(idx):
-                    node_key = went.get(i)
-                    if node_key is not None and node_key not in exclude and self._usable(node_key):
-                        by_node[node_key].append(i)
-                        idx.remove(i)
-                if not idx:
-                    continue
-                need = needs[need_key]
+            for need_key, idx in by_need.items():
                 try:
-                    nodes = self.placer.place_many(need, len(idx), time.monotonic(), exclude)
+                    nodes = self.placer.place_many(needs[need_key], len(idx), time.monotonic(), exclude)
                 except NoCapacity as exc:
                     for i in idx:
-                        refused = ResourceExhaustedError(f"no node can take this sandbox: {exc}")
-                        results[i] = {"error": refused.to_wire()}
+                        results[i] = {
+                            "error": ResourceExhaustedError(f"no node can take this sandbox: {exc}").to_wire()
+                        }
                     continue
                 for i, node_key in zip(idx, nodes, strict=True):
                     by_node[node_key].append(i)
+                    self.metrics.placements.labels(node=node_key).inc()
                     if i in scoped:
                         self._remember(self._keyed, scoped[i], node_key)
             retry: list[int] = []
 
             async def one_node(node_key: str, idx: list[int], retry: list[int] = retry) -> None:
-                self.metrics.placements.labels(node=node_key).inc(len(idx))
                 body = {
                     "specs": [_spec_json(specs[i]) for i in idx],
                     "concurrency": batch.concurrency,
                     "idempotency_keys": [keys[i] for i in idx],
                 }
+                answered = True
                 try:
                     node = self._node(node_key)
                     data = await call_json(
@@ -382,25 +432,30 @@ class Gateway:
                     items = data["results"]
                 except SandboxError as exc:  # this node's part failed whole; the others' stand
                     exclude.add(node_key)
+                    answered = not hasattr(exc, "sent")
                     if getattr(exc, "sent", False):  # it may have made them: not placed again
                         for i in idx:
                             results[i] = {"error": exc.to_wire()}
                         return
                     items = [{"error": exc.to_wire()}] * len(idx)
-                refused = 0
+                refusals = 0
                 for i, item in zip(idx, items, strict=True):
                     err = item.get("error")
                     results[i] = item
-                    if err and err.get("code") in _REFUSALS:
-                        refused += 1
-                        retry.append(i)
-                        went.pop(i, None)
-                        if i in scoped:
+                    if not err or err.get("code") not in _REFUSALS:
+                        continue
+                    if i in pinned:  # never placed elsewhere (see `_to_holder`)
+                        if answered:
                             self._keyed.pop(scoped[i], None)
-                if refused:
-                    self.placer.release(node_key, refused, full=True)
+                        continue
+                    refusals += 1
+                    retry.append(i)
+                    if i in scoped:
+                        self._keyed.pop(scoped[i], None)
+                if refusals:
+                    self.placer.release(node_key, refusals, full=True)
                     exclude.add(node_key)
-                    self.metrics.replaced.inc(refused)
+                    self.metrics.replaced.inc(refusals)
 
             await asyncio.gather(*(one_node(k, idx) for k, idx in by_node.items()))
             pending = retry
@@ -571,9 +626,12 @@ class Gateway:
 
     async def _trajectory_node(self, request: Request, principal: Principal, trajectory_id: str) -> Node:
         """The node holding the caller's trajectory `trajectory_id` (ids are per project on the nodes,
-        so what is remembered is per caller's project): remembered, or asked of every node not lost.
-        `not_found` only when every one answered so; a node that did not answer may hold it:
-        `unavailable` (never a second trajectory of that id opened elsewhere)."""
+        so what is remembered is per caller's project): remembered, or asked of every live node (each
+        given LOOKUP_TIMEOUT). `not_found` only when every one answered so. A node that did not
+        answer (or whose load reads already fail) may hold it: `unavailable`, never a second
+        trajectory of that id opened elsewhere, until it answers or the cluster declares it lost
+        (what a lost node held is lost). Found on several nodes (a copy on a node fenced since, say):
+        the one whose sandbox lives; which copy is its own cannot be told otherwise (`sandbox_lost`)."""
         scoped = (principal.project, trajectory_id)
         key = self._trajectories.get(scoped)
         if key is not None and key in self.membership.nodes:
@@ -583,25 +641,60 @@ class Gateway:
             return node
         path = "/v1/trajectories/" + quote(trajectory_id, safe="")
 
-        async def one(n: Node) -> bool:
+        async def one(n: Node) -> dict[str, Any] | bool:
+            """The trajectory's info; False: not here; True: here, lost (a fenced node's copy)."""
             try:
-                await call_json(n, "GET", path, request=request)
+                info: dict[str, Any] = await call_json(n, "GET", path, request=request, timeout=LOOKUP_TIMEOUT)
             except NotFoundError:
                 return False
-            return True
+            except SandboxLostError:
+                return True
+            return info
 
-        nodes = self.membership.live()
-        answers, failed = await self._ask(nodes, one)
-        found = [n for n, held in answers if held]
-        if not found and failed:
-            missed = ", ".join(n.key for n, _ in failed)
+        asked, silent = self.membership.askable()
+        answers, failed = await self._ask(asked, one)
+        held = [(n, info) for n, info in answers if isinstance(info, dict)]
+        missed = [*silent, *(n for n, _ in failed)]
+        if len(held) > 1:
+            node = await self._live_holder(request, trajectory_id, held)
+        elif held:
+            node = held[0][0]
+        elif missed:
+            names = ", ".join(n.key for n in missed)
             raise UnavailableError(
-                f"trajectory {trajectory_id[:80]}: nodes {missed} did not answer whether they hold it"
+                f"trajectory {trajectory_id[:80]}: nodes {names} did not answer whether they hold it"
             )
-        if not found:
+        elif any(info is True for _, info in answers):
+            raise SandboxLostError(f"trajectory {trajectory_id[:80]} is lost: its node was declared lost")
+        else:
             raise NotFoundError(f"trajectory {trajectory_id[:80]} not found")
-        self._remember(self._trajectories, scoped, found[0].key)
-        return found[0]
+        self._remember(self._trajectories, scoped, node.key)
+        return node
+
+    async def _live_holder(self, request: Request, trajectory_id: str, held: list[tuple[Node, dict[str, Any]]]) -> Node:
+        """Of several nodes answering for one trajectory id, the only one whose sandbox lives (the
+        others' copies are stale: a node fenced since, its sandboxes stopped); none or several:
+        `sandbox_lost` (picking one could serve steps the caller never saw, or run them twice)."""
+
+        async def live(n: Node, info: dict[str, Any]) -> bool:
+            sandbox_id = info.get("sandbox_id")
+            if not isinstance(sandbox_id, str):
+                return False
+            try:
+                sb = await call_json(n, "GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}", request=request)
+            except NotFoundError:
+                return False
+            return sb.get("state") in ("creating", "running", "paused")
+
+        alive = await asyncio.gather(*(live(n, info) for n, info in held))
+        nodes = [n for (n, _), ok in zip(held, alive, strict=True) if ok]
+        if len(nodes) == 1:
+            return nodes[0]
+        names = ", ".join(n.key for n, _ in held)
+        raise SandboxLostError(
+            f"trajectory {trajectory_id[:80]} is held by nodes {names}, {len(nodes)} of them with a live sandbox: "
+            "which copy is its own cannot be told"
+        )
 
     async def trajectory_call(self, request: Request) -> Response:
         principal: Principal = request.state.principal
@@ -640,14 +733,24 @@ class Gateway:
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
             raise InvalidArgumentError("count must be an integer from 1 to 64")
         spec = await self._source_spec(request, node, object_id, fork)
+        key = body.get("idempotency_key")
         admitted: list[SandboxSpec] = []
         try:
             if spec is not None and spec.project is not None:
                 now = time.monotonic()
-                for _ in range(count):
-                    self.quotas.admit(spec, now)
-                    admitted.append(spec)
-            resp = await forward(node, request, body=json.dumps(body).encode(), headers={FORWARDED: "1"})
+                try:
+                    for _ in range(count):
+                        self.quotas.admit(spec, now)
+                        admitted.append(spec)
+                except ResourceExhaustedError:
+                    # At the quota, a retry whose key already made its children gets them, no new share.
+                    if not (isinstance(key, str) and await self._holds_copies(request, node, spec.project, key)):
+                        raise
+                    for a in admitted:
+                        self.quotas.forget(a)
+                    admitted = []
+            # Read whole (its size is bounded by `count`): the children are acknowledged from it.
+            resp = await forward(node, request, body=json.dumps(body).encode(), headers={FORWARDED: "1"}, whole=True)
         except BaseException:
             for a in admitted:
                 self.quotas.forget(a)
@@ -655,11 +758,23 @@ class Gateway:
         if resp.status_code >= 300:
             for a in admitted:
                 self.quotas.forget(a)
-        elif not isinstance(resp, StreamingResponse):  # a few children's infos: read whole
+        else:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 items = json.loads(bytes(resp.body))["results"]
                 resp.background = self._acked(request, [str(i["sandbox"]["id"]) for i in items if i.get("sandbox")])
         return resp
+
+    async def _holds_copies(self, request: Request, node: Node, project: str, key: str) -> bool:
+        """Whether `node` made (or is making) a fork's or restore's children under idempotency key
+        `key` (as the node remembers the batch's key: since its last restart)."""
+        body = {"keys": [{"project": project, "key": key}]}
+        try:
+            data = await call_json(
+                node, "POST", "/v1/sandboxes/keys", request=request, json_body=body, timeout=LOOKUP_TIMEOUT
+            )
+        except SandboxError:
+            return False
+        return bool(data["held"][0])
 
     async def _source_spec(self, request: Request, node: Node, object_id: str, fork: bool) -> SandboxSpec | None:
         """The spec copies of a sandbox or snapshot are made from (its project and resources), as the
@@ -748,7 +863,7 @@ class Gateway:
         draining = body.get("draining", True)
         if not isinstance(draining, bool):
             raise InvalidArgumentError("draining must be true or false")
-        data = await call_json(node, "POST", "/v1/node/drain", json_body={"draining": draining})
+        data = await call_json(node, "POST", "/v1/node/drain", json_body={"draining": draining}, control=True)
         await self.membership.refresh()
         return json_response(data)
 

@@ -7,6 +7,11 @@ Two sources, kept apart:
   second: placement and quotas decide on it. A node that does not answer a few reads in a row is
   `unreachable` (no creates go there; calls naming its sandboxes are still passed on).
 
+Each node has two HTTP clients: `http` for callers' calls passed on (exec streams and verifications
+hold its connections for minutes), and a small `control` client for the gateway's own bookkeeping
+(load reads, acks, drains), which a node busy with long calls never starves: a load read or an ack
+queued behind callers' streams would make the node look unreachable and its new sandboxes unclaimed.
+
 When discovery goes quiet (Ray's head lost), the last registrations stay and loads keep coming:
 the gateway keeps serving the cluster it knew.
 """
@@ -49,7 +54,8 @@ class Node:
     key: str
     url: str
     group: str
-    http: httpx.AsyncClient
+    http: httpx.AsyncClient  # callers' calls passed on
+    control: httpx.AsyncClient  # the gateway's own: load reads, acks, drains
     lost: bool = False
     load: NodeLoad | None = None
     load_at: float = 0.0  # monotonic time the load was read
@@ -61,18 +67,35 @@ class Node:
     def status(self) -> NodeStatus:
         if self.lost:
             return "lost"
-        if self.failures >= self.unreachable_after or self.load is None:
+        if self.silent or self.load is None:
             return "unreachable"
         if self.load.draining:
             return "draining"
         return "alive"
 
+    @property
+    def silent(self) -> bool:
+        """Its last load reads all failed: not worth waiting for an answer from (`load` None alone is
+        a node not read yet, still asked)."""
+        return self.failures >= self.unreachable_after
+
+
+CONTROL_CONNECTIONS = 4  # per node: a load read and an ack sender at a time, a drain
+
 
 class Membership:
-    def __init__(self, node_token: str, *, load_interval: float = 1.0, unreachable_after: int = 3) -> None:
+    def __init__(
+        self,
+        node_token: str,
+        *,
+        load_interval: float = 1.0,
+        unreachable_after: int = 3,
+        connections: int = 256,
+    ) -> None:
         self._token = node_token
         self.load_interval = load_interval
         self.unreachable_after = unreachable_after
+        self.connections = connections  # per node, for callers' calls passed on
         self.nodes: dict[str, Node] = {}
         self.changed = asyncio.Event()  # set when the set of nodes or their loads changed
         self.gateways: list[str] = []  # other gateways' URLs, as discovery last saw them
@@ -86,16 +109,20 @@ class Membership:
         regs = list(registrations)
         listed = {r.key for r in regs}
         for key in [k for k, n in self.nodes.items() if k not in listed and n.status == "unreachable"]:
-            gone = self.nodes.pop(key)
-            self._closing.add(asyncio.get_running_loop().create_task(gone.http.aclose()))
+            self._close(self.nodes.pop(key))
             log.info("node %s left the cluster", key)
         for reg in regs:
             node = self.nodes.get(reg.key)
             if node is None or node.url != reg.url:
                 if node is not None:
-                    self._closing.add(asyncio.get_running_loop().create_task(node.http.aclose()))
+                    self._close(node)
                 node = self.nodes[reg.key] = Node(
-                    reg.key, reg.url, reg.group, self._client(reg.url), unreachable_after=self.unreachable_after
+                    reg.key,
+                    reg.url,
+                    reg.group,
+                    self._client(reg.url, self.connections),
+                    self._client(reg.url, CONTROL_CONNECTIONS),
+                    unreachable_after=self.unreachable_after,
                 )
                 log.info("node %s at %s (group %s) joined", reg.key, reg.url, reg.group)
             node.group = reg.group
@@ -104,22 +131,28 @@ class Membership:
                 node.lost = True
                 log.warning("node %s is lost: its sandboxes are gone", reg.key)
                 # Calls still waiting on it fail now (as sandbox_lost), not when TCP gives up.
-                self._closing.add(asyncio.get_running_loop().create_task(node.http.aclose()))
-                node.http = self._client(node.url)
+                self._close(node)
+                node.http = self._client(node.url, self.connections)
+                node.control = self._client(node.url, CONTROL_CONNECTIONS)
             elif reg.alive is True and node.lost:
                 # A node that came back under its key lost what it held when it died, and starts over.
                 node.lost, node.load, node.failures = False, None, 0
                 log.info("node %s is back", reg.key)
         self.changed.set()
 
-    def _client(self, url: str) -> httpx.AsyncClient:
+    def _client(self, url: str, connections: int) -> httpx.AsyncClient:
+        # The limits are the transport's: a client given a transport ignores its own `limits`.
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=min(64, connections))
         return httpx.AsyncClient(
             base_url=url,
-            transport=httpx.AsyncHTTPTransport(socket_options=TCP_OPTIONS),
+            transport=httpx.AsyncHTTPTransport(socket_options=TCP_OPTIONS, limits=limits),
             headers={"authorization": f"Bearer {self._token}"},
             timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
+
+    def _close(self, node: Node) -> None:
+        for client in (node.http, node.control):
+            self._closing.add(asyncio.get_running_loop().create_task(client.aclose()))
 
     # -- what the gateway reads itself -----------------------------------------------------------
     async def refresh(self) -> None:
@@ -130,7 +163,7 @@ class Membership:
 
     async def _read_load(self, node: Node) -> None:
         try:
-            r = await node.http.get("/v1/node/load", timeout=max(2.0, self.load_interval * 2))
+            r = await node.control.get("/v1/node/load", timeout=max(2.0, self.load_interval * 2))
             if r.status_code != 200:
                 raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
             load = NodeLoad.model_validate_json(r.content)
@@ -163,6 +196,7 @@ class Membership:
     async def close(self) -> None:
         for node in self.nodes.values():
             await node.http.aclose()
+            await node.control.aclose()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
     # -- what the routes ask ---------------------------------------------------------------------
@@ -184,6 +218,12 @@ class Membership:
         """Nodes not lost, answering or not: what they hold still exists (writes to every node go to
         each of them, and say which did not answer)."""
         return [n for n in self.nodes.values() if not n.lost]
+
+    def askable(self) -> tuple[list[Node], list[Node]]:
+        """The live nodes split for a lookup (who holds this key, this trajectory): those worth asking,
+        and those already `silent` (asking them would only wait out the lookup's timeout)."""
+        live = self.live()
+        return [n for n in live if not n.silent], [n for n in live if n.silent]
 
     def placement_view(self) -> list[NodeState]:
         out = []

@@ -3,7 +3,10 @@
 A node daemon runs as its own service, never as a Ray worker's child (Ray kills a dead worker's
 children). What Ray holds of a node is small:
 - a detached actor `node:<key>` (namespace "sandfleet") pinned to the node's Ray node: Ray keeps
-  it alive exactly as long as that node is in the cluster, so its death is the node's death;
+  it alive exactly as long as that node is in the cluster, so its death is the node's death. It also
+  asks its daemon, from the node's own machine, whether it answers HTTP: a daemon that died (or
+  hangs) while its Ray node lives on is given up on after the gateways' `lost_after`, as a dead node
+  is (otherwise a trajectory it might hold would keep every new one of that id from opening);
 - a record `node:<key>` in Ray's key-value store (GCS): its URL, group and generation. It outlives
   the actor, so a gateway started after a node died still answers `sandbox_lost` for that node's ids;
 - a mark `lost:<key>` (the generation given up on), written by a gateway's watcher before any
@@ -20,8 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import ssl
+import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,27 +35,49 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+log = logging.getLogger("sandfleet.cluster")
+
 NAMESPACE = "sandfleet"
 GATEWAY_TTL = 10.0  # seconds a gateway's record counts after its last refresh
 REREGISTER_GRACE = 30.0  # seconds after a node's (re-)registration its missing actor is not yet its death
 
 
+PROBE_EVERY = 1.0  # seconds between a node actor's questions to its daemon
+PROBE_TIMEOUT = 2.0
+
+
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers at `url` (any status: an unauthenticated 401 proves the
+    daemon's event loop runs; a dead daemon refuses, a hung one says nothing)."""
+    context = ssl._create_unverified_context()  # any answer will do, whoever signed it
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/health", timeout=PROBE_TIMEOUT, context=context):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class NodeAgent:
-    """A node's stand-in in Ray: answers liveness for the node and says where its daemon is."""
+    """A node's stand-in in Ray: answers liveness for the node, says where its daemon is, and for
+    how long that daemon has not answered (asked every PROBE_EVERY seconds on a thread of its own,
+    so `info` answers at once)."""
 
     def __init__(self, key: str, url: str, group: str, pid: int) -> None:
         self.record: dict[str, Any] = {"key": key, "url": url, "group": group, "pid": pid}
-        self.pid = pid
+        self.answered = time.monotonic()
+        threading.Thread(target=self._probe, daemon=True).start()
+
+    def _probe(self) -> None:
+        while True:
+            if answers(self.record["url"]):
+                self.answered = time.monotonic()
+            time.sleep(PROBE_EVERY)
 
     def info(self) -> dict[str, Any]:
-        pid = self.pid
-        try:
-            os.kill(pid, 0)
-            daemon = True
-        except OSError:
-            daemon = False
-        return {**self.record, "daemon_running": daemon}
+        return {**self.record, "silent_for": time.monotonic() - self.answered}
 
 
 def connect(address: str, namespace: str = NAMESPACE) -> None:
@@ -153,16 +181,21 @@ class Seen:
 
 
 class Watcher:
-    """What a gateway's watcher process reads from Ray, once per call of `poll`."""
+    """What a gateway's watcher process reads from Ray, once per call of `poll`. A node is dead when
+    its actor is (its Ray node left), or when the actor says its daemon has not answered for
+    `lost_after` seconds; either way the lost mark is written first, and a node with a lost mark at
+    or above its recorded generation stays dead until it registers again (fenced) above it."""
 
-    def __init__(self, namespace: str = NAMESPACE, timeout: float = 2.0) -> None:
+    def __init__(self, namespace: str = NAMESPACE, timeout: float = 2.0, lost_after: float = 60.0) -> None:
         self.namespace = namespace
         self.timeout = timeout
+        self.lost_after = lost_after
         self._handles: dict[str, Any] = {}
         self._marked: set[tuple[str, int]] = set()  # lost marks this watcher wrote
 
     def nodes(self) -> list[Seen]:
         records = _kv_records("node:", self.namespace)
+        marks = _kv_records("lost:", self.namespace)
         refs: dict[Any, str] = {}
         dead: set[str] = set()
         now = time.time()
@@ -181,8 +214,7 @@ class Watcher:
         for ref in ready:
             name = refs[ref]
             try:
-                ray.get(ref)
-                answered.add(name)
+                info = ray.get(ref)
             except ray.exceptions.RayActorError:
                 self._handles.pop(name, None)
                 try:  # a node registering again replaces its actor: that one answers next time
@@ -190,17 +222,27 @@ class Watcher:
                 except ValueError:
                     if self._gone(name, now):
                         dead.add(name)
+                continue
+            if float(info.get("silent_for", 0.0)) > self.lost_after and self._gone(name, now):
+                log.warning("node %s: its daemon has not answered for %.0f s: lost", name, info["silent_for"])
+                dead.add(name)
+            else:
+                answered.add(name)
         out = []
         for name, rec in records.items():
-            alive = False if name in dead else True if name in answered else None
             generation = int(rec.get("generation", 0))
+            mark = marks.get("lost:" + str(rec["key"]))
+            if mark is not None and int(mark.get("generation", -1)) >= generation:
+                dead.add(name)  # given up on: dead until it registers again, fenced, above the mark
+            alive = False if name in dead else True if name in answered else None
             out.append(Seen(rec["key"], rec["url"], rec.get("group", "default"), alive, generation))
         return out
 
     def _gone(self, name: str, now: float) -> bool:
-        """Whether the node whose actor is missing is lost: its record (read again now: a node
-        registering again writes it first) is older than the grace. If so, the lost mark is written
-        before anyone is told: what callers hear is `sandbox_lost` is never served again."""
+        """Whether the node whose actor is missing (or whose daemon is silent) is lost: its record
+        (read again now: a node registering again writes it first) is older than the grace. If so,
+        the lost mark is written before anyone is told: what callers hear is `sandbox_lost` is never
+        served again."""
         rec = _kv_get(name, self.namespace)
         if rec is None or now - float(rec.get("at", 0)) <= REREGISTER_GRACE:
             return False

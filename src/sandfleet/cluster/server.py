@@ -35,6 +35,8 @@ async def watch_ray(gw: Gateway, config: GatewayConfig, gateway_id: str) -> None
             gateway_id,
             "--gateway-url",
             config.url,
+            "--lost-after",
+            str(config.lost_after),
             stdout=asyncio.subprocess.PIPE,
             limit=16 * 1024**2,
         )

@@ -28,12 +28,13 @@ def main() -> None:
     p.add_argument("--gateway-id", required=True)
     p.add_argument("--gateway-url", required=True)
     p.add_argument("--interval", type=float, default=0.5)
+    p.add_argument("--lost-after", type=float, default=60.0)
     args = p.parse_args()
     _die_with_parent()
     from sandfleet.cluster import registry  # Ray is imported here, in this process only
 
     registry.connect(args.address, args.namespace)
-    watcher = registry.Watcher(args.namespace)
+    watcher = registry.Watcher(args.namespace, lost_after=args.lost_after)
     while True:
         t0 = time.monotonic()
         watcher.beat(args.gateway_id, args.gateway_url)
