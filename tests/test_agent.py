@@ -329,3 +329,42 @@ async def test_agent_death_fails_pending(agent: Agent) -> None:
     assert closed == [agent.channel] and agent.channel.closed
     with pytest.raises(ChannelClosedError):
         await agent.channel.start(["true"], env=ENV)
+
+
+# A parent waiting for its vfork child (which never execs) sleeps uninterruptibly ('D' in /proc):
+# SIGSTOP does not take effect while it waits there, only a fatal signal ends the wait.
+VFORK_STUCK = b"#include <unistd.h>\nint main(void) { if (vfork() == 0) { pause(); _exit(0); } return 0; }\n"
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
+@pytest.fixture
+def stuck(tmp_path: Path) -> Path:
+    (tmp_path / "stuck.c").write_bytes(VFORK_STUCK)
+    subprocess.run(["cc", "-O2", "-o", str(tmp_path / "stuck"), str(tmp_path / "stuck.c")], check=True)
+    return tmp_path / "stuck"
+
+
+async def test_killing_a_tree_whose_root_cannot_stop_does_not_stall_the_agent(agent: Agent, stuck: Path) -> None:
+    """A tree kill stops the root first and waits (up to 50 ms) until it has stopped; a root in 'D'
+    never does. That wait must not hold up the agent's other work (every exec of the sandbox)."""
+    procs = [await agent.channel.start([str(stuck)], env=ENV) for _ in range(5)]
+    for _ in range(200):
+        if all(_state(p.pid) == "D" for p in procs):
+            break
+        await asyncio.sleep(0.02)
+    assert [_state(p.pid) for p in procs] == ["D"] * 5
+    children = [c for p in procs for c in _children(p.pid)]
+    pings = []
+    for p in procs:
+        await p.signal(signal.SIGKILL, agent_mod.SCOPE_TREE)
+        pings.append(await agent.channel.ping(5))
+    assert min(pings) < 0.025, pings  # not behind a 50 ms wait
+    for p in procs:
+        _, _, info = await asyncio.wait_for(p.wait(), 5)
+        assert info.signal == signal.SIGKILL
+    assert await _gone(children)
+

@@ -136,6 +136,8 @@ struct sf_notif_resp {
 #define SF_ARCH_I386 0x40000003u
 #define SF_X32_BIT 0x40000000
 #define GRACE_US 50000 /* wait for pipe EOF this long after reaping */
+#define STOP_WAIT_US 50000 /* a tree kill: how long the root may take to stop before the walk goes on */
+#define STOP_POLL_US 5000  /* ... looking again this often (its stop's SIGCHLD usually wakes us first) */
 #define DEFAULT_PATH "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 /* Bytes queued for a non-blocking writer (a child's stdin, a session command's stdin). */
@@ -154,6 +156,9 @@ struct exec {
 	int epr;     /* while starting: the read end of the exec-status pipe; -1 once exec'd or failed */
 	int failed;  /* the exec failed (ERROR sent): no EXIT for it */
 	uint64_t cap, total[2], start, deadline, reaped_at;
+	/* a SIGKILL of the tree waiting for the root to stop (kill_by: then the walk goes on anyway) */
+	uint32_t kill_scope;
+	uint64_t kill_by;
 	/* sessions (F_SESSION) */
 	int session, sfd, cin_r, active;
 	int pty;  /* F_PTY: fd[1] is the terminal's master */
@@ -350,18 +355,47 @@ static char proc_state(pid_t pid)
 	return rp && rp[1] == ' ' ? rp[2] : 0;
 }
 
-/* SIGSTOP, and wait (at most 50 ms) until it took effect: a process blocked in wait() could still
- * collect a child's state change between our kill() and its stop. */
-static void stop_settled(pid_t pid)
+/* Whether a process stopped by SIGSTOP has stopped (or is gone) by now. */
+static int stop_settled(pid_t pid)
 {
-	sig_pid(pid, SIGSTOP);
-	for (int i = 0; i < 200; i++) {
-		char st = proc_state(pid);
-		if (st == 0 || st == 'T' || st == 't' || st == 'Z' || st == 'X')
-			return;
-		struct timespec ts = { 0, 250000 };
-		nanosleep(&ts, NULL);
+	char st = proc_state(pid);
+	return st == 0 || st == 'T' || st == 't' || st == 'Z' || st == 'X';
+}
+
+/* The walk of a SIGKILL of the tree, once the root has stopped (or STOP_WAIT_US passed): stop
+ * everything found first (a killed parent's children would be reparented to us mid-scan and
+ * escape the ppid-chain walk), then kill it. The root too when it is to live on (a session's
+ * shell, scope 2), and first: a shell with job control would see its job stopped (as by ^Z) and
+ * report that; stopped itself, it sees only the job killed. */
+static void kill_tree(struct exec *e)
+{
+	uint32_t scope = e->kill_scope;
+	e->kill_scope = 0;
+	if (e->reaped) { /* the pid may be recycled, and its children were reparented to us anyway */
+		if (scope != 2)
+			sig_pid(-e->pid, SIGKILL);
+		return;
 	}
+	struct pidset s = { 0 };
+	ps_add(&s, e->pid);
+	for (int round = 0; round < 64; round++) {
+		size_t before = s.n;
+		scan_children(&s);
+		for (size_t i = before; i < s.n; i++)
+			sig_pid(s.v[i], SIGSTOP);
+		if (s.n == before)
+			break;
+	}
+	/* the group and the root go last, so the walk above saw an intact tree */
+	for (size_t i = 1; i < s.n; i++)
+		sig_pid(s.v[i], SIGKILL);
+	if (scope == 1) {
+		sig_pid(-e->pid, SIGKILL);
+		sig_pid(e->pid, SIGKILL);
+	} else {
+		sig_pid(e->pid, SIGCONT);
+	}
+	free(s.v);
 }
 
 /* scope 0: process group; 1: group + all descendants; 2: descendants only. */
@@ -373,32 +407,36 @@ static void signal_exec(struct exec *e, int sig, uint32_t scope)
 			sig_pid(-e->pid, sig);
 		return;
 	}
-	/* For SIGKILL, stop everything found first: a killed parent's children would be
-	 * reparented to us mid-scan and escape the ppid-chain walk. The root too when it is to live
-	 * on (a session's shell, scope 2), and first: a shell with job control would see its job
-	 * stopped (as by ^Z) and report that; stopped itself, it sees only the job killed. */
-	int freeze = sig == SIGKILL;
+	if (sig == SIGKILL) {
+		/* The root is stopped first: a process blocked in wait() could still collect a child's
+		 * state change between our kill() and its stop. Its stop is awaited from the event loop
+		 * (service(); our SIGCHLD says when), never here: a root that cannot stop now (in 'D')
+		 * must not hold up every other exec of the sandbox. */
+		if (e->kill_scope) {
+			if (scope == 1)
+				e->kill_scope = 1; /* the group and the root too, now */
+			return;
+		}
+		e->kill_scope = scope;
+		e->kill_by = now_us() + STOP_WAIT_US;
+		sig_pid(e->pid, SIGSTOP);
+		if (stop_settled(e->pid))
+			kill_tree(e);
+		return;
+	}
 	struct pidset s = { 0 };
 	ps_add(&s, e->pid);
-	if (freeze)
-		stop_settled(e->pid);
 	for (int round = 0; round < 64; round++) {
 		size_t before = s.n;
 		scan_children(&s);
-		if (freeze)
-			for (size_t i = before; i < s.n; i++)
-				sig_pid(s.v[i], SIGSTOP);
 		if (s.n == before)
 			break;
 	}
-	/* the group and the root go last, so the walk above saw an intact tree */
 	for (size_t i = 1; i < s.n; i++)
 		sig_pid(s.v[i], sig);
 	if (scope == 1) {
 		sig_pid(-e->pid, sig);
 		sig_pid(e->pid, sig);
-	} else if (freeze) {
-		sig_pid(e->pid, SIGCONT);
 	}
 	free(s.v);
 }
@@ -1640,6 +1678,12 @@ static int service(void)
 		struct exec *e = ex[i];
 		if (!e)
 			continue;
+		if (e->kill_scope) { /* a tree kill waiting for its root to stop */
+			if (e->reaped || now >= e->kill_by || stop_settled(e->pid))
+				kill_tree(e);
+			else
+				SOONER(e->kill_by < now + STOP_POLL_US ? e->kill_by : now + STOP_POLL_US);
+		}
 		if (!e->reaped && e->deadline && !(e->xflags & X_TIMED_OUT)) {
 			if (now >= e->deadline) {
 				e->xflags |= X_TIMED_OUT;
