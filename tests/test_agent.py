@@ -146,7 +146,9 @@ def test_codec_roundtrip() -> None:
     _, _, p = agent_mod.decode_message(agent_mod.encode_exit(1, 9, 3, 10, 20, 1_500_000))
     info = agent_mod.decode_exit(p)
     assert (info.exit_code, info.signal, info.timed_out, info.stdout_truncated) == (137, 9, True, True)
-    assert info.duration == 1.5 and not info.stderr_truncated
+    assert info.duration == 1.5 and not info.stderr_truncated and info.cpu is None  # an agent before the CPU
+    _, _, p = agent_mod.decode_message(agent_mod.encode_exit(1, 0, 0, 0, 0, 10, cpu_us=250_000))
+    assert agent_mod.decode_exit(p).cpu == 0.25
     _, _, p = agent_mod.decode_message(agent_mod.encode_error(1, 2, "nope"))
     assert agent_mod.decode_error(p) == (2, "nope")
     _, _, p = agent_mod.decode_message(agent_mod.encode_signal(1, 15, 2))
@@ -368,3 +370,12 @@ async def test_killing_a_tree_whose_root_cannot_stop_does_not_stall_the_agent(ag
         assert info.signal == signal.SIGKILL
     assert await _gone(children)
 
+
+async def test_exit_reports_the_cpu_of_the_command_and_what_it_waited_for(agent: Agent) -> None:
+    spin = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done"
+    _, _, alone = await run(agent, ["sh", "-c", spin])
+    _, _, waited = await run(agent, ["sh", "-c", f"(sh -c '{spin}'); sleep 0.2"])
+    _, _, idle = await run(agent, ["sleep", "0.3"])
+    assert alone.cpu is not None and 0.05 < alone.cpu <= alone.duration + 0.05, alone
+    assert waited.cpu is not None and waited.cpu > 0.5 * alone.cpu, (waited, alone)  # its child's, reaped by it
+    assert idle.cpu is not None and idle.cpu < 0.05, idle

@@ -60,6 +60,7 @@
 #include <sys/inotify.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -156,6 +157,7 @@ struct exec {
 	int epr;     /* while starting: the read end of the exec-status pipe; -1 once exec'd or failed */
 	int failed;  /* the exec failed (ERROR sent): no EXIT for it */
 	uint64_t cap, total[2], start, deadline, reaped_at;
+	uint64_t cpu_us; /* CPU of the process and the descendants it waited for (its rusage when reaped) */
 	/* a SIGKILL of the tree waiting for the root to stop (kill_by: then the walk goes on anyway) */
 	uint32_t kill_scope;
 	uint64_t kill_by;
@@ -611,7 +613,7 @@ static void finish(size_t slot)
 	ep_close(&e->cin_r);
 	ep_close(&e->epr);
 	if (!e->orphan && !e->failed) {
-		char p[32];
+		char p[40];
 		int32_t st = e->status;
 		uint64_t dur = e->reaped_at - e->start;
 		memcpy(p, &st, 4);
@@ -619,6 +621,7 @@ static void finish(size_t slot)
 		memcpy(p + 8, &e->total[0], 8);
 		memcpy(p + 16, &e->total[1], 8);
 		memcpy(p + 24, &dur, 8);
+		memcpy(p + 32, &e->cpu_us, 8);
 		chan_send(M_EXIT, e->id, p, sizeof p, NULL, 0);
 	}
 	free(e);
@@ -1099,13 +1102,16 @@ static void reap(void)
 		;
 	int st;
 	pid_t p;
-	while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
+	struct rusage ru;
+	while ((p = wait4(-1, &st, WNOHANG, &ru)) > 0) {
 		for (size_t i = 0; i < nex; i++) {
 			struct exec *e = ex[i];
 			if (e && e->pid == p && !e->reaped) {
 				e->reaped = 1;
 				e->status = st;
 				e->reaped_at = now_us();
+				e->cpu_us = (uint64_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000u +
+					    (uint64_t)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
 				break;
 			}
 		}
