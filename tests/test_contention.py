@@ -13,6 +13,8 @@ import pytest
 from sandfleet import Client, SandboxSpec
 from sandfleet.models import Resources, VerifyResult
 
+from conftest import wait_until
+
 JOB = {"job": "contention-test"}
 SPIN = "while :; do :; done"
 
@@ -107,3 +109,38 @@ def test_a_timeout_with_the_cpu_it_was_due_is_a_timeout(fleet: Client) -> None:
     with fleet.create(_spec(cpu=0.1)) as sb:
         r = sb.exec(SPIN, timeout=3)
         assert (r.timed_out, r.starved, r.cause) == (True, False, "timeout"), r
+
+
+def test_a_cpu_budget_counts_the_commands_own_processes(fleet: Client) -> None:
+    """What another command of the sandbox spins (a background process, a concurrent exec) spends
+    none of this command's budget; what the command's own children spin does."""
+    with fleet.create(_spec()) as sb, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        bg = sb.start(SPIN)
+        other = pool.submit(sb.exec, SPIN, timeout=4)
+        r = sb.exec("sleep 2", timeout=30, cpu_time=0.3)
+        assert (r.exit_code, r.timed_out, r.cpu_time_exceeded, r.cause) == (0, False, False, None), r
+        assert r.cpu_seconds is not None and r.cpu_seconds < 0.2, r
+        assert other.result().timed_out
+        kids = sb.exec(f"({SPIN}) & ({SPIN}) & wait", timeout=60, cpu_time=1)
+        assert (kids.timed_out, kids.cpu_time_exceeded, kids.cause) == (True, True, "timeout"), kids
+        assert kids.cpu_seconds is not None and 1.0 <= kids.cpu_seconds < 2.5, kids
+        bg.kill()
+
+
+def test_a_command_is_judged_by_its_own_processes(fleet: Client, hogs: None) -> None:
+    """Starvation is read from the command's own process tree: a sleep that runs out of time while a
+    later command of its sandbox is starved ran out of its own time; a starved spin is starved even
+    when its sandbox holds more (older) tasks than a look reads."""
+    with fleet.create(_spec()) as a, fleet.create(_spec()) as b:
+        # b: 300 sleeps whose shell exits once the spin started: they become its init's newest children.
+        b.start("for i in $(seq 300); do sleep 60 & done; touch /tmp/forked; until [ -f /tmp/go ]; do sleep 0.05; done")
+        assert wait_until(lambda: b.files.exists("/tmp/forked"), 60)
+        spin = b.start(SPIN, timeout=3)
+        b.exec("touch /tmp/go")
+        asleep = a.start("sleep 30", timeout=3)
+        a.start(SPIN, timeout=20)  # later than the sleep, and starved
+        slept, starved = asleep.wait(timeout=60).result, spin.wait(timeout=60).result
+        assert slept is not None and (slept.timed_out, slept.starved, slept.cause) == (True, False, "timeout"), slept
+        assert starved is not None and (starved.timed_out, starved.starved, starved.cause) == (True, True, "infra"), (
+            starved
+        )

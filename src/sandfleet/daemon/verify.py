@@ -236,6 +236,8 @@ class Verifier:
         protect = _inside(req.protect, "protect")
         allow = None if req.allow is None else _inside(req.allow, "allow")
         sb = self.core.sandbox(sandbox_id)
+        if req.cpu_time is not None:
+            self.execs.check_budget(sb)  # the verifier's tier is the agent's
         if len(sb.spec.layers) + 1 + len(req.layers) > MAX_LAYERS:
             raise InvalidArgumentError(
                 f"the sandbox's {len(sb.spec.layers)} layers, its changes and {len(req.layers)} verifier layers "
