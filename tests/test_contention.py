@@ -50,7 +50,8 @@ def _work(fleet: Client) -> tuple[str, float]:
 
 def test_verifications_wait_their_turn_and_the_wait_is_not_their_timeout(fleet: Client) -> None:
     """Six CPU-bound checks ending together on 2 cores, each with a timeout 2.5x what it needs
-    alone: run all at once they would take ~3x; queued, two run at a time and none times out."""
+    alone: run all at once they would take ~3x; queued (by default half the CPU load the node
+    admits: one at a time here), none times out."""
     work, alone = _work(fleet)
     check = f"cat /proc/uptime; {work}; cat /proc/uptime"
     with fleet.create(_spec()) as sb, concurrent.futures.ThreadPoolExecutor(6) as pool:

@@ -10,6 +10,8 @@ memory at thousands of sandboxes on hosts with the default pid_max).
 
 `CpuQueue` is the other side of the same budget for work the node starts on its own (a
 verification's checks, CPU-bound by nature): it waits for CPUs to be free instead of being refused.
+What it runs counts in the observed load like any latency-sensitive sandbox, so its capacity stays
+below `max_cpu_load` (verify.py: half of it by default): the queue alone never refuses other creates.
 """
 
 from __future__ import annotations

@@ -119,21 +119,6 @@ class Creation:
         failpoints.hit("create_before_answer")
         return info
 
-    async def create_when_admitted(self, spec: SandboxSpec, wait: float) -> SandboxInfo:
-        """`create`, waiting out a full node's refusals (backing off) for up to `wait` seconds: for
-        the node's own sandboxes (a verifier's), which a burst of rollouts ending together would
-        otherwise fail with nobody to retry them."""
-        deadline = time.monotonic() + wait
-        delay = 0.1
-        while True:
-            try:
-                return await self.create(spec)
-            except ResourceExhaustedError:
-                if time.monotonic() + delay > deadline:
-                    raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
     async def _create(self, spec: SandboxSpec, key: str | None, fingerprint: str | None = None) -> SandboxInfo:
         self.check_backend(spec)
         self.check_node_selector(spec)
