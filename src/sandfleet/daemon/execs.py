@@ -58,7 +58,7 @@ from sandfleet.runtime.agent import (
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 FATAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})
-# Finished background processes a sandbox keeps (newest first), by count and by their output's bytes:
+# Finished background processes a sandbox keeps (the latest to finish), by count and by their output's bytes:
 # a loop of starts must not make the daemon hold everything each one printed. Running ones are kept.
 MAX_FINISHED_PROCESSES = 1024
 MAX_FINISHED_OUTPUT = 64 * 1024**2
@@ -444,6 +444,7 @@ class Execs:
         finally:
             if watch is not None:
                 watch.stop()
+            bp.finished_at = time.monotonic()
             bp.done.set()
             forget_finished(sb)
 
@@ -520,15 +521,17 @@ class Execs:
 
 
 def forget_finished(sb: Sandbox) -> None:
-    """Drop the oldest finished background processes of the sandbox past MAX_FINISHED_PROCESSES or
-    MAX_FINISHED_OUTPUT (asked for later, they are `not_found`)."""
-    finished = [(bp, _output_held(bp)) for bp in sb.processes.values() if bp.done.is_set()]  # oldest first
-    count, size = len(finished), sum(n for _, n in finished)
-    for bp, n in finished:
+    """Drop the background processes of the sandbox that finished longest ago past
+    MAX_FINISHED_PROCESSES or MAX_FINISHED_OUTPUT (asked for later, they are `not_found`)."""
+    finished = [bp for bp in sb.processes.values() if bp.done.is_set()]
+    count, size = len(finished), sum(_output_held(bp) for bp in finished)
+    if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
+        return
+    for bp in sorted(finished, key=lambda bp: bp.finished_at):
         if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
             break
         del sb.processes[bp.id]
-        count, size = count - 1, size - n
+        count, size = count - 1, size - _output_held(bp)
 
 
 def _output_held(bp: BackgroundProcess) -> int:
