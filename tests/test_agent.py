@@ -379,3 +379,9 @@ async def test_exit_reports_the_cpu_of_the_command_and_what_it_waited_for(agent:
     assert alone.cpu is not None and 0.05 < alone.cpu <= alone.duration + 0.05, alone
     assert waited.cpu is not None and waited.cpu > 0.5 * alone.cpu, (waited, alone)  # its child's, reaped by it
     assert idle.cpu is not None and idle.cpu < 0.05, idle
+
+
+async def test_a_timeout_kills_a_tree_whose_root_cannot_stop(agent: Agent, stuck: Path) -> None:
+    t0 = time.monotonic()
+    _, _, info = await run(agent, [str(stuck)], timeout=0.3)
+    assert info.timed_out and info.signal == signal.SIGKILL and time.monotonic() - t0 < 3

@@ -1684,12 +1684,6 @@ static int service(void)
 		struct exec *e = ex[i];
 		if (!e)
 			continue;
-		if (e->kill_scope) { /* a tree kill waiting for its root to stop */
-			if (e->reaped || now >= e->kill_by || stop_settled(e->pid))
-				kill_tree(e);
-			else
-				SOONER(e->kill_by < now + STOP_POLL_US ? e->kill_by : now + STOP_POLL_US);
-		}
 		if (!e->reaped && e->deadline && !(e->xflags & X_TIMED_OUT)) {
 			if (now >= e->deadline) {
 				e->xflags |= X_TIMED_OUT;
@@ -1717,6 +1711,12 @@ static int service(void)
 					SOONER(e->cgrace);
 				}
 			}
+		}
+		if (e->kill_scope) { /* a tree kill (perhaps from above) waiting for its root to stop */
+			if (e->reaped || now >= e->kill_by || stop_settled(e->pid))
+				kill_tree(e);
+			else
+				SOONER(e->kill_by < now + STOP_POLL_US ? e->kill_by : now + STOP_POLL_US);
 		}
 		if (e->reaped) {
 			if (e->epr >= 0) /* died before its exec was confirmed: settle that first */
