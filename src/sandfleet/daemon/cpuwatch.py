@@ -17,6 +17,7 @@ A look reads /proc in a worker thread, and the next is set once it is done.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from sandfleet.models import ExecRequest, ExecResult
 from sandfleet.runtime.schedstat import TreeStats, boot_ticks, command_pid
 
 __all__ = ["CommandWatch", "boot_ticks"]
+
+log = logging.getLogger(__name__)
 
 WATCH_EVERY = (0.5, 5.0)  # timeout/10 within these; a shorter timeout is not judged (too short to tell)
 BUDGET_EVERY = (0.1, 1.0)  # cpu_time/10 within these
@@ -104,7 +107,10 @@ class CommandWatch:
         return Look(time.monotonic(), self.tree.cpu, self.tree.ran, self.tree.waited)
 
     def _looked(self, looking: asyncio.Future[Look | None]) -> None:
-        if self.stopped or looking.cancelled() or looking.exception() is not None:
+        if self.stopped or looking.cancelled():
+            return
+        if (exc := looking.exception()) is not None:
+            log.warning("a command's CPU could not be read; it is no longer watched: %r", exc)
             return
         self.last = looking.result() or self.last
         if self.last is None:

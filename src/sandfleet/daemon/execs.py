@@ -257,11 +257,11 @@ class Execs:
         return result
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        if req.background:
-            raise InvalidArgumentError("use the processes endpoint for background=true")
         if req.cpu_time is not None:
             self.check_budget(self.core.sandbox(sandbox_id))
         sb, live = await self.pauser.ready(sandbox_id)
+        if req.background:
+            raise InvalidArgumentError("use the processes endpoint for background=true")
         deadline = self.core.busy(sb, req.timeout)
         t0 = time.perf_counter()
         terminal = int(req.pty is not None)
