@@ -102,6 +102,7 @@ class Execs:
         self.pauser = pauser
         self.files = files
         self.networking = networking
+        self._readable: dict[str, HostProcesses | None] = {}  # tier name -> the tier, if HostProcesses
         core.table.on_stopped(self._lost)
 
     @staticmethod
@@ -185,8 +186,11 @@ class Execs:
 
     def _host_processes(self, sb: Sandbox) -> HostProcesses | None:
         """The sandbox's tier, if its commands are host processes the daemon can read (not a VM's)."""
-        tier = self.core.tier(sb)
-        return tier if isinstance(tier, HostProcesses) and offers(tier, "host_processes") else None
+        name = sb.spec.backend
+        if name not in self._readable:  # a protocol's isinstance costs microseconds: once per tier
+            tier = self.core.tier(sb)
+            self._readable[name] = tier if isinstance(tier, HostProcesses) and offers(tier, "host_processes") else None
+        return self._readable[name]
 
     def check_budget(self, sb: Sandbox) -> None:
         """A CPU budget counts the command's own processes: refused where the node cannot read them."""
