@@ -1,6 +1,6 @@
 """The verification queue and the node's admission: a burst of checks leaves room for the node's
-other work (rollouts' creates, fncall calls), and a check the node cannot admit yet steps aside
-instead of holding up the checks behind it."""
+other work (rollouts' creates, fncall calls), the node's load does not hold checks up in turn, and a
+check the node cannot admit yet steps aside instead of holding up the checks behind it."""
 
 from __future__ import annotations
 
@@ -62,6 +62,22 @@ def test_checks_filling_their_queue_leave_room_for_creates_and_calls(busy_node: 
             time.sleep(0.2)
         assert refused == [], refused
         assert all(c.result().cause == "infra" for c in checks)
+    assert fleet.list(labels=JOB) == []
+    fleet.close()
+
+
+def test_checks_run_on_a_node_another_sandbox_saturates(busy_node: Daemon) -> None:
+    """A sandbox spinning puts the node's load past max_cpu_load: new sandboxes are refused, but not
+    a verifier's (its CPUs are the queue's, carved out of that load): checks do not wait for the
+    spinning to stop."""
+    fleet = busy_node.client(timeout=60)
+    with fleet.create(_spec()) as agent, fleet.create(_spec()) as hog:
+        hog.start(SPIN)
+        time.sleep(2)  # its CPU is in the node's observed load
+        with pytest.raises(ResourceExhaustedError, match="saturated"):
+            fleet.create(_spec(), timeout=1)
+        v = agent.verify("true", queue_timeout=20)
+        assert v.passed and v.queued < 10, v
     assert fleet.list(labels=JOB) == []
     fleet.close()
 

@@ -14,10 +14,12 @@ Right on a busy node: the agent's changes are taken at once, then the checks wai
 burst of rollouts ending together does not run 64 test suites on 2 cores; that wait (`queued`) is
 not part of the checks' `timeout`. The capacity defaults to half the CPU load admission allows
 latency-sensitive sandboxes: checks, which count in that load, never use the room the node's other
-work (rollouts' creates, fncall calls) needs. A check takes its CPUs only once its sandbox is
-admitted: one the node cannot admit yet (its memory, say) gives them back to the checks behind it
-and queues again. The checks may have a CPU budget (`cpu_time`) besides the wall-clock one, and a
-timeout that fired while the node starved them is `infra` (execs.CommandWatch).
+work (rollouts' creates, fncall calls) needs; and since their CPUs are the queue's, the load does not
+refuse their sandboxes (another tenant saturating the node does not hold verifications up). A
+check takes its CPUs only once its sandbox is admitted: one the node cannot admit yet (its memory,
+say) gives them back to the checks behind it and queues again. The checks may have a CPU budget
+(`cpu_time`) besides the wall-clock one, and a timeout that fired while the node starved them is
+`infra` (execs.CommandWatch).
 
 The verifier's sandbox belongs to its verification: stopped when it ends, however it ends (an
 answer, an error, cancellation); one left by a daemon that died mid-verification is stopped when
@@ -330,7 +332,7 @@ class Verifier:
     async def _create(self, spec: SandboxSpec) -> SandboxInfo:
         """The verifier's sandbox. The create runs in a task of its own: a verification cancelled
         meanwhile still stops the sandbox once made."""
-        task = asyncio.ensure_future(self.creation.create(spec))
+        task = asyncio.ensure_future(self.creation.create(spec, cpu_held=True))
         self._creating.add(task)
         task.add_done_callback(self._creating.discard)
         try:
