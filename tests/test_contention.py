@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -24,14 +24,18 @@ def _spec(cpu: float = 1.0) -> SandboxSpec:
 
 
 @pytest.fixture
-def hogs(fleet: Client) -> Iterator[None]:
-    """Six sandboxes spinning a CPU each: a sandbox of this node gets about 2/7 of a core (less if
-    the host is busy with anything else)."""
+def hogs(fleet: Client) -> Iterator[Callable[[], None]]:
+    """Six sandboxes to spin a CPU each, once the test calls `hogs()`: a sandbox of this node then
+    gets about 2/7 of a core (less if the host is busy with anything else). A test makes its own
+    sandboxes first: a node that busy refuses new ones (its CPU is saturated), but for verifiers."""
     made = [fleet.create(_spec()) for _ in range(6)]
-    for sb in made:
-        sb.start(SPIN)
-    time.sleep(1)
-    yield
+
+    def spin() -> None:
+        for sb in made:
+            sb.start(SPIN)
+        time.sleep(1)
+
+    yield spin
     for sb in made:
         sb.stop()
 
@@ -86,17 +90,18 @@ def test_a_cpu_budget_cuts_by_cpu_used_not_by_time_waited(fleet: Client) -> None
     assert fleet.list(labels=JOB) == []
 
 
-def test_a_timeout_the_node_caused_is_infra(fleet: Client, hogs: None) -> None:
+def test_a_timeout_the_node_caused_is_infra(fleet: Client, hogs: Callable[[], None]) -> None:
     """Under six spinning neighbours a command that wants a CPU gets ~2/7 of one: when its timeout
     fires it was starved (infra, masked); a command that sleeps until its timeout is its own fault."""
+    traj = fleet.trajectory("contention-starved", _spec())
     with fleet.create(_spec()) as sb:
+        hogs()
         r = sb.exec(SPIN, timeout=3)
         assert (r.timed_out, r.starved, r.cause) == (True, True, "infra"), r
         slept = sb.exec("sleep 30", timeout=2)
         assert (slept.timed_out, slept.starved, slept.cause) == (True, False, "timeout"), slept
         v = sb.verify(SPIN, timeout=3)
         assert (v.cause, v.result is not None and v.result.starved) == ("infra", True), v
-    traj = fleet.trajectory("contention-starved", _spec())
     step = traj.exec(SPIN, timeout=3)
     assert step.starved and traj.last is not None and traj.last.cause == "infra"
     assert traj.refresh().failures == {"infra": 1}
@@ -128,11 +133,12 @@ def test_a_cpu_budget_counts_the_commands_own_processes(fleet: Client) -> None:
         bg.kill()
 
 
-def test_a_command_is_judged_by_its_own_processes(fleet: Client, hogs: None) -> None:
+def test_a_command_is_judged_by_its_own_processes(fleet: Client, hogs: Callable[[], None]) -> None:
     """Starvation is read from the command's own process tree: a sleep that runs out of time while a
     later command of its sandbox is starved ran out of its own time; a starved spin is starved even
     when its sandbox holds more (older) tasks than a look reads."""
     with fleet.create(_spec()) as a, fleet.create(_spec()) as b:
+        hogs()
         # b: 300 sleeps whose shell exits once the spin started: they become its init's newest children.
         b.start("for i in $(seq 300); do sleep 60 & done; touch /tmp/forked; until [ -f /tmp/go ]; do sleep 0.05; done")
         assert wait_until(lambda: b.files.exists("/tmp/forked"), 60)
