@@ -286,8 +286,8 @@ def write_report(meta: dict[str, Any], variants: list[dict[str, Any]], results: 
         f"# sandfleet RL under load, {meta['date']} (commit {meta['sandfleet_commit']})",
         "",
         f"Host: {meta['nproc']} CPUs ({meta['cpu']}), {meta['mem_total_gib']} GiB, kernel {meta['kernel']}, load "
-        f"{meta['loadavg_start']} at start. One daemon per variant (default config: checks queue for the node's "
-        "CPUs).",
+        f"{meta['loadavg_start']} at start. One daemon per variant (default config: checks queue for half the "
+        "CPU load the node admits).",
         "",
         f"Each variant: {variants[0]['rollouts']} rollouts of the more-itertools task at once (half honest fixes, "
         "half cheats: the tests edited, a root conftest.py, a .pth file, a python3 on PATH), each 5 steps (a "

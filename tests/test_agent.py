@@ -146,7 +146,9 @@ def test_codec_roundtrip() -> None:
     _, _, p = agent_mod.decode_message(agent_mod.encode_exit(1, 9, 3, 10, 20, 1_500_000))
     info = agent_mod.decode_exit(p)
     assert (info.exit_code, info.signal, info.timed_out, info.stdout_truncated) == (137, 9, True, True)
-    assert info.duration == 1.5 and not info.stderr_truncated
+    assert info.duration == 1.5 and not info.stderr_truncated and info.cpu is None  # an agent before the CPU
+    _, _, p = agent_mod.decode_message(agent_mod.encode_exit(1, 0, 0, 0, 0, 10, cpu_us=250_000))
+    assert agent_mod.decode_exit(p).cpu == 0.25
     _, _, p = agent_mod.decode_message(agent_mod.encode_error(1, 2, "nope"))
     assert agent_mod.decode_error(p) == (2, "nope")
     _, _, p = agent_mod.decode_message(agent_mod.encode_signal(1, 15, 2))
@@ -329,3 +331,57 @@ async def test_agent_death_fails_pending(agent: Agent) -> None:
     assert closed == [agent.channel] and agent.channel.closed
     with pytest.raises(ChannelClosedError):
         await agent.channel.start(["true"], env=ENV)
+
+
+# A parent waiting for its vfork child (which never execs) sleeps uninterruptibly ('D' in /proc):
+# SIGSTOP does not take effect while it waits there, only a fatal signal ends the wait.
+VFORK_STUCK = b"#include <unistd.h>\nint main(void) { if (vfork() == 0) { pause(); _exit(0); } return 0; }\n"
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
+@pytest.fixture
+def stuck(tmp_path: Path) -> Path:
+    (tmp_path / "stuck.c").write_bytes(VFORK_STUCK)
+    subprocess.run(["cc", "-O2", "-o", str(tmp_path / "stuck"), str(tmp_path / "stuck.c")], check=True)
+    return tmp_path / "stuck"
+
+
+async def test_killing_a_tree_whose_root_cannot_stop_does_not_stall_the_agent(agent: Agent, stuck: Path) -> None:
+    """A tree kill stops the root first and waits (up to 50 ms) until it has stopped; a root in 'D'
+    never does. That wait must not hold up the agent's other work (every exec of the sandbox)."""
+    procs = [await agent.channel.start([str(stuck)], env=ENV) for _ in range(5)]
+    for _ in range(200):
+        if all(_state(p.pid) == "D" for p in procs):
+            break
+        await asyncio.sleep(0.02)
+    assert [_state(p.pid) for p in procs] == ["D"] * 5
+    children = [c for p in procs for c in _children(p.pid)]
+    pings = []
+    for p in procs:
+        await p.signal(signal.SIGKILL, agent_mod.SCOPE_TREE)
+        pings.append(await agent.channel.ping(5))
+    assert min(pings) < 0.025, pings  # not behind a 50 ms wait
+    for p in procs:
+        _, _, info = await asyncio.wait_for(p.wait(), 5)
+        assert info.signal == signal.SIGKILL
+    assert await _gone(children)
+
+
+async def test_exit_reports_the_cpu_of_the_command_and_what_it_waited_for(agent: Agent) -> None:
+    spin = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done"
+    _, _, alone = await run(agent, ["sh", "-c", spin])
+    _, _, waited = await run(agent, ["sh", "-c", f"(sh -c '{spin}'); sleep 0.2"])
+    _, _, idle = await run(agent, ["sleep", "0.3"])
+    assert alone.cpu is not None and 0.05 < alone.cpu <= alone.duration + 0.05, alone
+    assert waited.cpu is not None and waited.cpu > 0.5 * alone.cpu, (waited, alone)  # its child's, reaped by it
+    assert idle.cpu is not None and idle.cpu < 0.05, idle
+
+
+async def test_a_timeout_kills_a_tree_whose_root_cannot_stop(agent: Agent, stuck: Path) -> None:
+    t0 = time.monotonic()
+    _, _, info = await run(agent, [str(stuck)], timeout=0.3)
+    assert info.timed_out and info.signal == signal.SIGKILL and time.monotonic() - t0 < 3

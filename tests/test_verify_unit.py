@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from sandfleet.daemon.admission import CpuQueue
-from sandfleet.daemon.cpuwatch import CommandWatch
+from sandfleet.daemon.cpuwatch import CommandWatch, Look
 from sandfleet.daemon.verify import _cause, keep_only
 from sandfleet.models import ExecRequest, ExecResult, VerifyRequest
+from sandfleet.runtime.schedstat import TreeStats, boot_ticks
 
 pytestmark = pytest.mark.unprivileged
 
@@ -109,7 +112,7 @@ def test_allow_keeps_only_what_is_under_the_named_paths(tmp_path: Path) -> None:
 
 def _watch(req: ExecRequest) -> CommandWatch:
     async def make() -> CommandWatch:
-        w = CommandWatch(req, root=0, since=0, cpu_limit=1.0, node_cpus=2.0, cpu_seconds=lambda: 0.0, kill=lambda: None)
+        w = CommandWatch(req, init=0, pid=2, since=0, cpu_limit=1.0, node_cpus=2.0, kill=lambda: None)
         w.stop()
         return w
 
@@ -129,13 +132,27 @@ def _watch(req: ExecRequest) -> CommandWatch:
 def test_a_timeout_is_the_nodes_doing_when_the_command_wanted_cpu_and_got_little(
     ran: float, waited: float, starved: bool
 ) -> None:
-    class Tree:
-        def __init__(self) -> None:
-            self.ran, self.waited = ran, waited
-
     w = _watch(ExecRequest(command="x", timeout=3))
-    w.tree = Tree()  # type: ignore[assignment]
-    w.looked_at = w.started + 3.0
+    w.last = Look(at=w.started + 3.0, cpu=ran, ran=ran, waited=waited)
     assert w.starved() is starved
     assert not CommandWatch.wanted(ExecRequest(command="x", timeout=0.2))
     assert CommandWatch.wanted(ExecRequest(command="x", timeout=None, cpu_time=1))
+
+
+def test_a_long_watch_keeps_the_readings_of_live_tasks_only() -> None:
+    """A command that runs one short-lived process after another, watched for a while: a look keeps
+    the last reading of each task alive; what the dead ones ran stays in the totals."""
+    since = boot_ticks()
+    loop = subprocess.Popen(["sh", "-c", "while :; do sleep 0.01; done"])
+    try:
+        tree = TreeStats(loop.pid, since)
+        ran = []
+        for _ in range(40):
+            tree.sample()
+            ran.append(tree.ran)
+            time.sleep(0.02)
+        assert len(tree._tasks) <= 3, len(tree._tasks)  # the shell, a sleep, perhaps one exiting
+        assert ran == sorted(ran) and ran[-1] > 0
+    finally:
+        loop.kill()
+        loop.wait()

@@ -609,9 +609,10 @@ class ExecRequest(_Stdin):
         None,
         gt=0,
         le=86400,
-        description="CPU seconds the command may use (the sandbox's CPU time while it runs); past them its "
-        "process tree is killed as by a timeout (`cpu_time_exceeded`). Unlike `timeout`, time spent waiting "
-        "for a CPU on a busy node does not count",
+        description="CPU seconds the command may use (its own processes': the command and its descendants, not "
+        "the rest of its sandbox); past them its process tree is killed as by a timeout (`cpu_time_exceeded`). "
+        "Unlike `timeout`, time spent waiting for a CPU on a busy node does not count. Tiers whose commands the "
+        "node cannot see (microvm, vm) refuse it (unsupported)",
     )
     output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
     merge_stderr: bool = Field(False, description="standard error goes to standard output (one stream, in order)")
@@ -786,7 +787,7 @@ class ExecResult(_Model):
         "half of what they could have used (cause infra, not timeout)",
     )
     cpu_seconds: float | None = Field(
-        None, description="CPU time the sandbox used while the command ran (measured when it had a `cpu_time`)"
+        None, description="CPU time the command's own processes used (measured when it had a `cpu_time`)"
     )
     encoding: Encoding = "utf-8"
     cause: Cause | None = Field(

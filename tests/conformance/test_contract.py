@@ -36,6 +36,7 @@ from sandfleet import (
     Resources,
     SandboxError,
     SandboxNotFoundError,
+    UnsupportedError,
     WrongStateError,
 )
 from sandfleet.client import Sandbox
@@ -180,6 +181,17 @@ def test_exec_timeout_and_output_cap(sb: Sandbox) -> None:
     assert r.timed_out and time.monotonic() - t0 < 10
     r = sb.exec("yes | head -c 100000", output_limit=1000)
     assert len(r.stdout) == 1000 and r.stdout_truncated
+
+
+def test_cpu_budget(sb: Sandbox, tier: Tier) -> None:
+    """A CPU budget counts the command's own processes, read on the node: a tier whose commands are a
+    guest's refuses it (`unsupported`) rather than count something else (QEMU)."""
+    if "host_processes" not in tier.capabilities:
+        with pytest.raises(UnsupportedError, match="cpu_time"):
+            sb.exec("true", cpu_time=1)
+        return
+    r = sb.exec("while :; do :; done", timeout=60, cpu_time=0.3)
+    assert r.cpu_time_exceeded and r.cpu_seconds is not None and 0.3 <= r.cpu_seconds < 1.5, r
 
 
 def test_exec_stream(sb: Sandbox) -> None:

@@ -165,6 +165,16 @@ class LayerView(Protocol):
         """(the writable layer's directory, the read-only layers' directories, top first)."""
 
 
+@runtime_checkable
+class HostProcesses(Protocol):
+    """The sandbox's processes are host processes: its init (the agent) and the init's descendants,
+    in a pid namespace of the sandbox's own. The daemon reads a command's own CPU from /proc (its
+    `cpu_time`, and whether the node starved it)."""
+
+    def init_pid(self, sandbox: LiveSandbox) -> int:
+        """The host pid of the sandbox's init; each command is one of its children."""
+
+
 CAPABILITIES: dict[str, type] = {
     "pause": Pausable,
     "snapshot": Snapshottable,
@@ -175,6 +185,7 @@ CAPABILITIES: dict[str, type] = {
     "host_checks": HostChecks,
     "network": Networked,
     "layer_view": LayerView,
+    "host_processes": HostProcesses,
 }
 
 

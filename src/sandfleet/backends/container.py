@@ -1059,6 +1059,9 @@ class ContainerBackend:
     def netns_path(self, sandbox: LiveSandbox) -> str:
         return f"/proc/{sandbox.agent_pid}/ns/net"
 
+    def init_pid(self, sandbox: LiveSandbox) -> int:
+        return sandbox.agent_pid
+
     def layer_paths(self, sandbox: LiveSandbox) -> tuple[Path, list[Path]]:
         # The scratch tmpfs is bound at /dev/.sandfleet in every sandbox (launcher.c), readable by
         # the host's root only; the layers are the shared EROFS mounts, named by digest.

@@ -81,6 +81,10 @@ class FncallBackend:
     async def resume(self, sandbox: LiveSandbox) -> None:
         await self.inner.resume(sandbox)
 
+    # HostProcesses: a command run in a worker (its set-up) is read like a container's.
+    def init_pid(self, sandbox: LiveSandbox) -> int:
+        return self.inner.init_pid(sandbox)
+
     # HostFiles: a worker is set up through the files API like a container.
     def open_root(self, sandbox: LiveSandbox) -> int:
         return self.inner.open_root(sandbox)

@@ -10,6 +10,10 @@ memory at thousands of sandboxes on hosts with the default pid_max).
 
 `CpuQueue` is the other side of the same budget for work the node starts on its own (a
 verification's checks, CPU-bound by nature): it waits for CPUs to be free instead of being refused.
+What it runs counts in the observed load like any latency-sensitive sandbox, so its capacity stays
+below `max_cpu_load` (verify.py: half of it by default): the queue alone never refuses other creates.
+Its sandboxes are not refused for the load in turn (their CPUs are the queue's): another tenant that
+saturates the node holds up its own creates, not the node's verifications.
 """
 
 from __future__ import annotations
@@ -82,8 +86,9 @@ class Admission:
             self._pressure = (now, available, tasks)
         return self._pressure[1], self._pressure[2]
 
-    def admit(self, count: int, resources: Resources) -> None:
-        """Raise ResourceExhaustedError (retryable) if one more sandbox would overload the node."""
+    def admit(self, count: int, resources: Resources, *, cpu_held: bool = False) -> None:
+        """Raise ResourceExhaustedError (retryable) if one more sandbox would overload the node.
+        `cpu_held`: its CPU is held in a CpuQueue, out of the load budget: the load gate is not its."""
         p = self.policy
         if count >= p.max_sandboxes:
             raise ResourceExhaustedError(f"node is full: {p.max_sandboxes} sandboxes")
@@ -93,7 +98,7 @@ class Admission:
                 f"node CPU is fully committed: {self.committed_cpu + resources.requested_cpu:g} CPUs of requests "
                 f"would exceed {p.cpu_overcommit:g} x {self.cpus}"
             )
-        if p.max_cpu_load is not None and self.cpu_load > p.max_cpu_load * self.cpus:
+        if p.max_cpu_load is not None and not cpu_held and self.cpu_load > p.max_cpu_load * self.cpus:
             raise ResourceExhaustedError(
                 f"node CPU is saturated: sandboxes are using {self.cpu_load:.2f} of {self.cpus} CPUs"
             )

@@ -93,11 +93,14 @@ class Creation:
             self.core.ack_one(sb)
             return sb.info()
 
-    async def create(self, spec: SandboxSpec, *, idempotency_key: str | None = None) -> SandboxInfo:
+    async def create(
+        self, spec: SandboxSpec, *, idempotency_key: str | None = None, cpu_held: bool = False
+    ) -> SandboxInfo:
         """Create a sandbox. With an idempotency key, a create retried after a timeout, a broken
-        connection or a daemon crash returns the sandbox the first one made."""
+        connection or a daemon crash returns the sandbox the first one made. `cpu_held`: its CPU is
+        held in a CpuQueue (the node's own work, a verifier): the CPU load does not refuse it."""
         if idempotency_key is None:
-            info = await self._create(spec, None)
+            info = await self._create(spec, None, cpu_held=cpu_held)
             failpoints.hit("create_before_answer")
             return info
         fingerprint = spec.model_dump_json(exclude_unset=True)
@@ -119,22 +122,9 @@ class Creation:
         failpoints.hit("create_before_answer")
         return info
 
-    async def create_when_admitted(self, spec: SandboxSpec, wait: float) -> SandboxInfo:
-        """`create`, waiting out a full node's refusals (backing off) for up to `wait` seconds: for
-        the node's own sandboxes (a verifier's), which a burst of rollouts ending together would
-        otherwise fail with nobody to retry them."""
-        deadline = time.monotonic() + wait
-        delay = 0.1
-        while True:
-            try:
-                return await self.create(spec)
-            except ResourceExhaustedError:
-                if time.monotonic() + delay > deadline:
-                    raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-    async def _create(self, spec: SandboxSpec, key: str | None, fingerprint: str | None = None) -> SandboxInfo:
+    async def _create(
+        self, spec: SandboxSpec, key: str | None, fingerprint: str | None = None, *, cpu_held: bool = False
+    ) -> SandboxInfo:
         self.check_backend(spec)
         self.check_node_selector(spec)
         self.networking.check(spec)
@@ -146,7 +136,7 @@ class Creation:
             live = self.core.pools.take(pkey)
             if live is not None:
                 return await self._hand_out(effective, live, key, fingerprint)
-        self.admit(spec)
+        self.admit(spec, cpu_held=cpu_held)
         try:
             image = await self.images.resolve_environment(spec)
             spec = self.images.with_image_defaults(spec, image)
@@ -180,10 +170,10 @@ class Creation:
             raise UnavailableError("daemon is shutting down")
         self.core.tier_for(spec.backend)
 
-    def admit(self, spec: SandboxSpec) -> None:
+    def admit(self, spec: SandboxSpec, *, cpu_held: bool = False) -> None:
         """Take the spec's admission budget (or raise ResourceExhaustedError); counts as creating."""
         try:
-            self.core.admission.admit(self.core.node_count(), spec.resources)
+            self.core.admission.admit(self.core.node_count(), spec.resources, cpu_held=cpu_held)
         except ResourceExhaustedError:
             self.core.metrics.rejected.inc()
             raise

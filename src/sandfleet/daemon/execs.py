@@ -7,7 +7,8 @@ processes keep their output (capped) until someone waits for them; a stop hook m
 when their sandbox stops.
 
 A command that runs a while is watched (cpuwatch.py: its CPU budget, and whether the node starved
-it when its timeout fired).
+it when its timeout fired), on a tier whose commands are host processes (HostProcesses); elsewhere
+a CPU budget is `unsupported`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import builtins
 import codecs
 import contextlib
 import errno
-import os
 import secrets
 import shlex
 import signal
@@ -27,7 +27,7 @@ from collections.abc import AsyncGenerator
 
 import pydantic
 
-from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.base import HostProcesses, LiveSandbox, offers
 from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, resolve_cwd, wire_text
 from sandfleet.daemon.cpuwatch import CommandWatch, boot_ticks
 from sandfleet.daemon.files import Files
@@ -58,7 +58,7 @@ from sandfleet.runtime.agent import (
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 FATAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})
-# Finished background processes a sandbox keeps (newest first), by count and by their output's bytes:
+# Finished background processes a sandbox keeps (the latest to finish), by count and by their output's bytes:
 # a loop of starts must not make the daemon hold everything each one printed. Running ones are kept.
 MAX_FINISHED_PROCESSES = 1024
 MAX_FINISHED_OUTPUT = 64 * 1024**2
@@ -102,6 +102,7 @@ class Execs:
         self.pauser = pauser
         self.files = files
         self.networking = networking
+        self._readable: dict[str, HostProcesses | None] = {}  # tier name -> the tier, if HostProcesses
         core.table.on_stopped(self._lost)
 
     @staticmethod
@@ -183,26 +184,41 @@ class Execs:
                 raise UnavailableError(f"sandbox {sb.id} stopped while the command started") from exc
         return process
 
+    def _host_processes(self, sb: Sandbox) -> HostProcesses | None:
+        """The sandbox's tier, if its commands are host processes the daemon can read (not a VM's)."""
+        name = sb.spec.backend
+        if name not in self._readable:  # a protocol's isinstance costs microseconds: once per tier
+            tier = self.core.tier(sb)
+            self._readable[name] = tier if isinstance(tier, HostProcesses) and offers(tier, "host_processes") else None
+        return self._readable[name]
+
+    def check_budget(self, sb: Sandbox) -> None:
+        """A CPU budget counts the command's own processes: refused where the node cannot read them."""
+        if self._host_processes(sb) is None:
+            raise UnsupportedError(
+                f"cpu_time: the {self.core.tier(sb).name} tier cannot measure a command's own CPU (its "
+                "processes are not the node's); give it a timeout"
+            )
+
     def _watch(
         self, sb: Sandbox, live: LiveSandbox, req: ExecRequest, process: ExecProcess, since: int
     ) -> CommandWatch | None:
         """The watch of a command started at `since` (cpuwatch.boot_ticks()), if it needs one."""
         if not CommandWatch.wanted(req):
             return None
-        tier = self.core.tier(sb)
 
         def kill() -> None:
             if not live.channel.closed:
                 live.channel.kill_nowait(process.id)
 
+        tier = self._host_processes(sb)
         return CommandWatch(
             req,
-            # The sandbox's init is the root of its process tree (a fake tier's "init" is this process).
-            root=live.agent_pid if live.agent_pid != os.getpid() else 0,
+            init=0 if tier is None else tier.init_pid(live),
+            pid=process.pid,
             since=since,
             cpu_limit=sb.spec.resources.cpu,
             node_cpus=self.core.admission.cpus,
-            cpu_seconds=lambda: tier.cpu_seconds(live),
             kill=kill,
         )
 
@@ -245,6 +261,8 @@ class Execs:
         return result
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        if req.cpu_time is not None:
+            self.check_budget(self.core.sandbox(sandbox_id))
         sb, live = await self.pauser.ready(sandbox_id)
         if req.background:
             raise InvalidArgumentError("use the processes endpoint for background=true")
@@ -272,7 +290,7 @@ class Execs:
                     watch.stop()
             result = _exec_result(out, err, ex, req.encoding)
             if watch is not None:
-                result = watch.judged(result)
+                result = watch.judged(result, ex.cpu)
             return await self.after_exec(sb, req, result, ex.stdout_bytes, ex.stderr_bytes)
         finally:
             sb.terminals -= terminal
@@ -282,6 +300,8 @@ class Execs:
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> EventStream[ExecEvent]:
         """Validate and start now (so errors surface before streaming), then yield events."""
+        if req.cpu_time is not None:
+            self.check_budget(self.core.sandbox(sandbox_id))
         sb, live = await self.pauser.ready(sandbox_id)
         deadline = self.core.busy(sb, req.timeout)
         terminal = int(req.pty is not None)
@@ -339,7 +359,7 @@ class Execs:
                     elif isinstance(ev, ExitInfo):
                         result = _exec_result(b"".join(out), b"".join(err), ev, req.encoding)
                         if watch is not None:
-                            result = watch.judged(result)
+                            result = watch.judged(result, ev.cpu)
                         result = await self.after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
                         finished = True
                         yield ExecEvent(type="exit", result=result)
@@ -385,6 +405,8 @@ class Execs:
     async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         if req.pty is not None:
             raise InvalidArgumentError("pty: a background process has no terminal; use a terminal (sb.terminal())")
+        if req.cpu_time is not None:
+            self.check_budget(self.core.sandbox(sandbox_id))
         sb, live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
         since = boot_ticks()
@@ -419,13 +441,14 @@ class Execs:
                     result = _exec_result(bytes(bp.stdout), bytes(bp.stderr), ev, bp.encoding)
                     bp.stdout, bp.stderr = bytearray(), bytearray()  # the result holds the output now
                     if watch is not None:
-                        result = watch.judged(result)
+                        result = watch.judged(result, ev.cpu)
                     bp.result = await self.after_exec(sb, req, result, ev.stdout_bytes, ev.stderr_bytes)
         except AgentError:
             bp.lost = bp.lost or "its sandbox's agent went away"
         finally:
             if watch is not None:
                 watch.stop()
+            bp.finished_at = time.monotonic()
             bp.done.set()
             forget_finished(sb)
 
@@ -502,15 +525,17 @@ class Execs:
 
 
 def forget_finished(sb: Sandbox) -> None:
-    """Drop the oldest finished background processes of the sandbox past MAX_FINISHED_PROCESSES or
-    MAX_FINISHED_OUTPUT (asked for later, they are `not_found`)."""
-    finished = [(bp, _output_held(bp)) for bp in sb.processes.values() if bp.done.is_set()]  # oldest first
-    count, size = len(finished), sum(n for _, n in finished)
-    for bp, n in finished:
+    """Drop the background processes of the sandbox that finished longest ago past
+    MAX_FINISHED_PROCESSES or MAX_FINISHED_OUTPUT (asked for later, they are `not_found`)."""
+    finished = [bp for bp in sb.processes.values() if bp.done.is_set()]
+    count, size = len(finished), sum(_output_held(bp) for bp in finished)
+    if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
+        return
+    for bp in sorted(finished, key=lambda bp: bp.finished_at):
         if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
             break
         del sb.processes[bp.id]
-        count, size = count - 1, size - n
+        count, size = count - 1, size - _output_held(bp)
 
 
 def _output_held(bp: BackgroundProcess) -> int:

@@ -76,6 +76,7 @@ class BackgroundProcess:
     result: ExecResult | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     lost: str | None = None  # why it will never finish (its sandbox stopped, the agent went away)
+    finished_at: float = 0.0  # time.monotonic() when it finished (the finished are kept newest first)
 
 
 @dataclass

@@ -10,10 +10,16 @@ writes files where the hidden tests will be, is graded on the real ones. The age
 running, untouched.
 
 Right on a busy node: the agent's changes are taken at once, then the checks wait their turn in a
-`CpuQueue` sized to the node's CPUs (each holds its sandbox's CPU limit while it runs), so a burst
-of rollouts ending together does not run 64 test suites on 2 cores; that wait (`queued`) is not
-part of the checks' `timeout`. The checks may have a CPU budget (`cpu_time`) besides the wall-clock
-one, and a timeout that fired while the node starved them is `infra` (execs.CommandWatch).
+`CpuQueue` (each holds its sandbox's CPU limit while it runs, at most the queue's capacity), so a
+burst of rollouts ending together does not run 64 test suites on 2 cores; that wait (`queued`) is
+not part of the checks' `timeout`. The capacity defaults to half the CPU load admission allows
+latency-sensitive sandboxes: checks, which count in that load, never use the room the node's other
+work (rollouts' creates, fncall calls) needs; and since their CPUs are the queue's, the load does not
+refuse their sandboxes (another tenant saturating the node does not hold verifications up). A
+check takes its CPUs only once its sandbox is admitted: one the node cannot admit yet (its memory,
+say) gives them back to the checks behind it and queues again. The checks may have a CPU budget
+(`cpu_time`) besides the wall-clock one, and a timeout that fired while the node starved them is
+`infra` (execs.CommandWatch).
 
 The verifier's sandbox belongs to its verification: stopped when it ends, however it ends (an
 answer, an error, cancellation); one left by a daemon that died mid-verification is stopped when
@@ -67,6 +73,8 @@ from sandfleet.models import (
 
 MAX_CHANGED = 10_000  # files listed in a result at most
 MAX_LAYERS = 32  # SandboxSpec.layers' bound
+# The default capacity of the checks' queue: this share of the CPU load admission allows.
+QUEUE_SHARE = 0.5
 VERIFY_LABEL = "sandfleet.verify"  # on a verifier's sandbox: the id of the sandbox it verifies
 KEPT_LABEL = "sandfleet.verify.kept"  # on one the caller asked to keep: a restart adopts it
 # How the checks' process ended that is the agent's code crashing (directly, or 128+n from a shell).
@@ -80,8 +88,9 @@ class VerifyConfig(BaseModel):
     cpus: float | None = Field(
         None,
         gt=0,
-        description="CPUs the checks of verifications may hold at once (each holds its sandbox's CPU limit; the "
-        "rest wait their turn); default: the node's CPUs",
+        description="CPUs the checks of verifications may hold at once (each holds its sandbox's CPU limit, at most "
+        "this; the rest wait their turn); default: half of max_cpu_load x the node's CPUs, so that checks leave "
+        "room for the node's other sandboxes",
     )
 
 
@@ -218,7 +227,10 @@ class Verifier:
         self.files = files
         self.snapshots = snapshots
         self.config = config or VerifyConfig()
-        self.queue = CpuQueue(self.config.cpus or float(core.admission.cpus))
+        load = (core.admission.policy.max_cpu_load or 1.0) * core.admission.cpus
+        self.queue = CpuQueue(self.config.cpus or QUEUE_SHARE * load)
+        if self.queue.capacity >= load:
+            log.warning("[verify] cpus = %g: checks alone can load the node past max_cpu_load", self.queue.capacity)
         self._creating: set[asyncio.Task[SandboxInfo]] = set()
 
     async def verify(
@@ -236,6 +248,8 @@ class Verifier:
         protect = _inside(req.protect, "protect")
         allow = None if req.allow is None else _inside(req.allow, "allow")
         sb = self.core.sandbox(sandbox_id)
+        if req.cpu_time is not None:
+            self.execs.check_budget(sb)  # the verifier's tier is the agent's
         if len(sb.spec.layers) + 1 + len(req.layers) > MAX_LAYERS:
             raise InvalidArgumentError(
                 f"the sandbox's {len(sb.spec.layers)} layers, its changes and {len(req.layers)} verifier layers "
@@ -257,44 +271,68 @@ class Verifier:
         dropped = [c.path for c in changed if not _kept(c, protect, allow)]
         base = agent_sb.spec
         try:
-            spec = self._verifier_spec(base, layer.digest, req, sandbox_id)
+            spec = self._verifier_spec(base, layer.digest, req, sandbox_id, self.queue.capacity)
         except ValidationError as exc:  # the agent's spec and the request were each valid; together not
             raise InvalidArgumentError(
                 f"the verifier's sandbox cannot be made: {exc.errors()[0]['msg']}"[:300]
             ) from exc
         common: dict[str, Any] = {"changed": changed, "dropped": dropped, "changes_layer": layer.digest}
-        # The checks wait for CPUs (not counted in their timeout), then for the node to admit their
-        # sandbox, `queue_timeout` in all.
+        # The checks wait for CPUs and for the node to admit their sandbox (not counted in their
+        # timeout), `queue_timeout` in all.
         waited = time.monotonic()
         try:
             async with asyncio.timeout(req.queue_timeout):
-                held = await self.queue.acquire(spec.resources.cpu)
+                held, made = await self._turn(spec, begun, waited + req.queue_timeout)
         except TimeoutError:
-            full = ResourceExhaustedError(
+            made = ResourceExhaustedError(
                 f"the verification waited {req.queue_timeout:g}s for room on the node ({self.queue.waiting} waiting)"
             )
-            return self._failed(full, None, t0, {**common, "queued": time.monotonic() - waited})
+        common["queued"] = time.monotonic() - waited
+        if isinstance(made, SandboxError):
+            return self._failed(made, None, t0, common)
         try:
-            if begun is not None:
-                await begun()
-            try:
-                left = max(0.0, req.queue_timeout - (time.monotonic() - waited))
-                info = await self._create(spec, left)
-            except SandboxError as exc:
-                return self._failed(exc, None, t0, {**common, "queued": time.monotonic() - waited})
-            common["queued"] = time.monotonic() - waited
-            try:
-                return await self._check(info.id, req, t0, common)
-            finally:
-                if not req.keep:
-                    await self._stop(info.id)
+            return await self._check(made.id, req, t0, common)
         finally:
-            self.queue.release(held)
+            try:
+                if not req.keep:
+                    await self._stop(made.id)
+            finally:
+                self.queue.release(held)
 
-    async def _create(self, spec: SandboxSpec, wait: float) -> SandboxInfo:
-        """The verifier's sandbox, waiting out a full node for up to `wait` seconds. The create runs
-        in a task of its own: a verification cancelled meanwhile still stops the sandbox once made."""
-        task = asyncio.ensure_future(self.creation.create_when_admitted(spec, wait))
+    async def _turn(
+        self, spec: SandboxSpec, begun: Callable[[], Awaitable[None]] | None, deadline: float
+    ) -> tuple[float, SandboxInfo | SandboxError]:
+        """The checks' CPUs (first come, first served), then their sandbox: (the CPUs held, the
+        sandbox), or (0, why it could not be made). A node that cannot admit it yet gets the CPUs
+        back for the checks behind, while this one backs off and queues again, until `deadline`
+        (monotonic). `begun` is called at the first turn."""
+        delay = 0.1
+        while True:
+            held = await self.queue.acquire(spec.resources.cpu)
+            made: SandboxInfo | SandboxError
+            try:
+                if begun is not None:
+                    await begun()
+                    begun = None
+                try:
+                    made = await self._create(spec)
+                except SandboxError as exc:
+                    made = exc
+            except BaseException:
+                self.queue.release(held)
+                raise
+            if isinstance(made, SandboxInfo):
+                return held, made
+            self.queue.release(held)
+            if not isinstance(made, ResourceExhaustedError) or time.monotonic() + delay > deadline:
+                return 0.0, made
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
+        """The verifier's sandbox. The create runs in a task of its own: a verification cancelled
+        meanwhile still stops the sandbox once made."""
+        task = asyncio.ensure_future(self.creation.create(spec, cpu_held=True))
         self._creating.add(task)
         task.add_done_callback(self._creating.discard)
         try:
@@ -315,15 +353,19 @@ class Verifier:
             log.warning("verifier sandbox %s: %s", vid, exc)
 
     @staticmethod
-    def _verifier_spec(base: SandboxSpec, changes: str, req: VerifyRequest, sandbox_id: str) -> SandboxSpec:
+    def _verifier_spec(
+        base: SandboxSpec, changes: str, req: VerifyRequest, sandbox_id: str, cpus: float
+    ) -> SandboxSpec:
+        """`cpus`: the most CPU the checks may use (the queue's capacity)."""
         resources = req.resources or base.resources
+        cpu = min(resources.cpu, cpus)
         labels = {**base.labels, VERIFY_LABEL: sandbox_id, **({KEPT_LABEL: "true"} if req.keep else {})}
         return SandboxSpec(
             backend=base.backend,
             image=base.image,
             layers=[*base.layers, changes, *req.layers],
             # The checks are CPU-bound: admission counts all of their limit, not an idle agent's request.
-            resources=resources.model_copy(update={"cpu_request": resources.cpu}),
+            resources=resources.model_copy(update={"cpu": cpu, "cpu_request": cpu}),
             env=base.env,
             workdir=base.workdir,
             user=base.user,

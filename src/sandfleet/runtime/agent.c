@@ -60,6 +60,7 @@
 #include <sys/inotify.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -136,6 +137,8 @@ struct sf_notif_resp {
 #define SF_ARCH_I386 0x40000003u
 #define SF_X32_BIT 0x40000000
 #define GRACE_US 50000 /* wait for pipe EOF this long after reaping */
+#define STOP_WAIT_US 50000 /* a tree kill: how long the root may take to stop before the walk goes on */
+#define STOP_POLL_US 5000  /* ... looking again this often (its stop's SIGCHLD usually wakes us first) */
 #define DEFAULT_PATH "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 /* Bytes queued for a non-blocking writer (a child's stdin, a session command's stdin). */
@@ -154,6 +157,10 @@ struct exec {
 	int epr;     /* while starting: the read end of the exec-status pipe; -1 once exec'd or failed */
 	int failed;  /* the exec failed (ERROR sent): no EXIT for it */
 	uint64_t cap, total[2], start, deadline, reaped_at;
+	uint64_t cpu_us; /* CPU of the process and the descendants it waited for (its rusage when reaped) */
+	/* a SIGKILL of the tree waiting for the root to stop (kill_by: then the walk goes on anyway) */
+	uint32_t kill_scope;
+	uint64_t kill_by;
 	/* sessions (F_SESSION) */
 	int session, sfd, cin_r, active;
 	int pty;  /* F_PTY: fd[1] is the terminal's master */
@@ -350,18 +357,47 @@ static char proc_state(pid_t pid)
 	return rp && rp[1] == ' ' ? rp[2] : 0;
 }
 
-/* SIGSTOP, and wait (at most 50 ms) until it took effect: a process blocked in wait() could still
- * collect a child's state change between our kill() and its stop. */
-static void stop_settled(pid_t pid)
+/* Whether a process stopped by SIGSTOP has stopped (or is gone) by now. */
+static int stop_settled(pid_t pid)
 {
-	sig_pid(pid, SIGSTOP);
-	for (int i = 0; i < 200; i++) {
-		char st = proc_state(pid);
-		if (st == 0 || st == 'T' || st == 't' || st == 'Z' || st == 'X')
-			return;
-		struct timespec ts = { 0, 250000 };
-		nanosleep(&ts, NULL);
+	char st = proc_state(pid);
+	return st == 0 || st == 'T' || st == 't' || st == 'Z' || st == 'X';
+}
+
+/* The walk of a SIGKILL of the tree, once the root has stopped (or STOP_WAIT_US passed): stop
+ * everything found first (a killed parent's children would be reparented to us mid-scan and
+ * escape the ppid-chain walk), then kill it. The root too when it is to live on (a session's
+ * shell, scope 2), and first: a shell with job control would see its job stopped (as by ^Z) and
+ * report that; stopped itself, it sees only the job killed. */
+static void kill_tree(struct exec *e)
+{
+	uint32_t scope = e->kill_scope;
+	e->kill_scope = 0;
+	if (e->reaped) { /* the pid may be recycled, and its children were reparented to us anyway */
+		if (scope != 2)
+			sig_pid(-e->pid, SIGKILL);
+		return;
 	}
+	struct pidset s = { 0 };
+	ps_add(&s, e->pid);
+	for (int round = 0; round < 64; round++) {
+		size_t before = s.n;
+		scan_children(&s);
+		for (size_t i = before; i < s.n; i++)
+			sig_pid(s.v[i], SIGSTOP);
+		if (s.n == before)
+			break;
+	}
+	/* the group and the root go last, so the walk above saw an intact tree */
+	for (size_t i = 1; i < s.n; i++)
+		sig_pid(s.v[i], SIGKILL);
+	if (scope == 1) {
+		sig_pid(-e->pid, SIGKILL);
+		sig_pid(e->pid, SIGKILL);
+	} else {
+		sig_pid(e->pid, SIGCONT);
+	}
+	free(s.v);
 }
 
 /* scope 0: process group; 1: group + all descendants; 2: descendants only. */
@@ -373,32 +409,36 @@ static void signal_exec(struct exec *e, int sig, uint32_t scope)
 			sig_pid(-e->pid, sig);
 		return;
 	}
-	/* For SIGKILL, stop everything found first: a killed parent's children would be
-	 * reparented to us mid-scan and escape the ppid-chain walk. The root too when it is to live
-	 * on (a session's shell, scope 2), and first: a shell with job control would see its job
-	 * stopped (as by ^Z) and report that; stopped itself, it sees only the job killed. */
-	int freeze = sig == SIGKILL;
+	if (sig == SIGKILL) {
+		/* The root is stopped first: a process blocked in wait() could still collect a child's
+		 * state change between our kill() and its stop. Its stop is awaited from the event loop
+		 * (service(); our SIGCHLD says when), never here: a root that cannot stop now (in 'D')
+		 * must not hold up every other exec of the sandbox. */
+		if (e->kill_scope) {
+			if (scope == 1)
+				e->kill_scope = 1; /* the group and the root too, now */
+			return;
+		}
+		e->kill_scope = scope;
+		e->kill_by = now_us() + STOP_WAIT_US;
+		sig_pid(e->pid, SIGSTOP);
+		if (stop_settled(e->pid))
+			kill_tree(e);
+		return;
+	}
 	struct pidset s = { 0 };
 	ps_add(&s, e->pid);
-	if (freeze)
-		stop_settled(e->pid);
 	for (int round = 0; round < 64; round++) {
 		size_t before = s.n;
 		scan_children(&s);
-		if (freeze)
-			for (size_t i = before; i < s.n; i++)
-				sig_pid(s.v[i], SIGSTOP);
 		if (s.n == before)
 			break;
 	}
-	/* the group and the root go last, so the walk above saw an intact tree */
 	for (size_t i = 1; i < s.n; i++)
 		sig_pid(s.v[i], sig);
 	if (scope == 1) {
 		sig_pid(-e->pid, sig);
 		sig_pid(e->pid, sig);
-	} else if (freeze) {
-		sig_pid(e->pid, SIGCONT);
 	}
 	free(s.v);
 }
@@ -573,7 +613,7 @@ static void finish(size_t slot)
 	ep_close(&e->cin_r);
 	ep_close(&e->epr);
 	if (!e->orphan && !e->failed) {
-		char p[32];
+		char p[40];
 		int32_t st = e->status;
 		uint64_t dur = e->reaped_at - e->start;
 		memcpy(p, &st, 4);
@@ -581,6 +621,7 @@ static void finish(size_t slot)
 		memcpy(p + 8, &e->total[0], 8);
 		memcpy(p + 16, &e->total[1], 8);
 		memcpy(p + 24, &dur, 8);
+		memcpy(p + 32, &e->cpu_us, 8);
 		chan_send(M_EXIT, e->id, p, sizeof p, NULL, 0);
 	}
 	free(e);
@@ -1061,13 +1102,16 @@ static void reap(void)
 		;
 	int st;
 	pid_t p;
-	while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
+	struct rusage ru;
+	while ((p = wait4(-1, &st, WNOHANG, &ru)) > 0) {
 		for (size_t i = 0; i < nex; i++) {
 			struct exec *e = ex[i];
 			if (e && e->pid == p && !e->reaped) {
 				e->reaped = 1;
 				e->status = st;
 				e->reaped_at = now_us();
+				e->cpu_us = (uint64_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000u +
+					    (uint64_t)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
 				break;
 			}
 		}
@@ -1667,6 +1711,12 @@ static int service(void)
 					SOONER(e->cgrace);
 				}
 			}
+		}
+		if (e->kill_scope) { /* a tree kill (perhaps from above) waiting for its root to stop */
+			if (e->reaped || now >= e->kill_by || stop_settled(e->pid))
+				kill_tree(e);
+			else
+				SOONER(e->kill_by < now + STOP_POLL_US ? e->kill_by : now + STOP_POLL_US);
 		}
 		if (e->reaped) {
 			if (e->epr >= 0) /* died before its exec was confirmed: settle that first */

@@ -105,6 +105,7 @@ _NR_PIDFD_GETFD = 438  # same number on every architecture using the generic sys
 _HDR = struct.Struct("<II")
 _EXEC = struct.Struct("<IIIIQII")
 _EXIT = struct.Struct("<iIQQQ")
+_EXIT_CPU = struct.Struct("<Q")  # after _EXIT, from agents that send it (older ones do not)
 _SIGNAL = struct.Struct("<iI")
 _SRUN = struct.Struct("<IIQ")
 _SEXIT = struct.Struct("<iIQQQQI")
@@ -240,9 +241,13 @@ class ExitInfo:
     stdout_bytes: int
     stderr_bytes: int
     duration: float  # seconds
+    # CPU seconds of the process and of the descendants it waited for (its rusage); None: not sent
+    cpu: float | None = None
 
     @classmethod
-    def from_raw(cls, status: int, flags: int, out: int, err: int, duration_us: int) -> ExitInfo:
+    def from_raw(
+        cls, status: int, flags: int, out: int, err: int, duration_us: int, cpu_us: int | None = None
+    ) -> ExitInfo:
         sig: int | None = None
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
@@ -258,6 +263,7 @@ class ExitInfo:
             stdout_bytes=out,
             stderr_bytes=err,
             duration=duration_us / 1e6,
+            cpu=None if cpu_us is None else cpu_us / 1e6,
         )
 
 
@@ -435,14 +441,19 @@ def encode_output(exec_id: int, stream: Literal["stdout", "stderr"], data: bytes
     return encode_message(MSG_STDOUT if stream == "stdout" else MSG_STDERR, exec_id, data)
 
 
-def encode_exit(exec_id: int, status: int, flags: int, out: int, err: int, duration_us: int) -> bytes:
-    return encode_message(MSG_EXIT, exec_id, _EXIT.pack(status, flags, out, err, duration_us))
+def encode_exit(
+    exec_id: int, status: int, flags: int, out: int, err: int, duration_us: int, cpu_us: int | None = None
+) -> bytes:
+    cpu = b"" if cpu_us is None else _EXIT_CPU.pack(cpu_us)
+    return encode_message(MSG_EXIT, exec_id, _EXIT.pack(status, flags, out, err, duration_us) + cpu)
 
 
 def decode_exit(payload: bytes) -> ExitInfo:
     if len(payload) < _EXIT.size:
         raise ProtocolError("short EXIT")
-    return ExitInfo.from_raw(*_EXIT.unpack_from(payload))
+    status, flags, out, err, duration_us = _EXIT.unpack_from(payload)
+    cpu = _EXIT_CPU.unpack_from(payload, _EXIT.size)[0] if len(payload) >= _EXIT.size + _EXIT_CPU.size else None
+    return ExitInfo.from_raw(status, flags, out, err, duration_us, cpu)
 
 
 def encode_error(exec_id: int, errno_: int, message: str) -> bytes:
