@@ -31,7 +31,7 @@ from sandfleet.backends.base import HostProcesses, LiveSandbox, offers
 from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, resolve_cwd, wire_text
 from sandfleet.daemon.cpuwatch import CommandWatch, boot_ticks
 from sandfleet.daemon.files import Files
-from sandfleet.daemon.lifecycle import HOLDING_STATES, PAUSED, BackgroundProcess, Sandbox
+from sandfleet.daemon.lifecycle import HOLDING_STATES, PAUSED, BackgroundProcess, Sandbox, forget_finished
 from sandfleet.daemon.networking import Networking
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import (
@@ -58,10 +58,6 @@ from sandfleet.runtime.agent import (
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 FATAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})
-# Finished background processes a sandbox keeps (the latest to finish), by count and by their output's bytes:
-# a loop of starts must not make the daemon hold everything each one printed. Running ones are kept.
-MAX_FINISHED_PROCESSES = 1024
-MAX_FINISHED_OUTPUT = 64 * 1024**2
 
 KILL_WAIT = 2.0  # after a fatal signal to a background process: wait this long for its exit
 _NO_PTY = frozenset({errno.ENOSPC, errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM})  # none left
@@ -522,25 +518,6 @@ class Execs:
             raise self.core.unresponsive(sb, "it stopped reading a process's standard input") from None
         except ChannelClosedError as exc:
             raise UnavailableError(f"sandbox {sb.id} stopped") from exc
-
-
-def forget_finished(sb: Sandbox) -> None:
-    """Drop the background processes of the sandbox that finished longest ago past
-    MAX_FINISHED_PROCESSES or MAX_FINISHED_OUTPUT (asked for later, they are `not_found`)."""
-    finished = [bp for bp in sb.processes.values() if bp.done.is_set()]
-    count, size = len(finished), sum(_output_held(bp) for bp in finished)
-    if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
-        return
-    for bp in sorted(finished, key=lambda bp: bp.finished_at):
-        if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
-            break
-        del sb.processes[bp.id]
-        count, size = count - 1, size - _output_held(bp)
-
-
-def _output_held(bp: BackgroundProcess) -> int:
-    r = bp.result
-    return len(bp.stdout) + len(bp.stderr) + (len(r.stdout) + len(r.stderr) if r is not None else 0)
 
 
 class Terminal:

@@ -79,6 +79,31 @@ class BackgroundProcess:
     finished_at: float = 0.0  # time.monotonic() when it finished (the finished are kept newest first)
 
 
+# Finished background processes a sandbox keeps (the latest to finish), by count and by their output's bytes:
+# a loop of starts must not make the daemon hold everything each one printed. Running ones are kept.
+MAX_FINISHED_PROCESSES = 1024
+MAX_FINISHED_OUTPUT = 64 * 1024**2
+
+
+def forget_finished(sb: Sandbox) -> None:
+    """Drop the background processes of the sandbox that finished longest ago past
+    MAX_FINISHED_PROCESSES or MAX_FINISHED_OUTPUT (asked for later, they are `not_found`)."""
+    finished = [bp for bp in sb.processes.values() if bp.done.is_set()]
+    count, size = len(finished), sum(_output_held(bp) for bp in finished)
+    if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
+        return
+    for bp in sorted(finished, key=lambda bp: bp.finished_at):
+        if count <= MAX_FINISHED_PROCESSES and size <= MAX_FINISHED_OUTPUT:
+            break
+        del sb.processes[bp.id]
+        count, size = count - 1, size - _output_held(bp)
+
+
+def _output_held(bp: BackgroundProcess) -> int:
+    r = bp.result
+    return len(bp.stdout) + len(bp.stderr) + (len(r.stdout) + len(r.stderr) if r is not None else 0)
+
+
 @dataclass
 class CommandRun:
     """One command of a session, while it runs: its output (the agent caps it) and its end."""
