@@ -63,10 +63,6 @@ def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
     assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids.values()))
 
 
-# httpcore 1.0 leaves the socket of a refused unix-socket connect to the garbage collector; clients
-# racing the daemon's death hit that, which is not what this test is about.
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_restart_cleans_half_created_and_orphaned_residue(own_daemon: Daemon) -> None:
     d = own_daemon
     d.start()

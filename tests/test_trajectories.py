@@ -216,9 +216,6 @@ def test_a_trajectory_holds_its_sandbox_past_the_claim_window() -> None:
         destroy_daemon(d)
 
 
-# httpcore's sync transport leaves the socket of a refused unix-socket connect to the garbage
-# collector (connect_unix_socket does not close it): the retries while the daemon is down do that.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_daemon_killed_mid_step_never_runs_it_twice(own_daemon: Daemon) -> None:
     """SIGKILL while a step runs: its output is gone with the daemon, so it is answered as an infra
     failure (the trainer masks it), logged, and never run again; the rollout goes on."""

@@ -38,9 +38,6 @@ def _cgroup(d: Daemon, sandbox_id: str) -> Path:
     return hierarchy / d.cgroup_parent / sandbox_id
 
 
-# httpcore's sync transport leaves the socket of a refused unix-socket connect to the garbage
-# collector (connect_unix_socket does not close it): the retries while the daemon is down do that.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_verifications_cut_by_a_daemon_sigkill_answer_infra_and_leave_no_verifier() -> None:
     """Two checks running (a plain verify, a trajectory's) and a third trajectory's waiting its turn
     (two CPUs for checks) when the daemon is SIGKILLed: the two running answer infra, the waiting
