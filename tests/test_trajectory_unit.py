@@ -148,22 +148,3 @@ async def test_no_step_begins_on_a_trajectory_being_deleted(trajectories: Trajec
     info = await tr.open(TrajectoryOpen(id="deleting", spec=SandboxSpec(image="busybox")), project=None)
     assert info.steps == 0 and info.state == "open"
     await tr.delete("deleting", project=None)
-
-
-async def test_a_new_trajectory_is_looked_for_once(trajectories: Trajectories, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The scoped service asks whether the id exists, then opens it: one look for its log, not two."""
-    tr = trajectories
-    looked: list[object] = []
-    load = tr._load
-
-    async def counted(key: tuple[str | None, str]) -> object:
-        looked.append(key)
-        return await load(key)
-
-    monkeypatch.setattr(tr, "_load", counted)
-    assert not await tr.exists("looked-for", project="org/a")
-    await tr.open(TrajectoryOpen(id="looked-for", spec=SandboxSpec(image="busybox")), project="org/a")
-    assert looked == [("org/a", "looked-for")]
-    assert await tr.exists("looked-for", project="org/a")  # open: in memory, no look
-    assert looked == [("org/a", "looked-for")]
-    await tr.delete("looked-for", project="org/a")

@@ -73,6 +73,7 @@ from sandfleet.errors import (
     WrongStateError,
 )
 from sandfleet.models import (
+    ExecAction,
     ReproRecord,
     SandboxInfo,
     SandboxSpec,
@@ -147,7 +148,6 @@ class Trajectories:
         self._loading = _Locks()
         # Keys `exists` found without a log, for the open that follows (it reads no second time).
         # Only `_open` makes a log, and it drops the key as it does: one here still has none.
-        self._vacant: dict[Key, bool] = {}
 
     # -- the log ---------------------------------------------------------------------------------
 
@@ -205,9 +205,6 @@ class Trajectories:
             return True
         t = await self._load(key)
         if t is None:
-            if len(self._vacant) > 1024:  # keys no open followed (refused first): forgotten
-                self._vacant.clear()
-            self._vacant[key] = True
             return False
         self._release(t)
         return True
@@ -275,9 +272,7 @@ class Trajectories:
         return t.info()
 
     async def _open(self, key: Key, req: TrajectoryOpen) -> Trajectory:
-        t = self.loaded.get(key)
-        if t is None and not self._vacant.pop(key, False):
-            t = await self._load(key)
+        t = self.loaded.get(key) or await self._load(key)
         if t is not None and _fingerprint(t.opened) != _fingerprint(req):
             self._release(t)
             raise InvalidArgumentError(f"trajectory {req.id} exists, opened with other arguments")
@@ -285,7 +280,6 @@ class Trajectories:
         if t is None:
             t = Trajectory(req.id, key[0], req, time.time(), StepLog(self.logs.path(key), 0, self.config.fsync))
             await asyncio.to_thread(t.log.path.parent.mkdir, exist_ok=True, mode=0o700)
-            self._vacant.pop(key, None)
             self.loaded[key] = t  # before its log has a byte: a reader meanwhile must not take it for torn
             try:
                 await self._append(t, {"k": "open", "t": t.created_at, "request": req.model_dump(mode="json")})
@@ -442,6 +436,9 @@ class Trajectories:
             if k != len(t.steps) or t.running is not None or t.sandbox is None:
                 at = len(t.steps) if t.running is None else t.running[0]
                 raise WrongStateError(f"trajectory {t.id} is at step {at}: step {k} cannot be taken now")
+            budget = isinstance(req.action, ExecAction) and req.action.exec.cpu_time is not None
+            if budget and (sb := self.core.table.find(t.sandbox.id)) is not None:
+                self.execs.check_budget(sb)  # the caller's error (a 400, not logged), never the agent's step's
             t.running = (k, dig, fut)
             try:  # built by hand: the action is JSON already
                 begin = f'{{"k":"begin","step":{k},"digest":"{dig}","t":{time.time()},"action":{action}}}'
