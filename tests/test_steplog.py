@@ -167,3 +167,36 @@ def test_a_log_that_cannot_be_cut_back_takes_nothing_more(tmp_path: Path) -> Non
         log._append(None, False)
     log.close()
     assert path.read_bytes() == b"A\n"
+
+
+async def test_a_cancelled_append_keeps_the_log_until_its_write_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With fsync the write runs on a thread that a cancellation cannot stop: the caller's append is
+    cancelled, but the log stays locked until that write is done, so the next append never runs
+    beside it (both records whole, in order, the size counting both)."""
+    import asyncio
+    import threading
+
+    log = StepLog(tmp_path / "t.jsonl", 0, True)
+    started, release = threading.Event(), threading.Event()
+    write = log._append
+
+    def slow(line: bytes | None, hold: bool) -> None:
+        if line == b"first\n":
+            started.set()
+            release.wait(5)
+        write(line, hold)
+
+    monkeypatch.setattr(log, "_append", slow)
+    first = asyncio.ensure_future(log.append(b"first\n"))
+    await asyncio.to_thread(started.wait, 5)
+    first.cancel()
+    second = asyncio.ensure_future(log.append(b"second\n"))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # waits for the first write, cancelled or not
+    release.set()
+    await second
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert (tmp_path / "t.jsonl").read_bytes() == b"first\nsecond\n" and log.size == 13

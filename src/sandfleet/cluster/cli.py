@@ -31,6 +31,19 @@ def _node_url(cfg_tcp: str | None, url: str | None) -> str:
     return f"http://{host}:{port}"
 
 
+def _local_url(cfg_tcp: str | None, node_url: str) -> str:
+    """Where this machine reaches its own daemon (the node actor's liveness probe): its listener, on
+    loopback when it listens on every address; else the URL gateways use."""
+    if not cfg_tcp:
+        return node_url
+    host, _, port = cfg_tcp.rpartition(":")
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "[::1]"
+    return f"http://{host}:{port}"
+
+
 @cluster_app.command("up")
 def up(
     address: AddressOpt,
@@ -92,7 +105,9 @@ def up(
                 generation = max(generation, lost + 1)
             if generation > load.generation:
                 load = c.fence(generation)
-            registry.register_node(load.key, node_url, load.group, pid or 0, namespace, ray_node, generation)
+            registry.register_node(
+                load.key, node_url, load.group, pid or 0, namespace, ray_node, generation, _local_url(cfg.tcp, node_url)
+            )
             lost = registry.standing(load.key, namespace)[1]
             if lost is None or lost < generation:
                 break

@@ -48,14 +48,16 @@ PROBE_TIMEOUT = 2.0
 
 def answers(url: str) -> bool:
     """Whether an HTTP server answers at `url` (any status: an unauthenticated 401 proves the
-    daemon's event loop runs; a dead daemon refuses, a hung one says nothing)."""
+    daemon's event loop runs; a dead daemon refuses, a hung one says nothing). Never through a proxy
+    of the environment: a proxy's answer would hide a dead daemon."""
     context = ssl._create_unverified_context()  # any answer will do, whoever signed it
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/v1/health", timeout=PROBE_TIMEOUT, context=context):
+        with opener.open(url.rstrip("/") + "/v1/health", timeout=PROBE_TIMEOUT):
             return True
     except urllib.error.HTTPError:
         return True
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 (refused, timed out, a reply that is no HTTP: no answer)
         return False
 
 
@@ -65,14 +67,15 @@ class NodeAgent:
     how long that daemon has not answered (asked every PROBE_EVERY seconds on a thread of its own,
     so `info` answers at once)."""
 
-    def __init__(self, key: str, url: str, group: str, pid: int) -> None:
+    def __init__(self, key: str, url: str, group: str, pid: int, probe: str | None = None) -> None:
         self.record: dict[str, Any] = {"key": key, "url": url, "group": group, "pid": pid}
+        self.probe = probe or url  # the daemon's own address on this machine (the URL may be a NAT's)
         self.answered = time.monotonic()
         threading.Thread(target=self._probe, daemon=True).start()
 
     def _probe(self) -> None:
         while True:
-            if answers(self.record["url"]):
+            if answers(self.probe):
                 self.answered = time.monotonic()
             time.sleep(PROBE_EVERY)
 
@@ -138,9 +141,11 @@ def register_node(
     namespace: str = NAMESPACE,
     ray_node: str | None = None,
     generation: int = 0,
+    probe: str | None = None,
 ) -> None:
     """Put a node into the cluster under `generation`: its actor on its Ray node, its record in Ray's
-    store (fencing first is the caller's: `sandfleet cluster up`)."""
+    store (fencing first is the caller's: `sandfleet cluster up`). `probe`: where the actor asks the
+    daemon whether it answers (its own address on that machine; default `url`)."""
     name = f"node:{key}"
     here = ray_node_id(ray_node)
     record = {"key": key, "url": url, "group": group, "ray_node": here, "at": time.time(), "generation": generation}
@@ -156,7 +161,7 @@ def register_node(
         namespace=namespace,
         lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-    ).remote(key, url, group, pid)
+    ).remote(key, url, group, pid, probe)
     ray.get(agent.info.remote(), timeout=60)
     _kv_put(name, record | {"at": time.time()}, namespace)
 

@@ -29,6 +29,7 @@ default) changes nothing; digests of logs written before that (`earlier_identiti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import json
@@ -189,7 +190,15 @@ class StepLog:
             self._append(line, hold)
             return
         async with self._lock:
-            await asyncio.to_thread(self._append, line, hold)
+            write = asyncio.ensure_future(asyncio.to_thread(self._append, line, hold))
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                # The thread writes on: the lock is held until it has (no append beside it, no
+                # close under it), then the caller's cancellation goes on.
+                with contextlib.suppress(Exception):
+                    await write
+                raise
 
     def _append(self, line: bytes | None, hold: bool) -> None:
         if self.retired is not None:  # opened again by name, it would be a file without its open record
