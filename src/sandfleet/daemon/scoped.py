@@ -105,6 +105,11 @@ class Directory(Protocol):
         """Per project (not rolled up): live sandboxes, their CPU and memory limits."""
         ...
 
+    def key_made(self, project: str | None, key: str) -> bool:
+        """Whether idempotency key (project, key) made a sandbox here (a create with it still
+        running does not count: it may fail, and its retry then makes one)."""
+        ...
+
     def creating_usage(self) -> UsageMap:
         """The same, of sandboxes still being created only (a full scan: the slow path)."""
         ...
@@ -129,6 +134,10 @@ class NodeDirectory:
 
     def project_usage(self) -> UsageMap:
         return self.manager.core.table.project_usage()
+
+    def key_made(self, project: str | None, key: str) -> bool:
+        entry = self.manager.core.keys.get((project, key))
+        return entry is not None and isinstance(entry[0], str)
 
     def creating_usage(self) -> UsageMap:
         out: dict[str, Usage] = {}
@@ -310,19 +319,17 @@ class ScopedService:
                 refused[project] = exc
         return refused
 
-    async def _held_each(self, keys: builtins.list[tuple[str | None, str | None]]) -> builtins.list[bool]:
+    def _held_each(self, keys: builtins.list[tuple[str | None, str | None]]) -> builtins.list[bool]:
         """Whether each (project, key) already made its sandbox here: a retry, which gets that sandbox
         and takes no quota again (a retry refused at the quota would leave its sandbox unclaimed, and
         a gateway would place it anew: a second sandbox)."""
-        asked = [(project, key) for project, key in keys if key is not None]
-        held = iter(await self.inner.held_keys(asked) if asked else [])
-        return [key is not None and next(held) for _, key in keys]
+        return [key is not None and self.directory.key_made(project, key) for project, key in keys]
 
-    async def _held(self, project: str | None, key: str | None, child: int | None = None) -> bool:
+    def _held(self, project: str | None, key: str | None, child: int | None = None) -> bool:
         """`_held_each` of one key (of a fork or restore: its first child's, `key#0`)."""
         if key is not None and child is not None:
             key = f"{key}#{child}"
-        return (await self._held_each([(project, key)]))[0]
+        return self._held_each([(project, key)])[0]
 
     def _admit_all(self, project: str | None, spec: SandboxSpec, count: int) -> None:
         """All `count` sandboxes of `spec` fit, or the refusal is raised."""
@@ -383,7 +390,7 @@ class ScopedService:
             return await self.inner.create(spec, idempotency_key=idempotency_key)
         spec = _placed(p, spec)
         project = spec.project
-        if not self.iam.chain(project) or await self._held(project, idempotency_key):
+        if not self.iam.chain(project) or self._held(project, idempotency_key):
             return await self.inner.create(spec, idempotency_key=idempotency_key)
         self._admit_all(project, spec, 1)
         with self._admitted([(project, spec)]):
@@ -412,7 +419,7 @@ class ScopedService:
             where.append(i)
         # An item whose key already made its sandbox here is a retry: it takes no quota again.
         keys = idempotency_keys or [None] * len(specs)
-        retried = await self._held_each([(w[0], keys[i]) for w, i in zip(wanted, where, strict=True)])
+        retried = self._held_each([(w[0], keys[i]) for w, i in zip(wanted, where, strict=True)])
         go = [(w, i) for w, i, r in zip(wanted, where, retried, strict=True) if r]
         new = [(w, i) for w, i, r in zip(wanted, where, retried, strict=True) if not r]
         checked = self._check([w for w, _ in new])
@@ -520,7 +527,7 @@ class ScopedService:
     ) -> builtins.list[SandboxInfo | SandboxError]:
         self.sandbox_principal(sandbox_id, True)
         spec = self.directory.sandbox_spec(sandbox_id)
-        if spec is None or not self.iam.chain(spec.project) or await self._held(spec.project, idempotency_key, 0):
+        if spec is None or not self.iam.chain(spec.project) or self._held(spec.project, idempotency_key, 0):
             return await self.inner.fork(sandbox_id, count, labels, idempotency_key=idempotency_key)
         self._admit_all(spec.project, spec, count)
         with self._admitted([(spec.project, spec)] * count):
@@ -534,7 +541,7 @@ class ScopedService:
         info = await self._visible_snapshot(snapshot_id, p)
         spec = self.directory.snapshot_spec(snapshot_id)
         project = spec.project if spec is not None else info.project
-        if spec is None or not self.iam.chain(project) or await self._held(project, idempotency_key, 0):
+        if spec is None or not self.iam.chain(project) or self._held(project, idempotency_key, 0):
             return await self.inner.restore(snapshot_id, count, labels, idempotency_key=idempotency_key)
         self._admit_all(project, spec, count)
         with self._admitted([(project, spec)] * count):
