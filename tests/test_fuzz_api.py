@@ -19,7 +19,6 @@ fuzzer creates are stopped once 10 s old, and every live or paused one at the en
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import secrets
@@ -35,6 +34,7 @@ from typing import Any
 
 import httpx
 import pytest
+import requests
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -279,6 +279,13 @@ def test_stateful(fuzz_daemon: Daemon) -> None:
             except Exception as exc:  # noqa: BLE001 - every failed check is reported below, with its request
                 failures.append(f"{exc}\n{case.as_curl_command(headers=AUTH)}")
 
+        def call(self, case: Any, **kwargs: Any) -> Any:
+            try:
+                return super().call(case, **kwargs)
+            except requests.exceptions.Timeout:  # a hung request: say which (a replay would only say "flaky")
+                failures.append(f"no answer in 120 s\n{case.as_curl_command(headers=AUTH)}")
+                raise
+
         def teardown(self) -> None:
             nonlocal ran
             ran += 1
@@ -286,8 +293,13 @@ def test_stateful(fuzz_daemon: Daemon) -> None:
     for _ in range(10):  # measured: a replay diverges about once per 40-100 scenarios
         if ran >= SCENARIOS or failures:
             break
-        with contextlib.suppress(FlakyStrategyDefinition):
+        try:
             Workflow.run(settings=settings(max_examples=SCENARIOS - ran, stateful_step_count=8, **HYPOTHESIS))
+        except FlakyStrategyDefinition:
+            pass
+        except Exception:
+            if not failures:  # else reported below, with the request
+                raise
     assert not failures, f"{len(failures)} failed checks; the first:\n{failures[0]}"
     assert ran >= SCENARIOS, f"only {ran} of {SCENARIOS} scenarios ran"
 
