@@ -92,8 +92,10 @@ def serve(
             max_sandboxes=max_sandboxes,
             stopped_retention=stopped_retention,
         )
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+    except (OSError, ValueError) as exc:
+        # an unreadable file, bad TOML or settings: said whole, each line unwrapped (not in a panel)
+        err_console.print(f"error: invalid daemon configuration: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from exc
     prepare_process(cfg)
     console.print(f"sandfleet daemon listening on {cfg.socket}" + (f" and {cfg.tcp}" if cfg.tcp else ""))
     asyncio.run(run(cfg, ready_file=ready_file))

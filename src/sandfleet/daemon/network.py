@@ -21,6 +21,8 @@ from sandfleet.models import NetworkPolicy, split_host_port
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
+MAX_CA_BUNDLE = 16 * 1024**2
+
 # Never reachable, whatever the policy: this host and its loopback, link-local (and with it the
 # cloud metadata address 169.254.169.254), multicast, broadcast and reserved space.
 _NEVER = [
@@ -143,6 +145,13 @@ class NetworkConfig(BaseModel):
         "/etc/ssl/certs/ca-certificates.crt); read at start",
     )
 
+    @field_validator("ca_bundle")
+    @classmethod
+    def _readable_bundle(cls, v: Path | None) -> Path | None:
+        if v is not None:
+            read_ca_bundle(v)  # a bad file stops the daemon before it listens, not after
+        return v
+
     @field_validator("hosts", mode="before")
     @classmethod
     def _one_or_many(cls, v: object) -> object:
@@ -237,3 +246,18 @@ def ip_literal(host: str) -> IPAddress | None:
         return ipaddress.ip_address(normalize_host(host))
     except ValueError:
         return None
+
+
+def read_ca_bundle(path: Path) -> bytes:
+    """The node's CA bundle, checked: a daemon told to make sandboxes trust a file that is not
+    there or holds no certificate must not start as if it had been told nothing."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CA_BUNDLE + 1)
+    except OSError as exc:
+        raise ValueError(f"[network] ca_bundle {path}: {exc.strerror}") from exc
+    if len(data) > MAX_CA_BUNDLE:
+        raise ValueError(f"[network] ca_bundle {path}: larger than {MAX_CA_BUNDLE} bytes")
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise ValueError(f"[network] ca_bundle {path}: no PEM certificate in it")
+    return data

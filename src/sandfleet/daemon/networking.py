@@ -33,7 +33,7 @@ from sandfleet.daemon.core import NodeCore
 from sandfleet.daemon.egress import ConnectionSlots, EgressProxy, accept_loop, proxy_env
 from sandfleet.daemon.lifecycle import HOLDING_STATES, Sandbox
 from sandfleet.daemon.monitor import Monitor
-from sandfleet.daemon.network import NetworkConfig, Policy, compile_policy
+from sandfleet.daemon.network import NetworkConfig, Policy, compile_policy, read_ca_bundle
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import (
     InvalidArgumentError,
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 MAX_EXPOSED = 16  # ports per sandbox
 CONNECT_TIMEOUT = 10.0
-MAX_CA_BUNDLE = 16 * 1024**2
 CA_BUNDLE_PATH = "/dev/sandfleet-ca.pem"  # inside a networked sandbox
 # What OpenSSL (Python's ssl, curl), requests, pip, Node.js (npm), curl and git read a CA bundle from.
 CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
@@ -90,7 +89,7 @@ class Networking:
 
         await asyncio.to_thread(clean)
         if self.config.ca_bundle is not None:
-            self._ca_bundle = await asyncio.to_thread(_read_ca_bundle, self.config.ca_bundle)
+            self._ca_bundle = await asyncio.to_thread(read_ca_bundle, self.config.ca_bundle)
 
     async def close(self) -> None:
         await self.proxy.close()
@@ -307,21 +306,6 @@ class Networking:
     def _stopped(self, sb: Sandbox) -> None:
         self.proxy.detach(sb.id)
         self._unexpose_all(sb.id)
-
-
-def _read_ca_bundle(path: Path) -> bytes:
-    """The node's CA bundle, checked: a daemon told to make sandboxes trust a file that is not
-    there or holds no certificate must not start as if it had been told nothing."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CA_BUNDLE + 1)
-    except OSError as exc:
-        raise ValueError(f"[network] ca_bundle {path}: {exc.strerror}") from exc
-    if len(data) > MAX_CA_BUNDLE:
-        raise ValueError(f"[network] ca_bundle {path}: larger than {MAX_CA_BUNDLE} bytes")
-    if b"-----BEGIN CERTIFICATE-----" not in data:
-        raise ValueError(f"[network] ca_bundle {path}: no PEM certificate in it")
-    return data
 
 
 def _listen_error(sandbox_id: str, port: int, exc: OSError) -> WrongStateError:
