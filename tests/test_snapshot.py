@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
+import socket
 import struct
 import threading
 import time
@@ -450,3 +452,57 @@ def test_restore_paths_are_read_from_the_images_and_checked(tmp_path: Path) -> N
             criu.unsafe_restore_paths(img, root)
     finally:
         os.close(root)
+
+
+def _abandon_execs(d: Daemon, sandbox_id: str, stop: threading.Event) -> None:
+    """Start streamed execs over the raw socket and hang up at once: the daemon starts each and
+    then kills it (the client is gone), often while a snapshot of the sandbox is being taken."""
+    body = json.dumps({"command": "sleep 600"}).encode()
+    head = f"POST /v1/sandboxes/{sandbox_id}/exec/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    request = f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
+    rng = random.Random(sandbox_id)
+    while not stop.is_set():
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(d.socket))
+            s.sendall(request)
+            time.sleep(rng.uniform(0, 0.05))
+        time.sleep(rng.uniform(0, 0.2))
+
+
+def test_execs_abandoned_while_a_sandbox_forks_are_killed_and_it_lives(daemon: Daemon, fleet: Client) -> None:
+    """A kill of an abandoned exec sent between the agent's REOPEN and the new channel used to be
+    written to the old channel, which the agent no longer reads: closing it unread reset it
+    (ECONNRESET, not EOF) and the daemon took the sandbox for lost ("sandbox init exited")."""
+    sb = fleet.create(image="busybox", idle_ttl=300)
+    stop = threading.Event()
+    forks: list[int] = []
+    errors: list[BaseException] = []
+
+    def fork_loop() -> None:
+        while not stop.is_set():
+            try:
+                for child in sb.fork(1):
+                    child.stop()
+                forks.append(1)
+            except SandboxError as exc:
+                errors.append(exc)
+                stop.set()
+
+    threads = [threading.Thread(target=fork_loop)]
+    threads += [threading.Thread(target=_abandon_execs, args=(daemon, sb.id, stop)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 40 and not stop.is_set():
+            assert sb.exec("echo back").stdout == "back\n"
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert len(forks) >= 5
+    # every abandoned `sleep 600` was killed, those whose kill waited for the new channel too
+    assert wait_until(lambda: "sleep 600" not in sb.exec("ps -o args").stdout, timeout=15)
+    sb.stop()

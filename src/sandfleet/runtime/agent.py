@@ -650,6 +650,7 @@ class AgentChannel:
         self._reopening = False  # between reopen() and adopt_socket()
         self._reopened: asyncio.Future[None] | None = None  # EOF of the old socket after reopen()
         self._sends_held = False  # reopen() holds _send_lock until adopt_socket()
+        self._held_kills: list[bytes] = []  # cleanup kills made meanwhile, for the new channel
         self._send_lock = asyncio.Lock()
         self._send_waiter: asyncio.Future[None] | None = None
         self._closed = False
@@ -806,6 +807,7 @@ class AgentChannel:
         self._shutdown(ChannelClosedError(reason))
 
     def _release_sends(self) -> None:
+        self._held_kills.clear()
         if self._sends_held:
             self._sends_held = False
             self._send_lock.release()
@@ -820,7 +822,10 @@ class AgentChannel:
         self._sock = sock
         self._fd = sock.fileno()
         self._loop.add_reader(self._fd, self._on_readable)
+        kills = self._held_kills[:]
         self._release_sends()
+        for data in kills:
+            self._send_nowait(data)
 
     def kill_nowait(self, exec_id: int, scope: int = SCOPE_TREE) -> None:
         """SIGKILL an exec's processes without waiting (cleanup of an abandoned request: never
@@ -878,6 +883,11 @@ class AgentChannel:
         """Best-effort send from a callback (used only for cleanup kills)."""
         if self._closed:
             return
+        if self._sends_held:
+            # Past REOPEN the agent reads the old socket no more, and closing it with this still
+            # unread would reset it (ECONNRESET, not EOF): sent on the new channel instead.
+            self._held_kills.append(data)
+            return
         try:
             self._sock.send(data)
         except OSError:
@@ -892,8 +902,12 @@ class AgentChannel:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self._shutdown(exc)
-                return
+                # A socket closed with datagrams still unread reports ECONNRESET to its peer; while
+                # reopening, that is the agent moving as asked as much as an EOF is.
+                if not (self._reopening and exc.errno == errno.ECONNRESET):
+                    self._shutdown(exc)
+                    return
+                data = b""
             if not data:
                 if self._reopening:  # the agent moved to its new pair as asked
                     self._loop.remove_reader(self._fd)
