@@ -6,11 +6,13 @@ store is shared across runs (/var/lib/sandfleet/images) so the Debian/Python ima
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import time
 import tomllib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +138,27 @@ def destroy_daemon(d: Daemon) -> None:
         pass
     finally:
         d.stop()
+        _remove_cgroup_parent(d)
         shutil.rmtree(d.root, ignore_errors=True)
+
+
+def _remove_cgroup_parent(d: Daemon) -> None:
+    """The test's own cgroup parent, in every hierarchy: a daemon that stops cleanly removes it, one
+    killed (and not started again) leaves it. A sandbox cgroup still under it is a leak: warned."""
+    try:
+        parent = d.cgroup_parent
+    except (OSError, KeyError, StopIteration):
+        return
+    for top in [CGROUP_ROOT, *(c for c in CGROUP_ROOT.iterdir() if c.is_dir())]:
+        where = top / parent
+        if not where.is_dir():
+            continue
+        left = sorted(c.name for c in where.iterdir() if c.is_dir())
+        if left:
+            warnings.warn(f"cgroups left under {where}: {left}", stacklevel=2)
+            continue
+        with contextlib.suppress(OSError):
+            where.rmdir()
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from sandfleet import AsyncClient, Client, InvalidArgumentError, Resources, Sandbox
+from sandfleet.errors import ResourceExhaustedError
 
 from conftest import Daemon, destroy_daemon, make_daemon
 
@@ -227,5 +230,28 @@ def test_a_full_node_makes_room_for_a_new_pool() -> None:
                 assert r.stdout == "ok\n", (mem, r)
             assert len(c.list()) <= 2
             assert "evicted" in {s.stop_reason for s in c.list(state="stopped")}
+    finally:
+        destroy_daemon(d)
+
+
+def test_a_call_waits_for_a_busy_pool_only_as_long_as_its_timeout() -> None:
+    """Every worker of the pool busy: the next call waits for one to be freed, but never past its own
+    timeout (it used to wait without bound), then fails as retryable, and the pool serves again."""
+    d = make_daemon("fncall-busy")
+    tiers = d.config.read_text().replace("[container]\n", '[[backends]]\ntype = "container"\n')
+    d.config.write_text(tiers + '[[backends]]\ntype = "fncall"\nmax_workers = 1\n')
+    d.start()
+    try:
+        with d.client(timeout=120) as c:
+            assert c.run_code("print('warm')").stdout == "warm\n"
+            with ThreadPoolExecutor(1) as pool:
+                busy = pool.submit(c.run_code, "import time; time.sleep(8); print('slow')", timeout=20)
+                time.sleep(1)
+                t0 = time.monotonic()
+                with pytest.raises(ResourceExhaustedError):
+                    c.run_code("print('quick')", timeout=2)
+                assert time.monotonic() - t0 < 5
+                assert busy.result().stdout == "slow\n"
+            assert c.run_code("print('again')", timeout=2).stdout == "again\n"
     finally:
         destroy_daemon(d)

@@ -12,9 +12,10 @@ Bounded: SANDFLEET_FUZZ_EXAMPLES examples per operation (default 50), SANDFLEET_
 scenarios (default 40) of at most 8 steps: ~2 minutes on a 2-core node when all pass. A daemon of its
 own: TCP + bearer token (schemathesis talks HTTP over TCP), its own layer store (fuzzed image deletes
 and `gc?min_age=0` must not touch the shared one), imports confined to an empty directory, at most 16
-sandboxes. Path parameters are, half the time, those of real resources: seed sandboxes with a finished
-background process, an open session and a snapshot, replaced when fuzzing stops them; sandboxes the
-fuzzer creates are stopped once 10 s old, and every live or paused one at the end.
+sandboxes; the waits a request asks for are capped (WAIT_CAPS). Path parameters are, half the time,
+those of real resources: seed sandboxes with a finished background process, an open session and a
+snapshot, replaced when fuzzing stops them; sandboxes the fuzzer creates are stopped once 10 s old,
+and every live or paused one at the end.
 """
 
 from __future__ import annotations
@@ -246,6 +247,26 @@ def fuzz_daemon() -> Iterator[Daemon]:
         shutil.rmtree(own, ignore_errors=True)
 
 
+# Waits a request may ask for, capped so that each answer fits in the client's 120 s: a verification
+# on a node full of the fuzzer's sandboxes rightly waits for room up to its queue_timeout (an hour by
+# default), and the state machine stops those sandboxes only between its requests.
+WAIT_CAPS = {"queue_timeout": 30.0, "timeout": 60.0, "compile_timeout": 30.0, "run_timeout": 30.0, "wait": 30.0}
+VERIFY_WAITS = {"queue_timeout": 30.0, "timeout": 60.0}  # in place of its defaults, an hour and 10 minutes
+
+
+def _bound_waits(case: Any) -> None:
+    if isinstance(case.body, dict) and case.path.endswith("/verify"):
+        for name, cap in VERIFY_WAITS.items():
+            case.body.setdefault(name, cap)
+    for fields in (case.body, case.query):
+        if not isinstance(fields, dict):
+            continue
+        for name, cap in WAIT_CAPS.items():
+            value = fields.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > cap:
+                fields[name] = cap
+
+
 # -- the tests --------------------------------------------------------------------------------------
 
 
@@ -253,6 +274,7 @@ def fuzz_daemon() -> Iterator[Daemon]:
 @settings(max_examples=MAX_EXAMPLES, **HYPOTHESIS)
 def test_stateless(case: Any, fuzz_daemon: Daemon) -> None:
     assert POOL is not None
+    _bound_waits(case)
     case.call_and_validate(base_url=POOL.url, headers=AUTH, checks=CHECKS, timeout=120)
 
 
@@ -260,6 +282,7 @@ def test_stateless(case: Any, fuzz_daemon: Daemon) -> None:
 @settings(max_examples=CALL_EXAMPLES, **HYPOTHESIS)
 def test_stateless_calls(case: Any, fuzz_daemon: Daemon) -> None:
     assert POOL is not None
+    _bound_waits(case)
     case.call_and_validate(base_url=POOL.url, headers=AUTH, checks=CHECKS, timeout=120)
 
 
@@ -280,6 +303,7 @@ def test_stateful(fuzz_daemon: Daemon) -> None:
                 failures.append(f"{exc}\n{case.as_curl_command(headers=AUTH)}")
 
         def call(self, case: Any, **kwargs: Any) -> Any:
+            _bound_waits(case)
             try:
                 return super().call(case, **kwargs)
             except requests.exceptions.Timeout:  # a hung request: say which (a replay would only say "flaky")

@@ -722,6 +722,9 @@ class ContainerBackend:
         except (TimeoutError, ChannelClosedError) as exc:
             await self._take_new_channel(sandbox)  # it may still have moved; if not, the sandbox is lost
             raise UnavailableError(f"the agent of {sandbox.id} did not hand over its channel") from exc
+        except BaseException:  # cancelled past REOPEN: sends stay held until the new channel is taken
+            await self._take_new_channel(sandbox)
+            raise
         try:
             await asyncio.to_thread(self.cgroups.freeze, rel)
             try:

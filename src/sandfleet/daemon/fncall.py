@@ -7,8 +7,9 @@ between calls). A worker serves one call at a time, so the sandbox's limits (mem
 call's. Pools of workers are kept per (project, image, resources): the project is the trust domain,
 so workers are never shared between projects (a worker carries its project like any sandbox: its
 tokens see it, a restarted daemon adopts it back into that project's pool). A call takes an idle
-worker, or creates one while under `max_workers`, or waits for one; idle workers above `workers`
-stop after `worker_idle` seconds (their idle TTL).
+worker, or creates one while under `max_workers`, or waits for one (no longer than its own timeout:
+then `resource_exhausted`); idle workers above `workers` stop after `worker_idle` seconds (their
+idle TTL).
 """
 
 from __future__ import annotations
@@ -336,7 +337,12 @@ class Calls:
                         pool.members.discard(sid)
                     if len(pool.members) < self.config.max_workers:
                         break
-                    await pool.freed.wait()
+                    try:  # every worker busy: the next freed, within the call's own timeout
+                        await asyncio.wait_for(pool.freed.wait(), max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        raise ResourceExhaustedError(
+                            f"all {self.config.max_workers} workers of this pool stayed busy for the call's timeout"
+                        ) from None
             try:
                 info = await self.creation.create(pool.spec)
             except ResourceExhaustedError:
