@@ -27,6 +27,50 @@ from sandfleet.errors import SandboxError
 IMAGES = Path(os.environ.get("SANDFLEET_TEST_IMAGES", "/var/lib/sandfleet/images"))
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
+# -- lanes ------------------------------------------------------------------------------------------
+# Every test is in one lane (a marker): `unit` (no root, seconds; marked in its module), `vm` (boots
+# QEMU guests; marked), `browser` (a real Chromium), `cluster` (a real Ray cluster), `fuzz`
+# (schemathesis), `node` (real sandboxes, as root: the rest). A plain `pytest` runs unit and node, the
+# lanes a change is tried on; `--every-lane` (the README's, and CI's, command), any `-m`, or tests named
+# on the command line run the rest.
+AWAY_LANES = ("vm", "browser", "cluster", "fuzz")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--every-lane", action="store_true", help=f"run every lane (by default {', '.join(AWAY_LANES)} are left out)"
+    )
+
+
+def _lane(item: pytest.Item) -> str:
+    if item.get_closest_marker("unit"):
+        return "unit"
+    if item.get_closest_marker("vm"):
+        return "vm"
+    names = set(getattr(item, "fixturenames", ()))
+    if "browser" in names:
+        return "browser"
+    if "cluster" in names:
+        return "cluster"
+    if item.path.name == "test_fuzz_api.py":
+        return "fuzz"
+    return "node"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    away = []
+    for item in items:
+        lane = _lane(item)
+        if lane not in ("unit", "vm"):
+            item.add_marker(lane)
+        if lane in AWAY_LANES:
+            away.append(item)
+    chosen = config.getoption("every_lane") or config.option.markexpr or config.option.file_or_dir
+    if away and not chosen:  # tests named on the command line run whatever their lane
+        config.hook.pytest_deselected(items=away)
+        kept = set(map(id, away))
+        items[:] = [i for i in items if id(i) not in kept]
+
 
 @dataclass
 class Daemon:

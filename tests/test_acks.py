@@ -12,7 +12,7 @@ import pytest
 from sandfleet.cluster.acks import MAX_IDS, Acks
 from sandfleet.cluster.membership import Registration
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 KEY = "a10001"
 

@@ -21,7 +21,7 @@ import pytest
 from sandfleet.daemon import audit
 from sandfleet.daemon.audit import AuditLog
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 KEYS = ["seq", "ts", "kind", "sandbox_id", "labels", "actor", "data"]
 

@@ -11,7 +11,7 @@ from sandfleet.client._batch import CallBatcher
 from sandfleet.errors import InvalidArgumentError, SandboxError, UnavailableError
 from sandfleet.models import ExecResult
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 def _result(text: str) -> ExecResult:

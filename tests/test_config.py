@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from sandfleet.backends.config import ContainerBackendConfig, FncallBackendConfig, VMBackendConfig
 from sandfleet.daemon.config import DaemonConfig
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 def _load(text: str) -> DaemonConfig:

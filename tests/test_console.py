@@ -53,7 +53,7 @@ def routes_client() -> Iterator[TestClient]:
         yield c
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_console_routes_serve_the_page_with_a_strict_policy(
     routes_client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,7 +78,7 @@ def test_console_routes_serve_the_page_with_a_strict_policy(
     assert routes_client.get("/console/static/nothing.js").status_code == 404
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_console_files_are_served_from_memory_versioned_revalidated_and_gzipped(routes_client: TestClient) -> None:
     if console.missing_vendored():
         pytest.skip("not vendored (bash scripts/vendor_console.sh)")
@@ -123,7 +123,7 @@ def test_console_files_are_served_from_memory_versioned_revalidated_and_gzipped(
     assert routes_client.get("/console/static/index.html").status_code == 404  # the page is /console/
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_index_preloads_every_module_the_app_imports() -> None:
     """One wave of module fetches: index.html names (modulepreload) every module app.js reaches."""
     static = Path(console.__file__).with_name("static")
@@ -142,7 +142,7 @@ def test_index_preloads_every_module_the_app_imports() -> None:
     assert reached and preloaded == reached, (sorted(reached - preloaded), sorted(preloaded - reached))
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_console_without_its_vendored_libraries_says_how_to_set_up(
     routes_client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

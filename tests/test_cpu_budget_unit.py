@@ -15,7 +15,7 @@ from sandfleet.backends.fncall import FncallBackend
 from sandfleet.backends.vm import VMBackend
 from sandfleet.testing import InProcessNode
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 def test_only_tiers_whose_commands_are_host_processes_measure_them() -> None:

@@ -18,7 +18,7 @@ from sandfleet.daemon.detectors import (
     replaced_system_binaries,
 )
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 class Clock:

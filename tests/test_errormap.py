@@ -23,7 +23,7 @@ from sandfleet.runtime.agent import ChannelClosedError, ExecStartError
 from sandfleet.runtime.files import FileOpError, FileTooLargeError
 from sandfleet.runtime.launcher import INVALID, UNAVAILABLE, LaunchError
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 def _package_exceptions() -> list[type[BaseException]]:

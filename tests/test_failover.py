@@ -18,7 +18,7 @@ from sandfleet.client import _base
 from sandfleet.errors import SandboxError, UnavailableError
 from test_sdk_unit import Fake, info, ok, result
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 GATEWAYS = ["http://gw-a:8600", "http://gw-b:8600"]
 

@@ -10,7 +10,7 @@ from sandfleet.daemon.iam import Iam, IamConfig
 from sandfleet.errors import ResourceExhaustedError
 from sandfleet.models import SandboxSpec
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 IAM = IamConfig.model_validate(
     {

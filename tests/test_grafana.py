@@ -18,7 +18,7 @@ from sandfleet.cluster.gateway import GatewayMetrics
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.models import Usage
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "sandfleet.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

@@ -116,7 +116,7 @@ def _bearer(name: str) -> str:
 # -- the IAM core ----------------------------------------------------------------------------------
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_authenticate_bearer_basic_and_legacy() -> None:
     iam = Iam(_config(), legacy_token="the-old-single-token")
     assert iam.authenticate(_bearer("a")) == Principal("a", "acme/team-a", "user")
@@ -137,7 +137,7 @@ def test_authenticate_bearer_basic_and_legacy() -> None:
         CURRENT.reset(token)
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_principals_see_their_subtree() -> None:
     a = Principal("a", "acme/team-a", "user")
     assert a.sees("acme/team-a") and a.sees("acme/team-a/job-1")
@@ -154,7 +154,7 @@ def test_principals_see_their_subtree() -> None:
     assert ROOT.actor(None) == "unix" and LEGACY.actor("10.0.0.1") == "token@10.0.0.1"
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -175,7 +175,7 @@ def test_bad_configs_are_refused(extra: str, message: str) -> None:
         _config(extra)
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_a_token_under_a_listed_project_and_tcp_with_iam_tokens_only() -> None:
     _config('[[iam.tokens]]\nname = "c"\ntoken = "another-secret-00000001"\nproject = "acme/team-b/job-9"\n')
     cfg = DaemonConfig.model_validate({"tcp": "127.0.0.1:1", "iam": {"tokens": [{"name": "x", "token": "x" * 16}]}})
@@ -186,7 +186,7 @@ def test_a_token_under_a_listed_project_and_tcp_with_iam_tokens_only() -> None:
         DaemonConfig.model_validate({"token": "x" * 16, "iam": {"tokens": [{"name": "x", "token": "x" * 16}]}})
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_quotas_on_every_level_name_the_project() -> None:
     iam = Iam(_config())
     usage = {"acme/team-a/job-1": (2, 2.0, 2 * GiB)}
@@ -210,7 +210,7 @@ def test_quotas_on_every_level_name_the_project() -> None:
     iam.check_create(None, 100.0, 1000 * GiB, usage)
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_a_gateways_share_of_the_headroom() -> None:
     iam = Iam(_config())
     # acme: 4 sandboxes. Two gateways at share 0.5 saw 2 in use: each may add 1 on top of it.
@@ -225,7 +225,7 @@ def test_a_gateways_share_of_the_headroom() -> None:
         iam.check_create("acme/team-b", 1.0, GiB, {"acme/team-b": (2, 1.0, GiB)}, share=0.5)
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_creates_per_second_per_project_and_ancestors() -> None:
     iam = Iam(_config('[[iam.projects]]\npath = "burst/job"\nquota = { creates_per_second = 1 }\n'))
     iam.take_create("burst/job", now=100.0)
@@ -248,7 +248,7 @@ def test_creates_per_second_per_project_and_ancestors() -> None:
     iam2.take_create(None)
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 def test_quota_checks_stay_fast() -> None:
     projects = [{"path": f"org/t{i}", "quota": {"sandboxes": 1000}} for i in range(100)]
     iam = Iam(IamConfig.model_validate({"projects": [{"path": "org", "quota": {"sandboxes": 100000}}, *projects]}))
@@ -277,7 +277,7 @@ def _client(node: InProcessNode, name: str | None) -> AsyncClient:
     return AsyncClient(url="http://in-process", token=token, transport=httpx.ASGITransport(app=node.app), timeout=5)
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 async def test_projects_are_walled_off(scoped: tuple[InProcessNode, ScopedService]) -> None:
     node, _ = scoped
     async with _client(node, "a") as a, _client(node, "b") as b, _client(node, "root-admin") as root:
@@ -310,7 +310,7 @@ async def test_projects_are_walled_off(scoped: tuple[InProcessNode, ScopedServic
         await none.stop()
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 async def test_read_only_and_node_wide_calls(scoped: tuple[InProcessNode, ScopedService]) -> None:
     node, _ = scoped
     async with _client(node, "a") as a, _client(node, "a-ro") as ro, _client(node, "root-ro") as rro:
@@ -335,7 +335,7 @@ async def test_read_only_and_node_wide_calls(scoped: tuple[InProcessNode, Scoped
     assert {"token:a@127.0.0.1", "token:a-ro@127.0.0.1", "token:root-ro@127.0.0.1"} <= actors, actors
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 async def test_quotas_through_the_api(scoped: tuple[InProcessNode, ScopedService]) -> None:
     node, _ = scoped
     async with _client(node, "a-job") as job, _client(node, "a") as a, _client(node, "b") as b:
@@ -359,7 +359,7 @@ async def test_quotas_through_the_api(scoped: tuple[InProcessNode, ScopedService
         assert node.service.core.table.project_usage().get("acme/team-a", (0,))[0] == 3
 
 
-@pytest.mark.unprivileged
+@pytest.mark.unit
 async def test_creates_per_second_through_the_api(scoped: tuple[InProcessNode, ScopedService]) -> None:
     node, _ = scoped
     transport = httpx.ASGITransport(app=node.app)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PKG = "sandfleet"

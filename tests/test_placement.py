@@ -17,7 +17,7 @@ import pytest
 
 from sandfleet.cluster.placement import NoCapacity, NodeState, PlacementRequest, Placer
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 REQ = PlacementRequest()
 

@@ -10,7 +10,7 @@ import pytest
 from sandfleet.runtime import agent, criu
 from sandfleet.runtime.prebuild import prebuild
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 def test_a_daemon_uses_the_prebuilt_helpers_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ from sandfleet.errors import (
 )
 from sandfleet.models import ExecResult, ProcessInfo, SandboxInfo, SandboxSpec, SessionInfo, SnapshotInfo
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 Handler = Callable[[httpx.Request], httpx.Response]
 

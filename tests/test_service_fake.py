@@ -25,7 +25,7 @@ from sandfleet.testing import InProcessNode
 
 from leakcheck import children
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from sandfleet.daemon.state import (
     StateStore,
 )
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 # The schema before idempotency keys, acks and holds (what an existing node has on disk).
 OLD_SCHEMA = """

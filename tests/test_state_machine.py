@@ -26,7 +26,7 @@ from sandfleet.daemon.state import StateStore
 from sandfleet.errors import SandboxNotFoundError, WrongStateError
 from sandfleet.models import SandboxSpec, SandboxState
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 SPEC = SandboxSpec(image="busybox", labels={"job": "a"})
 

@@ -15,7 +15,7 @@ import pytest
 from sandfleet.daemon.steplog import StepLog, decode, encode, mend_tail, replay, rewrite, scan
 from sandfleet.models import SandboxSpec, TrajectoryOpen
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 

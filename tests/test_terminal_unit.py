@@ -17,7 +17,7 @@ from sandfleet.errors import InvalidArgumentError, PermissionDeniedError
 from sandfleet.models import ExecRequest, SandboxList, TerminalRequest, list_page
 from sandfleet.testing import InProcessNode
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 def test_credentials_come_from_the_header_or_a_browsers_subprotocol() -> None:

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from sandfleet import ContainerOptions, SandboxSpec
 from sandfleet.daemon.pool import pool_key
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 def test_container_options_on_a_container_sandbox() -> None:

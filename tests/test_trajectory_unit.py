@@ -28,7 +28,7 @@ from sandfleet.models import (
 )
 from sandfleet.testing import InProcessNode
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 COMMAND = "echo ran >> /ran; wc -l < /ran"
 # As sandfleet before per-default digests dumped them (its models then; from that version, verbatim).

@@ -18,7 +18,7 @@ from sandfleet.daemon.verify import _cause, keep_only
 from sandfleet.models import ExecRequest, ExecResult, VerifyRequest
 from sandfleet.runtime.schedstat import TreeStats, boot_ticks
 
-pytestmark = pytest.mark.unprivileged
+pytestmark = pytest.mark.unit
 
 
 def test_the_cpu_queue_serves_in_order_and_survives_cancellation() -> None:
