@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -27,8 +29,10 @@ def test_mypy_strict() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.unit
 def test_generated_files_are_fresh() -> None:
-    """docs/openapi.json and the sync client are generated; a stale copy fails here."""
-    for script in ("scripts/gen_openapi.py", "scripts/gen_sync_client.py"):
+    """docs/openapi.json and the sync client are generated; a stale copy fails here. So is the list of
+    the SDK's public names and signatures (docs/public-api.txt): a change to it shows in its diff."""
+    for script in ("scripts/gen_openapi.py", "scripts/gen_sync_client.py", "scripts/gen_public_api.py"):
         r = subprocess.run([sys.executable, script, "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, f"{script} --check: {r.stdout}{r.stderr}"

@@ -80,6 +80,19 @@ _LABEL_CALLS = {  # job-level calls: path -> the list field of each node's answe
 }
 
 
+# Operations of the node API a gateway does not pass on, and why: each answers `unsupported` with its
+# reason. tests/test_gateway_routes.py holds every other operation of docs/openapi.json to a gateway
+# route of its shape, so a new node operation without a gateway rule fails there.
+NODE_ONLY = {
+    ("GET", "/v1/audit/follow"): "a node's own stream: follow each node (GET /v1/cluster/nodes), or page GET /v1/audit",
+    ("POST", "/v1/node/drain"): "one node's switch: through a gateway, POST /v1/cluster/nodes/{key}/drain",
+    ("POST", "/v1/node/fence"): "sent by `sandfleet cluster up` to a node that rejoins, to that node alone",
+    ("GET", "/v1/node/load"): "read by the gateways from each node; through a gateway, GET /v1/cluster/nodes",
+    ("POST", "/v1/sandboxes/ack"): "a gateway's own call to the node that made a sandbox",
+    ("POST", "/v1/sandboxes/keys"): "a gateway's own call to the nodes, to find where a key made its sandbox",
+}
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -867,8 +880,9 @@ class Gateway:
         await self.membership.refresh()
         return json_response(data)
 
-    async def unsupported(self, request: Request) -> Response:
-        raise UnsupportedError(f"{request.url.path} is a node's own: ask each node (GET /v1/cluster/nodes)")
+    async def node_only(self, request: Request) -> Response:
+        why = NODE_ONLY.get((request.method, request.url.path), "")
+        raise UnsupportedError(f"{request.method} {request.url.path} is not served by a gateway: {why}")
 
     async def prometheus(self, request: Request) -> Response:
         principal: Principal = request.state.principal
@@ -931,6 +945,7 @@ def create_gateway_app(gw: Gateway) -> Starlette:
     sb = "/v1/sandboxes/{sandbox_id:str}"
     all_methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     routes: list[BaseRoute] = [
+        *[Route(path, guarded(gw.node_only), methods=[method]) for method, path in NODE_ONLY],
         Route("/v1/health", guarded(gw.health), methods=["GET"]),
         Route("/metrics", guarded(gw.prometheus), methods=["GET"]),
         Route("/v1/cluster/nodes", guarded(gw.nodes), methods=["GET"]),
@@ -953,7 +968,6 @@ def create_gateway_app(gw: Gateway) -> Starlette:
         Route("/v1/images", guarded(gw.list_images), methods=["GET"]),
         Route("/v1/images/recipes", guarded(gw.one_node), methods=["POST"]),
         Route("/v1/images/{rest:path}", guarded(gw.images_everywhere), methods=["POST", "DELETE"]),
-        Route("/v1/audit/follow", guarded(gw.unsupported), methods=["GET"]),
         Route("/v1/run", guarded(gw.one_node), methods=["POST"]),
         Route("/v1/run/batch", guarded(gw.one_node), methods=["POST"]),
         Route("/run_code", guarded(gw.one_node), methods=["POST"]),
