@@ -106,13 +106,21 @@ class GatewayMetrics:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        rng: random.Random | None = None,
+        transport: Callable[[str], httpx.AsyncBaseTransport] | None = None,
+    ) -> None:
+        """`transport`: how to reach a node's URL (tests: in-process nodes); None: HTTP."""
         self.config = config
         self.membership = Membership(
             config.node_token.get_secret_value(),
             load_interval=config.load_interval,
             unreachable_after=config.unreachable_after,
             connections=config.node_connections,
+            transport=transport,
         )
         self.placer = Placer(choices=config.choices, groups=config.groups, rng=rng)
         self.iam = Iam(config.iam, config.token.get_secret_value() if config.token else None)

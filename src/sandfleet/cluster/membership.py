@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -91,8 +91,11 @@ class Membership:
         load_interval: float = 1.0,
         unreachable_after: int = 3,
         connections: int = 256,
+        transport: Callable[[str], httpx.AsyncBaseTransport] | None = None,
     ) -> None:
+        """`transport`: how to reach a node's URL (tests: an in-process node's routes); None: HTTP."""
         self._token = node_token
+        self._transport = transport
         self.load_interval = load_interval
         self.unreachable_after = unreachable_after
         self.connections = connections  # per node, for callers' calls passed on
@@ -143,9 +146,10 @@ class Membership:
     def _client(self, url: str, connections: int) -> httpx.AsyncClient:
         # The limits are the transport's: a client given a transport ignores its own `limits`.
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=min(64, connections))
+        transport = self._transport(url) if self._transport else None
         return httpx.AsyncClient(
             base_url=url,
-            transport=httpx.AsyncHTTPTransport(socket_options=TCP_OPTIONS, limits=limits),
+            transport=transport or httpx.AsyncHTTPTransport(socket_options=TCP_OPTIONS, limits=limits),
             headers={"authorization": f"Bearer {self._token}"},
             timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0),
         )

@@ -43,8 +43,10 @@ class InProcessNode:
         reaper_interval: float = 0.1,
         stopped_retention: float = 300.0,
         token: str | None = None,
+        node_key: str | None = None,
     ) -> None:
-        """`images`: refs that exist (one tiny layer each; the fake tier mounts nothing)."""
+        """`images`: refs that exist (one tiny layer each; the fake tier mounts nothing). `node_key`:
+        the key in its ids (a cluster's nodes each have their own); by default a new one."""
         self.root = Path(root)
         self.images = images
         self.token = token
@@ -65,6 +67,7 @@ class InProcessNode:
             client_factory=lambda: self.client(),
             audit=AuditLog(self.root / "audit"),
             run_dir=self.root / "run",
+            node_key=node_key,
         )
         self.app = create_app(self.service, self.metrics, auth=Iam(None, token).enter if token else None)
         self._serving = asyncio.Event()
@@ -107,7 +110,16 @@ class InProcessNode:
         await self.backend.close()
         await self.state.close()
 
+    @property
+    def key(self) -> str:
+        """The node's key (in every id it makes)."""
+        return self.service.core.node_key
+
+    def transport(self) -> httpx.AsyncBaseTransport:
+        """An HTTP transport straight to this node's routes (no socket): for SDK clients, or for a
+        gateway's `transport` (a cluster of in-process nodes)."""
+        return httpx.ASGITransport(app=self.app)
+
     def client(self, **kwargs: Any) -> AsyncClient:
         """An SDK client whose requests go straight to this node's routes (no socket)."""
-        transport = httpx.ASGITransport(app=self.app)
-        return AsyncClient(url="http://in-process", token=self.token, transport=transport, **kwargs)
+        return AsyncClient(url="http://in-process", token=self.token, transport=self.transport(), **kwargs)

@@ -1,0 +1,136 @@
+"""The cluster gateway over in-process nodes: forwarding, fan-out, merging and partial failures in seconds.
+
+Two `InProcessNode`s (the whole node service on the fake tier) reached through their ASGI routes, a
+gateway with a static node list in front of them, and the SDK's `AsyncClient` talking to the gateway's
+routes: everything between the SDK and the fake tier is the product's own code, with no Ray, no
+socket and no root. tests/test_cluster.py is the proof on real nodes under Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandfleet import AsyncClient, UnavailableError
+from sandfleet.cluster.config import GatewayConfig
+from sandfleet.cluster.gateway import Gateway, create_gateway_app
+from sandfleet.cluster.membership import Registration
+from sandfleet.testing import InProcessNode
+
+pytestmark = pytest.mark.unit
+
+TOKEN = "cluster-admin-token"
+KEYS = ("a0a0a0", "b1b1b1")
+
+
+class Down(httpx.AsyncBaseTransport):
+    """A node that stopped answering."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+
+class Cluster:
+    def __init__(self, nodes: dict[str, InProcessNode]) -> None:
+        self.nodes = nodes
+        self.down: set[str] = set()
+        urls = [{"key": k, "url": f"http://node-{k}"} for k in nodes]
+        config = GatewayConfig(nodes=urls, node_token=TOKEN, token=TOKEN, unreachable_after=1)
+        self.gateway = Gateway(config, transport=self._transport)
+        self.app = create_gateway_app(self.gateway)
+
+    def _transport(self, url: str) -> httpx.AsyncBaseTransport:
+        key = url.removeprefix("http://node-")
+        node = self.nodes[key]
+        inner = node.transport()
+        down = self.down
+
+        class Switch(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                if key in down:
+                    return await Down().handle_async_request(request)
+                return await inner.handle_async_request(request)
+
+        return Switch()
+
+    async def start(self) -> None:
+        self.gateway.membership.apply(Registration(k, f"http://node-{k}", "default", True) for k in self.nodes)
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        await self.gateway.membership.refresh()
+        self.gateway.refresh_placement()
+
+    def client(self) -> AsyncClient:
+        return AsyncClient(url="http://gateway", token=TOKEN, transport=httpx.ASGITransport(app=self.app))
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    a = InProcessNode(tmp_path / "a", token=TOKEN, node_key=KEYS[0])
+    b = InProcessNode(tmp_path / "b", token=TOKEN, node_key=KEYS[1])
+    async with a, b:
+        c = Cluster({KEYS[0]: a, KEYS[1]: b})
+        await c.start()
+        try:
+            yield c
+        finally:
+            await c.gateway.acks.close()
+            await c.gateway.membership.close()
+
+
+def _node_of(sandbox_id: str) -> str:
+    return sandbox_id.split("-", 1)[1][:6]
+
+
+async def test_creates_spread_and_each_call_reaches_the_node_that_holds_its_sandbox(cluster: Cluster) -> None:
+    async with cluster.client() as fleet:
+        sandboxes = [await fleet.create(image="busybox", labels={"job": "j1"}) for _ in range(8)]
+        assert {_node_of(sb.id) for sb in sandboxes} == set(KEYS)
+        for sb in sandboxes:
+            r = await sb.exec("echo hi")
+            assert (r.exit_code, r.stdout) == (0, "hi\n")
+            held = await cluster.nodes[_node_of(sb.id)].service.list()
+            assert sb.id in {s.id for s in held}
+        listed = await fleet.list(labels={"job": "j1"})
+        assert sorted(s.id for s in listed) == sorted(sb.id for sb in sandboxes)
+        stopped = await fleet.stop_many({"job": "j1"})
+        assert sorted(stopped) == sorted(sb.id for sb in sandboxes)
+        assert await fleet.list(labels={"job": "j1"}) == []
+
+
+async def test_a_node_that_stops_answering_leaves_the_others_served(cluster: Cluster) -> None:
+    async with cluster.client() as fleet:
+        by_node: dict[str, list[str]] = {}
+        while set(by_node) != set(KEYS) or min(len(v) for v in by_node.values()) < 2:
+            sb = await fleet.create(image="busybox", labels={"job": "j2"})
+            by_node.setdefault(_node_of(sb.id), []).append(sb.id)
+        gone, alive = KEYS
+        cluster.down.add(gone)
+        await cluster.refresh()
+        # Creates go to the node that answers; its sandboxes are still served and listed.
+        for _ in range(4):
+            sb = await fleet.create(image="busybox", labels={"job": "j2"})
+            assert _node_of(sb.id) == alive
+            assert (await sb.exec("echo up")).stdout == "up\n"
+        listed = {s.id for s in await fleet.list(labels={"job": "j2"})}
+        assert set(by_node[alive]) <= listed
+        assert not listed & set(by_node[gone])
+        # A call on a sandbox of the silent node fails typed, not as a gateway error.
+        with pytest.raises(UnavailableError, match=f"node {gone} unreachable"):
+            await (await fleet.get(by_node[gone][0])).exec("true")
+        # A job-level write says which nodes it could not reach, having done its part on the others.
+        with pytest.raises(UnavailableError, match=f"done on 1 of 2 nodes; not on {gone}"):
+            await fleet.pause_many({"job": "j2"})
+        states = {s.id: s.state for s in await cluster.nodes[alive].service.list(labels={"job": "j2"})}
+        assert set(states.values()) == {"paused"}, states
+        cluster.down.clear()
+        await cluster.refresh()
+        assert (await (await fleet.get(by_node[gone][0])).exec("echo back")).stdout == "back\n"
+        # The retry the error asked for: every sandbox of the job, on both nodes, is paused once.
+        paused = await fleet.pause_many({"job": "j2"})
+        assert set(by_node[gone]) <= set(paused)
+        assert {s.state for s in await fleet.list(labels={"job": "j2"})} == {"paused"}
