@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sandfleet import AsyncClient, UnavailableError
+from sandfleet import AsyncClient, ResourceExhaustedError, UnavailableError
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.gateway import Gateway, create_gateway_app
 from sandfleet.cluster.membership import Registration
@@ -134,3 +134,25 @@ async def test_a_node_that_stops_answering_leaves_the_others_served(cluster: Clu
         paused = await fleet.pause_many({"job": "j2"})
         assert set(by_node[gone]) <= set(paused)
         assert {s.state for s in await fleet.list(labels={"job": "j2"})} == {"paused"}
+
+
+async def test_a_key_another_gateway_placed_gets_its_sandbox_when_nothing_else_can_take_it(cluster: Cluster) -> None:
+    """A keyed create through a gateway that did not place the key (another gateway did, or this one
+    before a restart), with every node closed to new creates: before answering that nothing can take
+    it, the gateway asks the nodes who holds the key, and the holder answers with what it made."""
+    async with cluster.client() as fleet:
+        made = await fleet.create(image="busybox", idempotency_key="k-1")
+    other = Cluster(cluster.nodes)  # a second gateway over the same nodes: it never saw the key
+    await other.start()
+    try:
+        for node in cluster.nodes.values():
+            await node.service.drain(True)
+        await other.refresh()
+        async with other.client() as fleet:
+            again = await fleet.create(image="busybox", idempotency_key="k-1")
+            assert again.id == made.id
+            with pytest.raises(ResourceExhaustedError):  # a key nobody holds still finds no room
+                await fleet.create(image="busybox", idempotency_key="k-2", timeout=1)
+    finally:
+        await other.gateway.acks.close()
+        await other.gateway.membership.close()

@@ -62,6 +62,7 @@ from sandfleet.errors import (
     UnavailableError,
     UnsupportedError,
 )
+from sandfleet.ids import node_of
 from sandfleet.images.models import canonical_ref
 from sandfleet.models import CreateBatchRequest, SandboxSpec, TrajectoryOpen, list_page, validation_message
 
@@ -292,14 +293,22 @@ class Gateway:
                         raise
                     if request.headers.get(DELEGATED) or exc.owner == self.config.url:
                         raise ResourceExhaustedError(exc.message) from exc
-                    return await self._delegate(exc.owner, request, _spec_json(spec))
+                    return await self._delegate(exc.owner, request, _spec_json(spec), scoped.get(0))
         if holder is not None and key is not None:
             data = await self._to_holder(request, spec, key, holder)
         else:
             try:
                 data = await self._place_one(request, spec, key)
-            except BaseException:
+            except ResourceExhaustedError:
                 self.quotas.forget(spec)  # no sandbox came of it: the share is free again
+                # No node to place it on: a key a node already holds (sent there by another gateway,
+                # or before this one restarted) is a retry, and gets what it made.
+                holder = (await self._key_holders(request, scoped, True)).get(0) if scoped and not retried else None
+                if holder is None or key is None:
+                    raise
+                data = await self._to_holder(request, spec, key, holder)
+            except BaseException:
+                self.quotas.forget(spec)
                 raise
         return json_response(data, 201, background=self._acked(request, [data["id"]]))
 
@@ -356,7 +365,9 @@ class Gateway:
         assert last is not None
         raise last
 
-    async def _delegate(self, gateway_url: str, request: Request, spec: dict[str, Any]) -> Response:
+    async def _delegate(
+        self, gateway_url: str, request: Request, spec: dict[str, Any], scoped: _Scoped | None = None
+    ) -> Response:
         """A create this gateway's quota share cannot take, passed to the gateway that holds a share."""
         client = self._gateways.get(gateway_url)
         if client is None:
@@ -373,6 +384,8 @@ class Gateway:
         if r.status_code < 300:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 made = [str(json.loads(r.content)["id"])]
+        if scoped and made and (node := node_of(made[0])):
+            self._remember(self._keyed, scoped, node)  # its key's next create goes there from here too
         background = self._acked(request, made)
         return Response(r.content, status_code=r.status_code, media_type="application/json", background=background)
 
