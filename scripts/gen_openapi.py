@@ -22,7 +22,7 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
 
 def openapi() -> dict[str, Any]:
     # The document depends on the routes only: no service is called while deriving it.
-    return create_app(SimpleNamespace(), Metrics()).openapi()  # type: ignore[arg-type]
+    return create_app(SimpleNamespace(), SimpleNamespace(iam=None), Metrics()).openapi()  # type: ignore[arg-type]
 
 
 def render() -> str:

@@ -865,7 +865,8 @@ async def test_unexpected_exception_is_a_wire_error_not_a_dropped_connection() -
     async def broken_get(_sandbox_id: str) -> None:
         raise RuntimeError("boom")
 
-    app = create_app(SimpleNamespace(get=broken_get), Metrics())  # type: ignore[arg-type]
+    node = SimpleNamespace(core=SimpleNamespace(get=broken_get))
+    app = create_app(node, SimpleNamespace(iam=None), Metrics())  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sandfleet") as client:
         resp = await client.get("/v1/sandboxes/sb-0123")
         assert resp.status_code == 500

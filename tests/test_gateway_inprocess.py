@@ -93,7 +93,7 @@ async def test_creates_spread_and_each_call_reaches_the_node_that_holds_its_sand
         for sb in sandboxes:
             r = await sb.exec("echo hi")
             assert (r.exit_code, r.stdout) == (0, "hi\n")
-            held = await cluster.nodes[_node_of(sb.id)].service.list()
+            held = await cluster.nodes[_node_of(sb.id)].service.core.list()
             assert sb.id in {s.id for s in held}
         listed = await fleet.list(labels={"job": "j1"})
         assert sorted(s.id for s in listed) == sorted(sb.id for sb in sandboxes)
@@ -125,7 +125,7 @@ async def test_a_node_that_stops_answering_leaves_the_others_served(cluster: Clu
         # A job-level write says which nodes it could not reach, having done its part on the others.
         with pytest.raises(UnavailableError, match=f"done on 1 of 2 nodes; not on {gone}"):
             await fleet.pause_many({"job": "j2"})
-        states = {s.id: s.state for s in await cluster.nodes[alive].service.list(labels={"job": "j2"})}
+        states = {s.id: s.state for s in await cluster.nodes[alive].service.core.list(labels={"job": "j2"})}
         assert set(states.values()) == {"paused"}, states
         cluster.down.clear()
         await cluster.refresh()

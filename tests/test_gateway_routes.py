@@ -4,8 +4,9 @@ Without Ray or a node: the gateway's Starlette routes are matched against each o
 parameters filled with marked values. An operation is served when a route of the same shape takes it:
 each id the route reads (`sandbox_id`, `snapshot_id`, `trajectory_id`) comes from a parameter of the
 operation, never from a literal segment (a new `POST /v1/sandboxes/foo` would otherwise be passed on as
-a call on sandbox "foo"). Operations a gateway does not pass on are named in `gateway.NODE_ONLY`, with
-the reason each answers.
+a call on sandbox "foo"). The gateway's routes are made from the operations' declarations
+(sandfleet/operations.py): one a gateway does not pass on says why (`gateway.NODE_ONLY`), and one
+declared without a gateway rule stops the gateway from being made.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import httpx
 import pytest
 from starlette.routing import Match, Route
 
+from sandfleet.cluster import gateway
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.gateway import NODE_ONLY, Gateway, create_gateway_app
+from sandfleet.operations import OPERATIONS as DECLARED
+from sandfleet.operations import Operation
 
 pytestmark = pytest.mark.unit
 
@@ -88,3 +92,15 @@ async def test_a_node_only_operation_answers_unsupported_with_its_reason() -> No
             error = r.json()["error"]
             assert (r.status_code, error["code"]) == (400, "unsupported"), (method, path, r.text)
             assert why in error["message"]
+
+
+def test_an_operation_declared_without_a_gateway_rule_stops_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    new = Operation("count_things", ("POST",), "/v1/things/count", "fanned_out", "write")
+    monkeypatch.setattr(gateway, "OPERATIONS", (*DECLARED, new))
+    with pytest.raises(RuntimeError, match="count_things has no gateway rule"):
+        create_gateway_app(_gateway())
+    # A call on a sandbox is routed by its scope: to the node holding the sandbox.
+    on_sandbox = Operation("count_files", ("GET",), "/v1/sandboxes/{sandbox_id}/files/count", "sandbox", "read")
+    monkeypatch.setattr(gateway, "OPERATIONS", (*DECLARED, on_sandbox))
+    route, params = _route_of(create_gateway_app(_gateway()), "GET", "/v1/sandboxes/sb-1/files/count")
+    assert params == {"sandbox_id": "sb-1"} and route.path == on_sandbox.path

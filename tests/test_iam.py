@@ -1,4 +1,4 @@
-"""Projects, tokens and quotas (daemon/iam.py, daemon/scoped.py): the IAM core on its own, the routes
+"""Projects, tokens and quotas (daemon/iam.py, daemon/tenancy.py): the IAM core on its own, the routes
 over a scoped node service on the fake tier (no root), and a real daemon with `[iam]` over TCP."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sandfleet.client.sync import Sandbox
 from sandfleet.daemon.api import create_app
 from sandfleet.daemon.config import DaemonConfig
 from sandfleet.daemon.iam import CURRENT, LEGACY, ROOT, Iam, IamConfig, Principal
-from sandfleet.daemon.scoped import NodeDirectory, ScopedService
+from sandfleet.daemon.tenancy import Tenancy
 from sandfleet.errors import (
     NotFoundError,
     PermissionDeniedError,
@@ -264,12 +264,12 @@ def test_quota_checks_stay_fast() -> None:
 
 
 @pytest.fixture
-async def scoped(tmp_path: Path) -> AsyncIterator[tuple[InProcessNode, ScopedService]]:
+async def scoped(tmp_path: Path) -> AsyncIterator[tuple[InProcessNode, Tenancy]]:
     async with InProcessNode(tmp_path, max_sandboxes=64) as node:
         iam = Iam(_config(), legacy_token="legacy-token-0000000001")
-        service = ScopedService(node.service, iam, NodeDirectory(node.service))
-        node.app = create_app(service, node.metrics, auth=iam.enter)
-        yield node, service
+        tenancy = Tenancy(node.service, iam)
+        node.app = create_app(node.service, tenancy, node.metrics, auth=iam.enter)
+        yield node, tenancy
 
 
 def _client(node: InProcessNode, name: str | None) -> AsyncClient:
@@ -278,7 +278,7 @@ def _client(node: InProcessNode, name: str | None) -> AsyncClient:
 
 
 @pytest.mark.unit
-async def test_projects_are_walled_off(scoped: tuple[InProcessNode, ScopedService]) -> None:
+async def test_projects_are_walled_off(scoped: tuple[InProcessNode, Tenancy]) -> None:
     node, _ = scoped
     async with _client(node, "a") as a, _client(node, "b") as b, _client(node, "root-admin") as root:
         sa = await a.create(image="busybox")
@@ -311,7 +311,7 @@ async def test_projects_are_walled_off(scoped: tuple[InProcessNode, ScopedServic
 
 
 @pytest.mark.unit
-async def test_read_only_and_node_wide_calls(scoped: tuple[InProcessNode, ScopedService]) -> None:
+async def test_read_only_and_node_wide_calls(scoped: tuple[InProcessNode, Tenancy]) -> None:
     node, _ = scoped
     async with _client(node, "a") as a, _client(node, "a-ro") as ro, _client(node, "root-ro") as rro:
         sa = await a.create(image="busybox")
@@ -336,7 +336,7 @@ async def test_read_only_and_node_wide_calls(scoped: tuple[InProcessNode, Scoped
 
 
 @pytest.mark.unit
-async def test_quotas_through_the_api(scoped: tuple[InProcessNode, ScopedService]) -> None:
+async def test_quotas_through_the_api(scoped: tuple[InProcessNode, Tenancy]) -> None:
     node, _ = scoped
     async with _client(node, "a-job") as job, _client(node, "a") as a, _client(node, "b") as b:
         made = [await job.create(image="busybox") for _ in range(2)]
@@ -360,7 +360,7 @@ async def test_quotas_through_the_api(scoped: tuple[InProcessNode, ScopedService
 
 
 @pytest.mark.unit
-async def test_creates_per_second_through_the_api(scoped: tuple[InProcessNode, ScopedService]) -> None:
+async def test_creates_per_second_through_the_api(scoped: tuple[InProcessNode, Tenancy]) -> None:
     node, _ = scoped
     transport = httpx.ASGITransport(app=node.app)
     async with AsyncClient(url="http://x", token="burst-user-secret-0000007", transport=transport, timeout=5) as c:

@@ -124,10 +124,16 @@ RULES = [
         ("sandfleet.backends", "sandfleet.runtime", "sandfleet.images", "sandfleet.errors", "sandfleet.models"),
     ),
     (
-        "the routes see the service protocol, never a backend or the runtime",
+        "the operations are declared over the wire models only",
+        ("sandfleet.operations",),
+        ("sandfleet", "sandfleet.operations", "sandfleet.models", "sandfleet.errors", "sandfleet.ids"),
+    ),
+    (
+        "the routes see the concerns' types only (as annotations), never a backend or the runtime",
         ("sandfleet.daemon.api", "sandfleet.daemon.protocol"),
         (
             "sandfleet",
+            "sandfleet.operations",  # what each route is: declared there
             "sandfleet.daemon.api",
             "sandfleet.daemon.protocol",
             "sandfleet.daemon.metrics",
@@ -152,6 +158,7 @@ RULES = [
         (
             "sandfleet",
             "sandfleet.cluster",
+            "sandfleet.operations",  # the gateway's routes are made from the operations' declarations
             "sandfleet.daemon.iam",  # the same projects, tokens and quotas as a node's
             "sandfleet.daemon.config",  # `sandfleet cluster up` reads the node's config
             "sandfleet.images.models",  # image references, as placement compares them
@@ -265,7 +272,8 @@ def _env() -> dict[str, str]:
 
 def test_the_graph_is_read() -> None:
     """The scan sees real edges (a rule checked against an empty graph would pass for nothing)."""
-    assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.api.sandboxes"]
+    assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.api.common"]
+    assert "sandfleet.operations" in GRAPH["sandfleet.cluster.gateway"]
     assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.core"]
     assert "sandfleet.runtime.files" in GRAPH["sandfleet.daemon.files"]
     assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe"]  # under TYPE_CHECKING only

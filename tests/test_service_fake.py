@@ -96,7 +96,7 @@ async def test_admission_refuses_past_max_sandboxes(node: InProcessNode, fleet: 
     for _ in range(4):
         await fleet.create(image="busybox")
     with pytest.raises(ResourceExhaustedError, match="sandboxes"):
-        await node.service.create(SandboxSpec(image="busybox"))
+        await node.service.creation.create(SandboxSpec(image="busybox"))
     async with node.client(timeout=0.5) as impatient:  # the SDK retries a full node until its deadline
         with pytest.raises(ResourceExhaustedError):
             await impatient.create(image="busybox")
@@ -104,11 +104,11 @@ async def test_admission_refuses_past_max_sandboxes(node: InProcessNode, fleet: 
 
 async def test_idempotent_create(node: InProcessNode, fleet: AsyncClient) -> None:
     spec = SandboxSpec(image="busybox", labels={"k": "v"})
-    a = await node.service.create(spec, idempotency_key="key-1")
-    b = await node.service.create(spec, idempotency_key="key-1")
+    a = await node.service.creation.create(spec, idempotency_key="key-1")
+    b = await node.service.creation.create(spec, idempotency_key="key-1")
     assert a.id == b.id and node.backend.created == 1
     with pytest.raises(InvalidArgumentError, match="another request"):
-        await node.service.create(SandboxSpec(image="busybox"), idempotency_key="key-1")
+        await node.service.creation.create(SandboxSpec(image="busybox"), idempotency_key="key-1")
 
 
 async def test_a_failed_create_leaves_a_failed_record_and_frees_its_budget(

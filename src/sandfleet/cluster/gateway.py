@@ -65,6 +65,7 @@ from sandfleet.errors import (
 from sandfleet.ids import node_of
 from sandfleet.images.models import canonical_ref
 from sandfleet.models import CreateBatchRequest, SandboxSpec, TrajectoryOpen, list_page, validation_message
+from sandfleet.operations import OPERATIONS
 
 log = logging.getLogger("sandfleet.cluster")
 
@@ -81,17 +82,9 @@ _LABEL_CALLS = {  # job-level calls: path -> the list field of each node's answe
 }
 
 
-# Operations of the node API a gateway does not pass on, and why: each answers `unsupported` with its
-# reason. tests/test_gateway_routes.py holds every other operation of docs/openapi.json to a gateway
-# route of its shape, so a new node operation without a gateway rule fails there.
-NODE_ONLY = {
-    ("GET", "/v1/audit/follow"): "a node's own stream: follow each node (GET /v1/cluster/nodes), or page GET /v1/audit",
-    ("POST", "/v1/node/drain"): "one node's switch: through a gateway, POST /v1/cluster/nodes/{key}/drain",
-    ("POST", "/v1/node/fence"): "sent by `sandfleet cluster up` to a node that rejoins, to that node alone",
-    ("GET", "/v1/node/load"): "read by the gateways from each node; through a gateway, GET /v1/cluster/nodes",
-    ("POST", "/v1/sandboxes/ack"): "a gateway's own call to the node that made a sandbox",
-    ("POST", "/v1/sandboxes/keys"): "a gateway's own call to the nodes, to find where a key made its sandbox",
-}
+# Operations of the node API a gateway does not pass on, and why (sandfleet/operations.py): each answers
+# `unsupported` with its reason.
+NODE_ONLY = {(method, op.path): op.why for op in OPERATIONS if op.gateway == "node_only" for method in op.methods}
 
 
 class GatewayMetrics:
@@ -963,46 +956,24 @@ def create_gateway_app(gw: Gateway) -> Starlette:
 
         return run
 
-    sb = "/v1/sandboxes/{sandbox_id:str}"
-    all_methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    routes: list[BaseRoute] = [
-        *[Route(path, guarded(gw.node_only), methods=[method]) for method, path in NODE_ONLY],
-        Route("/v1/health", guarded(gw.health), methods=["GET"]),
-        Route("/metrics", guarded(gw.prometheus), methods=["GET"]),
+    # One route per declared operation, to the handler its declaration names (by default its scope's:
+    # a call naming a sandbox goes to the node holding it); then the gateway's own.
+    routes: list[BaseRoute] = []
+    for op in OPERATIONS:
+        handler = getattr(gw, op.gateway_handler, None) if op.gateway_handler else None
+        if handler is None:
+            raise RuntimeError(f"operation {op.name} has no gateway rule (sandfleet/operations.py: `gateway`)")
+        routes.append(Route(op.path, guarded(handler), methods=list(op.methods)))
+    routes += [
         Route("/v1/cluster/nodes", guarded(gw.nodes), methods=["GET"]),
         Route("/v1/cluster/nodes/{key:str}/drain", guarded(gw.drain), methods=["POST"]),
-        Route("/v1/sandboxes", guarded(gw.create), methods=["POST"]),
-        Route("/v1/sandboxes", guarded(gw.list_sandboxes), methods=["GET"]),
-        Route("/v1/sandboxes/batch", guarded(gw.create_batch), methods=["POST"]),
-        *[Route(p, guarded(gw.by_label), methods=["POST"]) for p in _LABEL_CALLS],
-        Route(sb + "/fork", guarded(gw.copies), methods=["POST"]),
-        Route("/v1/snapshots/{snapshot_id:str}/restore", guarded(gw.copies), methods=["POST"]),
-        Route(sb, guarded(gw.sandbox_call), methods=all_methods),
-        Route(sb + "/{rest:path}", guarded(gw.sandbox_call), methods=all_methods),
-        Route("/v1/snapshots", guarded(gw.list_snapshots), methods=["GET"]),
-        Route("/v1/snapshots/{snapshot_id:str}", guarded(gw.snapshot_call), methods=all_methods),
-        Route("/v1/snapshots/{snapshot_id:str}/{rest:path}", guarded(gw.snapshot_call), methods=all_methods),
-        Route("/v1/trajectories", guarded(gw.open_trajectory), methods=["POST"]),
-        Route("/v1/trajectories", guarded(gw.list_trajectories), methods=["GET"]),
-        Route("/v1/trajectories/{trajectory_id:str}", guarded(gw.trajectory_call), methods=all_methods),
-        Route("/v1/trajectories/{trajectory_id:str}/{rest:path}", guarded(gw.trajectory_call), methods=all_methods),
-        Route("/v1/images", guarded(gw.list_images), methods=["GET"]),
-        Route("/v1/images/recipes", guarded(gw.one_node), methods=["POST"]),
-        Route("/v1/images/{rest:path}", guarded(gw.images_everywhere), methods=["POST", "DELETE"]),
-        Route("/v1/run", guarded(gw.one_node), methods=["POST"]),
-        Route("/v1/run/batch", guarded(gw.one_node), methods=["POST"]),
-        Route("/run_code", guarded(gw.one_node), methods=["POST"]),
-        Route("/v1/fusion/run_code", guarded(gw.one_node), methods=["POST"]),
-        Route("/v1/audit", guarded(gw.audit), methods=["GET"]),
     ]
 
     async def terminal(ws: WebSocket) -> None:
         await relay_terminal(ws, gw.iam, gw.membership)
 
     routes += [
-        Route("/v1/whoami", guarded(gw.whoami), methods=["GET"]),
-        Route("/v1/jobs", guarded(gw.jobs), methods=["GET"]),
-        WebSocketRoute(sb + "/terminal", terminal),
+        WebSocketRoute("/v1/sandboxes/{sandbox_id:str}/terminal", terminal),
         *console.routes(),
     ]
 

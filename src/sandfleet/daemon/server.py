@@ -31,10 +31,9 @@ from sandfleet.daemon.iam import ROOT, Iam
 from sandfleet.daemon.lifecycle import new_sandbox_id
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.pool import WarmPools
-from sandfleet.daemon.protocol import SandboxService
-from sandfleet.daemon.scoped import NodeDirectory, ScopedService
 from sandfleet.daemon.service import SandboxManager
 from sandfleet.daemon.state import StateError, StateStore
+from sandfleet.daemon.tenancy import Tenancy
 from sandfleet.ids import is_node_key, new_node_key
 from sandfleet.images import LayerStore
 from sandfleet.runtime import cgroups, mounts, proc, swap
@@ -237,17 +236,17 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     # ws: the WebSocket implementation the dependencies pin (wsproto), whatever else is installed
     ucfg = {"log_level": "warning", "lifespan": "off", "access_log": False, "timeout_keep_alive": 300, "ws": "wsproto"}
     uds = _unix_listener(config.socket)
-    service: SandboxService = manager  # the routes see the protocol, never the manager
     iam = Iam(config.iam, config.token)
     socket_auth = None
-    if iam.scoped:  # projects or scoped tokens: each request sees its principal's share of the node
-        service = ScopedService(manager, iam, NodeDirectory(manager))
+    # Projects or scoped tokens: each request sees its principal's share of the node.
+    tenancy = Tenancy(manager, iam if iam.scoped else None)
+    if iam.scoped:
         socket_auth = functools.partial(iam.enter, anonymous=ROOT)  # no header on root's socket: root
-    app = create_app(service, metrics, auth=socket_auth)
+    app = create_app(manager, tenancy, metrics, auth=socket_auth)
     servers.append((_Server(uvicorn.Config(app, **ucfg)), uds))  # type: ignore[arg-type]
     if config.tcp:
         tcp = _tcp_listener(config.tcp)
-        app = create_app(service, metrics, auth=iam.enter)
+        app = create_app(manager, tenancy, metrics, auth=iam.enter)
         servers.append((_Server(uvicorn.Config(app, **ucfg)), tcp))  # type: ignore[arg-type]
 
     stop = asyncio.Event()

@@ -27,6 +27,7 @@ from sandfleet.daemon.iam import Iam
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.daemon.service import SandboxManager
 from sandfleet.daemon.state import StateStore
+from sandfleet.daemon.tenancy import Tenancy
 from sandfleet.images import LayerStore, parse_ref
 from sandfleet.testing.fake_backend import FakeBackend
 
@@ -69,7 +70,8 @@ class InProcessNode:
             run_dir=self.root / "run",
             node_key=node_key,
         )
-        self.app = create_app(self.service, self.metrics, auth=Iam(None, token).enter if token else None)
+        self.tenancy = Tenancy(self.service, None)
+        self.app = create_app(self.service, self.tenancy, self.metrics, auth=Iam(None, token).enter if token else None)
         self._serving = asyncio.Event()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -101,9 +103,9 @@ class InProcessNode:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None and not self._task.done():
-            for sb in await self.service.list(state="all"):
+            for sb in await self.service.core.list(state="all"):
                 if sb.state in ("running", "paused"):
-                    await self.service.stop(sb.id, reason="node closed")
+                    await self.service.core.stop(sb.id, reason="node closed")
         self._stop.set()
         if self._task is not None:
             await self._task

@@ -1,6 +1,7 @@
-"""The HTTP API (FastAPI), one router per resource, over the `SandboxService` protocol only (the
-node's service, later the cluster gateway's): parse, call the service, map errors to
-`{code, message, retryable, cause}`.
+"""The HTTP API (FastAPI), one router per resource: parse, call the node's concern that does the
+work, map errors to `{code, message, retryable, cause}`. Each route is an operation declared in
+sandfleet/operations.py (`Api.route`), scoped to the caller's project by a dependency made from that
+declaration when projects are configured (daemon/tenancy.py).
 
 The OpenAPI document FastAPI derives from these routes is checked into docs/openapi.json; a test
 fails when the two drift apart, and tests validate live responses against the checked-in copy.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,17 +29,16 @@ from sandfleet.daemon.api import (
     fusion,
     images,
     network,
-    node,
     rl,
     sandboxes,
     sessions,
     snapshots,
     terminal,
 )
-from sandfleet.daemon.api.common import ERRORS, CheckedRoute, error_response, log
+from sandfleet.daemon.api import node as node_api
+from sandfleet.daemon.api.common import ERRORS, Api, CheckedRoute, error_response, log
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.metrics import Metrics
-from sandfleet.daemon.protocol import SandboxService
 from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
@@ -47,6 +47,10 @@ from sandfleet.errors import (
     SandboxError,
 )
 from sandfleet.models import WhoAmI, validation_message
+
+if TYPE_CHECKING:
+    from sandfleet.daemon.service import SandboxManager
+    from sandfleet.daemon.tenancy import Tenancy
 
 
 class Caller(Protocol):
@@ -68,8 +72,11 @@ class Caller(Protocol):
 Authenticate = Callable[[str], Caller]
 
 
-def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate | None = None) -> FastAPI:
-    """The HTTP API over any `SandboxService` (the node's, or a gateway's).
+def create_app(
+    node: SandboxManager, tenancy: Tenancy, metrics: Metrics, *, auth: Authenticate | None = None
+) -> FastAPI:
+    """The HTTP API of a node: its concerns (`node`), and the calls that depend on the caller's project
+    (`tenancy`: with `[iam]` projects, also the scoping of every route).
 
     `auth`: authenticates each request (its Authorization header, '' when none) before anything else
     (`Iam.enter`: tokens, the daemon's single `token`, projects); a caller that cannot write (a
@@ -129,7 +136,7 @@ def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate 
         path = request.url.path
         m = _SANDBOX_PATH.match(path)
         try:
-            service.audit_call(
+            node.audit_call(
                 _actor(request, auth is not None),
                 {
                     "method": request.scope.get("method", "WEBSOCKET"),
@@ -177,7 +184,9 @@ def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate 
             request.scope[_CALLER] = caller
             return await call_next(request)
 
-    @app.get("/v1/whoami", response_model=WhoAmI, tags=["node"])
+    api = Api(node, tenancy)
+
+    @api.route(app.router, "whoami", tags=["node"])
     async def whoami(request: Request) -> WhoAmI:
         """Who the credentials of this call stand for, and whether they may act (the console asks)."""
         caller: Caller | None = request.scope.get(_CALLER)
@@ -186,11 +195,12 @@ def create_app(service: SandboxService, metrics: Metrics, *, auth: Authenticate 
             return WhoAmI(name="root" if unix else "anonymous", can_write=True)
         return WhoAmI(name=caller.name, can_write=caller.can_write, project=getattr(caller, "project", None))
 
-    for resource in (node, sandboxes, snapshots, execs, sessions, files, images, network, rl):
-        app.include_router(resource.router(service))
-    app.include_router(terminal.router(service, auth, lambda ws, status, t0: _audit(ws, status, t0)))
-    app.include_router(network.port_router(service))
-    app.include_router(fusion.router(service))
+    for resource in (node_api, sandboxes, snapshots, execs, sessions, files, images, network, rl):
+        app.include_router(resource.router(api))
+    app.include_router(terminal.router(api, auth, lambda ws, status, t0: _audit(ws, status, t0)))
+    app.include_router(network.port_router(api))
+    app.include_router(fusion.router(api))
+    api.check_complete()
     # The console's files hold no data: served ahead of the API's middleware (no token: the page asks
     # for one, then calls the API with it; not audited), straight from memory.
     app.add_middleware(ConsoleFirst, console=Router(routes=console.routes()))

@@ -8,16 +8,16 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from fastapi import BackgroundTasks, Header, Path, Query, Request
+from fastapi import APIRouter, BackgroundTasks, Depends, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from sandfleet.daemon.errormap import to_wire_error
-from sandfleet.daemon.protocol import EventStream, SandboxService
+from sandfleet.daemon.protocol import EventStream
 from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
@@ -34,9 +34,18 @@ from sandfleet.models import (
     FileEvent,
     SandboxInfo,
 )
+from sandfleet.operations import OPERATIONS, Operation
 
 MAX_FILE_BODY = 256 * 1024**2
 MAX_INT64 = 2**63 - 1
+
+if TYPE_CHECKING:
+    from sandfleet.daemon.service import SandboxManager
+    from sandfleet.daemon.tenancy import Tenancy
+
+F = TypeVar("F", bound=Callable[..., Any])
+OPERATION = {op.name: op for op in OPERATIONS}
+
 log = logging.getLogger("sandfleet.api")
 
 
@@ -202,12 +211,63 @@ BUILD_BEAT = BuildEvent(type="heartbeat").model_dump_json(exclude_none=True).enc
 Forwarded = Annotated[str | None, Header(alias="x-sandfleet-forwarded", include_in_schema=False)]
 
 
-def acked(service: SandboxService, background: BackgroundTasks, ids: list[str], forwarded: str | None = None) -> None:
+def acked(node: SandboxManager, background: BackgroundTasks, ids: list[str], forwarded: str | None = None) -> None:
     """Once the answer naming these sandboxes has gone out: they were heard (see `ack`); not for a
     `forwarded` create (its gateway acknowledges it)."""
     if forwarded is None:
-        background.add_task(service.ack, ids)
+        background.add_task(node.core.ack, ids)
 
 
 async def file_body(request: Request) -> bytes:
     return await read_capped(request, MAX_FILE_BODY, f"body larger than {MAX_FILE_BODY} bytes; upload a tar in parts")
+
+
+class Api:
+    """What the routers are made from: the node's concerns (`node`), the calls that depend on the
+    caller's project (`tenancy`), and `route`, which registers a handler as the operation declared
+    under its name in sandfleet/operations.py."""
+
+    def __init__(self, node: SandboxManager, tenancy: Tenancy) -> None:
+        self.node = node
+        self.tenancy = tenancy
+        self.registered: set[str] = set()
+
+    def route(self, r: APIRouter, name: str, **extra: Any) -> Callable[[F], F]:
+        """Register the decorated handler on `r` as operation `name`: its method(s), path, answer and
+        status as declared, and (with projects configured) the dependency that scopes it to the caller
+        (`Tenancy.admit`). `extra`: what only the route knows (a response class, OpenAPI extras)."""
+        op = OPERATION[name]
+        if name in self.registered:
+            raise RuntimeError(f"operation {name} has two handlers")
+        self.registered.add(name)
+        if op.answer is not None:
+            extra.setdefault("response_model", op.answer)
+        if op.status != 200:
+            extra.setdefault("status_code", op.status)
+        if self.tenancy.iam is not None:
+            extra["dependencies"] = [Depends(self._admits(op))]
+
+        def register(fn: F) -> F:
+            for method in op.methods:
+                # Several methods: one operation each (OpenAPI wants unique ids), `to_port_get`, ...
+                one: dict[str, Any] = {}
+                if len(op.methods) > 1:
+                    one["operation_id"] = f"{op.route_name}_{method.lower()}"
+                r.add_api_route(op.path, fn, methods=[method], name=op.route_name, **one, **extra)
+            return fn
+
+        return register
+
+    def _admits(self, op: Operation) -> Callable[[Request], Coroutine[Any, Any, None]]:
+        tenancy = self.tenancy
+
+        async def admitted(request: Request) -> None:
+            await tenancy.admit(op, request.path_params)
+
+        return admitted
+
+    def check_complete(self) -> None:
+        """Every declared operation has its handler (a declaration without one is a mistake)."""
+        missing = sorted(set(OPERATION) - self.registered)
+        if missing:
+            raise RuntimeError(f"declared operations without a route: {missing}")

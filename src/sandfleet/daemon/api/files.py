@@ -13,11 +13,11 @@ from sandfleet.daemon.api.common import (
     FILE_BEAT,
     MAX_INT64,
     NDJSON,
+    Api,
     CheckedRoute,
     file_body,
     stream,
 )
-from sandfleet.daemon.protocol import SandboxService
 from sandfleet.errors import (
     InvalidArgumentError,
 )
@@ -30,27 +30,22 @@ from sandfleet.models import (
 )
 
 
-def router(service: SandboxService) -> APIRouter:
+def router(api: Api) -> APIRouter:
     r = APIRouter(route_class=CheckedRoute)
+    node = api.node
 
-    @r.get(
-        "/v1/sandboxes/{sandbox_id}/files/content",
-        response_class=Response,
-        responses={200: {"content": {"application/octet-stream": {}}}},
-    )
+    @api.route(r, "read_file", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
     async def read_file(
         sandbox_id: str,
         path: str,
         offset: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
         length: Annotated[int | None, Query(ge=0, le=MAX_INT64)] = None,
     ) -> Response:
-        data = await service.read_file(sandbox_id, path, offset, length)
+        data = await node.files.read_file(sandbox_id, path, offset, length)
         return Response(data, media_type="application/octet-stream")
 
-    @r.put(
-        "/v1/sandboxes/{sandbox_id}/files/content",
-        response_model=FileInfo,
-        openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}},
+    @api.route(
+        r, "write_file", openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}}
     )
     async def write_file(
         request: Request,
@@ -61,17 +56,17 @@ def router(service: SandboxService) -> APIRouter:
         append: bool = False,
     ) -> FileInfo:
         data = await file_body(request)
-        return await service.write_file(sandbox_id, path, data, mode=mode, user=user, append=append)
+        return await node.files.write_file(sandbox_id, path, data, mode=mode, user=user, append=append)
 
-    @r.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=FileList)
+    @api.route(r, "list_files")
     async def list_files(sandbox_id: str, path: str = "/") -> FileList:
-        return FileList(files=await service.list_files(sandbox_id, path))
+        return FileList(files=await node.files.list_files(sandbox_id, path))
 
-    @r.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=FileInfo)
+    @api.route(r, "stat_file")
     async def stat_file(sandbox_id: str, path: str, follow_symlinks: bool = False) -> FileInfo:
-        return await service.stat_file(sandbox_id, path, follow_symlinks)
+        return await node.files.stat_file(sandbox_id, path, follow_symlinks)
 
-    @r.post("/v1/sandboxes/{sandbox_id}/files/mkdir", response_model=FileInfo)
+    @api.route(r, "mkdir")
     async def mkdir(
         sandbox_id: str,
         path: str,
@@ -79,32 +74,24 @@ def router(service: SandboxService) -> APIRouter:
         user: str | None = None,
         mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o755,
     ) -> FileInfo:
-        return await service.make_dir(sandbox_id, path, parents=parents, mode=mode, user=user)
+        return await node.files.make_dir(sandbox_id, path, parents=parents, mode=mode, user=user)
 
-    @r.delete("/v1/sandboxes/{sandbox_id}/files", response_model=Ok)
+    @api.route(r, "remove")
     async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Ok:
-        await service.remove_path(sandbox_id, path, recursive)
+        await node.files.remove_path(sandbox_id, path, recursive)
         return Ok()
 
-    @r.get(
-        "/v1/sandboxes/{sandbox_id}/files/tar",
-        response_class=StreamingResponse,
-        responses={200: {"content": {"application/x-tar": {}}}},
-    )
+    @api.route(r, "download", response_class=StreamingResponse, responses={200: {"content": {"application/x-tar": {}}}})
     async def download(sandbox_id: str, path: str = "/") -> StreamingResponse:
         """A tar of a file or directory, streamed as it is read (never spooled on the node); a
         sparse file counts by what it really stores, and a tree larger than the sandbox could hold
         is refused."""
-        return StreamingResponse(await service.download_tar(sandbox_id, path), media_type="application/x-tar")
+        return StreamingResponse(await node.files.download_tar(sandbox_id, path), media_type="application/x-tar")
 
-    @r.put(
-        "/v1/sandboxes/{sandbox_id}/files/tar",
-        response_model=Ok,
-        openapi_extra={"requestBody": {"content": {"application/x-tar": {}}, "required": True}},
-    )
+    @api.route(r, "upload", openapi_extra={"requestBody": {"content": {"application/x-tar": {}}, "required": True}})
     async def upload(request: Request, sandbox_id: str, path: str = "/", user: str | None = None) -> Ok:
         # Never more than the sandbox's writable layer could take (plus the tar's own headers).
-        cap = await service.upload_limit(sandbox_id)
+        cap = await node.files.upload_limit(sandbox_id)
         with tempfile.SpooledTemporaryFile(max_size=8 * 1024**2) as spool:
             size = 0
             async for chunk in request.stream():
@@ -113,12 +100,12 @@ def router(service: SandboxService) -> APIRouter:
                     raise InvalidArgumentError(f"tar upload larger than the sandbox's disk allows ({cap} bytes)")
                 await asyncio.to_thread(spool.write, chunk)
             spool.seek(0)
-            await service.upload_tar(sandbox_id, path, cast(BinaryIO, spool), size, user)
+            await node.files.upload_tar(sandbox_id, path, cast(BinaryIO, spool), size, user)
         return Ok()
 
     FileEvent(type="heartbeat").model_dump_json(exclude_none=True).encode() + b"\n"
 
-    @r.get("/v1/sandboxes/{sandbox_id}/files/watch", response_class=StreamingResponse, responses=NDJSON)
+    @api.route(r, "watch", response_class=StreamingResponse, responses=NDJSON)
     async def watch(
         sandbox_id: str,
         path: Annotated[str, Query(min_length=1, max_length=MAX_PATH, pattern=r"^[^\x00]+$")] = ".",
@@ -126,7 +113,7 @@ def router(service: SandboxService) -> APIRouter:
     ) -> StreamingResponse:
         """FileEvent lines for changes under a directory (create, modify, delete, rename_from,
         rename_to, chmod; overflow when events were lost), until the client goes away."""
-        events = await service.watch(sandbox_id, path, recursive)
+        events = await node.files.watch(sandbox_id, path, recursive)
         return stream(events, FILE_BEAT)
 
     return r

@@ -23,8 +23,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from sandfleet.daemon.api.common import CheckedRoute
-from sandfleet.daemon.protocol import SandboxService
+from sandfleet.daemon.api.common import Api, CheckedRoute
 from sandfleet.errors import InvalidArgumentError, SandboxError
 from sandfleet.models import MAX_REF, MAX_SESSION_COMMAND, MAX_STDIN, ExecResult, Resources, RunCodeRequest
 
@@ -117,8 +116,9 @@ class FusionRunCodeResponse(BaseModel):
     files: dict[str, str] = Field(default_factory=dict, description="fetched path -> base64 content")
 
 
-def router(service: SandboxService) -> APIRouter:
+def router(api: Api) -> APIRouter:
     r = APIRouter(route_class=CheckedRoute, tags=["fusion"])
+    node, tenancy = api.node, api.tenancy
 
     async def run_code(
         req: FusionRunCodeRequest,
@@ -130,15 +130,15 @@ def router(service: SandboxService) -> APIRouter:
             return _sandbox_error(f"language {req.language} is not available on this node")
         plan = _plan(req, language, image)
         try:
-            result = await service.run_code(plan.call)
+            result = await node.calls.run(tenancy.placed_call(plan.call))
         except SandboxError as exc:
             if exc.http_status < 429:  # the caller's mistake (a bad image, ...): a typed 4xx, as elsewhere
                 raise
             return _sandbox_error(f"{exc.code}: {exc.message}")
         return plan.answer(result)
 
-    for path in ("/run_code", "/v1/fusion/run_code"):
-        r.add_api_route(path, run_code, methods=["POST"], response_model=FusionRunCodeResponse)
+    for name in ("fusion_run_code", "fusion_run_code_v1"):
+        api.route(r, name, response_model=FusionRunCodeResponse)(run_code)
     return r
 
 

@@ -10,12 +10,12 @@ from fastapi.responses import StreamingResponse
 from sandfleet.daemon.api.common import (
     BUILD_BEAT,
     NDJSON,
+    Api,
     CheckedRoute,
     ImageRefParam,
     ImageRefQuery,
     stream,
 )
-from sandfleet.daemon.protocol import SandboxService
 from sandfleet.models import (
     GcResult,
     ImageInfo,
@@ -26,39 +26,40 @@ from sandfleet.models import (
 )
 
 
-def router(service: SandboxService) -> APIRouter:
+def router(api: Api) -> APIRouter:
     r = APIRouter(route_class=CheckedRoute)
+    node = api.node
 
-    @r.get("/v1/images", response_model=ImageList)
+    @api.route(r, "images")
     async def images() -> ImageList:
-        return ImageList(images=await service.list_images())
+        return ImageList(images=await node.images.list_images())
 
-    @r.delete("/v1/images/{ref:path}", response_model=Ok)
+    @api.route(r, "delete_image")
     async def delete_image(ref: ImageRefParam) -> Ok:
-        await service.delete_image(ref)
+        await node.images.delete_image(ref)
         return Ok()
 
-    @r.post("/v1/images/gc", response_model=GcResult)
+    @api.route(r, "gc_images")
     async def gc_images(min_age: Annotated[float, Query(ge=0)] = 600.0) -> GcResult:
-        removed, freed = await service.gc_images(min_age)
+        removed, freed = await node.images.gc_images(min_age)
         return GcResult(removed=removed, bytes=freed)
 
-    @r.post("/v1/images/push", response_model=ImageInfo)
+    @api.route(r, "push_image")
     async def push_image(ref: ImageRefQuery) -> ImageInfo:
-        return await service.push_image(ref)
+        return await node.images.push_image(ref)
 
-    @r.post("/v1/images/import", response_model=ImageInfo)
+    @api.route(r, "import_image")
     async def import_image(req: ImportRequest) -> ImageInfo:
-        return await service.import_image(req.path, req.ref)
+        return await node.images.import_image(req.path, req.ref)
 
-    @r.post("/v1/images/build", response_model=ImageInfo)
+    @api.route(r, "build_image")
     async def build_image(ref: ImageRefQuery) -> ImageInfo:
-        return await service.build_image(ref)
+        return await node.images.build_image(ref)
 
-    @r.post("/v1/images/recipes", response_class=StreamingResponse, responses=NDJSON)
+    @api.route(r, "build_recipe", response_class=StreamingResponse, responses=NDJSON)
     async def build_recipe(req: RecipeBuildRequest) -> StreamingResponse:
         """BuildEvent lines: progress, each step as it finishes (its commands' output before it),
         then one `done` with the image; closing the connection cancels the build."""
-        return stream(await service.build_recipe(req.recipe, req.base_dir), BUILD_BEAT)
+        return stream(await node.builds.build_recipe(req.recipe, req.base_dir), BUILD_BEAT)
 
     return r

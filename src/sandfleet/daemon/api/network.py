@@ -13,8 +13,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 
-from sandfleet.daemon.api.common import HEARTBEAT, NDJSON, CheckedRoute
-from sandfleet.daemon.protocol import SandboxService
+from sandfleet.daemon.api.common import HEARTBEAT, NDJSON, Api, CheckedRoute
 from sandfleet.errors import UnavailableError
 from sandfleet.models import (
     AuditList,
@@ -81,34 +80,34 @@ _ORIGIN_WIDE = frozenset(
 )
 RESPONSE_TIMEOUT = 300.0  # seconds a server in a sandbox may take to start answering
 CHUNK = 256 * 1024
-PROXY_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
-def router(service: SandboxService) -> APIRouter:
+def router(api: Api) -> APIRouter:
     r = APIRouter(route_class=CheckedRoute)
+    node, tenancy = api.node, api.tenancy
 
-    @r.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxInfo)
+    @api.route(r, "set_network")
     async def set_network(sandbox_id: str, req: NetworkUpdate) -> SandboxInfo:
-        return await service.set_network(sandbox_id, req.network)
+        return await node.networking.set_network(sandbox_id, req.network)
 
-    @r.post("/v1/sandboxes/network", response_model=IdList)
+    @api.route(r, "set_network_many")
     async def set_network_many(req: NetworkManyRequest) -> IdList:
-        return IdList(sandboxes=await service.set_network_many(req.labels, req.network))
+        return IdList(sandboxes=await tenancy.set_network_many(req.labels, req.network))
 
-    @r.post("/v1/sandboxes/{sandbox_id}/ports", response_model=ExposedPort, status_code=201)
+    @api.route(r, "expose")
     async def expose(sandbox_id: str, req: ExposeRequest) -> ExposedPort:
-        return await service.expose(sandbox_id, req.port)
+        return await node.networking.expose(sandbox_id, req.port)
 
-    @r.get("/v1/sandboxes/{sandbox_id}/ports", response_model=ExposedPortList)
+    @api.route(r, "list_exposed")
     async def list_exposed(sandbox_id: str) -> ExposedPortList:
-        return ExposedPortList(ports=await service.list_exposed(sandbox_id))
+        return ExposedPortList(ports=await node.networking.list_exposed(sandbox_id))
 
-    @r.delete("/v1/sandboxes/{sandbox_id}/ports/{port}", response_model=Ok)
+    @api.route(r, "unexpose")
     async def unexpose(sandbox_id: str, port: Annotated[int, PathParam(ge=1, le=65535)]) -> Ok:
-        await service.unexpose(sandbox_id, port)
+        await node.networking.unexpose(sandbox_id, port)
         return Ok()
 
-    @r.get("/v1/audit", response_model=AuditList)
+    @api.route(r, "audit")
     async def audit(
         since: Annotated[int, Query(ge=0, le=2**62, description="records with a greater seq")] = 0,
         since_time: Annotated[float | None, Query(ge=0, le=2**40, description="records from this time")] = None,
@@ -127,10 +126,10 @@ def router(service: SandboxService) -> APIRouter:
             sandbox_id=sandbox_id,
             newest=newest,
         )
-        records = await service.read_audit(q)
+        records = await node.read_audit(q)
         return AuditList(records=records, last_seq=records[-1].seq if records else since)
 
-    @r.get("/v1/audit/follow", response_class=StreamingResponse, responses=NDJSON)
+    @api.route(r, "follow_audit", response_class=StreamingResponse, responses=NDJSON)
     async def follow_audit(
         since: Annotated[int, Query(ge=0, le=2**62, description="records with a greater seq")] = 0,
         since_time: Annotated[float | None, Query(ge=0, le=2**40, description="records from this time")] = None,
@@ -142,19 +141,20 @@ def router(service: SandboxService) -> APIRouter:
         q = AuditQuery(since=since, since_time=since_time, kinds=[k[:64] for k in kind] or None, sandbox_id=sandbox_id)
         # Asked here, not in the body's generator: a refusal (who may read the audit) is the answer's
         # status, not a connection reset once the 200 went out.
-        return StreamingResponse(_audit_lines(service.follow_audit(q, HEARTBEAT)), media_type="application/x-ndjson")
+        return StreamingResponse(_audit_lines(node.follow_audit(q, HEARTBEAT)), media_type="application/x-ndjson")
 
     return r
 
 
-def port_router(service: SandboxService) -> APIRouter:
+def port_router(api: Api) -> APIRouter:
     """HTTP to an exposed port: a plain route (the body streams through, whatever its type)."""
     r = APIRouter()
+    node = api.node
 
     async def to_port(
         sandbox_id: str, port: Annotated[int, PathParam(ge=1, le=65535)], path: str, request: Request
     ) -> StreamingResponse:
-        reader, writer = await service.open_port(sandbox_id, port)
+        reader, writer = await node.networking.open_port(sandbox_id, port)
         try:
             conn = h11.Connection(h11.CLIENT)
             headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP]
@@ -194,15 +194,9 @@ def port_router(service: SandboxService) -> APIRouter:
         resp.raw_headers.append((b"content-security-policy", SANDBOXED))
         return resp
 
-    for method in PROXY_METHODS:  # one operation per method: OpenAPI wants unique operation ids
-        r.add_api_route(
-            "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}",
-            to_port,
-            methods=[method],
-            response_class=StreamingResponse,
-            operation_id=f"to_port_{method.lower()}",
-            summary="HTTP to a server on an exposed port of the sandbox (the API's authentication applies)",
-        )
+    # One operation per method (OpenAPI wants unique operation ids): `to_port_get`, ...
+    summary = "HTTP to a server on an exposed port of the sandbox (the API's authentication applies)"
+    api.route(r, "to_port", response_class=StreamingResponse, summary=summary)(to_port)
     return r
 
 

@@ -7,9 +7,9 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from sandfleet.daemon.api.common import (
+    Api,
     CheckedRoute,
 )
-from sandfleet.daemon.protocol import SandboxService
 from sandfleet.models import (
     AckRequest,
     DrainRequest,
@@ -22,44 +22,45 @@ from sandfleet.models import (
 )
 
 
-def router(service: SandboxService) -> APIRouter:
+def router(api: Api) -> APIRouter:
     r = APIRouter(route_class=CheckedRoute)
+    node, tenancy = api.node, api.tenancy
 
-    @r.get("/v1/health", response_model=Health)
+    @api.route(r, "health")
     async def health() -> Health:
-        return await service.health()
+        return await tenancy.health()
 
-    @r.get("/metrics", response_class=Response)
+    @api.route(r, "prometheus", response_class=Response)
     async def prometheus() -> Response:
-        body, media_type = await service.metrics_text()
+        body, media_type = await node.metrics_text()
         return Response(body, media_type=media_type)
 
-    @r.get("/v1/node/load", response_model=NodeLoad)
+    @api.route(r, "load")
     async def load() -> NodeLoad:
         """What cluster placement and quotas read of this node (its gateways poll it)."""
-        return await service.node_load()
+        return await node.node_load()
 
-    @r.post("/v1/node/drain", response_model=NodeLoad)
+    @api.route(r, "drain")
     async def drain(req: DrainRequest) -> NodeLoad:
         """Take no new creates (or take them again); what the node holds keeps running."""
-        return await service.drain(req.draining)
+        return await node.drain(req.draining)
 
-    @r.post("/v1/node/fence", response_model=NodeLoad)
+    @api.route(r, "fence")
     async def fence(req: FenceRequest) -> NodeLoad:
         """Serve under a new generation: above the node's own, every sandbox it holds is stopped first
         (`sandfleet cluster up` fences a node the cluster declared lost before it rejoins)."""
-        return await service.fence(req.generation)
+        return await node.fence(req.generation)
 
-    @r.post("/v1/sandboxes/ack", response_model=Ok)
+    @api.route(r, "ack")
     async def ack(req: AckRequest) -> Ok:
         """These sandboxes' create answers reached their callers (a gateway says so of the creates it
         passed on): they are no longer stopped as creates nobody heard of."""
-        await service.ack(req.sandboxes)
+        await tenancy.ack(req.sandboxes)
         return Ok()
 
-    @r.post("/v1/sandboxes/keys", response_model=KeysHeld)
+    @api.route(r, "keys")
     async def keys(req: KeysRequest) -> KeysHeld:
         """Which of these idempotency keys (each in its project) made or is making a sandbox here."""
-        return KeysHeld(held=await service.held_keys([(k.project, k.key) for k in req.keys]))
+        return KeysHeld(held=await tenancy.held_keys([(k.project, k.key) for k in req.keys]))
 
     return r

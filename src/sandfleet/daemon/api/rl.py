@@ -6,15 +6,13 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Path, Query, Response
 
-from sandfleet.daemon.api.common import CheckedRoute, parse_labels
-from sandfleet.daemon.protocol import SandboxService
+from sandfleet.daemon.api.common import Api, CheckedRoute, parse_labels
 from sandfleet.models import (
     TRAJECTORY_ID,
     Ok,
     ReproRecord,
     StepList,
     StepRequest,
-    StepResult,
     TrajectoryClose,
     TrajectoryInfo,
     TrajectoryList,
@@ -26,60 +24,61 @@ from sandfleet.models import (
 TrajectoryIdParam = Annotated[str, Path(pattern=TRAJECTORY_ID, description="the rollout's id")]
 
 
-def router(service: SandboxService) -> APIRouter:
+def router(api: Api) -> APIRouter:
     r = APIRouter(route_class=CheckedRoute)
+    node, tenancy = api.node, api.tenancy
 
-    @r.post("/v1/trajectories", response_model=TrajectoryInfo)
+    @api.route(r, "open_trajectory")
     async def open_trajectory(req: TrajectoryOpen) -> TrajectoryInfo:
         """Open a trajectory (and make its sandbox), or give back the one open under that id."""
-        return await service.open_trajectory(req)
+        return await tenancy.open_trajectory(req)
 
-    @r.get("/v1/trajectories", response_model=TrajectoryList)
+    @api.route(r, "list_trajectories")
     async def list_trajectories(
         label: Annotated[list[str], Query(max_length=64)] = [],  # noqa: B006
         state: Literal["open", "closed"] | None = None,
     ) -> TrajectoryList:
-        return TrajectoryList(trajectories=await service.list_trajectories(parse_labels(label), state))
+        return TrajectoryList(trajectories=await tenancy.list_trajectories(parse_labels(label), state))
 
-    @r.get("/v1/trajectories/{trajectory_id}", response_model=TrajectoryInfo)
+    @api.route(r, "get_trajectory")
     async def get_trajectory(trajectory_id: TrajectoryIdParam) -> TrajectoryInfo:
-        return await service.get_trajectory(trajectory_id)
+        return await node.trajectories.get(trajectory_id, project=tenancy.project())
 
-    @r.delete("/v1/trajectories/{trajectory_id}", response_model=Ok)
+    @api.route(r, "delete_trajectory")
     async def delete_trajectory(trajectory_id: TrajectoryIdParam) -> Ok:
-        await service.delete_trajectory(trajectory_id)
+        await node.trajectories.delete(trajectory_id, project=tenancy.project())
         return Ok()
 
-    @r.post("/v1/trajectories/{trajectory_id}/steps", response_model=StepResult)
+    @api.route(r, "step")
     async def step(trajectory_id: TrajectoryIdParam, req: StepRequest) -> Response:
         """Take a step once; asked again (a restarted trainer), its logged result (`replayed`)."""
-        result = await service.trajectory_step(trajectory_id, req)
+        result = await node.trajectories.step(trajectory_id, req, project=tenancy.project())
         # Every step of every rollout comes through here: the model is serialized once, not
         # validated again on the way out.
         return Response(result.model_dump_json(), media_type="application/json")
 
-    @r.get("/v1/trajectories/{trajectory_id}/steps", response_model=StepList)
+    @api.route(r, "steps")
     async def steps(trajectory_id: TrajectoryIdParam) -> StepList:
-        return StepList(steps=await service.trajectory_steps(trajectory_id))
+        return StepList(steps=await node.trajectories.steps(trajectory_id, project=tenancy.project()))
 
-    @r.post("/v1/trajectories/{trajectory_id}/verify", response_model=VerifyResult)
+    @api.route(r, "verify_trajectory")
     async def verify_trajectory(trajectory_id: TrajectoryIdParam, req: VerifyRequest) -> VerifyResult:
-        return await service.verify_trajectory(trajectory_id, req)
+        return await node.trajectories.verify(trajectory_id, req, project=tenancy.project())
 
-    @r.post("/v1/trajectories/{trajectory_id}/close", response_model=TrajectoryInfo)
+    @api.route(r, "close_trajectory")
     async def close_trajectory(
         trajectory_id: TrajectoryIdParam, req: Annotated[TrajectoryClose | None, Body()] = None
     ) -> TrajectoryInfo:
-        return await service.close_trajectory(trajectory_id, req or TrajectoryClose())
+        return await node.trajectories.close(trajectory_id, req or TrajectoryClose(), project=tenancy.project())
 
-    @r.get("/v1/trajectories/{trajectory_id}/record", response_model=ReproRecord)
+    @api.route(r, "record")
     async def record(trajectory_id: TrajectoryIdParam) -> ReproRecord:
         """What the trajectory's sandbox was made of, what was done in it, with which seed and software."""
-        return await service.trajectory_record(trajectory_id)
+        return await node.trajectories.record(trajectory_id, project=tenancy.project())
 
-    @r.post("/v1/sandboxes/{sandbox_id}/verify", response_model=VerifyResult)
+    @api.route(r, "verify")
     async def verify(sandbox_id: str, req: VerifyRequest) -> VerifyResult:
         """Run checks in a fresh sandbox made of this one's pre-agent state, its changes and hidden layers."""
-        return await service.verify(sandbox_id, req)
+        return await node.verifier.verify(sandbox_id, req)
 
     return r

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from sandfleet.daemon.api.common import (
     MAX_INT64,
+    Api,
     CheckedRoute,
     Forwarded,
     acked,
@@ -18,7 +19,6 @@ from sandfleet.daemon.api.common import (
     log,
     parse_labels,
 )
-from sandfleet.daemon.protocol import SandboxService
 from sandfleet.errors import (
     InvalidArgumentError,
 )
@@ -34,7 +34,6 @@ from sandfleet.models import (
     LifetimeManyRequest,
     LifetimeUpdate,
     SandboxInfo,
-    SandboxList,
     SandboxSpec,
     SandboxState,
     StopManyRequest,
@@ -46,10 +45,11 @@ from sandfleet.models import (
 )
 
 
-def router(service: SandboxService) -> APIRouter:
+def router(api: Api) -> APIRouter:
     r = APIRouter(route_class=CheckedRoute)
+    node, tenancy = api.node, api.tenancy
 
-    @r.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
+    @api.route(r, "create")
     async def create(
         spec: SandboxSpec,
         background: BackgroundTasks,
@@ -64,19 +64,19 @@ def router(service: SandboxService) -> APIRouter:
         ] = None,
         forwarded: Forwarded = None,
     ) -> SandboxInfo:
-        info = await service.create(spec, idempotency_key=idempotency_key)
-        acked(service, background, [info.id], forwarded)
+        info = await tenancy.create(spec, idempotency_key=idempotency_key)
+        acked(node, background, [info.id], forwarded)
         return info
 
-    @r.post("/v1/sandboxes/batch", response_model=CreateBatchResult)
+    @api.route(r, "create_batch")
     async def create_batch(
         req: CreateBatchRequest, background: BackgroundTasks, forwarded: Forwarded = None
     ) -> CreateBatchResult:
-        results = await service.create_batch(req.specs, req.concurrency, req.idempotency_keys)
-        acked(service, background, [r.id for r in results if isinstance(r, SandboxInfo)], forwarded)
+        results = await tenancy.create_batch(req.specs, req.concurrency, req.idempotency_keys)
+        acked(node, background, [r.id for r in results if isinstance(r, SandboxInfo)], forwarded)
         return batch_result(results)
 
-    @r.get("/v1/sandboxes", response_model=SandboxList)
+    @api.route(r, "list_sandboxes")
     async def list_sandboxes(
         label: Annotated[list[str], Query(max_length=64)] = [],  # noqa: B006
         state: Annotated[
@@ -89,7 +89,7 @@ def router(service: SandboxService) -> APIRouter:
         ] = None,
         after: Annotated[str | None, Query(max_length=80, description="the `next` cursor of the previous page")] = None,
     ) -> Response:
-        found = await service.list(parse_labels(label), state)
+        found = await tenancy.list(parse_labels(label), state)
         tail = b""
         if limit is not None or after is not None:
             try:
@@ -108,7 +108,7 @@ def router(service: SandboxService) -> APIRouter:
                 log.exception("sandbox %s cannot be listed", info.id)
         return Response(b'{"sandboxes":[' + b",".join(items) + b"]" + tail + b"}", media_type="application/json")
 
-    @r.get("/v1/jobs", response_model=JobList)
+    @api.route(r, "jobs")
     async def jobs(
         key: Annotated[str, Query(max_length=63, description="the label whose values group sandboxes")] = "job",
         label: Annotated[list[str], Query(max_length=64)] = [],  # noqa: B006
@@ -121,59 +121,59 @@ def router(service: SandboxService) -> APIRouter:
         counts of thousands of sandboxes without sending them)."""
         if not LABEL_KEY.match(key):
             raise InvalidArgumentError(f"key: {shown(key)} is not a label key")
-        return group_by_label(await service.list(parse_labels(label), state), key)
+        return group_by_label(await tenancy.list(parse_labels(label), state), key)
 
-    @r.post("/v1/sandboxes/lifetimes", response_model=IdList)
+    @api.route(r, "update_lifetimes")
     async def update_lifetimes(req: LifetimeManyRequest) -> IdList:
         fields = {k: getattr(req, k) for k in req.model_fields_set & {"idle_ttl", "max_lifetime"}}
-        return IdList(sandboxes=await service.update_lifetimes(req.labels, fields))
+        return IdList(sandboxes=await tenancy.update_lifetimes(req.labels, fields))
 
-    @r.post("/v1/sandboxes/stop", response_model=StopManyResult)
+    @api.route(r, "stop_many")
     async def stop_many(req: StopManyRequest) -> StopManyResult:
         if not req.labels:
             raise InvalidArgumentError("stop by labels needs at least one label")
-        return StopManyResult(stopped=await service.stop_many(req.labels, req.reason))
+        return StopManyResult(stopped=await tenancy.stop_many(req.labels, req.reason))
 
-    @r.post("/v1/sandboxes/pause", response_model=IdList)
+    @api.route(r, "pause_many")
     async def pause_many(req: LabelsRequest) -> IdList:
-        return IdList(sandboxes=await service.pause_many(req.labels))
+        return IdList(sandboxes=await tenancy.pause_many(req.labels))
 
-    @r.post("/v1/sandboxes/resume", response_model=IdList)
+    @api.route(r, "resume_many")
     async def resume_many(req: LabelsRequest) -> IdList:
-        return IdList(sandboxes=await service.resume_many(req.labels))
+        return IdList(sandboxes=await tenancy.resume_many(req.labels))
 
-    @r.get("/v1/sandboxes/{sandbox_id}/usage", response_model=Usage)
+    @api.route(r, "usage")
     async def usage(sandbox_id: str) -> Usage:
-        return await service.usage(sandbox_id)
+        return await node.core.usage(sandbox_id)
 
-    @r.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
+    @api.route(r, "pause")
     async def pause(sandbox_id: str) -> SandboxInfo:
-        return await service.pause(sandbox_id)
+        return await node.pauser.pause(sandbox_id)
 
-    @r.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
+    @api.route(r, "resume")
     async def resume(sandbox_id: str) -> SandboxInfo:
-        return await service.resume(sandbox_id)
+        return await node.pauser.resume(sandbox_id)
 
-    @r.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    @api.route(r, "get")
     async def get(sandbox_id: str) -> SandboxInfo:
-        return await service.get(sandbox_id)
+        return await node.core.get(sandbox_id)
 
-    @r.patch("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    @api.route(r, "update_lifetime")
     async def update_lifetime(sandbox_id: str, req: LifetimeUpdate) -> SandboxInfo:
         fields = {k: getattr(req, k) for k in req.model_fields_set & {"idle_ttl", "max_lifetime"}}
-        return await service.update_lifetime(sandbox_id, fields)
+        return await node.core.update_lifetime(sandbox_id, fields)
 
-    @r.delete("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    @api.route(r, "stop")
     async def stop(sandbox_id: str, req: Annotated[StopRequest | None, Body()] = None) -> SandboxInfo:
-        return await service.stop(sandbox_id, reason=req.reason if req else "user")
+        return await node.core.stop(sandbox_id, reason=req.reason if req else "user")
 
-    @r.get("/v1/sandboxes/{sandbox_id}/events", response_model=EventList)
+    @api.route(r, "events")
     async def events(
         sandbox_id: str,
         after: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     ) -> EventList:
-        return EventList(events=await service.events(sandbox_id, after, limit))
+        return EventList(events=await node.core.events(sandbox_id, after, limit))
 
     return r
 

@@ -11,11 +11,11 @@ from sandfleet.daemon.api.common import (
     EXEC_BEAT,
     NDJSON,
     RAW_BODY,
+    Api,
     CheckedRoute,
     file_body,
     stream,
 )
-from sandfleet.daemon.protocol import SandboxService
 from sandfleet.models import (
     ExecResult,
     Ok,
@@ -26,47 +26,44 @@ from sandfleet.models import (
 )
 
 
-def router(service: SandboxService) -> APIRouter:
+def router(api: Api) -> APIRouter:
     r = APIRouter(route_class=CheckedRoute)
+    node = api.node
 
-    @r.post("/v1/sandboxes/{sandbox_id}/sessions", response_model=SessionInfo, status_code=201)
+    @api.route(r, "create_session")
     async def create_session(
         sandbox_id: str, req: Annotated[SessionCreateRequest | None, Body()] = None
     ) -> SessionInfo:
         r = req or SessionCreateRequest()
-        return await service.create_session(sandbox_id, r.env, r.cwd, r.user, r.pty)
+        return await node.sessions.create_session(sandbox_id, r.env, r.cwd, r.user, r.pty)
 
-    @r.get("/v1/sandboxes/{sandbox_id}/sessions", response_model=SessionList)
+    @api.route(r, "list_sessions")
     async def list_sessions(sandbox_id: str) -> SessionList:
-        return SessionList(sessions=await service.list_sessions(sandbox_id))
+        return SessionList(sessions=await node.sessions.list_sessions(sandbox_id))
 
-    @r.get("/v1/sandboxes/{sandbox_id}/sessions/{session_id}", response_model=SessionInfo)
+    @api.route(r, "get_session")
     async def get_session(sandbox_id: str, session_id: str) -> SessionInfo:
-        return await service.get_session(sandbox_id, session_id)
+        return await node.sessions.get_session(sandbox_id, session_id)
 
-    @r.post("/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run", response_model=ExecResult)
+    @api.route(r, "session_run")
     async def session_run(sandbox_id: str, session_id: str, req: SessionRunRequest) -> ExecResult:
-        return await service.session_run(sandbox_id, session_id, req)
+        return await node.sessions.session_run(sandbox_id, session_id, req)
 
-    @r.post(
-        "/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run/stream",
-        response_class=StreamingResponse,
-        responses=NDJSON,
-    )
+    @api.route(r, "session_run_stream", response_class=StreamingResponse, responses=NDJSON)
     async def session_run_stream(sandbox_id: str, session_id: str, req: SessionRunRequest) -> StreamingResponse:
         """ExecEvent lines, as for exec/stream."""
-        events = await service.session_run_stream(sandbox_id, session_id, req)
+        events = await node.sessions.session_run_stream(sandbox_id, session_id, req)
         return stream(events, EXEC_BEAT)
 
-    @r.post("/v1/sandboxes/{sandbox_id}/sessions/{session_id}/stdin", response_model=Ok, openapi_extra=RAW_BODY)
+    @api.route(r, "session_stdin", openapi_extra=RAW_BODY)
     async def session_stdin(request: Request, sandbox_id: str, session_id: str, close: bool = False) -> Ok:
         """Bytes for the standard input of the command running in the session; `close` ends it."""
-        await service.write_session_stdin(sandbox_id, session_id, await file_body(request), close)
+        await node.sessions.write_session_stdin(sandbox_id, session_id, await file_body(request), close)
         return Ok()
 
-    @r.delete("/v1/sandboxes/{sandbox_id}/sessions/{session_id}", response_model=Ok)
+    @api.route(r, "close_session")
     async def close_session(sandbox_id: str, session_id: str) -> Ok:
-        await service.close_session(sandbox_id, session_id)
+        await node.sessions.close_session(sandbox_id, session_id)
         return Ok()
 
     return r

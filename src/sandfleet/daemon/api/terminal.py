@@ -28,9 +28,9 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from sandfleet.client._base import TERMINAL_PROTOCOL, terminal_credentials, terminal_origin_ok
-from sandfleet.daemon.api.common import log
+from sandfleet.daemon.api.common import OPERATION, Api, log
 from sandfleet.daemon.errormap import to_wire_error
-from sandfleet.daemon.protocol import SandboxService, Terminal
+from sandfleet.daemon.protocol import Terminal
 from sandfleet.errors import InternalError, InvalidArgumentError, PermissionDeniedError, SandboxError
 from sandfleet.models import ExecResult, TerminalRequest, TerminalResize, shown, validation_message
 
@@ -63,13 +63,15 @@ def check_origin(ws: WebSocket) -> None:
 
 
 def router(
-    service: SandboxService,
+    api: Api,
     auth: Callable[[str], Any] | None,
     audit: Callable[[WebSocket, int, float], None],
 ) -> APIRouter:
     r = APIRouter()
+    node, tenancy = api.node, api.tenancy
+    opening = OPERATION["terminal_doc"]
 
-    @r.get("/v1/sandboxes/{sandbox_id}/terminal", response_model=None, status_code=101)
+    @api.route(r, "terminal_doc", response_model=None)
     async def terminal_doc(sandbox_id: str) -> None:
         """A WebSocket (this GET must be an upgrade): a command on a new pseudo-terminal in the sandbox.
 
@@ -95,8 +97,10 @@ def router(
                 ws.scope["sandfleet.caller"] = caller
                 if not caller.can_write:
                     raise PermissionDeniedError(f"token {caller.name} is read-only")
+            if tenancy.iam is not None:  # the route's scoping, as a dependency does it for the GET
+                await tenancy.admit(opening, {"sandbox_id": sandbox_id})
             req = await _start_request(ws)
-            term = await service.open_terminal(sandbox_id, req)
+            term = await node.execs.open_terminal(sandbox_id, req)
             audit(ws, 101, t0)  # opened (and again when it closes, with how)
             await ws.send_text(json.dumps({"type": "started", "pid": term.pid}))
             await _relay(ws, term)
