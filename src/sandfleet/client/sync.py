@@ -290,13 +290,9 @@ class Client:
         is seen by the next call. Returns the same `ExecResult` as `exec`."""
         body = b.run_code_body(
             code,
+            b.CommandOptions(stdin=stdin, env=env, timeout=timeout, output_limit=output_limit, binary=binary),
             language=language,
-            stdin=stdin,
             files=files,
-            env=env,
-            timeout=timeout,
-            output_limit=output_limit,
-            binary=binary,
             image=image,
             resources=resources,
         )
@@ -833,16 +829,18 @@ class Sandbox:
         """
         body = b.exec_body(
             command,
-            env=env,
-            cwd=cwd,
-            user=user,
-            stdin=stdin,
-            timeout=timeout,
-            output_limit=output_limit,
-            merge_stderr=merge_stderr,
-            binary=binary,
-            pty=pty,
-            cpu_time=cpu_time,
+            b.CommandOptions(
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                timeout=timeout,
+                output_limit=output_limit,
+                merge_stderr=merge_stderr,
+                binary=binary,
+                pty=pty,
+                cpu_time=cpu_time,
+            ),
         )
         if b.one_response(timeout, self._c.timeout):
             return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
@@ -865,13 +863,9 @@ class Sandbox:
         to the call)."""
         body = b.run_code_body(
             code,
+            b.CommandOptions(stdin=stdin, env=env, timeout=timeout, output_limit=output_limit, binary=binary),
             language=language,
-            stdin=stdin,
             files=files,
-            env=env,
-            timeout=timeout,
-            output_limit=output_limit,
-            binary=binary,
         )
         return self._c._model(ExecResult, b.call_run_code(self.id, body, self._c.timeout))
 
@@ -896,15 +890,17 @@ class Sandbox:
         early (`with`, `close()`) closes the stream and the daemon kills the command."""
         body = b.exec_body(
             command,
-            env=env,
-            cwd=cwd,
-            user=user,
-            stdin=stdin,
-            timeout=timeout,
-            output_limit=output_limit,
-            merge_stderr=merge_stderr,
-            binary=binary,
-            pty=pty,
+            b.CommandOptions(
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                timeout=timeout,
+                output_limit=output_limit,
+                merge_stderr=merge_stderr,
+                binary=binary,
+                pty=pty,
+            ),
         )
         return self._c._events(b.call_exec(self.id, body, self._c.timeout, stream=True), b.exec_event)
 
@@ -927,9 +923,8 @@ class Sandbox:
         (SIGWINCH). `timeout` (seconds; None: while connected) kills it as in `exec`; `output_limit`
         (bytes forwarded in all) is none by default: output not read holds the command back, as a
         terminal does. Closing the terminal kills what still runs on it."""
-        start = b.terminal_start(
-            command, rows=rows, cols=cols, env=env, cwd=cwd, user=user, timeout=timeout, output_limit=output_limit
-        )
+        options = b.CommandOptions(env=env, cwd=cwd, user=user, timeout=timeout, output_limit=output_limit)
+        start = b.terminal_start(command, options, rows=rows, cols=cols)
         term = Terminal(self)
         term._open(start)
         return term
@@ -954,16 +949,18 @@ class Sandbox:
         `process.write_stdin(...)` until `process.close_stdin()`. `timeout` and `cpu_time` as in exec."""
         body = b.exec_body(
             command,
-            env=env,
-            cwd=cwd,
-            user=user,
-            stdin=stdin,
-            keep_stdin_open=keep_stdin_open,
-            timeout=timeout,
-            output_limit=output_limit,
-            merge_stderr=merge_stderr,
-            binary=binary,
-            cpu_time=cpu_time,
+            b.CommandOptions(
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                keep_stdin_open=keep_stdin_open,
+                timeout=timeout,
+                output_limit=output_limit,
+                merge_stderr=merge_stderr,
+                binary=binary,
+                cpu_time=cpu_time,
+            ),
         )
         return Process(self, self._c._model(ProcessInfo, b.call_start(self.id, body)))
 
@@ -984,7 +981,9 @@ class Sandbox:
         stream (`stdout`, CRLF line ends), its stdin is the terminal (`write_stdin` types into it:
         "\\x03" is ^C) and programs see a terminal (pagers, REPLs); `run` still returns each command's
         own output and exit code."""
-        info = self._c._model(SessionInfo, b.call_session_create(self.id, env, cwd, user, pty))
+        info = self._c._model(
+            SessionInfo, b.call_session_create(self.id, b.CommandOptions(env=env, cwd=cwd, user=user, pty=pty))
+        )
         return Session(self, info)
 
     def sessions(self) -> builtins.list[SessionInfo]:
@@ -1074,12 +1073,14 @@ class Session:
         """
         body = b.session_run_body(
             command,
-            timeout=timeout,
-            output_limit=output_limit,
-            stdin=stdin,
-            keep_stdin_open=keep_stdin_open,
-            merge_stderr=merge_stderr,
-            binary=binary,
+            b.CommandOptions(
+                timeout=timeout,
+                output_limit=output_limit,
+                stdin=stdin,
+                keep_stdin_open=keep_stdin_open,
+                merge_stderr=merge_stderr,
+                binary=binary,
+            ),
         )
         c = self._sb._c
         if b.one_response(timeout, c.timeout):
@@ -1101,12 +1102,14 @@ class Session:
         (heartbeats swallowed; see `exec_stream`)."""
         body = b.session_run_body(
             command,
-            timeout=timeout,
-            output_limit=output_limit,
-            stdin=stdin,
-            keep_stdin_open=keep_stdin_open,
-            merge_stderr=merge_stderr,
-            binary=binary,
+            b.CommandOptions(
+                timeout=timeout,
+                output_limit=output_limit,
+                stdin=stdin,
+                keep_stdin_open=keep_stdin_open,
+                merge_stderr=merge_stderr,
+                binary=binary,
+            ),
         )
         c = self._sb._c
         return c._events(b.call_session_run(self._sb.id, self.id, body, c.timeout, stream=True), b.exec_event)
@@ -1263,15 +1266,17 @@ class Trajectory:
         """Run a command as the next step (see `Sandbox.exec`); its result, recorded."""
         body = b.exec_body(
             command,
-            env=env,
-            cwd=cwd,
-            user=user,
-            stdin=stdin,
-            timeout=timeout,
-            output_limit=output_limit,
-            merge_stderr=merge_stderr,
-            binary=binary,
-            cpu_time=cpu_time,
+            b.CommandOptions(
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                timeout=timeout,
+                output_limit=output_limit,
+                merge_stderr=merge_stderr,
+                binary=binary,
+                cpu_time=cpu_time,
+            ),
         )
         result = self._step({"kind": "exec", "exec": body}, b.step_timeout(timeout, self._c.timeout), None)
         error = b.step_error(result)

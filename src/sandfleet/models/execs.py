@@ -38,7 +38,7 @@ def _check_b64(value: str | None) -> str | None:
 Base64 = Annotated[str, AfterValidator(_check_b64)]
 
 # The bounds of a command's options, one definition each, for every request that runs a command
-# (ExecRequest, TerminalRequest, SessionRunRequest, RunCodeRequest, VerifyRequest); where it runs is
+# (ExecRequest, TerminalRequest, SessionRunRequest, RunCodeRequest); where it runs is
 # EnvVars, SandboxPath and UserName, and its standard input `_Stdin`. Field types, not a base class:
 # a request's field order is part of a logged step's identity (daemon/steplog.py).
 MAX_OUTPUT = 64 * 1024**2

@@ -8,7 +8,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from sandfleet.errors import Cause
 from sandfleet.models.common import MAX_SECONDS, AbsPath, Encoding, EnvVars, ErrorBody, Labels, SandboxPath, _Model
-from sandfleet.models.execs import CommandTimeout, ExecRequest, ExecResult, OutputLimit
+from sandfleet.models.execs import ExecRequest, ExecResult
 from sandfleet.models.files import FileInfo
 from sandfleet.models.sandboxes import Resources, SandboxSpec, check_layers
 
@@ -145,7 +145,7 @@ class VerifyRequest(_Model):
     )
     cwd: SandboxPath | None = None
     env: EnvVars = Field(default_factory=dict)
-    timeout: CommandTimeout = Field(600.0, description="seconds the checks may run (wall clock)")
+    timeout: float = Field(600.0, gt=0, le=86400, description="seconds the checks may run (wall clock)")
     cpu_time: float | None = Field(
         None, gt=0, le=86400, description="CPU seconds the checks may use (see ExecRequest.cpu_time)"
     )
@@ -167,7 +167,7 @@ class VerifyRequest(_Model):
         "the verifier's unless the agent's code crashed or ran out of memory (pytest: 1 = tests failed, "
         "2 = a collection error, e.g. the agent's code does not import; 3-5 = the checker itself broke)",
     )
-    output_limit: OutputLimit = 256 * 1024
+    output_limit: int = Field(256 * 1024, ge=0, le=64 * 1024**2)
     keep: bool = Field(False, description="keep the verifier's sandbox (to look into a failure)")
 
     @field_validator("command")
