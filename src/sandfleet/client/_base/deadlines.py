@@ -11,10 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 
 from sandfleet.client._base.wire import Call
-from sandfleet.errors import (
-    InvalidArgumentError,
-    SandboxTimeoutError,
-)
+from sandfleet.errors import InvalidArgumentError, SandboxTimeoutError
 
 DEFAULT_TIMEOUT = 60.0
 # Extra HTTP time on top of a command's own timeout, so the daemon's answer wins: its timed_out=true,

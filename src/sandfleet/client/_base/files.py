@@ -6,9 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.client._base.wire import _OCTET_STREAM, Call, _sb, _stream_item
-from sandfleet.models import (
-    FileEvent,
-)
+from sandfleet.models import FileEvent
 
 
 def file_event(line: bytes) -> FileEvent | None:

@@ -8,16 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.client._base.wire import Call, _stream_item, _validated
-from sandfleet.errors import (
-    InvalidArgumentError,
-    UnavailableError,
-)
-from sandfleet.models import (
-    AuditQuery,
-    AuditRecord,
-    BuildEvent,
-    ImageInfo,
-)
+from sandfleet.errors import InvalidArgumentError, UnavailableError
+from sandfleet.models import AuditQuery, AuditRecord, BuildEvent, ImageInfo
 
 
 def build_event(line: bytes) -> BuildEvent | None:

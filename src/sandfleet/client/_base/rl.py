@@ -6,16 +6,8 @@ import re
 from typing import Any
 
 from sandfleet.client._base.wire import _validated
-from sandfleet.errors import (
-    InvalidArgumentError,
-    SandboxError,
-    error_from_wire,
-)
-from sandfleet.models import (
-    TRAJECTORY_ID,
-    StepResult,
-    VerifyRequest,
-)
+from sandfleet.errors import InvalidArgumentError, SandboxError, error_from_wire
+from sandfleet.models import TRAJECTORY_ID, StepResult, VerifyRequest
 
 _TRAJECTORY_RE = re.compile(TRAJECTORY_ID)
 

@@ -16,12 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from sandfleet.client._base.transport import request_sent, transport_cause
 from sandfleet.client._base.wire import Call, Unset, _sb, _validated, sandbox_path, snapshot_path
-from sandfleet.errors import (
-    InvalidArgumentError,
-    ResourceExhaustedError,
-    SandboxError,
-    error_from_wire,
-)
+from sandfleet.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError, error_from_wire
 from sandfleet.models import (
     PROJECT_LABEL,
     CreateBatchItem,

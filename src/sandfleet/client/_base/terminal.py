@@ -11,17 +11,8 @@ from urllib.parse import urlsplit
 
 from sandfleet.client._base.commands import CommandOptions
 from sandfleet.client._base.wire import _sb, _validated
-from sandfleet.errors import (
-    InternalError,
-    SandboxError,
-    UnavailableError,
-    error_from_wire,
-)
-from sandfleet.models import (
-    ExecResult,
-    TerminalRequest,
-    TerminalResize,
-)
+from sandfleet.errors import InternalError, SandboxError, UnavailableError, error_from_wire
+from sandfleet.models import ExecResult, TerminalRequest, TerminalResize
 
 TERMINAL_PROTOCOL = "sandfleet.terminal"
 TERMINAL_FRAME = 1 << 20  # the largest WebSocket message a terminal accepts (output comes in <= 64 KiB)

@@ -13,13 +13,7 @@ from typing import Final
 import httpx
 
 from sandfleet.client._base.wire import Call
-from sandfleet.errors import (
-    InvalidArgumentError,
-    SandboxError,
-    SandboxTimeoutError,
-    UnavailableError,
-    error_from_wire,
-)
+from sandfleet.errors import InvalidArgumentError, SandboxError, SandboxTimeoutError, UnavailableError, error_from_wire
 
 DEFAULT_SOCKET = "/run/sandfleet/sandfleet.sock"
 # With several gateways: a connection not made within this many seconds moves on to the next one.

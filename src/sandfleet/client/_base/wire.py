@@ -13,11 +13,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 
-from sandfleet.errors import (
-    InternalError,
-    InvalidArgumentError,
-    error_from_wire,
-)
+from sandfleet.errors import InternalError, InvalidArgumentError, error_from_wire
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")

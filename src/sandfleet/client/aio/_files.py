@@ -9,11 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sandfleet.client import _base as b
-from sandfleet.models import (
-    FileEvent,
-    FileInfo,
-    FileList,
-)
+from sandfleet.models import FileEvent, FileInfo, FileList
 
 if TYPE_CHECKING:
     from sandfleet.client.aio._http import AsyncEventStream

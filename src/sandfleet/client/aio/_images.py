@@ -10,14 +10,7 @@ from urllib.parse import quote
 
 from sandfleet.client import _base as b
 from sandfleet.client.aio._http import _AsyncCalls
-from sandfleet.models import (
-    BuildEvent,
-    GcResult,
-    ImageInfo,
-    ImageList,
-    ImportRequest,
-    RecipeBuildRequest,
-)
+from sandfleet.models import BuildEvent, GcResult, ImageInfo, ImageList, ImportRequest, RecipeBuildRequest
 
 
 class _Images(_AsyncCalls):

@@ -9,15 +9,7 @@ from typing import Any, Literal
 from sandfleet.client import _base as b
 from sandfleet.client.aio._http import AsyncEventStream, _AsyncCalls
 from sandfleet.errors import SandboxError
-from sandfleet.models import (
-    AuditList,
-    AuditRecord,
-    DrainRequest,
-    ExecResult,
-    FenceRequest,
-    NodeLoad,
-    Resources,
-)
+from sandfleet.models import AuditList, AuditRecord, DrainRequest, ExecResult, FenceRequest, NodeLoad, Resources
 
 # async-only: begin
 # isort: split

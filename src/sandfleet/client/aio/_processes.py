@@ -6,13 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sandfleet.client import _base as b
-from sandfleet.models import (
-    ExecEvent,
-    ExecResult,
-    Ok,
-    ProcessInfo,
-    SessionInfo,
-)
+from sandfleet.models import ExecEvent, ExecResult, Ok, ProcessInfo, SessionInfo
 
 if TYPE_CHECKING:
     from sandfleet.client.aio._http import AsyncEventStream

@@ -13,9 +13,7 @@ from pydantic import BaseModel
 
 from sandfleet.client import _base as b
 from sandfleet.errors import SandboxError
-from sandfleet.models import (
-    ExecResult,
-)
+from sandfleet.models import ExecResult
 
 if TYPE_CHECKING:
     from sandfleet.client.sync._client import Client

@@ -9,15 +9,7 @@ from typing import Any, Literal
 
 from sandfleet.client import _base as b
 from sandfleet.client.sync._http import EventStream, _Calls
-from sandfleet.models import (
-    AuditList,
-    AuditRecord,
-    DrainRequest,
-    ExecResult,
-    FenceRequest,
-    NodeLoad,
-    Resources,
-)
+from sandfleet.models import AuditList, AuditRecord, DrainRequest, ExecResult, FenceRequest, NodeLoad, Resources
 
 
 class _Node(_Calls):

@@ -22,9 +22,7 @@ from wsproto.utilities import LocalProtocolError
 
 from sandfleet.client import _base as b
 from sandfleet.errors import SandboxTimeoutError, WrongStateError
-from sandfleet.models import (
-    ExecResult,
-)
+from sandfleet.models import ExecResult
 
 if TYPE_CHECKING:
     from sandfleet.client.sync._sandbox import Sandbox
