@@ -37,8 +37,22 @@ def _signature(obj: object) -> str:
         return "(...)"
 
 
+def _private(cls: type) -> bool:
+    return cls.__name__.startswith("_") and cls.__module__.startswith("sandfleet.client.")
+
+
+def _own(cls: type) -> dict[str, object]:
+    """The class's members, with those of its private bases (`_Fleet`, a part of `AsyncClient`): they
+    are the class's own for a user, wherever the source keeps them."""
+    members: dict[str, object] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is cls or _private(klass):
+            members.update(klass.__dict__)
+    return members
+
+
 def _class(name: str, cls: type) -> list[str]:
-    bases = ", ".join(b.__name__ for b in cls.__bases__ if b is not object)
+    bases = ", ".join(b.__name__ for b in cls.__bases__ if b is not object and not _private(b))
     lines = [f"class {name}({bases})" if bases else f"class {name}"]
     if issubclass(cls, enum.Enum):
         lines += [f"    {m.name} = {m.value!r}" for m in cls]
@@ -49,7 +63,7 @@ def _class(name: str, cls: type) -> list[str]:
             if field in own:
                 default = "" if info.is_required() else " = ..."
                 lines.append(f"    {field}: {own[field]}{default}")
-    for attr, value in sorted(cls.__dict__.items()):
+    for attr, value in sorted(_own(cls).items()):
         if attr.startswith("_") and attr not in ("__init__", "__call__", "__enter__", "__aenter__"):
             continue
         if isinstance(value, property):

@@ -1,7 +1,9 @@
-"""Generate src/sandfleet/client/sync.py from aio.py (the async client is the source of truth).
+"""Generate src/sandfleet/client/sync/ from client/aio/ (the async client is the source of truth).
 
 Like httpcore's unasync: the blocking client is the async one with the awaits taken out, so the two
-can never drift. `python3 scripts/gen_sync_client.py` rewrites the file; `--check` fails if stale.
+can never drift. Each module of the async package becomes the module of the same name in the
+blocking one. `python3 scripts/gen_sync_client.py` rewrites them; `--check` fails if one is stale
+(or is in sync/ without an async source).
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import sys
 from pathlib import Path
 
 CLIENT = Path(__file__).resolve().parent.parent / "src" / "sandfleet" / "client"
+AIO, SYNC = CLIENT / "aio", CLIENT / "sync"
 
 REPLACEMENTS = [
     (
-        '"""`AsyncClient`: the asyncio SDK. Mirrors `sandfleet.client.sync` call for call."""',
-        '"""`Client`: the blocking SDK. Generated from aio.py by scripts/gen_sync_client.py: do not edit."""',
+        '"""`AsyncClient`: the asyncio SDK. Mirrors `sandfleet.client.sync` call for call.\n',
+        '"""`Client`: the blocking SDK, generated from the asyncio one (client/aio/): do not edit.\n',
     ),
+    ("sandfleet.client.aio", "sandfleet.client.sync"),
+    ("_AsyncCalls", "_Calls"),
     ("AsyncIterator", "Iterator"),
     ("AsyncGenerator", "Generator"),
     ("AsyncHTTPTransport", "HTTPTransport"),
@@ -68,16 +73,24 @@ REPLACEMENTS = [
 ]
 
 
-def generate() -> str:
-    text = (CLIENT / "aio.py").read_text()
+def generate(source: Path) -> str:
+    """The blocking twin of the async module `source`."""
+    target = SYNC / source.name
+    text = source.read_text()
     # What only an event loop can do (coalescing calls made in the same turn of it) has no blocking twin.
     text = re.sub(r"\n[ \t]*# async-only: begin\n.*?# async-only: end\n", "\n", text, flags=re.S)
     for old, new in REPLACEMENTS:
         text = text.replace(old, new)
-    # Renamed imports (AsyncGenerator -> Generator) may fall out of order: let isort put them back.
+    if "time.sleep(" in text and "\nimport time\n" not in text:  # was asyncio.sleep
+        text = text.replace(
+            "from __future__ import annotations\n", "from __future__ import annotations\n\nimport time\n", 1
+        )
+    text = f"# Generated from client/aio/{source.name} by scripts/gen_sync_client.py: do not edit.\n" + text
+    # Renamed imports (AsyncGenerator -> Generator) may fall out of order, and those only the async
+    # code used (asyncio's, what async-only blocks need) are left over: let isort and ruff fix them.
     text = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--select", "I", "--fix", "--quiet", "--exit-zero"]
-        + ["--stdin-filename", str(CLIENT / "sync.py"), "-"],
+        [sys.executable, "-m", "ruff", "check", "--select", "I,F401", "--fix", "--quiet", "--exit-zero"]
+        + ["--stdin-filename", str(target), "-"],
         input=text,
         capture_output=True,
         text=True,
@@ -85,7 +98,7 @@ def generate() -> str:
     ).stdout
     # Lines get shorter without `async`/`await`: let the formatter re-wrap them.
     formatted = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(CLIENT / "sync.py"), "-"],
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(target), "-"],
         input=text,
         capture_output=True,
         text=True,
@@ -95,14 +108,20 @@ def generate() -> str:
 
 
 def main() -> int:
-    target = CLIENT / "sync.py"
-    text = generate()
+    wanted = {SYNC / source.name: generate(source) for source in sorted(AIO.glob("*.py"))}
     if "--check" in sys.argv:
-        if target.read_text() != text:
-            sys.stderr.write("src/sandfleet/client/sync.py is stale: run python3 scripts/gen_sync_client.py\n")
-            return 1
-        return 0
-    target.write_text(text)
+        stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+        stale += [path for path in SYNC.glob("*.py") if path not in wanted]
+        for path in stale:
+            rel = path.relative_to(CLIENT.parent.parent)
+            sys.stderr.write(f"{rel} is stale: run python3 scripts/gen_sync_client.py\n")
+        return 1 if stale else 0
+    SYNC.mkdir(exist_ok=True)
+    for path in SYNC.glob("*.py"):
+        if path not in wanted:
+            path.unlink()
+    for path, text in wanted.items():
+        path.write_text(text)
     return 0
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from sandfleet import AsyncClient, AsyncSandbox, Client, Sandbox
 from sandfleet.client import _base
+from sandfleet.client._base import deadlines
 from sandfleet.errors import (
     WIRE_CODES,
     InvalidArgumentError,
@@ -142,7 +143,7 @@ SB = "/v1/sandboxes/sb-1"
 @pytest.fixture
 def quick_silence(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let a stream's silence limit be the (tiny) client timeout of these tests."""
-    monkeypatch.setattr(_base, "MIN_SILENCE", 0.0)
+    monkeypatch.setattr(deadlines, "MIN_SILENCE", 0.0)
 
 
 def sandbox(fake: Fake, fleet: Client) -> Sandbox:
@@ -464,7 +465,7 @@ async def test_async_silent_stream_raises_a_timeout_and_is_closed(quick_silence:
 async def test_a_streamed_command_is_bounded_by_its_own_timeout(
     quick_silence: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_base, "EXEC_MARGIN", 0.0)
+    monkeypatch.setattr(deadlines, "EXEC_MARGIN", 0.0)
     fake = Fake()
     endless = FakeStream([(0.05, HEARTBEAT)] * 200)  # a daemon that never reports the exit
     fake.route("POST", SB + "/exec/stream", stream(endless))

@@ -30,14 +30,13 @@ def test_credentials_come_from_the_header_or_a_browsers_subprotocol() -> None:
 
 
 def test_terminal_requests_are_checked_before_connecting() -> None:
-    start = json.loads(
-        b.terminal_start("vim", rows=50, cols=160, env=None, cwd=None, user=None, timeout=None, output_limit=None)
-    )
+    start = json.loads(b.terminal_start("vim", b.CommandOptions(timeout=None), rows=50, cols=160))
     assert start == {"type": "start", "command": "vim", "rows": 50, "cols": 160, "timeout": None}
     for bad in ({"rows": 0}, {"cols": 1001}, {"timeout": -1}, {"output_limit": 2 * 1024**3}):
         fields = {"rows": 24, "cols": 80, "timeout": None, "output_limit": None} | bad
+        options = b.CommandOptions(timeout=fields.pop("timeout"), output_limit=fields.pop("output_limit"))
         with pytest.raises(InvalidArgumentError):
-            b.terminal_start("sh", env=None, cwd=None, user=None, **fields)  # type: ignore[arg-type]
+            b.terminal_start("sh", options, **fields)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         b.terminal_resize(0, 80)
     # a terminal runs the login shell by default, on a pty, with no deadline and a large cap

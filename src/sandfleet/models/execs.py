@@ -37,6 +37,15 @@ def _check_b64(value: str | None) -> str | None:
 
 Base64 = Annotated[str, AfterValidator(_check_b64)]
 
+# The bounds of a command's options, one definition each, for every request that runs a command
+# (ExecRequest, TerminalRequest, SessionRunRequest, RunCodeRequest); where it runs is
+# EnvVars, SandboxPath and UserName, and its standard input `_Stdin`. Field types, not a base class:
+# a request's field order is part of a logged step's identity (daemon/steplog.py).
+MAX_OUTPUT = 64 * 1024**2
+OutputLimit = Annotated[int, Field(ge=0, le=MAX_OUTPUT)]
+OutputEncoding = Annotated[Encoding, Field(description="how output comes back: utf-8 text, or base64 of the raw bytes")]
+CommandTimeout = Annotated[float, Field(gt=0, le=86400)]  # seconds (a stateless call has its own: at most 3600)
+
 
 class _Stdin(_Model):
     """Standard input fed to a command, then closed: text, or bytes as base64."""
@@ -75,7 +84,7 @@ class ExecRequest(_Stdin):
     env: EnvVars = Field(default_factory=dict)
     cwd: SandboxPath | None = Field(None, description="absolute, or relative to the sandbox's working directory")
     user: UserName | None = None
-    timeout: float | None = Field(60.0, gt=0, le=86400, description="seconds; kills the process tree")
+    timeout: CommandTimeout | None = Field(60.0, description="seconds; kills the process tree")
     cpu_time: float | None = Field(
         None,
         gt=0,
@@ -85,9 +94,9 @@ class ExecRequest(_Stdin):
         "Unlike `timeout`, time spent waiting for a CPU on a busy node does not count. Tiers whose commands the "
         "node cannot see (microvm, vm) refuse it (unsupported)",
     )
-    output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
+    output_limit: OutputLimit = Field(1024**2, description="bytes kept per stream")
     merge_stderr: bool = Field(False, description="standard error goes to standard output (one stream, in order)")
-    encoding: Encoding = Field("utf-8", description="how output comes back: utf-8 text, or base64 of the raw bytes")
+    encoding: OutputEncoding = "utf-8"
     background: bool = False
     pty: TerminalSize | None = Field(
         None,
@@ -127,13 +136,11 @@ class TerminalRequest(_Model):
     user: UserName | None = None
     rows: int = Field(24, ge=1, le=1000)
     cols: int = Field(80, ge=1, le=1000)
-    timeout: float | None = Field(
-        None, gt=0, le=86400, description="seconds; kills it (default: none, it lives while connected)"
+    timeout: CommandTimeout | None = Field(
+        None, description="seconds; kills it (default: none, it lives while connected)"
     )
-    output_limit: int | None = Field(
+    output_limit: OutputLimit | None = Field(
         None,
-        ge=0,
-        le=64 * 1024**2,
         description="bytes forwarded in all (default: no limit; a client that reads slowly holds the command "
         "back, as a terminal does)",
     )
@@ -151,7 +158,7 @@ class TerminalRequest(_Model):
             cwd=self.cwd,
             user=self.user,
             timeout=self.timeout,
-            output_limit=64 * 1024**2 if self.output_limit is None else self.output_limit,
+            output_limit=MAX_OUTPUT if self.output_limit is None else self.output_limit,
             pty=TerminalSize(rows=self.rows, cols=self.cols),
         )
 
@@ -203,8 +210,8 @@ class RunCodeRequest(_Stdin):
     )
     env: EnvVars = Field(default_factory=dict)
     timeout: float = Field(30.0, gt=0, le=3600, description="seconds; the call and everything it started are killed")
-    output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2, description="bytes kept per stream")
-    encoding: Encoding = Field("utf-8", description="how output comes back: utf-8 text, or base64 of the raw bytes")
+    output_limit: OutputLimit = Field(1024**2, description="bytes kept per stream")
+    encoding: OutputEncoding = "utf-8"
     image: ImageRef | None = Field(
         None, description="pooled calls only: the workers' image (default: the node's python image)"
     )
@@ -317,10 +324,10 @@ class SessionInfo(_Model):
 
 class SessionRunRequest(_Stdin):
     command: str = Field(min_length=1, max_length=MAX_SESSION_COMMAND)
-    timeout: float | None = Field(60.0, gt=0, le=86400)
-    output_limit: int = Field(1024**2, ge=0, le=64 * 1024**2)
+    timeout: CommandTimeout | None = 60.0
+    output_limit: OutputLimit = 1024**2
     merge_stderr: bool = False
-    encoding: Encoding = "utf-8"
+    encoding: OutputEncoding = "utf-8"
 
     @field_validator("command")
     @classmethod

@@ -1,0 +1,79 @@
+"""`AsyncFiles`: file operations inside a sandbox (`sb.files`)."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sandfleet.client import _base as b
+from sandfleet.models import FileEvent, FileInfo, FileList
+
+if TYPE_CHECKING:
+    from sandfleet.client.aio._http import AsyncEventStream
+    from sandfleet.client.aio._sandbox import AsyncSandbox
+
+
+class AsyncFiles:
+    """File operations inside the sandbox; paths are absolute, or relative to the sandbox's working
+    directory."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        return await self._sb._c._send(b.call_read(self._sb.id, path, offset, length))
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+    async def write(
+        self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None, append: bool = False
+    ) -> FileInfo:
+        call = b.call_write(self._sb.id, path, b.as_bytes(data), mode, user, append)
+        return await self._sb._c._model(FileInfo, call)
+
+    async def list(self, path: str = "/") -> builtins.list[FileInfo]:
+        """The entries of directory `path`."""
+        return (await self._sb._c._model(FileList, b.call_list_files(self._sb.id, path))).files
+
+    async def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
+        return await self._sb._c._model(FileInfo, b.call_stat(self._sb.id, path, follow_symlinks))
+
+    async def exists(self, path: str) -> bool:
+        from sandfleet.errors import NotFoundError
+
+        try:
+            await self.stat(path)
+        except NotFoundError:
+            return False
+        return True
+
+    async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755, user: str | None = None) -> FileInfo:
+        return await self._sb._c._model(FileInfo, b.call_mkdir(self._sb.id, path, parents, mode, user))
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._sb._c._send(b.call_remove(self._sb.id, path, recursive))
+
+    async def upload(self, local: str | os.PathLike[str], path: str, *, user: str | None = None) -> None:
+        """Copy a local file or directory's contents into the sandbox directory `path` (as a tar)."""
+        data = await asyncio.to_thread(b.local_tar, Path(local))
+        await self._sb._c._send(b.call_upload(self._sb.id, path, data, user))
+
+    async def download(self, path: str, local: str | os.PathLike[str]) -> None:
+        """Copy a sandbox file or directory into the local directory `local`."""
+        data = await self.download_tar(path)
+        await asyncio.to_thread(b.extract_tar, data, Path(local))
+
+    async def download_tar(self, path: str) -> bytes:
+        return await self._sb._c._send(b.call_download(self._sb.id, path))
+
+    def watch(self, path: str = ".", *, recursive: bool = True) -> AsyncEventStream[FileEvent]:
+        """Changes under directory `path` as they happen: create, modify, delete, rename_from /
+        rename_to, chmod, and `overflow` when the kernel dropped events (re-scan then). The watch is
+        in place once `async with sb.files.watch(path) as changes:` is entered (or at the first
+        iteration), and lasts until it is left (or `aclose()`), which closes the stream. Heartbeats
+        are swallowed; a daemon silent for the client's timeout raises `SandboxTimeoutError`."""
+        return self._sb._c._events(b.call_watch(self._sb.id, path, recursive), b.file_event)

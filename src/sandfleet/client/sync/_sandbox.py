@@ -1,0 +1,368 @@
+# Generated from client/aio/_sandbox.py by scripts/gen_sync_client.py: do not edit.
+"""`Sandbox`: one sandbox, its lifecycle, network, ports, snapshots and forks, and the commands
+run in it (exec, streams, terminals, background processes, sessions)."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+from sandfleet.client import _base as b
+from sandfleet.client._base import UNSET, Unset
+from sandfleet.client.sync._files import Files
+from sandfleet.client.sync._processes import Process, Session
+from sandfleet.client.sync._terminal import Terminal
+from sandfleet.errors import SandboxError, SandboxNotFoundError
+from sandfleet.models import (
+    CreateBatchResult,
+    EventList,
+    ExecEvent,
+    ExecResult,
+    ExposedPort,
+    ExposedPortList,
+    ImageInfo,
+    NetworkPolicy,
+    ProcessInfo,
+    ProcessList,
+    SandboxEvent,
+    SandboxInfo,
+    SessionInfo,
+    SessionList,
+    SnapshotInfo,
+    TerminalSize,
+    Usage,
+    VerifyRequest,
+    VerifyResult,
+)
+
+if TYPE_CHECKING:
+    from sandfleet.client.sync._client import Client
+    from sandfleet.client.sync._http import EventStream
+
+
+class Sandbox:
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
+        self._c = client
+        self.info = info
+        self.id = info.id
+        self.files = Files(self)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.state}>"
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            self.stop()
+        except SandboxError:
+            if et is None:
+                raise
+
+    def refresh(self) -> SandboxInfo:
+        self.info = self._c._model(SandboxInfo, b.Call("GET", b.sandbox_path(self.id)))
+        return self.info
+
+    def usage(self) -> Usage:
+        """Current and peak memory, CPU seconds, tasks and limit hits (does not resume a paused sandbox)."""
+        return self._c._model(Usage, b.Call("GET", b.sandbox_path(self.id) + "/usage"))
+
+    def pause(self) -> SandboxInfo:
+        """Freeze the sandbox and push its memory out; any later request resumes it transparently."""
+        self.info = self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/pause"))
+        return self.info
+
+    def resume(self) -> SandboxInfo:
+        self.info = self._c._model(SandboxInfo, b.Call("POST", b.sandbox_path(self.id) + "/resume"))
+        return self.info
+
+    def set_network(self, network: NetworkPolicy | str | Sequence[str] | Mapping[str, bool]) -> SandboxInfo:
+        """Make `network` the sandbox's egress policy, at once: "none", or the services and
+        host[:port] patterns it may reach (`["pypi"]`, `{"pypi": True}`); connections the new policy
+        does not allow are closed."""
+        self.info = self._c._model(SandboxInfo, b.call_set_network(self.id, b.network_policy(network)))
+        return self.info
+
+    def expose(self, port: int) -> ExposedPort:
+        """Reach a server listening on 127.0.0.1:`port` inside the sandbox: over HTTP at `url` (the
+        daemon's API, its token required), or as a byte stream at `socket` (a unix socket on the
+        node, root's). Closed with the sandbox, or by `unexpose`."""
+        return b.exposed(self._c._http.base_url, self._c._model(ExposedPort, b.call_expose(self.id, port)))
+
+    def unexpose(self, port: int) -> None:
+        self._c._send(b.Call("DELETE", b.sandbox_path(self.id) + f"/ports/{int(port)}"))
+
+    def ports(self) -> builtins.list[ExposedPort]:
+        """The ports this sandbox exposes."""
+        found = self._c._model(ExposedPortList, b.Call("GET", b.sandbox_path(self.id) + "/ports"))
+        return [b.exposed(self._c._http.base_url, p) for p in found.ports]
+
+    def set_lifetime(
+        self, *, idle_ttl: float | None | Unset = UNSET, max_lifetime: float | None | Unset = UNSET
+    ) -> SandboxInfo:
+        """Change this sandbox's idle TTL and/or max lifetime (seconds after creation, not after this
+        call). Only the limits given change; None removes that limit."""
+        self.info = self._c._model(SandboxInfo, b.call_set_lifetime(self.id, idle_ttl, max_lifetime))
+        return self.info
+
+    def snapshot(
+        self, *, ttl: float | None = None, labels: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> SnapshotInfo:
+        """Checkpoint processes, memory and files; the sandbox keeps running (a paused one stays paused).
+        The snapshot outlives the sandbox: kept `ttl` seconds (default: the node's retention) or until
+        deleted; `labels` are its own. Waits up to `timeout` seconds (default: the client's)."""
+        call = b.call_snapshot(self.id, ttl, labels, b.check_timeout(timeout, self._c.timeout))
+        return self._c._model(SnapshotInfo, call)
+
+    def pack(self, image: str, *, exclude: Sequence[str] = (), timeout: float = b.BUILD_TIMEOUT) -> ImageInfo:
+        """Save this sandbox's changes as image `name:tag` (its layers + one new layer); `exclude`d paths
+        keep their base content. Create sandboxes from it with `fleet.create(image=...)`. A build:
+        waits up to `timeout` seconds (default 30 minutes, whatever the client's timeout)."""
+        return self._c._model(ImageInfo, b.call_pack(self.id, image, exclude, b.check_timeout(timeout, 0)))
+
+    def fork(
+        self,
+        count: int = 1,
+        labels: Mapping[str, str] | None = None,
+        *,
+        idempotency_key: str | None = None,
+        timeout: float | None = None,
+    ) -> builtins.list[Sandbox | SandboxError]:
+        """`count` copies of this sandbox as it is now, each isolated from it and from each other (with
+        its sessions and background processes, under the same ids). A lost answer is retried with
+        the same idempotency key (given, or a fresh one) within `timeout` (default: the client's)."""
+        attempts = b.CreateAttempts(b.idempotency_key(idempotency_key))
+        deadline = b.Deadline(b.check_timeout(timeout, self._c.timeout))
+        reply = self._c._retrying(
+            lambda key, t: b.call_fork(self.id, count, labels, key, t),
+            CreateBatchResult,
+            attempts,
+            deadline,
+            refusals=False,
+        )
+        return self._c._batch(reply)
+
+    def verify(self, command: str | builtins.list[str] | VerifyRequest, **options: Any) -> VerifyResult:
+        """Run a task's checks in a fresh sandbox: this one's pre-agent state (its image and layers),
+        plus what was changed in it, plus verifier-only `layers` (hidden tests) that this sandbox
+        never sees; changes under `protect` paths are dropped first. Options: VerifyRequest's fields.
+        The result says whether they passed, the reward, whose fault a failure was, what changed."""
+        req = b.verify_request(command, options)
+        call = b.Call(
+            "POST",
+            b.sandbox_path(self.id) + "/verify",
+            json=req.model_dump(mode="json", exclude_defaults=True),
+            timeout=b.verify_timeout(req),
+        )
+        return self._c._model(VerifyResult, call)
+
+    def stop(self, reason: str = "user") -> SandboxInfo:
+        """Stop the sandbox; stopping one that is already gone (TTL, stop_many) is not an error."""
+        try:
+            self.info = self._c._model(SandboxInfo, b.Call("DELETE", b.sandbox_path(self.id), json={"reason": reason}))
+        except SandboxNotFoundError:
+            self.info = self.info.model_copy(update={"state": "stopped"})
+        return self.info
+
+    def exec(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout: float | None = 60.0,
+        output_limit: int | None = None,
+        merge_stderr: bool = False,
+        binary: bool = False,
+        pty: bool | TerminalSize = False,
+        cpu_time: float | None = None,
+    ) -> ExecResult:
+        """Run a command to completion. A string runs under /bin/sh -c; a list is an argv.
+
+        `cwd` may be relative (to the sandbox's working directory). `stdin` is text, or bytes.
+        `merge_stderr` sends standard error into stdout (one stream, in order). `binary` returns
+        output as base64 of the raw bytes: read `result.stdout_bytes` / `stderr_bytes`. `pty` (True,
+        or a `TerminalSize`; default 24x80) runs it on a new pseudo-terminal: one output stream
+        (`stdout`, with the terminal's CR LF line ends), `stdin` typed into it, TERM=xterm-256color.
+        `timeout` (seconds, None: none) kills the command's process tree. A command whose timeout is
+        None or longer than the client's is streamed, so a daemon that stops answering raises
+        `SandboxTimeoutError` after the client's timeout of silence rather than hanging. `cpu_time`
+        (CPU seconds) kills it once it has used that much CPU, however long a busy node made it wait.
+        """
+        body = b.exec_body(
+            command,
+            b.CommandOptions(
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                timeout=timeout,
+                output_limit=output_limit,
+                merge_stderr=merge_stderr,
+                binary=binary,
+                pty=pty,
+                cpu_time=cpu_time,
+            ),
+        )
+        if b.one_response(timeout, self._c.timeout):
+            return self._c._model(ExecResult, b.call_exec(self.id, body, self._c.timeout))
+        return self._c._streamed_result(b.call_exec(self.id, body, self._c.timeout, stream=True))
+
+    def run_code(
+        self,
+        code: str,
+        *,
+        language: Literal["python", "bash"] = "python",
+        stdin: str | bytes | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
+        output_limit: int | None = None,
+        binary: bool = False,
+    ) -> ExecResult:
+        """A stateless call on this worker (a sandbox of the fncall tier): like `Client.run_code`,
+        against the state this worker was set up with (its files and installed packages, read-only
+        to the call)."""
+        body = b.run_code_body(
+            code,
+            b.CommandOptions(stdin=stdin, env=env, timeout=timeout, output_limit=output_limit, binary=binary),
+            language=language,
+            files=files,
+        )
+        return self._c._model(ExecResult, b.call_run_code(self.id, body, self._c.timeout))
+
+    def exec_stream(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout: float | None = 60.0,
+        output_limit: int | None = None,
+        merge_stderr: bool = False,
+        binary: bool = False,
+        pty: bool | TerminalSize = False,
+    ) -> EventStream[ExecEvent]:
+        """Stream the command's stdout/stderr chunks as they arrive, then one `exit` event with the
+        result (options as `exec`; with `binary`, each chunk's `data` is base64): `for ev in
+        sb.exec_stream(cmd)`. The command starts at the first iteration (or `with`); heartbeats
+        are swallowed; a daemon silent for the client's timeout raises `SandboxTimeoutError`. Leaving
+        early (`with`, `close()`) closes the stream and the daemon kills the command."""
+        body = b.exec_body(
+            command,
+            b.CommandOptions(
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                timeout=timeout,
+                output_limit=output_limit,
+                merge_stderr=merge_stderr,
+                binary=binary,
+                pty=pty,
+            ),
+        )
+        return self._c._events(b.call_exec(self.id, body, self._c.timeout, stream=True), b.exec_event)
+
+    def terminal(
+        self,
+        command: str | builtins.list[str] | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        output_limit: int | None = None,
+    ) -> Terminal:
+        """An interactive terminal: `command` (default: the user's login shell) on a new
+        pseudo-terminal of `rows` x `cols`, over a WebSocket. `with sb.terminal() as t:
+        t.send("ls\\r"); print(t.expect(b"$ "))`. Keystrokes are bytes as a keyboard sends
+        them ("\\x03" is Ctrl-C: the foreground job gets SIGINT); `resize()` changes the window
+        (SIGWINCH). `timeout` (seconds; None: while connected) kills it as in `exec`; `output_limit`
+        (bytes forwarded in all) is none by default: output not read holds the command back, as a
+        terminal does. Closing the terminal kills what still runs on it."""
+        options = b.CommandOptions(env=env, cwd=cwd, user=user, timeout=timeout, output_limit=output_limit)
+        start = b.terminal_start(command, options, rows=rows, cols=cols)
+        term = Terminal(self)
+        term._open(start)
+        return term
+
+    def start(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        keep_stdin_open: bool = False,
+        timeout: float | None = None,
+        output_limit: int | None = None,
+        merge_stderr: bool = False,
+        binary: bool = False,
+        cpu_time: float | None = None,
+    ) -> Process:
+        """Start a background process (its own session); returns a handle to wait on, kill or feed.
+        `stdin` is written first; with `keep_stdin_open` its standard input then stays open for
+        `process.write_stdin(...)` until `process.close_stdin()`. `timeout` and `cpu_time` as in exec."""
+        body = b.exec_body(
+            command,
+            b.CommandOptions(
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                keep_stdin_open=keep_stdin_open,
+                timeout=timeout,
+                output_limit=output_limit,
+                merge_stderr=merge_stderr,
+                binary=binary,
+                cpu_time=cpu_time,
+            ),
+        )
+        return Process(self, self._c._model(ProcessInfo, b.call_start(self.id, body)))
+
+    def processes(self) -> builtins.list[ProcessInfo]:
+        """The sandbox's background processes (running and finished)."""
+        return (self._c._model(ProcessList, b.Call("GET", b.sandbox_path(self.id) + "/processes"))).processes
+
+    def session(
+        self,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        pty: bool | TerminalSize = False,
+    ) -> Session:
+        """Open a persistent shell: commands share cwd, environment and shell variables. With `pty`
+        (True, or a `TerminalSize`) the shell runs on a pseudo-terminal: each command's output is one
+        stream (`stdout`, CRLF line ends), its stdin is the terminal (`write_stdin` types into it:
+        "\\x03" is ^C) and programs see a terminal (pagers, REPLs); `run` still returns each command's
+        own output and exit code."""
+        info = self._c._model(
+            SessionInfo, b.call_session_create(self.id, b.CommandOptions(env=env, cwd=cwd, user=user, pty=pty))
+        )
+        return Session(self, info)
+
+    def sessions(self) -> builtins.list[SessionInfo]:
+        """The sandbox's open sessions (a fork or restore child has its parent's, under the same ids)."""
+        return (self._c._model(SessionList, b.Call("GET", b.sandbox_path(self.id) + "/sessions"))).sessions
+
+    def attach_session(self, session_id: str) -> Session:
+        """A handle on an existing session (opened by another process, or inherited by a fork child)."""
+        info = self._c._model(SessionInfo, b.Call("GET", b.session_path(self.id, session_id)))
+        return Session(self, info)
+
+    def events(self, after: int = 0) -> builtins.list[SandboxEvent]:
+        """The sandbox's event log after sequence number `after`."""
+        call = b.Call("GET", b.sandbox_path(self.id) + "/events", params={"after": after})
+        return (self._c._model(EventList, call)).events
