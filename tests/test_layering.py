@@ -109,7 +109,7 @@ def test_no_import_cycles() -> None:
 
 
 # (what, the modules it covers, what they may import of the package): see docs/architecture.md.
-SDK = ("sandfleet.client", "sandfleet.models", "sandfleet.errors", "sandfleet.ids")
+SDK = ("sandfleet.client", "sandfleet.models", "sandfleet.errors", "sandfleet.ids", "sandfleet.operations")
 RULES = [
     ("the SDK needs only pydantic and httpx", (*SDK, "sandfleet"), SDK),
     ("runtime: kernel mechanisms, no API", ("sandfleet.runtime",), ("sandfleet.runtime", "sandfleet.errors")),

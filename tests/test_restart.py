@@ -28,6 +28,7 @@ def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
         a = fleet.create(image="busybox", labels={"job": "restart"}, idle_ttl=600)
         b = fleet.create(image="busybox", labels={"job": "restart"}, idle_ttl=600)
         short = fleet.create(image="busybox", idle_ttl=2)
+        b.set_labels({"job": "moved", "phase": "verify"})  # labels changed later are kept, too
         a.files.write("/task/state.txt", b"before the crash")
         counter = a.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done")
         assert counter.info.running
@@ -59,7 +60,9 @@ def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
         assert not Path(f"/proc/{pids[short.id]}").exists() or wait_until(
             lambda: not Path(f"/proc/{pids[short.id]}").exists()
         )
-        assert fleet.stop_many({"job": "restart"}) and fleet.list() == []
+        assert fleet.get(b.id).info.spec.labels == {"job": "moved", "phase": "verify"}
+        assert fleet.stop_many({"job": "restart"}) == [a.id]
+        assert fleet.stop_many({"job": "moved"}) == [b.id] and fleet.list() == []
     assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids.values()))
 
 

@@ -189,3 +189,21 @@ async def test_build_recipe_streams_its_steps(fleet: AsyncClient, tmp_path: Path
         await fleet.build_recipe("ref = [not a recipe\n", base_dir=tmp_path)
     with pytest.raises(InvalidArgumentError, match="not a directory"):
         await fleet.build_recipe('ref = "a:1"\nbase = "busybox"\n', base_dir=tmp_path / "missing")
+
+
+async def test_set_labels_replaces_them_and_label_wide_calls_follow(fleet: AsyncClient) -> None:
+    sb = await fleet.create(image="busybox", labels={"job": "j1", "phase": "act"})
+    other = await fleet.create(image="busybox", labels={"job": "j1"})
+    info = await sb.set_labels({"job": "j2"})
+    assert info.spec.labels == {"job": "j2"} == sb.info.spec.labels  # "phase" left out: removed
+    assert [s.id for s in await fleet.list(labels={"job": "j2"})] == [sb.id]
+    assert [s.id for s in await fleet.list(labels={"job": "j1"})] == [other.id]
+    assert "labels_changed" in [e.kind for e in await sb.events()]
+    # Labels under sandfleet. are the node's own (a verifier's, a trajectory's, a pool's).
+    with pytest.raises(InvalidArgumentError, match="node's own"):
+        await sb.set_labels({"sandfleet.verify": "sb-x"})
+    with pytest.raises(InvalidArgumentError):
+        await sb.set_labels({"bad key!": "x"})
+    assert (await fleet.stop_many({"job": "j2"})) == [sb.id]
+    with pytest.raises(WrongStateError):
+        await sb.set_labels({"job": "j3"})

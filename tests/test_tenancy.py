@@ -318,6 +318,7 @@ def _body(method: str, path: str, label: str) -> dict[str, Any]:
         ("POST", "/v1/sandboxes/{sandbox_id}/exec/stream"): exec_,
         ("POST", "/v1/sandboxes/{sandbox_id}/fork"): {"count": 1},
         ("PUT", "/v1/sandboxes/{sandbox_id}/network"): {"network": {"allow": ["pypi"]}},
+        ("PUT", "/v1/sandboxes/{sandbox_id}/labels"): {"labels": {"a-took": "it"}},
         ("POST", "/v1/sandboxes/{sandbox_id}/pack"): {"image": "stolen:latest"},
         ("POST", "/v1/sandboxes/{sandbox_id}/ports"): {"port": 8000},
         ("POST", "/v1/sandboxes/{sandbox_id}/processes"): exec_,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import quote
 
 from pydantic import BaseModel
 
@@ -59,6 +60,10 @@ class Operation:
     needs: str = ""  # root/admin: what needs the root (the refusal says it)
     why: str = ""  # gateway "node_only": why a gateway does not pass it on
     handler: str = ""  # the route's name when not `name` (FastAPI's operationId starts with it)
+
+    def path_of(self, **params: str) -> str:
+        """The path with its parameters filled in (each value quoted: it is one segment)."""
+        return self.path.format(**{k: quote(v, safe="") for k, v in params.items()})
 
     @property
     def route_name(self) -> str:
@@ -175,6 +180,7 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("get", "GET", SB, "sandbox", "read", m.SandboxInfo),
     _op("update_lifetime", "PATCH", SB, "sandbox", "write", m.SandboxInfo),
     _op("stop", "DELETE", SB, "sandbox", "write", m.SandboxInfo),
+    _op("set_labels", "PUT", SB + "/labels", "sandbox", "write", m.SandboxInfo),
     _op("events", "GET", SB + "/events", "sandbox", "read", m.EventList),
     # -- snapshots, fork, pack --------------------------------------------------------------------
     _op("snapshot", "POST", SB + "/snapshots", "sandbox", "write", m.SnapshotInfo, status=201),
@@ -315,3 +321,5 @@ OPERATIONS: tuple[Operation, ...] = (
         needs="a recipe build (it reads the node's files)",
     ),
 )
+
+OPERATION = {op.name: op for op in OPERATIONS}

@@ -45,8 +45,10 @@ from sandfleet.daemon.pool import WarmPools
 from sandfleet.daemon.state import SandboxRow, StateStore
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError, WrongStateError
 from sandfleet.images import LayerStore
-from sandfleet.models import SandboxEvent, SandboxInfo, SandboxSpec, Usage
+from sandfleet.models import SandboxEvent, SandboxInfo, SandboxSpec, Usage, shown
 from sandfleet.runtime.agent import ChannelClosedError
+
+NODE_LABELS = "sandfleet."  # labels the node sets (verifiers, trajectories, pools, builds): its own
 
 log = logging.getLogger("sandfleet.daemon")
 
@@ -290,6 +292,22 @@ class NodeCore:
             self.touch(sb)  # a new idle TTL counts from now
             await self.state.update(sb.id, spec=sb.spec.model_dump(mode="json"))
             self.journal.record(sb.id, "lifetime_changed", dict(fields))
+        return sb.info()
+
+    async def set_labels(self, sandbox_id: str, labels: dict[str, str]) -> SandboxInfo:
+        """Replace a live sandbox's labels (lists and label-wide calls select by the new ones at once).
+        Labels under `sandfleet.` are the node's own (a verifier's, a trajectory's, a pool's: recovery
+        and cleanup read them): kept as they are, and a request naming one is refused."""
+        own = sorted(k for k in labels if k.startswith(NODE_LABELS))
+        if own:
+            raise InvalidArgumentError(f"label {shown(own[0])}: labels under {NODE_LABELS} are the node's own")
+        sb = self.sandbox(sandbox_id)
+        self.table.require(sb, (CREATING, RUNNING, PAUSED), "changing its labels")
+        labels = {**labels, **{k: v for k, v in sb.spec.labels.items() if k.startswith(NODE_LABELS)}}
+        if labels != sb.spec.labels:
+            sb.spec = sb.spec.model_copy(update={"labels": labels})
+            await self.state.update(sb.id, spec=sb.spec.model_dump(mode="json"), labels=labels)
+            self.journal.record(sb.id, "labels_changed", {"labels": dict(labels)})
         return sb.info()
 
     async def update_lifetimes(self, labels: dict[str, str], fields: dict[str, float | None]) -> builtins.list[str]:

@@ -275,6 +275,12 @@ class LifetimeUpdate(_Model):
     )
 
 
+class SetLabelsRequest(_Model):
+    """A sandbox's labels from now on: all of them (a label left out is removed)."""
+
+    labels: Labels
+
+
 class LifetimeManyRequest(LifetimeUpdate):
     labels: Labels = Field(description="sandboxes carrying all of these labels")
 

@@ -386,6 +386,7 @@ from sandfleet.client._base.wire import (
 from sandfleet.client._base.wire import (
     decode as decode,
 )
+from sandfleet.client._base.wire import operation_call as operation_call
 from sandfleet.client._base.wire import (
     process_path as process_path,
 )

@@ -14,6 +14,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, ValidationError
 
 from sandfleet.errors import InternalError, InvalidArgumentError, error_from_wire
+from sandfleet.operations import OPERATION
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -43,6 +44,13 @@ class Call:
     # A streamed call: seconds the whole stream may last (None or "default": as long as the daemon
     # keeps talking; silence is bounded by `silence_limit` of the client's timeout).
     timeout: float | None | Literal["default"] = "default"
+
+
+def operation_call(name: str, body: BaseModel | None = None, **path: str) -> Call:
+    """The call of operation `name` as sandfleet/operations.py declares it: its method, its path with
+    `path`'s parameters filled in, `body` as its JSON."""
+    op = OPERATION[name]
+    return Call(op.methods[0], op.path_of(**path), json=None if body is None else body.model_dump(mode="json"))
 
 
 def validated(model: type[M], what: str, fields: dict[str, Any]) -> M:

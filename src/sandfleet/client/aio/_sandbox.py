@@ -29,6 +29,7 @@ from sandfleet.models import (
     SandboxInfo,
     SessionInfo,
     SessionList,
+    SetLabelsRequest,
     SnapshotInfo,
     TerminalSize,
     Usage,
@@ -85,6 +86,14 @@ class AsyncSandbox:
         host[:port] patterns it may reach (`["pypi"]`, `{"pypi": True}`); connections the new policy
         does not allow are closed."""
         self.info = await self._c._model(SandboxInfo, b.call_set_network(self.id, b.network_policy(network)))
+        return self.info
+
+    async def set_labels(self, labels: Mapping[str, str]) -> SandboxInfo:
+        """Make `labels` the sandbox's labels (all of them: one left out is removed); lists and
+        label-wide calls (stop, pause, lifetimes, network) select by them at once. Labels under
+        `sandfleet.` are the node's own: kept, and not settable."""
+        req = b.validated(SetLabelsRequest, "labels", {"labels": dict(labels)})
+        self.info = await self._c._model(SandboxInfo, b.operation_call("set_labels", req, sandbox_id=self.id))
         return self.info
 
     async def expose(self, port: int) -> ExposedPort:

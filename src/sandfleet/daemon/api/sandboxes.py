@@ -36,6 +36,7 @@ from sandfleet.models import (
     SandboxInfo,
     SandboxSpec,
     SandboxState,
+    SetLabelsRequest,
     StopManyRequest,
     StopManyResult,
     StopRequest,
@@ -166,6 +167,10 @@ def router(api: Api) -> APIRouter:
     @api.route(r, "stop")
     async def stop(sandbox_id: str, req: Annotated[StopRequest | None, Body()] = None) -> SandboxInfo:
         return await node.core.stop(sandbox_id, reason=req.reason if req else "user")
+
+    @api.route(r, "set_labels")
+    async def set_labels(sandbox_id: str, req: SetLabelsRequest) -> SandboxInfo:
+        return await node.core.set_labels(sandbox_id, req.labels)
 
     @api.route(r, "events")
     async def events(
