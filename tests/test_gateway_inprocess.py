@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sandfleet import AsyncClient, ResourceExhaustedError, UnavailableError
+from sandfleet import AsyncClient, ResourceExhaustedError, SandboxSpec, UnavailableError
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.gateway import Gateway, create_gateway_app
 from sandfleet.cluster.membership import Registration
@@ -156,3 +156,26 @@ async def test_a_key_another_gateway_placed_gets_its_sandbox_when_nothing_else_c
     finally:
         await other.gateway.acks.close()
         await other.gateway.membership.close()
+
+
+async def test_each_kind_of_operation_is_served_through_the_gateway(cluster: Cluster) -> None:
+    """The gateway's routes are made from the operations' declarations: a call on a sandbox reaches its
+    node (a new operation, `set_labels`, too), a trajectory's calls reach the node holding it, lists
+    and counts are merged from every node, and a node's own operation answers why it is not passed on."""
+    async with cluster.client() as fleet:
+        sandboxes = [await fleet.create(image="busybox", labels={"job": "j3"}) for _ in range(4)]
+        assert {_node_of(sb.id) for sb in sandboxes} == set(KEYS)
+        for i, sb in enumerate(sandboxes):
+            await sb.set_labels({"job": "j3", "half": str(i % 2)})
+        assert sorted(s.id for s in await fleet.list(labels={"half": "1"})) == sorted(s.id for s in sandboxes[1::2])
+        jobs = await fleet.jobs("half")
+        assert {g.value: g.count for g in jobs.jobs} == {"0": 2, "1": 2}
+        traj = await fleet.trajectory("t-1", SandboxSpec(image="busybox"))
+        assert (await traj.exec("echo step")).stdout == "step\n"
+        again = await fleet.get_trajectory("t-1")
+        assert [s.step for s in await again.steps()] == [0]
+        raw = httpx.AsyncClient(transport=httpx.ASGITransport(app=cluster.app), base_url="http://gateway")
+        async with raw:
+            r = await raw.post("/v1/node/drain", json={"draining": True}, headers={"authorization": f"Bearer {TOKEN}"})
+            assert (r.status_code, r.json()["error"]["code"]) == (400, "unsupported")
+            assert "/v1/cluster/nodes/{key}/drain" in r.json()["error"]["message"]
