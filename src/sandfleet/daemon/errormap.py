@@ -15,7 +15,7 @@ from sandfleet import errors
 from sandfleet.daemon import egress, state
 from sandfleet.daemon.process import DaemonStartError
 from sandfleet.images import models as image_models
-from sandfleet.images.oci import OciImportError
+from sandfleet.images.oci_errors import OciImportError
 from sandfleet.images.recipe import RecipeError
 from sandfleet.runtime import agent, criu, guest, launcher, mounts, qemu, seccomp, swap, vmdisk, vmsnap
 from sandfleet.runtime.files import FileOpError

@@ -14,7 +14,8 @@ from .models import (
     canonical_ref,
     parse_ref,
 )
-from .oci import OciImportError, import_image
+from .oci_errors import OciImportError
+from .oci_import import import_image
 from .recipe import BuildResult, Recipe, RecipeError, StepResult, build_recipe
 from .store import BUILTIN_IMAGES, BuildContext, Builder, LayerStore, ProgressFn, register_builtin
 
