@@ -16,7 +16,9 @@ from .models import (
 )
 from .oci_errors import OciImportError
 from .oci_import import import_image
-from .recipe import BuildResult, Recipe, RecipeError, StepResult, build_recipe
+from .recipe import Recipe, RecipeError
+from .recipe_build import build_recipe
+from .recipe_context import BuildResult, StepResult
 from .store import BUILTIN_IMAGES, BuildContext, Builder, LayerStore, ProgressFn, register_builtin
 
 __all__ = [

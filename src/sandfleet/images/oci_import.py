@@ -45,7 +45,14 @@ from sandfleet.models import check_abs_path, check_env, check_user
 from . import fsutil
 from .models import ImageError, ImageManifest, LayerRef, parse_ref
 from .oci_archive import _open_source
-from .oci_errors import MAX_ENTRIES_PER_LAYER, MAX_IMPORT_BYTES, MAX_LAYER_BYTES, MAX_LAYERS, OciImportError
+from .oci_errors import (
+    MAX_ENTRIES_PER_LAYER,
+    MAX_IMPORT_BYTES,
+    MAX_LAYER_BYTES,
+    MAX_LAYERS,
+    OciImportError,
+    OciRefError,
+)
 from .oci_manifest import _candidates, _RunConfig, _select
 from .oci_merge import _merge_into, _restore_dir_times, _strip_overlay_markers
 from .oci_unpack import _Caps, _unpack_blob
@@ -315,4 +322,5 @@ async def import_image(
     return manifest
 
 
-__all__ = ["import_image"]
+# The errors import_image raises are named here too, for callers of the import alone.
+__all__ = ["OciImportError", "OciRefError", "import_image"]
