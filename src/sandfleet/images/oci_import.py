@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 from sandfleet.models import check_abs_path, check_env, check_user
 
 from . import fsutil
+from .builtin_images import BuildContext
 from .models import ImageError, ImageManifest, LayerRef, parse_ref
 from .oci_archive import _open_source
 from .oci_errors import (
@@ -56,7 +57,7 @@ from .oci_errors import (
 from .oci_manifest import _candidates, _RunConfig, _select
 from .oci_merge import _merge_into, _restore_dir_times, _strip_overlay_markers
 from .oci_unpack import _Caps, _unpack_blob
-from .store import BuildContext, LayerStore, ProgressFn
+from .store import LayerStore, ProgressFn
 
 if TYPE_CHECKING:
     from .oci_archive import _Source
