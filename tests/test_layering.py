@@ -162,7 +162,13 @@ RULES = [
     (
         "the sandbox table is the bottom of the service",
         ("sandfleet.daemon.lifecycle",),
-        ("sandfleet.daemon.state", "sandfleet.backends.base", "sandfleet.runtime.agent", *SDK),
+        (
+            "sandfleet.daemon.state",
+            "sandfleet.backends.base",
+            "sandfleet.runtime.agent_wire",  # record types
+            "sandfleet.runtime.agent_exec",
+            *SDK,
+        ),
     ),
 ]
 
@@ -268,4 +274,4 @@ def test_the_graph_is_read() -> None:
     assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.api.sandboxes"]
     assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.core"]
     assert "sandfleet.runtime.files" in GRAPH["sandfleet.daemon.files"]
-    assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe"]  # under TYPE_CHECKING only
+    assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe_context"]  # under TYPE_CHECKING only

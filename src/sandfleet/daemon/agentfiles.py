@@ -31,7 +31,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from sandfleet.runtime.agent import AgentChannel, OutputChunk
+from sandfleet.runtime.agent import AgentChannel
+from sandfleet.runtime.agent_wire import OutputChunk
 from sandfleet.runtime.files import (
     FileKind,
     FileOpError,
