@@ -273,5 +273,5 @@ def test_the_graph_is_read() -> None:
     """The scan sees real edges (a rule checked against an empty graph would pass for nothing)."""
     assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.api.sandboxes"]
     assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.core"]
-    assert "sandfleet.runtime.files" in GRAPH["sandfleet.daemon.files"]
+    assert "sandfleet.runtime.sandboxfs.fs" in GRAPH["sandfleet.daemon.files"]
     assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe_context"]  # under TYPE_CHECKING only

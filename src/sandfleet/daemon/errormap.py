@@ -19,7 +19,7 @@ from sandfleet.images.oci_errors import OciImportError
 from sandfleet.images.recipe import RecipeError
 from sandfleet.runtime import agent_errors as agent
 from sandfleet.runtime import criu, guest, launcher, mounts, qemu, seccomp, swap, vmdisk, vmsnap
-from sandfleet.runtime.files import FileOpError
+from sandfleet.runtime.sandboxfs.results import FileOpError
 
 # File operation kinds (runtime/files.py) -> wire errors.
 FILE_ERRORS: dict[str, type[errors.SandboxError]] = {
