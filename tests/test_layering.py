@@ -234,7 +234,8 @@ def test_only_tests_import_the_testing_helpers() -> None:
 
 
 def test_nothing_imports_the_command_line() -> None:
-    bad = _importers_of(("sandfleet.cli", "sandfleet.demo"), ("sandfleet.__main__", "sandfleet.cli"))
+    cli = ("sandfleet.cli", "sandfleet.cli_common", "sandfleet.cli_images")
+    bad = _importers_of((*cli, "sandfleet.demo"), ("sandfleet.__main__", *cli))
     assert not bad, bad
 
 
