@@ -1,6 +1,6 @@
 """File operations inside a sandbox's root filesystem, performed by the (real root) daemon.
 
-`fs.SandboxFS` is the one class: `core` (single files and directories), `tar_download`,
+`fs.SandboxFS` is the one class: `fileops` (single files and directories), `tar_download`,
 `tar_upload`; beneath them `walk`, `paths`, `results`, `syscalls`, and `runtime.openat2`.
 
 Paths given to :class:`SandboxFS` are paths *as seen from inside the sandbox*: absolute, or

@@ -1,4 +1,4 @@
-"""`SandboxFS`: file operations confined to one sandbox root, core and tar together."""
+"""`SandboxFS`: file operations confined to one sandbox root, single-file operations and tar together."""
 
 from __future__ import annotations
 

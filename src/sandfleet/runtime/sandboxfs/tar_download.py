@@ -15,13 +15,13 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING
 
 from sandfleet.runtime.openat2 import openat2
-from sandfleet.runtime.sandboxfs.core import _CHUNK, _SandboxFSCore
+from sandfleet.runtime.sandboxfs.fileops import _CHUNK, _SandboxFSCore
 from sandfleet.runtime.sandboxfs.paths import _STRICT, MAX_MEMBER_NAME
 from sandfleet.runtime.sandboxfs.results import FileOpError, FileTooLargeError, _close, _from_oserror, _translate
 from sandfleet.runtime.sandboxfs.walk import _Walk
 
 if TYPE_CHECKING:
-    from sandfleet.runtime.sandboxfs.core import _IntList
+    from sandfleet.runtime.sandboxfs.fileops import _IntList
     from sandfleet.runtime.sandboxfs.syscalls import _St
 
 

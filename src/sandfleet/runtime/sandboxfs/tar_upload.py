@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, BinaryIO, cast
 
 from sandfleet.runtime.openat2 import openat2
-from sandfleet.runtime.sandboxfs.core import _CHUNK, _SandboxFSCore, _write_all
+from sandfleet.runtime.sandboxfs.fileops import _CHUNK, _SandboxFSCore, _write_all
 from sandfleet.runtime.sandboxfs.paths import _STRICT, MAX_MEMBER_NAME, _join, _member_parts
 from sandfleet.runtime.sandboxfs.results import FileOpError, FileTooLargeError, _close, _translate
 
 if TYPE_CHECKING:
-    from sandfleet.runtime.sandboxfs.core import _StrList
+    from sandfleet.runtime.sandboxfs.fileops import _StrList
 
 _Extents = list[tuple[int, int]]
 
