@@ -32,6 +32,9 @@ app.add_typer(cluster_app, name="cluster")
 app.command(name="gateway")(cluster_gateway)
 
 
+# -- serve ----------------------------------------------------------------------------------------
+
+
 @app.command()
 def serve(
     config: Annotated[Path | None, typer.Option(help="TOML config file")] = None,
@@ -67,6 +70,9 @@ def serve(
     prepare_process(cfg)
     console.print(f"sandfleet daemon listening on {cfg.socket}" + (f" and {cfg.tcp}" if cfg.tcp else ""))
     asyncio.run(run(cfg, ready_file=ready_file))
+
+
+# -- sandboxes --------------------------------------------------------------------------------------
 
 
 @app.command()
@@ -369,6 +375,9 @@ def fork(
                 console.print(r.id)
 
 
+# -- doctor ---------------------------------------------------------------------------------------
+
+
 @app.command()
 def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = None) -> None:
     """Check this host for what sandfleet needs; say how to fix what is missing."""
@@ -395,6 +404,9 @@ def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = Non
         table.add_row(check.name, status, check.detail)
     console.print(table)
     raise typer.Exit(1 if failed else 0)
+
+
+# -- demo -----------------------------------------------------------------------------------------
 
 
 @app.command()

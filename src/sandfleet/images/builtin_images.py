@@ -1,4 +1,7 @@
-"""What a built-in image recipe is (`Builder`, `BuildContext`) and the registry they are in."""
+"""What a built-in image recipe is (`Builder`, `BuildContext`) and the registry they are in.
+
+The recipes themselves (`builders`) sit on top of the store and register into `BUILTIN_IMAGES` when
+`sandfleet.images` is imported."""
 
 from __future__ import annotations
 

@@ -85,6 +85,10 @@ class RecipeError(ImageError):
     """A recipe is invalid or one of its steps failed; the message says which step and why."""
 
 
+# Env, paths and users are checked by the daemon's own validators (sandfleet.models), so a recipe
+# accepts exactly what the daemon will accept from the image and the build sandboxes.
+
+
 def _check_ref(v: str) -> str:
     try:
         return canonical_ref(v)

@@ -44,6 +44,9 @@ async def _mmdebstrap(target: Path, suite: str, *, variant: str = "minbase", inc
     return mirror
 
 
+# --------------------------------------------------------------------------- copy
+
+
 async def _step_copy(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]:
     assert isinstance(step, CopyStep)
     spec = step.spec
@@ -62,6 +65,9 @@ async def _step_copy(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool
     layer, hit = await ctx.cached(key, build)
     await asyncio.to_thread(fsutil.rmtree, staging)
     return key, layer, hit
+
+
+# --------------------------------------------------------------------------- git
 
 
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$|^[0-9a-f]{64}$")
@@ -145,6 +151,9 @@ async def _step_git(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]
     return key, layer, hit
 
 
+# --------------------------------------------------------------------------- apt
+
+
 async def _step_apt(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]:
     assert isinstance(step, AptStep)
     key = _cache_key("apt", below=ctx.below(), packages=sorted(step.apt))
@@ -186,6 +195,9 @@ async def _step_apt(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]
     return key, layer, hit
 
 
+# --------------------------------------------------------------------------- run
+
+
 async def _step_run(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]:
     assert isinstance(step, RunStep)
     env = {**ctx.env, **step.env}
@@ -213,6 +225,9 @@ async def _step_run(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]
 
     layer, hit = await ctx.cached(key, build)
     return key, layer, hit
+
+
+# --------------------------------------------------------------------------- pip
 
 
 async def _step_pip(ctx: _Ctx, i: int, step: Step) -> tuple[str, LayerRef, bool]:
