@@ -7,6 +7,7 @@ import errno
 import os
 
 SYS_openat2 = 437  # same number on x86_64 and on every asm-generic arch (aarch64, ...)
+
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
