@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import cast
 
 from sandfleet.images import LayerStore
-from sandfleet.images.recipe import Recipe, build_recipe
+from sandfleet.images.recipe import Recipe
+from sandfleet.images.recipe_build import build_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 

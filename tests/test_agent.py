@@ -20,22 +20,15 @@ from pathlib import Path
 import pytest
 
 try:
-    import sandfleet.runtime.agent as agent_mod
+    import sandfleet.runtime.agent_wire as agent_mod
 except ImportError:  # package not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import sandfleet.runtime.agent as agent_mod
+    import sandfleet.runtime.agent_wire as agent_mod
 
-from sandfleet.runtime.agent import (
-    AGENT_VERSION,
-    SCOPE_DESCENDANTS,
-    AgentChannel,
-    ChannelClosedError,
-    ExecStartError,
-    ExitInfo,
-    OutputChunk,
-    build_agent,
-    grab_handoff_channel,
-)
+from sandfleet.runtime.agent import AgentChannel, grab_handoff_channel
+from sandfleet.runtime.agent_build import build_agent
+from sandfleet.runtime.agent_errors import ChannelClosedError, ExecStartError
+from sandfleet.runtime.agent_wire import AGENT_VERSION, SCOPE_DESCENDANTS, ExitInfo, OutputChunk
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C"}
 

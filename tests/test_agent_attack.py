@@ -26,7 +26,9 @@ import pytest
 
 from sandfleet import Client, Sandbox, SandboxError
 from sandfleet.runtime import seccomp
-from sandfleet.runtime.agent import AgentChannel, ExitInfo, build_agent, grab_handoff_channel
+from sandfleet.runtime.agent import AgentChannel, grab_handoff_channel
+from sandfleet.runtime.agent_build import build_agent
+from sandfleet.runtime.agent_wire import ExitInfo
 
 from conftest import EXPECT
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sandfleet.daemon.agentfiles import _checked_parts, _tar_stream, _without_special
-from sandfleet.runtime.files import FileOpError
+from sandfleet.runtime.sandboxfs.results import FileOpError
 
 
 def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = "") -> tarfile.TarInfo:

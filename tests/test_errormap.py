@@ -19,9 +19,9 @@ from sandfleet.daemon import state
 from sandfleet.daemon.errormap import ERROR_MAP, FILE_ERRORS, to_wire_error
 from sandfleet.images.models import LayerCorruptError
 from sandfleet.models import ErrorBody
-from sandfleet.runtime.agent import ChannelClosedError, ExecStartError
-from sandfleet.runtime.files import FileOpError, FileTooLargeError
+from sandfleet.runtime.agent_errors import ChannelClosedError, ExecStartError
 from sandfleet.runtime.launcher import INVALID, UNAVAILABLE, LaunchError
+from sandfleet.runtime.sandboxfs.results import FileOpError, FileTooLargeError
 
 pytestmark = pytest.mark.unit
 

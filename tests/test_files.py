@@ -1,4 +1,4 @@
-"""Tests for sandfleet.runtime.files: fd-relative, openat2-confined sandbox file operations."""
+"""Tests for sandfleet.runtime.sandboxfs: fd-relative, openat2-confined sandbox file operations."""
 
 from __future__ import annotations
 
@@ -16,16 +16,11 @@ from pathlib import Path
 import pytest
 
 from sandfleet.client._base import extract_tar
-from sandfleet.runtime import files as files_mod
-from sandfleet.runtime.files import (
-    MAX_MEMBER_NAME,
-    FileOpError,
-    FileStat,
-    FileTooLargeError,
-    SandboxFS,
-    TarStream,
-    mount_points,
-)
+from sandfleet.runtime.sandboxfs import walk as walk_mod
+from sandfleet.runtime.sandboxfs.fs import SandboxFS
+from sandfleet.runtime.sandboxfs.paths import MAX_MEMBER_NAME, mount_points
+from sandfleet.runtime.sandboxfs.results import FileOpError, FileStat, FileTooLargeError
+from sandfleet.runtime.sandboxfs.tar_download import TarStream
 
 UID_BASE = 100000
 HOST_SECRET = b"HOST SECRET - must never be read or written by the daemon\n"
@@ -873,7 +868,7 @@ def _tree(root: Path, depth: int, width: int, files: int) -> set[str]:
 @pytest.mark.parametrize("getdents", [True, False], ids=["getdents64", "listdir-fallback"])
 def test_wide_and_deep_tree_walks(tmpfs_root: Path, monkeypatch: pytest.MonkeyPatch, getdents: bool) -> None:
     if not getdents:
-        monkeypatch.setattr(files_mod, "_GETDENTS64", None)
+        monkeypatch.setattr(walk_mod, "_GETDENTS64", None)
     top = tmpfs_root / "t"
     top.mkdir()
     expect = _tree(top, depth=3 * 8 + 3, width=40, files=30)  # deeper than the fd window, wide levels
@@ -899,7 +894,7 @@ def test_wide_and_deep_tree_walks(tmpfs_root: Path, monkeypatch: pytest.MonkeyPa
 def test_walk_stops_when_the_sandbox_moves_a_directory_out(tmpfs_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A directory moved elsewhere while a recursive remove is below it: the walk stops with
     'changed' when climbing back, and nothing in the place it was moved to is touched."""
-    real_descend = files_mod._Walk.descend
+    real_descend = walk_mod._Walk.descend
     for moved_level in (3, 25):  # an fd the walk closed (reopened as ..), and one it kept
         _chain(tmpfs_root, "t", 30, files=True)
         (tmpfs_root / "elsewhere").mkdir()
@@ -907,13 +902,13 @@ def test_walk_stops_when_the_sandbox_moves_a_directory_out(tmpfs_root: Path, mon
         moved = tmpfs_root / "t" / "/".join(["d"] * moved_level)
         done: list[int] = []
 
-        def descend(self: files_mod._Walk, name: bytes, moved: Path = moved, done: list[int] = done) -> None:
+        def descend(self: walk_mod._Walk, name: bytes, moved: Path = moved, done: list[int] = done) -> None:
             real_descend(self, name)
             if self.depth == 29 and not done:
                 done.append(1)
                 os.rename(moved, tmpfs_root / "elsewhere" / "moved")
 
-        monkeypatch.setattr(files_mod._Walk, "descend", descend)
+        monkeypatch.setattr(walk_mod._Walk, "descend", descend)
         fs, fd = _fs_of(tmpfs_root)
         try:
             before = _fd_count()
@@ -933,17 +928,17 @@ def test_walk_stops_when_the_sandbox_moves_a_directory_out(tmpfs_root: Path, mon
 
 def test_remove_picks_up_entries_created_meanwhile(tmpfs_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _chain(tmpfs_root, "t", 20, files=True)
-    real_descend = files_mod._Walk.descend
+    real_descend = walk_mod._Walk.descend
     made: list[int] = []
 
-    def descend(self: files_mod._Walk, name: bytes) -> None:
+    def descend(self: walk_mod._Walk, name: bytes) -> None:
         real_descend(self, name)
         if self.depth == 20 and not made:  # the sandbox adds files in a directory already walked
             made.append(1)
             for i in range(50):
                 (tmpfs_root / "t" / "d" / "d" / f"new{i}").write_bytes(b"x")
 
-    monkeypatch.setattr(files_mod._Walk, "descend", descend)
+    monkeypatch.setattr(walk_mod._Walk, "descend", descend)
     fs, fd = _fs_of(tmpfs_root)
     try:
         fs.remove("/t", recursive=True)

@@ -169,7 +169,13 @@ RULES = [
     (
         "the sandbox table is the bottom of the service",
         ("sandfleet.daemon.lifecycle",),
-        ("sandfleet.daemon.state", "sandfleet.backends.base", "sandfleet.runtime.agent", *SDK),
+        (
+            "sandfleet.daemon.state",
+            "sandfleet.backends.base",
+            "sandfleet.runtime.agent_wire",  # record types
+            "sandfleet.runtime.agent_exec",
+            *SDK,
+        ),
     ),
 ]
 
@@ -235,7 +241,8 @@ def test_only_tests_import_the_testing_helpers() -> None:
 
 
 def test_nothing_imports_the_command_line() -> None:
-    bad = _importers_of(("sandfleet.cli", "sandfleet.demo"), ("sandfleet.__main__", "sandfleet.cli"))
+    cli = ("sandfleet.cli", "sandfleet.cli_common", "sandfleet.cli_images")
+    bad = _importers_of((*cli, "sandfleet.demo"), ("sandfleet.__main__", *cli))
     assert not bad, bad
 
 
@@ -275,5 +282,5 @@ def test_the_graph_is_read() -> None:
     assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.api.common"]
     assert "sandfleet.operations" in GRAPH["sandfleet.cluster.gateway"]
     assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.core"]
-    assert "sandfleet.runtime.files" in GRAPH["sandfleet.daemon.files"]
-    assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe"]  # under TYPE_CHECKING only
+    assert "sandfleet.runtime.sandboxfs.fs" in GRAPH["sandfleet.daemon.files"]
+    assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe_context"]  # under TYPE_CHECKING only

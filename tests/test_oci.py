@@ -31,10 +31,12 @@ from typing import Any
 import pytest
 
 from sandfleet import Client, InvalidArgumentError
-from sandfleet.images import ImageManifest, ImageNotFoundError, InvalidRefError, LayerStore, oci
+from sandfleet.images import ImageManifest, ImageNotFoundError, InvalidRefError, LayerStore, oci_import
 from sandfleet.images.builders import mounted_layers
 from sandfleet.images.models import LayerRef
-from sandfleet.images.oci import OciImportError, OciRefError, import_image, normalise_ref
+from sandfleet.images.oci_errors import OciImportError, OciRefError
+from sandfleet.images.oci_import import import_image
+from sandfleet.images.oci_manifest import normalise_ref
 
 from conftest import Daemon, destroy_daemon, make_daemon
 
@@ -1015,7 +1017,7 @@ async def test_gc_during_import_keeps_its_layers(tmp_path: Path, monkeypatch: py
         added.append(ref.digest)
         return ref
 
-    real_unpack = oci._unpack_blob
+    real_unpack = oci_import._unpack_blob
 
     def slow_last_layer(src: Any, blob: Any, dest: Path, *args: Any) -> Any:
         if dest.name == "layer-2":  # the first layer is packed by now
@@ -1025,8 +1027,8 @@ async def test_gc_during_import_keeps_its_layers(tmp_path: Path, monkeypatch: py
         return real_unpack(src, blob, dest, *args)
 
     monkeypatch.setattr(store, "add_layer_from_dir", recording_add)
-    monkeypatch.setattr(oci, "_LAYER_REFRESH_SECONDS", 0.02)
-    monkeypatch.setattr(oci, "_unpack_blob", slow_last_layer)
+    monkeypatch.setattr(oci_import, "_LAYER_REFRESH_SECONDS", 0.02)
+    monkeypatch.setattr(oci_import, "_unpack_blob", slow_last_layer)
     m = await import_image(store, archive, merge_below=0)
     assert removed == [] and [layer.digest for layer in m.layers] == added
     assert_clean(store)

@@ -15,25 +15,14 @@ from pathlib import Path
 import pytest
 
 from sandfleet import AsyncClient, Client
-from sandfleet.images import LayerStore
-from sandfleet.images import recipe as recipe_module
+from sandfleet.images import LayerStore, recipe_tree, rootfs_probe
 from sandfleet.images.builders import mounted_layers
-from sandfleet.images.recipe import (
-    BUILD_LABEL,
-    BuildResult,
-    CopyStep,
-    GitStep,
-    PipStep,
-    Recipe,
-    RecipeError,
-    RunStep,
-    build_recipe,
-    glibc_version_in,
-    hash_tree,
-    prune_build_cache,
-    read_debian_info,
-    stage_copy,
-)
+from sandfleet.images.recipe import CopyStep, GitStep, PipStep, Recipe, RecipeError, RunStep
+from sandfleet.images.recipe_build import build_recipe, prune_build_cache
+from sandfleet.images.recipe_context import BuildResult, StepResult
+from sandfleet.images.recipe_sandbox import BUILD_LABEL
+from sandfleet.images.recipe_tree import hash_tree, stage_copy
+from sandfleet.images.rootfs_probe import glibc_version_in, read_debian_info
 from wheels import pure_wheel
 
 from conftest import IMAGES, Daemon, wait_until
@@ -200,7 +189,7 @@ def test_glibc_version_is_read_inside_the_image(tmp_path: Path) -> None:
     (other / "usr").mkdir(parents=True)
     os.symlink("/usr/lib", other / "usr/lib")
     assert glibc_version_in(other) is None
-    tags = recipe_module._manylinux_platforms((2, 17), "x86_64")
+    tags = rootfs_probe._manylinux_platforms((2, 17), "x86_64")
     assert tags[:2] == ["manylinux_2_17_x86_64", "manylinux2014_x86_64"] and tags[-1] == "manylinux1_x86_64"
 
 
@@ -219,7 +208,7 @@ def test_copy_source_edited_while_copying_is_keyed_by_what_was_copied(
             (src / "a").write_text("new\n")  # the edit lands after the copy read the file
         return data
 
-    monkeypatch.setattr(recipe_module.os, "read", edit_after_reading)
+    monkeypatch.setattr(recipe_tree.os, "read", edit_after_reading)
     staging = tmp_path / "staging"
     n, digest = stage_copy(tmp_path / "recipe", "tree", staging, "/opt/t", [])
     monkeypatch.undo()
@@ -242,7 +231,7 @@ def test_copy_walk_does_not_follow_a_directory_swapped_for_a_symlink(
             os.symlink(tmp_path / "secret", base / "tree/sub")
         return real_open(path, flags, mode, dir_fd=dir_fd)
 
-    monkeypatch.setattr(recipe_module.os, "open", swap_then_open)
+    monkeypatch.setattr(recipe_tree.os, "open", swap_then_open)
     with pytest.raises(OSError, match="Not a directory"):  # O_DIRECTORY | O_NOFOLLOW on a symlink
         stage_copy(base, "tree", tmp_path / "staging", "/t", [])
     monkeypatch.undo()
@@ -495,7 +484,7 @@ async def test_build_reports_each_step_and_streams_run_output(
     steps: list[tuple[int, str, bool, str]] = []
     output: list[tuple[int, str, str]] = []
 
-    def on_step(r: recipe_module.StepResult) -> None:
+    def on_step(r: StepResult) -> None:
         steps.append((r.index, r.kind, r.cache_hit, r.layer))
 
     def on_output(index: int, stream: str, line: str) -> None:

@@ -31,16 +31,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from sandfleet.runtime.agent import AgentChannel, OutputChunk
-from sandfleet.runtime.files import (
-    FileKind,
-    FileOpError,
-    FileStat,
-    FileTooLargeError,
-    _from_oserror,
-    _member_parts,
-    check_upload,
-)
+from sandfleet.runtime.agent import AgentChannel
+from sandfleet.runtime.agent_wire import OutputChunk
+from sandfleet.runtime.sandboxfs.paths import _member_parts
+from sandfleet.runtime.sandboxfs.results import FileKind, FileOpError, FileStat, FileTooLargeError, _from_oserror
+from sandfleet.runtime.sandboxfs.tar_upload import check_upload
 
 # stderr phrases of coreutils and busybox, and the errno each means
 _PHRASES = (

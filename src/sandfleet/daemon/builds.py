@@ -17,7 +17,9 @@ from sandfleet.daemon.core import EventStream, NodeCore
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.images import image_info
 from sandfleet.errors import InvalidArgumentError
-from sandfleet.images.recipe import Recipe, RecipeError, StepResult, build_recipe
+from sandfleet.images.recipe import Recipe, RecipeError
+from sandfleet.images.recipe_build import build_recipe
+from sandfleet.images.recipe_context import StepResult
 from sandfleet.models import BuildEvent
 
 if TYPE_CHECKING:

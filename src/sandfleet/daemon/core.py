@@ -46,7 +46,7 @@ from sandfleet.daemon.state import SandboxRow, StateStore
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError, WrongStateError
 from sandfleet.images import LayerStore
 from sandfleet.models import SandboxEvent, SandboxInfo, SandboxSpec, Usage, shown
-from sandfleet.runtime.agent import ChannelClosedError
+from sandfleet.runtime.agent_errors import ChannelClosedError
 
 NODE_LABELS = "sandfleet."  # labels the node sets (verifiers, trajectories, pools, builds): its own
 

@@ -15,10 +15,11 @@ from sandfleet import errors
 from sandfleet.daemon import egress, state
 from sandfleet.daemon.process import DaemonStartError
 from sandfleet.images import models as image_models
-from sandfleet.images.oci import OciImportError
+from sandfleet.images.oci_errors import OciImportError
 from sandfleet.images.recipe import RecipeError
-from sandfleet.runtime import agent, criu, guest, launcher, mounts, qemu, seccomp, swap, vmdisk, vmsnap
-from sandfleet.runtime.files import FileOpError
+from sandfleet.runtime import agent_errors as agent
+from sandfleet.runtime import criu, guest, launcher, mounts, qemu, seccomp, swap, vmdisk, vmsnap
+from sandfleet.runtime.sandboxfs.results import FileOpError
 
 # File operation kinds (runtime/files.py) -> wire errors.
 FILE_ERRORS: dict[str, type[errors.SandboxError]] = {

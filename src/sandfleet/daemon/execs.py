@@ -43,17 +43,9 @@ from sandfleet.errors import (
     WrongStateError,
 )
 from sandfleet.models import ExecEvent, ExecRequest, ExecResult, ProcessInfo, TerminalRequest, shown, validation_message
-from sandfleet.runtime.agent import (
-    AGENT_VERSION,
-    SCOPE_TREE,
-    AgentError,
-    ChannelClosedError,
-    ExecProcess,
-    ExecStartError,
-    ExitInfo,
-    OutputChunk,
-    ProtocolError,
-)
+from sandfleet.runtime.agent_errors import AgentError, ChannelClosedError, ExecStartError, ProtocolError
+from sandfleet.runtime.agent_exec import ExecProcess
+from sandfleet.runtime.agent_wire import AGENT_VERSION, SCOPE_TREE, ExitInfo, OutputChunk
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -30,8 +30,10 @@ from sandfleet.errors import (
 )
 from sandfleet.images import LayerCorruptError
 from sandfleet.models import FileEvent, FileInfo, check_user, shown
-from sandfleet.runtime.agent import AgentError, ChannelClosedError, WatchEvent
-from sandfleet.runtime.files import FileOpError, FileStat, SandboxFS
+from sandfleet.runtime.agent_errors import AgentError, ChannelClosedError
+from sandfleet.runtime.agent_wire import WatchEvent
+from sandfleet.runtime.sandboxfs.fs import SandboxFS
+from sandfleet.runtime.sandboxfs.results import FileOpError, FileStat
 
 IN_ISDIR = 0x40000000
 

@@ -33,7 +33,9 @@ from sandfleet.daemon.lifecycle import Sandbox
 from sandfleet.daemon.pausing import Pauser
 from sandfleet.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import ErrorBody, ExecResult, Resources, RunCodeBatchItem, RunCodeRequest, SandboxSpec
-from sandfleet.runtime.agent import AgentError, ExecProcess, ExecStartError, ExitInfo, OutputChunk
+from sandfleet.runtime.agent_errors import AgentError, ExecStartError
+from sandfleet.runtime.agent_exec import ExecProcess
+from sandfleet.runtime.agent_wire import ExitInfo, OutputChunk
 from sandfleet.runtime.zygote import HEADER, MAGIC
 
 ZYGOTE_SOURCE = (Path(__file__).parent.parent / "runtime" / "zygote.py").read_text()

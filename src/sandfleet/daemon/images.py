@@ -26,10 +26,10 @@ from sandfleet.images import (
     InvalidRefError,
     LayerCorruptError,
     LayerRef,
-    oci,
 )
 from sandfleet.images import ImageNotFoundError as StoreImageNotFound
-from sandfleet.images.recipe import prune_build_cache
+from sandfleet.images import oci_import as oci
+from sandfleet.images.recipe_build import prune_build_cache
 from sandfleet.models import ImageInfo, SandboxSpec
 
 # Lower layers of one overlay: the mount options (one ~100-byte path per layer) must fit a page.

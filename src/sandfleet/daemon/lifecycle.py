@@ -26,7 +26,8 @@ from sandfleet.daemon.state import StateStore
 from sandfleet.errors import Cause, SandboxNotFoundError, WrongStateError
 from sandfleet.ids import new_id
 from sandfleet.models import PROJECT_LABEL, ExecResult, SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
-from sandfleet.runtime.agent import SESSION_FDS, CommandExit, ExecProcess, OutputChunk
+from sandfleet.runtime.agent_exec import ExecProcess
+from sandfleet.runtime.agent_wire import SESSION_FDS, CommandExit, OutputChunk
 
 log = logging.getLogger("sandfleet.daemon")
 

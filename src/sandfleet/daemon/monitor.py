@@ -23,7 +23,7 @@ from sandfleet.daemon.core import NodeCore
 from sandfleet.daemon.detectors import Detectors, DetectorsConfig, Finding, replaced_system_binaries
 from sandfleet.daemon.lifecycle import LIVE_STATES, RUNNING, Sandbox
 from sandfleet.daemon.pausing import Pauser
-from sandfleet.images.recipe import BUILD_LABEL
+from sandfleet.images.recipe_sandbox import BUILD_LABEL
 from sandfleet.models import Usage
 
 log = logging.getLogger(__name__)

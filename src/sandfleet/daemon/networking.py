@@ -44,8 +44,10 @@ from sandfleet.errors import (
     WrongStateError,
 )
 from sandfleet.models import ExposedPort, NetworkPolicy, SandboxInfo, SandboxSpec
-from sandfleet.runtime import files, netns, splice
-from sandfleet.runtime.files import FileOpError, SandboxFS
+from sandfleet.runtime import netns, splice
+from sandfleet.runtime import openat2 as files
+from sandfleet.runtime.sandboxfs.fs import SandboxFS
+from sandfleet.runtime.sandboxfs.results import FileOpError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from sandfleet.daemon.admission import Admission
 from sandfleet.errors import ResourceExhaustedError, SandboxError
 from sandfleet.images import ImageManifest
 from sandfleet.models import Resources, SandboxSpec
-from sandfleet.runtime.agent import AgentError
+from sandfleet.runtime.agent_errors import AgentError
 
 log = logging.getLogger("sandfleet.pool")
 WARM_UP_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

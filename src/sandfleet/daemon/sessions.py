@@ -49,17 +49,15 @@ from sandfleet.models import (
     TerminalSize,
     shown,
 )
-from sandfleet.runtime.agent import (
+from sandfleet.runtime.agent_errors import AgentError, ChannelClosedError, ExecStartError
+from sandfleet.runtime.agent_wire import (
     AGENT_VERSION,
     NONCE_LEN,
     SCOPE_DESCENDANTS,
     SCOPE_TREE,
     SESSION_FDS,
     SESSION_LOW_FDS,
-    AgentError,
-    ChannelClosedError,
     CommandExit,
-    ExecStartError,
     OutputChunk,
 )
 

@@ -30,7 +30,7 @@ from sandfleet.models import (
     StepResult,
     WriteAction,
 )
-from sandfleet.runtime.agent import AGENT_VERSION
+from sandfleet.runtime.agent_wire import AGENT_VERSION
 
 TRAJECTORY_LABEL = "sandfleet.trajectory"  # on a trajectory's sandbox: the trajectory's id
 

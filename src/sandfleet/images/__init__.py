@@ -1,6 +1,7 @@
 """Local image store: content-addressed EROFS layers, name:tag manifests, built-in recipes."""
 
 from .builders import debian_mirror  # imported first: it registers the built-in recipes
+from .builtin_images import BUILTIN_IMAGES, BuildContext, Builder, register_builtin
 from .fsutil import DiffStats, diff_trees, shift_ownership
 from .models import (
     ImageBuildError,
@@ -14,9 +15,12 @@ from .models import (
     canonical_ref,
     parse_ref,
 )
-from .oci import OciImportError, import_image
-from .recipe import BuildResult, Recipe, RecipeError, StepResult, build_recipe
-from .store import BUILTIN_IMAGES, BuildContext, Builder, LayerStore, ProgressFn, register_builtin
+from .oci_errors import OciImportError
+from .oci_import import import_image
+from .recipe import Recipe, RecipeError
+from .recipe_build import build_recipe
+from .recipe_context import BuildResult, StepResult
+from .store import LayerStore, ProgressFn
 
 __all__ = [
     "BUILTIN_IMAGES",

@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from . import fsutil
+from .builtin_images import BUILTIN_IMAGES, BuildContext, Builder
 from .models import ImageError, ImageManifest, LayerRef, canonical_ref
-from .store import BUILTIN_IMAGES, BuildContext, Builder, LayerStore
+from .store import LayerStore
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,11 @@
-"""Content-addressed local store of EROFS layers plus ``name:tag`` manifests, and the registry of
-built-in recipes (`Builder`) that `LayerStore.ensure` builds from."""
+"""Content-addressed local store of EROFS layers plus ``name:tag`` manifests; `LayerStore.ensure`
+builds missing built-in images (`builtin_images`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import errno
-import fcntl
 import functools
 import hashlib
 import logging
@@ -16,24 +15,23 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from . import fsutil
+from . import fsutil, store_shared
+from .builtin_images import BUILTIN_IMAGES, BuildContext, Builder
 from .models import (
     DIGEST_RE,
-    ImageError,
     ImageManifest,
     ImageNotFoundError,
     LayerCorruptError,
     LayerKind,
     LayerRef,
-    canonical_ref,
     parse_ref,
 )
+from .store_io import _atomic_write, _blob_name, _digest_file, _file_version, _hash_unchanging, _layer_name, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -42,83 +40,6 @@ ProgressFn = Callable[[str, float], None]
 # After a failed rebuild of an outdated built-in image, the stored one is used this long before
 # the rebuild is tried again.
 REBUILD_RETRY_SECONDS = 600.0
-
-
-def _digest_file(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return "sha256:" + h.hexdigest(), size
-
-
-def _file_version(st: os.stat_result) -> str:
-    """What a layer file's verification stamp records. Of these, the ctime is the one no writer can
-    restore (see `LayerStore.verified_layer_path`). The leading tag retires stamps of older formats."""
-    return f"v2 {st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
-
-
-def _hash_unchanging(path: Path, digest: str) -> str:
-    """Hash a layer file and check it against `digest`; return the `_file_version` of what was hashed.
-    A file changed while it was hashed is hashed again (the stamp must describe the bytes hashed)."""
-    for _ in range(3):
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            before = _file_version(os.fstat(f.fileno()))
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-            after = _file_version(os.fstat(f.fileno()))
-        if before == after:
-            break
-    else:
-        raise LayerCorruptError(f"layer {digest} keeps changing while it is hashed ({path})")
-    actual = "sha256:" + h.hexdigest()
-    if actual != digest:
-        raise LayerCorruptError(f"layer {digest} is corrupt: its content hashes to {actual}")
-    return after
-
-
-def _atomic_write(path: Path, data: bytes, *, sync: bool = True) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-
-
-# Chunk index granularity of on-demand layers. File data is still packed at 4 KiB alignment in the
-# blob (small files are not padded to a chunk) and read page by page; a large chunk keeps the local
-# metadata image small (8 bytes of index per chunk).
-BLOB_CHUNK = 1 << 20
-
-
-def _layer_name(digest: str) -> str:
-    return "sha256-" + digest.removeprefix("sha256:") + ".erofs"
-
-
-def _blob_name(digest: str) -> str:
-    return "sha256-" + digest.removeprefix("sha256:") + ".blob"
-
-
-def _publish_once(src: Path, dest: Path) -> None:
-    """Put a finished file into the shared store unless an identical one (same digest, so same
-    name) is already there: replacing it would pull a file other nodes have mounted from under them
-    (NFS answers ESTALE to the old handle). link() fails if the name exists, atomically, where
-    rename() would replace it."""
-    os.chmod(src, 0o444)
-    with contextlib.suppress(FileExistsError):
-        os.link(src, dest)
-    src.unlink()
 
 
 class LayerStore:
@@ -568,100 +489,10 @@ class LayerStore:
     # ------------------------------------------------------------------ shared store
 
     async def push(self, ref: str, progress: ProgressFn | None = None) -> ImageManifest:
-        """Publish a local image to the shared store, each layer as an on-demand layer: a small
-        metadata image plus a blob of its file data (uncompressed, so pages can be read in place).
-
-        Layers already in the shared store are not converted again; the shared manifest is
-        written last, so readers never see an image with missing layers.
-        """
-        if self.shared is None:
-            raise ImageError("no shared store is configured")
-        m = await asyncio.to_thread(self.resolve, ref)
-        for d in ("layers", "blobs", "images", "tmp", "converted"):
-            await asyncio.to_thread((self.shared / d).mkdir, parents=True, exist_ok=True)
-        out: list[LayerRef] = []
-        for i, layer in enumerate(m.layers):
-            if progress is not None:
-                progress(f"{m.ref}: layer {i + 1}/{len(m.layers)}", i / len(m.layers))
-            out.append(await self._push_layer(layer))
-        shared_manifest = ImageManifest(**{**m.model_dump(), "layers": out})
-        path = self.shared / "images" / m.name / f"{m.tag}.json"
-        data = shared_manifest.model_dump_json(indent=2).encode() + b"\n"
-        await asyncio.to_thread(_atomic_write, path, data)
-        self._remember(out)
-        if progress is not None:
-            progress(f"{m.ref}: published", 1.0)
-        return shared_manifest
-
-    async def _push_layer(self, layer: LayerRef) -> LayerRef:
-        assert self.shared is not None
-        if layer.blob is not None:
-            return layer  # already an on-demand layer of the shared store
-        # mkfs stamps its build time into the metadata image, so converting the same layer twice
-        # gives two digests: remember each conversion, and images sharing a base share it here too.
-        record = self.shared / "converted" / (layer.digest.removeprefix("sha256:") + ".json")
-        with contextlib.suppress(OSError, ValidationError):
-            done = LayerRef.model_validate_json(await asyncio.to_thread(record.read_bytes))
-            if await asyncio.to_thread(self._shared_has, done):
-                return done
-        pushed = await self._convert_layer(layer)
-        data = pushed.model_dump_json().encode()
-        await asyncio.to_thread(_atomic_write, record, data)
-        return pushed
-
-    def _shared_has(self, layer: LayerRef) -> bool:
-        assert self.shared is not None and layer.blob is not None
-        return (self.shared / "layers" / _layer_name(layer.digest)).exists() and (
-            self.shared / "blobs" / _blob_name(layer.blob)
-        ).exists()
-
-    async def _convert_layer(self, layer: LayerRef) -> LayerRef:
-        assert self.shared is not None
-        work = self.shared / "tmp" / uuid.uuid4().hex
-        await asyncio.to_thread(work.mkdir)
-        try:
-            meta, blob = work / "meta.erofs", work / "data.blob"
-            # The layer file is mounted and re-packed as it is: ids (already shifted), xattrs,
-            # whiteouts and opaque markers carry over.
-            source = await asyncio.to_thread(self.layer_path, layer.digest)
-            async with fsutil.mounted_erofs(source, work / "mnt") as mnt:
-                await fsutil.mkfs_erofs(mnt, meta, blobdev=blob, chunk_size=BLOB_CHUNK)
-            meta_digest, meta_size = await asyncio.to_thread(_digest_file, meta)
-            blob_digest, blob_size = await asyncio.to_thread(_digest_file, blob)
-            for src, dest in (
-                (meta, self.shared / "layers" / _layer_name(meta_digest)),
-                (blob, self.shared / "blobs" / _blob_name(blob_digest)),
-            ):
-                await asyncio.to_thread(_publish_once, src, dest)
-        finally:
-            await asyncio.shield(asyncio.to_thread(fsutil.rmtree, work))
-        return LayerRef(
-            digest=meta_digest,
-            size=meta_size,
-            kind=layer.kind,
-            description=f"{layer.description} (on demand; was {layer.digest})",
-            blob=blob_digest,
-            blob_size=blob_size,
-        )
+        """Publish a local image to the shared store (`store_shared.push`)."""
+        return await store_shared.push(self, ref, progress)
 
     # ------------------------------------------------------------------ building
-
-    @contextlib.asynccontextmanager
-    async def _file_lock(self, name: str, tag: str) -> AsyncIterator[None]:
-        # Per ref (not per name) so a recipe may depend on another tag of the same name
-        # without deadlocking on its own flock. Polled so waiting stays cancellable.
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
-        fd = os.open(self.root / f".lock-{safe}@{tag}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    await asyncio.sleep(0.2)
-            yield
-        finally:
-            os.close(fd)  # releases the flock
 
     def _current(self, key: str, builder: Builder | None) -> ImageManifest | None:
         """The stored manifest of ``key`` (ImageNotFoundError if none), or None if it is a built-in
@@ -697,7 +528,7 @@ class LayerStore:
             with contextlib.suppress(ImageNotFoundError):
                 if (current := self._current(key, builder)) is not None:
                     return current  # built by a concurrent ensure() in this process
-            async with self._file_lock(name, tag):
+            async with file_lock(self.root, name, tag):
                 outdated: ImageManifest | None = None
                 with contextlib.suppress(ImageNotFoundError):
                     if (current := self._current(key, builder)) is not None:
@@ -744,79 +575,5 @@ class LayerStore:
 
 # --------------------------------------------------------------------------- built-in images
 # What a built-in recipe is and where they are registered. The recipes themselves (`builders`)
-# sit on top of the store and register into `BUILTIN_IMAGES` when `sandfleet.images` is imported.
 
-
-@dataclass
-class BuildContext:
-    """What a recipe gets: the store, a private scratch dir (removed afterwards), progress."""
-
-    store: LayerStore
-    workdir: Path
-    progress: ProgressFn | None = None
-    lo: float = 0.0
-    hi: float = 1.0
-
-    def report(self, stage: str, fraction: float) -> None:
-        if self.progress is None:
-            return
-        frac = self.lo + (self.hi - self.lo) * min(max(fraction, 0.0), 1.0)
-        try:
-            self.progress(stage, frac)
-        except Exception:  # a broken progress callback must not fail the build
-            log.exception("progress callback failed")
-
-    def sub(self, lo: float, hi: float) -> ProgressFn:
-        """Progress callback for a nested build, mapped onto [lo, hi] of this one."""
-
-        def cb(stage: str, fraction: float) -> None:
-            self.report(stage, lo + (hi - lo) * fraction)
-
-        return cb
-
-
-_BUILDER_VERSION_RE = re.compile(r" \[builder v(\d+)\]$")
-
-
-@dataclass(frozen=True)
-class Builder:
-    """A built-in recipe. ``build`` returns the full layer stack, bottom -> top.
-
-    The manifest records ``manifest_recipe``: ``recipe``, plus ``[builder vN]`` from version 2 on.
-    A stored image is rebuilt (`LayerStore.ensure`) when it is `outdated`: made by an older
-    version of this builder (a lower ``[builder vN]``, or a recipe string in ``legacy_recipes``,
-    the versions from before it was numbered), or when ``stale`` says so. An image of the same name
-    that the builder did not make (imported, pushed) is never replaced. The old layers stay in the
-    store: sandboxes and snapshots using them keep working, and `images gc` removes them once
-    nothing does.
-    """
-
-    recipe: str
-    build: Callable[[BuildContext], Awaitable[list[LayerRef]]]
-    version: int = 1
-    legacy_recipes: tuple[str, ...] = ()
-    stale: Callable[[LayerStore, ImageManifest], bool] | None = None
-
-    @property
-    def manifest_recipe(self) -> str:
-        return self.recipe if self.version <= 1 else f"{self.recipe} [builder v{self.version}]"
-
-    def outdated(self, store: LayerStore, manifest: ImageManifest) -> bool:
-        """Whether `manifest` (of this builder's ref) was made by an older version of it."""
-        if self.stale is not None:
-            return self.stale(store, manifest)
-        if manifest.recipe in self.legacy_recipes:
-            return True
-        found = _BUILDER_VERSION_RE.search(manifest.recipe)
-        return found is not None and int(found.group(1)) < self.version
-
-
-BUILTIN_IMAGES: dict[str, Builder] = {}
-
-
-def register_builtin(ref: str, builder: Builder) -> None:
-    """Add (or replace) a built-in recipe; ``ref`` is ``name[:tag]``."""
-    BUILTIN_IMAGES[canonical_ref(ref)] = builder
-
-
-__all__ = ["BUILTIN_IMAGES", "BuildContext", "Builder", "LayerStore", "ProgressFn", "register_builtin"]
+__all__ = ["LayerStore", "ProgressFn"]

@@ -1,625 +1,69 @@
-"""Daemon side of the in-sandbox agent (agent.c): build, wire protocol and asyncio channel.
-
-Every message is one SOCK_SEQPACKET datagram: ``u32 type, u32 id`` (little-endian) + payload.
-
-Unsolicited from the agent: ALERT (id 0), a JSON object about an attempt on the agent that its
-seccomp listener caught and refused (see agent.c and seccomp.py `attempt_rules`):
-
-    {"kind": "attempt", "syscall": "kill", "nr": 62, "arch": "x86_64", "pid": 42, "uid": 0,
-     "euid": 0, "comm": "sh", "signal": 15}
-
-with "signal" (kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo), "request" (ptrace) or
-"flags" (pidfd_open), and "gone": true when the caller died before the agent answered (its pid, uid
-and comm may then be another process's). "pid" is as the agent (PID 1 of the sandbox) sees it; uids
-are the sandbox's. At most 20 a second per sandbox; past that they are counted and reported once the
-second is over as ``{"kind": "suppressed", "count": N}``. `AgentChannel.on_alert` receives each.
-"""
+"""The asyncio channel to a sandbox's agent (`AgentChannel`) over its SOCK_SEQPACKET socket; taking one over."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import errno
-import hashlib
-import json
 import logging
 import os
-import shutil
 import signal as _signal
 import socket
 import stat
 import struct
-import subprocess
-import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from sandfleet.runtime.prebuilt import install_prebuilt, prebuilt_dir
-
-AGENT_SOURCE = Path(__file__).with_name("agent.c")
-LAUNCHER_SOURCE = Path(__file__).with_name("launcher.c")
-LAUNCHER_NAME = "sandfleet-run"  # <= 15 bytes: it is also the command name the orphan reaper matches
-# 2: REOPEN, FORGET; 3: sessions framed by the agent, MERGE, WATCH; 4: ALERT; 5: terminals (PTY, RESIZE);
-# 6: LOWFD, terminal sessions (SESSION | PTY)
-AGENT_VERSION = "sandfleet-agent/6"
-
-# daemon -> agent
-MSG_EXEC = 1
-MSG_STDIN = 2
-MSG_SIGNAL = 3
-MSG_PING = 4
-MSG_REOPEN = 5  # move to a fresh socketpair offered on fd 4 (before a snapshot); same execs go on
-REOPEN_CHECKPOINT = 1  # REOPEN's u32 flags: criu dumps next, so the agent closes its seccomp listener
-MSG_FORGET = 6  # orphan every running exec but those listed: the rest belong to a daemon that is gone
-MSG_SRUN = 7  # a session command begins (timeout, flags, cap, nonce); its script follows as STDIN
-MSG_CMDIN = 8  # bytes for the running session command's stdin; empty = EOF
-MSG_WATCH = 9  # watch a directory (u32 flags: 1 recursive; the path)
-MSG_UNWATCH = 20
-MSG_RESIZE = 22  # a terminal exec's window size: u16 rows, u16 cols
-MSG_HOLD = 23  # u32 1: stop reading a terminal exec's output (its writers block), 0: read on
-# agent -> daemon
-MSG_STARTED = 10
-MSG_STDOUT = 11
-MSG_STDERR = 12
-MSG_EXIT = 13
-MSG_ERROR = 14
-MSG_PONG = 15
-MSG_HELLO = 16
-MSG_SEXIT = 17  # a session command ended: status, flags, counts, duration, bytes dropped before it
-MSG_WEVENT = 18  # u32 inotify mask, the path
-MSG_WEND = 19  # the watch ended: i32 errno (0: asked to), reason
-MSG_ALERT = 21  # an attempt on the agent (JSON object, id 0), unsolicited; see the module docstring
-
-# EXEC flags
-EXEC_STDIN_PIPE = 1
-EXEC_SETSID = 2
-EXEC_MERGE = 4  # stderr goes to the stdout pipe
-EXEC_SESSION = 8  # a session shell: sockets for stdio, a status socket and a per-command stdin
-EXEC_NONDUMP = 16  # start it with its effective gid differing (bash, dash): non-dumpable from its exec on
-EXEC_PTY = 32  # a new pseudo-terminal as stdio and controlling tty; u16 rows, u16 cols follow the header
-EXEC_LOWFD = 64  # a session shell's status socket and command stdin at fds 9 and 8 (dash cannot name 100, 101)
-SESSION_FDS = (100, 101)  # (status, command stdin) of a session shell
-SESSION_LOW_FDS = (9, 8)  # the same with EXEC_LOWFD
-# EXIT flags
-EXIT_TIMED_OUT = 1
-EXIT_STDOUT_TRUNCATED = 2
-EXIT_STDERR_TRUNCATED = 4
-EXIT_LOST = 8  # a session command whose shell exited or never reported
-# SRUN flags
-SRUN_STDIN = 1
-NONCE_LEN = 32
-# SIGNAL scopes
-SCOPE_GROUP = 0
-SCOPE_TREE = 1
-SCOPE_DESCENDANTS = 2
-
-MAX_PAYLOAD = 64 * 1024
-MAX_DATAGRAM = MAX_PAYLOAD + 8
-HANDOFF_FD = 4
-UNLIMITED = 2**64 - 1  # out_cap meaning "forward everything"
-_NR_PIDFD_GETFD = 438  # same number on every architecture using the generic syscall table
-
-_HDR = struct.Struct("<II")
-_EXEC = struct.Struct("<IIIIQII")
-_EXIT = struct.Struct("<iIQQQ")
-_EXIT_CPU = struct.Struct("<Q")  # after _EXIT, from agents that send it (older ones do not)
-_SIGNAL = struct.Struct("<iI")
-_SRUN = struct.Struct("<IIQ")
-_SEXIT = struct.Struct("<iIQQQQI")
-_I32 = struct.Struct("<i")
-_WINSZ = struct.Struct("<HH")
-
+from sandfleet.runtime.agent_build import build_agent, build_launcher
+from sandfleet.runtime.agent_errors import AgentError, ChannelClosedError, ExecStartError, ProtocolError
+from sandfleet.runtime.agent_exec import AgentWatch, ExecProcess
+from sandfleet.runtime.agent_wire import (
+    _NR_PIDFD_GETFD,
+    AGENT_VERSION,
+    EXEC_LOWFD,
+    EXEC_MERGE,
+    EXEC_NONDUMP,
+    EXEC_PTY,
+    EXEC_SESSION,
+    EXEC_SETSID,
+    EXEC_STDIN_PIPE,
+    HANDOFF_FD,
+    MAX_DATAGRAM,
+    MSG_ALERT,
+    MSG_ERROR,
+    MSG_EXIT,
+    MSG_FORGET,
+    MSG_HELLO,
+    MSG_PONG,
+    MSG_REOPEN,
+    MSG_SEXIT,
+    MSG_STARTED,
+    MSG_STDERR,
+    MSG_STDOUT,
+    MSG_WATCH,
+    MSG_WEND,
+    MSG_WEVENT,
+    REOPEN_CHECKPOINT,
+    SCOPE_TREE,
+    UNLIMITED,
+    CommandExit,
+    ExecRequest,
+    OutputChunk,
+    WatchEvent,
+    _cstr,
+    decode_alert,
+    decode_error,
+    decode_exit,
+    decode_hello,
+    decode_message,
+    decode_started,
+    encode_exec,
+    encode_message,
+    encode_ping,
+    encode_signal,
+)
 
 log = logging.getLogger("sandfleet.agent")
-
-
-def decode_alert(payload: bytes) -> dict[str, Any]:
-    """An ALERT's JSON object; ProtocolError if it is not one."""
-    try:
-        alert = json.loads(payload.decode(errors="replace"))
-    except ValueError as exc:
-        raise ProtocolError(f"malformed alert: {exc}") from None
-    if not isinstance(alert, dict):
-        raise ProtocolError("malformed alert: not an object")
-    return alert
-
-
-class AgentError(RuntimeError):
-    """Base class for agent failures."""
-
-
-class AgentBuildError(AgentError):
-    """gcc failed; the message carries its stderr."""
-
-
-class ProtocolError(AgentError):
-    """Malformed message."""
-
-
-class ChannelClosedError(AgentError):
-    """The channel to the agent is gone."""
-
-
-class ExecStartError(AgentError):
-    """The agent could not start the command (chdir/setuid/exec failed)."""
-
-    def __init__(self, errno_: int, message: str) -> None:
-        super().__init__(errno_, message)
-        self.errno = errno_
-        self.message = message
-
-    def __str__(self) -> str:
-        return f"[Errno {self.errno}] {self.message}"
-
-
-# ---- build -------------------------------------------------------------------------------
-
-
-def build_static(source_path: Path, cache_dir: Path, name: str, *, prefer_musl: bool = False) -> Path:
-    """Compile a C source statically to ``cache_dir/<hash>/<name>`` (content-addressed, reused if present).
-
-    The file name is kept as given because it is the process's command name (`comm`), which the
-    orphan reaper matches on. With `prefer_musl`, musl-gcc (Debian's musl-tools) is used when installed:
-    a static glibc binary runs dozens of CPUID instructions at start (cache and feature probing), and
-    each one traps to the hypervisor on a VM, so exec of the glibc-built agent costs ~0.5 ms against
-    ~0.24 ms for the musl build, once per sandbox.
-    """
-    source = source_path.read_bytes()
-    # A gcc build keeps the key it always had (a snapshot names the agent build it can be restored
-    # with); a musl build is another build of the same source. A build already here or prebuilt at
-    # setup is used before any compiler runs; musl's first.
-    keys = {"gcc": hashlib.sha256(source).hexdigest()[:16]}
-    if prefer_musl:
-        keys["musl-gcc"] = hashlib.sha256(b"musl-gcc\0" + source).hexdigest()[:16]
-        if found := _ready(cache_dir, keys["musl-gcc"], name):
-            return found
-    compiler = "musl-gcc" if prefer_musl and shutil.which("musl-gcc") else "gcc"
-    key = keys[compiler]
-    target = cache_dir / key / name
-    if found := _ready(cache_dir, key, name):
-        return found
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=target.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run(
-            [compiler, "-O2", "-static", "-Wall", "-Wextra", "-o", tmp, str(source_path)],
-            capture_output=True,
-            text=True,
-        )
-        if res.returncode != 0:
-            raise AgentBuildError(f"{compiler} failed on {source_path.name} ({res.returncode}):\n{res.stderr}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: concurrent builders just overwrite with identical bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _ready(cache_dir: Path, key: str, name: str) -> Path | None:
-    """`cache_dir/key/name` if it is there or could be copied from the prebuilt set."""
-    target = cache_dir / key / name
-    if target.exists():
-        return target
-    if (prebuilt_dir() / key / name).is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if install_prebuilt(key, name, target):
-            return target
-    return None
-
-
-def build_agent(cache_dir: Path) -> Path:
-    """The in-sandbox agent (agent.c), built once per source version."""
-    return build_static(AGENT_SOURCE, cache_dir, "agent", prefer_musl=True)
-
-
-def build_launcher(cache_dir: Path) -> Path:
-    """The launcher (launcher.c) that starts a sandbox's agent in fresh namespaces."""
-    return build_static(LAUNCHER_SOURCE, cache_dir, LAUNCHER_NAME)
-
-
-# ---- wire format (pure) --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OutputChunk:
-    stream: Literal["stdout", "stderr"]
-    data: bytes
-
-
-@dataclass(frozen=True)
-class ExitInfo:
-    exit_code: int  # killed by signal n -> 128 + n
-    signal: int | None
-    timed_out: bool
-    stdout_truncated: bool
-    stderr_truncated: bool
-    stdout_bytes: int
-    stderr_bytes: int
-    duration: float  # seconds
-    # CPU seconds of the process and of the descendants it waited for (its rusage); None: not sent
-    cpu: float | None = None
-
-    @classmethod
-    def from_raw(
-        cls, status: int, flags: int, out: int, err: int, duration_us: int, cpu_us: int | None = None
-    ) -> ExitInfo:
-        sig: int | None = None
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            code = 128 + sig
-        else:
-            code = os.WEXITSTATUS(status)
-        return cls(
-            exit_code=code,
-            signal=sig,
-            timed_out=bool(flags & EXIT_TIMED_OUT),
-            stdout_truncated=bool(flags & EXIT_STDOUT_TRUNCATED),
-            stderr_truncated=bool(flags & EXIT_STDERR_TRUNCATED),
-            stdout_bytes=out,
-            stderr_bytes=err,
-            duration=duration_us / 1e6,
-            cpu=None if cpu_us is None else cpu_us / 1e6,
-        )
-
-
-@dataclass(frozen=True)
-class ExecRequest:
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-    uid: int
-    gid: int
-    timeout_ms: int
-    out_cap: int
-    flags: int
-    winsize: tuple[int, int] | None = None  # EXEC_PTY: rows, cols
-
-
-@dataclass(frozen=True)
-class CommandExit:
-    """The end of one session command (SEXIT)."""
-
-    status: int  # as the shell reports $? (-1: the shell never reported)
-    timed_out: bool
-    lost: bool  # the shell exited or did not come back: the session is over
-    stdout_truncated: bool
-    stderr_truncated: bool
-    stdout_bytes: int
-    stderr_bytes: int
-    duration: float
-    dropped_before: int  # bytes background jobs printed between the previous command and this one
-    seq: int  # the SRUN it answers
-
-    @classmethod
-    def decode(cls, payload: bytes) -> CommandExit:
-        if len(payload) < _SEXIT.size:
-            raise ProtocolError("short SEXIT")
-        status, flags, out, err, dur, dropped, seq = _SEXIT.unpack_from(payload)
-        return cls(
-            status=status,
-            timed_out=bool(flags & EXIT_TIMED_OUT),
-            lost=bool(flags & EXIT_LOST),
-            stdout_truncated=bool(flags & EXIT_STDOUT_TRUNCATED),
-            stderr_truncated=bool(flags & EXIT_STDERR_TRUNCATED),
-            stdout_bytes=out,
-            stderr_bytes=err,
-            duration=dur / 1e6,
-            dropped_before=dropped,
-            seq=seq,
-        )
-
-
-def encode_sexit(
-    exec_id: int, status: int, flags: int, out: int, err: int, duration_us: int, dropped: int = 0, seq: int = 0
-) -> bytes:
-    return encode_message(MSG_SEXIT, exec_id, _SEXIT.pack(status, flags, out, err, duration_us, dropped, seq))
-
-
-SRUN_HEAD = _SRUN.size + NONCE_LEN + 4
-
-
-def encode_srun(
-    exec_id: int, nonce: bytes, timeout_ms: int, cap: int, flags: int, seq: int, script: bytes = b""
-) -> bytes:
-    """SRUN with the script inline (or its first part: the rest goes as STDIN)."""
-    if len(nonce) != NONCE_LEN:
-        raise ValueError(f"nonce must be {NONCE_LEN} bytes")
-    return encode_message(
-        MSG_SRUN, exec_id, _SRUN.pack(timeout_ms, flags, cap) + nonce + struct.pack("<I", seq) + script
-    )
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    mask: int  # inotify mask (IN_CREATE, IN_MODIFY, ...)
-    path: str  # absolute, inside the sandbox
-
-
-Event = OutputChunk | ExitInfo | CommandExit
-
-
-def encode_message(mtype: int, msg_id: int, payload: bytes = b"") -> bytes:
-    if len(payload) > MAX_PAYLOAD:
-        raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
-    return _HDR.pack(mtype, msg_id) + payload
-
-
-def decode_message(data: bytes) -> tuple[int, int, bytes]:
-    """Split a datagram into (type, id, payload)."""
-    if len(data) < _HDR.size:
-        raise ProtocolError(f"short datagram ({len(data)} bytes)")
-    mtype, msg_id = _HDR.unpack_from(data)
-    return mtype, msg_id, data[_HDR.size :]
-
-
-def _cstr(s: str) -> bytes:
-    b = s.encode()
-    if b"\0" in b:
-        raise ValueError(f"NUL byte in {s!r}")
-    return b + b"\0"
-
-
-def encode_exec(exec_id: int, req: ExecRequest) -> bytes:
-    if not req.argv:
-        raise ValueError("argv must not be empty")
-    env = [f"{k}={v}" for k, v in req.env.items()]
-    strings = b"".join(_cstr(s) for s in [req.cwd, *req.argv, *env])
-    head = _EXEC.pack(req.flags, req.uid, req.gid, req.timeout_ms, req.out_cap, len(req.argv), len(env))
-    if req.flags & EXEC_PTY:
-        head += _WINSZ.pack(*(req.winsize or (24, 80)))
-    return encode_message(MSG_EXEC, exec_id, head + strings)
-
-
-def decode_exec(payload: bytes) -> ExecRequest:
-    if len(payload) < _EXEC.size:
-        raise ProtocolError("short EXEC")
-    flags, uid, gid, tmo, cap, argc, envc = _EXEC.unpack_from(payload)
-    winsize = None
-    off = _EXEC.size
-    if flags & EXEC_PTY:
-        if len(payload) < off + _WINSZ.size:
-            raise ProtocolError("short EXEC")
-        winsize = _WINSZ.unpack_from(payload, off)
-        off += _WINSZ.size
-    parts = payload[off:].split(b"\0")
-    if len(parts) < 2 + argc + envc:
-        raise ProtocolError("EXEC strings truncated")
-    strs = [p.decode() for p in parts[: 1 + argc + envc]]
-    env = {k: v for k, _, v in (s.partition("=") for s in strs[1 + argc :])}
-    return ExecRequest(strs[1 : 1 + argc], env, strs[0], uid, gid, tmo, cap, flags, winsize)
-
-
-def encode_stdin(exec_id: int, data: bytes) -> bytes:
-    """Empty data means: close the child's stdin."""
-    return encode_message(MSG_STDIN, exec_id, data)
-
-
-def encode_resize(exec_id: int, rows: int, cols: int) -> bytes:
-    return encode_message(MSG_RESIZE, exec_id, _WINSZ.pack(rows, cols))
-
-
-def decode_resize(payload: bytes) -> tuple[int, int]:
-    if len(payload) < _WINSZ.size:
-        raise ProtocolError("short RESIZE")
-    rows, cols = _WINSZ.unpack_from(payload)
-    return rows, cols
-
-
-def encode_signal(exec_id: int, signo: int, scope: int = SCOPE_GROUP) -> bytes:
-    return encode_message(MSG_SIGNAL, exec_id, _SIGNAL.pack(signo, scope))
-
-
-def decode_signal(payload: bytes) -> tuple[int, int]:
-    signo, scope = _SIGNAL.unpack_from(payload)
-    return int(signo), int(scope)
-
-
-def encode_ping(msg_id: int) -> bytes:
-    return encode_message(MSG_PING, msg_id)
-
-
-def encode_pong(msg_id: int) -> bytes:
-    return encode_message(MSG_PONG, msg_id)
-
-
-def encode_started(exec_id: int, pid: int) -> bytes:
-    return encode_message(MSG_STARTED, exec_id, _I32.pack(pid))
-
-
-def decode_started(payload: bytes) -> int:
-    if len(payload) < 4:
-        raise ProtocolError("short STARTED")
-    return int(_I32.unpack_from(payload)[0])
-
-
-def encode_output(exec_id: int, stream: Literal["stdout", "stderr"], data: bytes) -> bytes:
-    return encode_message(MSG_STDOUT if stream == "stdout" else MSG_STDERR, exec_id, data)
-
-
-def encode_exit(
-    exec_id: int, status: int, flags: int, out: int, err: int, duration_us: int, cpu_us: int | None = None
-) -> bytes:
-    cpu = b"" if cpu_us is None else _EXIT_CPU.pack(cpu_us)
-    return encode_message(MSG_EXIT, exec_id, _EXIT.pack(status, flags, out, err, duration_us) + cpu)
-
-
-def decode_exit(payload: bytes) -> ExitInfo:
-    if len(payload) < _EXIT.size:
-        raise ProtocolError("short EXIT")
-    status, flags, out, err, duration_us = _EXIT.unpack_from(payload)
-    cpu = _EXIT_CPU.unpack_from(payload, _EXIT.size)[0] if len(payload) >= _EXIT.size + _EXIT_CPU.size else None
-    return ExitInfo.from_raw(status, flags, out, err, duration_us, cpu)
-
-
-def encode_error(exec_id: int, errno_: int, message: str) -> bytes:
-    return encode_message(MSG_ERROR, exec_id, _I32.pack(errno_) + message.encode())
-
-
-def decode_error(payload: bytes) -> tuple[int, str]:
-    if len(payload) < 4:
-        raise ProtocolError("short ERROR")
-    return int(_I32.unpack_from(payload)[0]), payload[4:].decode(errors="replace")
-
-
-def encode_hello(version: str = AGENT_VERSION) -> bytes:
-    return encode_message(MSG_HELLO, 0, version.encode())
-
-
-def decode_hello(payload: bytes) -> str:
-    return payload.decode(errors="replace")
-
-
-# ---- asyncio channel -----------------------------------------------------------------------
-
-
-class ExecProcess:
-    """One command running under the agent. Events are consumed by a single reader."""
-
-    def __init__(self, channel: AgentChannel, exec_id: int) -> None:
-        self.id = exec_id
-        self.pid = -1
-        self._channel = channel
-        self._queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
-        self._exit: ExitInfo | None = None
-        self._error: BaseException | None = None
-        self._abandoned = False  # start() was cancelled: discard output, kill on STARTED
-
-    @property
-    def exit_info(self) -> ExitInfo | None:
-        return self._exit
-
-    def _push(self, item: Event) -> None:
-        if isinstance(item, ExitInfo):
-            self._exit = item
-        if not self._abandoned:
-            self._queue.put_nowait(item)
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._exit is None and self._error is None:
-            self._error = exc
-            self._queue.put_nowait(exc)
-
-    async def write_stdin(self, data: bytes) -> None:
-        for off in range(0, len(data), MAX_PAYLOAD):  # empty data would mean EOF: send nothing
-            await self._channel._send(encode_stdin(self.id, data[off : off + MAX_PAYLOAD]))
-
-    async def close_stdin(self) -> None:
-        await self._channel._send(encode_stdin(self.id, b""))
-
-    async def signal(self, signo: int, scope: int = SCOPE_GROUP) -> None:
-        await self._channel._send(encode_signal(self.id, signo, scope))
-
-    async def resize(self, rows: int, cols: int) -> None:
-        """A terminal exec's new window size (its foreground job gets SIGWINCH)."""
-        await self._channel._send(encode_resize(self.id, rows, cols))
-
-    async def hold(self, stop: bool) -> None:
-        """A terminal exec: stop reading its output (what it writes then blocks), or read on."""
-        await self._channel._send(encode_message(MSG_HOLD, self.id, struct.pack("<I", 1 if stop else 0)))
-
-    async def run_command(
-        self, script: bytes, nonce: bytes, *, timeout: float | None, out_cap: int, stdin: bool = False, seq: int = 0
-    ) -> None:
-        """Begin one command of a session shell: the agent forwards its output (within `out_cap`
-        per stream) until the shell reports, with `nonce`, through its status socket; the events
-        then carry a CommandExit with this `seq`. `script` must end by reporting (see the daemon's
-        session code); it travels inside the SRUN datagram when it fits."""
-        timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000 + 0.999))
-        flags = SRUN_STDIN if stdin else 0
-        first = script[: MAX_PAYLOAD - SRUN_HEAD]
-        await self._channel._send(encode_srun(self.id, nonce, timeout_ms, out_cap, flags, seq, first))
-        await self.write_stdin(script[len(first) :])
-
-    async def write_command_stdin(self, data: bytes) -> None:
-        """Bytes for the stdin of the session command now running (started with stdin=True)."""
-        for off in range(0, len(data), MAX_PAYLOAD):
-            await self._channel._send(encode_message(MSG_CMDIN, self.id, data[off : off + MAX_PAYLOAD]))
-
-    async def close_command_stdin(self) -> None:
-        await self._channel._send(encode_message(MSG_CMDIN, self.id, b""))
-
-    async def events(self) -> AsyncIterator[Event]:
-        """Yield OutputChunks (and, for a session, a CommandExit per command), then the final
-        ExitInfo. Raises ChannelClosedError if the channel dies."""
-        while True:
-            if self._queue.empty():
-                if self._error is not None:
-                    raise self._error
-                if self._exit is not None:  # already fully consumed
-                    yield self._exit
-                    return
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, ExitInfo):
-                return
-
-    async def wait(self) -> tuple[bytes, bytes, ExitInfo]:
-        """Collect all output until exit."""
-        out: list[bytes] = []
-        err: list[bytes] = []
-        async for ev in self.events():
-            if isinstance(ev, ExitInfo):
-                return b"".join(out), b"".join(err), ev
-            if isinstance(ev, OutputChunk):
-                (out if ev.stream == "stdout" else err).append(ev.data)
-        raise AssertionError("unreachable: events() ends with ExitInfo")
-
-
-IN_Q_OVERFLOW = 0x4000
-
-
-class AgentWatch:
-    """File-change events under a directory of the sandbox, from the agent's inotify."""
-
-    MAX_QUEUED = 10000  # beyond this, events are dropped and counted (a slow reader costs no memory)
-
-    def __init__(self, channel: AgentChannel, watch_id: int) -> None:
-        self.id = watch_id
-        self._channel = channel
-        self._queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue()
-        self._error: BaseException | None = None
-        self._ended = False
-        self.dropped = 0
-
-    def _push(self, ev: WatchEvent) -> None:
-        if self._queue.qsize() >= self.MAX_QUEUED:
-            if not self.dropped:  # the reader learns that events were lost, once per gap
-                self._queue.put_nowait(WatchEvent(IN_Q_OVERFLOW, ""))
-            self.dropped += 1
-            return
-        self.dropped = 0
-        self._queue.put_nowait(ev)
-
-    def _end(self, error: BaseException | None) -> None:
-        if not self._ended:
-            self._ended = True
-            self._error = error
-            self._queue.put_nowait(None)
-
-    async def next(self, timeout: float | None = None) -> WatchEvent | None:  # noqa: ASYNC109
-        """The next event; None once the watch has ended (raises if it ended on an error);
-        TimeoutError if nothing came within `timeout`."""
-        async with asyncio.timeout(timeout):
-            item = await self._queue.get()
-        if item is None:
-            self._queue.put_nowait(None)  # stay ended for later callers
-            if self._error is not None:
-                raise self._error
-        return item
-
-    async def close(self) -> None:
-        if not self._ended:
-            self._channel._watches.pop(self.id, None)
-            self._end(None)
-            with contextlib.suppress(ChannelClosedError):
-                await self._channel._send(encode_message(MSG_UNWATCH, self.id))
 
 
 class AgentChannel:
@@ -1016,8 +460,6 @@ class AgentChannel:
             self.on_close(self)
 
 
-# ---- handoff -------------------------------------------------------------------------------
-
 _libc: ctypes.CDLL | None = None
 
 
@@ -1057,3 +499,16 @@ def grab_handoff_channel(agent_pid: int) -> socket.socket:
         sock.close()
         raise OSError(errno.EPROTOTYPE, "handoff fd is not a SOCK_SEQPACKET socket")
     return sock
+
+
+# backends/ imports these from here (it is being moved by another change; switch it to the
+# defining modules then).
+__all__ = [
+    "AGENT_VERSION",
+    "AgentChannel",
+    "ChannelClosedError",
+    "ExecProcess",
+    "build_agent",
+    "build_launcher",
+    "grab_handoff_channel",
+]

@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.runtime import files, proc
+from sandfleet.runtime import proc
+from sandfleet.runtime.openat2 import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
 from sandfleet.runtime.prebuilt import install_prebuilt
 
 DEFAULT_ROOT = Path("/opt/sandfleet/criu")
@@ -286,7 +287,7 @@ FD_TYPE_REG = 1  # fdinfo.proto fd_types
 REMAP_LINKED, REMAP_GHOST, REMAP_PROCFS = 0, 1, 2  # remap-file-path.proto remap_type
 REMAP_GHOST_BIT = 0x80000000  # images without remap_type: ghosts have this bit in remap_id
 
-_WALK = files.RESOLVE_BENEATH | files.RESOLVE_NO_SYMLINKS | files.RESOLVE_NO_MAGICLINKS
+_WALK = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 _MAX_ENTRIES = 1 << 20
 
 
@@ -504,7 +505,7 @@ def _why_unsafe(root_fd: int, remap: Remap, mounts: dict[int, bytes], ghosts: se
     try:
         for depth, part in enumerate(parts[:-1]):
             try:
-                nfd = files.openat2(fd, part, os.O_PATH | os.O_DIRECTORY, 0, _WALK)  # a symlink: ELOOP
+                nfd = openat2(fd, part, os.O_PATH | os.O_DIRECTORY, 0, _WALK)  # a symlink: ELOOP
             except OSError as exc:
                 if exc.errno == errno.ENOENT:
                     break  # criu makes real directories from here (or goes up a level)

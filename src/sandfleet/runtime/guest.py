@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.runtime.agent import build_agent, build_launcher, build_static
+from sandfleet.runtime.agent_build import build_agent, build_launcher, build_static
 
 VMINIT_SOURCE = Path(__file__).with_name("vminit.c")
 # What vminit loads, by module name; their `depends=` pull in the rest (libcrc32c for EROFS). One

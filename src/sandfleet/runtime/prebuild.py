@@ -11,14 +11,14 @@ import os
 import sys
 from pathlib import Path
 
-from sandfleet.runtime import agent, criu
+from sandfleet.runtime import agent_build, criu
 
 
 def prebuild(target: Path) -> list[Path]:
     target.mkdir(parents=True, exist_ok=True)
     os.environ["SANDFLEET_PREBUILT"] = str(target / "none")  # build here; never copy from an older set
     try:
-        return [agent.build_agent(target), agent.build_launcher(target), criu.build_shim(target)]
+        return [agent_build.build_agent(target), agent_build.build_launcher(target), criu.build_shim(target)]
     finally:
         del os.environ["SANDFLEET_PREBUILT"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sandfleet.runtime.agent import MAX_DATAGRAM
+from sandfleet.runtime.agent_wire import MAX_DATAGRAM
 
 log = logging.getLogger("sandfleet.qemu")
 

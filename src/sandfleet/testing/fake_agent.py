@@ -22,7 +22,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Literal
 
-from sandfleet.runtime import agent as wire
+from sandfleet.runtime import agent_wire as wire
 
 _READ = 32 * 1024
 
