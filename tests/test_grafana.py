@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from sandfleet.cluster.gateway import GatewayMetrics
+from sandfleet.cluster.core import GatewayMetrics
 from sandfleet.daemon.metrics import Metrics
 from sandfleet.models import Usage
 
