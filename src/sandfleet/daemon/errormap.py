@@ -17,7 +17,10 @@ from sandfleet.daemon.process import DaemonStartError
 from sandfleet.images import models as image_models
 from sandfleet.images.oci import OciImportError
 from sandfleet.images.recipe import RecipeError
-from sandfleet.runtime import agent, criu, guest, launcher, mounts, qemu, seccomp, swap, vmdisk, vmsnap
+from sandfleet.backends.vm import disks as vmdisk
+from sandfleet.backends.vm import guest, qemu
+from sandfleet.backends.vm import migration as vmsnap
+from sandfleet.runtime import agent, criu, launcher, mounts, seccomp, swap
 from sandfleet.runtime.files import FileOpError
 
 # File operation kinds (runtime/files.py) -> wire errors.
