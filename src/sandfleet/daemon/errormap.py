@@ -12,14 +12,14 @@ from __future__ import annotations
 import errno
 
 from sandfleet import errors
+from sandfleet.backends.vm import disks as vmdisk
+from sandfleet.backends.vm import guest, qemu
+from sandfleet.backends.vm import migration as vmsnap
 from sandfleet.daemon import egress, state
 from sandfleet.daemon.process import DaemonStartError
 from sandfleet.images import models as image_models
 from sandfleet.images.oci import OciImportError
 from sandfleet.images.recipe import RecipeError
-from sandfleet.backends.vm import disks as vmdisk
-from sandfleet.backends.vm import guest, qemu
-from sandfleet.backends.vm import migration as vmsnap
 from sandfleet.runtime import agent, criu, launcher, mounts, seccomp, swap
 from sandfleet.runtime.files import FileOpError
 
