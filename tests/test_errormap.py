@@ -14,7 +14,7 @@ import pytest
 import sandfleet
 from sandfleet import errors
 from sandfleet.backends.base import CAPABILITIES, Backend, unsupported
-from sandfleet.backends.container import ContainerBackend
+from sandfleet.backends.container.backend import ContainerBackend
 from sandfleet.daemon import state
 from sandfleet.daemon.errormap import ERROR_MAP, FILE_ERRORS, to_wire_error
 from sandfleet.images.models import LayerCorruptError
