@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from sandfleet import Resources
-from sandfleet.errors import SandboxError
 from sandfleet.backends.vm import disks, guest
+from sandfleet.errors import SandboxError
 
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandfleet.backends.base import Backend
+from sandfleet.backends.base import TierBackend
 from sandfleet.backends.config import BackendConfig
 from sandfleet.runtime.doctor import Check
 
@@ -16,8 +16,13 @@ if TYPE_CHECKING:
 
 
 def build_backend(
-    config: BackendConfig, *, state_dir: Path, run_dir: Path, store: LayerStore, built: dict[str, Backend] | None = None
-) -> Backend:
+    config: BackendConfig,
+    *,
+    state_dir: Path,
+    run_dir: Path,
+    store: LayerStore,
+    built: dict[str, TierBackend] | None = None,
+) -> TierBackend:
     """The tier `config` describes, not started yet. `built`: the node's tiers built before it (the
     fncall tier shares the container tier's backend when there is one)."""
     if config.type == "container":
