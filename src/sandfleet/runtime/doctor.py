@@ -1,4 +1,5 @@
-"""Host checks for `sandfleet doctor`: what each tier needs, whether the host has it, and how to get it."""
+"""Host checks for `sandfleet doctor`: what the tiers need, whether the host has it, and how to get it
+(which tiers that allows: backends/tiers.py, which also asks the VM tiers' guest)."""
 
 from __future__ import annotations
 
