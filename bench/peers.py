@@ -78,19 +78,19 @@ def minimal_oci(rootfs: Path, args: list[str], cgroup_path: str) -> dict[str, An
 
 def sandfleet_oci(rootfs: Path, args: list[str], cgroup_path: str) -> dict[str, Any]:
     """sandfleet's own config.json (seccomp, caps, masked paths, cgroup limits) with a different command."""
+    from sandfleet.backends.container import bundle
     from sandfleet.models import Resources
-    from sandfleet.runtime import oci
 
     r = Resources()
-    cfg = oci.ContainerConfig(
+    cfg = bundle.ContainerConfig(
         rootfs=str(rootfs),
         args=args,
         hostname="peer",
-        limits=oci.ContainerLimits(cpu=r.cpu, memory=int(r.memory), pids=r.pids),
+        limits=bundle.ContainerLimits(cpu=r.cpu, memory=int(r.memory), pids=r.pids),
         cgroup_path=cgroup_path,
         uid_base=UID_BASE,
     )
-    return oci.build(cfg)
+    return bundle.build(cfg)
 
 
 def peer_worker(params_file: Path) -> None:

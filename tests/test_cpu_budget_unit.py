@@ -10,9 +10,9 @@ import pytest
 
 from sandfleet import SandboxSpec, UnsupportedError
 from sandfleet.backends.base import HostProcesses, capabilities
-from sandfleet.backends.container import ContainerBackend
-from sandfleet.backends.fncall import FncallBackend
-from sandfleet.backends.vm import VMBackend
+from sandfleet.backends.container.backend import ContainerBackend
+from sandfleet.backends.fncall.backend import FncallBackend
+from sandfleet.backends.vm.backend import VMBackend
 from sandfleet.testing import InProcessNode
 
 pytestmark = pytest.mark.unit

@@ -13,8 +13,8 @@ import pytest
 
 import sandfleet
 from sandfleet import errors
-from sandfleet.backends.base import CAPABILITIES, Backend, unsupported
-from sandfleet.backends.container import ContainerBackend
+from sandfleet.backends.base import CAPABILITIES, TierBackend, unsupported
+from sandfleet.backends.container.backend import ContainerBackend
 from sandfleet.daemon import state
 from sandfleet.daemon.errormap import ERROR_MAP, FILE_ERRORS, to_wire_error
 from sandfleet.images.models import LayerCorruptError
@@ -99,7 +99,7 @@ def test_to_wire_error(exc: BaseException, code: str) -> None:
 def test_the_container_tier_has_every_capability() -> None:
     for name, cap in CAPABILITIES.items():
         assert issubclass(ContainerBackend, cap), name
-    base = {n for n in dir(Backend) if not n.startswith("_")} | set(typing.get_type_hints(Backend))
+    base = {n for n in dir(TierBackend) if not n.startswith("_")} | set(typing.get_type_hints(TierBackend))
     assert base <= set(dir(ContainerBackend)) | {"name"}
 
 

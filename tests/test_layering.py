@@ -110,6 +110,15 @@ def test_no_import_cycles() -> None:
 
 # (what, the modules it covers, what they may import of the package): see docs/architecture.md.
 SDK = ("sandfleet.client", "sandfleet.models", "sandfleet.errors", "sandfleet.ids", "sandfleet.operations")
+# What every tier's folder (backends/<tier>/) may use besides its own modules.
+SHARED_BY_TIERS = (
+    "sandfleet.backends.base",
+    "sandfleet.backends.config",
+    "sandfleet.runtime",
+    "sandfleet.images",
+    "sandfleet.errors",
+    "sandfleet.models",
+)
 RULES = [
     ("the SDK needs only pydantic and httpx", (*SDK, "sandfleet"), SDK),
     ("runtime: kernel mechanisms, no API", ("sandfleet.runtime",), ("sandfleet.runtime", "sandfleet.errors")),
@@ -127,6 +136,26 @@ RULES = [
         "the operations are declared over the wire models only",
         ("sandfleet.operations",),
         ("sandfleet", "sandfleet.operations", "sandfleet.models", "sandfleet.errors", "sandfleet.ids"),
+    ),
+    (
+        "loading a node's config imports no tier's code",
+        ("sandfleet.backends.config",),
+        ("sandfleet.backends.config", "sandfleet.runtime", "sandfleet.errors"),
+    ),
+    (
+        "the VM tiers' folder uses no other tier's",
+        ("sandfleet.backends.vm",),
+        (*SHARED_BY_TIERS, "sandfleet.backends.vm"),
+    ),
+    (
+        "the container tier's folder uses no other tier's",
+        ("sandfleet.backends.container",),
+        (*SHARED_BY_TIERS, "sandfleet.backends.container"),
+    ),
+    (
+        "the fncall tier's workers are the container tier's sandboxes",
+        ("sandfleet.backends.fncall",),
+        (*SHARED_BY_TIERS, "sandfleet.backends.fncall", "sandfleet.backends.container"),
     ),
     (
         "the routes see the concerns' types only (as annotations), never a backend or the runtime",
@@ -228,6 +257,15 @@ def test_no_service_module_is_over_600_lines() -> None:
     assert not long, long
 
 
+def test_no_backend_module_is_over_600_lines() -> None:
+    long = {
+        str(path.relative_to(SRC)): n
+        for path in (SRC / PKG / "backends").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 600
+    }
+    assert not long, long
+
+
 def _importers_of(areas: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
     """Edges into `areas` from modules outside `allowed`."""
     return sorted(
@@ -284,3 +322,5 @@ def test_the_graph_is_read() -> None:
     assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.core"]
     assert "sandfleet.runtime.sandboxfs.fs" in GRAPH["sandfleet.daemon.files"]
     assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe_context"]  # under TYPE_CHECKING only
+    assert "sandfleet.backends.container.backend" in GRAPH["sandfleet.backends.fncall.backend"]
+    assert "sandfleet.backends.vm.qemu" in GRAPH["sandfleet.backends.vm.migration"]

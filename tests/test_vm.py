@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from sandfleet import Resources
+from sandfleet.backends.vm import disks, guest
 from sandfleet.errors import SandboxError
-from sandfleet.runtime import guest, vmdisk
 
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until
 
@@ -401,17 +401,17 @@ def _fake_kernel_tree(root: Path, version: str, *, absolute_links: bool = False)
 def test_select_image_kernel(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     tree.mkdir()
-    assert vmdisk.select_kernel(tree) is None  # no kernel: the node's
+    assert disks.select_kernel(tree) is None  # no kernel: the node's
     (tree / "boot").mkdir()
     (tree / "boot" / "vmlinuz-6.9.0-1-amd64").write_bytes(b"no modules")  # without modules: not usable
-    assert vmdisk.select_kernel(tree) is None
+    assert disks.select_kernel(tree) is None
     _fake_kernel_tree(tree, "6.1.0-9-amd64", absolute_links=True)
     _fake_kernel_tree(tree, "6.1.0-10-amd64", absolute_links=True)
-    found = vmdisk.select_kernel(tree)
+    found = disks.select_kernel(tree)
     assert found is not None and found[2] == "6.1.0-10-amd64"  # newest by version, not by name
     assert found[1] == tree / "usr" / "lib" / "modules" / "6.1.0-10-amd64"  # /lib -> /usr/lib inside the tree
     dest = tmp_path / "kernel"
-    assert vmdisk.extract_kernel(tree, dest)
+    assert disks.extract_kernel(tree, dest)
     kernel = guest.find_kernel(dest)
     assert kernel.version == "6.1.0-10-amd64"
     order = [p.name for p in guest.module_order(kernel, guest.FULL_MODULES)]
@@ -425,5 +425,5 @@ def test_image_kernel_links_stay_in_the_tree(tmp_path: Path) -> None:
     secret.write_text("host file")
     (tree / "boot" / "vmlinuz-6.1.0-10-amd64").unlink()
     (tree / "boot" / "vmlinuz-6.1.0-10-amd64").symlink_to(secret)  # absolute: the tree's /…/secret
-    assert vmdisk.select_kernel(tree) is None
-    assert vmdisk.resolve_in(tree, "boot/../../../secret") is None
+    assert disks.select_kernel(tree) is None
+    assert disks.resolve_in(tree, "boot/../../../secret") is None

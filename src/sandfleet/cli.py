@@ -381,7 +381,8 @@ def fork(
 @app.command()
 def doctor(state_dir: Path = Path("/var/lib/sandfleet"), socket: SocketOpt = None) -> None:
     """Check this host for what sandfleet needs; say how to fix what is missing."""
-    from sandfleet.runtime.doctor import Check, run_checks, tier_checks
+    from sandfleet.backends.tiers import tier_checks
+    from sandfleet.runtime.doctor import Check, run_checks
 
     def daemon_check() -> Check:
         sock = socket or Path("/run/sandfleet/sandfleet.sock")

@@ -1,10 +1,10 @@
-"""The Backend protocol: *where* a sandbox lives (container, later microvm, vm, fncall).
+"""The TierBackend protocol: *where* a sandbox lives (container, later microvm, vm, fncall).
 
 What you *do* in a sandbox (exec, files, sessions) is backend-independent and lives in the daemon's
 service layer; it needs one thing every backend hands back in a `LiveSandbox`: a channel to the
 in-sandbox agent.
 
-Every tier implements the small base protocol `Backend`. Everything else is a capability, a protocol
+Every tier implements the small base protocol `TierBackend`. Everything else is a capability, a protocol
 of its own that a tier implements or not: the service asks `isinstance(backend, Pausable)` and
 answers a typed `unsupported` error when the tier lacks it (`unsupported`). A container has them all;
 a microVM has no host-side root (its files go through the agent), an fncall tier no snapshots.
@@ -40,7 +40,7 @@ class LiveSandbox:
     inherited: dict[int, ExecProcess] = field(default_factory=dict)
 
 
-class Backend(Protocol):
+class TierBackend(Protocol):
     """What every tier does."""
 
     name: str
@@ -75,12 +75,12 @@ class Backend(Protocol):
 
 
 def cgroup_usage(cgs: Cgroups, sandbox: LiveSandbox) -> Usage:
-    """`Backend.usage` of a tier that keeps each sandbox in a cgroup named by its id."""
+    """`TierBackend.usage` of a tier that keeps each sandbox in a cgroup named by its id."""
     return Usage(**dataclasses.asdict(cgs.stats(cgs.path_for(sandbox.id))))
 
 
 def cgroup_cpu_seconds(cgs: Cgroups, sandbox: LiveSandbox | None) -> float:
-    """`Backend.cpu_seconds` of such a tier: the sandbox's cgroup, or (None) the tier's parent."""
+    """`TierBackend.cpu_seconds` of such a tier: the sandbox's cgroup, or (None) the tier's parent."""
     return cgs.cpu_seconds(cgs.parent if sandbox is None else cgs.path_for(sandbox.id))
 
 
@@ -189,7 +189,7 @@ CAPABILITIES: dict[str, type] = {
 }
 
 
-def offers(backend: Backend, capability: str) -> bool:
+def offers(backend: TierBackend, capability: str) -> bool:
     """Whether `backend` has `capability`: it implements the protocol, and its configuration allows
     it (a tier may define `supports(name) -> bool`: the container tier snapshots and packs only with
     its own launcher, not under crun or runc)."""
@@ -199,12 +199,12 @@ def offers(backend: Backend, capability: str) -> bool:
     return bool(supports(capability)) if callable(supports) else True
 
 
-def capabilities(backend: Backend) -> list[str]:
+def capabilities(backend: TierBackend) -> list[str]:
     """The names of the capabilities `backend` has."""
     return [name for name in CAPABILITIES if offers(backend, name)]
 
 
-def unsupported(backend: Backend, doing: str) -> UnsupportedError:
+def unsupported(backend: TierBackend, doing: str) -> UnsupportedError:
     """The typed error a tier without the capability answers (raise it after an isinstance check,
     which is also what narrows the backend's type)."""
     return UnsupportedError(f"the {backend.name} tier cannot {doing}")

@@ -1,9 +1,9 @@
 """One configuration model per isolation tier, told apart by `type` (pure pydantic: loading a config
-imports no tier's code; backends/registry.py builds a tier from its model).
+imports no tier's code; backends/tiers.py builds a tier's backend from its model).
 
 A node runs the tiers its config lists (`[[backends]]` tables in the daemon's TOML, one per tier);
 `SandboxSpec.backend` picks one per sandbox. Adding a tier means a folder under backends/, one config
-model here (added to `BackendConfig`), and one branch in `registry.build_backend`.
+model here (added to `BackendConfig`), and one branch in `tiers.build_backend`.
 """
 
 from __future__ import annotations

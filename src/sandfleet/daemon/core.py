@@ -25,7 +25,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import Backend, LiveSandbox
+from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.base import TierBackend as Backend
 from sandfleet.daemon.admission import Admission
 from sandfleet.daemon.lifecycle import (
     CREATING,

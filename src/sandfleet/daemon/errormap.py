@@ -12,13 +12,16 @@ from __future__ import annotations
 import errno
 
 from sandfleet import errors
+from sandfleet.backends.vm import disks as vmdisk
+from sandfleet.backends.vm import guest, qemu
+from sandfleet.backends.vm import migration as vmsnap
 from sandfleet.daemon import egress, state
 from sandfleet.daemon.process import DaemonStartError
 from sandfleet.images import models as image_models
 from sandfleet.images.oci_errors import OciImportError
 from sandfleet.images.recipe import RecipeError
 from sandfleet.runtime import agent_errors as agent
-from sandfleet.runtime import criu, guest, launcher, mounts, qemu, seccomp, swap, vmdisk, vmsnap
+from sandfleet.runtime import criu, launcher, mounts, seccomp, swap
 from sandfleet.runtime.sandboxfs.results import FileOpError
 
 # File operation kinds (runtime/files.py) -> wire errors.

@@ -1,6 +1,6 @@
 """Stateless calls (the fncall tier): `run_code` on a worker sandbox, or on one of the node's pools.
 
-A worker is a sandbox of the fncall tier with a warm interpreter (runtime/zygote.py) started in it
+A worker is a sandbox of the fncall tier with a warm interpreter (backends/fncall/zygote.py) started in it
 through the agent on its first call; each call is one request to it (a framed JSON document) and
 one JSON line back, and runs in a fresh process forked from it (see zygote.py for what is wiped
 between calls). A worker serves one call at a time, so the sandbox's limits (memory, pids) are the
@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.backends.config import FncallBackendConfig
+from sandfleet.backends.fncall import zygote
+from sandfleet.backends.fncall.zygote import HEADER, MAGIC
 from sandfleet.daemon.core import EventStream, NodeCore, wire_text
 from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.errormap import to_wire_error
@@ -36,9 +38,8 @@ from sandfleet.models import ErrorBody, ExecResult, Resources, RunCodeBatchItem,
 from sandfleet.runtime.agent_errors import AgentError, ExecStartError
 from sandfleet.runtime.agent_exec import ExecProcess
 from sandfleet.runtime.agent_wire import ExitInfo, OutputChunk
-from sandfleet.runtime.zygote import HEADER, MAGIC
 
-ZYGOTE_SOURCE = (Path(__file__).parent.parent / "runtime" / "zygote.py").read_text()
+ZYGOTE_SOURCE = Path(zygote.__file__).read_text()  # run in a worker as `python3 -I -c`
 DEFAULT_IMAGE = "python"
 POOL_LABEL = "sandfleet.fncall-pool"
 START_TIMEOUT = 30.0  # the interpreter's start (and its preloads) in a fresh worker

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandfleet.backends.base import Backend, LiveSandbox
+from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.base import TierBackend as Backend
 from sandfleet.daemon.admission import Admission
 from sandfleet.errors import ResourceExhaustedError, SandboxError
 from sandfleet.images import ImageManifest

@@ -11,7 +11,8 @@ import time
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import Backend, Recoverable
+from sandfleet.backends.base import Recoverable
+from sandfleet.backends.base import TierBackend as Backend
 from sandfleet.daemon.core import ACTIVITY_FLUSH, NodeCore, lenient_spec, log, store_row
 from sandfleet.daemon.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
 from sandfleet.daemon.networking import Networking

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import uvicorn
 
-from sandfleet.backends.base import Backend
-from sandfleet.backends.registry import build_backend
+from sandfleet.backends.base import TierBackend as Backend
+from sandfleet.backends.tiers import build_backend
 from sandfleet.client import AsyncClient
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.api import create_app

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sandfleet import __version__
-from sandfleet.backends.base import Backend, capabilities
+from sandfleet.backends.base import TierBackend as Backend
+from sandfleet.backends.base import capabilities
 from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.builds import Builds

@@ -1,4 +1,5 @@
-"""Host checks for `sandfleet doctor`: what each tier needs, whether the host has it, and how to get it."""
+"""Host checks for `sandfleet doctor`: what the tiers need, whether the host has it, and how to get it
+(which tiers that allows: backends/tiers.py, which also asks the VM tiers' guest)."""
 
 from __future__ import annotations
 
@@ -144,40 +145,3 @@ def run_checks(*, state_dir: Path) -> Iterator[Check]:
         )
     except OSError as exc:
         yield Check("disk", "warn", f"cannot stat {target}: {exc}")
-
-
-def tier_checks(
-    host: list[Check], *, qemu: str = "qemu-system-x86_64", guest_dir: Path = Path("/opt/sandfleet/guest")
-) -> Iterator[Check]:
-    """Each isolation tier: usable on this host or not, and why (`host`: what run_checks found)."""
-    from sandfleet.runtime import guest
-
-    checks = {c.name: c for c in host}
-    container_needs = ("root", "user namespaces", "filesystem overlay", "filesystem erofs", "cgroups", "libseccomp")
-    missing = [n for n in container_needs if checks.get(n) is not None and checks[n].status == "fail"]
-    yield Check(
-        "tier container",
-        "fail" if missing else "ok",
-        f"missing: {', '.join(missing)}" if missing else "namespaces, cgroups, seccomp, overlay of EROFS layers",
-    )
-    yield Check(
-        "tier fncall",
-        "fail" if missing else "ok",
-        "needs the container tier"
-        if missing
-        else "calls forked from warm interpreters in container workers "
-        "(images with python3: the built-in python image needs mmdebstrap once)",
-    )
-    ok, why = guest.usable(qemu, guest_dir)
-    kvm = Path("/dev/kvm")
-    accel = (
-        "KVM when /dev/kvm runs a standard guest (probed by the daemon), else TCG"
-        if kvm.exists()
-        else "TCG (no /dev/kvm: correct but ~10-50x slower than KVM)"
-    )
-    for tier in ("microvm", "vm"):
-        yield Check(
-            f"tier {tier}",
-            "ok" if ok else "warn",
-            f"{why}; {accel}" if ok else f"{why} (scripts/setup.sh installs QEMU and unpacks the guest kernel)",
-        )

@@ -2,7 +2,7 @@
  * sandfleet-run: start one sandbox's init (the agent) in fresh namespaces, then exit.
  *
  * The daemon's own OCI-runtime replacement for the hot path: it applies the same isolation steps
- * as `crun run` with the config that runtime/oci.py writes, in this order, without JSON, libseccomp
+ * as `crun run` with the config that backends/container/bundle.py writes, in this order, without JSON, libseccomp
  * or a runtime state directory, in about a millisecond.
  *
  *   launcher worker (real root, the daemon's mount namespace; the seccomp BPF read from fd 5 once,
@@ -137,12 +137,12 @@ static const char *restore_dir;	  /* --restore: a snapshot directory (fs/upper, 
 static char **criu_argv;	  /* --restore: the criu command line, after "--" */
 static int host_net = -1;	  /* server mode: the daemon's network namespace (criu probes the kernel there) */
 
-/* Docker's default set minus NET_RAW and MKNOD (runtime/oci.py: DEFAULT_CAPABILITIES). */
+/* Docker's default set minus NET_RAW and MKNOD (backends/container/bundle.py: DEFAULT_CAPABILITIES). */
 static const int keep_caps[] = {
 	CAP_CHOWN,  CAP_DAC_OVERRIDE, CAP_FSETID,	    CAP_FOWNER,	 CAP_SETGID,	  CAP_SETUID,
 	CAP_SETFCAP, CAP_SETPCAP,      CAP_NET_BIND_SERVICE, CAP_SYS_CHROOT, CAP_KILL, CAP_AUDIT_WRITE,
 };
-/* runtime/oci.py: MASKED_PATHS and READONLY_PATHS, relative to the rootfs. */
+/* backends/container/bundle.py: MASKED_PATHS and READONLY_PATHS, relative to the rootfs. */
 static const char *masked[] = {
 	"proc/acpi",	   "proc/asound",	 "proc/kcore",	       "proc/keys",	   "proc/latency_stats",
 	"proc/timer_list", "proc/timer_stats", "proc/sched_debug",    "proc/scsi",	   "proc/kpagecgroup",

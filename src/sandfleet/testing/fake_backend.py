@@ -1,6 +1,6 @@
 """A tier for tests without root: sandboxes are directories, their commands host processes.
 
-`FakeBackend` implements the base `Backend` protocol and two capabilities (`Pausable` through
+`FakeBackend` implements the base `TierBackend` protocol and two capabilities (`Pausable` through
 SIGSTOP/SIGCONT of the commands' process groups, `HostFiles` over the sandbox's directory), with the
 real agent channel on the daemon's side and `FakeAgent` on the other. There is NO isolation: it is for
 testing the SDK, the API, error mapping, the state machine and the service logic fast, never for
@@ -40,7 +40,7 @@ class FakeBackend:
         self.created = 0
         self._agents: dict[str, tuple[FakeAgent, asyncio.Task[None]]] = {}
 
-    # -- Backend --------------------------------------------------------------------------------
+    # -- TierBackend ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The fncall tier: where a stateless call runs. A worker is a container-isolated sandbox (the same
 namespaces, cgroups, seccomp and layers as the container tier: it is made by a container backend);
 what makes it a function worker is the warm interpreter the service starts in it
-(daemon/fncall.py, runtime/zygote.py), which forks one fresh process per call.
+(daemon/fncall.py, zygote.py), which forks one fresh process per call.
 
 When the node also runs the container tier, this tier shares its backend (one launcher, one layer
 cache, one cgroup parent, one set of sandbox directories): that backend reports the residue and the
@@ -16,7 +16,7 @@ from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.backends.config import ContainerBackendConfig, FncallBackendConfig
-from sandfleet.backends.container import ContainerBackend
+from sandfleet.backends.container.backend import ContainerBackend
 from sandfleet.images import ImageManifest
 from sandfleet.models import Resources, SandboxSpec, Usage
 

@@ -1,42 +1,5 @@
-"""The QEMU tiers: `microvm` (QEMU's microvm machine, virtio-mmio) and `vm` (q35, PCI, ACPI).
-
-microvm: a guest booted from Debian's cloud kernel and sandfleet's initramfs (runtime/guest.py); its
-init (runtime/vminit.c) mounts the image's EROFS layers from read-only virtio disks (the same layer
-files the container tier uses: every VM shares their page cache) and starts the agent with the
-container tier's own launcher, so code in the guest is a container inside a VM, and the agent's
-channel is out of its reach.
-
-vm: a full virtual machine. Its root disk is a qcow2 overlay (in the VM's directory, gone with it)
-over an ext4 base disk of the image's merged tree, built once per image and shared read-only by all
-its VMs (runtime/vmdisk.py); the overlay is `resources.disk` larger than the base and vminit grows
-the root filesystem into it, so that is what the guest can write and what the overlay can grow to.
-It boots the image's own kernel if the image has one (/boot/vmlinuz-V and /lib/modules/V; with an
-initramfs built for it), else the node's. vminit runs in full mode: the
-disk becomes the root, the agent runs there as the guest's real root (no container: docker, mount,
-modprobe work as on any machine), and with `options.init` the image's /sbin/init becomes PID 1.
-In such a guest, root owns everything, the agent and its channel included: user code can break its
-own sandbox's agent but reach nothing beyond the VM. The VM is the boundary; the host is protected by
-QEMU's jail (own uid, no capabilities, bwrap, seccomp, own cgroup), exactly as for microvm.
-
-Both: the agent's channel crosses the VM boundary over virtio-serial (runtime/qemu.py relays it), and
-the service talks to an ordinary AgentChannel.
-
-Per VM on the host: a directory under run_dir/<tier>/<id> (sockets, pidfile, console log), a host
-uid of its own for QEMU (jail_uid_base + slot; the `vm` tier's slots start 2^20 above the base so
-both tiers can share one base), a cgroup under cgroup_parent, and the jailed QEMU process, which
-runs in a session of its own so that it outlives a daemon restart and is adopted again.
-
-Snapshots (runtime/vmsnap.py): QEMU's migration stream of the stopped VM, saved through a unix
-socket into the snapshot's directory with the exact kernel and initramfs the guest booted (copied
-from QEMU's jail, checked by digest on restore) and, for the vm tier, a copy of its overlay taken
-while the VM is stopped (a frozen disk over the base, which must still exist). Each restored child
-is a VM of its own (directory, uid, cgroup, sockets) started with -incoming, fed the stream, with
-an overlay of its own over the snapshot's disk; the parent resumes and keeps running.
-
-Not done yet: snapshots of a restored vm-tier VM (its disk chain would need the parent snapshot's
-disk); removing base disks of images that are gone (they are a cache under the
-state dir).
-"""
+"""The QEMU tiers' VMs: a jailed QEMU per sandbox, booted, adopted after a restart, paused, stopped
+and cleaned up (the tier's backend without its snapshots: backend.py)."""
 
 from __future__ import annotations
 
@@ -52,17 +15,25 @@ from typing import Any
 
 from sandfleet.backends.base import LiveSandbox, cgroup_cpu_seconds, cgroup_usage
 from sandfleet.backends.config import VMBackendConfig
+from sandfleet.backends.vm import disks, guest, qemu
+from sandfleet.backends.vm.boot import (
+    ROOT_DISK,
+    SNAP_DISK,
+    SNAP_INITRD,
+    SNAP_KERNEL,
+    Boot,
+    wants_init,
+)
 from sandfleet.errors import (
     DataLossError,
     InternalError,
     InvalidArgumentError,
     UnavailableError,
-    WrongStateError,
 )
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec, Usage
-from sandfleet.runtime import cgroups, guest, proc, qemu, seccomp, vmdisk, vmsnap
-from sandfleet.runtime.agent import AgentChannel, ChannelClosedError, ExecProcess
+from sandfleet.runtime import cgroups, proc, seccomp
+from sandfleet.runtime.agent import AgentChannel, ChannelClosedError
 
 log = logging.getLogger("sandfleet.vm")
 
@@ -73,32 +44,6 @@ SLOTS = 1 << 20
 FIRST_FD = 3  # where the jail's fds land in the spawned process
 
 
-ROOT_DISK = "root.qcow2"  # the vm tier's copy-on-write root disk, in the VM's directory
-
-# A snapshot's directory: the migration stream, the boot files, the vm tier's frozen disk.
-SNAP_FORMAT = 1
-SNAP_STATE, SNAP_KERNEL, SNAP_INITRD, SNAP_DISK = "state.bin", "kernel", "initrd", "disk.qcow2"
-SNAPSHOT_TIMEOUT = 600.0
-HELLO_RETRY = 3.0  # a restored guest that did not see its old host go: reconnect after this long
-
-
-@dataclasses.dataclass(frozen=True)
-class _Boot:
-    """What one VM boots from (host paths)."""
-
-    kernel: Path
-    initramfs: Path
-    layers: list[Path]  # microvm: the image's layers, read-only disks
-    base: vmdisk.BaseDisk | None = None  # vm: the shared base under its root overlay
-    snapdisk: Path | None = None  # vm, restored: the snapshot's disk, between base and root overlay
-
-
-def wants_init(spec: SandboxSpec) -> bool:
-    """Whether a vm-tier spec asks for the image's init as PID 1 (`options.init`, vm options only)."""
-    options = getattr(spec, "options", None)
-    return options is not None and getattr(options, "type", None) == "vm" and bool(getattr(options, "init", False))
-
-
 @dataclasses.dataclass
 class _VM:
     """What the daemon holds for a live VM besides its LiveSandbox."""
@@ -107,7 +52,9 @@ class _VM:
     reaper: asyncio.Task[None] | None = None
 
 
-class VMBackend:
+class VMMachines:
+    """A QEMU tier's VMs: boot, adopt, pause, stop and clean up (VMBackend adds snapshots)."""
+
     def __init__(self, config: VMBackendConfig, *, state_dir: Path, run_dir: Path, store: LayerStore) -> None:
         self.config = config
         self.name: str = config.type
@@ -243,7 +190,7 @@ class VMBackend:
         )
 
     def _spawn(
-        self, vdir: Path, uid: int, boot: _Boot, vm_spec: qemu.VMSpec, procs: list[str], *, incoming: bool = False
+        self, vdir: Path, uid: int, boot: Boot, vm_spec: qemu.VMSpec, procs: list[str], *, incoming: bool = False
     ) -> int:
         """Start the jailed QEMU (blocking part); returns the pid of bwrap, its parent."""
         paths = [vdir, boot.kernel, boot.initramfs, *boot.layers]
@@ -278,18 +225,18 @@ class VMBackend:
             for fd in opened:
                 os.close(fd)
 
-    def _prepare(self, image: ImageManifest) -> _Boot:
+    def _prepare(self, image: ImageManifest) -> Boot:
         """What a VM of this image boots from (blocking: a first VM of an image builds its base disk,
         and the initramfs of the image's kernel if it has one)."""
         assert self.kernel is not None and self.initramfs is not None
         layers = self._layer_files(image)
         if not self.full:
-            return _Boot(self.kernel.image, self.initramfs, layers)
-        base = vmdisk.ensure_base(self.disks_dir, [x.digest for x in image.layers], layers)
+            return Boot(self.kernel.image, self.initramfs, layers)
+        base = disks.ensure_base(self.disks_dir, [x.digest for x in image.layers], layers)
         if base.kernel_dir is None:
-            return _Boot(self.kernel.image, self.initramfs, [], base)
+            return Boot(self.kernel.image, self.initramfs, [], base)
         kernel, initramfs = self._image_kernel(base.kernel_dir)
-        return _Boot(kernel.image, initramfs, [], base)
+        return Boot(kernel.image, initramfs, [], base)
 
     def _image_kernel(self, kernel_dir: Path) -> tuple[guest.Kernel, Path]:
         """The image's kernel (extracted with its base disk) and an initramfs built for it."""
@@ -309,7 +256,7 @@ class VMBackend:
             boot = await asyncio.to_thread(self._prepare, image)
         except LayerCorruptError as exc:
             raise DataLossError(f"image {image.name}:{image.tag} has a corrupt layer: {exc}") from exc
-        except (vmdisk.DiskBuildError, guest.GuestUnavailableError, OSError) as exc:
+        except (disks.DiskBuildError, guest.GuestUnavailableError, OSError) as exc:
             raise InternalError(f"preparing {image.name}:{image.tag} for the {self.name} tier failed: {exc}") from exc
         uid = self._new_uid()
         runtime: dict[str, Any] = {"uid": uid, "layers": [x.digest for x in image.layers]}
@@ -324,11 +271,11 @@ class VMBackend:
             await asyncio.shield(self.cleanup(sandbox_id, runtime))
             if isinstance(exc, TimeoutError | ChannelClosedError):
                 raise UnavailableError(f"the {self.name} did not come up: {console}") from exc
-            if isinstance(exc, OSError | ValueError | qemu.QMPError | vmdisk.DiskBuildError):
+            if isinstance(exc, OSError | ValueError | qemu.QMPError | disks.DiskBuildError):
                 raise InternalError(f"starting the {self.name} failed: {exc}: {console}") from exc
             raise
 
-    async def _boot(self, sandbox_id: str, spec: SandboxSpec, boot: _Boot, runtime: dict[str, Any]) -> LiveSandbox:
+    async def _boot(self, sandbox_id: str, spec: SandboxSpec, boot: Boot, runtime: dict[str, Any]) -> LiveSandbox:
         vm_spec = self._spec(spec, len(boot.layers), sandbox_id)
         runtime["vm"] = dataclasses.asdict(vm_spec)  # what a snapshot's restore must start again
         vdir = await self._launch(sandbox_id, spec, boot, vm_spec, runtime)
@@ -348,7 +295,7 @@ class VMBackend:
         self,
         sandbox_id: str,
         spec: SandboxSpec,
-        boot: _Boot,
+        boot: Boot,
         vm_spec: qemu.VMSpec,
         runtime: dict[str, Any],
         *,
@@ -368,9 +315,9 @@ class VMBackend:
             layout = qemu.VMLayout()
             size = int(runtime.get("disk_bytes") or boot.base.size)  # a snapshot of an older daemon: the base's
             if boot.snapdisk is None:
-                await asyncio.to_thread(vmdisk.create_overlay, overlay, size, layout.base, uid)
+                await asyncio.to_thread(disks.create_overlay, overlay, size, layout.base, uid)
             else:  # a restored child: its own overlay over the snapshot's frozen disk
-                await asyncio.to_thread(vmdisk.create_overlay, overlay, size, layout.snapdisk, uid, "qcow2")
+                await asyncio.to_thread(disks.create_overlay, overlay, size, layout.snapdisk, uid, "qcow2")
         procs = await asyncio.to_thread(self._make_cgroup, sandbox_id, spec, vm_spec.memory_mib)
         jail = await asyncio.to_thread(self._spawn, vdir, uid, boot, vm_spec, procs, incoming=incoming)
         runtime["jail_pid"] = jail
@@ -380,7 +327,7 @@ class VMBackend:
         return vdir
 
     @staticmethod
-    def _stage(vdir: Path, boot: _Boot) -> _Boot:
+    def _stage(vdir: Path, boot: Boot) -> Boot:
         """A restore's snapshot files, linked (else copied) into the VM's directory: bwrap resolves a
         bound fd's path as the jail uid, which may not enter the root-only snapshot directory."""
 
@@ -389,7 +336,7 @@ class VMBackend:
             try:
                 os.link(src, dest)
             except OSError:
-                vmdisk.copy_disk(src, dest)
+                disks.copy_disk(src, dest)
             return dest
 
         snapdisk = None if boot.snapdisk is None else stage(boot.snapdisk, SNAP_DISK)
@@ -538,183 +485,6 @@ class VMBackend:
             return None
         self._vms[sandbox_id] = _VM(relay=relay)
         return self._live(sandbox_id, channel, runtime)
-
-    # -- snapshot / restore -------------------------------------------------------------------
-
-    async def snapshot(self, sandbox: LiveSandbox, target: Path) -> dict[str, Any]:
-        """The VM's memory and devices (QEMU's migration stream), its boot files and, for the vm
-        tier, a copy of its overlay, all taken while the vCPUs are stopped; then it runs on."""
-        runtime = sandbox.runtime
-        if not isinstance(runtime.get("vm"), dict):
-            raise WrongStateError(f"sandbox {sandbox.id} was started before snapshots of this tier (an upgrade)")
-        if self.full and runtime.get("restored"):
-            raise WrongStateError(
-                f"sandbox {sandbox.id} was itself restored from a snapshot: snapshot or fork its source instead"
-            )
-        vm = self._vms.get(sandbox.id)
-        if vm is None or vm.relay is None or not self._is(runtime.get("qemu_pid"), runtime.get("qemu_start_time")):
-            raise UnavailableError(f"sandbox {sandbox.id} is no longer running")
-        vdir = self.vms_dir / sandbox.id
-        await asyncio.to_thread(target.mkdir, 0o700, parents=True)
-        try:
-            files = await asyncio.to_thread(self._pin_boot_files, runtime["qemu_pid"], target)
-        except OSError as exc:
-            raise UnavailableError(f"sandbox {sandbox.id} is no longer running: {exc}") from exc
-        channel, relay = sandbox.channel, vm.relay
-        try:
-            await self._keep_execs(channel, relay, True)
-            async with asyncio.timeout(SNAPSHOT_TIMEOUT):
-                saved = await vmsnap.save(
-                    vdir / "qmp.sock",
-                    vdir / "migrate.sock",
-                    qemu.VMLayout().migrate_socket,
-                    target / SNAP_STATE,
-                    runtime["uid"],
-                    lambda: self._freeze_disk(vdir, target),
-                )
-        except (OSError, TimeoutError, ChannelClosedError, qemu.QMPError, vmdisk.DiskBuildError) as exc:
-            raise InternalError(f"the snapshot of {sandbox.id} failed: {exc}") from exc
-        finally:
-            with contextlib.suppress(OSError, TimeoutError, ChannelClosedError):
-                await self._keep_execs(channel, relay, False)
-        files["state"] = saved["bytes"]
-        return {
-            "format": SNAP_FORMAT,
-            "tier": self.name,
-            "vm": runtime["vm"],
-            "layers": runtime.get("layers", []),
-            "base": runtime.get("base"),
-            "disk_bytes": runtime.get("disk_bytes"),
-            "qemu": saved["qemu"],
-            "files": files,
-            # The restored agent still runs the snapshot's execs: new ids start past theirs.
-            "next_id": channel.next_id + 1024,
-        }
-
-    @staticmethod
-    async def _keep_execs(channel: AgentChannel, relay: qemu.StreamRelay, keep: bool) -> None:
-        """Tell vminit whether a copy that loses its host keeps the agent's execs; the ping returns
-        once vminit has handled it (frames are handled in order)."""
-        relay.send_control(qemu.KEEP_NEXT if keep else qemu.KEEP_DONE)
-        await channel.ping(timeout=10)
-
-    @staticmethod
-    def _pin_boot_files(qemu_pid: int, target: Path) -> dict[str, Any]:
-        """The kernel and initramfs as QEMU's jail binds them (the very files it booted, even if the
-        node's were replaced since), copied into the snapshot; their digests."""
-        root = Path(f"/proc/{qemu_pid}/root")
-        layout = qemu.VMLayout()
-        return {
-            "kernel": vmsnap.pin(root / layout.kernel.lstrip("/"), target / SNAP_KERNEL),
-            "initrd": vmsnap.pin(root / layout.initrd.lstrip("/"), target / SNAP_INITRD),
-        }
-
-    async def _freeze_disk(self, vdir: Path, target: Path) -> None:
-        """The vm tier's overlay, copied while QEMU has it flushed and inactive (after migrating)."""
-        if self.full:
-            await asyncio.to_thread(vmdisk.copy_disk, vdir / ROOT_DISK, target / SNAP_DISK)
-
-    def _snapshot_boot(self, source: Path, meta: dict[str, Any]) -> tuple[_Boot, qemu.VMSpec]:
-        """What a restore starts from, every file checked (blocking). SnapshotFileError if one is
-        missing or changed; WrongStateError if the snapshot cannot run on this node."""
-        if meta.get("format") != SNAP_FORMAT or meta.get("tier") != self.name:
-            raise WrongStateError(f"the snapshot was not taken by this node's {self.name} tier")
-        vm_spec = qemu.VMSpec(**meta["vm"])
-        if vm_spec.accel != self.accel:
-            raise WrongStateError(f"the snapshot was taken under {vm_spec.accel}, this node runs {self.accel}")
-        files = meta["files"]
-        vmsnap.check(source / SNAP_KERNEL, str(files["kernel"]), "kernel")
-        vmsnap.check(source / SNAP_INITRD, str(files["initrd"]), "initramfs")
-        state = source / SNAP_STATE
-        if not state.is_file() or state.stat().st_size != int(files["state"]):
-            raise vmsnap.SnapshotFileError("the snapshot's memory is missing or truncated")
-        if not self.full:
-            layers = [self.store.verified_layer_path(str(d)) for d in meta["layers"]]
-            return _Boot(source / SNAP_KERNEL, source / SNAP_INITRD, layers), vm_spec
-        base = vmdisk.load_base(self.disks_dir, str(meta["base"]))
-        if base is None:
-            raise vmsnap.SnapshotFileError("the image's base disk the snapshot's disk lies on is gone")
-        if not (source / SNAP_DISK).is_file():
-            raise vmsnap.SnapshotFileError("the snapshot's disk is missing")
-        return _Boot(source / SNAP_KERNEL, source / SNAP_INITRD, [], base, source / SNAP_DISK), vm_spec
-
-    async def restore(self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
-        assert self.kernel is not None, "backend not started"
-        try:
-            boot, vm_spec = await asyncio.to_thread(self._snapshot_boot, source, meta)
-        except (vmsnap.SnapshotFileError, LayerCorruptError, FileNotFoundError) as exc:
-            raise DataLossError(f"the snapshot cannot be restored: {exc}") from exc
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WrongStateError(f"the snapshot's metadata is not this tier's: {exc!r}") from exc
-        uid = self._new_uid()
-        runtime: dict[str, Any] = {"uid": uid, "layers": list(meta["layers"]), "vm": meta["vm"], "restored": True}
-        if boot.base is not None:
-            runtime["base"] = meta["base"]
-            runtime["disk_bytes"] = meta.get("disk_bytes")
-        try:
-            return await self._restore(sandbox_id, spec, source, meta, boot, vm_spec, runtime)
-        except BaseException as exc:
-            console = self._console_tail(sandbox_id)
-            await asyncio.shield(self.cleanup(sandbox_id, runtime))
-            if isinstance(exc, vmsnap.VersionMismatchError):
-                raise WrongStateError(str(exc)) from exc
-            if isinstance(exc, TimeoutError | ChannelClosedError):
-                raise UnavailableError(f"the restored {self.name} did not come up: {console}") from exc
-            if isinstance(exc, OSError | ValueError | qemu.QMPError | vmdisk.DiskBuildError):
-                raise InternalError(f"restoring the {self.name} failed: {exc}: {console}") from exc
-            raise
-
-    async def _restore(
-        self,
-        sandbox_id: str,
-        spec: SandboxSpec,
-        source: Path,
-        meta: dict[str, Any],
-        boot: _Boot,
-        vm_spec: qemu.VMSpec,
-        runtime: dict[str, Any],
-    ) -> LiveSandbox:
-        vdir = await self._launch(sandbox_id, spec, boot, vm_spec, runtime, incoming=True)
-        async with asyncio.timeout(self.config.start_timeout + 60):
-            await self._wait_qemu(vdir, runtime)
-            await vmsnap.load(vdir / "incoming.sock", vdir / "qmp.sock", source / SNAP_STATE, str(meta["qemu"]))
-            log.info("restored %s: its guest runs", sandbox_id)
-            keep = [int(i) for i in meta.get("keep_execs", [])]
-            channel, inherited = await self._reconnect(sandbox_id, vdir, int(meta["next_id"]), keep)
-            try:
-                await channel.forget(keep)  # the parent's other execs run on here, but nobody asks for them
-                await channel.ping()
-            except BaseException:
-                channel.close()
-                raise
-        live = self._live(sandbox_id, channel, runtime)
-        live.inherited = inherited
-        return live
-
-    async def _reconnect(
-        self, sandbox_id: str, vdir: Path, first_id: int, keep: list[int]
-    ) -> tuple[AgentChannel, dict[int, ExecProcess]]:
-        """The restored agent's channel (called once its guest runs). Its vminit sees the parent's
-        host gone and offers the agent's fresh channel to the next host, as after a daemon restart.
-        Should the guest not have seen the old host go before we came (no SYNC, no HELLO), we leave
-        briefly so that it does, and come again."""
-        while True:
-            relay, theirs = await qemu.StreamRelay.connect(vdir / "agent.sock", self.config.start_timeout)
-            self._vms[sandbox_id].relay = relay
-            channel = AgentChannel(theirs, first_id=first_id)
-            # Handles first: output of the kept execs may follow the HELLO at once.
-            inherited = {exec_id: channel.attach(exec_id, -1) for exec_id in keep}
-            try:
-                await channel.wait_hello(timeout=HELLO_RETRY)
-                return channel, inherited
-            except TimeoutError:
-                log.info("restored %s: no HELLO yet, reconnecting", sandbox_id)
-            except BaseException:
-                channel.close()
-                raise
-            channel.close()
-            relay.close()
-            await asyncio.sleep(0.2)  # long enough for vminit to see the port closed
 
     # -- pause / resume -----------------------------------------------------------------------
 

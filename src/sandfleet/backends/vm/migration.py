@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from sandfleet.runtime.qemu import QMP, QMPError
+from sandfleet.backends.vm.qemu import QMP, QMPError
 
 CHUNK = 1 << 20
 POLL = 0.02

@@ -1,6 +1,6 @@
 /*
  * sandfleet-vminit: PID 1 of a sandfleet guest (microvm and vm tiers), run from the initramfs that
- * runtime/guest.py builds.
+ * backends/vm/guest.py builds.
  *
  *   1 mounts devtmpfs, proc, sysfs; loads the kernel modules listed in /modules/order (finit_module,
  *     in that order: guest.py sorts them by their `depends=`)

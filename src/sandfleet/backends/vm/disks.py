@@ -35,7 +35,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.runtime import guest
+from sandfleet.backends.vm import guest
 
 MIB = 1024**2
 SLACK = 8 * MIB  # free space in every base beyond an eighth of its tree (a VM's own room is its overlay's)
@@ -130,7 +130,7 @@ def copy_disk(src: Path, dest: Path) -> None:
     os.chmod(dest, 0o644)
 
 
-# ---- the build (runs in its own mount namespace: python -m sandfleet.runtime.vmdisk OUT LAYER...) ----
+# ---- the build (runs in its own mount namespace: python -m sandfleet.backends.vm.disks OUT LAYER...) ----
 
 
 def _mount(argv: list[str]) -> None:
