@@ -21,7 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 from sandfleet.errors import UnsupportedError
 from sandfleet.images import ImageManifest
 from sandfleet.models import Resources, SandboxSpec, Usage
-from sandfleet.runtime.agent import AgentChannel, ExecProcess
+from sandfleet.runtime.agent import AgentChannel
+from sandfleet.runtime.agent_exec import ExecProcess
 from sandfleet.runtime.cgroups import Cgroups
 
 

@@ -4,7 +4,7 @@ filesystem lives in its guest kernel).
 Each operation is one command the agent runs inside the sandbox, as its root, with the POSIX tools
 every image has (busybox's applets or coreutils and tar): `cat`, `stat -c`, `mkdir`, `rm`, `tar`.
 Paths are resolved by the sandbox's own kernel inside its own root, so nothing here can reach the
-host; the host-side path (`runtime/files.py` over an O_PATH root) stays the container tier's. What
+host; the host-side path (`runtime/sandboxfs/` over an O_PATH root) stays the container tier's. What
 the tools print on failure is typed like the host-side errors (not found, exists, is a directory,
 ...). Names are passed as arguments ("$1"), never spliced into the script.
 

@@ -24,7 +24,7 @@ from sandfleet.runtime import agent_errors as agent
 from sandfleet.runtime import criu, launcher, mounts, seccomp, swap
 from sandfleet.runtime.sandboxfs.results import FileOpError
 
-# File operation kinds (runtime/files.py) -> wire errors.
+# File operation kinds (runtime/sandboxfs/) -> wire errors.
 FILE_ERRORS: dict[str, type[errors.SandboxError]] = {
     "not_found": errors.NotFoundError,
     "exists": errors.WrongStateError,

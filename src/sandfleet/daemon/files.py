@@ -2,7 +2,7 @@
 downloads and uploads, and watches (the agent's inotify).
 
 The container tier opens the sandbox's root as an O_PATH fd and works under it with openat2
-(runtime/files.py); errors come back typed by kind (`errormap.to_wire_error`).
+(runtime/sandboxfs/); errors come back typed by kind (`errormap.to_wire_error`).
 """
 
 from __future__ import annotations

@@ -14,12 +14,10 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sandfleet.runtime.agent_build import build_agent, build_launcher
 from sandfleet.runtime.agent_errors import AgentError, ChannelClosedError, ExecStartError, ProtocolError
 from sandfleet.runtime.agent_exec import AgentWatch, ExecProcess
 from sandfleet.runtime.agent_wire import (
     _NR_PIDFD_GETFD,
-    AGENT_VERSION,
     EXEC_LOWFD,
     EXEC_MERGE,
     EXEC_NONDUMP,
@@ -499,16 +497,3 @@ def grab_handoff_channel(agent_pid: int) -> socket.socket:
         sock.close()
         raise OSError(errno.EPROTOTYPE, "handoff fd is not a SOCK_SEQPACKET socket")
     return sock
-
-
-# backends/ imports these from here (it is being moved by another change; switch it to the
-# defining modules then).
-__all__ = [
-    "AGENT_VERSION",
-    "AgentChannel",
-    "ChannelClosedError",
-    "ExecProcess",
-    "build_agent",
-    "build_launcher",
-    "grab_handoff_channel",
-]

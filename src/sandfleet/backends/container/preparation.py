@@ -28,12 +28,10 @@ from sandfleet.errors import (
 )
 from sandfleet.images import LayerStore
 from sandfleet.models import ContainerOptions, SandboxSpec
-from sandfleet.runtime import cgroups, criu, files, mounts, seccomp
-from sandfleet.runtime.agent import (
-    build_agent,
-    build_launcher,
-)
+from sandfleet.runtime import cgroups, criu, mounts, seccomp
+from sandfleet.runtime.agent_build import build_agent, build_launcher
 from sandfleet.runtime.launcher import LaunchError, LauncherServer
+from sandfleet.runtime.openat2 import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
 
 log = logging.getLogger("sandfleet.container")
 
@@ -259,9 +257,9 @@ class ContainerPreparation:
         """
         root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            resolve = files.RESOLVE_BENEATH | files.RESOLVE_NO_SYMLINKS | files.RESOLVE_NO_MAGICLINKS
+            resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
             try:
-                fd = files.openat2(root_fd, rel, os.O_PATH | os.O_CLOEXEC, 0, resolve)
+                fd = openat2(root_fd, rel, os.O_PATH | os.O_CLOEXEC, 0, resolve)
             except OSError as exc:
                 raise InvalidArgumentError(
                     f"mount source {bind.source} cannot be used ({exc.strerror}; symlinks are not allowed)"

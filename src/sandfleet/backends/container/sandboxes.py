@@ -33,13 +33,11 @@ from sandfleet.errors import (
 )
 from sandfleet.images import ImageManifest, LayerCorruptError
 from sandfleet.models import Resources, SandboxSpec, Usage
-from sandfleet.runtime import files, mounts, proc
-from sandfleet.runtime.agent import (
-    AgentChannel,
-    ChannelClosedError,
-    grab_handoff_channel,
-)
+from sandfleet.runtime import mounts, proc
+from sandfleet.runtime.agent import AgentChannel, grab_handoff_channel
+from sandfleet.runtime.agent_errors import ChannelClosedError
 from sandfleet.runtime.launcher import LaunchError
+from sandfleet.runtime.sandboxfs.paths import mount_points
 
 log = logging.getLogger("sandfleet.container")
 
@@ -370,7 +368,7 @@ class ContainerSandboxes(ContainerPreparation):
             text = Path(f"/proc/{sandbox.agent_pid}/mountinfo").read_text()
         except OSError as exc:
             raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
-        return files.mount_points(text)
+        return mount_points(text)
 
     # -- introspection ------------------------------------------------------------------------
 

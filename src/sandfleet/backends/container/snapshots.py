@@ -25,11 +25,9 @@ from sandfleet.errors import (
 from sandfleet.images import LayerCorruptError
 from sandfleet.models import SandboxSpec
 from sandfleet.runtime import cgroups, criu, proc
-from sandfleet.runtime.agent import (
-    AGENT_VERSION,
-    AgentChannel,
-    ChannelClosedError,
-)
+from sandfleet.runtime.agent import AgentChannel
+from sandfleet.runtime.agent_errors import ChannelClosedError
+from sandfleet.runtime.agent_wire import AGENT_VERSION
 from sandfleet.runtime.launcher import LaunchError
 
 log = logging.getLogger("sandfleet.container")

@@ -33,7 +33,8 @@ from sandfleet.errors import (
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec, Usage
 from sandfleet.runtime import cgroups, proc, seccomp
-from sandfleet.runtime.agent import AgentChannel, ChannelClosedError
+from sandfleet.runtime.agent import AgentChannel
+from sandfleet.runtime.agent_errors import ChannelClosedError
 
 log = logging.getLogger("sandfleet.vm")
 

@@ -29,7 +29,9 @@ from sandfleet.errors import (
 )
 from sandfleet.images import LayerCorruptError
 from sandfleet.models import SandboxSpec
-from sandfleet.runtime.agent import AgentChannel, ChannelClosedError, ExecProcess
+from sandfleet.runtime.agent import AgentChannel
+from sandfleet.runtime.agent_errors import ChannelClosedError
+from sandfleet.runtime.agent_exec import ExecProcess
 
 log = logging.getLogger("sandfleet.vm")
 
