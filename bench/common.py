@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sandfleet.daemon.process import DaemonProcess
+from sandfleet.daemon.node.process import DaemonProcess
 from sandfleet.errors import SandboxError
 
 HERE = Path(__file__).resolve().parent

@@ -279,7 +279,7 @@ class Node:
 
     def __init__(self, root: Path, capacity: int) -> None:
         from common import IMAGES
-        from sandfleet.daemon.process import DaemonProcess
+        from sandfleet.daemon.node.process import DaemonProcess
 
         self.root = root
         self.socket = root / "sandfleet.sock"

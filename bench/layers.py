@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from run import machine_info, pct, print_tables, remove_cgroup_tree, stats, version_of
-from sandfleet.daemon.process import DaemonProcess
+from sandfleet.daemon.node.process import DaemonProcess
 from sandfleet.errors import SandboxError
 from sandfleet.images import LayerRef, LayerStore, fsutil
 from sandfleet.images.builders import mounted_layers

@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 from common import RESULTS, Daemon, pct, remove_cgroup_tree  # noqa: E402
 from report import machine_info  # noqa: E402
 from sandfleet.client import AsyncClient  # noqa: E402
-from sandfleet.daemon.verify import VERIFY_LABEL  # noqa: E402
+from sandfleet.daemon.rl.verify import VERIFY_LABEL  # noqa: E402
 from sandfleet.errors import SandboxError  # noqa: E402
 from sandfleet.models import Resources, SandboxSpec  # noqa: E402
 from sandfleet.rl_demo import CHECKS, FIX, REPO, TASK_IMAGE, VISIBLE, build_task  # noqa: E402

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from sandfleet.daemon.api import create_app
-from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.node.metrics import Metrics
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
 

@@ -21,7 +21,7 @@ import pytest
 
 from sandfleet import Client
 from sandfleet.client.sync import Sandbox
-from sandfleet.daemon.process import DaemonProcess, DaemonStartError
+from sandfleet.daemon.node.process import DaemonProcess, DaemonStartError
 from sandfleet.errors import SandboxError
 
 IMAGES = Path(os.environ.get("SANDFLEET_TEST_IMAGES", "/var/lib/sandfleet/images"))

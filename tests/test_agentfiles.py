@@ -1,4 +1,4 @@
-"""Unit checks of the host-side halves of files through a VM's agent (daemon/agentfiles.py): the
+"""Unit checks of the host-side halves of files through a VM's agent (daemon/node/agentfiles.py): the
 filter that leaves special files out of a guest's tar, and the cut of an upload into the parts the
 guest's tar extracts one after the other. The real guests' tars run in tests/conformance."""
 
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from sandfleet.daemon.agentfiles import _checked_parts, _tar_stream, _without_special
+from sandfleet.daemon.node.agentfiles import _checked_parts, _tar_stream, _without_special
 from sandfleet.runtime.sandboxfs.results import FileOpError
 
 

@@ -860,7 +860,7 @@ async def test_unexpected_exception_is_a_wire_error_not_a_dropped_connection() -
     from types import SimpleNamespace
 
     from sandfleet.daemon.api import create_app
-    from sandfleet.daemon.metrics import Metrics
+    from sandfleet.daemon.node.metrics import Metrics
 
     async def broken_get(_sandbox_id: str) -> None:
         raise RuntimeError("boom")

@@ -1,4 +1,4 @@
-"""The node's audit stream (daemon/audit.py): seqs across restarts, torn lines, rotation and
+"""The node's audit stream (daemon/security/audit.py): seqs across restarts, torn lines, rotation and
 retention, filters, followers (live, heartbeats, lagging behind the in-memory tail), a failing disk."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from sandfleet.daemon import audit
-from sandfleet.daemon.audit import AuditLog
+from sandfleet.daemon.security import audit
+from sandfleet.daemon.security.audit import AuditLog
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Misbehaviour detectors (daemon/detectors.py): thresholds on a fake clock, quiet times, bounded state,
+"""Misbehaviour detectors (daemon/security/detectors.py): thresholds on a fake clock, quiet times, bounded state,
 and the scan of an overlay upper for replaced system binaries on real directories."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from sandfleet.daemon.detectors import (
+from sandfleet.daemon.security.detectors import (
     Detectors,
     DetectorsConfig,
     Finding,

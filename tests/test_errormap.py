@@ -15,8 +15,8 @@ import sandfleet
 from sandfleet import errors
 from sandfleet.backends.base import CAPABILITIES, TierBackend, unsupported
 from sandfleet.backends.container.backend import ContainerBackend
-from sandfleet.daemon import state
 from sandfleet.daemon.errormap import ERROR_MAP, FILE_ERRORS, to_wire_error
+from sandfleet.daemon.node import state
 from sandfleet.images.models import LayerCorruptError
 from sandfleet.models import ErrorBody
 from sandfleet.runtime.agent_errors import ChannelClosedError, ExecStartError

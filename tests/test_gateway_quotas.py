@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sandfleet.cluster.quotas import GatewayQuotas, ShareSpent
-from sandfleet.daemon.iam import Iam, IamConfig
+from sandfleet.daemon.security.iam import Iam, IamConfig
 from sandfleet.errors import ResourceExhaustedError
 from sandfleet.models import SandboxSpec
 

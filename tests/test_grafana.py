@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from sandfleet.cluster.core import GatewayMetrics
-from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.node.metrics import Metrics
 from sandfleet.models import Usage
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Projects, tokens and quotas (daemon/iam.py, daemon/tenancy.py): the IAM core on its own, the routes
+"""Projects, tokens and quotas (daemon/security/iam.py, daemon/security/tenancy.py): the IAM core on its own, the routes
 over a scoped node service on the fake tier (no root), and a real daemon with `[iam]` over TCP."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from sandfleet.client.aio import AsyncSandbox
 from sandfleet.client.sync import Sandbox
 from sandfleet.daemon.api import create_app
 from sandfleet.daemon.config import DaemonConfig
-from sandfleet.daemon.iam import CURRENT, LEGACY, ROOT, Iam, IamConfig, Principal
-from sandfleet.daemon.tenancy import Tenancy
+from sandfleet.daemon.security.iam import CURRENT, LEGACY, ROOT, Iam, IamConfig, Principal
+from sandfleet.daemon.security.tenancy import Tenancy
 from sandfleet.errors import (
     NotFoundError,
     PermissionDeniedError,

@@ -165,7 +165,7 @@ RULES = [
             "sandfleet.operations",  # what each route is: declared there
             "sandfleet.daemon.api",
             "sandfleet.daemon.protocol",
-            "sandfleet.daemon.metrics",
+            "sandfleet.daemon.node.metrics",
             "sandfleet.daemon.errormap",  # the boundary's one table from exceptions to wire codes
             "sandfleet.console",  # the web console's files, served beside the API
             *SDK,
@@ -188,7 +188,7 @@ RULES = [
             "sandfleet",
             "sandfleet.cluster",
             "sandfleet.operations",  # the gateway's routes are made from the operations' declarations
-            "sandfleet.daemon.iam",  # the same projects, tokens and quotas as a node's
+            "sandfleet.daemon.security.iam",  # the same projects, tokens and quotas as a node's
             "sandfleet.daemon.config",  # `sandfleet cluster up` reads the node's config
             "sandfleet.images.models",  # image references, as placement compares them
             "sandfleet.console",  # the web console's files, served beside the API
@@ -196,10 +196,21 @@ RULES = [
         ),
     ),
     (
-        "the sandbox table is the bottom of the service",
-        ("sandfleet.daemon.lifecycle",),
+        "security and the egress policy and proxy know nothing of the node's service",
+        ("sandfleet.daemon.security", "sandfleet.daemon.net.policy", "sandfleet.daemon.net.egress"),
         (
-            "sandfleet.daemon.state",
+            "sandfleet.daemon.security",
+            "sandfleet.daemon.net.policy",
+            "sandfleet.daemon.net.egress",
+            "sandfleet.runtime",
+            *SDK,
+        ),
+    ),
+    (
+        "the sandbox table is the bottom of the service",
+        ("sandfleet.daemon.node.lifecycle",),
+        (
+            "sandfleet.daemon.node.state",
             "sandfleet.backends.base",
             "sandfleet.runtime.agent_wire",  # record types
             "sandfleet.runtime.agent_exec",
@@ -219,24 +230,24 @@ def test_layering(rule: str, covers: tuple[str, ...], allowed: tuple[str, ...]) 
 
 # The node service's concerns, bottom to top: each imports only those before it (docs/architecture.md).
 SERVICE_ORDER = [
-    "lifecycle",
-    "core",
-    "pausing",
-    "monitor",
-    "networking",
-    "images",
-    "builds",
-    "files",
-    "execs",
-    "sessions",
-    "creation",
-    "fncall",
-    "snapshots",
-    "verify",
-    "trajectories",
-    "reaper",
-    "recovery",
-    "fencing",
+    "node.lifecycle",
+    "node.core",
+    "node.pausing",
+    "node.monitor",
+    "net.sandbox_network",
+    "node.image_service",
+    "node.builds",
+    "node.sandbox_files",
+    "node.execs",
+    "node.sessions",
+    "node.creation",
+    "node.stateless_calls",
+    "node.snapshots",
+    "rl.verify",
+    "rl.trajectories",
+    "node.reaper",
+    "node.recovery",
+    "node.fencing",
     "service",
 ]
 
@@ -246,13 +257,15 @@ def test_the_service_concerns_call_down_only() -> None:
     bad = sorted(f"{mod} -> {dep}" for mod, i in rank.items() for dep in GRAPH[mod] if dep in rank and rank[dep] >= i)
     assert not bad, f"a concern imports one at or above its level: {bad}"
     assert GRAPH["sandfleet.daemon.service"] >= {d for d in rank if d != "sandfleet.daemon.service"} - {
-        "sandfleet.daemon.lifecycle"
+        "sandfleet.daemon.node.lifecycle"
     }
 
 
 def test_no_service_module_is_over_600_lines() -> None:
     long = {
-        m: n for m in SERVICE_ORDER if (n := len((SRC / PKG / "daemon" / f"{m}.py").read_text().splitlines())) > 600
+        m: n
+        for m in SERVICE_ORDER
+        if (n := len((SRC / PKG / "daemon" / f"{m.replace('.', '/')}.py").read_text().splitlines())) > 600
     }
     assert not long, long
 
@@ -319,8 +332,8 @@ def test_the_graph_is_read() -> None:
     """The scan sees real edges (a rule checked against an empty graph would pass for nothing)."""
     assert "sandfleet.daemon.protocol" in GRAPH["sandfleet.daemon.api.common"]
     assert "sandfleet.operations" in GRAPH["sandfleet.cluster.gateway"]
-    assert "sandfleet.daemon.lifecycle" in GRAPH["sandfleet.daemon.core"]
-    assert "sandfleet.runtime.sandboxfs.fs" in GRAPH["sandfleet.daemon.files"]
+    assert "sandfleet.daemon.node.lifecycle" in GRAPH["sandfleet.daemon.node.core"]
+    assert "sandfleet.runtime.sandboxfs.fs" in GRAPH["sandfleet.daemon.node.sandbox_files"]
     assert "sandfleet.client.aio" not in GRAPH["sandfleet.images.recipe_context"]  # under TYPE_CHECKING only
     assert "sandfleet.backends.container.backend" in GRAPH["sandfleet.backends.fncall.backend"]
     assert "sandfleet.backends.vm.qemu" in GRAPH["sandfleet.backends.vm.migration"]

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from sandfleet import Client
-from sandfleet.daemon.process import DaemonStartError
+from sandfleet.daemon.node.process import DaemonStartError
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, UnsupportedError, WrongStateError
 from upstream import Upstream, free_subnet
 
@@ -630,8 +630,8 @@ def test_a_ca_bundle_that_is_not_one_stops_the_daemon_at_start(tmp_path: Path) -
 def test_a_full_file_table_does_not_end_a_sandboxs_proxy() -> None:
     """accept(2) failing with EMFILE (the daemon's file table full for a moment) used to end the
     sandbox's accept loop and close its listener for good: its egress was gone until a restart."""
-    from sandfleet.daemon.egress import ConnectionSlots, EgressProxy
-    from sandfleet.daemon.network import NetworkConfig, compile_policy
+    from sandfleet.daemon.net.egress import ConnectionSlots, EgressProxy
+    from sandfleet.daemon.net.policy import NetworkConfig, compile_policy
     from sandfleet.models import NetworkPolicy
 
     class Heard:

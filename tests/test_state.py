@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet.daemon.state import (
+from sandfleet.daemon.node.state import (
     SandboxRow,
     StateConflictError,
     StateDiskFullError,

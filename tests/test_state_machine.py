@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet.daemon.lifecycle import (
+from sandfleet.daemon.node.lifecycle import (
     CREATING,
     FAILED,
     PAUSED,
@@ -22,7 +22,7 @@ from sandfleet.daemon.lifecycle import (
     Sandbox,
     SandboxTable,
 )
-from sandfleet.daemon.state import StateStore
+from sandfleet.daemon.node.state import StateStore
 from sandfleet.errors import SandboxNotFoundError, WrongStateError
 from sandfleet.models import SandboxSpec, SandboxState
 

@@ -1,4 +1,4 @@
-"""A trajectory's log file (daemon/steplog.py) on its own: checksummed records, a torn tail told
+"""A trajectory's log file (daemon/rl/steplog.py) on its own: checksummed records, a torn tail told
 from damage, replay that refuses a record out of place, and appends that a short write never
 leaves a fragment of (a real short write: the kernel's file size limit)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet.daemon.steplog import StepLog, decode, encode, mend_tail, replay, rewrite, scan
+from sandfleet.daemon.rl.steplog import StepLog, decode, encode, mend_tail, replay, rewrite, scan
 from sandfleet.models import SandboxSpec, TrajectoryOpen
 
 pytestmark = pytest.mark.unit
@@ -113,7 +113,7 @@ def test_mend_and_rewrite_on_disk(tmp_path: Path) -> None:
 _SHORT_WRITE = """
 import asyncio, resource, signal, sys
 from pathlib import Path
-from sandfleet.daemon.steplog import StepLog
+from sandfleet.daemon.rl.steplog import StepLog
 path, limit, sync = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from sandfleet import ContainerOptions, SandboxSpec
-from sandfleet.daemon.pool import pool_key
+from sandfleet.daemon.node.pool import pool_key
 
 pytestmark = pytest.mark.unit
 

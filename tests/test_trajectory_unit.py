@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from sandfleet import SandboxSpec
-from sandfleet.daemon.steplog import earlier_identities, identity
-from sandfleet.daemon.trajectories import Trajectories
-from sandfleet.daemon.trajlogs import LogFolder
+from sandfleet.daemon.rl.steplog import earlier_identities, identity
+from sandfleet.daemon.rl.trajectories import Trajectories
+from sandfleet.daemon.rl.trajlogs import LogFolder
 from sandfleet.errors import NotFoundError, WrongStateError
 from sandfleet.models import (
     ExecAction,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from sandfleet import Client, SandboxSpec
-from sandfleet.daemon.verify import VERIFY_LABEL
+from sandfleet.daemon.rl.verify import VERIFY_LABEL
 from sandfleet.errors import SandboxError
 
 from conftest import CGROUP_ROOT, Daemon, destroy_daemon, make_daemon, wait_until

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from sandfleet import Client, SandboxSpec
-from sandfleet.daemon.verify import VERIFY_LABEL
+from sandfleet.daemon.rl.verify import VERIFY_LABEL
 from sandfleet.errors import ResourceExhaustedError
 from sandfleet.models import Resources
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet.daemon.admission import CpuQueue
-from sandfleet.daemon.cpuwatch import CommandWatch, Look
-from sandfleet.daemon.verify import _cause, keep_only
+from sandfleet.daemon.node.admission import CpuQueue
+from sandfleet.daemon.node.cpuwatch import CommandWatch, Look
+from sandfleet.daemon.rl.verify import _cause, keep_only
 from sandfleet.models import ExecRequest, ExecResult, VerifyRequest
 from sandfleet.runtime.schedstat import TreeStats, boot_ticks
 

@@ -435,7 +435,7 @@ def demo(
     socket: SocketOpt = None,
 ) -> None:
     """A demo rollout: start a daemon if none runs, then run RL rollouts on it (see --task)."""
-    from sandfleet.daemon.process import DaemonProcess, DaemonStartError
+    from sandfleet.daemon.node.process import DaemonProcess, DaemonStartError
     from sandfleet.demo import run_demo
 
     if task not in ("more-itertools", "toy"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from sandfleet.daemon.iam import IamConfig
+from sandfleet.daemon.security.iam import IamConfig
 
 
 class StaticNode(BaseModel):

@@ -25,7 +25,7 @@ from sandfleet.cluster.forward import json_response
 from sandfleet.cluster.membership import Membership, Node
 from sandfleet.cluster.placement import Placer
 from sandfleet.cluster.quotas import GatewayQuotas
-from sandfleet.daemon.iam import Iam
+from sandfleet.daemon.security.iam import Iam
 from sandfleet.errors import (
     InvalidArgumentError,
     SandboxError,

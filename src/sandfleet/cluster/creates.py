@@ -32,7 +32,7 @@ from sandfleet.cluster.forward import LOOKUP_TIMEOUT, call_json, forward, json_r
 from sandfleet.cluster.membership import Node
 from sandfleet.cluster.placement import NoCapacity, PlacementRequest
 from sandfleet.cluster.quotas import ShareSpent
-from sandfleet.daemon.iam import Principal
+from sandfleet.daemon.security.iam import Principal
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,

@@ -39,7 +39,7 @@ from sandfleet.cluster.forward import call_json, forward, json_response
 from sandfleet.cluster.membership import Node
 from sandfleet.cluster.terminal import relay as relay_terminal
 from sandfleet.cluster.trajectory_routing import TrajectoryRouting
-from sandfleet.daemon.iam import Principal
+from sandfleet.daemon.security.iam import Principal
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,

@@ -19,7 +19,7 @@ import math
 import time
 
 from sandfleet.cluster.membership import Membership
-from sandfleet.daemon.iam import Iam
+from sandfleet.daemon.security.iam import Iam
 from sandfleet.errors import ResourceExhaustedError
 from sandfleet.models import SandboxSpec
 

@@ -11,7 +11,7 @@ children). What Ray holds of a node is small:
   the actor, so a gateway started after a node died still answers `sandbox_lost` for that node's ids;
 - a mark `lost:<key>` (the generation given up on), written by a gateway's watcher before any
   gateway answers `sandbox_lost` for the node: a node registering again after that is fenced first
-  (daemon/fencing.py: it stops what it held) and joins under a higher generation.
+  (daemon/node/fencing.py: it stops what it held) and joins under a higher generation.
 Gateways put `gateway:<id>` records there too (refreshed every second), which is how a trainer's
 `sandfleet.ray.connect()` finds them and how gateways count each other for quota shares.
 

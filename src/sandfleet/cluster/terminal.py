@@ -23,7 +23,7 @@ from starlette.websockets import WebSocketDisconnect as ClientGone
 
 from sandfleet.client._base import TERMINAL_FRAME, TERMINAL_PROTOCOL, terminal_credentials, terminal_origin_ok
 from sandfleet.cluster.membership import Membership
-from sandfleet.daemon.iam import Iam
+from sandfleet.daemon.security.iam import Iam
 from sandfleet.errors import PermissionDeniedError, SandboxError, UnavailableError
 
 

@@ -15,7 +15,7 @@ from sandfleet.cluster.core import parse_body, read_body
 from sandfleet.cluster.creates import Creates
 from sandfleet.cluster.forward import LOOKUP_TIMEOUT, call_json, forward
 from sandfleet.cluster.membership import Node
-from sandfleet.daemon.iam import Principal
+from sandfleet.daemon.security.iam import Principal
 from sandfleet.errors import (
     NotFoundError,
     SandboxLostError,

@@ -8,12 +8,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandfleet.backends.config import BackendConfig, ContainerBackendConfig, FncallBackendConfig
-from sandfleet.daemon.detectors import DetectorsConfig
-from sandfleet.daemon.iam import IamConfig, token_hash
-from sandfleet.daemon.network import NetworkConfig
-from sandfleet.daemon.pool import PoolConfig
-from sandfleet.daemon.trajectories import TrajectoryConfig
-from sandfleet.daemon.verify import VerifyConfig
+from sandfleet.daemon.net.policy import NetworkConfig
+from sandfleet.daemon.node.pool import PoolConfig
+from sandfleet.daemon.rl.trajectories import TrajectoryConfig
+from sandfleet.daemon.rl.verify import VerifyConfig
+from sandfleet.daemon.security.detectors import DetectorsConfig
+from sandfleet.daemon.security.iam import IamConfig, token_hash
 from sandfleet.models import ByteSize
 
 DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")

@@ -12,16 +12,14 @@ from __future__ import annotations
 import errno
 
 from sandfleet import errors
-from sandfleet.backends.vm import disks as vmdisk
-from sandfleet.backends.vm import guest, qemu
-from sandfleet.backends.vm import migration as vmsnap
-from sandfleet.daemon import egress, state
-from sandfleet.daemon.process import DaemonStartError
+from sandfleet.backends.vm import disks, guest, migration, qemu
+from sandfleet.daemon.net import egress
+from sandfleet.daemon.node import state
+from sandfleet.daemon.node.process import DaemonStartError
 from sandfleet.images import models as image_models
 from sandfleet.images.oci_errors import OciImportError
 from sandfleet.images.recipe import RecipeError
-from sandfleet.runtime import agent_errors as agent
-from sandfleet.runtime import criu, launcher, mounts, seccomp, swap
+from sandfleet.runtime import agent_errors, criu, launcher, mounts, seccomp, swap
 from sandfleet.runtime.sandboxfs.results import FileOpError
 
 # File operation kinds (runtime/sandboxfs/) -> wire errors.
@@ -49,11 +47,14 @@ ERROR_MAP: list[tuple[type[BaseException], type[errors.SandboxError]]] = [
     (egress.Refused, errors.PermissionDeniedError),  # answered inside the sandbox (a 403), never on the API
     (DaemonStartError, errors.UnavailableError),  # a local daemon the CLI or demo started did not come up
     # the in-sandbox agent
-    (agent.ChannelClosedError, errors.UnavailableError),
-    (agent.ExecStartError, errors.InvalidArgumentError),  # the command could not start (not found, chdir, setuid)
-    (agent.AgentBuildError, errors.InternalError),
-    (agent.ProtocolError, errors.InternalError),
-    (agent.AgentError, errors.UnavailableError),
+    (agent_errors.ChannelClosedError, errors.UnavailableError),
+    (
+        agent_errors.ExecStartError,
+        errors.InvalidArgumentError,
+    ),  # the command could not start (not found, chdir, setuid)
+    (agent_errors.AgentBuildError, errors.InternalError),
+    (agent_errors.ProtocolError, errors.InternalError),
+    (agent_errors.AgentError, errors.UnavailableError),
     # host mechanisms
     (criu.ImageError, errors.DataLossError),  # a snapshot's images do not parse
     (criu.CriuUnavailableError, errors.UnavailableError),
@@ -64,9 +65,9 @@ ERROR_MAP: list[tuple[type[BaseException], type[errors.SandboxError]]] = [
     (swap.SwapSetupError, errors.InternalError),
     (guest.GuestUnavailableError, errors.UnavailableError),  # no guest kernel or modules: setup.sh
     (qemu.QMPError, errors.UnavailableError),  # a VM's QEMU did not answer its monitor
-    (vmdisk.DiskBuildError, errors.InternalError),  # the vm tier's base disk of an image could not be made
-    (vmsnap.SnapshotFileError, errors.DataLossError),  # a VM snapshot's file is missing or changed
-    (vmsnap.VersionMismatchError, errors.WrongStateError),  # another QEMU, accel or tier than the snapshot's
+    (disks.DiskBuildError, errors.InternalError),  # the vm tier's base disk of an image could not be made
+    (migration.SnapshotFileError, errors.DataLossError),  # a VM snapshot's file is missing or changed
+    (migration.VersionMismatchError, errors.WrongStateError),  # another QEMU, accel or tier than the snapshot's
     # images
     (image_models.ImageNotFoundError, errors.ImageNotFoundError),
     (image_models.InvalidRefError, errors.InvalidArgumentError),

@@ -20,20 +20,20 @@ from pathlib import Path
 
 import uvicorn
 
-from sandfleet.backends.base import TierBackend as Backend
+from sandfleet.backends.base import TierBackend
 from sandfleet.backends.tiers import build_backend
 from sandfleet.client import AsyncClient
-from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.api import create_app
-from sandfleet.daemon.audit import AuditLog
 from sandfleet.daemon.config import DaemonConfig
-from sandfleet.daemon.iam import ROOT, Iam
-from sandfleet.daemon.lifecycle import new_sandbox_id
-from sandfleet.daemon.metrics import Metrics
-from sandfleet.daemon.pool import WarmPools
+from sandfleet.daemon.node.admission import Admission, AdmissionPolicy
+from sandfleet.daemon.node.lifecycle import new_sandbox_id
+from sandfleet.daemon.node.metrics import Metrics
+from sandfleet.daemon.node.pool import WarmPools
+from sandfleet.daemon.node.state import StateError, StateStore
+from sandfleet.daemon.security.audit import AuditLog
+from sandfleet.daemon.security.iam import ROOT, Iam
+from sandfleet.daemon.security.tenancy import Tenancy
 from sandfleet.daemon.service import SandboxManager
-from sandfleet.daemon.state import StateError, StateStore
-from sandfleet.daemon.tenancy import Tenancy
 from sandfleet.ids import is_node_key, new_node_key
 from sandfleet.images import LayerStore
 from sandfleet.runtime import cgroups, mounts, proc, swap
@@ -162,7 +162,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         shared=config.shared_image_dir,
         cache_max=config.image_cache_max,
     )
-    built: dict[str, Backend] = {}
+    built: dict[str, TierBackend] = {}
     for tier in sorted(config.backends, key=lambda t: t.type == "fncall"):  # fncall shares the container tier's
         built[tier.type] = build_backend(
             tier, state_dir=config.state_dir, run_dir=config.run_dir, store=store, built=built

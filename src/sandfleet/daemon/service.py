@@ -2,7 +2,7 @@
 metrics, the audit stream). The routes call the concerns themselves (daemon/api/, as declared in
 sandfleet/operations.py): nothing here hands a call on.
 
-Backend-independent: a backend only creates/destroys sandboxes and hands back a `LiveSandbox`
+TierBackend-independent: a backend only creates/destroys sandboxes and hands back a `LiveSandbox`
 (agent channel + root). Each concern lives in a module of its own, each calling only those below
 it (docs/architecture.md lists them, bottom to top: lifecycle, core, pausing, ..., recovery).
 
@@ -25,33 +25,32 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sandfleet import __version__
-from sandfleet.backends.base import TierBackend as Backend
-from sandfleet.backends.base import capabilities
-from sandfleet.daemon.admission import Admission, AdmissionPolicy
-from sandfleet.daemon.audit import AuditLog
-from sandfleet.daemon.builds import Builds
-from sandfleet.daemon.core import NodeCore, log
-from sandfleet.daemon.creation import Creation
-from sandfleet.daemon.detectors import DetectorsConfig
-from sandfleet.daemon.execs import Execs
-from sandfleet.daemon.fencing import Fencing
-from sandfleet.daemon.files import Files
-from sandfleet.daemon.fncall import Calls
-from sandfleet.daemon.images import Images
-from sandfleet.daemon.lifecycle import LIVE_STATES
-from sandfleet.daemon.metrics import Metrics
-from sandfleet.daemon.monitor import Monitor
-from sandfleet.daemon.network import NetworkConfig
-from sandfleet.daemon.networking import Networking
-from sandfleet.daemon.pausing import Pauser
-from sandfleet.daemon.pool import WarmPools
-from sandfleet.daemon.reaper import Reaper
-from sandfleet.daemon.recovery import Recovery
-from sandfleet.daemon.sessions import Sessions
-from sandfleet.daemon.snapshots import Snapshots
-from sandfleet.daemon.state import StateStore
-from sandfleet.daemon.trajectories import Trajectories, TrajectoryConfig
-from sandfleet.daemon.verify import Verifier, VerifyConfig
+from sandfleet.backends.base import TierBackend, capabilities
+from sandfleet.daemon.net.policy import NetworkConfig
+from sandfleet.daemon.net.sandbox_network import Networking
+from sandfleet.daemon.node.admission import Admission, AdmissionPolicy
+from sandfleet.daemon.node.builds import Builds
+from sandfleet.daemon.node.core import NodeCore, log
+from sandfleet.daemon.node.creation import Creation
+from sandfleet.daemon.node.execs import Execs
+from sandfleet.daemon.node.fencing import Fencing
+from sandfleet.daemon.node.image_service import Images
+from sandfleet.daemon.node.lifecycle import LIVE_STATES
+from sandfleet.daemon.node.metrics import Metrics
+from sandfleet.daemon.node.monitor import Monitor
+from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.node.pool import WarmPools
+from sandfleet.daemon.node.reaper import Reaper
+from sandfleet.daemon.node.recovery import Recovery
+from sandfleet.daemon.node.sandbox_files import Files
+from sandfleet.daemon.node.sessions import Sessions
+from sandfleet.daemon.node.snapshots import Snapshots
+from sandfleet.daemon.node.state import StateStore
+from sandfleet.daemon.node.stateless_calls import Calls
+from sandfleet.daemon.rl.trajectories import Trajectories, TrajectoryConfig
+from sandfleet.daemon.rl.verify import Verifier, VerifyConfig
+from sandfleet.daemon.security.audit import AuditLog
+from sandfleet.daemon.security.detectors import DetectorsConfig
 from sandfleet.errors import UnsupportedError
 from sandfleet.ids import new_node_key
 from sandfleet.images import ImageManifest, LayerStore
@@ -74,7 +73,7 @@ class SandboxManager:
     def __init__(
         self,
         *,
-        backends: builtins.list[Backend],
+        backends: builtins.list[TierBackend],
         store: LayerStore,
         state: StateStore,
         metrics: Metrics,

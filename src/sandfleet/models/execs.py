@@ -40,7 +40,7 @@ Base64 = Annotated[str, AfterValidator(_check_b64)]
 # The bounds of a command's options, one definition each, for every request that runs a command
 # (ExecRequest, TerminalRequest, SessionRunRequest, RunCodeRequest); where it runs is
 # EnvVars, SandboxPath and UserName, and its standard input `_Stdin`. Field types, not a base class:
-# a request's field order is part of a logged step's identity (daemon/steplog.py).
+# a request's field order is part of a logged step's identity (daemon/rl/steplog.py).
 MAX_OUTPUT = 64 * 1024**2
 OutputLimit = Annotated[int, Field(ge=0, le=MAX_OUTPUT)]
 OutputEncoding = Annotated[Encoding, Field(description="how output comes back: utf-8 text, or base64 of the raw bytes")]

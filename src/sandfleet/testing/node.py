@@ -20,14 +20,14 @@ from typing import Any
 import httpx
 
 from sandfleet.client import AsyncClient
-from sandfleet.daemon.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.api import create_app
-from sandfleet.daemon.audit import AuditLog
-from sandfleet.daemon.iam import Iam
-from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.node.admission import Admission, AdmissionPolicy
+from sandfleet.daemon.node.metrics import Metrics
+from sandfleet.daemon.node.state import StateStore
+from sandfleet.daemon.security.audit import AuditLog
+from sandfleet.daemon.security.iam import Iam
+from sandfleet.daemon.security.tenancy import Tenancy
 from sandfleet.daemon.service import SandboxManager
-from sandfleet.daemon.state import StateStore
-from sandfleet.daemon.tenancy import Tenancy
 from sandfleet.images import LayerStore, parse_ref
 from sandfleet.testing.fake_backend import FakeBackend
 

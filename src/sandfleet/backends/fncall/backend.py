@@ -1,7 +1,7 @@
 """The fncall tier: where a stateless call runs. A worker is a container-isolated sandbox (the same
 namespaces, cgroups, seccomp and layers as the container tier: it is made by a container backend);
 what makes it a function worker is the warm interpreter the service starts in it
-(daemon/fncall.py, zygote.py), which forks one fresh process per call.
+(daemon/node/stateless_calls.py, zygote.py), which forks one fresh process per call.
 
 When the node also runs the container tier, this tier shares its backend (one launcher, one layer
 cache, one cgroup parent, one set of sandbox directories): that backend reports the residue and the

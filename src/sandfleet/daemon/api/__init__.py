@@ -1,7 +1,7 @@
 """The HTTP API (FastAPI), one router per resource: parse, call the node's concern that does the
 work, map errors to `{code, message, retryable, cause}`. Each route is an operation declared in
 sandfleet/operations.py (`Api.route`), scoped to the caller's project by a dependency made from that
-declaration when projects are configured (daemon/tenancy.py).
+declaration when projects are configured (daemon/security/tenancy.py).
 
 The OpenAPI document FastAPI derives from these routes is checked into docs/openapi.json; a test
 fails when the two drift apart, and tests validate live responses against the checked-in copy.
@@ -38,7 +38,7 @@ from sandfleet.daemon.api import (
 from sandfleet.daemon.api import node as node_api
 from sandfleet.daemon.api.common import ERRORS, Api, CheckedRoute, error_response, log
 from sandfleet.daemon.errormap import to_wire_error
-from sandfleet.daemon.metrics import Metrics
+from sandfleet.daemon.node.metrics import Metrics
 from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
@@ -49,12 +49,12 @@ from sandfleet.errors import (
 from sandfleet.models import WhoAmI, validation_message
 
 if TYPE_CHECKING:
+    from sandfleet.daemon.security.tenancy import Tenancy
     from sandfleet.daemon.service import SandboxManager
-    from sandfleet.daemon.tenancy import Tenancy
 
 
 class Caller(Protocol):
-    """Who a request comes from, as the routes' layer needs to know it (daemon/iam.py's `Principal`)."""
+    """Who a request comes from, as the routes' layer needs to know it (daemon/security/iam.py's `Principal`)."""
 
     @property
     def name(self) -> str: ...
@@ -68,7 +68,7 @@ class Caller(Protocol):
 
 
 # The caller an Authorization header ('' when there is none) stands for, or UnauthenticatedError. It
-# also makes the caller current for the service the routes call (daemon/iam.py: `Iam.enter`).
+# also makes the caller current for the service the routes call (daemon/security/iam.py: `Iam.enter`).
 Authenticate = Callable[[str], Caller]
 
 

@@ -40,8 +40,8 @@ MAX_FILE_BODY = 256 * 1024**2
 MAX_INT64 = 2**63 - 1
 
 if TYPE_CHECKING:
+    from sandfleet.daemon.security.tenancy import Tenancy
     from sandfleet.daemon.service import SandboxManager
-    from sandfleet.daemon.tenancy import Tenancy
 
 F = TypeVar("F", bound=Callable[..., Any])
 OPERATION = {op.name: op for op in OPERATIONS}

@@ -9,8 +9,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from sandfleet.backends.base import LiveSandbox, Pausable, unsupported
-from sandfleet.daemon.core import NodeCore, is_busy, log
-from sandfleet.daemon.lifecycle import PAUSED, RUNNING, Sandbox
+from sandfleet.daemon.node.core import NodeCore, is_busy, log
+from sandfleet.daemon.node.lifecycle import PAUSED, RUNNING, Sandbox
 from sandfleet.errors import SandboxError, WrongStateError
 from sandfleet.models import SandboxInfo
 

@@ -11,15 +11,14 @@ import time
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import Recoverable
-from sandfleet.backends.base import TierBackend as Backend
-from sandfleet.daemon.core import ACTIVITY_FLUSH, NodeCore, lenient_spec, log, store_row
-from sandfleet.daemon.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
-from sandfleet.daemon.networking import Networking
-from sandfleet.daemon.pausing import Pauser
-from sandfleet.daemon.snapshots import Snapshots
-from sandfleet.daemon.state import SandboxRow
-from sandfleet.daemon.verify import KEPT_LABEL, VERIFY_LABEL
+from sandfleet.backends.base import Recoverable, TierBackend
+from sandfleet.daemon.net.sandbox_network import Networking
+from sandfleet.daemon.node.core import ACTIVITY_FLUSH, NodeCore, lenient_spec, log, store_row
+from sandfleet.daemon.node.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
+from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.node.snapshots import Snapshots
+from sandfleet.daemon.node.state import SandboxRow
+from sandfleet.daemon.rl.verify import KEPT_LABEL, VERIFY_LABEL
 from sandfleet.errors import SandboxError
 from sandfleet.models import SandboxSpec
 
@@ -127,7 +126,7 @@ class Recovery:
             acked=bool(row.acked),
         )
 
-    async def _rebuild(self, rebuild: Backend, candidates: set[str]) -> set[str]:
+    async def _rebuild(self, rebuild: TierBackend, candidates: set[str]) -> set[str]:
         """After the state database was lost: adopt the sandboxes still running on the node (their
         cgroups and agents say what they are), with what can be known of their specs. Returns the
         ids taken back."""

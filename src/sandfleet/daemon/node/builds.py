@@ -13,9 +13,9 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandfleet.daemon.core import EventStream, NodeCore
 from sandfleet.daemon.errormap import to_wire_error
-from sandfleet.daemon.images import image_info
+from sandfleet.daemon.node.core import EventStream, NodeCore
+from sandfleet.daemon.node.image_service import image_info
 from sandfleet.errors import InvalidArgumentError
 from sandfleet.images.recipe import Recipe, RecipeError
 from sandfleet.images.recipe_build import build_recipe

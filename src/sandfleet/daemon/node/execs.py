@@ -28,12 +28,12 @@ from collections.abc import AsyncGenerator
 import pydantic
 
 from sandfleet.backends.base import HostProcesses, LiveSandbox, offers
-from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, resolve_cwd, wire_text
-from sandfleet.daemon.cpuwatch import CommandWatch, boot_ticks
-from sandfleet.daemon.files import Files
-from sandfleet.daemon.lifecycle import HOLDING_STATES, PAUSED, BackgroundProcess, Sandbox, forget_finished
-from sandfleet.daemon.networking import Networking
-from sandfleet.daemon.pausing import Pauser
+from sandfleet.daemon.net.sandbox_network import Networking
+from sandfleet.daemon.node.core import AGENT_START_TIMEOUT, EventStream, NodeCore, resolve_cwd, wire_text
+from sandfleet.daemon.node.cpuwatch import CommandWatch, boot_ticks
+from sandfleet.daemon.node.lifecycle import HOLDING_STATES, PAUSED, BackgroundProcess, Sandbox, forget_finished
+from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.node.sandbox_files import Files
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,

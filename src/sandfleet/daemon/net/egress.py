@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sandfleet.daemon.network import IPAddress, NetworkConfig, Policy, Rule, ip_literal, normalize_host
+from sandfleet.daemon.net.policy import IPAddress, NetworkConfig, Policy, Rule, ip_literal, normalize_host
 from sandfleet.models import split_host_port
 from sandfleet.runtime import netns, splice
 

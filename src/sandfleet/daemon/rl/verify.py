@@ -52,12 +52,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandfleet.backends.base import LayerView
-from sandfleet.daemon.admission import CpuQueue
-from sandfleet.daemon.core import NodeCore, log
-from sandfleet.daemon.creation import Creation
-from sandfleet.daemon.execs import Execs
-from sandfleet.daemon.files import Files
-from sandfleet.daemon.snapshots import Snapshots, inside_path
+from sandfleet.daemon.node.admission import CpuQueue
+from sandfleet.daemon.node.core import NodeCore, log
+from sandfleet.daemon.node.creation import Creation
+from sandfleet.daemon.node.execs import Execs
+from sandfleet.daemon.node.sandbox_files import Files
+from sandfleet.daemon.node.snapshots import Snapshots, inside_path
 from sandfleet.errors import Cause, InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import (
     ChangedFile,

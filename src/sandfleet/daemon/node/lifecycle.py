@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 from sandfleet.backends.base import LiveSandbox
-from sandfleet.daemon.state import StateStore
+from sandfleet.daemon.node.state import StateStore
 from sandfleet.errors import Cause, SandboxNotFoundError, WrongStateError
 from sandfleet.ids import new_id
 from sandfleet.models import PROJECT_LABEL, ExecResult, SandboxEvent, SandboxInfo, SandboxSpec, SandboxState

@@ -4,14 +4,14 @@ Step k of a trajectory is (id, k). Asked for step k again (a preempted trainer r
 from this machine or another), the node answers the logged result and runs nothing; while step k
 runs, a second ask waits for the first's result. The sandbox holds the state the steps made: kept
 alive (paused while no trainer drives it: `pause_after`), adopted after a daemon restart. The log is
-one file per trajectory (daemon/steplog.py: checksummed JSON lines) under
+one file per trajectory (daemon/rl/steplog.py: checksummed JSON lines) under
 `<state_dir>/trajectories/<project>/`, one write(2) per record, so a record outlives any process
 that dies after writing it; `fsync = true` also makes it outlive the machine (which takes the
 sandbox with it, so the default is not to pay for that).
 
 Ids are a project's own: everything keyed by a trajectory id (the loaded table, the locks, the log's
 path, the sandbox's create key) is keyed by (project, id), the project being the caller's (None for
-root and nodes without `[iam]`; daemon/trajlogs.py: logs from before that stay reachable as then).
+root and nodes without `[iam]`; daemon/rl/trajlogs.py: logs from before that stay reachable as then).
 
 One object per trajectory: `loaded` holds the open ones, and a closed one while work on it goes on
 (a verification, a record held for the disk); only then is a closed one read from its log again. So
@@ -23,7 +23,7 @@ stopping daemon (SIGTERM) waits `drain_timeout` for running steps first. A log d
 point (a changed byte, a fragment appended onto) is cut there with a `lost` record: every step from
 there on answers `data_loss` and never runs (steps before it replay).
 
-A trajectory's verification (daemon/verify.py) is logged too, the start of its checks first: one a
+A trajectory's verification (daemon/rl/verify.py) is logged too, the start of its checks first: one a
 daemon was killed in the middle of answers `infra` (never a second run's verdict); one still queued
 had not started, and runs when asked again.
 """
@@ -41,14 +41,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandfleet.daemon.core import NodeCore, log
-from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.errormap import to_wire_error
-from sandfleet.daemon.execs import Execs
-from sandfleet.daemon.files import Files
-from sandfleet.daemon.lifecycle import HOLDING_STATES
-from sandfleet.daemon.snapshots import Snapshots
-from sandfleet.daemon.steplog import (
+from sandfleet.daemon.node.core import NodeCore, log
+from sandfleet.daemon.node.creation import Creation
+from sandfleet.daemon.node.execs import Execs
+from sandfleet.daemon.node.lifecycle import HOLDING_STATES
+from sandfleet.daemon.node.sandbox_files import Files
+from sandfleet.daemon.node.snapshots import Snapshots
+from sandfleet.daemon.rl.steplog import (
     Key,
     Scan,
     StepLog,
@@ -61,9 +61,9 @@ from sandfleet.daemon.steplog import (
     rewrite,
     scan,
 )
-from sandfleet.daemon.trajlogs import LogFolder
-from sandfleet.daemon.trajsteps import TRAJECTORY_LABEL, act, agent_fault, error_result, reproduction, seed_env
-from sandfleet.daemon.verify import Verifier, interrupted
+from sandfleet.daemon.rl.trajlogs import LogFolder
+from sandfleet.daemon.rl.trajsteps import TRAJECTORY_LABEL, act, agent_fault, error_result, reproduction, seed_env
+from sandfleet.daemon.rl.verify import Verifier, interrupted
 from sandfleet.errors import (
     DataLossError,
     InvalidArgumentError,

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandfleet.backends.base import LayerView, offers
-from sandfleet.daemon.audit import AuditLog
-from sandfleet.daemon.core import NodeCore
-from sandfleet.daemon.detectors import Detectors, DetectorsConfig, Finding, replaced_system_binaries
-from sandfleet.daemon.lifecycle import LIVE_STATES, RUNNING, Sandbox
-from sandfleet.daemon.pausing import Pauser
+from sandfleet.daemon.node.core import NodeCore
+from sandfleet.daemon.node.lifecycle import LIVE_STATES, RUNNING, Sandbox
+from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.security.audit import AuditLog
+from sandfleet.daemon.security.detectors import Detectors, DetectorsConfig, Finding, replaced_system_binaries
 from sandfleet.images.recipe_sandbox import BUILD_LABEL
 from sandfleet.models import Usage
 

@@ -20,9 +20,9 @@ import contextlib
 import os
 from pathlib import Path
 
-from sandfleet.daemon.core import NodeCore, log
-from sandfleet.daemon.lifecycle import LIVE_STATES
-from sandfleet.daemon.trajectories import Trajectories
+from sandfleet.daemon.node.core import NodeCore, log
+from sandfleet.daemon.node.lifecycle import LIVE_STATES
+from sandfleet.daemon.rl.trajectories import Trajectories
 from sandfleet.errors import InternalError
 
 

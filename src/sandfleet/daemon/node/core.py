@@ -25,10 +25,9 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import LiveSandbox
-from sandfleet.backends.base import TierBackend as Backend
-from sandfleet.daemon.admission import Admission
-from sandfleet.daemon.lifecycle import (
+from sandfleet.backends.base import LiveSandbox, TierBackend
+from sandfleet.daemon.node.admission import Admission
+from sandfleet.daemon.node.lifecycle import (
     CREATING,
     FAILED,
     HOLDING_STATES,
@@ -41,9 +40,9 @@ from sandfleet.daemon.lifecycle import (
     Sandbox,
     SandboxTable,
 )
-from sandfleet.daemon.metrics import Metrics
-from sandfleet.daemon.pool import WarmPools
-from sandfleet.daemon.state import SandboxRow, StateStore
+from sandfleet.daemon.node.metrics import Metrics
+from sandfleet.daemon.node.pool import WarmPools
+from sandfleet.daemon.node.state import SandboxRow, StateStore
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError, WrongStateError
 from sandfleet.images import LayerStore
 from sandfleet.models import SandboxEvent, SandboxInfo, SandboxSpec, Usage, shown
@@ -155,7 +154,7 @@ class NodeCore:
     def __init__(
         self,
         *,
-        backends: builtins.list[Backend],
+        backends: builtins.list[TierBackend],
         store: LayerStore,
         state: StateStore,
         metrics: Metrics,
@@ -166,7 +165,7 @@ class NodeCore:
         node_key: str,
     ) -> None:
         # The node's isolation tiers by name; a sandbox's is `sb.spec.backend`. The first is the default.
-        self.backends: dict[str, Backend] = {b.name: b for b in backends}
+        self.backends: dict[str, TierBackend] = {b.name: b for b in backends}
         self.default_tier = backends[0].name
         self.store = store
         self.state = state
@@ -194,11 +193,11 @@ class NodeCore:
         self.node_labels: dict[str, str] = {}  # cluster mode: what `SandboxSpec.node_selector` matches
         metrics.track_sandboxes(self.usage_sources)
 
-    def tier(self, sb: Sandbox) -> Backend:
+    def tier(self, sb: Sandbox) -> TierBackend:
         """The backend a sandbox lives on."""
         return self.backends[sb.spec.backend]
 
-    def tier_for(self, name: str) -> Backend:
+    def tier_for(self, name: str) -> TierBackend:
         """The backend of tier `name`, or the typed error of a node without it."""
         backend = self.backends.get(name)
         if backend is None:

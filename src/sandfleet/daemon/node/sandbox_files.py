@@ -16,12 +16,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any, BinaryIO
 
 from sandfleet.backends.base import HostFiles, LiveSandbox, unsupported
-from sandfleet.daemon.agentfiles import AgentFS
-from sandfleet.daemon.core import AGENT_START_TIMEOUT, EventStream, NodeCore, T, resolve_cwd
 from sandfleet.daemon.errormap import to_wire_error
-from sandfleet.daemon.images import Images
-from sandfleet.daemon.lifecycle import Sandbox, User
-from sandfleet.daemon.pausing import Pauser
+from sandfleet.daemon.node.agentfiles import AgentFS
+from sandfleet.daemon.node.core import AGENT_START_TIMEOUT, EventStream, NodeCore, T, resolve_cwd
+from sandfleet.daemon.node.image_service import Images
+from sandfleet.daemon.node.lifecycle import Sandbox, User
+from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,

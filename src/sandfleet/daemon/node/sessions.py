@@ -24,11 +24,11 @@ import time
 from collections.abc import AsyncGenerator
 
 from sandfleet.backends.base import LiveSandbox
-from sandfleet.daemon.core import AGENT_START_TIMEOUT, DEADLINE_GRACE, EventStream, NodeCore, wire_text
-from sandfleet.daemon.execs import Execs
-from sandfleet.daemon.files import Files
-from sandfleet.daemon.lifecycle import CommandRun, Sandbox, Session
-from sandfleet.daemon.pausing import Pauser
+from sandfleet.daemon.node.core import AGENT_START_TIMEOUT, DEADLINE_GRACE, EventStream, NodeCore, wire_text
+from sandfleet.daemon.node.execs import Execs
+from sandfleet.daemon.node.lifecycle import CommandRun, Sandbox, Session
+from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.node.sandbox_files import Files
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,

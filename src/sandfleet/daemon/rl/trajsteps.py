@@ -1,6 +1,6 @@
 """What a trajectory's step does in its sandbox, and what is recorded of it: an action run through
 the node's execs, files and snapshots; its result, an error included (whose fault it was); the
-reproducibility record of the steps taken. The log and the exactly-once are daemon/trajectories.py's.
+reproducibility record of the steps taken. The log and the exactly-once are daemon/rl/trajectories.py's.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import time
 from typing import Any
 
 from sandfleet import __version__
-from sandfleet.daemon.core import wire_text
-from sandfleet.daemon.execs import Execs
-from sandfleet.daemon.files import Files
-from sandfleet.daemon.lifecycle import SandboxTable
-from sandfleet.daemon.snapshots import Snapshots
-from sandfleet.daemon.steplog import Trajectory
+from sandfleet.daemon.node.core import wire_text
+from sandfleet.daemon.node.execs import Execs
+from sandfleet.daemon.node.lifecycle import SandboxTable
+from sandfleet.daemon.node.sandbox_files import Files
+from sandfleet.daemon.node.snapshots import Snapshots
+from sandfleet.daemon.rl.steplog import Trajectory
 from sandfleet.errors import Cause, SandboxError, SandboxNotFoundError, WrongStateError
 from sandfleet.models import (
     ErrorBody,

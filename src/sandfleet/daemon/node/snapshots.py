@@ -24,14 +24,14 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from sandfleet.backends.base import LiveSandbox, Packable, Snapshottable, offers, unsupported
-from sandfleet.daemon.core import NodeCore, lenient_spec, log
-from sandfleet.daemon.creation import Creation
-from sandfleet.daemon.execs import Execs
-from sandfleet.daemon.images import Images, image_info
-from sandfleet.daemon.lifecycle import PAUSED, RUNNING, BackgroundProcess, Sandbox, Session
-from sandfleet.daemon.pausing import Pauser
-from sandfleet.daemon.sessions import Sessions
-from sandfleet.daemon.state import StateDiskFullError
+from sandfleet.daemon.node.core import NodeCore, lenient_spec, log
+from sandfleet.daemon.node.creation import Creation
+from sandfleet.daemon.node.execs import Execs
+from sandfleet.daemon.node.image_service import Images, image_info
+from sandfleet.daemon.node.lifecycle import PAUSED, RUNNING, BackgroundProcess, Sandbox, Session
+from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.node.sessions import Sessions
+from sandfleet.daemon.node.state import StateDiskFullError
 from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,

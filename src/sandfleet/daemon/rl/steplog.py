@@ -4,7 +4,7 @@ or not there at all; reading that tells a torn tail from damage.
 A record is its JSON, a tab, the CRC-32 of the JSON (8 hex digits) and a newline. Lines of logs
 written before checksums (JSON alone) still read; a changed byte in one of them may go unnoticed.
 
-What reading finds, and what the caller (daemon/trajectories.py) makes of it:
+What reading finds, and what the caller (daemon/rl/trajectories.py) makes of it:
 
 - a torn tail: bytes after the last newline, the one write a dying process or a full disk left
   unfinished. Cut on disk before anything is appended, so no record is ever glued onto a fragment;

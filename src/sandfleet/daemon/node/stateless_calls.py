@@ -28,11 +28,11 @@ from typing import Any
 from sandfleet.backends.config import FncallBackendConfig
 from sandfleet.backends.fncall import zygote
 from sandfleet.backends.fncall.zygote import HEADER, MAGIC
-from sandfleet.daemon.core import EventStream, NodeCore, wire_text
-from sandfleet.daemon.creation import Creation
 from sandfleet.daemon.errormap import to_wire_error
-from sandfleet.daemon.lifecycle import Sandbox
-from sandfleet.daemon.pausing import Pauser
+from sandfleet.daemon.node.core import EventStream, NodeCore, wire_text
+from sandfleet.daemon.node.creation import Creation
+from sandfleet.daemon.node.lifecycle import Sandbox
+from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import ErrorBody, ExecResult, Resources, RunCodeBatchItem, RunCodeRequest, SandboxSpec
 from sandfleet.runtime.agent_errors import AgentError, ExecStartError

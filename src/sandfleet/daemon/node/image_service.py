@@ -16,8 +16,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from sandfleet.backends.base import LayerCache, offers
-from sandfleet.daemon.core import NodeCore, log
-from sandfleet.daemon.lifecycle import LIVE_STATES
+from sandfleet.daemon.node.core import NodeCore, log
+from sandfleet.daemon.node.lifecycle import LIVE_STATES
 from sandfleet.errors import DataLossError, ImageNotFoundError, InternalError, InvalidArgumentError
 from sandfleet.images import (
     ImageBuildError,
@@ -26,9 +26,9 @@ from sandfleet.images import (
     InvalidRefError,
     LayerCorruptError,
     LayerRef,
+    oci_import,
 )
 from sandfleet.images import ImageNotFoundError as StoreImageNotFound
-from sandfleet.images import oci_import as oci
 from sandfleet.images.recipe_build import prune_build_cache
 from sandfleet.models import ImageInfo, SandboxSpec
 
@@ -170,10 +170,10 @@ class Images:
             raise InvalidArgumentError(f"import source {path!r} must be an absolute path that exists on the node")
         try:
             # `within` is checked on the opened file, so a path swapped after any check cannot escape.
-            return image_info(await oci.import_image(self.core.store, source, ref, within=self.import_dirs))
+            return image_info(await oci_import.import_image(self.core.store, source, ref, within=self.import_dirs))
         except InvalidRefError as exc:
             raise InvalidArgumentError(f"invalid image reference: {exc}") from exc
-        except oci.OciImportError as exc:
+        except oci_import.OciImportError as exc:
             raise InvalidArgumentError(f"cannot import {path}: {exc}") from exc
         except ImageError as exc:  # building the EROFS layers failed
             raise InternalError(f"importing {path} failed: {exc}") from exc

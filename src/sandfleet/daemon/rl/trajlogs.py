@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Container
 from pathlib import Path
 
-from sandfleet.daemon.iam import within
-from sandfleet.daemon.steplog import Key, Scan, scan
+from sandfleet.daemon.rl.steplog import Key, Scan, scan
+from sandfleet.daemon.security.iam import within
 from sandfleet.errors import InvalidArgumentError
 from sandfleet.models import TRAJECTORY_ID
 

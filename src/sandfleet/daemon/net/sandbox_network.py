@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandfleet.backends.base import HostFiles, LiveSandbox, Networked, offers
-from sandfleet.daemon.core import NodeCore
-from sandfleet.daemon.egress import ConnectionSlots, EgressProxy, accept_loop, proxy_env
-from sandfleet.daemon.lifecycle import HOLDING_STATES, Sandbox
-from sandfleet.daemon.monitor import Monitor
-from sandfleet.daemon.network import NetworkConfig, Policy, compile_policy, read_ca_bundle
-from sandfleet.daemon.pausing import Pauser
+from sandfleet.daemon.net.egress import ConnectionSlots, EgressProxy, accept_loop, proxy_env
+from sandfleet.daemon.net.policy import NetworkConfig, Policy, compile_policy, read_ca_bundle
+from sandfleet.daemon.node.core import NodeCore
+from sandfleet.daemon.node.lifecycle import HOLDING_STATES, Sandbox
+from sandfleet.daemon.node.monitor import Monitor
+from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -44,8 +44,7 @@ from sandfleet.errors import (
     WrongStateError,
 )
 from sandfleet.models import ExposedPort, NetworkPolicy, SandboxInfo, SandboxSpec
-from sandfleet.runtime import netns, splice
-from sandfleet.runtime import openat2 as files
+from sandfleet.runtime import netns, openat2, splice
 from sandfleet.runtime.sandboxfs.fs import SandboxFS
 from sandfleet.runtime.sandboxfs.results import FileOpError
 
@@ -144,8 +143,8 @@ class Networking:
             root = host.open_root(live)
             try:
                 # /dev is a mount of its own, which SandboxFS does not cross: root it there.
-                how = files.RESOLVE_IN_ROOT | files.RESOLVE_NO_SYMLINKS | files.RESOLVE_NO_MAGICLINKS
-                dev = files.openat2(root, "dev", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, how)
+                how = openat2.RESOLVE_IN_ROOT | openat2.RESOLVE_NO_SYMLINKS | openat2.RESOLVE_NO_MAGICLINKS
+                dev = openat2.openat2(root, "dev", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, how)
             finally:
                 os.close(root)
             try:

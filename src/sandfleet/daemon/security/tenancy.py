@@ -41,7 +41,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sandfleet.daemon.iam import CURRENT, Iam, Principal, Usage, UsageMap, current
+from sandfleet.daemon.security.iam import CURRENT, Iam, Principal, Usage, UsageMap, current
 from sandfleet.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandfleet.backends.base import LiveSandbox
-from sandfleet.backends.base import TierBackend as Backend
-from sandfleet.daemon.admission import Admission
+from sandfleet.backends.base import LiveSandbox, TierBackend
+from sandfleet.daemon.node.admission import Admission
 from sandfleet.errors import ResourceExhaustedError, SandboxError
 from sandfleet.images import ImageManifest
 from sandfleet.models import Resources, SandboxSpec
@@ -85,7 +84,7 @@ class WarmPools:
     def __init__(
         self,
         *,
-        backend: Backend,
+        backend: TierBackend,
         admission: Admission,
         resolve_environment: Callable[[SandboxSpec], Awaitable[ImageManifest]],
         new_id: Callable[[], str],

@@ -8,11 +8,11 @@ import asyncio
 import contextlib
 import time
 
-from sandfleet.daemon.core import ACTIVITY_FLUSH, NodeCore, is_busy, log
-from sandfleet.daemon.images import Images
-from sandfleet.daemon.lifecycle import FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
-from sandfleet.daemon.pausing import Pauser
-from sandfleet.daemon.snapshots import Snapshots
+from sandfleet.daemon.node.core import ACTIVITY_FLUSH, NodeCore, is_busy, log
+from sandfleet.daemon.node.image_service import Images
+from sandfleet.daemon.node.lifecycle import FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
+from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.node.snapshots import Snapshots
 from sandfleet.errors import WrongStateError
 from sandfleet.runtime import proc as procmod
 

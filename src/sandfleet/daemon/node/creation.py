@@ -21,13 +21,13 @@ from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.daemon import failpoints
-from sandfleet.daemon.core import KeyName, NodeCore, log, store_row
-from sandfleet.daemon.files import Files
-from sandfleet.daemon.images import Images
-from sandfleet.daemon.lifecycle import CREATING, FAILED, RUNNING, Sandbox, new_sandbox_id
-from sandfleet.daemon.networking import Networking
-from sandfleet.daemon.pool import pool_key
-from sandfleet.daemon.state import StateConflictError, StateDiskFullError
+from sandfleet.daemon.net.sandbox_network import Networking
+from sandfleet.daemon.node.core import KeyName, NodeCore, log, store_row
+from sandfleet.daemon.node.image_service import Images
+from sandfleet.daemon.node.lifecycle import CREATING, FAILED, RUNNING, Sandbox, new_sandbox_id
+from sandfleet.daemon.node.pool import pool_key
+from sandfleet.daemon.node.sandbox_files import Files
+from sandfleet.daemon.node.state import StateConflictError, StateDiskFullError
 from sandfleet.errors import InternalError, InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import SandboxInfo, SandboxSpec, shown
 

@@ -1,0 +1,1 @@
+"""The node's sandbox concerns: the table of sandboxes and everything done to them."""

@@ -1,0 +1,1 @@
+"""Who may do what: projects, tokens and quotas (iam, tenancy), the audit stream, detectors."""
