@@ -8,6 +8,6 @@ They are never the proof that a feature works on a real tier (tests/conformance/
 
 from sandfleet.testing.fake_agent import FakeAgent
 from sandfleet.testing.fake_backend import FakeBackend
-from sandfleet.testing.node import InProcessNode
+from sandfleet.testing.inprocess import InProcessNode
 
 __all__ = ["FakeAgent", "FakeBackend", "InProcessNode"]
