@@ -3,7 +3,7 @@
     python scripts/gen_openapi.py           # regenerate docs/openapi.json
     python scripts/gen_openapi.py --check   # exit 1 if the checked-in copy is stale
 
-Building the schema never calls the manager, so a stand-in with `.metrics` and `.backend.name` is enough.
+Building the schema calls nothing of the node: empty stand-ins for it and for its tenancy (no projects) do.
 """
 
 from __future__ import annotations

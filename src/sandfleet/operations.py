@@ -3,10 +3,11 @@
 An `Operation` says what a call is: its name, method(s) and path, what it names and so how it is
 scoped (`scope`), what the caller must be allowed (`access`), its answer's model and status, and how a
 cluster gateway serves it. The rest is read from this table:
-- the node's routes (daemon/api/): each handler is registered by `declared(router, name)`, which takes
-  the method, path, answer and status from here, and adds the project scoping as a route dependency
-  (daemon/api/scoping.py) made from `scope` and `access`; a declared operation without a handler, or a
-  handler registered twice, stops the app from being made;
+- the node's routes (daemon/api/): each handler is registered by `Api.route(router, name)`, which
+  takes the method, path, answer and status from here and, with `[iam]` projects configured, adds the
+  project scoping as a route dependency (`Tenancy.admit`, daemon/security/tenancy.py) made from
+  `scope` and `access`; a declared operation without a handler, or a handler registered twice, stops
+  the app from being made;
 - the OpenAPI document (FastAPI derives it from those routes; docs/openapi.json is checked against it);
 - the cluster gateway's routes (cluster/gateway.py): one per operation, to the gateway handler
   `gateway` names, or by default the one of its scope (a call on a sandbox goes to the node holding it).

@@ -1,4 +1,4 @@
-"""The TierBackend protocol: *where* a sandbox lives (container, later microvm, vm, fncall).
+"""The TierBackend protocol: *where* a sandbox lives (container, fncall, microvm, vm).
 
 What you *do* in a sandbox (exec, files, sessions) is backend-independent and lives in the daemon's
 service layer; it needs one thing every backend hands back in a `LiveSandbox`: a channel to the

@@ -2,7 +2,7 @@
 
 The principal is the one the API's authentication made current (`iam.CURRENT`). Two parts:
 - every operation's scope and access, declared in sandfleet/operations.py, are checked by a route
-  dependency (daemon/api/scoping.py) before its handler runs: a call naming a sandbox or snapshot of
+  dependency (`Tenancy.admit`, added by daemon/api/common.py's `Api.route`) before its handler runs: a call naming a sandbox or snapshot of
   a project the principal does not see answers `not_found`, word for word as for one that does not
   exist (ids of other projects do not leak); one that acts needs a principal that may act; node-wide
   data (audit, metrics, load) needs a root principal, and node-wide changes (the image store: delete,
@@ -72,7 +72,7 @@ _CHANGEABLE = ("creating", "running", "paused")  # lifetimes
 
 
 class Directory(Protocol):
-    """What the scoped service looks up about the node's sandboxes, snapshots and trajectories."""
+    """What tenancy looks up about the node's sandboxes, snapshots and trajectories."""
 
     def sandbox_spec(self, sandbox_id: str) -> SandboxSpec | None:
         """The spec of a sandbox the node lists (None: it lists none with this id)."""
