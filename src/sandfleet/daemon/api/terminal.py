@@ -93,7 +93,7 @@ def router(
         try:
             check_origin(ws)
             if auth is not None:
-                caller = auth(credentials(ws))  # also makes the caller current for a scoped service
+                caller = auth(credentials(ws))  # also makes the caller current (tenancy reads it)
                 ws.scope["sandfleet.caller"] = caller
                 if not caller.can_write:
                     raise PermissionDeniedError(f"token {caller.name} is read-only")

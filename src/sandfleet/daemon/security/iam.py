@@ -248,8 +248,8 @@ class Principal:
 ROOT = Principal("unix", None, "admin", named=False)  # root's unix socket: full control, as always
 LEGACY = Principal("token", None, "admin", named=False)  # the daemon's single `token`
 
-# The principal of the request being served: set by the API's authentication, read by the scoped
-# service (daemon/scoped.py). None outside a request: the scoped service then refuses.
+# The principal of the request being served: set by the API's authentication, read by tenancy
+# (daemon/security/tenancy.py). None outside a request: tenancy then refuses.
 CURRENT: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("sandfleet_principal", default=None)
 
 
