@@ -57,6 +57,22 @@ def _lane(item: pytest.Item) -> str:
     return "node"
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fuzz lane's module is not even collected when no fuzz test can run: schemathesis builds
+    its tests (a hypothesis strategy per operation) as it collects them, seconds of every run."""
+    if collection_path.name != "test_fuzz_api.py" or config.getoption("every_lane"):
+        return None
+    if config.option.markexpr:
+        try:
+            from _pytest.mark.expression import Expression
+
+            selects_fuzz = Expression.compile(config.option.markexpr).evaluate(lambda name, **kw: name == "fuzz")
+        except Exception:  # noqa: BLE001 (pytest's own parser: it reports a bad expression itself)
+            return None
+        return None if selects_fuzz else True
+    return True if not config.option.file_or_dir else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     away = []
     for item in items:
