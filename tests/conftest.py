@@ -29,11 +29,12 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 # -- lanes ------------------------------------------------------------------------------------------
 # Every test is in one lane (a marker): `unit` (no root, seconds; marked in its module), `vm` (boots
-# QEMU guests; marked), `browser` (a real Chromium), `cluster` (a real Ray cluster), `fuzz`
+# QEMU guests; marked), `slow` (soak, load, stress and crash-restart tests of 15 s and more, image
+# builds from scratch; marked), `browser` (a real Chromium), `cluster` (a real Ray cluster), `fuzz`
 # (schemathesis), `node` (real sandboxes, as root: the rest). A plain `pytest` runs unit and node, the
 # lanes a change is tried on; `--every-lane` (the README's, and CI's, command), any `-m`, or tests named
 # on the command line run the rest.
-AWAY_LANES = ("vm", "browser", "cluster", "fuzz")
+AWAY_LANES = ("vm", "slow", "browser", "cluster", "fuzz")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,6 +48,8 @@ def _lane(item: pytest.Item) -> str:
         return "unit"
     if item.get_closest_marker("vm"):
         return "vm"
+    if item.get_closest_marker("slow"):
+        return "slow"
     names = set(getattr(item, "fixturenames", ()))
     if "browser" in names:
         return "browser"
@@ -77,7 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     away = []
     for item in items:
         lane = _lane(item)
-        if lane not in ("unit", "vm"):
+        if lane not in ("unit", "vm", "slow"):
             item.add_marker(lane)
         if lane in AWAY_LANES:
             away.append(item)

@@ -101,6 +101,7 @@ def test_child_stopped_before_exec_does_not_wedge_the_agent(python_sb: Sandbox) 
     assert python_sb.exec(["echo", "alive"], timeout=10).stdout == "alive\n"
 
 
+@pytest.mark.slow
 def test_unresponsive_agent_is_reported_and_ttls_still_apply(daemon: Daemon, fleet: Client) -> None:
     """An agent that stops answering (its whole sandbox frozen from the host): the exec gets a
     typed error by the daemon's own deadline, an event says so, and the idle TTL still stops it."""
@@ -240,6 +241,7 @@ def test_huge_passwd_costs_the_daemon_nothing(daemon: Daemon, fleet: Client) -> 
         assert _rss_hwm(daemon.pid) - base < 30
 
 
+@pytest.mark.slow
 def test_deep_trees_cost_bounded_memory_and_fds(daemon: Daemon, fleet: Client, tmp_path: Path) -> None:
     with fleet.create(image="python:3.11", idle_ttl=300, resources={"disk": "512MiB"}) as sb:
         sb.exec("python3 -c \"import os\nos.chdir('/tmp')\nfor i in range(15000):\n os.mkdir('d')\n os.chdir('d')\"",
@@ -358,6 +360,7 @@ def test_files_api_cannot_remove_the_sandboxs_mount_points(sandbox: Sandbox) -> 
 # -- state that survives faults -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ttls_hold_across_a_daemon_crash(own_daemon: Daemon) -> None:
     own_daemon.start()
     with own_daemon.client() as c:
@@ -392,6 +395,7 @@ def _exists(c: Client, sandbox_id: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_corrupt_state_database_is_set_aside_and_sandboxes_taken_back(own_daemon: Daemon) -> None:
     own_daemon.start()
     with own_daemon.client() as c:
@@ -412,6 +416,7 @@ def test_corrupt_state_database_is_set_aside_and_sandboxes_taken_back(own_daemon
     assert "state database" in own_daemon.log()
 
 
+@pytest.mark.slow
 def test_stop_on_a_full_state_disk_stops_or_says_it_did_not(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
@@ -461,6 +466,7 @@ def test_idempotency_key_returns_the_same_sandbox(daemon: Daemon, fleet: Client)
         fleet.get(a.json()["id"]).stop()
 
 
+@pytest.mark.slow
 def test_create_answered_by_nobody_is_claimed_by_its_retry_or_reaped() -> None:
     """The daemon dies between a create's commit and its answer (a failpoint): a retry with the
     same idempotency key gets that very sandbox; one created without a key is reaped at restart."""
@@ -498,6 +504,7 @@ IMAGES_DIR = Path(os.environ.get("SANDFLEET_TEST_IMAGES", "/var/lib/sandfleet/im
 # -- clients never hang ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_client_calls_end_by_their_deadline_against_a_stopped_daemon(own_daemon: Daemon) -> None:
     own_daemon.start()
     with own_daemon.client(timeout=3) as c:
