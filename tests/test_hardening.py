@@ -395,7 +395,6 @@ def _exists(c: Client, sandbox_id: str) -> bool:
     return True
 
 
-@pytest.mark.slow
 def test_corrupt_state_database_is_set_aside_and_sandboxes_taken_back(own_daemon: Daemon) -> None:
     own_daemon.start()
     with own_daemon.client() as c:
@@ -416,7 +415,6 @@ def test_corrupt_state_database_is_set_aside_and_sandboxes_taken_back(own_daemon
     assert "state database" in own_daemon.log()
 
 
-@pytest.mark.slow
 def test_stop_on_a_full_state_disk_stops_or_says_it_did_not(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
@@ -466,7 +464,6 @@ def test_idempotency_key_returns_the_same_sandbox(daemon: Daemon, fleet: Client)
         fleet.get(a.json()["id"]).stop()
 
 
-@pytest.mark.slow
 def test_create_answered_by_nobody_is_claimed_by_its_retry_or_reaped() -> None:
     """The daemon dies between a create's commit and its answer (a failpoint): a retry with the
     same idempotency key gets that very sandbox; one created without a key is reaped at restart."""
