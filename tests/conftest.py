@@ -150,7 +150,10 @@ def agent_pid(d: Daemon, sandbox_id: str) -> int:
     hierarchy = CGROUP_ROOT / "pids" if (CGROUP_ROOT / "pids").is_dir() else CGROUP_ROOT
     members = {int(p) for p in (hierarchy / d.cgroup_parent / sandbox_id / "cgroup.procs").read_text().split()}
     for pid in members:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # exited since the cgroup was read (ESRCH): not the agent
+            continue
         ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
         if ppid not in members and stat[stat.find("(") + 1 : stat.rfind(")")] == "sandfleet-agent":
             return pid
