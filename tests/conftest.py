@@ -29,11 +29,12 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 # -- lanes ------------------------------------------------------------------------------------------
 # Every test is in one lane (a marker): `unit` (no root, seconds; marked in its module), `vm` (boots
-# QEMU guests; marked), `browser` (a real Chromium), `cluster` (a real Ray cluster), `fuzz`
+# QEMU guests; marked), `slow` (soak, load, stress and crash-restart tests of 13 s and more on an idle node, image
+# builds from scratch; marked), `browser` (a real Chromium), `cluster` (a real Ray cluster), `fuzz`
 # (schemathesis), `node` (real sandboxes, as root: the rest). A plain `pytest` runs unit and node, the
 # lanes a change is tried on; `--every-lane` (the README's, and CI's, command), any `-m`, or tests named
 # on the command line run the rest.
-AWAY_LANES = ("vm", "browser", "cluster", "fuzz")
+AWAY_LANES = ("vm", "slow", "browser", "cluster", "fuzz")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,6 +48,8 @@ def _lane(item: pytest.Item) -> str:
         return "unit"
     if item.get_closest_marker("vm"):
         return "vm"
+    if item.get_closest_marker("slow"):
+        return "slow"
     names = set(getattr(item, "fixturenames", ()))
     if "browser" in names:
         return "browser"
@@ -57,11 +60,27 @@ def _lane(item: pytest.Item) -> str:
     return "node"
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fuzz lane's module is not even collected when no fuzz test can run: schemathesis builds
+    its tests (a hypothesis strategy per operation) as it collects them, seconds of every run."""
+    if collection_path.name != "test_fuzz_api.py" or config.getoption("every_lane"):
+        return None
+    if config.option.markexpr:
+        try:
+            from _pytest.mark.expression import Expression
+
+            selects_fuzz = Expression.compile(config.option.markexpr).evaluate(lambda name, **kw: name == "fuzz")
+        except Exception:  # noqa: BLE001 (pytest's own parser: it reports a bad expression itself)
+            return None
+        return None if selects_fuzz else True
+    return True if not config.option.file_or_dir else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     away = []
     for item in items:
         lane = _lane(item)
-        if lane not in ("unit", "vm"):
+        if lane not in ("unit", "vm", "slow"):
             item.add_marker(lane)
         if lane in AWAY_LANES:
             away.append(item)
@@ -131,7 +150,10 @@ def agent_pid(d: Daemon, sandbox_id: str) -> int:
     hierarchy = CGROUP_ROOT / "pids" if (CGROUP_ROOT / "pids").is_dir() else CGROUP_ROOT
     members = {int(p) for p in (hierarchy / d.cgroup_parent / sandbox_id / "cgroup.procs").read_text().split()}
     for pid in members:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # exited since the cgroup was read (ESRCH): not the agent
+            continue
         ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
         if ppid not in members and stat[stat.find("(") + 1 : stat.rfind(")")] == "sandfleet-agent":
             return pid

@@ -5,41 +5,41 @@ a real daemon: commands run in real sandboxes, and every session's sandbox goes 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
-pytest.importorskip("openenv")
+if importlib.util.find_spec("openenv") is None:  # found, not imported: openenv.core takes seconds to import
+    pytest.skip("openenv is not installed", allow_module_level=True)
 uvicorn = pytest.importorskip("uvicorn")
 
-from openenv.cli._validation import validate_running_environment  # noqa: E402
-from openenv.core import GenericEnvClient  # noqa: E402
-
 from sandfleet import Client, SandboxSpec  # noqa: E402
-from sandfleet.adapters.openenv import (  # noqa: E402
-    CommandAction,
-    SandboxState,
-    SandfleetEnvClient,
-    ShellTask,
-    create_sandfleet_app,
-)
 
 from conftest import Daemon, wait_until  # noqa: E402
 
+if TYPE_CHECKING:
+    from sandfleet.adapters.openenv import ShellTask
+
 JOB = {"job": "openenv-test"}
-COUNTER = ShellTask(
-    spec=SandboxSpec(image="busybox", labels=JOB),
-    setup=["mkdir -p /task", "echo 0 > /task/count"],
-    instructions="bump /task/count to 3",
-    check='[ "$(cat /task/count)" = 3 ]',
-    max_steps=10,
-)
 BUMP = "echo $(( $(cat /task/count) + 1 )) > /task/count; cat /task/count"
+
+
+def counter() -> ShellTask:
+    from sandfleet.adapters.openenv import ShellTask
+
+    return ShellTask(
+        spec=SandboxSpec(image="busybox", labels=JOB),
+        setup=["mkdir -p /task", "echo 0 > /task/count"],
+        instructions="bump /task/count to 3",
+        check='[ "$(cat /task/count)" = 3 ]',
+        max_steps=10,
+    )
 
 
 @contextmanager
@@ -72,7 +72,9 @@ def no_leaks(fleet: Client) -> Iterator[None]:
 
 
 def test_typed_client_episode(daemon: Daemon, fleet: Client, no_leaks: None) -> None:
-    app = create_sandfleet_app(COUNTER, daemon.socket)
+    from sandfleet.adapters.openenv import CommandAction, SandboxState, SandfleetEnvClient, create_sandfleet_app
+
+    app = create_sandfleet_app(counter(), daemon.socket)
     with serving(app) as url, SandfleetEnvClient(base_url=url).sync() as env:
         result = env.reset(seed=3)
         assert (result.observation.output, result.done, result.reward) == ("bump /task/count to 3", False, None)
@@ -108,6 +110,10 @@ def test_typed_client_episode(daemon: Daemon, fleet: Client, no_leaks: None) -> 
 
 def test_generic_client_submit_and_truncation(daemon: Daemon, fleet: Client, no_leaks: None) -> None:
     """OpenEnv's schema-less client: plain dicts on the wire."""
+    from openenv.core import GenericEnvClient
+
+    from sandfleet.adapters.openenv import ShellTask, create_sandfleet_app
+
     scored: list[str] = []
 
     def reward_fn(sandbox: Any) -> float:
@@ -139,7 +145,9 @@ def test_generic_client_submit_and_truncation(daemon: Daemon, fleet: Client, no_
 
 
 def test_concurrent_sessions_are_isolated(daemon: Daemon, fleet: Client, no_leaks: None) -> None:
-    app = create_sandfleet_app(COUNTER, daemon.socket, max_concurrent_envs=2)
+    from sandfleet.adapters.openenv import CommandAction, SandfleetEnvClient, create_sandfleet_app
+
+    app = create_sandfleet_app(counter(), daemon.socket, max_concurrent_envs=2)
     with serving(app) as url:
         a, b = SandfleetEnvClient(base_url=url).sync(), SandfleetEnvClient(base_url=url).sync()
         with a, b:
@@ -158,6 +166,8 @@ def test_concurrent_sessions_are_isolated(daemon: Daemon, fleet: Client, no_leak
 
 
 def test_snapshot_task_and_step_timeout(daemon: Daemon, fleet: Client, no_leaks: None) -> None:
+    from sandfleet.adapters.openenv import CommandAction, SandfleetEnvClient, ShellTask, create_sandfleet_app
+
     with fleet.create(image="busybox", labels=JOB) as prep:
         prep.exec("mkdir -p /task && echo prepared > /task/state")
         snapshot_id = prep.snapshot().id
@@ -177,7 +187,11 @@ def test_snapshot_task_and_step_timeout(daemon: Daemon, fleet: Client, no_leaks:
 def test_http_endpoints_and_validator(daemon: Daemon, fleet: Client, no_leaks: None) -> None:
     """OpenEnv's runtime validator passes; its stateless HTTP routes work and leave nothing behind:
     /reset answers an episode's first observation, /step runs its action as an episode of one step."""
-    with serving(create_sandfleet_app(COUNTER, daemon.socket)) as url:
+    from openenv.cli._validation import validate_running_environment
+
+    from sandfleet.adapters.openenv import create_sandfleet_app
+
+    with serving(create_sandfleet_app(counter(), daemon.socket)) as url:
         report = validate_running_environment(url, timeout_s=30)
         assert report["passed"], report
         with httpx.Client(base_url=url, timeout=60) as http:
@@ -201,6 +215,8 @@ def test_http_endpoints_and_validator(daemon: Daemon, fleet: Client, no_leaks: N
 
 
 def test_setup_failure_reported_and_cleaned(daemon: Daemon, fleet: Client, no_leaks: None) -> None:
+    from sandfleet.adapters.openenv import CommandAction, SandfleetEnvClient, ShellTask, create_sandfleet_app
+
     task = ShellTask(spec=SandboxSpec(image="busybox", labels=JOB), setup=["echo nope; exit 2"])
     with serving(create_sandfleet_app(task, daemon.socket)) as url, SandfleetEnvClient(base_url=url).sync() as env:
         with pytest.raises(RuntimeError, match="exited 2"):

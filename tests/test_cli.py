@@ -74,7 +74,7 @@ def test_images_and_doctor(daemon: Daemon) -> None:
     assert r.returncode == 0
 
 
-@pytest.mark.parametrize("image", ["busybox", pytest.param("python:3.11", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("image", ["busybox", "python:3.11"])
 def test_demo_rollout(daemon: Daemon, image: str) -> None:
     r = sf(
         daemon,

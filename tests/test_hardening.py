@@ -101,6 +101,7 @@ def test_child_stopped_before_exec_does_not_wedge_the_agent(python_sb: Sandbox) 
     assert python_sb.exec(["echo", "alive"], timeout=10).stdout == "alive\n"
 
 
+@pytest.mark.slow
 def test_unresponsive_agent_is_reported_and_ttls_still_apply(daemon: Daemon, fleet: Client) -> None:
     """An agent that stops answering (its whole sandbox frozen from the host): the exec gets a
     typed error by the daemon's own deadline, an event says so, and the idle TTL still stops it."""
@@ -240,6 +241,7 @@ def test_huge_passwd_costs_the_daemon_nothing(daemon: Daemon, fleet: Client) -> 
         assert _rss_hwm(daemon.pid) - base < 30
 
 
+@pytest.mark.slow
 def test_deep_trees_cost_bounded_memory_and_fds(daemon: Daemon, fleet: Client, tmp_path: Path) -> None:
     with fleet.create(image="python:3.11", idle_ttl=300, resources={"disk": "512MiB"}) as sb:
         sb.exec("python3 -c \"import os\nos.chdir('/tmp')\nfor i in range(15000):\n os.mkdir('d')\n os.chdir('d')\"",
@@ -358,6 +360,7 @@ def test_files_api_cannot_remove_the_sandboxs_mount_points(sandbox: Sandbox) -> 
 # -- state that survives faults -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ttls_hold_across_a_daemon_crash(own_daemon: Daemon) -> None:
     own_daemon.start()
     with own_daemon.client() as c:
@@ -498,6 +501,7 @@ IMAGES_DIR = Path(os.environ.get("SANDFLEET_TEST_IMAGES", "/var/lib/sandfleet/im
 # -- clients never hang ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_client_calls_end_by_their_deadline_against_a_stopped_daemon(own_daemon: Daemon) -> None:
     own_daemon.start()
     with own_daemon.client(timeout=3) as c:

@@ -298,6 +298,7 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_on_demand_layer_reads_only_what_the_sandbox_touches(shared_daemon: tuple[Daemon, Path]) -> None:
     d, shared = shared_daemon
     with d.client() as fleet:

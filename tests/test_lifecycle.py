@@ -296,7 +296,6 @@ def test_get_malformed_id(fleet: Client, bad_id: str) -> None:
     assert not (isinstance(exc_info.value, InvalidArgumentError) and "method not allowed" in str(exc_info.value))
 
 
-@pytest.mark.slow
 def test_readme_example_python_image(fleet: Client) -> None:
     """The README flow on the Debian-based python:3.11 image (builds debian + python once, then cached)."""
     with fleet.create(image="python:3.11", resources=Resources(cpu=1, memory="1GiB"), timeout=1800) as sb:

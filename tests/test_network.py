@@ -462,6 +462,7 @@ def floodd(upstream: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iter
     destroy_daemon(d)
 
 
+@pytest.mark.slow
 def test_silent_connections_to_the_proxy_are_bounded_audited_and_detected(floodd: Daemon) -> None:
     """2,000 connections that send nothing: the sandbox holds at most `max_connections` of them (the
     rest are answered 503 at accept), the daemon's open files stay bounded, every one is accounted for

@@ -126,6 +126,7 @@ def vim_image(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Itera
         c.delete_image(VIM_IMAGE)
 
 
+@pytest.mark.slow  # its image is built with apt at every run (13 s of setup)
 async def test_full_screen_programs_vim_less_top(afleet: AsyncClient, vim_image: str) -> None:
     async with await afleet.create(image=vim_image) as sb, await sb.terminal("bash", rows=24, cols=80) as t:
         await t.expect(PROMPT)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from sandfleet import Client
 from sandfleet.client import AsyncClient
 from sandfleet.rl_demo import LABEL, run_task
@@ -12,6 +14,7 @@ from sandfleet.rl_demo import LABEL, run_task
 from conftest import Daemon
 
 
+@pytest.mark.slow
 def test_the_real_task_rewards_fixes_and_nothing_else(daemon: Daemon) -> None:
     async def go():  # type: ignore[no-untyped-def]
         async with AsyncClient(daemon.socket, timeout=120) as fleet:

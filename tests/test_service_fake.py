@@ -162,7 +162,11 @@ async def test_nothing_left_behind(tmp_path: Path) -> None:
     async with InProcessNode(tmp_path) as node, node.client() as fleet:
         sb = await fleet.create(image="busybox")
         await sb.start("sleep 30")
-        assert "sleep" in _descendants(os.getpid())  # sh -c "sleep 30": a grandchild
+        for _ in range(100):  # sh -c "sleep 30": a grandchild, once the forked sh has exec'd it
+            if "sleep" in _descendants(os.getpid()):
+                break
+            await asyncio.sleep(0.05)
+        assert "sleep" in _descendants(os.getpid())
     assert not any((tmp_path / "sandboxes").iterdir())
     assert "sleep" not in _descendants(os.getpid())
 

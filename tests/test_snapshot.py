@@ -469,6 +469,7 @@ def _abandon_execs(d: Daemon, sandbox_id: str, stop: threading.Event) -> None:
         time.sleep(rng.uniform(0, 0.2))
 
 
+@pytest.mark.slow
 def test_execs_abandoned_while_a_sandbox_forks_are_killed_and_it_lives(daemon: Daemon, fleet: Client) -> None:
     """A kill of an abandoned exec sent between the agent's REOPEN and the new channel used to be
     written to the old channel, which the agent no longer reads: closing it unread reset it

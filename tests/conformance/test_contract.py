@@ -6,6 +6,11 @@ without a capability a test needs skips it with the reason (`needs`), never sile
 test the node must hold nothing of the sandboxes that test stopped: no directory, mount or cgroup.
 Every tier joins `TIERS` and runs this file.
 
+The `fake` tier (sandfleet.testing's, served on a unix socket like a daemon; no root) runs it in the
+unit lane: what the service, the routes and the SDK promise. Its commands are host processes with no
+root, users or network of their own and no shells: the tests that need those (`isolation`,
+`sessions`) skip there, and so must every test whose commands touch absolute paths.
+
 The contract runs on busybox; the paths that depend on the image's own tools (its shells for
 sessions, its coreutils and tar for a VM's files, its users) run on a Debian image too (`debian`:
 one sandbox of python:3.11 per tier, and `image_sb`: each test on both).
@@ -20,9 +25,11 @@ import io
 import os
 import shutil
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -42,6 +49,7 @@ from sandfleet import (
 from sandfleet.client import Sandbox
 
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until
+from fake_tier import FakeTierNode
 from leakcheck import residue
 
 # name -> (tier in SandboxSpec.backend, config lines of its [container] table, what it needs on the host)
@@ -54,8 +62,14 @@ TIERS = {
     # Guests under TCG here (KVM where the host runs standard guests): a few seconds per create.
     "microvm": ("microvm", "", "qemu-system-x86_64"),
     "vm": ("vm", "", "qemu-system-x86_64"),
+    # sandfleet.testing's fake tier (named "container" on its node): the service without sandboxes
+    "fake": ("container", "", None),
 }
 VM_TIERS = ("microvm", "vm")
+# What every real tier has beyond its API capabilities and the fake tier lacks: `isolation` (its
+# commands run in the sandbox's own root, as its users, with its limits and no host network) and
+# `sessions` (shell sessions and terminals).
+REAL_TIER_PROPERTIES = ["isolation", "sessions"]
 DEBIAN = "python:3.11"  # Debian: bash and dash, coreutils, GNU tar, users (busybox has busybox's)
 
 
@@ -63,7 +77,7 @@ DEBIAN = "python:3.11"  # Debian: bash and dash, coreutils, GNU tar, users (busy
 class Tier:
     name: str
     backend: str
-    daemon: Daemon
+    daemon: Daemon | FakeTierNode
     capabilities: list[str]
 
     def needs(self, capability: str) -> None:
@@ -71,10 +85,21 @@ class Tier:
             pytest.skip(f"the {self.name} tier has no {capability} capability")
 
 
-@pytest.fixture(
-    scope="module", params=[pytest.param(t, marks=[pytest.mark.vm] if t in VM_TIERS else []) for t in sorted(TIERS)]
-)
+def _lane(tier: str) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.vm] if tier in VM_TIERS else [pytest.mark.unit] if tier == "fake" else []
+
+
+@pytest.fixture(scope="module", params=[pytest.param(t, marks=_lane(t)) for t in sorted(TIERS)])
 def tier(request: pytest.FixtureRequest) -> Iterator[Tier]:
+    if request.param == "fake":
+        node = FakeTierNode(Path(tempfile.mkdtemp(prefix="sandfleet-conf-fake-")))
+        node.start()
+        try:
+            with node.client() as c:
+                yield Tier("fake", "container", node, c.tiers()["container"])
+        finally:
+            node.stop()
+        return
     if os.geteuid() != 0:
         pytest.skip("real tiers need root")
     backend, lines, tool = TIERS[request.param]
@@ -93,7 +118,7 @@ def tier(request: pytest.FixtureRequest) -> Iterator[Tier]:
     try:
         with d.client() as c:
             caps = c.tiers()[backend]
-        yield Tier(request.param, backend, d, caps)
+        yield Tier(request.param, backend, d, caps + REAL_TIER_PROPERTIES)
     finally:
         destroy_daemon(d)
 
@@ -104,6 +129,9 @@ def fleet(tier: Tier) -> Iterator[Client]:
         yield c
         # Nothing of a stopped sandbox may stay on the node.
         live = {s.id for s in c.list()}
+        if isinstance(tier.daemon, FakeTierNode):
+            assert tier.daemon.residue() <= live, f"directories left: {tier.daemon.residue() - live}"
+            return
         r = residue(tier.daemon)
         assert set(r.sandbox_dirs) <= live, f"directories left: {set(r.sandbox_dirs) - live}"
         assert {c.split("/", 1)[1] for c in r.cgroups} <= live, f"cgroups left: {r.cgroups}"
@@ -122,6 +150,7 @@ def sb(fleet: Client, tier: Tier) -> Iterator[Sandbox]:
 @pytest.fixture(scope="module")
 def debian(tier: Tier) -> Iterator[Sandbox]:
     """One sandbox of the Debian image per tier (the tests using it leave it as they found it)."""
+    tier.needs("isolation")  # the fake tier's images are empty: its commands would be the host's
     with tier.daemon.client(timeout=120) as c:
         s = c.create(backend=tier.backend, image=DEBIAN, idle_ttl=900, resources=Resources(memory="256MiB"))
         try:
@@ -166,7 +195,8 @@ def test_idle_ttl(fleet: Client, tier: Tier) -> None:
 # -- exec -------------------------------------------------------------------------------------------
 
 
-def test_exec_env_cwd_user_stdin(sb: Sandbox) -> None:
+def test_exec_env_cwd_user_stdin(sb: Sandbox, tier: Tier) -> None:
+    tier.needs("isolation")
     r = sb.exec("echo $A; pwd; id -u", env={"A": "b"}, cwd="/tmp")
     assert r.stdout.split() == ["b", "/tmp", "0"]
     assert sb.exec("id -u", user="nobody").stdout.strip() == "65534"
@@ -210,7 +240,8 @@ def test_background_process(busy: tuple[Sandbox, object]) -> None:
     assert info.result is not None and "tick" in info.result.stdout
 
 
-def test_sessions_keep_state(sb: Sandbox) -> None:
+def test_sessions_keep_state(sb: Sandbox, tier: Tier) -> None:
+    tier.needs("sessions")
     s = sb.session()
     s.run("cd /tmp && export X=42")
     r = s.run("pwd; echo $X")
@@ -251,9 +282,10 @@ def test_session_of_a_dash_only_image(debian: Sandbox) -> None:
         debian.exec("mv /usr/bin/bash.hidden /usr/bin/bash")
 
 
-def test_terminal_session(image_sb: Sandbox) -> None:
+def test_terminal_session(image_sb: Sandbox, tier: Tier) -> None:
     """A session on a pseudo-terminal: each command's output (one stream) and exit code, its stdin
     the terminal; ^C typed into it ends the running command, and the shell lives on."""
+    tier.needs("sessions")
     with image_sb.session(pty=True) as s:
         assert s.info.pty
         r = s.run("test -t 0 && test -t 1 && echo tty; echo err >&2; (exit 3)")
@@ -295,7 +327,8 @@ def test_terminal_session_runs_a_repl(debian: Sandbox) -> None:
 # -- files ------------------------------------------------------------------------------------------
 
 
-def test_files_round_trip(sb: Sandbox) -> None:
+def test_files_round_trip(sb: Sandbox, tier: Tier) -> None:
+    tier.needs("isolation")
     sb.files.write("/tmp/a.txt", "hello")
     assert sb.files.read("/tmp/a.txt") == b"hello"
     assert sb.exec("cat /tmp/a.txt").stdout == "hello"
@@ -306,9 +339,10 @@ def test_files_round_trip(sb: Sandbox) -> None:
         sb.files.read("/no/such/file")
 
 
-def test_files_stay_inside_the_sandbox(sb: Sandbox, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_files_stay_inside_the_sandbox(sb: Sandbox, tier: Tier, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Paths through `..`, a symlink to /, and /proc/1/root all resolve inside the sandbox: a host
     file is never read, and a write never lands on the host."""
+    tier.needs("isolation")
     host = tmp_path_factory.mktemp("host")
     os.chmod(host, 0o755)
     marker = host / "secret"
@@ -326,9 +360,10 @@ def test_files_stay_inside_the_sandbox(sb: Sandbox, tmp_path_factory: pytest.Tem
     assert not (host / "written").exists()
 
 
-def test_special_files_are_refused_at_once(image_sb: Sandbox) -> None:
+def test_special_files_are_refused_at_once(image_sb: Sandbox, tier: Tier) -> None:
     """A FIFO (or device) is never opened by a file call: writing or reading one, a download of a
     directory holding one, and a user lookup with /etc/passwd replaced by one answer at once."""
+    tier.needs("isolation")
     sb = image_sb
     sb.exec("mkfifo /tmp/fifo && mkdir -p /tmp/sp && mkfifo /tmp/sp/p && echo hi > /tmp/sp/f")
     t0 = time.monotonic()
@@ -395,6 +430,7 @@ HOSTILE_UPLOADS: dict[str, Callable[[], bytes]] = {
 def test_hostile_uploads_are_typed_400s(image_sb: Sandbox, tier: Tier) -> None:
     """Every tier checks an upload by the same rules before anything lands: each of these is a
     400 naming the problem (never a 500), and nothing of it is left in the sandbox."""
+    tier.needs("isolation")
     sb = image_sb
     passwd = sb.files.read("/etc/passwd")
     transport = httpx.HTTPTransport(uds=str(tier.daemon.socket))
@@ -446,13 +482,15 @@ def test_typed_errors(fleet: Client, tier: Tier) -> None:
 # -- containment ------------------------------------------------------------------------------------
 
 
-def test_no_network_by_default(sb: Sandbox) -> None:
+def test_no_network_by_default(sb: Sandbox, tier: Tier) -> None:
+    tier.needs("isolation")
     links = sb.exec("cat /proc/net/dev").stdout
     assert [line.split(":")[0].strip() for line in links.splitlines()[2:]] == ["lo"]
     assert sb.exec("wget -q -T 2 -O- http://1.1.1.1/ ", timeout=10).exit_code != 0
 
 
 def test_basic_escape_checks(sb: Sandbox, tier: Tier) -> None:
+    tier.needs("isolation")
     r = sb.exec("cat /proc/self/uid_map; ls /proc | grep -c '^[0-9]'; uname -r")
     fields = r.stdout.split()
     if tier.backend == "vm":
@@ -469,6 +507,7 @@ def test_basic_escape_checks(sb: Sandbox, tier: Tier) -> None:
 
 
 def test_mountinfo_names_no_host_path(sb: Sandbox, tier: Tier, request: pytest.FixtureRequest) -> None:
+    tier.needs("isolation")
     if tier.name == "container-crun":
         # crun mounts the overlay in the daemon's namespace with absolute paths (lowerdir=..., upperdir=...):
         # the sandbox learns where the node keeps its files. An information leak, not an escape; the
@@ -478,6 +517,7 @@ def test_mountinfo_names_no_host_path(sb: Sandbox, tier: Tier, request: pytest.F
 
 
 def test_tier_options(fleet: Client, tier: Tier) -> None:
+    tier.needs("isolation")
     if tier.backend != "container":
         pytest.skip(f"ContainerOptions are the container tier's; the {tier.name} tier has its own")
     s = fleet.create(backend=tier.backend, image="busybox", options=ContainerOptions(nofile=300))
