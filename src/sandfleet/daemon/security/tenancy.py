@@ -2,11 +2,12 @@
 
 The principal is the one the API's authentication made current (`iam.CURRENT`). Two parts:
 - every operation's scope and access, declared in sandfleet/operations.py, are checked by a route
-  dependency (`Tenancy.admit`, added by daemon/api/common.py's `Api.route`) before its handler runs: a call naming a sandbox or snapshot of
-  a project the principal does not see answers `not_found`, word for word as for one that does not
-  exist (ids of other projects do not leak); one that acts needs a principal that may act; node-wide
-  data (audit, metrics, load) needs a root principal, and node-wide changes (the image store: delete,
-  gc, push, import, recipe builds, pack; drain, fence) an admin of the root;
+  dependency (`Tenancy.admit`, added by `Api.route` in daemon/api/common.py) before its handler
+  runs: a call naming a sandbox or snapshot of a project the principal does not see answers
+  `not_found`, word for word as for one that does not exist (ids of other projects do not leak); one
+  that acts needs a principal that may act; node-wide data (audit, metrics, load) needs a root
+  principal, and node-wide changes (the image store: delete, gc, push, import, recipe builds, pack;
+  drain, fence) an admin of the root;
 - `Tenancy` (here) serves the calls whose arguments or answers depend on the project:
   - creates (and batches, forks, restores, trajectories with a new sandbox) go into the principal's
     project by default, or into one of its subtree; elsewhere is `permission_denied`, as is a
