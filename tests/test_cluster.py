@@ -490,7 +490,6 @@ FILE_PARAMS = {"path": "/tmp/secret"}
 GATEWAY_ONLY = [
     ("GET", "/v1/cluster/nodes"),
     ("POST", "/v1/cluster/nodes/{key}/drain"),
-    ("GET", "/v1/snapshots/{snapshot_id}/{path}"),  # passed on as it comes: a snapshot route added later
 ]
 
 
