@@ -105,7 +105,8 @@ def test_child_stopped_before_exec_does_not_wedge_the_agent(python_sb: Sandbox) 
 def test_unresponsive_agent_is_reported_and_ttls_still_apply(daemon: Daemon, fleet: Client) -> None:
     """An agent that stops answering (its whole sandbox frozen from the host): the exec gets a
     typed error by the daemon's own deadline, an event says so, and the idle TTL still stops it."""
-    sb = fleet.create(image="busybox", idle_ttl=4)
+    # An idle TTL longer than the exec's deadline: the events are read before it stops the sandbox.
+    sb = fleet.create(image="busybox", idle_ttl=12)
     state = _freezer(daemon, sb.id)
     failures: list[BaseException] = []
 
@@ -127,7 +128,7 @@ def test_unresponsive_agent_is_reported_and_ttls_still_apply(daemon: Daemon, fle
         assert time.monotonic() - t0 < 30
         assert any(e.kind == "agent_unresponsive" for e in sb.events())
         # the idle TTL applies although the agent never answered: stopped (thawed to die)
-        assert wait_until(lambda: _stopped(fleet, sb.id), timeout=20)
+        assert wait_until(lambda: _stopped(fleet, sb.id), timeout=30)
     finally:
         if state.exists():
             state.write_text("THAWED")
