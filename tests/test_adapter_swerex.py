@@ -93,6 +93,7 @@ def peer_suite(sdist: Path, into: Path) -> Path:
     return into
 
 
+@pytest.mark.slow
 def test_swerex_own_runtime_tests(daemon: object, fleet: Client, tmp_path: Path) -> None:
     root = peer_suite(swerex_sdist(), tmp_path / "swe-rex")
     # pytest's temp dirs, bind-mounted into the sandbox: under the daemon's mount allowlist.

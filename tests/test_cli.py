@@ -19,6 +19,7 @@ def sf(daemon: Daemon, *args: str, stdin: str | None = None, timeout: float = 12
     return subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_create_exec_ls_rm(daemon: Daemon) -> None:
     r = sf(daemon, "create", "--image", "busybox", "--memory", "128MiB", "--label", "who=cli", "--env", "GREETING=hi")
     assert r.returncode == 0, r.stderr
@@ -93,6 +94,7 @@ def test_demo_rollout(daemon: Daemon, image: str) -> None:
     assert "3/3 rollouts solved" in r.stdout
 
 
+@pytest.mark.slow
 def test_images_build_recipe_import_and_layers(daemon: Daemon, tmp_path: Path) -> None:
     """`images build recipe.toml` (sent to the daemon; a run step in a build sandbox), `create --layer`,
     `images import`."""

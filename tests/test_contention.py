@@ -52,6 +52,7 @@ def _work(fleet: Client) -> tuple[str, float]:
             n = int(n * 1.0 / max(took, 0.05)) + 1
 
 
+@pytest.mark.slow
 def test_verifications_wait_their_turn_and_the_wait_is_not_their_timeout(fleet: Client) -> None:
     """Six CPU-bound checks ending together on 2 cores, each with a timeout 2.5x what it needs
     alone: run all at once they would take ~3x; queued (by default half the CPU load the node
@@ -90,6 +91,7 @@ def test_a_cpu_budget_cuts_by_cpu_used_not_by_time_waited(fleet: Client) -> None
     assert fleet.list(labels=JOB) == []
 
 
+@pytest.mark.slow
 def test_a_timeout_the_node_caused_is_infra(fleet: Client, hogs: Callable[[], None]) -> None:
     """Under six spinning neighbours a command that wants a CPU gets ~2/7 of one: when its timeout
     fires it was starved (infra, masked); a command that sleeps until its timeout is its own fault."""

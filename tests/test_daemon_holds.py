@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from sandfleet import Client
 
 from conftest import Daemon, wait_until
@@ -19,6 +21,7 @@ def _rss_mib(pid: int) -> float:
     raise LookupError("no VmRSS")
 
 
+@pytest.mark.slow
 def test_finished_background_processes_are_kept_within_bounds(daemon: Daemon, fleet: Client) -> None:
     """Each background process's record and output stayed until the sandbox stopped: a loop of
     starts made the daemon hold them all. Now the finished ones are kept newest first (by when they

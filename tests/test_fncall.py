@@ -234,6 +234,7 @@ def test_a_full_node_makes_room_for_a_new_pool() -> None:
         destroy_daemon(d)
 
 
+@pytest.mark.slow
 def test_a_call_waits_for_a_busy_pool_only_as_long_as_its_timeout() -> None:
     """Every worker of the pool busy: the next call waits for one to be freed, but never past its own
     timeout (it used to wait without bound), then fails as retryable, and the pool serves again."""

@@ -155,6 +155,7 @@ def gw(setup: Setup, timeout: float = 60) -> httpx.Client:
     return httpx.Client(base_url=setup.gateway, headers=AUTH, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_acks_and_load_reads_get_through_while_callers_hold_every_connection(setup: Setup) -> None:
     """Long calls (exec streams here; long execs, verifications waiting their turn) hold every
     connection the gateway keeps to a node. A create answered meanwhile is still acknowledged (not
@@ -199,6 +200,7 @@ def test_acks_and_load_reads_get_through_while_callers_hold_every_connection(set
         clean(setup)
 
 
+@pytest.mark.slow
 def test_forked_children_are_acknowledged_however_large_the_answer(setup: Setup) -> None:
     """A fork's children each carry the parent's spec (env up to 32 KiB, 64 labels): 24 of them pass
     1 MiB, which the gateway streams on instead of reading. It still acknowledges them: none is

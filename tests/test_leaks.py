@@ -32,6 +32,7 @@ def leak_daemon() -> Iterator[Daemon]:
     destroy_daemon(d)
 
 
+@pytest.mark.slow
 def test_no_residue_after_500_cycles_and_failed_creates(leak_daemon: Daemon) -> None:
     d = leak_daemon
     with d.client() as fleet:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 from sandfleet import Client, ExecResult, Resources, Sandbox
 from sandfleet.models import SandboxEvent
 
@@ -243,6 +245,7 @@ def test_cpu_limit(daemon: Daemon, fleet: Client) -> None:
 # -- sessions ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_session_output_cannot_grow_daemon_memory(own_daemon: Daemon) -> None:
     own_daemon.start()  # a daemon of its own: this test inflates its memory when the bug is present
     with own_daemon.client() as c, c.create(image="busybox") as sb, sb.session() as s:

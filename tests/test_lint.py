@@ -24,6 +24,7 @@ def test_ruff() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_mypy_strict() -> None:
     r = _run("mypy", "src/sandfleet")
     assert r.returncode == 0, r.stdout + r.stderr

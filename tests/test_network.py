@@ -682,6 +682,7 @@ SLOW_LOOKUPS = (
 )
 
 
+@pytest.mark.slow
 def test_names_that_resolve_slowly_stall_nothing_but_their_own_requests(floodd: Daemon) -> None:
     """A resolver that does not answer (here: the daemon's /etc/resolv.conf names a server that keeps
     silent, bound over in the daemon's own mount namespace only) and a sandbox asking the proxy for

@@ -21,6 +21,7 @@ def _agent_pids(d: Daemon) -> dict[str, int]:
     return {sandbox_id: agent_pid(d, sandbox_id) for sandbox_id in residue(d).sandbox_ids}
 
 
+@pytest.mark.slow
 def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
     d = own_daemon
     d.start()
@@ -66,6 +67,7 @@ def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
     assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids.values()))
 
 
+@pytest.mark.slow
 def test_restart_cleans_half_created_and_orphaned_residue(own_daemon: Daemon) -> None:
     d = own_daemon
     d.start()

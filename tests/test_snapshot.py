@@ -224,6 +224,7 @@ def test_no_window_on_the_scratch_during_restore_and_children_are_not_reforked(d
     assert snapshots.stat().st_mode & 0o777 == 0o700  # sandboxes' files and memory: root only
 
 
+@pytest.mark.slow
 def test_snapshot_survives_a_daemon_restart_and_a_stuck_agent_loses_nothing(own_daemon: Daemon) -> None:
     own_daemon.config.write_text(
         own_daemon.config.read_text().replace("[container]\n", "[container]\nstart_timeout = 2\n")

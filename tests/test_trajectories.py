@@ -157,6 +157,7 @@ def _check_exactly_once(fleet: Client, prefix: str, out: Path, rollouts: int, st
         traj.delete()
 
 
+@pytest.mark.slow
 def test_trainer_sigkilled_mid_rollout_completes_each_step_once(daemon: Daemon, tmp_path: Path) -> None:
     rollouts, steps = 3, 6
     out = tmp_path / "answers.jsonl"
@@ -175,6 +176,7 @@ def test_trainer_sigkilled_mid_rollout_completes_each_step_once(daemon: Daemon, 
     assert replays, "the restarted trainers replayed nothing"
 
 
+@pytest.mark.slow
 def test_daemon_restart_mid_rollout_completes_each_step_once(own_daemon: Daemon, tmp_path: Path) -> None:
     """A daemon stopped (SIGTERM) and started again while a trainer drives rollouts: it finishes the
     running step first, the trainer's calls wait for the new one, nothing runs twice."""

@@ -81,6 +81,7 @@ def _whole_lines(path: Path) -> None:
         assert isinstance(json.loads(line.rsplit(b"\t", 1)[0]), dict), line  # its checksum aside
 
 
+@pytest.mark.slow
 def test_a_torn_tail_is_cut_on_disk_and_nothing_runs_twice(d: Daemon) -> None:
     with d.client(timeout=60) as fleet:
         traj = fleet.trajectory("torn", SPEC)

@@ -82,6 +82,7 @@ def test_checks_run_on_a_node_another_sandbox_saturates(busy_node: Daemon) -> No
     fleet.close()
 
 
+@pytest.mark.slow
 def test_a_check_the_node_cannot_admit_yet_does_not_hold_up_the_queue(fleet: Client) -> None:
     """A check whose sandbox the node cannot admit (more memory than it may commit) waits for
     admission without holding the queue's CPUs: the check behind it runs at once."""
