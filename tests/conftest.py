@@ -31,9 +31,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Every test is in one lane (a marker): `unit` (no root, seconds; marked in its module), `vm` (boots
 # QEMU guests; marked), `slow` (soak, load, stress, crash-restart and deadline tests of 7 s and more
 # on an idle node, image builds from scratch; marked), `browser` (a real Chromium), `cluster` (a real
-# Ray cluster), `fuzz` (schemathesis), `node` (real sandboxes, as root: the rest). A plain `pytest` runs unit and node, the
-# lanes a change is tried on; `--every-lane` (the README's, and CI's, command), any `-m`, or tests named
-# on the command line run the rest.
+# Ray cluster), `fuzz` (schemathesis), `node` (real sandboxes, as root: the rest). A plain `pytest`
+# runs unit and node, the lanes a change is tried on; `--every-lane` (the README's, and CI's,
+# command), any `-m`, or tests named on the command line run the rest.
 AWAY_LANES = ("vm", "slow", "browser", "cluster", "fuzz")
 
 
