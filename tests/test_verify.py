@@ -3,13 +3,14 @@ hidden layers no agent sandbox mounts; what the agent changed; whose fault a fai
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from sandfleet import Client, SandboxSpec
-from sandfleet.errors import InvalidArgumentError
+from sandfleet.errors import InvalidArgumentError, WrongStateError
 from sandfleet.models import VerifyRequest
 
 JOB = {"job": "verify-test"}
@@ -116,6 +117,36 @@ def test_a_trajectory_verifies_once_against_its_set_up_state(fleet: Client, task
         traj.delete()
     finally:
         fleet.delete_snapshot(snap.id)
+    assert fleet.list(labels=JOB) == []
+
+
+def _pause_unless_busy(sb: object) -> None:
+    try:
+        sb.pause()  # type: ignore[attr-defined]
+    except WrongStateError:
+        pass  # a check or the snapshot was in flight: pause does not interrupt them
+
+
+def test_checks_a_snapshot_and_a_pause_of_one_agent_at_once_leave_it_running(
+    fleet: Client, task: tuple[str, str]
+) -> None:
+    """Each check freezes the agent to copy what it changed, as a snapshot and a pause freeze it: at
+    once, they take turns at its freezer. None times out on a freeze another one's thaw undid, and
+    none leaves the agent frozen under a "running" state (a check once did both, on a busy node)."""
+    image, hidden = task
+    with _agent(fleet, image) as sb:  # type: ignore[attr-defined]
+        sb.exec("sed -i 's/- \\$2/+ $2/' /task/solution.sh")
+        for _ in range(4):
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                checks = [pool.submit(_verify, sb, hidden) for _ in range(4)]
+                snap = pool.submit(sb.snapshot, labels=JOB)
+                paused = pool.submit(_pause_unless_busy, sb)
+                verdicts = [c.result() for c in checks]
+                fleet.delete_snapshot(snap.result().id)
+                paused.result()
+            assert all(v.passed and v.cause is None for v in verdicts), verdicts  # type: ignore[attr-defined]
+            assert sb.exec("echo awake", timeout=10).stdout == "awake\n"  # resumed, not left frozen
+            assert sb.refresh().state == "running"
     assert fleet.list(labels=JOB) == []
 
 

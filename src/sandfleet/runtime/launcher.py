@@ -34,6 +34,7 @@ UNAVAILABLE = "U"  # the launcher died before answering; nothing of the launch i
 
 # How long the daemon waits for the processes of a dead server's group to go after SIGKILL.
 _GROUP_GRACE = 2.0
+_EXIT_GRACE = 1.0  # from a dead server's pipes closing to its exit being seen
 
 
 class LaunchError(Exception):
@@ -306,7 +307,12 @@ class LauncherServer:
         if reply[:1] == b"P":
             return int(reply[1:])
         if not reply:
-            if server.lost or proc.exited(server.pid):  # never received: the dying server dropped it
+            # The pipe closes with a dying server's files, a moment before it is seen to exit: wait
+            # for that moment before blaming its worker.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_EXIT_GRACE):
+                    await asyncio.shield(server.exited)
+            if server.lost or server.exited.done() or proc.exited(server.pid):  # the dying server dropped it
                 raise LaunchError(UNAVAILABLE, "the launcher died before it answered: try again")
             raise LaunchError("E", "the launcher's worker exited without an answer")
         return _raise(reply)

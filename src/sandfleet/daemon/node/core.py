@@ -471,7 +471,7 @@ class NodeCore:
                         return task.result()
                 if time.time() >= deadline:
                     raise self.unresponsive(sb, "its command did not end by its deadline")
-                if sb.pause_lock.locked():
+                if sb.freeze_lock.locked():
                     continue  # frozen by us (a snapshot, a pause being taken): silence is expected
                 limit = max(1.0, min(LIVENESS_TIMEOUT, deadline - time.time()))
                 try:

@@ -181,7 +181,9 @@ class Sandbox:
     created: asyncio.Event = field(default_factory=asyncio.Event)
     oom_kills: int = 0
     pids_hits: int = 0
-    pause_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Held by whatever freezes the sandbox's cgroup (pause, resume, a snapshot, an export of its
+    # writable layer): two of them at once would thaw it under the other, or never thaw it.
+    freeze_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Paused on request (not by the idle policy): kept past its idle TTL, e.g. while its trainer is
     # preempted; max_lifetime still applies.
     held: bool = False

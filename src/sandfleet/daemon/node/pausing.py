@@ -1,12 +1,14 @@
 """Pause (freeze + memory reclaim) and resume, and the transparent resume every request does:
-`Pauser.ready` hands out a running sandbox, resuming a paused one first."""
+`Pauser.ready` hands out a running sandbox, resuming a paused one first; `Pauser.holding` hands one out
+with its freezer held, for what freezes it (a snapshot, an export of its writable layer)."""
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from sandfleet.backends.base import LiveSandbox, Pausable, unsupported
 from sandfleet.daemon.node.core import NodeCore, is_busy, log
@@ -33,6 +35,19 @@ class Pauser:
             await self._resume(sb, transparent=True)
         return self.running(sandbox_id)
 
+    @contextlib.asynccontextmanager
+    async def holding(self, sandbox_id: str) -> AsyncIterator[tuple[Sandbox, LiveSandbox]]:
+        """The sandbox, running, its freezer ours until the block ends: a paused one is resumed first,
+        and no pause, resume, snapshot or export of it runs meanwhile (a pause between a resume and
+        the freeze would make the block fail for nothing)."""
+        sb = self.core.sandbox(sandbox_id)
+        if not sb.acked:
+            self.core.ack_one(sb)
+        async with sb.freeze_lock:
+            if sb.state == PAUSED:
+                await self._resume_held(sb, transparent=True)
+            yield self.running(sandbox_id)
+
     def running(self, sandbox_id: str) -> tuple[Sandbox, LiveSandbox]:
         sb = self.core.sandbox(sandbox_id)
         if sb.state != RUNNING or sb.live is None:
@@ -44,7 +59,7 @@ class Pauser:
         with requests in flight (a detector's finding: what they run is what must stop)."""
         sb = self.core.sandbox(sandbox_id)
         self._tier(sb, "pause")
-        async with sb.pause_lock:
+        async with sb.freeze_lock:
             if sb.state == PAUSED:
                 if not by_policy and not sb.held:
                     sb.held = True
@@ -74,18 +89,21 @@ class Pauser:
         return sb.info()
 
     async def _resume(self, sb: Sandbox, *, transparent: bool) -> None:
-        async with sb.pause_lock:
-            if sb.state != PAUSED or sb.live is None:
-                return
-            t0 = time.perf_counter()
-            await self._tier(sb, "resume").resume(sb.live)
-            self.core.table.move(sb, RUNNING)
-            sb.held = False
-            self.core.touch(sb)
-            await self.core.state.update(sb.id, state=RUNNING, held=0)
-            seconds = round(time.perf_counter() - t0, 4)
-            self.core.journal.record(sb.id, "resumed", {"transparent": transparent, "seconds": seconds})
-            self.core.metrics.resumed.labels(transparent=str(transparent).lower()).inc()
+        async with sb.freeze_lock:
+            await self._resume_held(sb, transparent=transparent)
+
+    async def _resume_held(self, sb: Sandbox, *, transparent: bool) -> None:
+        if sb.state != PAUSED or sb.live is None:
+            return
+        t0 = time.perf_counter()
+        await self._tier(sb, "resume").resume(sb.live)
+        self.core.table.move(sb, RUNNING)
+        sb.held = False
+        self.core.touch(sb)
+        await self.core.state.update(sb.id, state=RUNNING, held=0)
+        seconds = round(time.perf_counter() - t0, 4)
+        self.core.journal.record(sb.id, "resumed", {"transparent": transparent, "seconds": seconds})
+        self.core.metrics.resumed.labels(transparent=str(transparent).lower()).inc()
 
     async def pause_many(self, labels: dict[str, str], concurrency: int = 16) -> builtins.list[str]:
         """Pause every running sandbox with these labels (busy ones are skipped); the ids paused."""

@@ -170,10 +170,7 @@ class Snapshots:
                     f"the node's snapshot store holds {used} of {self.snapshot_max_bytes} bytes "
                     "(snapshot_max_bytes): delete snapshots first"
                 )
-        sb, live = await self.pauser.ready(sandbox_id)
-        async with sb.pause_lock:
-            if sb.state != RUNNING or sb.live is not live:
-                raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
+        async with self.pauser.holding(sandbox_id) as (sb, live):
             terminals = sb.terminals + sum(1 for s in sb.sessions.values() if s.pty and not s.dead)
             if terminals:
                 raise WrongStateError(
@@ -513,12 +510,16 @@ class Snapshots:
         tier = self.core.tier(self.core.sandbox(sandbox_id))
         if not isinstance(tier, Packable) or not offers(tier, "pack"):
             raise unsupported(tier, "export what a sandbox changed")
-        sb, live = await self.pauser.ready(sandbox_id)
-        base = await asyncio.to_thread(self.images.layer_refs, [str(d) for d in live.runtime.get("layers", [])])
         staging = self.core.store.tmp_dir / f"pack-{secrets.token_hex(8)}"
-        self.core.busy(sb, PACK_TIMEOUT)  # not paused by the idle policy meanwhile
         try:
-            await tier.export_writable_layer(live, staging)
+            async with self.pauser.holding(sandbox_id) as (sb, live):  # the copy freezes it
+                self.core.busy(sb, PACK_TIMEOUT)  # its idle TTL does not stop it meanwhile
+                try:
+                    layers = [str(d) for d in live.runtime.get("layers", [])]
+                    base = await asyncio.to_thread(self.images.layer_refs, layers)
+                    await tier.export_writable_layer(live, staging)
+                finally:
+                    self.core.idle_done(sb)
             seen = await asyncio.to_thread(inspect, staging)
             for rel in scrub:
                 await asyncio.to_thread(_scrub, staging, rel)
@@ -526,7 +527,6 @@ class Snapshots:
                 staging, f"changes of sandbox {sandbox_id}", kind="layer", shift_ids=False
             )
         finally:
-            self.core.idle_done(sb)
             await asyncio.to_thread(shutil.rmtree, staging, True)
         return sb, layer, base, seen
 
