@@ -45,6 +45,8 @@ SHIM_SOURCE = Path(__file__).with_name("criu_shim.c")
 SHIM_NAME = "sandfleet-criu-shim.so"
 # The environment variable that tells the shim which uid owns the user namespace criu restores into.
 OWNER_ENV = "SANDFLEET_USERNS_OWNER"
+# ... and which pid is the init of the tree a dump checks (a restored one's too: see the shim).
+DUMP_ROOT_ENV = "SANDFLEET_DUMP_ROOT"
 
 
 class CriuUnavailableError(RuntimeError):
@@ -59,7 +61,8 @@ class ShimBuildError(RuntimeError):
 class Criu:
     root: Path = DEFAULT_ROOT
     # LD_PRELOAD-style shim (criu_shim.c): the restored user namespace is owned by the sandbox's
-    # own uid, and a dump may read the rlimits of tasks in such a namespace.
+    # own uid, a dump may read the rlimits of tasks in such a namespace, and a tree criu restored
+    # can be dumped again (its init stays non-dumpable).
     shim: Path | None = None
 
     @property
@@ -164,6 +167,11 @@ class Criu:
         for point, ext in externals.items():
             argv += ["--external", f"mnt[{point}]:{ext['key']}"]
         return argv
+
+    @staticmethod
+    def dump_env(pid: int) -> dict[str, str]:
+        """The environment for `dump_argv`'s command: the shim's name for the dumped init."""
+        return {**os.environ, DUMP_ROOT_ENV: str(pid)}
 
     def restore_argv(
         self,

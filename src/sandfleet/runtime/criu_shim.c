@@ -23,8 +23,26 @@
  *    capability set, which lacks CAP_SYS_RESOURCE on some hosts. An EPERM is retried once as the
  *    owner of the target's namespace (NS_GET_OWNER_UID), a read that changes nothing.
  *
- * criu makes both calls through libc's syscall(), which is what this wraps. Any failure to switch
- * back aborts criu rather than let it carry on under another uid.
+ *  - dump of a restored tree: criu checks that the tree's namespaces belong to its user namespace
+ *    (criu/namespaces.c check_user_ns) in a child that takes the uid of root inside, enters that
+ *    user namespace (left with no capability outside it), then opens /proc/<init>/ns/{net,uts,
+ *    ipc,mnt,time} and setns()es into each. Opening a /proc/<pid>/ns link is a ptrace read check:
+ *    the init (the agent) is non-dumpable, so it takes CAP_SYS_PTRACE in the user namespace of the
+ *    agent's memory (mm->user_ns, set by execve to the caller's). A started agent was exec'd inside
+ *    the sandbox's namespace, where the child has every capability. A restored agent has not
+ *    exec'd since criu, running in the host's namespace, forked it and mapped its memory back: its
+ *    mm->user_ns is the host's, where the child has none, so the open fails with EACCES and criu
+ *    refuses the dump ("Can't open <pid>/ns/net on procfs: Permission denied"). With
+ *    SANDFLEET_DUMP_ROOT=<pid> (the dumped init) in the environment, a setns() into the user
+ *    namespace of <pid> first opens those links (still with the host capabilities the child holds
+ *    then), and an open of one of them that fails with EACCES or EPERM afterwards, through
+ *    /proc/<pid>, gets a copy of the one opened before. criu's own check still runs: the setns()
+ *    into each namespace, which the kernel allows only to a holder of CAP_SYS_ADMIN in the user
+ *    namespace that owns it. Nothing changes for the agent, which stays non-dumpable.
+ *
+ * criu makes the first two calls through libc's syscall(), which is what this wraps (and setns()
+ * and openat() for the third). Any failure to switch back aborts criu rather than let it carry on
+ * under another uid.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -37,8 +55,10 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -145,4 +165,116 @@ long syscall(long nr, ...)
 	if (nr == SYS_prlimit64 && ret < 0 && errno == EPERM && a[0] > 0 && a[2] == 0)
 		return prlimit_as_owner(a);
 	return ret;
+}
+
+/* ---- dump: the namespaces of a restored tree's init, opened before entering its user namespace */
+
+static const char *const ns_names[] = {"net", "uts", "ipc", "mnt", "time"}; /* check_user_ns's */
+#define N_NS (sizeof ns_names / sizeof ns_names[0])
+
+static struct {
+	int active;
+	dev_t dev; /* /proc/<pid> of the dumped init, as opened here */
+	ino_t ino;
+	int fd[N_NS];
+} pre;
+
+static int same_file(const struct stat *a, const struct stat *b)
+{
+	return a->st_dev == b->st_dev && a->st_ino == b->st_ino;
+}
+
+/* Before setns(userns_fd, CLONE_NEWUSER): if that is the user namespace of SANDFLEET_DUMP_ROOT's
+ * pid, open its other namespaces now. Failures leave things as they were (criu then reports). */
+static void preopen_namespaces(int userns_fd)
+{
+	const char *root = getenv("SANDFLEET_DUMP_ROOT");
+	char *end, path[32];
+	unsigned long pid = root ? strtoul(root, &end, 10) : 0;
+	struct stat target, st;
+	if (pre.active || !pid || *end || pid > INT32_MAX || fstat(userns_fd, &target) < 0)
+		return;
+	snprintf(path, sizeof path, "/proc/%lu", pid);
+	int dir = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (dir < 0)
+		return;
+	if (fstatat(dir, "ns/user", &st, 0) == 0 && same_file(&st, &target) && fstat(dir, &st) == 0) {
+		pre.dev = st.st_dev;
+		pre.ino = st.st_ino;
+		for (size_t i = 0; i < N_NS; i++) {
+			snprintf(path, sizeof path, "ns/%s", ns_names[i]);
+			pre.fd[i] = openat(dir, path, O_RDONLY | O_CLOEXEC);
+		}
+		pre.active = 1;
+	}
+	close(dir);
+}
+
+int setns(int fd, int nstype)
+{
+	static int (*real)(int, int);
+	if (!real)
+		real = (int (*)(int, int))dlsym(RTLD_NEXT, "setns");
+	if (!real)
+		abort();
+	if (nstype == CLONE_NEWUSER)
+		preopen_namespaces(fd);
+	return real(fd, nstype);
+}
+
+/* A copy of the namespace `path` (ns/<name>) opened before, if `dirfd` is the dumped init's
+ * /proc/<pid>; -1 otherwise. */
+static int preopened(int dirfd, const char *path, int flags)
+{
+	struct stat st;
+	if (!pre.active || strncmp(path, "ns/", 3) || fstat(dirfd, &st) < 0 || st.st_dev != pre.dev ||
+	    st.st_ino != pre.ino)
+		return -1;
+	for (size_t i = 0; i < N_NS; i++)
+		if (!strcmp(path + 3, ns_names[i]) && pre.fd[i] >= 0)
+			return fcntl(pre.fd[i], (flags & O_CLOEXEC) ? F_DUPFD_CLOEXEC : F_DUPFD, 0);
+	return -1;
+}
+
+static int openat_common(const char *name, int dirfd, const char *path, int flags, mode_t mode)
+{
+	typedef int (*openat_fn)(int, const char *, int, ...);
+	static openat_fn real[2];
+	int i = name[6] != 0; /* "openat" or "openat64" */
+	if (!real[i])
+		real[i] = (openat_fn)dlsym(RTLD_NEXT, name);
+	if (!real[i])
+		abort();
+	int ret = real[i](dirfd, path, flags, mode);
+	if (ret < 0 && (errno == EACCES || errno == EPERM) && pre.active) {
+		int e = errno, fd = preopened(dirfd, path, flags);
+		if (fd >= 0)
+			return fd;
+		errno = e;
+	}
+	return ret;
+}
+
+#define MODE_ARG(flags, mode)                                                                                   \
+	do {                                                                                                    \
+		if ((flags) & (O_CREAT | O_TMPFILE)) {                                                          \
+			va_list ap;                                                                             \
+			va_start(ap, flags);                                                                    \
+			mode = va_arg(ap, mode_t);                                                              \
+			va_end(ap);                                                                             \
+		}                                                                                               \
+	} while (0)
+
+int openat(int dirfd, const char *path, int flags, ...)
+{
+	mode_t mode = 0;
+	MODE_ARG(flags, mode);
+	return openat_common("openat", dirfd, path, flags, mode);
+}
+
+int openat64(int dirfd, const char *path, int flags, ...)
+{
+	mode_t mode = 0;
+	MODE_ARG(flags, mode);
+	return openat_common("openat64", dirfd, path, flags, mode);
 }

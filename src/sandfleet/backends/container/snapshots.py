@@ -61,13 +61,6 @@ class ContainerSnapshots(ContainerSandboxes):
                 f"sandbox {sandbox.id} runs {sandbox.channel.agent_version}, from before the daemon was upgraded; "
                 f"snapshots need {AGENT_VERSION}"
             )
-        if sandbox.runtime.get("restored"):
-            # criu checks a tree's namespaces from inside its user namespace, where it may not read a
-            # non-dumpable init whose memory was set up by criu itself (owned by the host's user
-            # namespace); making the agent dumpable for that would open its fds to sandboxed code.
-            raise WrongStateError(
-                f"sandbox {sandbox.id} was itself restored from a snapshot: snapshot or fork its source instead"
-            )
         pid = sandbox.agent_pid
         try:
             mountinfo = await asyncio.to_thread(Path(f"/proc/{pid}/mountinfo").read_text)
@@ -117,7 +110,7 @@ class ContainerSnapshots(ContainerSandboxes):
                     log=log_file,
                 )
                 ooms = await asyncio.to_thread(self._oom_kills, sandbox)
-                done = await proc.spawn(argv, timeout=300)
+                done = await proc.spawn(argv, env=tool.dump_env(pid), timeout=300)
                 if done.returncode != 0:
                     why = _criu_error(log_file)
                     if await asyncio.to_thread(self._oom_kills, sandbox) > ooms or "killed by 9 unexpectedly" in why:
