@@ -199,8 +199,8 @@ def test_no_residue_after_snapshots_and_forks(own_daemon: Daemon) -> None:
 
 
 def test_no_window_on_the_scratch_during_restore_and_children_are_not_reforked(daemon: Daemon, fleet: Client) -> None:
-    """While criu restores a child, its code never reaches the scratch; a restored child refuses a
-    snapshot with a clear error (its source can be forked any number of times)."""
+    """While criu restores a child, its code never reaches the scratch; a restored child has its own
+    uid map and cgroup namespace."""
     probe = "while true; do ls /dev/.sandfleet/upper >/dev/null 2>&1 && echo WIN >> /tmp/win; done"
     with fleet.create(image="busybox") as parent:
         parent.start(probe)
@@ -214,14 +214,117 @@ def test_no_window_on_the_scratch_during_restore_and_children_are_not_reforked(d
             assert child.exec("cat /proc/self/uid_map").stdout.split() == ["0", "100000", "65536"]
             # its own cgroup namespace, rooted at its own cgroups: no host cgroup path shows
             assert all(line.endswith(":/") for line in child.exec("cat /proc/self/cgroup").stdout.split())
-            with pytest.raises(WrongStateError, match="restored from a snapshot"):
-                child.fork(1)
-            assert child.exec("echo still fine").stdout == "still fine\n"
         finally:
             for c in children:
                 c.stop()
     snapshots = daemon.state_dir / "snapshots"
     assert snapshots.stat().st_mode & 0o777 == 0o700  # sandboxes' files and memory: root only
+
+
+def test_a_restored_sandbox_snapshots_and_forks_again(fleet: Client) -> None:
+    """A fork child is forked again, and that grandchild snapshotted and restored: each generation has
+    the files, sessions and processes of the one it came from (checkpoint, act, checkpoint again)."""
+    with fleet.create(image="busybox") as parent:
+        parent.files.write("/task/input.txt", b"task 7")
+        session = parent.session()
+        session.run("cd /tmp && export LEVEL=1")
+        parent.start(COUNTER)
+        assert wait_until(lambda: _count(parent) > 5)
+        (child,) = _ok(parent.fork(1))
+        grandchildren: list[Sandbox] = []
+        try:
+            child.exec("echo from-the-child > /task/child.txt")
+            child.attach_session(session.id).run("mkdir -p /tmp/sub && cd /tmp/sub && export LEVEL=2")
+            (grandchild,) = _ok(child.fork(1))
+            grandchildren.append(grandchild)
+            snap = grandchild.snapshot()
+            grandchild.exec("echo after-the-snapshot > /task/child.txt")
+            (again,) = _ok(fleet.restore(snap.id))
+            grandchildren.append(again)
+            for box, note in ((grandchild, "after-the-snapshot"), (again, "from-the-child")):
+                assert box.exec("cat /task/input.txt /task/child.txt").stdout == f"task 7{note}\n"
+                assert [s.id for s in box.sessions()] == [session.id]
+                assert box.attach_session(session.id).run('pwd; echo "$LEVEL"').stdout == "/tmp/sub\n2\n"
+                first = _count(box)  # the parent's counter, carried through two restores, still counts
+                assert first > 5 and wait_until(functools.partial(_counts_past, box, first + 5))
+            # each generation goes on by itself: the child's and the parent's sessions are untouched
+            assert child.attach_session(session.id).run('pwd; echo "$LEVEL"').stdout == "/tmp/sub\n2\n"
+            assert session.run('pwd; echo "$LEVEL"').stdout == "/tmp\n1\n"
+            assert parent.exec("test -e /task/child.txt").exit_code == 1
+        finally:
+            for box in (*grandchildren, child):
+                box.stop()
+
+
+PEEKS = ("readlink /proc/1/fd/0", "readlink /proc/1/fd/3", "cat /proc/1/environ", "head -c 1 /proc/1/mem",
+         "ls /proc/1/root/", "cat /proc/1/fd/0")  # fmt: skip
+
+
+def _out_of_reach(box: Sandbox, pid: int | str) -> None:
+    """No process of the sandbox, root or not, reads the fds, environment or memory of `pid`."""
+    for cmd in PEEKS:
+        cmd = cmd.replace("/proc/1/", f"/proc/{pid}/")
+        for user in ("root", "65534"):
+            r = box.exec(cmd, user=user)
+            assert r.exit_code != 0 and r.stdout == "", (box.id, cmd, user, r.stdout)
+            if not cmd.startswith("readlink"):  # readlink fails silently
+                assert "denied" in r.stderr or "not permitted" in r.stderr, (box.id, cmd, user, r.stderr)
+    r = box.exec(f"ls -l /proc/{pid}/fd")
+    assert "Permission denied" in r.stderr and "socket:" not in r.stdout, (box.id, r.stdout, r.stderr)
+    # the calls that need no path: refused by the kernel, or by seccomp before it (those aimed at pid 1)
+    r = box.exec(["python3", "-c", GRAB, str(pid)])
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 0 and len(lines) == 3, (box.id, pid, r)
+    assert all(ln.endswith(("not permitted", "not implemented")) for ln in lines), (box.id, pid, lines)
+
+
+GRAB = r"""
+import ctypes, os, sys
+pid, libc, out = int(sys.argv[1]), ctypes.CDLL(None, use_errno=True), []
+try:
+    pidfd = os.pidfd_open(pid)
+    fd = libc.syscall(438, pidfd, 0, 0)  # pidfd_getfd
+    out.append("pidfd_getfd: " + ("got it" if fd >= 0 else os.strerror(ctypes.get_errno())))
+except OSError as exc:
+    out.append("pidfd_open: " + exc.strerror)
+buf = ctypes.create_string_buffer(8)
+local = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+remote = (ctypes.c_void_p * 2)(0x400000, 8)
+n = libc.process_vm_readv(pid, local, 1, remote, 1, 0)
+out.append("process_vm_readv: " + ("got it" if n >= 0 else os.strerror(ctypes.get_errno())))
+out.append("ptrace: " + ("attached" if libc.ptrace(16, pid, 0, 0) == 0 else os.strerror(ctypes.get_errno())))
+print("\n".join(out))
+"""
+
+
+def test_the_agent_and_shells_of_restored_sandboxes_stay_out_of_reach(daemon: Daemon, fleet: Client) -> None:
+    """Snapshotting a restored sandbox leaves its agent non-dumpable: root inside a child, in its own
+    child, and in the child after it was snapshotted cannot read the agent's (or an inherited bash
+    session's shell's) fds, environment or memory; the agent ignores signals from inside."""
+    with fleet.create(image="python:3.11", idle_ttl=300) as parent:
+        session = parent.session()
+        shell = session.run("echo $$").stdout.strip()
+        assert session.run('echo "$BASH_VERSION"').stdout.strip()  # bash: a shielded (non-dumpable) shell
+        (child,) = _ok(parent.fork(1))
+        try:
+            (grandchild,) = _ok(child.fork(1))
+            try:
+                for box in (parent, child, grandchild):
+                    _out_of_reach(box, 1)
+                    _out_of_reach(box, shell)
+                    assert box.attach_session(session.id).run("echo $$").stdout.strip() == shell
+                    box.exec("kill -TERM 1; kill -KILL 1; kill -INT 1")
+                    assert box.exec("echo alive").stdout == "alive\n"
+                    # control: an ordinary process's fds are readable by root inside
+                    assert box.exec("sleep 5 & readlink /proc/$!/fd/1; kill $!").stdout.startswith("pipe:")
+                for box in (child, grandchild):
+                    # still non-dumpable, and its memory criu's (the host's user namespace): /proc/<agent> is
+                    # host root's (a fresh agent's is the sandbox root's, its memory in the sandbox's namespace)
+                    assert os.stat(f"/proc/{agent_pid(daemon, box.id)}/fd").st_uid == 0
+            finally:
+                grandchild.stop()
+        finally:
+            child.stop()
 
 
 @pytest.mark.slow
