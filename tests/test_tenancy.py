@@ -209,6 +209,7 @@ class B:
     trajectory: str
     session: str
     process: str
+    checkpoint: str  # of `sandbox`
     label: str  # the value of B's label "b-secret"
     ids: set[str] = field(default_factory=set)  # every id of B's
     secrets: dict[str, str] = field(default_factory=dict)
@@ -223,6 +224,7 @@ class Fake:
     trajectory: str
     session: str
     process: str
+    checkpoint: str
     label: str
 
 
@@ -250,6 +252,7 @@ def b_objects(tenants: tuple[Daemon, str]) -> Iterator[B]:
         session = sb.session()
         assert session.run(f"echo {s['session']}").stdout.strip() == s["session"]
         serve_http(sb, 8000, s["served"])
+        checkpoint = sb.checkpoint(labels={"cp-secret": s["snap"]}).id  # with a server listening, a port exposed
         small = b.create(SandboxSpec(image="busybox", env={"B_SECRET": s["env"]}), idle_ttl=900)
         snap = small.snapshot(labels={"snap-secret": s["snap"]}).id
         tid = f"b-{secrets.token_hex(6)}"
@@ -262,8 +265,19 @@ def b_objects(tenants: tuple[Daemon, str]) -> Iterator[B]:
         traj.exec(f"echo {s['step']}")
         keyed = b.create(SandboxSpec(image="busybox", env={"B_SECRET": s["env"]}), idempotency_key="b-create-key")
         restored = _made(b.restore(snap, 1, idempotency_key="b-restore-key"))
-        ids = {sb.id, small.id, snap, tid, traj.info.sandbox_id or "", keyed.id, restored[0].id, session.id, proc.id}
-        yield B(sb.id, snap, tid, session.id, proc.id, s["label"], ids, s)
+        ids = {
+            sb.id,
+            small.id,
+            snap,
+            tid,
+            traj.info.sandbox_id or "",
+            keyed.id,
+            restored[0].id,
+            session.id,
+            proc.id,
+            checkpoint,
+        }
+        yield B(sb.id, snap, tid, session.id, proc.id, checkpoint, s["label"], ids, s)
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +295,7 @@ def _fake(b: B) -> Fake:
         trajectory=f"b-{secrets.token_hex(6)}",
         session=f"s-{secrets.token_hex(6)}",
         process=f"p-{secrets.token_hex(6)}",
+        checkpoint=f"cp-{node}{secrets.token_hex(5)}",
         label=_secret("nobodys-label"),
     )
 
@@ -327,6 +342,8 @@ def _body(method: str, path: str, label: str) -> dict[str, Any]:
         ("POST", "/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run"): {"command": "cat /home/secret.txt"},
         ("POST", "/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run/stream"): {"command": "cat /home/secret.txt"},
         ("POST", "/v1/sandboxes/{sandbox_id}/snapshots"): {},
+        ("POST", "/v1/sandboxes/{sandbox_id}/checkpoints"): {},
+        ("POST", "/v1/sandboxes/{sandbox_id}/rollback"): {"checkpoint_id": "cp-probe"},
         ("POST", "/v1/sandboxes/{sandbox_id}/verify"): {"command": "true"},
         ("POST", "/v1/snapshots/{snapshot_id}/restore"): {"count": 1},
         ("POST", "/v1/trajectories/{trajectory_id}/close"): {"stop_sandbox": True},
@@ -373,7 +390,17 @@ ELSEWHERE = {
     ("POST", "/v1/sandboxes/batch"): "test_a_key_of_another_project_is_simply_unused",
     ("POST", "/v1/trajectories"): "test_a_trajectory_naming_b_objects_* below",
 }
-PARAMS = ("sandbox_id", "snapshot_id", "trajectory_id", "session_id", "process_id", "port", "path", "ref")
+PARAMS = (
+    "sandbox_id",
+    "snapshot_id",
+    "trajectory_id",
+    "session_id",
+    "process_id",
+    "checkpoint_id",
+    "port",
+    "path",
+    "ref",
+)
 
 
 def _routes() -> list[tuple[str, str, dict[str, Any]]]:
@@ -407,12 +434,14 @@ def test_every_route_answers_a_for_b_as_for_nothing(tenants: tuple[Daemon, str],
         "trajectory_id": b.trajectory,
         "session_id": b.session,
         "process_id": b.process,
+        "checkpoint_id": b.checkpoint,
         "port": 8000,
         "path": "index.html",
         "ref": "busybox:latest",
     }
     fake_values = {**b_values, "sandbox_id": fake.sandbox, "snapshot_id": fake.snapshot}
     fake_values |= {"trajectory_id": fake.trajectory, "session_id": fake.session, "process_id": fake.process}
+    fake_values |= {"checkpoint_id": fake.checkpoint}
     names = {
         b.sandbox: "<sandbox>",
         fake.sandbox: "<sandbox>",
@@ -424,6 +453,8 @@ def test_every_route_answers_a_for_b_as_for_nothing(tenants: tuple[Daemon, str],
         fake.session: "<session>",
         b.process: "<process>",
         fake.process: "<process>",
+        b.checkpoint: "<checkpoint>",
+        fake.checkpoint: "<checkpoint>",
         b.label: "<label>",
         fake.label: "<label>",
     }
@@ -455,7 +486,11 @@ def test_every_route_answers_a_for_b_as_for_nothing(tenants: tuple[Daemon, str],
                 if leaks := _leaks(r, sent, b):
                     problems.append(f"{method} {path}: B's {leaks} in the answer ({r.status_code})")
                 continue
-            if params & {"session_id", "process_id"}:  # A's own sandbox with B's session or process id
+            if params & {
+                "session_id",
+                "process_id",
+                "checkpoint_id",
+            }:  # A's own sandbox with B's session, process or checkpoint id
                 variants.append(({**b_values, "sandbox_id": a_sandbox}, {**fake_values, "sandbox_id": a_sandbox}))
             for mine, nothing in variants:
                 probed += 1
@@ -477,6 +512,7 @@ def test_every_route_answers_a_for_b_as_for_nothing(tenants: tuple[Daemon, str],
         sb = bc.get(b.sandbox)
         assert sb.info.state == "running" and sb.files.read("/home/secret.txt") == b.secrets["file"].encode()
         assert [p.port for p in sb.ports()] == [8000] and {s.id for s in sb.sessions()} == {b.session}
+        assert [c.id for c in sb.checkpoints()] == [b.checkpoint]
     with _http(url, "b") as bh:
         assert bh.get(f"/v1/snapshots/{b.snapshot}").status_code == 200
         assert bh.get(f"/v1/trajectories/{b.trajectory}").json()["state"] == "open"

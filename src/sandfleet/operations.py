@@ -196,6 +196,11 @@ OPERATIONS: tuple[Operation, ...] = (
         status=201,
         needs="packing into the node's shared image store",
     ),
+    # -- checkpoints: states of one sandbox it goes back to in place ---------------------------------
+    _op("checkpoint", "POST", SB + "/checkpoints", "sandbox", "write", m.CheckpointInfo, status=201),
+    _op("list_checkpoints", "GET", SB + "/checkpoints", "sandbox", "read", m.CheckpointList),
+    _op("delete_checkpoint", "DELETE", SB + "/checkpoints/{checkpoint_id}", "sandbox", "write", m.Ok),
+    _op("rollback", "POST", SB + "/rollback", "sandbox", "write", m.RollbackResult),
     _op("list_snapshots", "GET", "/v1/snapshots", "fanned_out", "read", m.SnapshotList, gateway="list_snapshots"),
     _op("get_snapshot", "GET", "/v1/snapshots/{snapshot_id}", "snapshot", "read", m.SnapshotInfo),
     _op("delete_snapshot", "DELETE", "/v1/snapshots/{snapshot_id}", "snapshot", "write", m.Ok),

@@ -30,6 +30,7 @@ from sandfleet.daemon.net.policy import NetworkConfig
 from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.admission import Admission, AdmissionPolicy
 from sandfleet.daemon.node.builds import Builds
+from sandfleet.daemon.node.checkpoints import Checkpoints
 from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.creation import Creation
 from sandfleet.daemon.node.execs import Execs
@@ -141,6 +142,9 @@ class SandboxManager:
             retention=snapshot_retention,
             max_bytes=snapshot_max_bytes,
         )
+        self.checkpoints = Checkpoints(
+            core, self.pauser, self.snapshots, self.networking, state.path.parent / "checkpoints"
+        )
         self.verifier = Verifier(core, self.creation, self.execs, self.files, self.snapshots, verify)
         self.trajectories = Trajectories(
             core,
@@ -148,6 +152,7 @@ class SandboxManager:
             self.execs,
             self.files,
             self.snapshots,
+            self.checkpoints,
             self.verifier,
             trajectory_dir or state.path.parent / "trajectories",
             trajectories,
@@ -177,6 +182,7 @@ class SandboxManager:
                 core.spawn(self.audit.run(), name="audit-writer")
             await self.networking.start()
             await self.recovery.recover()
+            await self.checkpoints.recover()
             await self.trajectories.start()
             core.spawn(self.reaper.run(), name="reaper")
             core.spawn(core.journal.run(), name="event-flusher")

@@ -7,7 +7,17 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from sandfleet.errors import Cause
-from sandfleet.models.common import MAX_SECONDS, AbsPath, Encoding, EnvVars, ErrorBody, Labels, SandboxPath, _Model
+from sandfleet.models.common import (
+    MAX_REF,
+    MAX_SECONDS,
+    AbsPath,
+    Encoding,
+    EnvVars,
+    ErrorBody,
+    Labels,
+    SandboxPath,
+    _Model,
+)
 from sandfleet.models.execs import ExecRequest, ExecResult
 from sandfleet.models.files import FileInfo
 from sandfleet.models.sandboxes import Resources, SandboxSpec, check_layers
@@ -80,7 +90,24 @@ class SnapshotAction(_Model):
     labels: Labels = Field(default_factory=dict)
 
 
-StepAction = Annotated[ExecAction | WriteAction | ReadAction | SnapshotAction, Field(discriminator="kind")]
+class CheckpointAction(_Model):
+    """Record the sandbox's state, to roll back to by a later step (the result's `checkpoint_id`)."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    labels: Labels = Field(default_factory=dict)
+
+
+class RollbackAction(_Model):
+    """Put the sandbox back to a checkpoint an earlier step took, in place."""
+
+    kind: Literal["rollback"] = "rollback"
+    checkpoint_id: str = Field(max_length=MAX_REF)
+
+
+StepAction = Annotated[
+    ExecAction | WriteAction | ReadAction | SnapshotAction | CheckpointAction | RollbackAction,
+    Field(discriminator="kind"),
+]
 
 
 class StepRequest(_Model):
@@ -95,13 +122,14 @@ class StepRequest(_Model):
 class StepResult(_Model):
     trajectory_id: str
     step: int
-    kind: Literal["exec", "write", "read", "snapshot"]
+    kind: Literal["exec", "write", "read", "snapshot", "checkpoint", "rollback"]
     replayed: bool = Field(description="the recorded result of an earlier ask: nothing ran now")
     exec: ExecResult | None = None
     content: str | None = Field(None, description="read: the file's bytes as text or base64 (per the action)")
     encoding: Encoding = "utf-8"
     file: FileInfo | None = None
     snapshot_id: str | None = None
+    checkpoint_id: str | None = Field(None, description="checkpoint: the one taken; rollback: the one gone back to")
     error: ErrorBody | None = Field(None, description="the step's error (recorded like any result)")
     cause: Cause | None = Field(None, description="whose fault a failure was (the error's, or the command's)")
     started_at: float

@@ -1,4 +1,4 @@
-"""Snapshots, forks and packs."""
+"""Snapshots, forks, checkpoints and packs."""
 
 from __future__ import annotations
 
@@ -32,6 +32,42 @@ class SnapshotRequest(_Model):
 
 class SnapshotList(_Model):
     snapshots: list[SnapshotInfo]
+
+
+class CheckpointInfo(_Model):
+    """A state of one sandbox it can be rolled back to, in place (same id, sessions and processes):
+    its processes with their memory, and its files. It lives and dies with the sandbox."""
+
+    id: str
+    sandbox_id: str
+    created_at: float
+    size_bytes: int = Field(description="bytes on the node's disk (memory images + writable layer)")
+    seconds: float = Field(description="how long taking it took (the sandbox is frozen meanwhile)")
+    labels: dict[str, str] = Field(default_factory=dict, description="the checkpoint's own labels")
+
+
+class CheckpointRequest(_Model):
+    labels: Labels = Field(default_factory=dict)
+
+
+class CheckpointList(_Model):
+    checkpoints: list[CheckpointInfo] = Field(description="oldest first")
+
+
+class RollbackRequest(_Model):
+    checkpoint_id: str = Field(max_length=MAX_REF, description="one of the sandbox's checkpoints")
+
+
+class RollbackResult(_Model):
+    sandbox_id: str
+    checkpoint_id: str
+    seconds: float = Field(description="from the call until the sandbox answers again")
+    dropped_sessions: list[str] = Field(
+        default_factory=list, description="sessions opened after the checkpoint: gone with the rollback"
+    )
+    dropped_processes: list[str] = Field(
+        default_factory=list, description="background processes started after it: gone with the rollback"
+    )
 
 
 class ForkRequest(_Model):

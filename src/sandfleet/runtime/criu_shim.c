@@ -40,9 +40,15 @@
  *    into each namespace, which the kernel allows only to a holder of CAP_SYS_ADMIN in the user
  *    namespace that owns it. Nothing changes for the agent, which stays non-dumpable.
  *
+ *  - dump of a tree holding a TCP or UDP socket: criu 4.1 reads SO_PASSCRED and SO_PASSSEC of
+ *    every socket, and kernels since 6.16 answer EOPNOTSUPP for families without them (inet), so
+ *    any server in the sandbox failed its dump. Such a read that fails with EOPNOTSUPP answers 0
+ *    (off, which it is: the family has no such option), what criu does itself since it restricted
+ *    these reads to unix and netlink sockets (upstream 4b7398595). A restore sets them only when on.
+ *
  * criu makes the first two calls through libc's syscall(), which is what this wraps (and setns()
- * and openat() for the third). Any failure to switch back aborts criu rather than let it carry on
- * under another uid.
+ * and openat() for the third, getsockopt() for the fourth). Any failure to switch back aborts criu
+ * rather than let it carry on under another uid.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -58,6 +64,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -277,4 +284,27 @@ int openat64(int dirfd, const char *path, int flags, ...)
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
 	return openat_common("openat64", dirfd, path, flags, mode);
+}
+
+/* ---- dump: socket options a socket's family does not have -------------------------------------- */
+
+#ifndef SO_PASSSEC
+#define SO_PASSSEC 34
+#endif
+
+int getsockopt(int fd, int level, int name, void *restrict val, socklen_t *restrict len)
+{
+	static int (*real)(int, int, int, void *restrict, socklen_t *restrict);
+	if (!real)
+		real = (int (*)(int, int, int, void *restrict, socklen_t *restrict))dlsym(RTLD_NEXT, "getsockopt");
+	if (!real)
+		abort();
+	int ret = real(fd, level, name, val, len);
+	if (ret < 0 && errno == EOPNOTSUPP && level == SOL_SOCKET && (name == SO_PASSCRED || name == SO_PASSSEC) &&
+	    len && *len >= (socklen_t)sizeof(int)) {
+		*(int *)val = 0;
+		*len = sizeof(int);
+		return 0;
+	}
+	return ret;
 }

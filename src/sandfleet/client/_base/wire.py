@@ -46,11 +46,14 @@ class Call:
     timeout: float | None | Literal["default"] = "default"
 
 
-def operation_call(name: str, body: BaseModel | None = None, **path: str) -> Call:
+def operation_call(
+    name: str, body: BaseModel | None = None, *, timeout: float | Literal["default"] = "default", **path: str
+) -> Call:
     """The call of operation `name` as sandfleet/operations.py declares it: its method, its path with
-    `path`'s parameters filled in, `body` as its JSON."""
+    `path`'s parameters filled in, `body` as its JSON; `timeout` as `Call.timeout`."""
     op = OPERATION[name]
-    return Call(op.methods[0], op.path_of(**path), json=None if body is None else body.model_dump(mode="json"))
+    json = None if body is None else body.model_dump(mode="json")
+    return Call(op.methods[0], op.path_of(**path), json=json, timeout=timeout)
 
 
 def validated(model: type[M], what: str, fields: dict[str, Any]) -> M:

@@ -13,14 +13,17 @@ from sandfleet.client.aio._http import _AsyncCalls
 from sandfleet.client.aio._sandbox import AsyncSandbox
 from sandfleet.errors import SandboxNotFoundError
 from sandfleet.models import (
+    CheckpointAction,
     ExecAction,
     ExecResult,
     FileInfo,
     Ok,
     ReadAction,
     ReproRecord,
+    RollbackAction,
     SandboxSpec,
     SnapshotAction,
+    StepAction,
     StepList,
     StepResult,
     TrajectoryClose,
@@ -120,9 +123,7 @@ class AsyncTrajectory:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def step(
-        self, action: ExecAction | WriteAction | ReadAction | SnapshotAction, *, step: int | None = None
-    ) -> StepResult:
+    async def step(self, action: StepAction, *, step: int | None = None) -> StepResult:
         """Take the next step (or step `step`); its result, errors included (`StepResult.error`)."""
         timeout: float | Literal["default"] = "default"
         if isinstance(action, ExecAction):
@@ -139,7 +140,7 @@ class AsyncTrajectory:
         self.next_step = k + 1
         return result
 
-    async def _checked(self, action: WriteAction | ReadAction | SnapshotAction) -> StepResult:
+    async def _checked(self, action: StepAction) -> StepResult:
         result = await self.step(action)
         error = b.step_error(result)
         if error is not None:
@@ -205,6 +206,18 @@ class AsyncTrajectory:
         )
         assert result.snapshot_id is not None
         return result.snapshot_id
+
+    async def checkpoint(self, *, labels: Mapping[str, str] | None = None) -> str:
+        """Checkpoint the sandbox as the next step (see `AsyncSandbox.checkpoint`); the checkpoint's id
+        (recorded: a replay gives the same, and takes none)."""
+        result = await self._checked(b.validated(CheckpointAction, "checkpoint", {"labels": dict(labels or {})}))
+        assert result.checkpoint_id is not None
+        return result.checkpoint_id
+
+    async def rollback(self, checkpoint_id: str) -> StepResult:
+        """Roll the sandbox back to a checkpoint as the next step (see `AsyncSandbox.rollback`);
+        recorded: a replay does not roll back a second time."""
+        return await self._checked(b.validated(RollbackAction, "rollback", {"checkpoint_id": checkpoint_id}))
 
     async def verify(self, command: str | builtins.list[str] | VerifyRequest, **options: Any) -> VerifyResult:
         """Verify the rollout apart from its sandbox (see `AsyncSandbox.verify`); recorded: asked again

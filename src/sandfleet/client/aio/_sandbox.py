@@ -15,6 +15,9 @@ from sandfleet.client.aio._processes import AsyncProcess, AsyncSession
 from sandfleet.client.aio._terminal import AsyncTerminal
 from sandfleet.errors import SandboxError, SandboxNotFoundError
 from sandfleet.models import (
+    CheckpointInfo,
+    CheckpointList,
+    CheckpointRequest,
     CreateBatchResult,
     EventList,
     ExecEvent,
@@ -25,6 +28,8 @@ from sandfleet.models import (
     NetworkPolicy,
     ProcessInfo,
     ProcessList,
+    RollbackRequest,
+    RollbackResult,
     SandboxEvent,
     SandboxInfo,
     SessionInfo,
@@ -126,6 +131,36 @@ class AsyncSandbox:
         deleted; `labels` are its own. Waits up to `timeout` seconds (default: the client's)."""
         call = b.call_snapshot(self.id, ttl, labels, b.check_timeout(timeout, self._c.timeout))
         return await self._c._model(SnapshotInfo, call)
+
+    async def checkpoint(
+        self, *, labels: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> CheckpointInfo:
+        """Record this sandbox's state (processes and their memory, files, sessions and background
+        processes) to come back to with `rollback`; it keeps running. Checkpoints belong to the
+        sandbox: the oldest go past 32 or past its disk, and all go when it stops."""
+        req = b.validated(CheckpointRequest, "checkpoint request", {"labels": dict(labels or {})})
+        call = b.operation_call(
+            "checkpoint", req, timeout=b.check_timeout(timeout, self._c.timeout), sandbox_id=self.id
+        )
+        return await self._c._model(CheckpointInfo, call)
+
+    async def checkpoints(self) -> builtins.list[CheckpointInfo]:
+        """This sandbox's checkpoints, oldest first."""
+        call = b.operation_call("list_checkpoints", sandbox_id=self.id)
+        return (await self._c._model(CheckpointList, call)).checkpoints
+
+    async def rollback(self, checkpoint: str | CheckpointInfo, *, timeout: float | None = None) -> RollbackResult:
+        """Put this sandbox back to `checkpoint`, in place: the same id, and the sessions and
+        background processes it had then (their handles go on working); files, memory, cwd and env
+        as they were. What was opened after it is gone (the result lists it)."""
+        cid = checkpoint.id if isinstance(checkpoint, CheckpointInfo) else checkpoint
+        req = b.validated(RollbackRequest, "rollback request", {"checkpoint_id": cid})
+        call = b.operation_call("rollback", req, timeout=b.check_timeout(timeout, self._c.timeout), sandbox_id=self.id)
+        return await self._c._model(RollbackResult, call)
+
+    async def delete_checkpoint(self, checkpoint: str | CheckpointInfo) -> None:
+        cid = checkpoint.id if isinstance(checkpoint, CheckpointInfo) else checkpoint
+        await self._c._send(b.operation_call("delete_checkpoint", sandbox_id=self.id, checkpoint_id=cid))
 
     async def pack(self, image: str, *, exclude: Sequence[str] = (), timeout: float = b.BUILD_TIMEOUT) -> ImageInfo:
         """Save this sandbox's changes as image `name:tag` (its layers + one new layer); `exclude`d paths

@@ -14,14 +14,17 @@ from sandfleet.client.sync._http import _Calls
 from sandfleet.client.sync._sandbox import Sandbox
 from sandfleet.errors import SandboxNotFoundError
 from sandfleet.models import (
+    CheckpointAction,
     ExecAction,
     ExecResult,
     FileInfo,
     Ok,
     ReadAction,
     ReproRecord,
+    RollbackAction,
     SandboxSpec,
     SnapshotAction,
+    StepAction,
     StepList,
     StepResult,
     TrajectoryClose,
@@ -121,9 +124,7 @@ class Trajectory:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def step(
-        self, action: ExecAction | WriteAction | ReadAction | SnapshotAction, *, step: int | None = None
-    ) -> StepResult:
+    def step(self, action: StepAction, *, step: int | None = None) -> StepResult:
         """Take the next step (or step `step`); its result, errors included (`StepResult.error`)."""
         timeout: float | Literal["default"] = "default"
         if isinstance(action, ExecAction):
@@ -140,7 +141,7 @@ class Trajectory:
         self.next_step = k + 1
         return result
 
-    def _checked(self, action: WriteAction | ReadAction | SnapshotAction) -> StepResult:
+    def _checked(self, action: StepAction) -> StepResult:
         result = self.step(action)
         error = b.step_error(result)
         if error is not None:
@@ -204,6 +205,18 @@ class Trajectory:
         result = self._checked(b.validated(SnapshotAction, "snapshot", {"ttl": ttl, "labels": dict(labels or {})}))
         assert result.snapshot_id is not None
         return result.snapshot_id
+
+    def checkpoint(self, *, labels: Mapping[str, str] | None = None) -> str:
+        """Checkpoint the sandbox as the next step (see `Sandbox.checkpoint`); the checkpoint's id
+        (recorded: a replay gives the same, and takes none)."""
+        result = self._checked(b.validated(CheckpointAction, "checkpoint", {"labels": dict(labels or {})}))
+        assert result.checkpoint_id is not None
+        return result.checkpoint_id
+
+    def rollback(self, checkpoint_id: str) -> StepResult:
+        """Roll the sandbox back to a checkpoint as the next step (see `Sandbox.rollback`);
+        recorded: a replay does not roll back a second time."""
+        return self._checked(b.validated(RollbackAction, "rollback", {"checkpoint_id": checkpoint_id}))
 
     def verify(self, command: str | builtins.list[str] | VerifyRequest, **options: Any) -> VerifyResult:
         """Verify the rollout apart from its sandbox (see `Sandbox.verify`); recorded: asked again

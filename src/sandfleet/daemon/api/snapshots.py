@@ -1,4 +1,4 @@
-"""Snapshots, restores, forks and pack."""
+"""Snapshots, restores, forks, checkpoints and pack."""
 
 from __future__ import annotations
 
@@ -15,11 +15,16 @@ from sandfleet.daemon.api.common import (
     parse_labels,
 )
 from sandfleet.models import (
+    CheckpointInfo,
+    CheckpointList,
+    CheckpointRequest,
     CreateBatchResult,
     ForkRequest,
     ImageInfo,
     Ok,
     PackRequest,
+    RollbackRequest,
+    RollbackResult,
     SandboxInfo,
     SnapshotInfo,
     SnapshotList,
@@ -47,6 +52,23 @@ def router(api: Api) -> APIRouter:
         results = await tenancy.fork(sandbox_id, req.count, req.labels, idempotency_key=req.idempotency_key)
         acked(node, background, [r.id for r in results if isinstance(r, SandboxInfo)], forwarded)
         return batch_result(results)
+
+    @api.route(r, "checkpoint")
+    async def checkpoint(sandbox_id: str, req: Annotated[CheckpointRequest | None, Body()] = None) -> CheckpointInfo:
+        return await node.checkpoints.checkpoint(sandbox_id, (req or CheckpointRequest()).labels)
+
+    @api.route(r, "list_checkpoints")
+    async def list_checkpoints(sandbox_id: str) -> CheckpointList:
+        return CheckpointList(checkpoints=await node.checkpoints.list_checkpoints(sandbox_id))
+
+    @api.route(r, "delete_checkpoint")
+    async def delete_checkpoint(sandbox_id: str, checkpoint_id: str) -> Ok:
+        await node.checkpoints.delete_checkpoint(sandbox_id, checkpoint_id)
+        return Ok()
+
+    @api.route(r, "rollback")
+    async def rollback(sandbox_id: str, req: RollbackRequest) -> RollbackResult:
+        return await node.checkpoints.rollback(sandbox_id, req.checkpoint_id)
 
     @api.route(r, "pack")
     async def pack(sandbox_id: str, req: PackRequest) -> ImageInfo:

@@ -130,6 +130,10 @@ class Networking:
         await self.proxy.apply(sb.id, backend.netns_path(sb.live), policy)
         await self._install_ca_bundle(sb, sb.live)
 
+    def detach(self, sb: Sandbox) -> None:
+        """Its policy's enforcement ends (its network namespace is being replaced: `attach` again)."""
+        self.proxy.detach(sb.id)
+
     async def _install_ca_bundle(self, sb: Sandbox, live: LiveSandbox) -> None:
         """The node's CA bundle at CA_BUNDLE_PATH in the sandbox (its /dev: the scratch tmpfs), as its
         root's, read-only. A sandbox that made that path unwritable gets a warning in the log: it

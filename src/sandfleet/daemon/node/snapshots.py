@@ -171,20 +171,11 @@ class Snapshots:
                     "(snapshot_max_bytes): delete snapshots first"
                 )
         async with self.pauser.holding(sandbox_id) as (sb, live):
-            terminals = sb.terminals + sum(1 for s in sb.sessions.values() if s.pty and not s.dead)
-            if terminals:
-                raise WrongStateError(
-                    f"sandbox {sandbox_id} has {terminals} command(s) or session(s) on a terminal: close them first"
-                )
             snapshot_id = new_id("snap", self.core.node_key)
             path = self.snapshot_dir / snapshot_id
             t0 = time.perf_counter()
-            inherit = self._inheritance(sb)
             try:
-                meta = await tier.snapshot(live, path)
-                meta["keep_execs"] = [s["exec_id"] for s in inherit["sessions"]]
-                meta["keep_execs"] += [p["exec_id"] for p in inherit["processes"]]
-                meta["inherit"] = inherit
+                meta = await self.capture(sb, live, path)
                 seconds = time.perf_counter() - t0
                 size = await asyncio.to_thread(fsutil.disk_usage, path)
                 now = time.time()
@@ -217,6 +208,24 @@ class Snapshots:
                 await self.pauser.pause(sandbox_id, by_policy=not was_held)
         return info
 
+    async def capture(self, sb: Sandbox, live: LiveSandbox, path: Path) -> dict[str, Any]:
+        """Take the state of `sb` (frozen by the caller's hold) into `path`: its tier's images, and
+        the sessions and background processes whatever starts from it keeps (same ids)."""
+        terminals = sb.terminals + sum(1 for s in sb.sessions.values() if s.pty and not s.dead)
+        if terminals:
+            raise WrongStateError(
+                f"sandbox {sb.id} has {terminals} command(s) or session(s) on a terminal: close them first"
+            )
+        tier = self.core.tier(sb)
+        if not isinstance(tier, Snapshottable) or not offers(tier, "snapshot"):
+            raise unsupported(tier, "snapshot or fork a sandbox")
+        inherit = self._inheritance(sb)
+        meta = await tier.snapshot(live, path)
+        meta["keep_execs"] = [s["exec_id"] for s in inherit["sessions"]]
+        meta["keep_execs"] += [p["exec_id"] for p in inherit["processes"]]
+        meta["inherit"] = inherit
+        return meta
+
     @staticmethod
     def _inheritance(sb: Sandbox) -> dict[str, builtins.list[dict[str, Any]]]:
         """The sessions and background processes a child of this moment keeps (same ids): their
@@ -244,7 +253,7 @@ class Snapshots:
         ]
         return {"sessions": sessions, "processes": processes}
 
-    def _inherit(self, sb: Sandbox, live: LiveSandbox, inherit: dict[str, Any]) -> None:
+    def inherit(self, sb: Sandbox, live: LiveSandbox, inherit: dict[str, Any]) -> None:
         """Handles in a restored child for its parent's sessions and background processes."""
         for s in inherit.get("sessions", []):
             proc = live.inherited.get(int(s["exec_id"]))
@@ -446,7 +455,7 @@ class Snapshots:
                     self.core.keys[(spec.project, child_key)] = (info.id, fingerprint or "")
                 child = self.core.table.find(info.id)
                 if child is not None and child.live is not None:
-                    self._inherit(child, child.live, inherit)
+                    self.inherit(child, child.live, inherit)
                 return info
             except SandboxError as exc:
                 return exc

@@ -42,6 +42,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandfleet.daemon.errormap import to_wire_error
+from sandfleet.daemon.node.checkpoints import Checkpoints
 from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.creation import Creation
 from sandfleet.daemon.node.execs import Execs
@@ -131,6 +132,7 @@ class Trajectories:
         execs: Execs,
         files: Files,
         snapshots: Snapshots,
+        checkpoints: Checkpoints,
         verifier: Verifier,
         root: Path,
         config: TrajectoryConfig | None = None,
@@ -140,6 +142,7 @@ class Trajectories:
         self.execs = execs
         self.files = files
         self.snapshots = snapshots
+        self.checkpoints = checkpoints
         self.verifier = verifier
         self.logs = LogFolder(root)
         self.config = config or TrajectoryConfig()
@@ -457,7 +460,7 @@ class Trajectories:
         t0, wall = time.perf_counter(), time.time()
         try:
             try:
-                result = await act(self.execs, self.files, self.snapshots, t, k, action, t0, wall)
+                result = await act(self.execs, self.files, self.snapshots, self.checkpoints, t, k, action, t0, wall)
             except Exception as exc:  # noqa: BLE001 (every outcome is the step's recorded result)
                 result = error_result(t, k, action.kind, agent_fault(to_wire_error(exc)), wall, t0)
             await self._finish(t, k, dig, result)

@@ -1,5 +1,5 @@
 """What a trajectory's step does in its sandbox, and what is recorded of it: an action run through
-the node's execs, files and snapshots; its result, an error included (whose fault it was); the
+the node's execs, files, snapshots and checkpoints; its result, an error included (whose fault it was); the
 reproducibility record of the steps taken. The log and the exactly-once are daemon/rl/trajectories.py's.
 """
 
@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from sandfleet import __version__
+from sandfleet.daemon.node.checkpoints import Checkpoints
 from sandfleet.daemon.node.core import wire_text
 from sandfleet.daemon.node.execs import Execs
 from sandfleet.daemon.node.lifecycle import SandboxTable
@@ -20,11 +21,13 @@ from sandfleet.daemon.node.snapshots import Snapshots
 from sandfleet.daemon.rl.steplog import Trajectory
 from sandfleet.errors import Cause, SandboxError, SandboxNotFoundError, WrongStateError
 from sandfleet.models import (
+    CheckpointAction,
     ErrorBody,
     ExecAction,
     NodeVersions,
     ReadAction,
     ReproRecord,
+    RollbackAction,
     SnapshotAction,
     StepAction,
     StepResult,
@@ -36,7 +39,15 @@ TRAJECTORY_LABEL = "sandfleet.trajectory"  # on a trajectory's sandbox: the traj
 
 
 async def act(
-    execs: Execs, files: Files, snapshots: Snapshots, t: Trajectory, k: int, action: StepAction, t0: float, wall: float
+    execs: Execs,
+    files: Files,
+    snapshots: Snapshots,
+    checkpoints: Checkpoints,
+    t: Trajectory,
+    k: int,
+    action: StepAction,
+    t0: float,
+    wall: float,
 ) -> StepResult:
     """Run step `k`'s action in the trajectory's sandbox; its result (an error raised: the caller's)."""
     assert t.sandbox is not None
@@ -60,6 +71,12 @@ async def act(
             encoding=action.encoding,
             duration=time.perf_counter() - t0,
         )
+    if isinstance(action, CheckpointAction):
+        cp = await checkpoints.checkpoint(sid, {**action.labels, TRAJECTORY_LABEL: t.id})
+        return StepResult(**base, checkpoint_id=cp.id, duration=time.perf_counter() - t0)
+    if isinstance(action, RollbackAction):
+        done = await checkpoints.rollback(sid, action.checkpoint_id)
+        return StepResult(**base, checkpoint_id=done.checkpoint_id, duration=time.perf_counter() - t0)
     assert isinstance(action, SnapshotAction)
     snap = await snapshots.snapshot(sid, ttl=action.ttl, labels={**action.labels, TRAJECTORY_LABEL: t.id})
     return StepResult(**base, snapshot_id=snap.id, duration=time.perf_counter() - t0)

@@ -1,0 +1,237 @@
+"""Checkpoints: states of one sandbox that it goes back to in place.
+
+A checkpoint is taken as a snapshot is (`Snapshots.capture`: the tier's images of the processes and
+their memory, the writable layer, the sessions and background processes), but it belongs to its
+sandbox: it is listed with it, counted against its disk, and removed when it stops. A rollback puts
+the same sandbox (same id, resources, labels, network policy and handles of the sessions and
+background processes the checkpoint held) back to that state: the tier's live part is replaced by a
+restore of the checkpoint. What was opened after the checkpoint is gone with it, and said so.
+
+Checkpoints are kept under the node's state directory, one folder per sandbox, each with its
+`checkpoint.json`; a restarted daemon finds those of the sandboxes it adopts again and removes the
+rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sandfleet.backends.base import LiveSandbox, Snapshottable, offers, unsupported
+from sandfleet.daemon.net.sandbox_network import Networking
+from sandfleet.daemon.node.core import NodeCore, log
+from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox
+from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.node.snapshots import Snapshots
+from sandfleet.errors import NotFoundError, ResourceExhaustedError, SandboxError, UnavailableError, WrongStateError
+from sandfleet.ids import new_id
+from sandfleet.images import fsutil
+from sandfleet.models import CheckpointInfo, RollbackResult, shown
+
+# A search keeps its frontier as checkpoints; past this many the oldest goes (each is whole, so
+# dropping one loses nothing the others need).
+MAX_CHECKPOINTS = 32
+
+
+@dataclass
+class CheckpointRecord:
+    info: CheckpointInfo
+    path: Path
+    meta: dict[str, Any]
+
+
+class Checkpoints:
+    def __init__(
+        self, core: NodeCore, pauser: Pauser, snapshots: Snapshots, networking: Networking, root: Path
+    ) -> None:
+        self.core = core
+        self.pauser = pauser
+        self.snapshots = snapshots
+        self.networking = networking
+        self.root = root
+        self.of: dict[str, builtins.list[CheckpointRecord]] = {}  # sandbox id -> its checkpoints, oldest first
+        core.table.on_stopped(self._stopped)
+        snapshots.images.layer_users.append(self._layers)
+
+    def _layers(self) -> set[str]:
+        return {str(d) for recs in self.of.values() for rec in recs for d in rec.meta.get("layers", [])}
+
+    def _tier(self, sb: Sandbox, doing: str) -> Snapshottable:
+        tier = self.core.tier(sb)
+        if not isinstance(tier, Snapshottable) or not offers(tier, "snapshot"):
+            raise unsupported(tier, doing)
+        return tier
+
+    def _record(self, sandbox_id: str, checkpoint_id: str) -> CheckpointRecord:
+        for rec in self.of.get(sandbox_id, []):
+            if rec.info.id == checkpoint_id:
+                return rec
+        raise NotFoundError(f"checkpoint {shown(checkpoint_id)} not found in sandbox {sandbox_id}")
+
+    # -- checkpoint, list, delete ---------------------------------------------------------------------
+
+    async def checkpoint(self, sandbox_id: str, labels: dict[str, str] | None = None) -> CheckpointInfo:
+        """Record the sandbox's state (a paused one is resumed for it); it keeps running."""
+        self._tier(self.core.sandbox(sandbox_id), "checkpoint a sandbox")
+        async with self.pauser.holding(sandbox_id) as (sb, live):
+            checkpoint_id = new_id("cp", self.core.node_key)
+            path = self.root / sb.id / checkpoint_id
+            t0 = time.perf_counter()
+            try:
+                await asyncio.to_thread(path.parent.mkdir, 0o700, True, True)
+                meta = await self.snapshots.capture(sb, live, path)
+                seconds = time.perf_counter() - t0
+                size = await asyncio.to_thread(fsutil.disk_usage, path)
+                if size > sb.spec.resources.disk:
+                    raise ResourceExhaustedError(
+                        f"a checkpoint of sandbox {sb.id} takes {size} bytes, more than its disk "
+                        f"({sb.spec.resources.disk}): free memory or files, or give it more disk"
+                    )
+                info = CheckpointInfo(
+                    id=checkpoint_id,
+                    sandbox_id=sb.id,
+                    created_at=time.time(),
+                    size_bytes=size,
+                    seconds=round(seconds, 4),
+                    labels=labels or {},
+                )
+                record = {"info": info.model_dump(mode="json"), "meta": meta}
+                await asyncio.to_thread(_write_json, path / "checkpoint.json", record)
+                if sb.state != RUNNING:  # stopped meanwhile (stop does not wait for the freeze lock)
+                    raise WrongStateError(f"sandbox {sandbox_id} stopped while its checkpoint was taken")
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, path, True)
+                raise
+            kept = self.of.setdefault(sb.id, [])
+            kept.append(CheckpointRecord(info, path, meta))
+            await self._bound(sb, kept)
+            self.core.touch(sb)
+            self.core.journal.record(sb.id, "checkpoint", {"checkpoint": checkpoint_id, "bytes": size,
+                                                           "seconds": info.seconds})  # fmt: skip
+            self.core.metrics.snapshot_seconds.observe(seconds)
+        return info
+
+    async def _bound(self, sb: Sandbox, kept: builtins.list[CheckpointRecord]) -> None:
+        """At most MAX_CHECKPOINTS, together within the sandbox's disk: the oldest go first."""
+        while len(kept) > 1 and (
+            len(kept) > MAX_CHECKPOINTS or sum(r.info.size_bytes for r in kept) > sb.spec.resources.disk
+        ):
+            old = kept.pop(0)
+            await asyncio.to_thread(shutil.rmtree, old.path, True)
+            self.core.journal.record(sb.id, "checkpoint_dropped", {"checkpoint": old.info.id})
+
+    async def list_checkpoints(self, sandbox_id: str) -> builtins.list[CheckpointInfo]:
+        self.core.sandbox(sandbox_id)
+        return [rec.info for rec in self.of.get(sandbox_id, [])]
+
+    async def delete_checkpoint(self, sandbox_id: str, checkpoint_id: str) -> None:
+        sb = self.core.sandbox(sandbox_id)
+        async with sb.freeze_lock:  # not while a rollback reads it
+            rec = self._record(sandbox_id, checkpoint_id)
+            self.of[sandbox_id].remove(rec)
+            await asyncio.to_thread(shutil.rmtree, rec.path, True)
+
+    # -- rollback -------------------------------------------------------------------------------------
+
+    async def rollback(self, sandbox_id: str, checkpoint_id: str) -> RollbackResult:
+        """Put the sandbox back to the checkpoint's state, in place. Runs to its end once begun
+        (a caller that goes away does not leave the sandbox half replaced)."""
+        t0 = time.perf_counter()
+        sb = self.core.sandbox(sandbox_id)
+        tier = self._tier(sb, "roll a sandbox back")
+        async with self.pauser.holding(sandbox_id) as (sb, live):
+            rec = self._record(sandbox_id, checkpoint_id)
+            task = asyncio.ensure_future(self._replace(sb, live, tier, rec))
+            dropped_sessions, dropped_processes = await asyncio.shield(task)
+        seconds = time.perf_counter() - t0
+        self.core.journal.record(sb.id, "rolled_back", {"checkpoint": checkpoint_id, "seconds": round(seconds, 4)})
+        return RollbackResult(
+            sandbox_id=sb.id,
+            checkpoint_id=checkpoint_id,
+            seconds=round(seconds, 4),
+            dropped_sessions=dropped_sessions,
+            dropped_processes=dropped_processes,
+        )
+
+    async def _replace(
+        self, sb: Sandbox, live: LiveSandbox, tier: Snapshottable, rec: CheckpointRecord
+    ) -> tuple[builtins.list[str], builtins.list[str]]:
+        inherit = rec.meta.get("inherit", {})
+        kept_sessions = {str(s["id"]) for s in inherit.get("sessions", [])}
+        kept_processes = {str(p["id"]) for p in inherit.get("processes", [])}
+        dropped_sessions = sorted(i for i, s in sb.sessions.items() if not s.dead and i not in kept_sessions)
+        dropped_processes = sorted(
+            i for i, p in sb.processes.items() if not p.done.is_set() and i not in kept_processes
+        )
+        # Our own teardown: the old agent's channel closing is no lost sandbox. A stop meanwhile
+        # finds no live part and leaves the new one to us (below).
+        live.channel.on_close = None
+        sb.live = None
+        try:
+            await self.core.tier(sb).destroy(live)
+            self.networking.detach(sb)
+            new = await tier.restore(sb.id, sb.spec, rec.path, rec.meta)
+        except SandboxError as exc:
+            log.warning("rollback of %s to %s failed: %s", sb.id, rec.info.id, exc)
+            await self.core.stop(sb.id, reason=f"rollback failed: {exc.message}"[:200])
+            raise UnavailableError(f"sandbox {sb.id} could not be rolled back and was stopped: {exc.message}") from exc
+        except BaseException as exc:
+            await self.core.stop(sb.id, reason="rollback failed")
+            raise UnavailableError(f"sandbox {sb.id} could not be rolled back and was stopped: {exc}") from exc
+        if sb.state != RUNNING:
+            await self.core.tier(sb).destroy(new)
+            raise WrongStateError(f"sandbox {sb.id} stopped while it was rolled back")
+        sb.live = new
+        new.channel.on_close = lambda _ch: self.core.on_agent_lost(sb.id)
+        sb.sessions, sb.processes = {}, {}  # the old handles' shells are gone; the checkpoint's come back
+        self.snapshots.inherit(sb, new, inherit)
+        self.core.watch_agent(sb.id, new)
+        await self.core.state.update(sb.id, runtime=new.runtime)
+        await self.networking.attach(sb)
+        self.core.touch(sb)
+        return dropped_sessions, dropped_processes
+
+    # -- the end of a sandbox, a restart ---------------------------------------------------------------
+
+    def _stopped(self, sb: Sandbox) -> None:
+        if self.of.pop(sb.id, None) is not None or (self.root / sb.id).exists():
+            self.core.spawn(asyncio.to_thread(shutil.rmtree, self.root / sb.id, True), name=f"checkpoints-{sb.id}")
+
+    async def recover(self) -> None:
+        """Keep the checkpoints of the sandboxes this daemon runs again; remove the rest."""
+        await asyncio.to_thread(self.root.mkdir, 0o700, True, True)
+        await asyncio.to_thread(os.chmod, self.root, 0o700)  # they hold sandboxes' memory and files
+        for folder in await asyncio.to_thread(lambda: sorted(self.root.iterdir())):
+            sb = self.core.table.find(folder.name)
+            if sb is None or sb.live is None:
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+                continue
+            recs = await asyncio.to_thread(_load_all, folder)
+            self.of[sb.id] = sorted(recs, key=lambda r: r.info.created_at)
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def _load_all(folder: Path) -> builtins.list[CheckpointRecord]:
+    out = []
+    for path in folder.iterdir():
+        try:
+            raw = json.loads((path / "checkpoint.json").read_text())
+            out.append(CheckpointRecord(CheckpointInfo.model_validate(raw["info"]), path, dict(raw["meta"])))
+        except (OSError, ValueError, KeyError, TypeError, ValidationError):
+            log.warning("checkpoint %s is unreadable: removing it", path)
+            shutil.rmtree(path, True)
+    return out

@@ -1,0 +1,157 @@
+"""Checkpoints and rollback in place: the same sandbox goes back to an earlier state (files, process
+memory, sessions with their cwd and env, background processes), keeps its isolation, and leaves
+nothing behind.
+
+How long a checkpoint and a rollback take is measured in bench/ (`checkpoint`), not asserted here.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from sandfleet import Client, Sandbox
+from sandfleet.errors import InvalidArgumentError, NotFoundError, WrongStateError
+
+from conftest import Daemon, serve_http, wait_until
+from leakcheck import residue
+
+JOB = {"job": "checkpoint-test"}
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
+
+
+def _count(sb: Sandbox) -> int:
+    out = sb.exec("cat /tmp/count").stdout.strip()
+    return int(out) if out else 0
+
+
+def test_a_rollback_brings_the_same_sandbox_back_to_its_checkpoint(fleet: Client) -> None:
+    with fleet.create(image="busybox", labels=JOB) as sb:
+        sb.files.write("/work/a.txt", "one")
+        shell = sb.session()
+        shell.run("cd /tmp && export MARK=before && HIDDEN=in-memory")  # HIDDEN lives in the shell only
+        counter = sb.start(COUNTER)
+        assert wait_until(lambda: _count(sb) > 5)
+        cp = sb.checkpoint(labels={"step": "1"})
+        assert cp.sandbox_id == sb.id and cp.labels == {"step": "1"} and cp.size_bytes > 0
+        at_checkpoint = _count(sb)
+
+        # The branch that is thrown away.
+        sb.files.write("/work/a.txt", "two")
+        sb.files.write("/work/b.txt", "new")
+        shell.run("cd / && export MARK=after && HIDDEN=changed")
+        late_shell = sb.session()
+        late = sb.start("sleep 1000")
+
+        result = sb.rollback(cp)
+        assert result.sandbox_id == sb.id and result.checkpoint_id == cp.id
+        assert result.dropped_sessions == [late_shell.id] and result.dropped_processes == [late.id]
+        assert sb.refresh().state == "running" and sb.info.id == result.sandbox_id
+        assert sb.files.read("/work/a.txt") == b"one"
+        assert not sb.files.exists("/work/b.txt")
+        assert shell.run('pwd; echo "$MARK $HIDDEN"').stdout == "/tmp\nbefore in-memory\n"
+        # The counter goes on from where it was, under the same handle.
+        assert at_checkpoint <= _count(sb) < at_checkpoint + 40
+        assert wait_until(lambda: _count(sb) > at_checkpoint + 5)
+        assert {p.id for p in sb.processes() if p.running} == {counter.id}
+        assert [s.id for s in sb.sessions()] == [shell.id]
+        with pytest.raises(NotFoundError):
+            late_shell.run("true")
+
+        # Back again, as often as a search needs.
+        sb.files.write("/work/a.txt", "three")
+        sb.rollback(cp.id)
+        assert sb.files.read("/work/a.txt") == b"one"
+        assert sb.exec("echo fine").stdout == "fine\n"
+        assert [c.id for c in sb.checkpoints()] == [cp.id]
+        events = [e.kind for e in sb.events()]
+        assert events.count("rolled_back") == 2 and "checkpoint" in events
+        sb.delete_checkpoint(cp)
+        assert sb.checkpoints() == []
+        with pytest.raises(NotFoundError):
+            sb.rollback(cp)
+    assert fleet.list(labels=JOB) == []
+
+
+def test_a_rolled_back_sandbox_keeps_its_isolation(fleet: Client) -> None:
+    """The restore that puts it back makes its namespaces anew: as unprivileged, and as closed off,
+    as they were."""
+    probe = (
+        "cat /proc/self/uid_map /proc/self/gid_map /proc/self/cgroup; ls /sys/class/net; ls /proc | grep -c '^[0-9]'"
+    )
+    with fleet.create(image="busybox", labels=JOB) as sb:
+        before = sb.exec(probe).stdout
+        sb.rollback(sb.checkpoint())
+        assert sb.exec(probe).stdout.split() == before.split()
+        assert sb.exec("cat /proc/self/uid_map").stdout.split() == ["0", "100000", "65536"]
+        assert all(line.endswith(":/") for line in sb.exec("cat /proc/self/cgroup").stdout.split())
+        scratch = sb.exec("ls /dev/.sandfleet 2>&1").stdout  # closed again before any of its code ran
+        assert "Permission denied" in scratch and "upper" not in scratch, scratch
+
+
+def _get(path: str) -> str:
+    """GET /index.html through an exposed port's unix socket on the node."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(b"GET /index.html HTTP/1.0\r\nHost: x\r\n\r\n")
+        return b"".join(iter(lambda: s.recv(65536), b"")).decode(errors="replace")
+
+
+def test_a_server_and_its_exposed_port_come_back_with_the_rollback(fleet: Client) -> None:
+    """A listening TCP socket is in the checkpoint (criu 4.1 on kernels >= 6.16 needs the shim's
+    help for it); the port stays exposed across the rollback, to the restored server."""
+    with fleet.create(image="python", labels=JOB) as sb:
+        serve_http(sb, 8000, "before")
+        [port] = sb.ports()
+        cp = sb.checkpoint()
+        sb.files.write("/srv/index.html", b"after")
+        assert _get(port.socket).endswith("after")
+        sb.rollback(cp)
+        assert [p.port for p in sb.ports()] == [8000]
+        assert wait_until(lambda: _get(port.socket).endswith("before"), 10)
+
+
+def test_bad_checkpoint_calls_are_typed(fleet: Client) -> None:
+    with fleet.create(image="busybox", labels=JOB) as sb:
+        with pytest.raises(NotFoundError):
+            sb.rollback("cp-nope")
+        with pytest.raises(NotFoundError):
+            sb.delete_checkpoint("cp-nope")
+        with pytest.raises(InvalidArgumentError):
+            sb.rollback("x" * 5000)
+        term = sb.terminal("sh")
+        try:
+            with pytest.raises(WrongStateError, match="terminal"):
+                sb.checkpoint()
+        finally:
+            term.close()
+    with fleet.create(image="busybox", labels=JOB) as other, fleet.create(image="busybox", labels=JOB) as sb:
+        cp = other.checkpoint()
+        with pytest.raises(NotFoundError):  # another sandbox's checkpoint is no state of this one
+            sb.rollback(cp)
+    assert fleet.list(labels=JOB) == []
+
+
+def test_checkpoints_go_with_their_sandbox_and_leave_nothing(own_daemon: Daemon) -> None:
+    d = own_daemon
+    d.start()
+    with d.client() as fleet:
+        fleet.build_image("busybox")
+        baseline = residue(d)
+        sb = fleet.create(image="busybox", labels=JOB)
+        sb.start("sleep 1000")
+        cp = sb.checkpoint()
+        sb.exec("echo x > /tmp/x")
+        sb.rollback(cp)
+        sb.checkpoint()
+        assert len(list((d.state_dir / "checkpoints" / sb.id).iterdir())) == 2
+        assert (d.state_dir / "checkpoints").stat().st_mode & 0o777 == 0o700  # memory and files: root only
+        sb.stop()
+        assert wait_until(lambda: not (d.state_dir / "checkpoints" / sb.id).exists(), 10)
+        deadline = time.time() + 30
+        while time.time() < deadline and residue(d) != baseline:
+            time.sleep(0.2)
+        assert residue(d) == baseline
