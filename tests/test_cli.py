@@ -1,4 +1,5 @@
-"""The `sandfleet` command line against a real daemon: create, exec, shell, ls, rm, images, doctor, demo."""
+"""The `sandfleet` command line against a real daemon: create, exec, shell, ls, rm, checkpoints, images, doctor,
+demo."""
 
 from __future__ import annotations
 
@@ -64,6 +65,51 @@ def test_errors_are_typed_and_brief(daemon: Daemon) -> None:
     env = dict(os.environ, SANDFLEET_SOCKET="/nonexistent/sandfleet.sock")
     r = subprocess.run([sys.executable, "-m", "sandfleet", "ls"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "unavailable" in r.stderr
+
+
+def test_checkpoint_rollback_and_delete(daemon: Daemon) -> None:
+    """checkpoint, checkpoints, rollback (the file is back, a later session dropped), delete-checkpoint;
+    a bad or deleted checkpoint id is a typed error and exit 2."""
+    sid = sf(daemon, "create", "--image", "busybox", "--memory", "128MiB", "--label", "who=cli-cp").stdout.strip()
+    assert sid.startswith("sb-")
+    try:
+        assert sf(daemon, "exec", sid, "echo before > /tmp/f").returncode == 0
+        r = sf(daemon, "checkpoint", sid, "--label", "step=1", "--label", "k=v")
+        assert r.returncode == 0, r.stderr
+        m = re.fullmatch(r"(cp-\S+)  \(\d+\.\d MiB, \d+\.\d{3} s\)\n", r.stdout)
+        assert m, r.stdout
+        cp = m.group(1)
+
+        r = sf(daemon, "checkpoints", sid)
+        assert r.returncode == 0, r.stderr
+        row = next(line for line in r.stdout.splitlines() if cp in line)
+        assert "step=1,k=v" in row and "MiB" in row, r.stdout
+        assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", row), row
+
+        assert sf(daemon, "exec", sid, "echo after > /tmp/f").returncode == 0
+        with daemon.client() as fleet:  # a session opened after the checkpoint: the rollback drops it
+            session = fleet.get(sid).session()
+        r = sf(daemon, "rollback", sid, cp)
+        assert r.returncode == 0, r.stderr
+        want = rf"{sid} back to {cp}  \(\d+\.\d{{3}} s\); dropped: sessions {session.id}\n"
+        assert re.fullmatch(want, r.stdout), r.stdout
+        assert sf(daemon, "exec", sid, "cat /tmp/f").stdout == "before\n"
+
+        r = sf(daemon, "delete-checkpoint", sid, cp)
+        assert r.returncode == 0 and r.stdout == f"{cp}\n", r.stdout + r.stderr
+        assert cp not in sf(daemon, "checkpoints", sid).stdout
+
+        for bad in (cp, "cp-nope"):
+            r = sf(daemon, "rollback", sid, bad)
+            assert r.returncode == 2 and "not_found" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        r = sf(daemon, "delete-checkpoint", sid, "cp-nope")
+        assert r.returncode == 2 and "not_found" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        r = sf(daemon, "checkpoint", sid, "--label", "novalue")
+        assert r.returncode != 0 and "KEY=VALUE" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        sf(daemon, "rm", sid)
+    r = sf(daemon, "checkpoints", sid)  # its checkpoints went with it
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
 
 
 def test_images_and_doctor(daemon: Daemon) -> None:

@@ -1,5 +1,5 @@
-"""`sandfleet` command line: serve, gateway, cluster, create, exec, shell, ls, rm, pause, resume, images,
-doctor, demo."""
+"""`sandfleet` command line: serve, gateway, cluster, create, exec, shell, ls, rm, pause, resume, network,
+audit, snapshot, pack, fork, checkpoint, checkpoints, rollback, delete-checkpoint, images, doctor, demo."""
 
 from __future__ import annotations
 
@@ -373,6 +373,83 @@ def fork(
                 err_console.print(f"[red]error[/red] ({r.code}): {r.message}")
             else:
                 console.print(r.id)
+
+
+# -- checkpoints (in place) -----------------------------------------------------------------------
+
+
+@app.command()
+def checkpoint(
+    sandbox_id: str,
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE for the checkpoint, repeatable")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Checkpoint a sandbox to roll it back to later (processes, memory, files, sessions) and print the
+    checkpoint's id; it keeps running. Its checkpoints go when it stops."""
+    labels = _pairs(label, "label")
+    with _client(socket) as fleet:
+        try:
+            cp = fleet.get(sandbox_id).checkpoint(labels=labels)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+        console.print(f"{cp.id}  ({cp.size_bytes / 2**20:.1f} MiB, {cp.seconds:.3f} s)")
+
+
+@app.command()
+def checkpoints(sandbox_id: str, socket: SocketOpt = None) -> None:
+    """List a sandbox's checkpoints, oldest first."""
+    with _client(socket) as fleet:
+        try:
+            items = fleet.get(sandbox_id).checkpoints()
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+    table = Table("ID", "CREATED", "SIZE", "SECONDS", "LABELS")
+    for cp in items:
+        table.add_row(
+            cp.id,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(cp.created_at)),
+            f"{cp.size_bytes / 2**20:.1f}MiB",
+            f"{cp.seconds:.3f}",
+            ",".join(f"{k}={v}" for k, v in cp.labels.items()),
+        )
+    console.print(table)
+
+
+@app.command()
+def rollback(
+    sandbox_id: str,
+    checkpoint_id: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="one of the sandbox's checkpoints")],
+    socket: SocketOpt = None,
+) -> None:
+    """Put a sandbox back to a checkpoint, in place; print what was dropped (sessions and background
+    processes started after it) and how long it took."""
+    with _client(socket) as fleet:
+        try:
+            r = fleet.get(sandbox_id).rollback(checkpoint_id)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
+    dropped = [f"sessions {', '.join(r.dropped_sessions)}"] if r.dropped_sessions else []
+    dropped += [f"processes {', '.join(r.dropped_processes)}"] if r.dropped_processes else []
+    console.print(
+        f"{r.sandbox_id} back to {r.checkpoint_id}  ({r.seconds:.3f} s); dropped: {'; '.join(dropped) or 'nothing'}"
+    )
+
+
+@app.command()
+def delete_checkpoint(
+    sandbox_id: str,
+    checkpoint_ids: Annotated[list[str], typer.Argument(metavar="CHECKPOINT", help="checkpoints of the sandbox")],
+    socket: SocketOpt = None,
+) -> None:
+    """Delete checkpoints of a sandbox; print each id deleted."""
+    with _client(socket) as fleet:
+        try:
+            sb = fleet.get(sandbox_id)
+            for cid in checkpoint_ids:
+                sb.delete_checkpoint(cid)
+                console.print(cid)
+        except SandboxError as exc:
+            raise _fail(exc) from exc
 
 
 # -- doctor ---------------------------------------------------------------------------------------
