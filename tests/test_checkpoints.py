@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from sandfleet import Client, Sandbox
-from sandfleet.errors import InvalidArgumentError, NotFoundError, WrongStateError
+from sandfleet import Client, Sandbox, SandboxSpec
+from sandfleet.errors import DataLossError, InvalidArgumentError, NotFoundError, UnavailableError, WrongStateError
 
 from conftest import Daemon, serve_http, wait_until
 from leakcheck import residue
@@ -136,22 +136,89 @@ def test_bad_checkpoint_calls_are_typed(fleet: Client) -> None:
 
 
 def test_checkpoints_go_with_their_sandbox_and_leave_nothing(own_daemon: Daemon) -> None:
+    """Checkpoints outlive a daemon SIGKILL with their sandbox; a damaged one fails its rollback with
+    a typed error and the sandbox it could not put back is stopped; nothing is left either way."""
     d = own_daemon
     d.start()
+    folder = d.state_dir / "checkpoints"
     with d.client() as fleet:
-        fleet.build_image("busybox")
         baseline = residue(d)
         sb = fleet.create(image="busybox", labels=JOB)
         sb.start("sleep 1000")
         cp = sb.checkpoint()
         sb.exec("echo x > /tmp/x")
         sb.rollback(cp)
-        sb.checkpoint()
-        assert len(list((d.state_dir / "checkpoints" / sb.id).iterdir())) == 2
-        assert (d.state_dir / "checkpoints").stat().st_mode & 0o777 == 0o700  # memory and files: root only
+        second = sb.checkpoint()
+        assert len(list((folder / sb.id).iterdir())) == 2
+        assert folder.stat().st_mode & 0o777 == 0o700  # memory and files: root only
+        d.kill()
+        time.sleep(0.3)
+        d.start()
+        assert [c.id for c in sb.checkpoints()] == [cp.id, second.id]
+        sb.rollback(cp)
+        assert sb.exec("test -e /tmp/x").exit_code == 1
         sb.stop()
-        assert wait_until(lambda: not (d.state_dir / "checkpoints" / sb.id).exists(), 10)
+        assert wait_until(lambda: not (folder / sb.id).exists(), 10)
+
+        damaged = fleet.create(image="busybox", labels=JOB)
+        bad = damaged.checkpoint()
+        damaged.exec("echo kept > /tmp/kept")
+        # Emptied images (a full disk, a partial copy): refused before the sandbox is taken down
+        # (criu would hang on them rather than fail).
+        images = folder / damaged.id / bad.id / "img"
+        pages = sorted(images.glob("pages-*.img"))
+        for p in pages:
+            p.write_bytes(b"")
+        with pytest.raises(DataLossError, match="damaged"):
+            damaged.rollback(bad)
+        assert damaged.exec("cat /tmp/kept").stdout == "kept\n"  # untouched, still running
+        # Images damaged in place, sizes kept: criu fails, and the sandbox it could not put back is stopped.
+        worse = damaged.checkpoint()
+        inventory = folder / damaged.id / worse.id / "img" / "inventory.img"
+        inventory.write_bytes(b"\xff" * inventory.stat().st_size)
+        t0 = time.monotonic()
+        with pytest.raises(UnavailableError, match="could not be rolled back"):
+            damaged.rollback(worse)
+        assert time.monotonic() - t0 < 20
+        with pytest.raises(NotFoundError, match="rollback failed"):
+            damaged.refresh()
+        assert wait_until(lambda: not (folder / damaged.id).exists(), 10)
         deadline = time.time() + 30
         while time.time() < deadline and residue(d) != baseline:
             time.sleep(0.2)
         assert residue(d) == baseline
+
+
+def test_checkpoint_and_rollback_steps_are_taken_once_across_a_daemon_sigkill(own_daemon: Daemon) -> None:
+    """A trajectory's checkpoint and rollback are steps: replayed by a restarted trainer after the
+    daemon was SIGKILLed, they answer what was recorded and roll nothing back a second time; the
+    checkpoint outlives the daemon with its sandbox and is still good to go back to."""
+    d = own_daemon
+    d.start()
+    spec = SandboxSpec(image="busybox", idle_ttl=300, labels=JOB)
+    with d.client(timeout=60) as fleet:
+        traj = fleet.trajectory("cp-steps", spec)
+        traj.exec("echo 1 > /state")
+        cp = traj.checkpoint(labels={"node": "root"})
+        traj.exec("echo 2 > /state")
+        assert traj.rollback(cp).checkpoint_id == cp
+        traj.exec("echo 3 >> /state")
+        d.kill()
+        time.sleep(0.3)
+        d.start()
+
+        again = fleet.trajectory("cp-steps", spec)  # the trainer, restarted, replays its rollout
+        again.exec("echo 1 > /state")
+        assert again.checkpoint(labels={"node": "root"}) == cp and again.last is not None and again.last.replayed
+        again.exec("echo 2 > /state")
+        assert again.rollback(cp).replayed
+        again.exec("echo 3 >> /state")
+        assert again.exec("cat /state").stdout == "1\n3\n"  # a new step: nothing ran twice
+        assert [s.kind for s in again.steps()] == ["exec", "checkpoint", "exec", "rollback", "exec", "exec"]
+        assert again.sandbox is not None
+        assert [c.id for c in again.sandbox.checkpoints()] == [cp]
+        again.rollback(cp)
+        assert again.exec("cat /state").stdout == "1\n"
+        again.close()
+        again.delete()
+    assert wait_until(lambda: not any((d.state_dir / "checkpoints").iterdir()), 10)

@@ -31,7 +31,7 @@ from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox
 from sandfleet.daemon.node.pausing import Pauser
-from sandfleet.daemon.node.snapshots import Snapshots
+from sandfleet.daemon.node.snapshots import Snapshots, check_intact
 from sandfleet.errors import NotFoundError, ResourceExhaustedError, SandboxError, UnavailableError, WrongStateError
 from sandfleet.ids import new_id
 from sandfleet.images import fsutil
@@ -150,6 +150,7 @@ class Checkpoints:
         tier = self._tier(sb, "roll a sandbox back")
         async with self.pauser.holding(sandbox_id) as (sb, live):
             rec = self._record(sandbox_id, checkpoint_id)
+            await asyncio.to_thread(check_intact, rec.path, rec.meta)  # before the sandbox is taken down
             task = asyncio.ensure_future(self._replace(sb, live, tier, rec))
             dropped_sessions, dropped_processes = await asyncio.shield(task)
         seconds = time.perf_counter() - t0

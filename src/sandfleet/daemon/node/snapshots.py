@@ -33,6 +33,7 @@ from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.sessions import Sessions
 from sandfleet.daemon.node.state import StateDiskFullError
 from sandfleet.errors import (
+    DataLossError,
     InternalError,
     InvalidArgumentError,
     ResourceExhaustedError,
@@ -89,6 +90,25 @@ def _load_snapshot(path: Path, now: float) -> SnapshotRecord | None:
         return None if spec is None else SnapshotRecord(info, path, spec, dict(record["meta"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _image_sizes(path: Path) -> dict[str, int]:
+    """The sizes of a snapshot's image files (those in `path` and its `img/`), for `check_intact`."""
+    files = [p for d in (path, path / "img") if d.is_dir() for p in d.iterdir() if p.is_file()]
+    return {str(p.relative_to(path)): p.stat().st_size for p in files}
+
+
+def check_intact(path: Path, meta: dict[str, Any]) -> None:
+    """Refuse images that are not as they were taken (truncated, emptied, gone: a full disk, a
+    partial copy) before anything is restored from them: criu may hang on such images rather than
+    fail. Snapshots taken before sizes were kept are not checked."""
+    for rel, size in dict(meta.get("sizes") or {}).items():
+        try:
+            now = (path / rel).stat().st_size
+        except OSError:
+            now = -1
+        if now != size:
+            raise DataLossError(f"the images are damaged: {rel} is {now} bytes, it was {size} when taken")
 
 
 def _scrub(root: Path, rel: str) -> None:
@@ -221,6 +241,7 @@ class Snapshots:
             raise unsupported(tier, "snapshot or fork a sandbox")
         inherit = self._inheritance(sb)
         meta = await tier.snapshot(live, path)
+        meta["sizes"] = await asyncio.to_thread(_image_sizes, path)
         meta["keep_execs"] = [s["exec_id"] for s in inherit["sessions"]]
         meta["keep_execs"] += [p["exec_id"] for p in inherit["processes"]]
         meta["inherit"] = inherit
@@ -465,6 +486,7 @@ class Snapshots:
                 log.exception("restore of %s failed", rec.info.id)
                 return InternalError(f"restore failed: {exc}"[:300])
 
+        await asyncio.to_thread(check_intact, rec.path, rec.meta)
         rec.restoring += 1
         try:
             async with asyncio.TaskGroup() as tg:
