@@ -550,3 +550,27 @@ def test_fork(busy: tuple[Sandbox, object], tier: Tier, fleet: Client) -> None:
         for c in children:
             if not isinstance(c, Exception):
                 c.stop()
+
+
+def test_checkpoint_and_rollback(busy: tuple[Sandbox, object], tier: Tier) -> None:
+    """The same sandbox goes back to a checkpoint: files and its background process as they were,
+    and a second checkpoint after the rollback works (a search goes on from where it went back)."""
+    tier.needs("snapshot")
+    sb, p = busy
+    sb.exec("echo before > /tmp/state")
+    cp = sb.checkpoint()
+    sb.exec("echo after > /tmp/state && echo new > /tmp/new")
+    result = sb.rollback(cp)
+    assert result.sandbox_id == sb.id and result.checkpoint_id == cp.id
+    assert sb.exec("cat /tmp/state; test -e /tmp/new || echo gone").stdout == "before\ngone\n"
+    assert p.wait(timeout=0).running  # type: ignore[attr-defined]  # the same handle, still running
+    if tier.name == "vm":  # its disk now lies on the checkpoint's copy: not checkpointed again (yet)
+        with pytest.raises(WrongStateError, match="vm tier does not"):
+            sb.checkpoint()
+        return
+    again = sb.checkpoint()
+    sb.exec("echo later > /tmp/state")
+    sb.rollback(again)
+    assert sb.exec("cat /tmp/state").stdout == "before\n"
+    assert [c.id for c in sb.checkpoints()] == [cp.id, again.id]
+

@@ -49,8 +49,11 @@ class VMSnapshots(VMMachines):
         if not isinstance(runtime.get("vm"), dict):
             raise WrongStateError(f"sandbox {sandbox.id} was started before snapshots of this tier (an upgrade)")
         if self.full and runtime.get("restored"):
+            # Its disk is an overlay on its snapshot's frozen copy: a copy of it would need that one.
             raise WrongStateError(
-                f"sandbox {sandbox.id} was itself restored from a snapshot: snapshot or fork its source instead"
+                f"sandbox {sandbox.id} was restored from a snapshot or rolled back, and the vm tier does not "
+                "snapshot or checkpoint such a VM yet: do it on the sandbox it came from, before a rollback, "
+                "or use the microvm tier"
             )
         vm = self._vms.get(sandbox.id)
         if vm is None or vm.relay is None or not self._is(runtime.get("qemu_pid"), runtime.get("qemu_start_time")):
