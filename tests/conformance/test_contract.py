@@ -573,4 +573,3 @@ def test_checkpoint_and_rollback(busy: tuple[Sandbox, object], tier: Tier) -> No
     sb.rollback(again)
     assert sb.exec("cat /tmp/state").stdout == "before\n"
     assert [c.id for c in sb.checkpoints()] == [cp.id, again.id]
-
