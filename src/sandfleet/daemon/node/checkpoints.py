@@ -31,7 +31,8 @@ from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox
 from sandfleet.daemon.node.pausing import Pauser
-from sandfleet.daemon.node.snapshots import Snapshots, check_intact
+from sandfleet.daemon.node.snapshot_files import check_intact, write_json
+from sandfleet.daemon.node.snapshots import Snapshots
 from sandfleet.errors import NotFoundError, ResourceExhaustedError, SandboxError, UnavailableError, WrongStateError
 from sandfleet.ids import new_id
 from sandfleet.images import fsutil
@@ -105,7 +106,7 @@ class Checkpoints:
                     labels=labels or {},
                 )
                 record = {"info": info.model_dump(mode="json"), "meta": meta}
-                await asyncio.to_thread(_write_json, path / "checkpoint.json", record)
+                await asyncio.to_thread(write_json, path / "checkpoint.json", record)
                 if sb.state != RUNNING:  # stopped meanwhile (stop does not wait for the freeze lock)
                     raise WrongStateError(f"sandbox {sandbox_id} stopped while its checkpoint was taken")
             except BaseException:
@@ -218,12 +219,6 @@ class Checkpoints:
                 continue
             recs = await asyncio.to_thread(_load_all, folder)
             self.of[sb.id] = sorted(recs, key=lambda r: r.info.created_at)
-
-
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
 
 
 def _load_all(folder: Path) -> builtins.list[CheckpointRecord]:

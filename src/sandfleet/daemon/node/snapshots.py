@@ -17,23 +17,28 @@ import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
 from sandfleet.backends.base import LiveSandbox, Packable, Snapshottable, offers, unsupported
-from sandfleet.daemon.node.core import NodeCore, lenient_spec, log
+from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.creation import Creation
 from sandfleet.daemon.node.execs import Execs
 from sandfleet.daemon.node.image_service import Images, image_info
 from sandfleet.daemon.node.lifecycle import PAUSED, RUNNING, BackgroundProcess, Sandbox, Session
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.sessions import Sessions
+from sandfleet.daemon.node.snapshot_files import (
+    SnapshotRecord,
+    check_intact,
+    image_sizes,
+    load_snapshot,
+    write_json,
+)
 from sandfleet.daemon.node.state import StateDiskFullError
 from sandfleet.errors import (
-    DataLossError,
     InternalError,
     InvalidArgumentError,
     ResourceExhaustedError,
@@ -45,17 +50,6 @@ from sandfleet.errors import (
 from sandfleet.ids import new_id
 from sandfleet.images import ImageManifest, InvalidRefError, LayerRef, fsutil, parse_ref
 from sandfleet.models import ExecRequest, ImageInfo, SandboxInfo, SandboxSpec, SnapshotInfo, shown
-
-
-@dataclass
-class SnapshotRecord:
-    info: SnapshotInfo
-    path: Path
-    spec: SandboxSpec  # of the sandbox it was taken from: what a restore starts
-    meta: dict[str, Any]  # the backend's, for restore
-    restoring: int = 0
-    deleted: bool = False  # asked to go; its files go once no restore reads them
-
 
 MAX_SNAPSHOTS_PER_SANDBOX = 256
 
@@ -79,38 +73,6 @@ def inside_path(path: str) -> str:
     return norm
 
 
-def _load_snapshot(path: Path, now: float) -> SnapshotRecord | None:
-    """A snapshot from its directory (its snapshot.json), unless unreadable or expired."""
-    try:
-        record = json.loads((path / "snapshot.json").read_text())
-        info = SnapshotInfo.model_validate(record["info"])
-        if info.id != path.name or (info.expires_at is not None and info.expires_at <= now):
-            return None
-        spec = lenient_spec(record["spec"])
-        return None if spec is None else SnapshotRecord(info, path, spec, dict(record["meta"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _image_sizes(path: Path) -> dict[str, int]:
-    """The sizes of a snapshot's image files (those in `path` and its `img/`), for `check_intact`."""
-    files = [p for d in (path, path / "img") if d.is_dir() for p in d.iterdir() if p.is_file()]
-    return {str(p.relative_to(path)): p.stat().st_size for p in files}
-
-
-def check_intact(path: Path, meta: dict[str, Any]) -> None:
-    """Refuse images that are not as they were taken (truncated, emptied, gone: a full disk, a
-    partial copy) before anything is restored from them: criu may hang on such images rather than
-    fail. Snapshots taken before sizes were kept are not checked."""
-    for rel, size in dict(meta.get("sizes") or {}).items():
-        try:
-            now = (path / rel).stat().st_size
-        except OSError:
-            now = -1
-        if now != size:
-            raise DataLossError(f"the images are damaged: {rel} is {now} bytes, it was {size} when taken")
-
-
 def _scrub(root: Path, rel: str) -> None:
     """Drop `rel` from a copied writable layer, never following a symlink the sandbox made."""
     parts = rel.split("/")
@@ -124,12 +86,6 @@ def _scrub(root: Path, rel: str) -> None:
         shutil.rmtree(final)
     elif os.path.lexists(final):
         final.unlink()
-
-
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
 
 
 class Snapshots:
@@ -211,7 +167,7 @@ class Snapshots:
                     project=sb.spec.project,
                 )
                 record = {"info": info.model_dump(mode="json"), "spec": sb.spec.model_dump(mode="json"), "meta": meta}
-                await asyncio.to_thread(_write_json, path / "snapshot.json", record)
+                await asyncio.to_thread(write_json, path / "snapshot.json", record)
                 if sb.state != RUNNING:  # stopped meanwhile (stop does not wait for the pause lock)
                     raise WrongStateError(f"sandbox {sandbox_id} stopped while its snapshot was taken")
             except BaseException:
@@ -241,7 +197,7 @@ class Snapshots:
             raise unsupported(tier, "snapshot or fork a sandbox")
         inherit = self._inheritance(sb)
         meta = await tier.snapshot(live, path)
-        meta["sizes"] = await asyncio.to_thread(_image_sizes, path)
+        meta["sizes"] = await asyncio.to_thread(image_sizes, path)
         meta["keep_execs"] = [s["exec_id"] for s in inherit["sessions"]]
         meta["keep_execs"] += [p["exec_id"] for p in inherit["processes"]]
         meta["inherit"] = inherit
@@ -300,7 +256,7 @@ class Snapshots:
         rec = self.records.get(snapshot_id)
         if rec is None and self.snapshot_dir is not None and _SNAPSHOT_ID_RE.match(snapshot_id):
             # one another node (sharing snapshot_dir) took since this daemon started
-            rec = _load_snapshot(self.snapshot_dir / snapshot_id, time.time())
+            rec = load_snapshot(self.snapshot_dir / snapshot_id, time.time())
             if rec is not None:
                 self.records[snapshot_id] = rec
         if rec is None or rec.deleted:
@@ -349,7 +305,7 @@ class Snapshots:
         os.chmod(self.snapshot_dir, 0o700)
         now = time.time()
         for path in await asyncio.to_thread(lambda: sorted(self.snapshot_dir.iterdir()) if self.snapshot_dir else []):
-            rec = await asyncio.to_thread(_load_snapshot, path, now)
+            rec = await asyncio.to_thread(load_snapshot, path, now)
             if rec is not None:
                 self.records[rec.info.id] = rec
                 continue
