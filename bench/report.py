@@ -350,3 +350,121 @@ def machine_info() -> dict[str, Any]:
             "util-linux (nsenter)": version_of(["nsenter", "--version"]),
         },
     }
+
+
+def write_checkpoint_markdown(res: dict[str, Any], path: Path) -> None:
+    """`run.py --only checkpoint`: B1 / B2 for each image, then where the time went."""
+    m = res["meta"]
+    cfg = res["config"]
+    images = [res[k] for k in ("python", "busybox") if res.get(k)]
+    first = images[0] if images else {}
+    lines = [
+        f"# sandfleet checkpoint and rollback in place, {m['date']} (commit {m['sandfleet_commit']})",
+        "",
+        f"{m['nproc']} CPUs ({m['cpu']}), {m['mem_total_gib']} GiB, kernel {m['kernel']}, cgroup {m['cgroup']}, "
+        f"criu {m.get('criu') or '?'}. Load average at start / end: {m['loadavg_start']} / "
+        f"{m.get('loadavg_end', '?')}.",
+        "",
+        f"Produced by `python3 bench/run.py --only checkpoint`{' --quick' if cfg['quick'] else ''}; every figure and "
+        "round is also in `checkpoint.json`. One sandbox per image, with a session (`sb.session()`, cwd and a "
+        f"variable set), a background process (`sb.start(...)`: python holding {cfg['hold_mib']} MiB of random "
+        f"bytes, anonymous memory; `sleep` in busybox) and a repo of {first.get('repo_files', '?')} small files "
+        f"under /work/repo. Each round: one repo file edited through the session and {first.get('dirty_mib', '?')} MiB "
+        "written (`head -c ... /dev/urandom`), then **B1** `cp = sb.checkpoint()`; a change to throw away; then "
+        '**B2** `sb.rollback(cp); sb.exec("true")`; then a check that files, session and background process are '
+        f"the checkpoint's, and `sb.delete_checkpoint(cp)`. {cfg['rounds']} timed rounds after "
+        f"{cfg['warm_up_rounds']} warm-up. Wall times through the sync SDK over the daemon's unix socket; "
+        '"server" is the daemon\'s own `cp.seconds` / `RollbackResult.seconds` (the same figures as the '
+        "`checkpoint` / `rolled_back` journal events).",
+        "",
+        "## B1 / B2",
+        "",
+        "| image | memory (start / end) | B1 checkpoint p50 / p90 | B1 server (`cp.seconds`) p50 / p90 | size p50 "
+        "| B2 rollback + first exec p50 / p90 | rollback call p50 / p90 | rollback server p50 / p90 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pp(s: dict[str, Any]) -> str:
+        return f"{s['p50_ms']:.1f} / {s['p90_ms']:.1f} ms"
+
+    def row(label: str, cells: Sequence[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    def ms(x: Any) -> str:
+        return f"{x:.1f} ms" if isinstance(x, int | float) else "?"
+
+    for r in images:
+        row(
+            r["image"],
+            [
+                f"{r['memory_mib']:.0f} / {r['memory_mib_end']:.0f} MiB",
+                pp(r["checkpoint_client"]),
+                pp(r["checkpoint_server"]),
+                f"{r['size_mib_p50']:.1f} MiB",
+                pp(r["rollback_to_first_exec"]),
+                pp(r["rollback_call_client"]),
+                pp(r["rollback_server"]),
+            ],
+        )
+    header = ["", "| phase (p50 over the rounds) | " + " | ".join(r["image"] for r in images) + " |"]
+    header.append("|---|" + "---|" * len(images))
+    lines += ["", "## Where a checkpoint's time goes", ""]
+    lines += [
+        "From the checkpoint's files, which the daemon's steps create in order (the folder, the writable-layer "
+        "copy `fs/`, criu's `dump.log`, its images, `checkpoint.json`): birth and change times, stamped by the "
+        "kernel's coarse clock (a 4 ms tick here), so each phase is +-4 ms. criu's own figures are from its "
+        "`stats-dump` image (microseconds).",
+        *header,
+    ]
+    cps = [r.get("checkpoint_breakdown_p50") or {} for r in images]
+    for phase in (cps[0] if cps else {}).get("phases_ms", {}):
+        row(phase, [ms(c.get("phases_ms", {}).get(phase)) for c in cps])
+    row("sum of the phases", [ms(sum(c.get("phases_ms", {}).values())) for c in cps])
+    row("server total (`cp.seconds`)", [ms(r["checkpoint_server"]["p50_ms"]) for r in images])
+    row("client total", [ms(r["checkpoint_client"]["p50_ms"]) for r in images])
+    for key, label in (
+        ("frozen_us", "criu: tasks frozen by criu (its whole dump)"),
+        ("memdump_us", "criu: memory drained (parasite -> pipes)"),
+        ("memwrite_us", "criu: memory written to the images"),
+    ):
+        row(label, [ms(c.get("criu", {}).get(key, 0) / 1000) for c in cps])
+    row("criu: pages written", [str(c.get("criu", {}).get("pages_written", "?")) for c in cps])
+    reps = [r.get("copy_replay_ms") or {} for r in images]
+    row(
+        "the same `cp -a` replayed by the bench: to the checkpoints' fs / to a tmpfs",
+        [f"{ms(x.get('same_fs_as_checkpoints'))} / {ms(x.get('tmpfs'))}" for x in reps],
+    )
+    for key in (cps[0] if cps else {}).get("bytes", {}):
+        if key.startswith("files"):
+            row(key, [str(c.get("bytes", {}).get(key, "?")) for c in cps])
+        else:
+            row(f"size: {key}", [f"{c.get('bytes', {}).get(key, 0) / 2**20:.2f} MiB" for c in cps])
+    lines += ["", "## Where a rollback's time goes", ""]
+    lines += [
+        "From the call's wall clock, the new sandbox directory's birth, criu's `restore.log` (birth) and pid file "
+        "(written as the restore ends), and the call's return: +-4 ms each. criu's figures are from its "
+        "`stats-restore` image.",
+        *header,
+    ]
+    rbs = [r.get("rollback_breakdown_p50") or {} for r in images]
+    for phase in (rbs[0] if rbs else {}).get("phases_ms", {}):
+        row(phase, [ms(c.get("phases_ms", {}).get(phase)) for c in rbs])
+    row("rollback call, client", [ms(r["rollback_call_client"]["p50_ms"]) for r in images])
+    row(
+        "first exec after it",
+        [ms(r["rollback_to_first_exec"]["p50_ms"] - r["rollback_call_client"]["p50_ms"]) for r in images],
+    )
+    for key, label in (("forking_us", "criu: forking the tree"), ("restore_us", "criu: restoring it")):
+        row(label, [ms(c.get("criu", {}).get(key, 0) / 1000) for c in rbs])
+    row("criu: pages restored", [str(c.get("criu", {}).get("pages_restored", "?")) for c in rbs])
+    if res.get("targets"):
+        lines += ["", "## Targets (from the issue)", "", "| target | measured | met |", "|---|---|---|"]
+        for t in res["targets"]:
+            lines.append(f"| {t['target']} | {t['measured']:.1f} ms | {'yes' if t['met'] else '**no**'} |")
+    errors = sorted({e for r in images for e in r.get("timeline_errors", [])})
+    if errors:
+        lines += ["", "Breakdown not read in some rounds: " + "; ".join(f"`{e}`" for e in errors)]
+    if res.get("daemon_crashes"):
+        lines += ["", f"**The daemon crashed {len(res['daemon_crashes'])} time(s)**: see `checkpoint.json`."]
+    lines.append("")
+    path.write_text("\n".join(lines))

@@ -12,6 +12,12 @@ Measures
      exec latency into random idle sandboxes, daemon CPU while idle);
   5. a burst of concurrent creates through AsyncClient.
 
+    python bench/run.py --only checkpoint [--rounds 10]
+
+runs only the checkpoint scenario (`sb.checkpoint()` and `sb.rollback(cp)` of a python sandbox
+holding 200 MiB and of an idle busybox one, with where the time goes) and writes
+bench/results/checkpoint.json and checkpoint.md instead.
+
 Writes bench/results/latest.json and bench/results/latest.md and prints the tables. Everything it
 makes (daemon, sandboxes, peer containers, cgroups, temp dirs) is removed at the end, also on error.
 
@@ -48,11 +54,21 @@ from common import (
     remove_cgroup_tree,
     restart_if_dead,
     rss_kib,
+    version_of,
 )
 from peers import docker_skip_reason, peer_leftover_cleanup, peer_worker, stage_rootfs
-from report import build_tables, machine_info, print_tables, ratio, write_chart, write_markdown
+from report import (
+    build_tables,
+    machine_info,
+    print_tables,
+    ratio,
+    write_chart,
+    write_checkpoint_markdown,
+    write_markdown,
+)
 from sandfleet.errors import SandboxError
 from scenarios.burst import bench_burst
+from scenarios.checkpoint import CHECKPOINT_HOLD_MIB, CHECKPOINT_TARGETS_MS, bench_checkpoint, checkpoint_targets
 from scenarios.create import bench_create, bench_pooled_groups
 from scenarios.density import bench_density
 from scenarios.exec import bench_exec
@@ -67,6 +83,8 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="py-spy record the daemon during the create loop into this file")
     ap.add_argument("--no-peers", action="store_true", help="skip the peer runtimes")
     ap.add_argument("--results", type=Path, default=RESULTS, help="where latest.json / latest.md go")
+    ap.add_argument("--only", choices=["checkpoint"], help="run one scenario alone (its own results files)")
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds of --only checkpoint (after a warm-up)")
     ap.add_argument("--peer-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_worker:
@@ -75,6 +93,9 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench/run.py must run as root (the daemon and the peers create namespaces and cgroups)")
         return 2
+
+    if args.only == "checkpoint":
+        return run_checkpoint(args)
 
     q = args.quick
     n_create, n_exec, n_idle_exec, n_peer = (30, 100, 100, 30) if q else (100, 500, 500, 100)
@@ -320,6 +341,86 @@ def main() -> int:
         raise
     finally:
         cleanup(daemon, tmp, cgroups_to_remove, profiler, worker)
+
+
+def run_checkpoint(args: argparse.Namespace) -> int:
+    """`--only checkpoint`: B1 (checkpoint after a small change) and B2 (rollback to it, until the
+    next exec answers) for a python sandbox holding 200 MiB and for an idle busybox one (the floor).
+    Writes checkpoint.json and checkpoint.md."""
+
+    def on_term(signo: int, frame: object) -> None:
+        raise SystemExit(f"interrupted by signal {signo}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    tag = f"{os.getpid()}-{int(time.time())}"
+    tmp = Path(tempfile.mkdtemp(prefix="sandfleet-bench-"))
+    os.chmod(tmp, 0o755)
+    daemon_cg = f"/sfbench-daemon-{tag}"
+    labels = {"sfbench": tag}
+    rounds = 3 if args.quick else args.rounds
+    hold_mib = 64 if args.quick else CHECKPOINT_HOLD_MIB
+    res: dict[str, Any] = {
+        "meta": machine_info(),
+        "config": {"rounds": rounds, "warm_up_rounds": 1, "hold_mib": hold_mib, "quick": args.quick},
+        "targets_ms": CHECKPOINT_TARGETS_MS,
+    }
+    daemon: Daemon | None = None
+    try:
+        from sandfleet import Client
+
+        daemon = Daemon(tmp / "daemon", daemon_cg)
+        print(f"starting sandfleet daemon in {daemon.root}", flush=True)
+        daemon.start()
+        res["meta"]["criu"] = version_of([*criu_command(), "--version"])
+        with Client(daemon.socket, timeout=600) as fleet:
+            for image in ("python:3.11", "busybox"):
+                fleet.create(image=image, labels=labels).stop()  # builds / mounts the image once
+            res["python"] = run_one(
+                f"checkpoint: python:3.11 holding {hold_mib} MiB, x{rounds}",
+                lambda: bench_checkpoint(fleet, daemon, "python:3.11", rounds, labels, hold_mib),
+            )
+            res["busybox"] = run_one(
+                f"checkpoint: busybox, no memory load (the floor), x{rounds}",
+                lambda: bench_checkpoint(fleet, daemon, "busybox", rounds, labels, 0),
+            )
+        res["daemon_crashes"] = daemon.crashes
+        res["meta"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[0]
+        res["targets"] = checkpoint_targets(res)
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "checkpoint.json").write_text(json.dumps(res, indent=2) + "\n")
+        write_checkpoint_markdown(res, args.results / "checkpoint.md")
+        print((args.results / "checkpoint.md").read_text())
+        print(f"wrote {args.results / 'checkpoint.json'} and {args.results / 'checkpoint.md'}")
+        return 0
+    except BaseException:
+        if daemon is not None and daemon.process.started:
+            print("daemon log tail:\n" + daemon.log()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        cleanup(daemon, tmp, [daemon_cg], None, None)
+
+
+def run_one(title: str, fn: Any) -> dict[str, Any]:
+    print(title, flush=True)
+    out = fn()
+    cp, server = out["checkpoint_client"]["p50_ms"], out["checkpoint_server"]["p50_ms"]
+    print(
+        f"  checkpoint p50 {cp:.1f} ms (server {server:.1f}), "
+        f"rollback to first exec p50 {out['rollback_to_first_exec']['p50_ms']:.1f} ms, "
+        f"size {out['size_mib_p50']:.1f} MiB",
+        flush=True,
+    )
+    return out
+
+
+def criu_command() -> list[str]:
+    from sandfleet.backends.config import ContainerBackendConfig
+    from sandfleet.runtime.criu import Criu
+
+    try:
+        return Criu(ContainerBackendConfig().criu_root).command()
+    except Exception:
+        return ["criu"]
 
 
 def cleanup(
