@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ from sandfleet.models import CheckpointInfo, RollbackResult, shown
 # A search keeps its frontier as checkpoints; past this many the oldest goes (each is whole, so
 # dropping one loses nothing the others need).
 MAX_CHECKPOINTS = 32
+ROLLBACK_TIMEOUT = 300.0  # how long a rollback keeps its sandbox from its idle TTL, at most
 
 
 @dataclass
@@ -152,8 +154,12 @@ class Checkpoints:
         async with self.pauser.holding(sandbox_id) as (sb, live):
             rec = self._record(sandbox_id, checkpoint_id)
             await asyncio.to_thread(check_intact, rec.path, rec.meta)  # before the sandbox is taken down
-            task = asyncio.ensure_future(self._replace(sb, live, tier, rec))
-            dropped_sessions, dropped_processes = await asyncio.shield(task)
+            self.core.busy(sb, ROLLBACK_TIMEOUT)  # its idle TTL does not stop it meanwhile
+            try:
+                task = asyncio.ensure_future(self._replace(sb, live, tier, rec))
+                dropped_sessions, dropped_processes = await asyncio.shield(task)
+            finally:
+                self.core.idle_done(sb)
         seconds = time.perf_counter() - t0
         self.core.journal.record(sb.id, "rolled_back", {"checkpoint": checkpoint_id, "seconds": round(seconds, 4)})
         return RollbackResult(
@@ -206,7 +212,9 @@ class Checkpoints:
 
     def _stopped(self, sb: Sandbox) -> None:
         if self.of.pop(sb.id, None) is not None or (self.root / sb.id).exists():
-            self.core.spawn(asyncio.to_thread(shutil.rmtree, self.root / sb.id, True), name=f"checkpoints-{sb.id}")
+            remove = asyncio.to_thread(shutil.rmtree, self.root / sb.id, True)
+            with contextlib.suppress(UnavailableError):  # shutting down: the next start's `recover` removes them
+                self.core.spawn(remove, name=f"checkpoints-{sb.id}")
 
     async def recover(self) -> None:
         """Keep the checkpoints of the sandboxes this daemon runs again; remove the rest."""
