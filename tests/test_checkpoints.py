@@ -7,12 +7,13 @@ How long a checkpoint and a rollback take is measured in bench/ (`checkpoint`), 
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
 import pytest
 
-from sandfleet import Client, Sandbox, SandboxSpec
+from sandfleet import Client, Sandbox, SandboxError, SandboxSpec
 from sandfleet.errors import DataLossError, InvalidArgumentError, NotFoundError, UnavailableError, WrongStateError
 
 from conftest import Daemon, serve_http, wait_until
@@ -222,3 +223,37 @@ def test_checkpoint_and_rollback_steps_are_taken_once_across_a_daemon_sigkill(ow
         again.close()
         again.delete()
     assert wait_until(lambda: not any((d.state_dir / "checkpoints").iterdir()), 10)
+
+
+def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon) -> None:
+    """SIGKILL after the restore made the new processes, before they were recorded (a failpoint):
+    the restarted daemon does not adopt a half-made sandbox; it stops it and nothing is left."""
+    d = own_daemon
+
+    def start(crash: bool) -> None:
+        if crash:
+            os.environ["SANDFLEET_FAILPOINTS"] = "rollback_before_record"
+        try:
+            d.start()
+        finally:
+            os.environ.pop("SANDFLEET_FAILPOINTS", None)
+
+    start(crash=True)
+    with d.client(timeout=30) as fleet:
+        baseline = residue(d)
+        sb = fleet.create(image="busybox", labels=JOB)
+        sb.start("sleep 1000")
+        cp = sb.checkpoint()
+        with pytest.raises(SandboxError):
+            sb.rollback(cp)
+        assert wait_until(lambda: not d.process.alive(), 10)
+    start(crash=False)
+    with d.client(timeout=30) as fleet:
+        with pytest.raises(NotFoundError, match="lost in daemon restart"):
+            fleet.get(sb.id)
+        assert fleet.list(labels=JOB) == []
+        assert wait_until(lambda: not (d.state_dir / "checkpoints" / sb.id).exists(), 10)
+        deadline = time.time() + 30
+        while time.time() < deadline and residue(d) != baseline:
+            time.sleep(0.2)
+        assert residue(d) == baseline

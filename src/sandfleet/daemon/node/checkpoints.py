@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sandfleet.backends.base import LiveSandbox, Snapshottable, offers, unsupported
+from sandfleet.daemon import failpoints
 from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox
@@ -187,7 +188,11 @@ class Checkpoints:
         try:
             await self.core.tier(sb).destroy(live)
             self.networking.detach(sb)
+            # No agent to adopt until the restore is recorded: a daemon that dies meanwhile finds a
+            # half-made sandbox, and its restart cleans up whatever is in its cgroup.
+            await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
             new = await tier.restore(sb.id, sb.spec, rec.path, rec.meta)
+            failpoints.hit("rollback_before_record")
         except SandboxError as exc:
             log.warning("rollback of %s to %s failed: %s", sb.id, rec.info.id, exc)
             await self.core.stop(sb.id, reason=f"rollback failed: {exc.message}"[:200])

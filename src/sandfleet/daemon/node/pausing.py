@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from sandfleet.backends.base import LiveSandbox, Pausable, unsupported
 from sandfleet.daemon.node.core import NodeCore, is_busy, log
 from sandfleet.daemon.node.lifecycle import PAUSED, RUNNING, Sandbox
-from sandfleet.errors import SandboxError, WrongStateError
+from sandfleet.errors import SandboxError, UnavailableError, WrongStateError
 from sandfleet.models import SandboxInfo
 
 
@@ -50,6 +50,8 @@ class Pauser:
 
     def running(self, sandbox_id: str) -> tuple[Sandbox, LiveSandbox]:
         sb = self.core.sandbox(sandbox_id)
+        if sb.state == RUNNING and sb.live is None:  # between its old and its new processes
+            raise UnavailableError(f"sandbox {sandbox_id} is being rolled back: try again")
         if sb.state != RUNNING or sb.live is None:
             raise WrongStateError(f"sandbox {sandbox_id} is {sb.state}, not running")
         return sb, sb.live
