@@ -493,7 +493,8 @@ def demo(
         str,
         typer.Option(
             help="more-itertools: a real task (a bug in more-itertools from PyPI, graded by its hidden suite, "
-            "16-rollout groups forked from a set-up state); toy: a few turns on a one-line bug"
+            "16-rollout groups forked from a set-up state); toy: a few turns on a one-line bug; search: a "
+            "best-first search on the same task, by checkpoint/rollback, by fork per node, by a fresh sandbox per node"
         ),
     ] = "more-itertools",
     groups: Annotated[
@@ -501,6 +502,7 @@ def demo(
     ] = None,
     group_size: Annotated[int | None, typer.Option(help="more-itertools: rollouts per group, at once [16]")] = None,
     sandboxes: Annotated[int | None, typer.Option(help="toy: parallel rollouts [8]")] = None,
+    expansions: Annotated[int | None, typer.Option(min=1, help="search: expansions per search, at most [24]")] = None,
     image: Annotated[str | None, typer.Option(help="toy: the image [python:3.11]")] = None,
     backend: Annotated[
         str,
@@ -512,22 +514,20 @@ def demo(
     socket: SocketOpt = None,
 ) -> None:
     """A demo rollout: start a daemon if none runs, then run RL rollouts on it (see --task)."""
+    from sandfleet import search_demo
     from sandfleet.daemon.node.process import DaemonProcess, DaemonStartError
     from sandfleet.demo import run_demo
 
-    if task not in ("more-itertools", "toy"):
-        err_console.print(f"[red]no task {task!r}: more-itertools or toy[/red]")
+    if task not in ("more-itertools", "toy", "search"):
+        err_console.print(f"[red]no task {task!r}: more-itertools, toy or search[/red]")
         raise typer.Exit(2)
     if backend not in typing.get_args(Backend):
         err_console.print(f"[red]no tier {backend!r}: {', '.join(typing.get_args(Backend))}[/red]")
         raise typer.Exit(2)
     # An option of the other task would be ignored: say so instead.
-    other = (
-        {"--groups": groups, "--group-size": group_size}
-        if task == "toy"
-        else {"--sandboxes": sandboxes, "--image": image}
-    )
-    given = [name for name, value in other.items() if value is not None]
+    own = {"toy": "--sandboxes --image", "more-itertools": "--groups --group-size", "search": "--expansions"}[task]
+    options = {"--groups": groups, "--group-size": group_size, "--sandboxes": sandboxes, "--image": image}
+    given = [k for k, v in {**options, "--expansions": expansions}.items() if v is not None and k not in own.split()]
     if given:
         err_console.print(f"[red]{', '.join(given)}: not an option of --task {task}[/red]")
         raise typer.Exit(2)
@@ -553,6 +553,8 @@ def demo(
         if task == "toy":
             n, ref = 8 if sandboxes is None else sandboxes, image or "python:3.11"
             ok = run_demo(console, sock, n, ref, backend=typing.cast(Backend, backend))
+        elif task == "search":
+            raise typer.Exit(search_demo.run_demo(console, err_console, sock, expansions or 24, backend))
         else:
             size = (1 if groups is None else groups, 16 if group_size is None else group_size)
             ok = _rl_demo(sock, *size, typing.cast(Backend, backend))
