@@ -206,6 +206,7 @@ FEW = [a for a in ACTIONS if a.name in ("read-issue", "patch->=", RIGHT)]
 EXPECTED = [("read-issue",), ("read-issue", "read-issue"), ("patch->=",), (RIGHT,)]
 
 
+@pytest.mark.slow  # ~12 s: three searches over the real task
 def test_each_strategy_finds_the_fix_through_the_same_tree(daemon: Daemon, fleet: Client) -> None:
     async def go() -> Any:
         async with AsyncClient(daemon.socket, timeout=120) as c:
