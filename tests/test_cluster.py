@@ -467,6 +467,7 @@ BODIES: dict[tuple[str, str], dict[str, object]] = {
     ("POST", "/v1/sandboxes/{sandbox_id}/run"): {"json": {"code": "print(1)"}},
     ("POST", "/v1/sandboxes/{sandbox_id}/verify"): {"json": {"command": "true"}},
     ("POST", "/v1/sandboxes/{sandbox_id}/pack"): {"json": {"image": "probe:a"}},
+    ("POST", "/v1/sandboxes/{sandbox_id}/rollback"): {"json": {"checkpoint_id": "{checkpoint_id}"}},
     ("POST", "/v1/sandboxes/{sandbox_id}/ports"): {"json": {"port": 8080}},
     ("PUT", "/v1/sandboxes/{sandbox_id}/network"): {"json": {"network": "none"}},
     ("PUT", "/v1/sandboxes/{sandbox_id}/files/content"): {"content": b"x"},
@@ -526,15 +527,18 @@ def test_another_projects_objects_answer_as_missing_through_every_gateway_route(
         session = sb.session(env={"S": secret})
         assert session.run("echo $S").stdout == secret + "\n"
         snap = sb.snapshot(labels={"note": secret})
+        checkpoint = sb.checkpoint(labels={"note": secret})
         traj = b.trajectory(f"b-traj-{tag}", SandboxSpec(image="busybox"), metadata={"note": secret})
         assert traj.exec(f"echo {secret}").stdout == secret + "\n"
     key = node_of(sb.id)
     theirs = {"sandbox_id": sb.id, "snapshot_id": snap.id, "trajectory_id": traj.id, "job": f"b-{tag}"}
+    theirs["checkpoint_id"] = checkpoint.id
     missing = {
         "sandbox_id": f"sb-{key}{secrets.token_hex(5)}",
         "snapshot_id": f"snap-{key}{secrets.token_hex(5)}",
         "trajectory_id": f"b-traj-{secrets.token_hex(4)}",
         "job": f"b-{secrets.token_hex(4)}",
+        "checkpoint_id": f"cp-{key}{secrets.token_hex(5)}",
     }
     both = {"process_id": proc.id, "session_id": session.id, "port": "8080", "path": "x", "ref": "busybox", "key": key}
 
@@ -599,6 +603,7 @@ def test_another_projects_objects_answer_as_missing_through_every_gateway_route(
     assert compared >= 60 and found_missing >= 0.8 * compared, (compared, found_missing)
     with cluster.client(1, TEAM_B) as b:  # B's own objects are untouched by all of that
         assert b.get(sb.id).exec("cat /tmp/secret").stdout == secret
+        assert [c.id for c in b.get(sb.id).checkpoints()] == [checkpoint.id]
         b.get_trajectory(traj.id).delete()
         b.delete_snapshot(snap.id)
         b.get(sb.id).stop()
