@@ -421,6 +421,7 @@ class Snapshots:
             try:
                 self.creation.check_backend(spec)
                 self.creation.admit(spec)
+                await asyncio.to_thread(check_intact, rec.path, rec.meta)  # each child answers on its own
                 info = await self.creation.start_admitted(
                     spec,
                     lambda sid: tier.restore(sid, spec, rec.path, rec.meta),
@@ -442,7 +443,6 @@ class Snapshots:
                 log.exception("restore of %s failed", rec.info.id)
                 return InternalError(f"restore failed: {exc}"[:300])
 
-        await asyncio.to_thread(check_intact, rec.path, rec.meta)
         rec.restoring += 1
         try:
             async with asyncio.TaskGroup() as tg:
