@@ -178,9 +178,9 @@ RULES = [
         ("sandfleet", "sandfleet.console"),
     ),
     (
-        "the RL adapters and the example task are SDK users, like anyone's trainer",
-        ("sandfleet.adapters", "sandfleet.rl_demo"),
-        ("sandfleet", "sandfleet.adapters", *SDK),
+        "the RL adapters and the example tasks are SDK users, like anyone's trainer",
+        ("sandfleet.adapters", "sandfleet.rl_demo", "sandfleet.search_demo"),
+        ("sandfleet", "sandfleet.adapters", "sandfleet.rl_demo", *SDK),
     ),
     (
         "a cluster gateway reaches nodes over HTTP only: never their service, a backend or the runtime",
