@@ -103,15 +103,7 @@ def main() -> int:
     n_burst, n_sustained = (100, 200) if q else (1000, 3000)
     burst_in_flight = 32
 
-    def on_term(signo: int, frame: object) -> None:
-        raise SystemExit(f"interrupted by signal {signo}")
-
-    signal.signal(signal.SIGTERM, on_term)
-
-    tag = f"{os.getpid()}-{int(time.time())}"
-    tmp = Path(tempfile.mkdtemp(prefix="sandfleet-bench-"))
-    os.chmod(tmp, 0o755)
-    daemon_cg = f"/sfbench-daemon-{tag}"
+    tag, tmp, daemon_cg = _begin()
     peer_cg = f"/sfbench-peers-{tag}"
     labels = {"sfbench": tag}
     # podman (cgroupfs manager) puts conmon under /libpod_parent: remove it afterwards if we made it
@@ -348,14 +340,7 @@ def run_checkpoint(args: argparse.Namespace) -> int:
     next exec answers) for a python sandbox holding 200 MiB and for an idle busybox one (the floor).
     Writes checkpoint.json and checkpoint.md."""
 
-    def on_term(signo: int, frame: object) -> None:
-        raise SystemExit(f"interrupted by signal {signo}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    tag = f"{os.getpid()}-{int(time.time())}"
-    tmp = Path(tempfile.mkdtemp(prefix="sandfleet-bench-"))
-    os.chmod(tmp, 0o755)
-    daemon_cg = f"/sfbench-daemon-{tag}"
+    tag, tmp, daemon_cg = _begin()
     labels = {"sfbench": tag}
     rounds = 3 if args.quick else args.rounds
     hold_mib = 64 if args.quick else CHECKPOINT_HOLD_MIB
@@ -398,6 +383,20 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         raise
     finally:
         cleanup(daemon, tmp, [daemon_cg], None, None)
+
+
+def _begin() -> tuple[str, Path, str]:
+    """What every run starts with: SIGTERM ends it through its cleanup; its tag, scratch directory
+    and the daemon's cgroup."""
+
+    def on_term(signo: int, frame: object) -> None:
+        raise SystemExit(f"interrupted by signal {signo}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    tag = f"{os.getpid()}-{int(time.time())}"
+    tmp = Path(tempfile.mkdtemp(prefix="sandfleet-bench-"))
+    os.chmod(tmp, 0o755)
+    return tag, tmp, f"/sfbench-daemon-{tag}"
 
 
 def run_one(title: str, fn: Any) -> dict[str, Any]:
