@@ -3,15 +3,18 @@ microvm tier (a container in a VM) and the vm tier (a full VM on a copy-on-write
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -358,6 +361,104 @@ def test_snapshot_restore_twice_at_once(vmd: tuple[Daemon, str], tier: str) -> N
         finally:
             sb.stop()
         assert wait_until(lambda: not _vm_residue(d, parent, tier), timeout=30), _vm_residue(d, parent, tier)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_microvm_creates_from_its_images_booted_template(vmd: tuple[Daemon, str]) -> None:
+    """A microvm create restores its image's booted template (built once, by the first create of
+    that image and size) instead of booting. The template's memory file is root's, bound read-only
+    into QEMU's jail, and never changes; each VM gets its own hostname, the host's clock and fresh
+    kernel entropy, and what one VM writes (into its guest RAM) no other VM sees."""
+    d, parent = vmd
+    templates = d.run_dir / "microvm-templates"
+    with d.client(timeout=300) as c:
+        spec = {"backend": "microvm", "image": "busybox", "resources": Resources(memory="160MiB")}
+        before = {p.name for p in templates.glob("*") if p.is_dir()}
+        t0 = time.monotonic()
+        a = c.create(**spec, hostname="alpha")
+        _measured(f"microvm first create of a size (boots its template): {time.monotonic() - t0:.2f}s")
+        try:
+            built = {p.name for p in templates.glob("*") if p.is_dir()} - before
+            assert len(built) == 1, built
+            tdir = templates / built.pop()
+            ram = tdir / "ram"
+            digest = _sha256(ram)
+            assert (ram.stat().st_uid, ram.stat().st_mode & 0o777) == (0, 0o644)
+            t0 = time.monotonic()
+            b = c.create(**spec)
+            assert b.exec("true").exit_code == 0
+            _measured(f"microvm create-to-first-exec from the template: {time.monotonic() - t0:.2f}s")
+            try:
+                assert {p.name for p in templates.glob("*") if p.is_dir()} - before == {tdir.name}
+                assert a.exec("hostname").stdout == "alpha\n"
+                assert b.exec("hostname").stdout == f"{b.id}\n"
+                for x in (a, b):
+                    assert abs(int(x.exec("date +%s").stdout) - time.time()) < 5
+                rand = [x.exec("head -c 16 /dev/urandom | od -An -tx1").stdout for x in (a, b)]
+                assert rand[0] != rand[1]
+                a.exec("echo a > /tmp/mine; dd if=/dev/urandom of=/tmp/big bs=1M count=8 2>/dev/null")
+                assert b.exec("cat /tmp/mine").exit_code != 0
+                assert a.exec("cat /tmp/mine").stdout == "a\n"
+                for x in (a, b):
+                    pid = _qemu_pid(parent, x.id)
+                    mounts = [m.split() for m in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+                    ram_mounts = [m for m in mounts if m[4] == "/vm/ram"]
+                    assert ram_mounts and "ro" in ram_mounts[0][5].split(","), ram_mounts
+                    assert os.stat(f"/proc/{pid}").st_uid != 0
+                # A snapshot of a VM from a template restores (into anonymous memory) with all it had.
+                snap = a.snapshot()
+                (child,) = c.restore(snap.id)
+                assert child.exec("cat /tmp/mine; hostname").stdout == "a\nalpha\n"
+                child.stop()
+                c.delete_snapshot(snap.id)
+            finally:
+                b.stop()
+        finally:
+            a.stop()
+        assert _sha256(ram) == digest
+        # A damaged template is built again, not used.
+        state = tdir / "state.bin"
+        size = state.stat().st_size
+        os.truncate(state, size // 2)
+        sb = c.create(**spec)
+        assert sb.exec("echo ok").stdout == "ok\n"
+        sb.stop()
+        assert state.stat().st_size > size // 2
+    assert wait_until(lambda: not _vm_residue(d, parent, "microvm"), timeout=30), _vm_residue(d, parent, "microvm")
+
+
+def test_a_daemon_killed_while_it_builds_a_template_leaves_nothing(vmd: tuple[Daemon, str]) -> None:
+    """SIGKILL while the first create of a size boots its template: after the restart neither the
+    builder VM (directory, cgroup, QEMU) nor a half-built template is left, and the create (the
+    SDK retries it with its idempotency key) builds the template afresh."""
+    d, parent = vmd
+    templates = d.run_dir / "microvm-templates"
+    spec = {"backend": "microvm", "image": "busybox", "resources": Resources(memory="176MiB")}
+    made: list[Any] = []
+
+    def create() -> None:
+        with d.client(timeout=300) as c:
+            made.append(c.create(**spec).id)
+
+    thread = threading.Thread(target=create)
+    thread.start()
+    assert wait_until(lambda: any((d.run_dir / "microvm").glob("template-*")), timeout=60)
+    time.sleep(1.0)  # its QEMU runs
+    d.kill()
+    builders = [p.name for p in (d.run_dir / "microvm").glob("template-*")]
+    d.start()
+    thread.join(300)
+    assert made, "the retried create did not answer"
+    assert not any((d.run_dir / "microvm" / b).exists() for b in builders)
+    assert not [p.name for p in templates.glob(".*") if p.is_dir()]
+    with d.client(timeout=300) as c:
+        sb = c.get(made[0])
+        assert sb.exec("echo ok").stdout == "ok\n"
+        sb.stop()
+    assert wait_until(lambda: not _vm_residue(d, parent, "microvm"), timeout=30), _vm_residue(d, parent, "microvm")
 
 
 def test_restore_of_incomplete_snapshot_fails_typed(vmd: tuple[Daemon, str]) -> None:

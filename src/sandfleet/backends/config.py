@@ -62,6 +62,11 @@ class VMBackendConfig(BaseModel):
     )
     cgroup_parent: str = Field("/sandfleet-vm", description="cgroup under which each QEMU's cgroup is made")
     start_timeout: float = Field(120.0, gt=0, description="seconds for QEMU to boot and the agent to say hello")
+    templates: bool = Field(
+        True,
+        description="microvm: a create restores a booted template of its image (built by the first create), "
+        "guest memory shared copy-on-write, instead of booting",
+    )
 
 
 class FncallBackendConfig(BaseModel):

@@ -1,4 +1,5 @@
-"""Building the agent and the launcher (agent.c, launcher.c) as static binaries, cached by source hash."""
+"""Building C sources the daemon runs (the agent, the launcher, vminit: static binaries; the criu and
+QEMU preload shims: shared objects), cached by source hash."""
 
 from __future__ import annotations
 
@@ -69,6 +70,29 @@ def _ready(cache_dir: Path, key: str, name: str) -> Path | None:
         if install_prebuilt(key, name, target):
             return target
     return None
+
+
+def build_shared(source_path: Path, cache_dir: Path, name: str) -> Path:
+    """Compile a C source to the shared object ``cache_dir/<hash>/<name>`` (content-addressed, reused;
+    a preload shim, built against the host's glibc)."""
+    key = hashlib.sha256(b"shared\0" + source_path.read_bytes()).hexdigest()[:16]
+    if found := _ready(cache_dir, key, name):
+        return found
+    target = cache_dir / key / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        argv = ["gcc", "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-o", tmp, str(source_path), "-ldl"]
+        res = subprocess.run(argv, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise AgentBuildError(f"gcc failed on {source_path.name} ({res.returncode}):\n{res.stderr}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic: concurrent builders write identical bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 def build_agent(cache_dir: Path) -> Path:

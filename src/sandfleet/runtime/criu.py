@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import os
 import re
 import stat
 import struct
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from sandfleet.runtime import proc
+from sandfleet.runtime.agent_build import build_shared
+from sandfleet.runtime.agent_errors import AgentBuildError
 from sandfleet.runtime.openat2 import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
-from sandfleet.runtime.prebuilt import install_prebuilt
 
 DEFAULT_ROOT = Path("/opt/sandfleet/criu")
 AGENT_FD = 4  # where the restorer finds the agent binary (the launcher's fd 4)
@@ -248,30 +246,10 @@ def build_shim(cache_dir: Path) -> Path:
     A shared object built against the host's glibc; criu's own (newer) glibc provides every symbol
     version it needs.
     """
-    source = SHIM_SOURCE.read_bytes()
-    key = hashlib.sha256(b"shared\0" + source).hexdigest()[:16]
-    target = cache_dir / key / SHIM_NAME
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if install_prebuilt(key, SHIM_NAME, target):
-        return target
-    fd, tmp = tempfile.mkstemp(prefix=".shim-", suffix=".so", dir=target.parent)
-    os.close(fd)
     try:
-        res = subprocess.run(
-            ["gcc", "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-o", tmp, str(SHIM_SOURCE)],
-            capture_output=True,
-            text=True,
-        )
-        if res.returncode != 0:
-            raise ShimBuildError(f"gcc failed on {SHIM_SOURCE.name} ({res.returncode}):\n{res.stderr}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: concurrent builders write identical bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        return build_shared(SHIM_SOURCE, cache_dir, SHIM_NAME)
+    except AgentBuildError as exc:
+        raise ShimBuildError(str(exc)) from exc
 
 
 # -- what a restore would create by path ----------------------------------------------------------------

@@ -33,15 +33,20 @@ while the VM is stopped (a frozen disk over the base, which must still exist). E
 is a VM of its own (directory, uid, cgroup, sockets) started with -incoming, fed the stream, with
 an overlay of its own over the snapshot's disk; the parent resumes and keeps running.
 
-Not done yet: snapshots of a restored vm-tier VM (its disk chain would need the parent snapshot's
-disk); removing base disks of images that are gone (they are a cache under the
-state dir).
+Booted templates (templates.py, microvm): the first create of an image boots a template VM whose RAM
+is a file and saves its devices; later creates map that file copy-on-write and load the small
+stream (a restore, not a boot; the guest pages nobody wrote are shared by every VM of the image).
+
+Not done yet: booted templates for the vm tier; snapshots of a restored vm-tier VM (its disk
+chain would need the parent snapshot's disk); removing base disks of images that are gone (they
+are a cache under the state dir).
 """
 
 from __future__ import annotations
 
-from sandfleet.backends.vm.snapshots import VMSnapshots
+from sandfleet.backends.vm.templates import VMTemplates
 
 
-class VMBackend(VMSnapshots):
-    """The microvm and vm tiers' backend: VMMachines (machines.py) with snapshots (snapshots.py)."""
+class VMBackend(VMTemplates):
+    """The microvm and vm tiers' backend: VMMachines (machines.py) with snapshots (snapshots.py) and
+    booted templates (templates.py)."""

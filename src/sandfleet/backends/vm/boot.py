@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from sandfleet.backends.vm import disks
+from sandfleet.backends.vm.qemu import RamMode
 from sandfleet.models import SandboxSpec
 
 ROOT_DISK = "root.qcow2"  # the vm tier's copy-on-write root disk, in the VM's directory
@@ -24,6 +25,9 @@ class Boot:
     layers: list[Path]  # microvm: the image's layers, read-only disks
     base: disks.BaseDisk | None = None  # vm: the shared base under its root overlay
     snapdisk: Path | None = None  # vm, restored: the snapshot's disk, between base and root overlay
+    ram: Path | None = None  # a template's guest memory file (templates.py)
+    ram_mode: RamMode = "anonymous"
+    shim: Path | None = None  # qemu_shim.c's build: with ram_mode "from_template"
 
 
 def wants_init(spec: SandboxSpec) -> bool:

@@ -188,33 +188,33 @@ class VMMachines:
             tcg_cache_mib=self.config.tcg_cache_mib,
             cmdline=cmdline,
             writable_disk=writable,
+            ram_object=True,
         )
 
     def _spawn(
         self, vdir: Path, uid: int, boot: Boot, vm_spec: qemu.VMSpec, procs: list[str], *, incoming: bool = False
     ) -> int:
         """Start the jailed QEMU (blocking part); returns the pid of bwrap, its parent."""
-        paths = [vdir, boot.kernel, boot.initramfs, *boot.layers]
-        if boot.base is not None:
-            paths.append(boot.base.path)
-        if boot.snapdisk is not None:
-            paths.append(boot.snapdisk)
+        optional = {"base": boot.base.path if boot.base else None, "snapdisk": boot.snapdisk}
+        optional |= {"ram": boot.ram, "shim": boot.shim}
+        present = {k: v for k, v in optional.items() if v is not None}
+        paths = [vdir, boot.kernel, boot.initramfs, *boot.layers, *present.values()]
         opened = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths]
         try:
             numbers = list(range(FIRST_FD, FIRST_FD + len(opened)))
             n_layers = len(boot.layers)
-            extra = iter(numbers[3 + n_layers :])
+            extra = dict(zip(present, numbers[3 + n_layers :], strict=True))
             files = qemu.JailFiles(
                 numbers[0],
                 numbers[1],
                 numbers[2],
                 numbers[3 : 3 + n_layers],
                 kvm=vm_spec.accel == "kvm",
-                base=next(extra) if boot.base is not None else None,
-                snapdisk=next(extra) if boot.snapdisk is not None else None,
+                ram_writable=boot.ram_mode == "template_build",
+                **extra,
             )
             layout = qemu.VMLayout()
-            argv = qemu.qemu_argv(self.config.qemu, vm_spec, layout, incoming=incoming)
+            argv = qemu.qemu_argv(self.config.qemu, vm_spec, layout, incoming=incoming, ram=boot.ram_mode)
             inner = qemu.jail_argv(uid, files, layout, argv)
             # Join the VM's cgroups before anything of QEMU exists (as root, then setpriv drops it).
             # QEMU's own complaints (a stream that does not load) go to qemu.err, for the error we raise.
@@ -251,14 +251,19 @@ class VMMachines:
         self._image_initramfs[kernel_dir] = (kernel, initramfs)
         return kernel, initramfs
 
-    async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest) -> LiveSandbox:
+    async def _boot_files(self, image: ImageManifest) -> Boot:
+        """_prepare, its failures typed."""
         assert self.kernel is not None, "backend not started"
         try:
-            boot = await asyncio.to_thread(self._prepare, image)
+            return await asyncio.to_thread(self._prepare, image)
         except LayerCorruptError as exc:
             raise DataLossError(f"image {image.name}:{image.tag} has a corrupt layer: {exc}") from exc
         except (disks.DiskBuildError, guest.GuestUnavailableError, OSError) as exc:
             raise InternalError(f"preparing {image.name}:{image.tag} for the {self.name} tier failed: {exc}") from exc
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest) -> LiveSandbox:
+        assert self.kernel is not None, "backend not started"
+        boot = await self._boot_files(image)
         uid = self._new_uid()
         runtime: dict[str, Any] = {"uid": uid, "layers": [x.digest for x in image.layers]}
         if boot.base is not None:

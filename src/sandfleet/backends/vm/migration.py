@@ -115,11 +115,16 @@ async def save(
     out: Path,
     owner: int,
     while_stopped: Callable[[], Awaitable[None]],
+    *,
+    ignore_shared: bool = False,
+    resume: bool = True,
 ) -> dict[str, Any]:
     """Migrate the VM behind `qmp_path` into `out`, run `while_stopped` (the stream is complete, the
     guest still stopped, its disks flushed), resume the VM. `listen_path` is our socket,
     `uri_path` the same socket as QEMU sees it. Returns QEMU's version and the stream's size.
-    The caller bounds the time (asyncio.timeout); the VM is resumed whatever happens."""
+    The caller bounds the time (asyncio.timeout); the VM is resumed whatever happens, unless
+    `resume` is false (a template: its memory file must stay as the stream left it).
+    `ignore_shared`: RAM in a shared file backend is left out of the stream (a template's)."""
     listener = _listen(listen_path, owner)
     qmp = await QMP.connect(qmp_path)
     receiver: asyncio.Task[int] | None = None
@@ -129,6 +134,8 @@ async def save(
         try:
             # Stopped: nothing to converge, so no reason to throttle (the default is 128 MiB/s).
             await qmp.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
+            # Said every time: a VM started from a template was loaded with it on.
+            await _ignore_shared(qmp, ignore_shared)
             receiver = asyncio.create_task(_receive(listener, out))
             await qmp.execute("migrate", {"uri": f"unix:{uri_path}"})
             try:
@@ -141,7 +148,8 @@ async def save(
             await while_stopped()
         finally:
             # Also after a failed migration: the sandbox keeps running, as before the snapshot.
-            await asyncio.shield(qmp.execute("cont"))
+            if resume:
+                await asyncio.shield(qmp.execute("cont"))
         return {"qemu": _version(version), "bytes": size}
     finally:
         if receiver is not None and not receiver.done():
@@ -151,6 +159,12 @@ async def save(
         qmp.close()
         listener.close()
         listen_path.unlink(missing_ok=True)  # noqa: ASYNC240 (a socket's name: never blocks)
+
+
+async def _ignore_shared(qmp: QMP, on: bool = True) -> None:
+    """Leave RAM of shared file backends out of the stream (or, loading, expect it left out)."""
+    caps = [{"capability": "x-ignore-shared", "state": on}]
+    await qmp.execute("migrate-set-capabilities", {"capabilities": caps})
 
 
 def _version(reply: Any) -> str:
@@ -180,10 +194,11 @@ async def _connect(path: Path) -> socket.socket:
             raise
 
 
-async def load(incoming_path: Path, qmp_path: Path, state: Path, qemu: str) -> None:
+async def load(incoming_path: Path, qmp_path: Path, state: Path, qemu: str, *, ignore_shared: bool = False) -> None:
     """Send the stream in `state` to a QEMU started with -incoming on `incoming_path` (refused
     unless that QEMU's version is `qemu`, the snapshot's), and `cont` the guest once loaded. The
-    caller bounds the time; QEMU exits if the stream does not load."""
+    caller bounds the time; QEMU exits if the stream does not load. `ignore_shared`: the stream was
+    saved without the RAM of shared file backends (a template's: the guest's RAM is that file)."""
     loop = asyncio.get_running_loop()
     sock = await _connect(incoming_path)  # QEMU listens once it is set up: its QMP socket exists too
     with sock:
@@ -192,6 +207,8 @@ async def load(incoming_path: Path, qmp_path: Path, state: Path, qemu: str) -> N
             version = _version(await qmp.execute("query-version"))
             if version != qemu:
                 raise VersionMismatchError(f"the snapshot was taken with QEMU {qemu}, this node runs {version}")
+            if ignore_shared:
+                await _ignore_shared(qmp)  # read when the stream is: nothing was sent yet
             f = await asyncio.to_thread(open, state, "rb")
             with f:
                 await loop.sock_sendfile(sock, f)

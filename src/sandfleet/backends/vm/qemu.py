@@ -22,8 +22,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +38,7 @@ SYNC_MAGIC = b"SFVMSYNC"  # never a valid frame length (0x4d564653 > MAX_DATAGRA
 CTRL_MAGIC = b"SFVMCTRL"  # a frame of CTRL_MAGIC + an 8-byte command is for vminit, not the agent
 KEEP_NEXT = b"keepnext"  # a snapshot follows: a copy's agent keeps its execs when its host goes
 KEEP_DONE = b"keepdone"  # the snapshot is done: the parent's next host loss orphans them again
+ENTROPY, REALTIME, HOSTNAME = b"entropy\0", b"realtime", b"hostname"  # + an argument: StreamRelay.freshen
 AGENT_PORT = "sandfleet.agent"
 JAIL_ROOT = "/vm"  # where the jail shows the VM's files
 Machine = Literal["microvm", "vm"]
@@ -51,6 +54,8 @@ class VMLayout:
     base: str = f"{JAIL_ROOT}/base"  # vm: the image's shared base disk (the root overlay's backing file)
     # vm, restored: the snapshot's frozen copy of its parent's overlay (over base), under this VM's own
     snapdisk: str = f"{JAIL_ROOT}/snapdisk"
+    ram: str = f"{JAIL_ROOT}/ram"  # a template's guest memory file (templates.py)
+    shim: str = f"{JAIL_ROOT}/shim.so"  # qemu_shim.c, preloaded when that file is mapped privately
 
     def layer(self, i: int) -> str:
         return f"{JAIL_ROOT}/layer{i}"
@@ -84,6 +89,14 @@ class VMSpec:
     tcg_cache_mib: int
     cmdline: dict[str, str] = field(default_factory=dict)  # sandfleet.* kernel arguments
     writable_disk: str | None = None  # vm: a qcow2 overlay in the run dir (the guest's last disk)
+    # Guest RAM is the memory backend object "ram" (VMs made since booted templates: a template's
+    # file, or anonymous memory of the same name, so that any such VM's stream restores into any)
+    ram_object: bool = False
+
+
+# Where a VM's guest RAM lives: anonymous memory; the file a template is being built in (shared:
+# the guest writes it); a template's file mapped privately (copy on write, the file never changes).
+RamMode = Literal["anonymous", "template_build", "from_template"]
 
 
 def host_tsc_khz() -> int:
@@ -98,7 +111,9 @@ def host_tsc_khz() -> int:
     return 2_000_000
 
 
-def qemu_argv(qemu: str, spec: VMSpec, layout: VMLayout, *, incoming: bool = False) -> list[str]:
+def qemu_argv(
+    qemu: str, spec: VMSpec, layout: VMLayout, *, incoming: bool = False, ram: RamMode = "anonymous"
+) -> list[str]:
     """QEMU's command line for one VM (paths as the jail shows them). `incoming`: a restore, whose
     QEMU waits for a migration stream on layout.incoming_socket instead of booting."""
     microvm = spec.machine == "microvm"
@@ -109,11 +124,17 @@ def qemu_argv(qemu: str, spec: VMSpec, layout: VMLayout, *, incoming: bool = Fal
     append += [f"tsc_early_khz={host_tsc_khz()}", "no_timer_check"]
     append += [f"sandfleet.{k}={v}" for k, v in spec.cmdline.items()]
     argv = [qemu, "-name", "sandfleet", "-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]
-    if microvm:
-        # Defaults: with x-option-roms=off or rtc=off the 6.1 kernel hangs calibrating its TSC under TCG.
-        argv += ["-M", "microvm"]
-    else:
-        argv += ["-M", "q35"]
+    # Defaults for microvm: with x-option-roms=off or rtc=off the 6.1 kernel hangs calibrating its TSC under TCG.
+    machine = "microvm" if microvm else "q35"
+    if spec.ram_object:
+        size = f"size={spec.memory_mib}M"
+        if ram == "anonymous":
+            argv += ["-object", f"memory-backend-ram,id=ram,{size}"]
+        else:
+            share = "on" if ram == "template_build" else "off"
+            argv += ["-object", f"memory-backend-file,id=ram,{size},mem-path={layout.ram},share={share}"]
+        machine += ",memory-backend=ram"
+    argv += ["-M", machine]
     if spec.accel == "kvm":
         argv += ["-accel", "kvm", "-cpu", "host"]
     else:
@@ -153,10 +174,9 @@ class JailFiles:
     kvm: bool = False
     base: int | None = None  # vm: the base disk, bound read-only
     snapdisk: int | None = None  # vm, restored: the snapshot's disk, bound read-only
-
-    def fds(self) -> list[int]:
-        extra = [fd for fd in (self.base, self.snapdisk) if fd is not None]
-        return [self.run_dir, self.kernel, self.initrd, *self.layers, *extra]
+    ram: int | None = None  # a template's memory file: read-write while it is built, else read-only
+    ram_writable: bool = False
+    shim: int | None = None  # qemu_shim.c's build, preloaded when `ram` is read-only
 
 
 def jail_argv(uid: int, files: JailFiles, layout: VMLayout, inner: list[str]) -> list[str]:
@@ -181,6 +201,11 @@ def jail_argv(uid: int, files: JailFiles, layout: VMLayout, inner: list[str]) ->
         argv += ["--ro-bind-fd", str(files.base), layout.base]
     if files.snapdisk is not None:
         argv += ["--ro-bind-fd", str(files.snapdisk), layout.snapdisk]
+    if files.ram is not None:
+        argv += ["--bind-fd" if files.ram_writable else "--ro-bind-fd", str(files.ram), layout.ram]
+    if files.shim is not None:
+        argv += ["--ro-bind-fd", str(files.shim), layout.shim]
+        argv += ["--setenv", "LD_PRELOAD", layout.shim, "--setenv", "SANDFLEET_RO_FILE", layout.ram]
     argv += ["--chdir", layout.run, "--", *inner]
     return argv
 
@@ -313,12 +338,22 @@ class StreamRelay:
         finally:
             self.close()
 
-    def send_control(self, command: bytes) -> None:
-        """A control frame for vminit (KEEP_NEXT, KEEP_DONE). One write: never inside another frame.
-        It is handled before any later datagram reaches the agent (a ping after it confirms it)."""
+    def send_control(self, command: bytes, arg: bytes = b"") -> None:
+        """A control frame for vminit (KEEP_NEXT, KEEP_DONE, ENTROPY, REALTIME, HOSTNAME). One write:
+        never inside another frame. It is handled before any later datagram reaches the agent (a
+        ping after it confirms it)."""
         assert len(command) == 8
-        payload = CTRL_MAGIC + command
+        payload = CTRL_MAGIC + command + arg
         self._writer.write(struct.pack("<I", len(payload)) + payload)
+
+    def freshen(self, hostname: str | None = None) -> None:
+        """What a restored copy must not keep of its parent (see vminit.c): its kernel's random
+        state (fresh host entropy, reseeded), its stopped clock (the host's time) and, from a
+        template, the template's hostname."""
+        self.send_control(ENTROPY, os.urandom(64))
+        self.send_control(REALTIME, struct.pack("<Q", time.time_ns()))
+        if hostname is not None:
+            self.send_control(HOSTNAME, hostname.encode()[:64])
 
     def close(self) -> None:
         for task in self._tasks:

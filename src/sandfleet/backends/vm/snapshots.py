@@ -186,6 +186,7 @@ class VMSnapshots(VMMachines):
             keep = [int(i) for i in meta.get("keep_execs", [])]
             channel, inherited = await self._reconnect(sandbox_id, vdir, int(meta["next_id"]), keep)
             try:
+                self._relay(sandbox_id).freshen()
                 await channel.forget(keep)  # the parent's other execs run on here, but nobody asks for them
                 await channel.ping()
             except BaseException:
@@ -194,6 +195,11 @@ class VMSnapshots(VMMachines):
         live = self._live(sandbox_id, channel, runtime)
         live.inherited = inherited
         return live
+
+    def _relay(self, sandbox_id: str) -> qemu.StreamRelay:
+        relay = self._vms[sandbox_id].relay
+        assert relay is not None
+        return relay
 
     async def _reconnect(
         self, sandbox_id: str, vdir: Path, first_id: int, keep: list[int]

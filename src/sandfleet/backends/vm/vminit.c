@@ -42,6 +42,12 @@
  * (M_REOPEN: same execs, nothing dropped) instead of closing its channel, and the restored copy's
  * daemon orphans what it does not keep (M_FORGET). After the snapshot the parent's daemon sends
  * "keepdone". Control frames never reach the agent.
+ *
+ * A restored copy (a snapshot's child, a VM started from its image's booted template) wakes with its
+ * parent's kernel random state, its clock stopped at the parent's last instant and, from a template,
+ * the template's hostname. Its daemon sends, before anything else: "entropy\0" + fresh bytes (mixed in
+ * and credited, then the kernel's generator reseeds from them), "realtime" + u64 LE nanoseconds since
+ * the epoch (the host's clock), and, from a template, "hostname" + the sandbox's hostname.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -54,6 +60,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/ioctl.h>
@@ -88,6 +95,9 @@
 #define BLKGETSIZE64 _IOR(0x12, 114, size_t)
 #endif
 #define EXT4_IOC_RESIZE_FS _IOW('f', 16, uint64_t)
+/* linux/random.h (musl has no kernel headers) */
+#define RNDADDENTROPY _IOW('R', 0x03, int[2])
+#define RNDRESEEDCRNG _IO('R', 0x07)
 
 static char hostname[65] = "sandbox";
 static unsigned long long disk = 256ULL << 20, inodes = 65536;
@@ -443,15 +453,66 @@ static void host_gone(struct relay *r)
 	r->had_host = 0;
 }
 
+/* The host's entropy: mixed in and credited, then the generator reseeds at once (a restored copy's
+ * state is its parent's until then). */
+static void add_entropy(const char *bytes, size_t len)
+{
+	struct {
+		int entropy_count, buf_size; /* struct rand_pool_info */
+		char buf[256];
+	} req;
+	if (len > sizeof req.buf)
+		len = sizeof req.buf;
+	req.entropy_count = (int)(8 * len);
+	req.buf_size = (int)len;
+	memcpy(req.buf, bytes, len);
+	int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+	if (fd < 0 || ioctl(fd, RNDADDENTROPY, &req) < 0 || ioctl(fd, RNDRESEEDCRNG) < 0)
+		say("entropy: %s", strerror(errno));
+	if (fd >= 0)
+		close(fd);
+}
+
+/* The sandbox's hostname, set in the agent's UTS namespace (ours in full mode). */
+static void set_hostname(const char *name, size_t len)
+{
+	char path[64];
+	if (len >= sizeof hostname)
+		len = sizeof hostname - 1;
+	snprintf(path, sizeof path, "/proc/%d/ns/uts", (int)agent);
+	int own = open("/proc/self/ns/uts", O_RDONLY | O_CLOEXEC), theirs = open(path, O_RDONLY | O_CLOEXEC);
+	if (own < 0 || theirs < 0 || setns(theirs, CLONE_NEWUTS) < 0 || sethostname(name, len) < 0)
+		say("hostname: %s", strerror(errno));
+	if (own >= 0 && setns(own, CLONE_NEWUTS) < 0)
+		say("back to our own UTS namespace: %s", strerror(errno));
+	if (own >= 0)
+		close(own);
+	if (theirs >= 0)
+		close(theirs);
+}
+
 /* A control frame from the host (see "Snapshots" above); 1 if it was one. */
 static int control(struct relay *r, const char *p, uint32_t len)
 {
-	if (len != CTRL_LEN || memcmp(p, CTRL_MAGIC, 8))
+	if (len < CTRL_LEN || memcmp(p, CTRL_MAGIC, 8))
 		return 0;
+	const char *arg = p + CTRL_LEN;
+	size_t n = len - CTRL_LEN;
 	if (!memcmp(p + 8, "keepnext", 8))
 		r->keep_next = 1;
 	else if (!memcmp(p + 8, "keepdone", 8))
 		r->keep_next = 0;
+	else if (!memcmp(p + 8, "entropy", 8))
+		add_entropy(arg, n);
+	else if (!memcmp(p + 8, "hostname", 8))
+		set_hostname(arg, n);
+	else if (!memcmp(p + 8, "realtime", 8) && n == 8) {
+		uint64_t ns;
+		memcpy(&ns, arg, 8);
+		struct timespec ts = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
+		if (clock_settime(CLOCK_REALTIME, &ts) < 0)
+			say("realtime: %s", strerror(errno));
+	}
 	return 1;
 }
 

@@ -1,0 +1,294 @@
+"""Booted templates (microvm tier): a create is a restore, not a boot, and its guest memory is shared.
+
+The first create of an image (with given memory, vCPUs and disk) boots one VM whose guest RAM is a
+file in the template's directory, mapped shared (the guest writes the file). Once its agent answers,
+its devices are saved with QEMU's `x-ignore-shared` migration capability (the stream leaves that RAM
+out: it is the file) and its QEMU is killed without resuming, so the file holds exactly the memory
+the stream expects. Every later create of that image starts a QEMU that maps the file privately
+(copy on write) and loads the small stream: pages no VM writes stay the template's, once, in the
+page cache; the QEMU shim (qemu_shim.c) opens the file read-only and the jail binds it from a
+read-only mount, so no VM can change it. Each VM then gets fresh kernel entropy, the host's time and
+its own hostname over vminit's control frames (StreamRelay.freshen).
+
+A template's directory, under run_dir/<tier>-templates/<key> (a cache: rebuilt after a reboot):
+`ram`, `state.bin`, the `kernel` and `initrd` it booted, `template.json`. The key names all a
+template depends on: the VM's spec without its hostname, the image's layers, the kernel, the
+initramfs and the QEMU binary; a change of any is another template. The builder VM is an ordinary
+VM of the tier (`template-<key>` in its VM directory), so a daemon killed mid-build leaves residue
+that recovery removes like any other; half-built directories are removed at start. At most
+MAX_TEMPLATES are kept, the least recently used removed first (running VMs keep their mapping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sandfleet.backends.base import LiveSandbox
+from sandfleet.backends.vm import migration, qemu
+from sandfleet.backends.vm.boot import SNAP_INITRD, SNAP_KERNEL, SNAP_STATE, Boot
+from sandfleet.backends.vm.snapshots import VMSnapshots
+from sandfleet.errors import InternalError, UnavailableError
+from sandfleet.images import ImageManifest
+from sandfleet.models import SandboxSpec
+from sandfleet.runtime.agent import AgentChannel
+from sandfleet.runtime.agent_build import build_shared
+from sandfleet.runtime.agent_errors import AgentBuildError, ChannelClosedError
+
+log = logging.getLogger("sandfleet.vm")
+
+TEMPLATE_FORMAT = 1
+MAX_TEMPLATES = 16
+SHIM_SOURCE = Path(__file__).with_name("qemu_shim.c")
+SHIM_NAME = "sandfleet-qemu-shim.so"
+RAM, META = "ram", "template.json"
+
+
+class VMTemplates(VMSnapshots):
+    """A QEMU tier's VMs, created from booted templates where the tier has them (microvm)."""
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.vms_dir.parent / f"{self.name}-templates"
+
+    @property
+    def _templated(self) -> bool:
+        return not self.full and self.config.templates
+
+    async def start(self) -> None:
+        await super().start()
+        self._template_locks: dict[str, asyncio.Lock] = {}
+        self._checked: set[str] = set()  # templates whose boot files were checked by digest
+        self._shim: Path | None = None
+        if self._templated:
+            await asyncio.to_thread(self._prepare_templates_dir)
+
+    def _prepare_templates_dir(self) -> None:
+        """The directory (traversable: QEMU's jail binds from it), without half-built templates, and
+        the shim beside them (readable by the jail uids)."""
+        self.templates_dir.mkdir(mode=0o711, exist_ok=True)
+        os.chmod(self.templates_dir, 0o711)
+        for entry in self.templates_dir.iterdir():
+            if entry.name.startswith("."):
+                shutil.rmtree(entry, ignore_errors=True)
+        try:
+            built = build_shared(SHIM_SOURCE, self.state_dir / "qemu-shim", SHIM_NAME)
+        except AgentBuildError as exc:
+            raise UnavailableError(f"building the QEMU shim failed: {exc}") from exc
+        shim = self.templates_dir / SHIM_NAME
+        tmp = self.templates_dir / f".{SHIM_NAME}"
+        shutil.copyfile(built, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, shim)
+        self._shim = shim
+
+    # -- create -------------------------------------------------------------------------------
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest) -> LiveSandbox:
+        if not self._templated:
+            return await super().create(sandbox_id, spec, image)
+        boot = await self._boot_files(image)
+        vm_spec = self._spec(spec, len(boot.layers), sandbox_id)
+        hostname = vm_spec.cmdline["hostname"]
+        vm_spec = dataclasses.replace(vm_spec, cmdline={k: v for k, v in vm_spec.cmdline.items() if k != "hostname"})
+        key = await asyncio.to_thread(self._key, vm_spec, image, boot)
+        meta = await self._template(key, spec, boot, vm_spec)
+        tdir = self.templates_dir / key
+        uid = self._new_uid()
+        runtime: dict[str, Any] = {"uid": uid, "layers": [x.digest for x in image.layers], "template": key}
+        runtime["vm"] = dataclasses.asdict(vm_spec)  # a snapshot's restore: the same VM, anonymous RAM
+        from_template = Boot(
+            tdir / SNAP_KERNEL,
+            tdir / SNAP_INITRD,
+            boot.layers,
+            ram=tdir / RAM,
+            ram_mode="from_template",
+            shim=self._shim,
+        )
+        try:
+            return await self._from_template(sandbox_id, spec, from_template, vm_spec, meta, runtime, hostname)
+        except BaseException as exc:
+            console = self._console_tail(sandbox_id)
+            await asyncio.shield(self.cleanup(sandbox_id, runtime))
+            if isinstance(exc, TimeoutError | ChannelClosedError):
+                raise UnavailableError(f"the {self.name} did not come up from its template: {console}") from exc
+            if isinstance(exc, OSError | ValueError | qemu.QMPError | migration.VersionMismatchError):
+                raise InternalError(f"starting the {self.name} from its template failed: {exc}: {console}") from exc
+            raise
+
+    async def _from_template(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        boot: Boot,
+        vm_spec: qemu.VMSpec,
+        meta: dict[str, Any],
+        runtime: dict[str, Any],
+        hostname: str,
+    ) -> LiveSandbox:
+        vdir = await self._launch(sandbox_id, spec, boot, vm_spec, runtime, incoming=True)
+        async with asyncio.timeout(self.config.start_timeout):
+            await self._wait_qemu(vdir, runtime)
+            state = self.templates_dir / runtime["template"] / SNAP_STATE
+            await migration.load(vdir / "incoming.sock", vdir / "qmp.sock", state, meta["qemu"], ignore_shared=True)
+            channel, _ = await self._reconnect(sandbox_id, vdir, int(meta["next_id"]), [])
+            try:
+                self._relay(sandbox_id).freshen(hostname)
+                await channel.ping()
+            except BaseException:
+                channel.close()
+                raise
+        return self._live(sandbox_id, channel, runtime)
+
+    # -- the templates ------------------------------------------------------------------------
+
+    def _key(self, vm_spec: qemu.VMSpec, image: ImageManifest, boot: Boot) -> str:
+        """What the template depends on, hashed (blocking: stats the kernel and QEMU)."""
+
+        def ident(path: Path | str | None) -> list[Any]:
+            found = shutil.which(str(path)) if path is not None else None
+            st = os.stat(found) if found else None
+            return [str(found), st.st_size, st.st_mtime_ns] if st else [str(path)]
+
+        what = {
+            "format": TEMPLATE_FORMAT,
+            "vm": dataclasses.asdict(vm_spec),
+            "layers": [x.digest for x in image.layers],
+            "kernel": ident(boot.kernel),
+            "initramfs": ident(boot.initramfs),
+            "qemu": ident(self.config.qemu),
+        }
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+    async def _template(self, key: str, spec: SandboxSpec, boot: Boot, vm_spec: qemu.VMSpec) -> dict[str, Any]:
+        """The template's metadata, built first if it is missing or damaged (one build per key)."""
+        lock = self._template_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            try:
+                return await asyncio.to_thread(self._load, key, vm_spec)
+            except migration.SnapshotFileError as exc:
+                if (self.templates_dir / key).exists():
+                    log.warning("template %s is damaged (%s): building it again", key, exc)
+            await self._build(key, spec, boot, vm_spec)
+            return await asyncio.to_thread(self._load, key, vm_spec)
+
+    def _load(self, key: str, vm_spec: qemu.VMSpec) -> dict[str, Any]:
+        """A template's metadata, its files checked (sizes every time, boot files' digests once);
+        SnapshotFileError (the directory removed) if one is missing or changed."""
+        tdir = self.templates_dir / key
+        try:
+            meta: dict[str, Any] = json.loads((tdir / META).read_text())
+            files = meta["files"]
+            if (tdir / SNAP_STATE).stat().st_size != int(files["state"]):
+                raise migration.SnapshotFileError("its device state is truncated")
+            if (tdir / RAM).stat().st_size != vm_spec.memory_mib << 20:
+                raise migration.SnapshotFileError("its memory file has the wrong size")
+            if key not in self._checked:
+                migration.check(tdir / SNAP_KERNEL, str(files["kernel"]), "kernel")
+                migration.check(tdir / SNAP_INITRD, str(files["initrd"]), "initramfs")
+                self._checked.add(key)
+            os.utime(tdir / META)  # recently used: pruned last
+            return meta
+        except (OSError, ValueError, KeyError, TypeError, migration.SnapshotFileError) as exc:
+            self._checked.discard(key)
+            shutil.rmtree(tdir, ignore_errors=True)
+            raise migration.SnapshotFileError(str(exc)) from exc
+
+    async def _build(self, key: str, spec: SandboxSpec, boot: Boot, vm_spec: qemu.VMSpec) -> None:
+        """Boot the template's VM with its RAM in a shared file, save its devices (RAM left out), kill
+        it unresumed, and publish the directory."""
+        work = self.templates_dir / f".{key}"
+        builder = f"template-{key}"
+        uid = self._new_uid()
+        runtime: dict[str, Any] = {"uid": uid}
+        try:
+            await asyncio.to_thread(self._start_work, work, vm_spec.memory_mib, uid)
+            building = dataclasses.replace(boot, ram=work / RAM, ram_mode="template_build")
+            vdir = await self._launch(builder, spec, building, vm_spec, runtime)
+            async with asyncio.timeout(self.config.start_timeout):
+                await self._wait_qemu(vdir, runtime)
+                relay, theirs = await qemu.StreamRelay.connect(vdir / "agent.sock", self.config.start_timeout)
+                self._vms[builder].relay = relay
+                channel = AgentChannel(theirs)
+                try:
+                    await channel.wait_hello()
+                    await channel.ping()
+                    files = await asyncio.to_thread(self._pin_boot_files, runtime["qemu_pid"], work)
+                    saved = await migration.save(
+                        vdir / "qmp.sock",
+                        vdir / "migrate.sock",
+                        qemu.VMLayout().migrate_socket,
+                        work / SNAP_STATE,
+                        uid,
+                        _nothing,
+                        ignore_shared=True,
+                        resume=False,
+                    )
+                    next_id = channel.next_id + 1024
+                finally:
+                    channel.close()
+        except BaseException as exc:
+            console = self._console_tail(builder)
+            await asyncio.shield(self.cleanup(builder, runtime))
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            if isinstance(exc, TimeoutError | ChannelClosedError):
+                raise UnavailableError(f"the {self.name} template did not come up: {console}") from exc
+            if isinstance(exc, OSError | ValueError | qemu.QMPError):
+                raise InternalError(f"building the {self.name} template failed: {exc}: {console}") from exc
+            raise
+        await asyncio.shield(self.cleanup(builder, runtime))
+        files["state"] = saved["bytes"]
+        meta = {"format": TEMPLATE_FORMAT, "qemu": saved["qemu"], "files": files, "next_id": next_id}
+        await asyncio.to_thread(self._publish, work, key, meta)
+        log.info("built the %s template %s", self.name, key)
+
+    @staticmethod
+    def _start_work(work: Path, memory_mib: int, uid: int) -> None:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(mode=0o711)
+        os.chmod(work, 0o711)
+        ram = work / RAM
+        with open(ram, "wb") as f:
+            f.truncate(memory_mib << 20)  # sparse: the guest's untouched pages take nothing
+        os.chown(ram, uid, uid)  # the builder's QEMU writes it
+        os.chmod(ram, 0o600)
+
+    def _publish(self, work: Path, key: str, meta: dict[str, Any]) -> None:
+        """The built template, read-only for everyone but root, under its key (atomically)."""
+        ram = work / RAM
+        os.chown(ram, 0, 0)
+        os.chmod(ram, 0o644)
+        (work / META).write_text(json.dumps(meta))
+        target = self.templates_dir / key
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(work, target)
+        self._prune(keep=key)
+
+    def _prune(self, keep: str) -> None:
+        """At most MAX_TEMPLATES, the least recently used removed first."""
+        found = []
+        for entry in self.templates_dir.iterdir():
+            if entry.is_dir() and not entry.name.startswith(".") and entry.name != keep:
+                with contextlib.suppress(OSError):
+                    found.append(((entry / META).stat().st_mtime, entry))
+        found.sort()
+        for _, entry in found[: max(0, len(found) + 1 - MAX_TEMPLATES)]:
+            shutil.rmtree(entry, ignore_errors=True)
+
+    def templates(self) -> list[str]:
+        """The keys of the templates kept (for tests and the doctor)."""
+        with contextlib.suppress(FileNotFoundError):
+            return sorted(e.name for e in self.templates_dir.iterdir() if e.is_dir() and not e.name.startswith("."))
+        return []
+
+
+async def _nothing() -> None:
+    """A template has no disk to copy while it is stopped (its layers are read-only)."""
