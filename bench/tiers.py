@@ -247,7 +247,29 @@ def vm_figures(d: Daemon, tier: str, n: int) -> dict[str, Any]:
             sb.stop()
         if tier == "microvm":
             res["group"] = _idle_group(d, fleet, tier, GROUP)
+            res["fork"] = _fork(fleet, tier, FORK)
     return res
+
+
+FORK = 4
+
+
+def _fork(fleet: Client, tier: str, n: int) -> dict[str, Any]:
+    """A fork of n from an idle VM that wrote 32 MiB into its guest RAM: the call's time, and the
+    host memory of the n children (PSS) against the parent's."""
+    parent = fleet.create(backend=tier, image="busybox", labels={"bench": "fork"})
+    parent.exec("dd if=/dev/urandom of=/tmp/data bs=1M count=32 2>/dev/null")
+    t0 = time.perf_counter()
+    kids = parent.fork(n)
+    seconds = time.perf_counter() - t0
+    for k in kids:
+        k.exec("true")
+    time.sleep(3)
+    own = pss_kib(_sandbox_pids({parent.id}))
+    theirs = pss_kib(_sandbox_pids({k.id for k in kids}))
+    for sb in [*kids, parent]:
+        sb.stop()
+    return {"n": n, "seconds": seconds, "parent_kib": own, "children_kib": theirs}
 
 
 GROUP = 16
@@ -357,6 +379,12 @@ def write_report(res: dict[str, Any], results: Path) -> None:
         if "first_create_s" in v:
             lines.append(
                 f"- the first create of the image (microvm: boots and saves its template) {v['first_create_s']:.2f} s"
+            )
+        if f := v.get("fork"):
+            lines.append(
+                f"- fork of {f['n']} from an idle one holding 32 MiB written: {f['seconds']:.2f} s; the children "
+                f"{f['children_kib'] / 1024:.1f} MiB (PSS) against the parent's {f['parent_kib'] / 1024:.1f} MiB: "
+                f"{f['children_kib'] / f['parent_kib']:.2f}x"
             )
         if g := v.get("group"):
             upper = (g["all_kib"] + g["template_file_kib"]) / g["one_kib"]

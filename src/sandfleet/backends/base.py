@@ -105,6 +105,18 @@ class Snapshottable(Protocol):
 
 
 @runtime_checkable
+class SharedRestores(Protocol):
+    """A tier whose restores of one snapshot can share its memory (microvm: a template of it)."""
+
+    async def share(self, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> None:
+        """Before several restores of the snapshot at `source` at once (a fork): make them share its
+        memory. Best effort: the restores work without it."""
+
+    async def unshare(self, source: Path) -> None:
+        """The snapshot at `source` is gone: drop what `share` made of it."""
+
+
+@runtime_checkable
 class Packable(Protocol):
     async def export_writable_layer(self, sandbox: LiveSandbox, dest: Path) -> None:
         """Copy what the sandbox changed above its layers (overlay upper, whiteouts kept) to `dest`."""

@@ -177,7 +177,7 @@ class VersionMismatchError(RuntimeError):
     """The snapshot was taken by another QEMU build (its machine types may differ)."""
 
 
-async def _connect(path: Path) -> socket.socket:
+async def connect(path: Path) -> socket.socket:
     """A connection to the socket a starting QEMU listens on (retried until it exists)."""
     loop = asyncio.get_running_loop()
     while True:
@@ -194,13 +194,16 @@ async def _connect(path: Path) -> socket.socket:
             raise
 
 
-async def load(incoming_path: Path, qmp_path: Path, state: Path, qemu: str, *, ignore_shared: bool = False) -> None:
+async def load(
+    incoming_path: Path, qmp_path: Path, state: Path, qemu: str, *, ignore_shared: bool = False, start: bool = True
+) -> None:
     """Send the stream in `state` to a QEMU started with -incoming on `incoming_path` (refused
     unless that QEMU's version is `qemu`, the snapshot's), and `cont` the guest once loaded. The
     caller bounds the time; QEMU exits if the stream does not load. `ignore_shared`: the stream was
-    saved without the RAM of shared file backends (a template's: the guest's RAM is that file)."""
+    saved without the RAM of shared file backends (a template's: the guest's RAM is that file).
+    `start` false: the guest stays stopped once loaded (a template is made of it)."""
     loop = asyncio.get_running_loop()
-    sock = await _connect(incoming_path)  # QEMU listens once it is set up: its QMP socket exists too
+    sock = await connect(incoming_path)  # QEMU listens once it is set up: its QMP socket exists too
     with sock:
         qmp = await QMP.connect(qmp_path)
         try:
@@ -219,6 +222,8 @@ async def load(incoming_path: Path, qmp_path: Path, state: Path, qemu: str, *, i
                 if run_state == "running":
                     return
                 if run_state != "inmigrate":
+                    if not start:
+                        return
                     # Loaded: the source was stopped when it was migrated, so QEMU does not start it.
                     await qmp.execute("cont")
                 await asyncio.sleep(POLL)

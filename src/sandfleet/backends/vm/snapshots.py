@@ -37,6 +37,9 @@ log = logging.getLogger("sandfleet.vm")
 
 SNAPSHOT_TIMEOUT = 600.0
 HELLO_RETRY = 3.0  # a restored guest that did not see its old host go: reconnect after this long
+# From a template of a snapshot (its QEMU never ran the guest) the guest never sees the parent's
+# host go by itself: it is shown soon by leaving and coming again (once: then it is given time).
+HELLO_RETRY_TEMPLATE = 0.3
 
 
 class VMSnapshots(VMMachines):
@@ -168,6 +171,12 @@ class VMSnapshots(VMMachines):
                 raise InternalError(f"restoring the {self.name} failed: {exc}: {console}") from exc
             raise
 
+    async def _stream(self, source: Path, meta: dict[str, Any], boot: Boot) -> tuple[Boot, Path, bool]:
+        """Where a restore of the snapshot at `source` starts from: (boot files, the migration stream,
+        whether that stream leaves the RAM out). Here the snapshot's own; a shared template of it
+        where templates.py made one."""
+        return boot, source / SNAP_STATE, False
+
     async def _restore(
         self,
         sandbox_id: str,
@@ -178,13 +187,18 @@ class VMSnapshots(VMMachines):
         vm_spec: qemu.VMSpec,
         runtime: dict[str, Any],
     ) -> LiveSandbox:
+        boot, state, ignore_shared = await self._stream(source, meta, boot)
         vdir = await self._launch(sandbox_id, spec, boot, vm_spec, runtime, incoming=True)
         async with asyncio.timeout(self.config.start_timeout + 60):
             await self._wait_qemu(vdir, runtime)
-            await migration.load(vdir / "incoming.sock", vdir / "qmp.sock", source / SNAP_STATE, str(meta["qemu"]))
+            qmp_path = vdir / "qmp.sock"
+            await migration.load(
+                vdir / "incoming.sock", qmp_path, state, str(meta["qemu"]), ignore_shared=ignore_shared
+            )
             log.info("restored %s: its guest runs", sandbox_id)
             keep = [int(i) for i in meta.get("keep_execs", [])]
-            channel, inherited = await self._reconnect(sandbox_id, vdir, int(meta["next_id"]), keep)
+            retry = HELLO_RETRY_TEMPLATE if ignore_shared else HELLO_RETRY
+            channel, inherited = await self._reconnect(sandbox_id, vdir, int(meta["next_id"]), keep, retry)
             try:
                 self._relay(sandbox_id).freshen()
                 await channel.forget(keep)  # the parent's other execs run on here, but nobody asks for them
@@ -202,7 +216,7 @@ class VMSnapshots(VMMachines):
         return relay
 
     async def _reconnect(
-        self, sandbox_id: str, vdir: Path, first_id: int, keep: list[int]
+        self, sandbox_id: str, vdir: Path, first_id: int, keep: list[int], retry: float = HELLO_RETRY
     ) -> tuple[AgentChannel, dict[int, ExecProcess]]:
         """The restored agent's channel (called once its guest runs). Its vminit sees the parent's
         host gone and offers the agent's fresh channel to the next host, as after a daemon restart.
@@ -215,7 +229,7 @@ class VMSnapshots(VMMachines):
             # Handles first: output of the kept execs may follow the HELLO at once.
             inherited = {exec_id: channel.attach(exec_id, -1) for exec_id in keep}
             try:
-                await channel.wait_hello(timeout=HELLO_RETRY)
+                await channel.wait_hello(timeout=retry)
                 return channel, inherited
             except TimeoutError:
                 log.info("restored %s: no HELLO yet, reconnecting", sandbox_id)
@@ -224,4 +238,5 @@ class VMSnapshots(VMMachines):
                 raise
             channel.close()
             relay.close()
+            retry = HELLO_RETRY  # a guest that saw us leave answers the next time, given time to
             await asyncio.sleep(0.2)  # long enough for vminit to see the port closed

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from sandfleet.backends.base import LiveSandbox
 from sandfleet.backends.vm import migration, qemu
 from sandfleet.backends.vm.boot import SNAP_INITRD, SNAP_KERNEL, SNAP_STATE, Boot
 from sandfleet.backends.vm.snapshots import VMSnapshots
-from sandfleet.errors import InternalError, UnavailableError
+from sandfleet.errors import DataLossError, InternalError, UnavailableError
 from sandfleet.images import ImageManifest
 from sandfleet.models import SandboxSpec
 from sandfleet.runtime.agent import AgentChannel
@@ -50,6 +51,7 @@ MAX_TEMPLATES = 16
 SHIM_SOURCE = Path(__file__).with_name("qemu_shim.c")
 SHIM_NAME = "sandfleet-qemu-shim.so"
 RAM, META = "ram", "template.json"
+SNAP_PREFIX = "snapshot-"  # a template made of a snapshot (a fork's), not of an image
 
 
 class VMTemplates(VMSnapshots):
@@ -77,8 +79,8 @@ class VMTemplates(VMSnapshots):
         self.templates_dir.mkdir(mode=0o711, exist_ok=True)
         os.chmod(self.templates_dir, 0o711)
         for entry in self.templates_dir.iterdir():
-            if entry.name.startswith("."):
-                shutil.rmtree(entry, ignore_errors=True)
+            if entry.name.startswith(".") or (entry.name.startswith(SNAP_PREFIX) and not _source_exists(entry)):
+                shutil.rmtree(entry, ignore_errors=True)  # half built, or of a snapshot deleted since
         try:
             built = build_shared(SHIM_SOURCE, self.state_dir / "qemu-shim", SHIM_NAME)
         except AgentBuildError as exc:
@@ -101,18 +103,10 @@ class VMTemplates(VMSnapshots):
         vm_spec = dataclasses.replace(vm_spec, cmdline={k: v for k, v in vm_spec.cmdline.items() if k != "hostname"})
         key = await asyncio.to_thread(self._key, vm_spec, image, boot)
         meta = await self._template(key, spec, boot, vm_spec)
-        tdir = self.templates_dir / key
         uid = self._new_uid()
         runtime: dict[str, Any] = {"uid": uid, "layers": [x.digest for x in image.layers], "template": key}
         runtime["vm"] = dataclasses.asdict(vm_spec)  # a snapshot's restore: the same VM, anonymous RAM
-        from_template = Boot(
-            tdir / SNAP_KERNEL,
-            tdir / SNAP_INITRD,
-            boot.layers,
-            ram=tdir / RAM,
-            ram_mode="from_template",
-            shim=self._shim,
-        )
+        from_template = self._from(key, boot)
         try:
             return await self._from_template(sandbox_id, spec, from_template, vm_spec, meta, runtime, hostname)
         except BaseException as exc:
@@ -148,6 +142,56 @@ class VMTemplates(VMSnapshots):
                 raise
         return self._live(sandbox_id, channel, runtime)
 
+    # -- forks: a template of the snapshot ----------------------------------------------------
+
+    async def share(self, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> None:
+        """Before a fork's restores: the snapshot made a template (its stream loaded once into a
+        stopped QEMU whose RAM is a shared file, then saved without the RAM), so that the children
+        map its memory copy-on-write instead of each loading all of it."""
+        if not self._templated or not meta.get("vm", {}).get("ram_object"):
+            return  # the vm tier, or a snapshot from before templates (its RAM is not a backend object)
+        key = _snapshot_key(source)
+        try:
+            boot, vm_spec = await asyncio.to_thread(self._snapshot_boot, source, meta)
+        except (migration.SnapshotFileError, OSError, KeyError, TypeError, ValueError) as exc:
+            raise DataLossError(f"the snapshot cannot be restored: {exc}") from exc
+        async with self._template_locks.setdefault(key, asyncio.Lock()):
+            try:
+                await asyncio.to_thread(self._load, key, vm_spec)
+                return
+            except migration.SnapshotFileError:
+                pass
+            build = self._load_snapshot(source, meta)
+            await self._build(key, spec, boot, vm_spec, build, {"next_id": meta["next_id"], "source": str(source)})
+
+    async def unshare(self, source: Path) -> None:
+        key = _snapshot_key(source)
+        self._checked.discard(key)
+        await asyncio.to_thread(shutil.rmtree, self.templates_dir / key, True)
+
+    async def _stream(self, source: Path, meta: dict[str, Any], boot: Boot) -> tuple[Boot, Path, bool]:
+        """A restore of a snapshot that `share` made a template of starts from the template."""
+        key = _snapshot_key(source)
+        if not self._templated or not (self.templates_dir / key).is_dir():
+            return await super()._stream(source, meta, boot)
+        try:
+            await asyncio.to_thread(self._load, key, qemu.VMSpec(**meta["vm"]))
+        except migration.SnapshotFileError as exc:
+            log.warning("the template of snapshot %s is damaged (%s): restoring from the snapshot", source, exc)
+            return await super()._stream(source, meta, boot)
+        return self._from(key, boot), self.templates_dir / key / SNAP_STATE, True
+
+    @staticmethod
+    def _load_snapshot(source: Path, meta: dict[str, Any]) -> Builder:
+        """A builder's guest: the snapshot's stream, loaded and left stopped (it never runs: the
+        template is the snapshot's very state)."""
+
+        async def load(vdir: Path, work: Path, stack: contextlib.AsyncExitStack) -> None:
+            state = source / SNAP_STATE
+            await migration.load(vdir / "incoming.sock", vdir / "qmp.sock", state, str(meta["qemu"]), start=False)
+
+        return Builder(load, incoming=True)
+
     # -- the templates ------------------------------------------------------------------------
 
     def _key(self, vm_spec: qemu.VMSpec, image: ImageManifest, boot: Boot) -> str:
@@ -177,7 +221,7 @@ class VMTemplates(VMSnapshots):
             except migration.SnapshotFileError as exc:
                 if (self.templates_dir / key).exists():
                     log.warning("template %s is damaged (%s): building it again", key, exc)
-            await self._build(key, spec, boot, vm_spec)
+            await self._build(key, spec, boot, vm_spec, Builder(self._boot_agent), {})
             return await asyncio.to_thread(self._load, key, vm_spec)
 
     def _load(self, key: str, vm_spec: qemu.VMSpec) -> dict[str, Any]:
@@ -202,51 +246,64 @@ class VMTemplates(VMSnapshots):
             shutil.rmtree(tdir, ignore_errors=True)
             raise migration.SnapshotFileError(str(exc)) from exc
 
-    async def _build(self, key: str, spec: SandboxSpec, boot: Boot, vm_spec: qemu.VMSpec) -> None:
-        """Boot the template's VM with its RAM in a shared file, save its devices (RAM left out), kill
-        it unresumed, and publish the directory."""
+    def _from(self, key: str, boot: Boot) -> Boot:
+        """What a VM started from the template `key` boots from: its files, its RAM mapped privately."""
+        tdir = self.templates_dir / key
+        kernel, initrd = tdir / SNAP_KERNEL, tdir / SNAP_INITRD
+        return Boot(kernel, initrd, boot.layers, ram=tdir / RAM, ram_mode="from_template", shim=self._shim)
+
+    async def _boot_agent(self, vdir: Path, work: Path, stack: contextlib.AsyncExitStack) -> None:
+        """An image template's guest: booted until its agent answers (then its channel is dropped:
+        the VMs started from it reconnect as after a daemon restart)."""
+        relay, theirs = await qemu.StreamRelay.connect(vdir / "agent.sock", self.config.start_timeout)
+        self._vms[vdir.name].relay = relay
+        channel = AgentChannel(theirs)
+        try:
+            await channel.wait_hello()
+            await channel.ping()
+            (work / "next_id").write_text(str(channel.next_id + 1024))  # noqa: ASYNC240 (a few bytes)
+        finally:
+            channel.close()
+
+    async def _build(
+        self, key: str, spec: SandboxSpec, boot: Boot, vm_spec: qemu.VMSpec, builder: Builder, extra: dict[str, Any]
+    ) -> None:
+        """Start the template's VM with its RAM in a shared file, bring its guest to the state to keep
+        (`builder`), save its devices (RAM left out), kill it unresumed, publish the directory."""
         work = self.templates_dir / f".{key}"
-        builder = f"template-{key}"
+        name = f"template-{key}"
         uid = self._new_uid()
         runtime: dict[str, Any] = {"uid": uid}
         try:
             await asyncio.to_thread(self._start_work, work, vm_spec.memory_mib, uid)
             building = dataclasses.replace(boot, ram=work / RAM, ram_mode="template_build")
-            vdir = await self._launch(builder, spec, building, vm_spec, runtime)
-            async with asyncio.timeout(self.config.start_timeout):
+            vdir = await self._launch(name, spec, building, vm_spec, runtime, incoming=builder.incoming)
+            async with asyncio.timeout(self.config.start_timeout + 60), contextlib.AsyncExitStack() as stack:
                 await self._wait_qemu(vdir, runtime)
-                relay, theirs = await qemu.StreamRelay.connect(vdir / "agent.sock", self.config.start_timeout)
-                self._vms[builder].relay = relay
-                channel = AgentChannel(theirs)
-                try:
-                    await channel.wait_hello()
-                    await channel.ping()
-                    files = await asyncio.to_thread(self._pin_boot_files, runtime["qemu_pid"], work)
-                    saved = await migration.save(
-                        vdir / "qmp.sock",
-                        vdir / "migrate.sock",
-                        qemu.VMLayout().migrate_socket,
-                        work / SNAP_STATE,
-                        uid,
-                        _nothing,
-                        ignore_shared=True,
-                        resume=False,
-                    )
-                    next_id = channel.next_id + 1024
-                finally:
-                    channel.close()
+                await builder.run(vdir, work, stack)
+                files = await asyncio.to_thread(self._pin_boot_files, runtime["qemu_pid"], work)
+                saved = await migration.save(
+                    vdir / "qmp.sock",
+                    vdir / "migrate.sock",
+                    qemu.VMLayout().migrate_socket,
+                    work / SNAP_STATE,
+                    uid,
+                    _nothing,
+                    ignore_shared=True,
+                    resume=False,
+                )
         except BaseException as exc:
-            console = self._console_tail(builder)
-            await asyncio.shield(self.cleanup(builder, runtime))
+            console = self._console_tail(name)
+            await asyncio.shield(self.cleanup(name, runtime))
             await asyncio.to_thread(shutil.rmtree, work, True)
             if isinstance(exc, TimeoutError | ChannelClosedError):
                 raise UnavailableError(f"the {self.name} template did not come up: {console}") from exc
-            if isinstance(exc, OSError | ValueError | qemu.QMPError):
+            if isinstance(exc, OSError | ValueError | qemu.QMPError | migration.VersionMismatchError):
                 raise InternalError(f"building the {self.name} template failed: {exc}: {console}") from exc
             raise
-        await asyncio.shield(self.cleanup(builder, runtime))
+        await asyncio.shield(self.cleanup(name, runtime))
         files["state"] = saved["bytes"]
-        meta = {"format": TEMPLATE_FORMAT, "qemu": saved["qemu"], "files": files, "next_id": next_id}
+        meta = {"format": TEMPLATE_FORMAT, "qemu": saved["qemu"], "files": files, **extra}
         await asyncio.to_thread(self._publish, work, key, meta)
         log.info("built the %s template %s", self.name, key)
 
@@ -266,6 +323,8 @@ class VMTemplates(VMSnapshots):
         ram = work / RAM
         os.chown(ram, 0, 0)
         os.chmod(ram, 0o644)
+        if "next_id" not in meta:
+            meta["next_id"] = int((work / "next_id").read_text())
         (work / META).write_text(json.dumps(meta))
         target = self.templates_dir / key
         shutil.rmtree(target, ignore_errors=True)
@@ -292,3 +351,25 @@ class VMTemplates(VMSnapshots):
 
 async def _nothing() -> None:
     """A template has no disk to copy while it is stopped (its layers are read-only)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Builder:
+    """How a template's VM reaches the state kept: `run(vm_dir, work_dir, stack)` once its QEMU
+    runs (`stack` closes what must stay open until its devices are saved); `incoming`: its QEMU
+    loads a stream (a snapshot's) instead of booting."""
+
+    run: Callable[[Path, Path, contextlib.AsyncExitStack], Awaitable[None]]
+    incoming: bool = False
+
+
+def _snapshot_key(source: Path) -> str:
+    """A snapshot's template: named by the snapshot's directory (a snapshot's files never change)."""
+    return SNAP_PREFIX + hashlib.sha256(str(source).encode()).hexdigest()[:24]
+
+
+def _source_exists(tdir: Path) -> bool:
+    try:
+        return Path(json.loads((tdir / META).read_text())["source"]).is_dir()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False

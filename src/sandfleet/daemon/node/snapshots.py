@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import LiveSandbox, Packable, Snapshottable, offers, unsupported
+from sandfleet.backends.base import LiveSandbox, Packable, SharedRestores, Snapshottable, offers, unsupported
 from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.creation import Creation
 from sandfleet.daemon.node.execs import Execs
@@ -289,6 +289,17 @@ class Snapshots:
         rec.deleted = True
         if rec.restoring == 0 and self.records.pop(rec.info.id, None) is not None:
             await asyncio.to_thread(shutil.rmtree, rec.path, True)
+            if isinstance(tier := self.core.backends.get(rec.spec.backend), SharedRestores):
+                await tier.unshare(rec.path)
+
+    @staticmethod
+    async def _share(tier: SharedRestores, spec: SandboxSpec, rec: SnapshotRecord) -> None:
+        """Before a batch: its children share the snapshot's memory where the tier can (best effort:
+        each child is restored, and answers, on its own either way)."""
+        try:
+            await tier.share(spec, rec.path, rec.meta)
+        except SandboxError as exc:
+            log.warning("the children of snapshot %s will not share its memory: %s", rec.info.id, exc)
 
     async def expire(self, now: float) -> None:
         for rec in list(self.records.values()):
@@ -445,6 +456,8 @@ class Snapshots:
 
         rec.restoring += 1
         try:
+            if count > 1 and isinstance(tier, SharedRestores):
+                await self._share(tier, spec, rec)
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(one(i)) for i in range(count)]
         finally:
