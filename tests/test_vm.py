@@ -373,7 +373,7 @@ def test_microvm_creates_from_its_images_booted_template(vmd: tuple[Daemon, str]
     into QEMU's jail, and never changes; each VM gets its own hostname, the host's clock and fresh
     kernel entropy, and what one VM writes (into its guest RAM) no other VM sees."""
     d, parent = vmd
-    templates = d.run_dir / "microvm-templates"
+    templates = d.state_dir / "microvm-templates"
     with d.client(timeout=300) as c:
         spec = {"backend": "microvm", "image": "busybox", "resources": Resources(memory="160MiB")}
         before = {p.name for p in templates.glob("*") if p.is_dir()}
@@ -436,7 +436,7 @@ def test_microvm_fork_children_share_the_snapshots_memory(vmd: tuple[Daemon, str
     loads only its devices; the children are each their own, keep the parent's background
     process, and the template goes with the snapshot."""
     d, parent = vmd
-    templates = d.run_dir / "microvm-templates"
+    templates = d.state_dir / "microvm-templates"
     with d.client(timeout=300) as c:
         sb = c.create(backend="microvm", image="busybox", idle_ttl=600)
         try:
@@ -483,7 +483,7 @@ def test_a_daemon_killed_while_it_builds_a_template_leaves_nothing(vmd: tuple[Da
     builder VM (directory, cgroup, QEMU) nor a half-built template is left, and the create (the
     SDK retries it with its idempotency key) builds the template afresh."""
     d, parent = vmd
-    templates = d.run_dir / "microvm-templates"
+    templates = d.state_dir / "microvm-templates"
     spec = {"backend": "microvm", "image": "busybox", "resources": Resources(memory="176MiB")}
     made: list[Any] = []
 

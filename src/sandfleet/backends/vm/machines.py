@@ -91,7 +91,7 @@ class VMMachines:
         self.accel = self._pick_accel()
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.vms_dir, 0o711)
-        _check_traversable(self.vms_dir)
+        check_traversable(self.vms_dir)
         # re-detect inside our mount namespace (one parent per tier, as in __init__)
         self.cgroups = cgroups.Cgroups(f"{self.config.cgroup_parent}/{self.config.type}")
 
@@ -314,7 +314,7 @@ class VMMachines:
         uid = runtime["uid"]
         vdir.mkdir(mode=0o700)
         os.chown(vdir, uid, uid)
-        if incoming:
+        if incoming and boot.ram_mode != "from_template":  # a template's files are reachable where they are
             boot = await asyncio.to_thread(self._stage, vdir, boot)
         if boot.base is not None:
             overlay = vdir / ROOT_DISK
@@ -549,7 +549,7 @@ class VMMachines:
         return found
 
 
-def _check_traversable(path: Path) -> None:
+def check_traversable(path: Path) -> None:
     """QEMU runs as an unprivileged uid, and bubblewrap resolves the directories bound into its jail
     as that uid: every directory above a VM's must let others through (o+x), or every create would
     fail at QEMU's start. Said once, at the daemon's start, with the fix."""

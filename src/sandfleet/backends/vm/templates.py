@@ -10,7 +10,7 @@ page cache; the QEMU shim (qemu_shim.c) opens the file read-only and the jail bi
 read-only mount, so no VM can change it. Each VM then gets fresh kernel entropy, the host's time and
 its own hostname over vminit's control frames (StreamRelay.freshen).
 
-A template's directory, under run_dir/<tier>-templates/<key> (a cache: rebuilt after a reboot):
+A template's directory, under state_dir/<tier>-templates/<key> (a cache):
 `ram`, `state.bin`, the `kernel` and `initrd` it booted, `template.json`. The key names all a
 template depends on: the VM's spec without its hostname, the image's layers, the kernel, the
 initramfs and the QEMU binary; a change of any is another template. The builder VM is an ordinary
@@ -36,6 +36,7 @@ from typing import Any
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.backends.vm import migration, qemu
 from sandfleet.backends.vm.boot import SNAP_INITRD, SNAP_KERNEL, SNAP_STATE, Boot
+from sandfleet.backends.vm.machines import check_traversable
 from sandfleet.backends.vm.snapshots import VMSnapshots
 from sandfleet.errors import DataLossError, InternalError, UnavailableError
 from sandfleet.images import ImageManifest
@@ -59,7 +60,10 @@ class VMTemplates(VMSnapshots):
 
     @property
     def templates_dir(self) -> Path:
-        return self.vms_dir.parent / f"{self.name}-templates"
+        # On the state disk, not run_dir's tmpfs: a snapshot of a VM reads every guest page, and a
+        # read of a hole of the file (a page the template never touched) makes a page cache page of
+        # it, which on disk is clean and reclaimable, and on a tmpfs would be memory for good.
+        return self.state_dir / f"{self.name}-templates"
 
     @property
     def _templated(self) -> bool:
@@ -78,6 +82,7 @@ class VMTemplates(VMSnapshots):
         the shim beside them (readable by the jail uids)."""
         self.templates_dir.mkdir(mode=0o711, exist_ok=True)
         os.chmod(self.templates_dir, 0o711)
+        check_traversable(self.templates_dir)
         for entry in self.templates_dir.iterdir():
             if entry.name.startswith(".") or (entry.name.startswith(SNAP_PREFIX) and not _source_exists(entry)):
                 shutil.rmtree(entry, ignore_errors=True)  # half built, or of a snapshot deleted since
