@@ -208,18 +208,23 @@ def test_vm_full_machine(vmd: tuple[Daemon, str]) -> None:
             a.exec("mkdir -p /mnt/t && mount -t tmpfs none /mnt/t && grep -c ' /mnt/t ' /proc/mounts").stdout == "1\n"
         )
         assert a.exec("grep ' / ' /proc/mounts").stdout.split()[2] == "ext4"
-        # One shared base under both VMs' own qcow2 overlays.
+        # One shared base under the image's template disk (what its boot wrote), under both VMs'
+        # own qcow2 overlays.
         bases = list((d.state_dir / "vm-disks").glob("*/base.raw"))
         assert len(bases) == 1
         st = os.stat(bases[0])
-        for sb in (a, b):
-            overlay = d.run_dir / "vm" / sb.id / "root.qcow2"
-            info = json.loads(
-                __import__("subprocess")
-                .run(["qemu-img", "info", "-U", "--output=json", str(overlay)], capture_output=True, check=True)
-                .stdout
+
+        def info(disk: Path) -> dict[str, Any]:
+            run = subprocess.run(
+                ["qemu-img", "info", "-U", "--output=json", str(disk)], capture_output=True, check=True
             )
-            assert info["format"] == "qcow2" and info["backing-filename"] == "/vm/base"
+            return json.loads(run.stdout)  # type: ignore[no-any-return]
+
+        templates = [p for p in (d.state_dir / "vm-templates").glob("*/disk.qcow2")]
+        assert templates and all(info(t)["backing-filename"] == "/vm/base" for t in templates)
+        for sb in (a, b):
+            overlay = info(d.run_dir / "vm" / sb.id / "root.qcow2")
+            assert overlay["format"] == "qcow2" and overlay["backing-filename"] == "/vm/snapdisk"
             assert (st.st_dev, st.st_ino) in _jailed_open_inodes(_qemu_pid(parent, sb.id))
         # Writes are each VM's own, and persist across execs.
         a.exec("echo mine > /written && sync")
@@ -323,7 +328,7 @@ def test_snapshot_restore_twice_at_once(vmd: tuple[Daemon, str], tier: str) -> N
     with d.client(timeout=300) as c:
         sb = c.create(backend=tier, image="busybox", idle_ttl=600)
         try:
-            sb.exec("echo parent > /tmp/state")
+            sb.exec("echo parent > /tmp/state; echo p > /tmp/from_parent")
             # (renamed into place: a reader never sees the file empty between truncate and write)
             counter = sb.start("i=0; while true; do i=$((i+1)); echo $i >/tmp/c; mv /tmp/c /tmp/count; sleep 0.1; done")
             time.sleep(1)
@@ -348,6 +353,14 @@ def test_snapshot_restore_twice_at_once(vmd: tuple[Daemon, str], tier: str) -> N
             assert a.exec("cat /tmp/state").stdout == "a\n"
             assert b.exec("cat /tmp/state").stdout == "b\n"
             assert sb.exec("cat /tmp/state").stdout == "parent\n"
+            # A child's own snapshot (vm: its overlay and the snapshot disk beneath it merged onto the
+            # base) restores with what the parent and the child wrote.
+            a.exec("echo a > /tmp/own")
+            snap2 = a.snapshot()
+            (grand,) = c.restore(snap2.id)
+            assert grand.exec("cat /tmp/state /tmp/own /tmp/from_parent").stdout == "a\na\np\n"
+            grand.stop()
+            c.delete_snapshot(snap2.id)
             # The counter runs on in each child, and the child keeps the background process.
             n = int(a.exec("cat /tmp/count").stdout)
             time.sleep(0.5)

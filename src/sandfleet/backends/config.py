@@ -64,8 +64,8 @@ class VMBackendConfig(BaseModel):
     start_timeout: float = Field(120.0, gt=0, description="seconds for QEMU to boot and the agent to say hello")
     templates: bool = Field(
         True,
-        description="microvm: a create restores a booted template of its image (built by the first create), "
-        "guest memory shared copy-on-write, instead of booting",
+        description="a create restores a booted template of its image (built by the first create), "
+        "guest memory shared copy-on-write, instead of booting; microvm forks share the snapshot's memory",
     )
 
 

@@ -33,13 +33,16 @@ while the VM is stopped (a frozen disk over the base, which must still exist). E
 is a VM of its own (directory, uid, cgroup, sockets) started with -incoming, fed the stream, with
 an overlay of its own over the snapshot's disk; the parent resumes and keeps running.
 
-Booted templates (templates.py, microvm): the first create of an image boots a template VM whose RAM
-is a file and saves its devices; later creates map that file copy-on-write and load the small
-stream (a restore, not a boot; the guest pages nobody wrote are shared by every VM of the image).
+Booted templates (templates.py): the first create of an image boots a template VM whose RAM is a
+file and saves its devices (vm: and its disk overlay); later creates map that file copy-on-write and
+load the small stream (a restore, not a boot; the guest pages nobody wrote are shared by every VM
+of the image). microvm forks go through a template of their snapshot the same way.
 
-Not done yet: booted templates for the vm tier; snapshots of a restored vm-tier VM (its disk
-chain would need the parent snapshot's disk); removing base disks of images that are gone (they
-are a cache under the state dir).
+A snapshot of a restored vm-tier VM (a child, or a VM after a rollback) merges its overlay and the
+snapshot disk beneath it onto the base (disks.flatten_onto_base): no snapshot needs an earlier one's.
+
+Not done yet: vm-tier forks through a template of the snapshot; removing base disks of images that
+are gone (they are a cache under the state dir).
 """
 
 from __future__ import annotations

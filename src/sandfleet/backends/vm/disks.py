@@ -130,6 +130,31 @@ def copy_disk(src: Path, dest: Path) -> None:
     os.chmod(dest, 0o644)
 
 
+def flatten_onto_base(overlay: Path, snapdisk: Path, base: Path, dest: Path) -> None:
+    """A snapshot's frozen copy of a restored VM's disk: its overlay and the snapshot disk beneath
+    it, merged into one qcow2 over the base (what a copy of a booted VM's overlay is), so that the
+    snapshot needs no earlier one's disk. The files name their backing files as QEMU's jail sees
+    them (/vm/snapdisk, /vm/base), so copies are pointed at the host's files (`rebase -u`) for the
+    merge (`commit`: the overlay's clusters written into the copy of the snapshot disk), and the
+    result at the jail's base again (blocking; the VM is stopped, its disks inactive)."""
+    top = dest.with_name(dest.name + ".top")
+    try:
+        copy_disk(snapdisk, dest)
+        copy_disk(overlay, top)
+        steps = [
+            ["qemu-img", "rebase", "-q", "-u", "-b", str(base), "-F", "raw", str(dest)],
+            ["qemu-img", "rebase", "-q", "-u", "-b", str(dest), "-F", "qcow2", str(top)],
+            ["qemu-img", "commit", "-q", str(top)],
+            ["qemu-img", "rebase", "-q", "-u", "-b", "/vm/base", "-F", "raw", str(dest)],
+        ]
+        for argv in steps:
+            run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+            if run.returncode != 0:
+                raise DiskBuildError(f"qemu-img {argv[1]} failed: {run.stderr.strip()}")
+    finally:
+        top.unlink(missing_ok=True)
+
+
 # ---- the build (runs in its own mount namespace: python -m sandfleet.backends.vm.disks OUT LAYER...) ----
 
 

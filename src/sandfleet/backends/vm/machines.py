@@ -264,12 +264,7 @@ class VMMachines:
     async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageManifest) -> LiveSandbox:
         assert self.kernel is not None, "backend not started"
         boot = await self._boot_files(image)
-        uid = self._new_uid()
-        runtime: dict[str, Any] = {"uid": uid, "layers": [x.digest for x in image.layers]}
-        if boot.base is not None:
-            runtime["base"] = boot.base.path.parent.name
-            runtime["kernel"] = "node" if boot.kernel == self.kernel.image else str(boot.kernel)
-            runtime["disk_bytes"] = boot.base.size + int(spec.resources.disk)  # the root overlay's virtual size
+        runtime = self._runtime(spec, image, boot)
         try:
             return await self._boot(sandbox_id, spec, boot, runtime)
         except BaseException as exc:
@@ -280,6 +275,16 @@ class VMMachines:
             if isinstance(exc, OSError | ValueError | qemu.QMPError | disks.DiskBuildError):
                 raise InternalError(f"starting the {self.name} failed: {exc}: {console}") from exc
             raise
+
+    def _runtime(self, spec: SandboxSpec, image: ImageManifest, boot: Boot) -> dict[str, Any]:
+        """A new VM's record: its jail uid, layers and (vm) base disk, kernel and disk size."""
+        assert self.kernel is not None, "backend not started"
+        runtime: dict[str, Any] = {"uid": self._new_uid(), "layers": [x.digest for x in image.layers]}
+        if boot.base is not None:
+            runtime["base"] = boot.base.path.parent.name
+            runtime["kernel"] = "node" if boot.kernel == self.kernel.image else str(boot.kernel)
+            runtime["disk_bytes"] = boot.base.size + int(spec.resources.disk)  # the root overlay's virtual size
+        return runtime
 
     async def _boot(self, sandbox_id: str, spec: SandboxSpec, boot: Boot, runtime: dict[str, Any]) -> LiveSandbox:
         vm_spec = self._spec(spec, len(boot.layers), sandbox_id)

@@ -51,13 +51,6 @@ class VMSnapshots(VMMachines):
         runtime = sandbox.runtime
         if not isinstance(runtime.get("vm"), dict):
             raise WrongStateError(f"sandbox {sandbox.id} was started before snapshots of this tier (an upgrade)")
-        if self.full and runtime.get("restored"):
-            # Its disk is an overlay on its snapshot's frozen copy: a copy of it would need that one.
-            raise WrongStateError(
-                f"sandbox {sandbox.id} was restored from a snapshot or rolled back, and the vm tier does not "
-                "snapshot or checkpoint such a VM yet: do it on the sandbox it came from, before a rollback, "
-                "or use the microvm tier"
-            )
         vm = self._vms.get(sandbox.id)
         if vm is None or vm.relay is None or not self._is(runtime.get("qemu_pid"), runtime.get("qemu_start_time")):
             raise UnavailableError(f"sandbox {sandbox.id} is no longer running")
@@ -77,7 +70,7 @@ class VMSnapshots(VMMachines):
                     qemu.VMLayout().migrate_socket,
                     target / SNAP_STATE,
                     runtime["uid"],
-                    lambda: self._freeze_disk(vdir, target),
+                    lambda: self._freeze_disk(vdir, target, runtime),
                 )
         except (OSError, TimeoutError, ChannelClosedError, qemu.QMPError, disks.DiskBuildError) as exc:
             raise InternalError(f"the snapshot of {sandbox.id} failed: {exc}") from exc
@@ -116,10 +109,20 @@ class VMSnapshots(VMMachines):
             "initrd": migration.pin(root / layout.initrd.lstrip("/"), target / SNAP_INITRD),
         }
 
-    async def _freeze_disk(self, vdir: Path, target: Path) -> None:
-        """The vm tier's overlay, copied while QEMU has it flushed and inactive (after migrating)."""
-        if self.full:
+    async def _freeze_disk(self, vdir: Path, target: Path, runtime: dict[str, Any]) -> None:
+        """The vm tier's overlay, copied while QEMU has it flushed and inactive (after migrating);
+        a restored VM's merged with the snapshot disk beneath it, onto the base."""
+        if not self.full:
+            return
+        if not (runtime.get("restored") or runtime.get("template")):
             await asyncio.to_thread(disks.copy_disk, vdir / ROOT_DISK, target / SNAP_DISK)
+            return
+        base = await asyncio.to_thread(disks.load_base, self.disks_dir, str(runtime["base"]))
+        if base is None:
+            raise disks.DiskBuildError("the image's base disk is gone")
+        # The disk beneath the overlay as QEMU's jail has it bound (a template's may be gone since).
+        snapdisk = Path(f"/proc/{runtime['qemu_pid']}/root") / qemu.VMLayout().snapdisk.lstrip("/")
+        await asyncio.to_thread(disks.flatten_onto_base, vdir / ROOT_DISK, snapdisk, base.path, target / SNAP_DISK)
 
     def _snapshot_boot(self, source: Path, meta: dict[str, Any]) -> tuple[Boot, qemu.VMSpec]:
         """What a restore starts from, every file checked (blocking). SnapshotFileError if one is

@@ -1,4 +1,4 @@
-"""Booted templates (microvm tier): a create is a restore, not a boot, and its guest memory is shared.
+"""Booted templates (microvm and vm): a create is a restore, not a boot, and its guest memory is shared.
 
 The first create of an image (with given memory, vCPUs and disk) boots one VM whose guest RAM is a
 file in the template's directory, mapped shared (the guest writes the file). Once its agent answers,
@@ -8,12 +8,18 @@ the stream expects. Every later create of that image starts a QEMU that maps the
 (copy on write) and loads the small stream: pages no VM writes stay the template's, once, in the
 page cache; the QEMU shim (qemu_shim.c) opens the file read-only and the jail binds it from a
 read-only mount, so no VM can change it. Each VM then gets fresh kernel entropy, the host's time and
-its own hostname over vminit's control frames (StreamRelay.freshen).
+its own hostname over vminit's control frames (StreamRelay.freshen). On the vm tier the builder's
+root overlay (what its boot wrote over the image's base, its filesystem grown) is kept too, as the
+template's `disk.qcow2`: each VM's own overlay lies on it, as a restored child's on its snapshot's.
+
+Forks (microvm): before several restores of one snapshot, `share` makes a template of the snapshot
+(its stream loaded once into a QEMU that never runs it, saved without RAM); `unshare` removes it
+with the snapshot.
 
 A template's directory, under state_dir/<tier>-templates/<key> (a cache):
-`ram`, `state.bin`, the `kernel` and `initrd` it booted, `template.json`. The key names all a
-template depends on: the VM's spec without its hostname, the image's layers, the kernel, the
-initramfs and the QEMU binary; a change of any is another template. The builder VM is an ordinary
+`ram`, `state.bin`, the `kernel` and `initrd` it booted, (vm) `disk.qcow2`, `template.json`. The key
+names all a template depends on: the VM's spec without its hostname, the image's layers, the disk's
+size, the kernel, the initramfs and the QEMU binary; a change of any is another template. The builder VM is an ordinary
 VM of the tier (`template-<key>` in its VM directory), so a daemon killed mid-build leaves residue
 that recovery removes like any other; half-built directories are removed at start. At most
 MAX_TEMPLATES are kept, the least recently used removed first (running VMs keep their mapping).
@@ -35,7 +41,7 @@ from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.backends.vm import migration, qemu
-from sandfleet.backends.vm.boot import SNAP_INITRD, SNAP_KERNEL, SNAP_STATE, Boot
+from sandfleet.backends.vm.boot import SNAP_DISK, SNAP_INITRD, SNAP_KERNEL, SNAP_STATE, Boot
 from sandfleet.backends.vm.machines import check_traversable
 from sandfleet.backends.vm.snapshots import VMSnapshots
 from sandfleet.errors import DataLossError, InternalError, UnavailableError
@@ -56,7 +62,7 @@ SNAP_PREFIX = "snapshot-"  # a template made of a snapshot (a fork's), not of an
 
 
 class VMTemplates(VMSnapshots):
-    """A QEMU tier's VMs, created from booted templates where the tier has them (microvm)."""
+    """A QEMU tier's VMs, created from booted templates (unless `templates = false`)."""
 
     @property
     def templates_dir(self) -> Path:
@@ -67,7 +73,13 @@ class VMTemplates(VMSnapshots):
 
     @property
     def _templated(self) -> bool:
-        return not self.full and self.config.templates
+        return self.config.templates
+
+    @property
+    def _shares(self) -> bool:
+        """Forks through a template of the snapshot: microvm (the vm tier's children each need
+        the snapshot's disk beneath their own overlay, which such a template does not carry yet)."""
+        return self._templated and not self.full
 
     async def start(self) -> None:
         await super().start()
@@ -106,10 +118,11 @@ class VMTemplates(VMSnapshots):
         vm_spec = self._spec(spec, len(boot.layers), sandbox_id)
         hostname = vm_spec.cmdline["hostname"]
         vm_spec = dataclasses.replace(vm_spec, cmdline={k: v for k, v in vm_spec.cmdline.items() if k != "hostname"})
-        key = await asyncio.to_thread(self._key, vm_spec, image, boot)
-        meta = await self._template(key, spec, boot, vm_spec)
-        uid = self._new_uid()
-        runtime: dict[str, Any] = {"uid": uid, "layers": [x.digest for x in image.layers], "template": key}
+        disk_bytes = boot.base.size + int(spec.resources.disk) if boot.base is not None else None
+        key = await asyncio.to_thread(self._key, vm_spec, image, boot, disk_bytes)
+        meta = await self._template(key, spec, boot, vm_spec, disk_bytes)
+        runtime = self._runtime(spec, image, boot)
+        runtime["template"] = key
         runtime["vm"] = dataclasses.asdict(vm_spec)  # a snapshot's restore: the same VM, anonymous RAM
         from_template = self._from(key, boot)
         try:
@@ -153,7 +166,7 @@ class VMTemplates(VMSnapshots):
         """Before a fork's restores: the snapshot made a template (its stream loaded once into a
         stopped QEMU whose RAM is a shared file, then saved without the RAM), so that the children
         map its memory copy-on-write instead of each loading all of it."""
-        if not self._templated or not meta.get("vm", {}).get("ram_object"):
+        if not self._shares or not meta.get("vm", {}).get("ram_object"):
             return  # the vm tier, or a snapshot from before templates (its RAM is not a backend object)
         key = _snapshot_key(source)
         try:
@@ -167,7 +180,8 @@ class VMTemplates(VMSnapshots):
             except migration.SnapshotFileError:
                 pass
             build = self._load_snapshot(source, meta)
-            await self._build(key, spec, boot, vm_spec, build, {"next_id": meta["next_id"], "source": str(source)})
+            extra = {"next_id": meta["next_id"], "source": str(source)}
+            await self._build(key, spec, boot, vm_spec, build, extra, None)
 
     async def unshare(self, source: Path) -> None:
         key = _snapshot_key(source)
@@ -177,7 +191,7 @@ class VMTemplates(VMSnapshots):
     async def _stream(self, source: Path, meta: dict[str, Any], boot: Boot) -> tuple[Boot, Path, bool]:
         """A restore of a snapshot that `share` made a template of starts from the template."""
         key = _snapshot_key(source)
-        if not self._templated or not (self.templates_dir / key).is_dir():
+        if not self._shares or not (self.templates_dir / key).is_dir():
             return await super()._stream(source, meta, boot)
         try:
             await asyncio.to_thread(self._load, key, qemu.VMSpec(**meta["vm"]))
@@ -199,7 +213,7 @@ class VMTemplates(VMSnapshots):
 
     # -- the templates ------------------------------------------------------------------------
 
-    def _key(self, vm_spec: qemu.VMSpec, image: ImageManifest, boot: Boot) -> str:
+    def _key(self, vm_spec: qemu.VMSpec, image: ImageManifest, boot: Boot, disk_bytes: int | None) -> str:
         """What the template depends on, hashed (blocking: stats the kernel and QEMU)."""
 
         def ident(path: Path | str | None) -> list[Any]:
@@ -211,13 +225,16 @@ class VMTemplates(VMSnapshots):
             "format": TEMPLATE_FORMAT,
             "vm": dataclasses.asdict(vm_spec),
             "layers": [x.digest for x in image.layers],
+            "disk_bytes": disk_bytes,  # vm: the root overlay's size (the guest grew its filesystem to it)
             "kernel": ident(boot.kernel),
             "initramfs": ident(boot.initramfs),
             "qemu": ident(self.config.qemu),
         }
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
-    async def _template(self, key: str, spec: SandboxSpec, boot: Boot, vm_spec: qemu.VMSpec) -> dict[str, Any]:
+    async def _template(
+        self, key: str, spec: SandboxSpec, boot: Boot, vm_spec: qemu.VMSpec, disk_bytes: int | None
+    ) -> dict[str, Any]:
         """The template's metadata, built first if it is missing or damaged (one build per key)."""
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -226,7 +243,7 @@ class VMTemplates(VMSnapshots):
             except migration.SnapshotFileError as exc:
                 if (self.templates_dir / key).exists():
                     log.warning("template %s is damaged (%s): building it again", key, exc)
-            await self._build(key, spec, boot, vm_spec, Builder(self._boot_agent), {})
+            await self._build(key, spec, boot, vm_spec, Builder(self._boot_agent), {}, disk_bytes)
             return await asyncio.to_thread(self._load, key, vm_spec)
 
     def _load(self, key: str, vm_spec: qemu.VMSpec) -> dict[str, Any]:
@@ -240,6 +257,8 @@ class VMTemplates(VMSnapshots):
                 raise migration.SnapshotFileError("its device state is truncated")
             if (tdir / RAM).stat().st_size != vm_spec.memory_mib << 20:
                 raise migration.SnapshotFileError("its memory file has the wrong size")
+            if "disk" in files and (tdir / SNAP_DISK).stat().st_size != int(files["disk"]):
+                raise migration.SnapshotFileError("its disk has the wrong size")
             if key not in self._checked:
                 migration.check(tdir / SNAP_KERNEL, str(files["kernel"]), "kernel")
                 migration.check(tdir / SNAP_INITRD, str(files["initrd"]), "initramfs")
@@ -255,7 +274,12 @@ class VMTemplates(VMSnapshots):
         """What a VM started from the template `key` boots from: its files, its RAM mapped privately."""
         tdir = self.templates_dir / key
         kernel, initrd = tdir / SNAP_KERNEL, tdir / SNAP_INITRD
-        return Boot(kernel, initrd, boot.layers, ram=tdir / RAM, ram_mode="from_template", shim=self._shim)
+        # vm: the template's disk (over the image's base) beneath each VM's own overlay
+        snapdisk = tdir / SNAP_DISK if boot.base is not None and not key.startswith(SNAP_PREFIX) else boot.snapdisk
+        ram = tdir / RAM
+        return Boot(
+            kernel, initrd, boot.layers, boot.base, snapdisk, ram=ram, ram_mode="from_template", shim=self._shim
+        )
 
     async def _boot_agent(self, vdir: Path, work: Path, stack: contextlib.AsyncExitStack) -> None:
         """An image template's guest: booted until its agent answers (then its channel is dropped:
@@ -271,19 +295,28 @@ class VMTemplates(VMSnapshots):
             channel.close()
 
     async def _build(
-        self, key: str, spec: SandboxSpec, boot: Boot, vm_spec: qemu.VMSpec, builder: Builder, extra: dict[str, Any]
+        self,
+        key: str,
+        spec: SandboxSpec,
+        boot: Boot,
+        vm_spec: qemu.VMSpec,
+        builder: Builder,
+        extra: dict[str, Any],
+        disk_bytes: int | None,
     ) -> None:
         """Start the template's VM with its RAM in a shared file, bring its guest to the state to keep
         (`builder`), save its devices (RAM left out), kill it unresumed, publish the directory."""
         work = self.templates_dir / f".{key}"
         name = f"template-{key}"
         uid = self._new_uid()
-        runtime: dict[str, Any] = {"uid": uid}
+        runtime: dict[str, Any] = {"uid": uid, "disk_bytes": disk_bytes}
         try:
             await asyncio.to_thread(self._start_work, work, vm_spec.memory_mib, uid)
             building = dataclasses.replace(boot, ram=work / RAM, ram_mode="template_build")
             vdir = await self._launch(name, spec, building, vm_spec, runtime, incoming=builder.incoming)
-            async with asyncio.timeout(self.config.start_timeout + 60), contextlib.AsyncExitStack() as stack:
+            # A boot has start_timeout to answer, as any VM's; a snapshot's stream the time a restore has.
+            limit = self.config.start_timeout + (60 if builder.incoming else 0)
+            async with asyncio.timeout(limit), contextlib.AsyncExitStack() as stack:
                 await self._wait_qemu(vdir, runtime)
                 await builder.run(vdir, work, stack)
                 files = await asyncio.to_thread(self._pin_boot_files, runtime["qemu_pid"], work)
@@ -293,7 +326,7 @@ class VMTemplates(VMSnapshots):
                     qemu.VMLayout().migrate_socket,
                     work / SNAP_STATE,
                     uid,
-                    _nothing,
+                    lambda: self._freeze_disk(vdir, work, runtime),  # vm: its overlay over the base
                     ignore_shared=True,
                     resume=False,
                 )
@@ -308,6 +341,8 @@ class VMTemplates(VMSnapshots):
             raise
         await asyncio.shield(self.cleanup(name, runtime))
         files["state"] = saved["bytes"]
+        if (work / SNAP_DISK).exists():
+            files["disk"] = (work / SNAP_DISK).stat().st_size
         meta = {"format": TEMPLATE_FORMAT, "qemu": saved["qemu"], "files": files, **extra}
         await asyncio.to_thread(self._publish, work, key, meta)
         log.info("built the %s template %s", self.name, key)
@@ -352,10 +387,6 @@ class VMTemplates(VMSnapshots):
         with contextlib.suppress(FileNotFoundError):
             return sorted(e.name for e in self.templates_dir.iterdir() if e.is_dir() and not e.name.startswith("."))
         return []
-
-
-async def _nothing() -> None:
-    """A template has no disk to copy while it is stopped (its layers are read-only)."""
 
 
 @dataclasses.dataclass(frozen=True)
