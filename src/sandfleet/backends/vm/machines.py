@@ -561,6 +561,6 @@ def check_traversable(path: Path) -> None:
     for parent in [path, *path.parents]:
         if not parent.stat().st_mode & 0o001:
             raise UnavailableError(
-                f"the {path.name} tier needs {parent} to be traversable by other users (chmod o+x {parent}): "
+                f"the QEMU tiers need {parent} (above {path}) to be traversable by other users (chmod o+x {parent}): "
                 "QEMU runs as an unprivileged uid of its own"
             )
