@@ -247,6 +247,7 @@ def vm_figures(d: Daemon, tier: str, n: int) -> dict[str, Any]:
             sb.stop()
         if tier == "microvm":
             res["group"] = _idle_group(d, fleet, tier, GROUP)
+        if tier in ("microvm", "vm"):
             res["fork"] = _fork(fleet, tier, FORK)
     return res
 
@@ -377,7 +378,8 @@ def write_report(res: dict[str, Any], results: Path) -> None:
         lines.append(f"- idle CPU per sandbox {v['idle_cpu_percent_per_sandbox']:.1f} % of a core")
         lines.append(f"- exec p50 into an idle one {v['idle_exec']['p50_ms']:.2f} ms")
         if "first_create_s" in v:
-            what = "boots and saves its template" if tier == "microvm" else "caches, base disk"
+            firsts = {"microvm": "boots, saves its template", "vm": "base disk, boots, saves its template"}
+            what = firsts.get(tier, "caches")
             lines.append(f"- the first create of the image ({what}) {v['first_create_s']:.2f} s")
         if f := v.get("fork"):
             lines.append(

@@ -443,22 +443,23 @@ def test_microvm_creates_from_its_images_booted_template(vmd: tuple[Daemon, str]
     assert wait_until(lambda: not _vm_residue(d, parent, "microvm"), timeout=30), _vm_residue(d, parent, "microvm")
 
 
-def test_microvm_fork_children_share_the_snapshots_memory(vmd: tuple[Daemon, str]) -> None:
-    """A fork (several restores of one snapshot at once) on the microvm tier: the snapshot is made a
-    template once, each child maps its memory copy-on-write (bound read-only into its jail) and
-    loads only its devices; the children are each their own, keep the parent's background
-    process, and the template goes with the snapshot."""
+@pytest.mark.parametrize("tier", ["microvm", "vm"])
+def test_fork_children_share_the_snapshots_memory(vmd: tuple[Daemon, str], tier: str) -> None:
+    """A fork (several restores of one snapshot at once): the snapshot is made a template once,
+    each child maps its memory copy-on-write (bound read-only into its jail) and loads only its
+    devices (the vm tier: each child's overlay on the snapshot's disk); the children are each
+    their own, keep the parent's background process, and the template goes with the snapshot."""
     d, parent = vmd
-    templates = d.state_dir / "microvm-templates"
+    templates = d.state_dir / f"{tier}-templates"
     with d.client(timeout=300) as c:
-        sb = c.create(backend="microvm", image="busybox", idle_ttl=600)
+        sb = c.create(backend=tier, image="busybox", idle_ttl=600)
         try:
             sb.exec("echo parent > /tmp/state")
             counter = sb.start("i=0; while true; do i=$((i+1)); echo $i >/tmp/c; mv /tmp/c /tmp/count; sleep 0.1; done")
             snap = sb.snapshot()
             t0 = time.monotonic()
             kids = c.restore(snap.id, count=3)
-            _measured(f"microvm restore of 3 at once through a template of the snapshot: {time.monotonic() - t0:.2f}s")
+            _measured(f"{tier} restore of 3 at once through a template of the snapshot: {time.monotonic() - t0:.2f}s")
             assert all(not isinstance(k, Exception) for k in kids), kids
             made = [p for p in templates.glob("snapshot-*") if p.is_dir()]
             assert len(made) == 1, made
@@ -481,14 +482,14 @@ def test_microvm_fork_children_share_the_snapshots_memory(vmd: tuple[Daemon, str
             # A fork: the same, with its snapshot and template gone after it.
             t0 = time.monotonic()
             forks = sb.fork(2)
-            _measured(f"microvm fork of 2: {time.monotonic() - t0:.2f}s")
+            _measured(f"{tier} fork of 2: {time.monotonic() - t0:.2f}s")
             assert [f.exec("cat /tmp/state").stdout for f in forks] == ["parent\n", "parent\n"]
             assert not list(templates.glob("snapshot-*"))
             for f in forks:
                 f.stop()
         finally:
             sb.stop()
-    assert wait_until(lambda: not _vm_residue(d, parent, "microvm"), timeout=30), _vm_residue(d, parent, "microvm")
+    assert wait_until(lambda: not _vm_residue(d, parent, tier), timeout=30), _vm_residue(d, parent, tier)
 
 
 def test_a_daemon_killed_while_it_builds_a_template_leaves_nothing(vmd: tuple[Daemon, str]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from sandfleet.backends.base import LiveSandbox, cgroup_cpu_seconds, cgroup_usage
 from sandfleet.backends.config import VMBackendConfig
-from sandfleet.backends.vm import disks, guest, qemu
+from sandfleet.backends.vm import disks, guest, migration, qemu
 from sandfleet.backends.vm.boot import (
     ROOT_DISK,
     SNAP_DISK,
@@ -29,6 +29,7 @@ from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
     UnavailableError,
+    WrongStateError,
 )
 from sandfleet.images import ImageManifest, LayerCorruptError, LayerStore
 from sandfleet.models import SandboxSpec, Usage
@@ -268,13 +269,21 @@ class VMMachines:
         try:
             return await self._boot(sandbox_id, spec, boot, runtime)
         except BaseException as exc:
-            console = self._console_tail(sandbox_id)
-            await asyncio.shield(self.cleanup(sandbox_id, runtime))
-            if isinstance(exc, TimeoutError | ChannelClosedError):
-                raise UnavailableError(f"the {self.name} did not come up: {console}") from exc
-            if isinstance(exc, OSError | ValueError | qemu.QMPError | disks.DiskBuildError):
-                raise InternalError(f"starting the {self.name} failed: {exc}: {console}") from exc
+            await self._start_failed(sandbox_id, runtime, exc, f"the {self.name}")
             raise
+
+    async def _start_failed(self, name: str, runtime: dict[str, Any], exc: BaseException, what: str) -> None:
+        """A VM that did not start (booting, restoring, from or as a template; `what` names it):
+        everything it made removed, and the cause raised as a typed error (anything else the caller
+        re-raises as it was)."""
+        console = self._console_tail(name)
+        await asyncio.shield(self.cleanup(name, runtime))
+        if isinstance(exc, migration.VersionMismatchError):
+            raise WrongStateError(str(exc)) from exc
+        if isinstance(exc, TimeoutError | ChannelClosedError):
+            raise UnavailableError(f"{what} did not come up: {console}") from exc
+        if isinstance(exc, OSError | ValueError | qemu.QMPError | disks.DiskBuildError):
+            raise InternalError(f"starting {what} failed: {exc}: {console}") from exc
 
     def _runtime(self, spec: SandboxSpec, image: ImageManifest, boot: Boot) -> dict[str, Any]:
         """A new VM's record: its jail uid, layers and (vm) base disk, kernel and disk size."""
@@ -319,7 +328,7 @@ class VMMachines:
         uid = runtime["uid"]
         vdir.mkdir(mode=0o700)
         os.chown(vdir, uid, uid)
-        if incoming and boot.ram_mode != "from_template":  # a template's files are reachable where they are
+        if incoming:
             boot = await asyncio.to_thread(self._stage, vdir, boot)
         if boot.base is not None:
             overlay = vdir / ROOT_DISK
@@ -340,9 +349,12 @@ class VMMachines:
     @staticmethod
     def _stage(vdir: Path, boot: Boot) -> Boot:
         """A restore's snapshot files, linked (else copied) into the VM's directory: bwrap resolves a
-        bound fd's path as the jail uid, which may not enter the root-only snapshot directory."""
+        bound fd's path as the jail uid, which may not enter the root-only snapshot directory (a
+        template's files are reachable where they are)."""
 
         def stage(src: Path, name: str) -> Path:
+            if _traversable(src.parent):
+                return src
             dest = vdir / name
             try:
                 os.link(src, dest)
@@ -552,6 +564,10 @@ class VMMachines:
             if self._uid_base <= uid < self._uid_base + SLOTS:
                 found.append(f"{entry.name}:{uid}")
         return found
+
+
+def _traversable(path: Path) -> bool:
+    return all(parent.stat().st_mode & 0o001 for parent in [path, *path.parents])
 
 
 def check_traversable(path: Path) -> None:

@@ -164,14 +164,7 @@ class VMSnapshots(VMMachines):
         try:
             return await self._restore(sandbox_id, spec, source, meta, boot, vm_spec, runtime)
         except BaseException as exc:
-            console = self._console_tail(sandbox_id)
-            await asyncio.shield(self.cleanup(sandbox_id, runtime))
-            if isinstance(exc, migration.VersionMismatchError):
-                raise WrongStateError(str(exc)) from exc
-            if isinstance(exc, TimeoutError | ChannelClosedError):
-                raise UnavailableError(f"the restored {self.name} did not come up: {console}") from exc
-            if isinstance(exc, OSError | ValueError | qemu.QMPError | disks.DiskBuildError):
-                raise InternalError(f"restoring the {self.name} failed: {exc}: {console}") from exc
+            await self._start_failed(sandbox_id, runtime, exc, f"the {self.name} restored from its snapshot")
             raise
 
     async def _stream(self, source: Path, meta: dict[str, Any], boot: Boot) -> tuple[Boot, Path, bool]:

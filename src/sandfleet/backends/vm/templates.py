@@ -12,7 +12,7 @@ its own hostname over vminit's control frames (StreamRelay.freshen). On the vm t
 root overlay (what its boot wrote over the image's base, its filesystem grown) is kept too, as the
 template's `disk.qcow2`: each VM's own overlay lies on it, as a restored child's on its snapshot's.
 
-Forks (microvm): before several restores of one snapshot, `share` makes a template of the snapshot
+Forks: before several restores of one snapshot, `share` makes a template of the snapshot
 (its stream loaded once into a QEMU that never runs it, saved without RAM); `unshare` removes it
 with the snapshot.
 
@@ -44,12 +44,12 @@ from sandfleet.backends.vm import migration, qemu
 from sandfleet.backends.vm.boot import SNAP_DISK, SNAP_INITRD, SNAP_KERNEL, SNAP_STATE, Boot
 from sandfleet.backends.vm.machines import check_traversable
 from sandfleet.backends.vm.snapshots import VMSnapshots
-from sandfleet.errors import DataLossError, InternalError, UnavailableError
+from sandfleet.errors import DataLossError, UnavailableError
 from sandfleet.images import ImageManifest
 from sandfleet.models import SandboxSpec
 from sandfleet.runtime.agent import AgentChannel
 from sandfleet.runtime.agent_build import build_shared
-from sandfleet.runtime.agent_errors import AgentBuildError, ChannelClosedError
+from sandfleet.runtime.agent_errors import AgentBuildError
 
 log = logging.getLogger("sandfleet.vm")
 
@@ -77,9 +77,9 @@ class VMTemplates(VMSnapshots):
 
     @property
     def _shares(self) -> bool:
-        """Forks through a template of the snapshot: microvm (the vm tier's children each need
-        the snapshot's disk beneath their own overlay, which such a template does not carry yet)."""
-        return self._templated and not self.full
+        """Forks through a template of the snapshot (on the vm tier each child's overlay lies on the
+        snapshot's own disk, as in a plain restore: the template carries no disk)."""
+        return self._templated
 
     async def start(self) -> None:
         await super().start()
@@ -128,12 +128,7 @@ class VMTemplates(VMSnapshots):
         try:
             return await self._from_template(sandbox_id, spec, from_template, vm_spec, meta, runtime, hostname)
         except BaseException as exc:
-            console = self._console_tail(sandbox_id)
-            await asyncio.shield(self.cleanup(sandbox_id, runtime))
-            if isinstance(exc, TimeoutError | ChannelClosedError):
-                raise UnavailableError(f"the {self.name} did not come up from its template: {console}") from exc
-            if isinstance(exc, OSError | ValueError | qemu.QMPError | migration.VersionMismatchError):
-                raise InternalError(f"starting the {self.name} from its template failed: {exc}: {console}") from exc
+            await self._start_failed(sandbox_id, runtime, exc, f"the {self.name} from its template")
             raise
 
     async def _from_template(
@@ -167,7 +162,7 @@ class VMTemplates(VMSnapshots):
         stopped QEMU whose RAM is a shared file, then saved without the RAM), so that the children
         map its memory copy-on-write instead of each loading all of it."""
         if not self._shares or not meta.get("vm", {}).get("ram_object"):
-            return  # the vm tier, or a snapshot from before templates (its RAM is not a backend object)
+            return  # templates off, or a snapshot from before them (its RAM is not a backend object)
         key = _snapshot_key(source)
         try:
             boot, vm_spec = await asyncio.to_thread(self._snapshot_boot, source, meta)
@@ -181,7 +176,7 @@ class VMTemplates(VMSnapshots):
                 pass
             build = self._load_snapshot(source, meta)
             extra = {"next_id": meta["next_id"], "source": str(source)}
-            await self._build(key, spec, boot, vm_spec, build, extra, None)
+            await self._build(key, spec, boot, vm_spec, build, extra, meta.get("disk_bytes"))
 
     async def unshare(self, source: Path) -> None:
         key = _snapshot_key(source)
@@ -326,18 +321,14 @@ class VMTemplates(VMSnapshots):
                     qemu.VMLayout().migrate_socket,
                     work / SNAP_STATE,
                     uid,
-                    lambda: self._freeze_disk(vdir, work, runtime),  # vm: its overlay over the base
+                    # vm: an image template's overlay over the base; a snapshot's keeps the snapshot's disk
+                    (lambda: _nothing()) if builder.incoming else (lambda: self._freeze_disk(vdir, work, runtime)),
                     ignore_shared=True,
                     resume=False,
                 )
         except BaseException as exc:
-            console = self._console_tail(name)
-            await asyncio.shield(self.cleanup(name, runtime))
-            await asyncio.to_thread(shutil.rmtree, work, True)
-            if isinstance(exc, TimeoutError | ChannelClosedError):
-                raise UnavailableError(f"the {self.name} template did not come up: {console}") from exc
-            if isinstance(exc, OSError | ValueError | qemu.QMPError | migration.VersionMismatchError):
-                raise InternalError(f"building the {self.name} template failed: {exc}: {console}") from exc
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, work, True))
+            await self._start_failed(name, runtime, exc, f"the {self.name} template's builder")
             raise
         await asyncio.shield(self.cleanup(name, runtime))
         files["state"] = saved["bytes"]
@@ -397,6 +388,10 @@ class Builder:
 
     run: Callable[[Path, Path, contextlib.AsyncExitStack], Awaitable[None]]
     incoming: bool = False
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _snapshot_key(source: Path) -> str:
