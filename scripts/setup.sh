@@ -53,7 +53,7 @@ if ! compgen -G "$GUEST_DIR/boot/vmlinuz-*" >/dev/null; then
     mv "$GUEST_DIR.tmp" "$GUEST_DIR"
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e ".[node,dev,rl,cluster]"
+python3 -m pip install -q --disable-pip-version-check -e ".[node,dev,rl,cluster,e2b]"
 # verl's sandbox-fusion client code, for tests/test_fusion.py (only that part of it is imported:
 # verl itself pulls torch and ray, which its reward client does not need).
 python3 -m pip install -q --disable-pip-version-check --no-deps "verl==0.9.1"

@@ -310,7 +310,7 @@ def test_only_tests_import_the_testing_helpers() -> None:
 
 
 def test_nothing_imports_the_command_line() -> None:
-    cli = ("sandfleet.cli", "sandfleet.cli_common", "sandfleet.cli_images")
+    cli = ("sandfleet.cli", "sandfleet.cli_common", "sandfleet.cli_images", "sandfleet.cli_e2b")
     bad = _importers_of((*cli, "sandfleet.demo"), ("sandfleet.__main__", *cli))
     assert not bad, bad
 

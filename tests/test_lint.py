@@ -33,7 +33,9 @@ def test_mypy_strict() -> None:
 @pytest.mark.unit
 def test_generated_files_are_fresh() -> None:
     """docs/openapi.json and the sync client are generated; a stale copy fails here. So is the list of
-    the SDK's public names and signatures (docs/public-api.txt): a change to it shows in its diff."""
-    for script in ("scripts/gen_openapi.py", "scripts/gen_sync_client.py", "scripts/gen_public_api.py"):
+    the SDK's public names and signatures (docs/public-api.txt): a change to it shows in its diff. And
+    the E2B layer's protobuf modules, generated from its .proto files."""
+    scripts = ("gen_openapi.py", "gen_sync_client.py", "gen_public_api.py", "gen_e2b_proto.py")
+    for script in (f"scripts/{name}" for name in scripts):
         r = subprocess.run([sys.executable, script, "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, f"{script} --check: {r.stdout}{r.stderr}"

@@ -1,5 +1,5 @@
 """`sandfleet` command line: serve, gateway, cluster, create, exec, shell, ls, rm, pause, resume, network,
-audit, snapshot, pack, fork, checkpoint, checkpoints, rollback, delete-checkpoint, images, doctor, demo."""
+audit, snapshot, pack, fork, checkpoint, checkpoints, rollback, delete-checkpoint, images, doctor, demo, e2b."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sandfleet.cli_common import SocketOpt, _client, _fail, _pairs, console, err_console
+from sandfleet.cli_e2b import serve as e2b_serve
 from sandfleet.cli_images import images_app
 from sandfleet.client import AsyncClient, Client, Sandbox
 from sandfleet.cluster.cli import cluster_app
@@ -30,6 +31,7 @@ app = typer.Typer(help="sandfleet: elastic sandboxes for agentic RL.", no_args_i
 app.add_typer(images_app, name="images")
 app.add_typer(cluster_app, name="cluster")
 app.command(name="gateway")(cluster_gateway)
+app.command(name="e2b")(e2b_serve)
 
 
 # -- serve ----------------------------------------------------------------------------------------

@@ -1,0 +1,29 @@
+"""`sandfleet e2b`: serve E2B's API over a node's or a gateway's."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from sandfleet.cli_common import _pairs
+
+
+def serve(
+    upstream: Annotated[str, typer.Option(help="sandfleet's API: a node's or a gateway's http://HOST:PORT")],
+    listen: Annotated[str, typer.Option(help="HOST:PORT to serve E2B's API on")] = "127.0.0.1:3000",
+    template: Annotated[
+        list[str] | None, typer.Option(help="NAME=IMAGE: an E2B template name and the image it creates")
+    ] = None,
+) -> None:
+    """Serve E2B's API (control plane and envd) over sandfleet's: point an E2B program at it with
+    E2B_API_URL and E2B_SANDBOX_URL set to http://LISTEN and E2B_API_KEY to a sandfleet token."""
+    import uvicorn
+
+    from sandfleet.e2b import E2BConfig, create_app
+
+    host, _, port = listen.rpartition(":")
+    config = E2BConfig(upstream=upstream)
+    if template:
+        config.templates.update(_pairs(template, "--template"))
+    uvicorn.run(create_app(config), host=host or "127.0.0.1", port=int(port), log_level="warning")

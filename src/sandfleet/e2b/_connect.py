@@ -1,0 +1,99 @@
+"""A Connect service (connectrpc's ASGI application) from a service descriptor and an object whose
+methods are named as the RPCs; sandfleet's errors raised in them become Connect errors."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.compat import google_protobuf_codecs
+from connectrpc.errors import ConnectError
+from connectrpc.method import IdempotencyLevel, MethodInfo
+from connectrpc.server import ConnectASGIApplication, Endpoint
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+
+from sandfleet import errors
+
+# sandfleet's wire codes as Connect's (E2B's SDK turns each into its own exception).
+CODES: dict[type[errors.SandboxError], Code] = {
+    errors.InvalidArgumentError: Code.INVALID_ARGUMENT,
+    errors.UnsupportedError: Code.UNIMPLEMENTED,
+    errors.NotFoundError: Code.NOT_FOUND,
+    errors.WrongStateError: Code.FAILED_PRECONDITION,
+    errors.ResourceExhaustedError: Code.RESOURCE_EXHAUSTED,
+    errors.SandboxTimeoutError: Code.DEADLINE_EXCEEDED,
+    errors.UnauthenticatedError: Code.UNAUTHENTICATED,
+    errors.PermissionDeniedError: Code.PERMISSION_DENIED,
+    errors.UnavailableError: Code.UNAVAILABLE,
+    errors.SandboxLostError: Code.UNAVAILABLE,
+    errors.DataLossError: Code.DATA_LOSS,
+    errors.InternalError: Code.INTERNAL,
+}
+
+
+def connect_error(exc: errors.SandboxError) -> ConnectError:
+    if isinstance(exc, errors.SandboxNotFoundError):
+        # What E2B's SDK reads as "the sandbox is not running" (not a missing file).
+        return ConnectError(Code.UNAVAILABLE, f"the sandbox was not found: {exc}")
+    code = next((c for cls, c in CODES.items() if isinstance(exc, cls)), Code.INTERNAL)
+    return ConnectError(code, str(exc))
+
+
+def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def stream(*args: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(*args):
+                    yield item
+            except errors.SandboxError as exc:
+                raise connect_error(exc) from exc
+
+        return stream
+
+    @functools.wraps(fn)
+    async def unary(*args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except errors.SandboxError as exc:
+            raise connect_error(exc) from exc
+
+    return unary
+
+
+def _endpoints(service: ServiceDescriptor, impl: object) -> Mapping[str, Any]:
+    found: dict[str, Any] = {}
+    for md in service.methods:
+        fn = getattr(impl, md.name)
+        info = MethodInfo(
+            name=md.name,
+            service_name=service.full_name,
+            input=message_factory.GetMessageClass(md.input_type),
+            output=message_factory.GetMessageClass(md.output_type),
+            idempotency_level=IdempotencyLevel.UNKNOWN,
+        )
+        if md.client_streaming:
+            kind: Any = Endpoint.client_stream
+        elif md.server_streaming:
+            kind = Endpoint.server_stream
+        else:
+            kind = Endpoint.unary
+        found[f"/{service.full_name}/{md.name}"] = kind(method=info, function=_mapped(fn))
+    return found
+
+
+class ConnectService(ConnectASGIApplication[Any]):
+    """`impl`'s methods served as `service`'s RPCs (Connect protocol, JSON and binary codecs)."""
+
+    def __init__(self, service: ServiceDescriptor, impl: object) -> None:
+        self._path = "/" + str(service.full_name)
+        super().__init__(service=impl, endpoints=lambda svc: _endpoints(service, svc), codecs=google_protobuf_codecs())
+
+    @property
+    def path(self) -> str:
+        return self._path

@@ -1,0 +1,55 @@
+"""sandfleet's API as an E2B caller: one client per API key."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+
+from sandfleet.client import AsyncClient
+from sandfleet.client.aio import AsyncSandbox
+from sandfleet.errors import UnauthenticatedError
+from sandfleet.models import SandboxInfo
+
+MAX_CLIENTS = 64  # keys served at once (each its own connection pool); the least recent is closed
+
+
+class Upstream:
+    """The node's or gateway's API at `url`, called with each E2B key as its sandfleet token."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._clients: collections.OrderedDict[str, AsyncClient] = collections.OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def client(self, key: str | None) -> AsyncClient:
+        if not key:
+            raise UnauthenticatedError("an E2B API key (X-API-Key) or access token (X-Access-Token) is required")
+        name = hashlib.sha256(key.encode()).hexdigest()
+        found = self._clients.pop(name, None)
+        if found is None:
+            found = AsyncClient(url=self.url, token=key, timeout=self.timeout)
+            if len(self._clients) >= MAX_CLIENTS:
+                _, oldest = self._clients.popitem(last=False)
+                task = asyncio.create_task(self._close_later(oldest))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        self._clients[name] = found
+        return found
+
+    async def _close_later(self, client: AsyncClient) -> None:
+        await asyncio.sleep(self.timeout)  # a call of that key may still be using it
+        await client.aclose()
+
+    def sandbox(self, key: str | None, sandbox_id: str) -> AsyncSandbox:
+        """A handle on `sandbox_id` without asking for it first (its first call says if it is there)."""
+        info = SandboxInfo.model_construct(id=sandbox_id)  # type: ignore[call-arg]  # only its id is read
+        return AsyncSandbox(self.client(key), info)
+
+    async def aclose(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
+        for c in self._clients.values():
+            await c.aclose()
+        self._clients.clear()

@@ -1,0 +1,251 @@
+"""E2B's REST control plane (sandboxes: create, connect, get, list, kill, timeout, pause, resume),
+each call made as sandfleet calls with the caller's API key (X-API-Key) as its token."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from sandfleet.client.aio import AsyncSandbox
+from sandfleet.e2b._upstream import Upstream
+from sandfleet.errors import InvalidArgumentError, SandboxError, SandboxNotFoundError, WrongStateError
+from sandfleet.models import SandboxInfo, SandboxSpec
+
+TEMPLATE_LABEL = "e2b.dev/template"  # the E2B template a sandbox was created from
+DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
+CLIENT_ID = "sandfleet"
+
+
+def rest_error(exc: SandboxError) -> JSONResponse:
+    """E2B's error body ({code, message}); `Should-Retry: false`: sandfleet's client already retried
+    what could be, and E2B's SDK would otherwise retry a 503 or 429 three more times."""
+    status = exc.http_status if exc.http_status != 410 else 404
+    return JSONResponse({"code": status, "message": str(exc)}, status_code=status, headers={"Should-Retry": "false"})
+
+
+Handler = Callable[[Request, "Control"], Awaitable[Response]]
+
+
+class Control:
+    def __init__(self, upstream: Upstream, templates: dict[str, str], envd_version: str) -> None:
+        self.upstream = upstream
+        self.templates = templates
+        self.envd_version = envd_version
+
+    def routes(self) -> list[Route]:
+        def route(path: str, fn: Handler, method: str) -> Route:
+            async def endpoint(request: Request) -> Response:
+                try:
+                    return await fn(request, self)
+                except SandboxError as exc:
+                    return rest_error(exc)
+
+            return Route(path, endpoint, methods=[method])
+
+        return [
+            route("/sandboxes", create, "POST"),
+            route("/v2/sandboxes", create, "POST"),
+            route("/sandboxes", list_sandboxes, "GET"),
+            route("/v2/sandboxes", list_sandboxes, "GET"),
+            route("/sandboxes/{sandbox_id}", get_sandbox, "GET"),
+            route("/sandboxes/{sandbox_id}", kill, "DELETE"),
+            route("/sandboxes/{sandbox_id}/timeout", set_timeout, "POST"),
+            route("/sandboxes/{sandbox_id}/refreshes", refresh, "POST"),
+            route("/sandboxes/{sandbox_id}/pause", pause, "POST"),
+            route("/sandboxes/{sandbox_id}/resume", resume, "POST"),
+            route("/sandboxes/{sandbox_id}/connect", connect, "POST"),
+            route("/v2/sandboxes/{sandbox_id}/connect", connect, "POST"),
+            route("/templates", templates, "GET"),
+        ]
+
+    def key(self, request: Request) -> str | None:
+        return request.headers.get("x-api-key")
+
+    def sandbox(self, request: Request) -> AsyncSandbox:
+        return self.upstream.sandbox(self.key(request), request.path_params["sandbox_id"])
+
+    def created(self, request: Request, info: SandboxInfo) -> dict[str, Any]:
+        """E2B's `Sandbox`: what a create or a connect answers."""
+        return {
+            "templateID": info.spec.labels.get(TEMPLATE_LABEL, ""),
+            "sandboxID": info.id,
+            "clientID": CLIENT_ID,
+            "envdVersion": self.envd_version,
+            # envd calls carry it back as X-Access-Token: the key itself, so they act as its project.
+            "envdAccessToken": self.key(request),
+            "domain": None,
+        }
+
+    def detail(self, info: SandboxInfo) -> dict[str, Any]:
+        """E2B's `SandboxDetail` / `ListedSandbox`."""
+        spec = info.spec
+        end = info.created_at + spec.max_lifetime if spec.max_lifetime else info.created_at + DEFAULT_TIMEOUT
+        return {
+            "templateID": spec.labels.get(TEMPLATE_LABEL, ""),
+            "sandboxID": info.id,
+            "clientID": CLIENT_ID,
+            "startedAt": _rfc3339(info.created_at),
+            "endAt": _rfc3339(end),
+            "envdVersion": self.envd_version,
+            "cpuCount": max(1, int(spec.resources.cpu)),
+            "memoryMB": int(spec.resources.memory) >> 20,
+            "diskSizeMB": int(spec.resources.disk) >> 20,
+            "state": "paused" if info.state == "paused" else "running",
+            "metadata": {k: v for k, v in spec.labels.items() if k != TEMPLATE_LABEL},
+        }
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"the body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidArgumentError("the body must be a JSON object")
+    return body
+
+
+def _timeout(body: dict[str, Any], name: str = "timeout", default: int | None = DEFAULT_TIMEOUT) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgumentError(f"{name} must be a whole number of seconds")
+    return value
+
+
+def _rfc3339(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _strings(body: dict[str, Any], name: str) -> dict[str, str]:
+    value = body.get(name) or {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InvalidArgumentError(f"{name} must be an object of strings")
+    return value
+
+
+async def create(request: Request, c: Control) -> Response:
+    body = await _body(request)
+    template = body.get("templateID") or "base"
+    if not isinstance(template, str):
+        raise InvalidArgumentError("templateID must be a string")
+    timeout = _timeout(body)
+    try:
+        spec = SandboxSpec(
+            image=c.templates.get(template, template),
+            env=_strings(body, "envVars"),
+            labels={**_strings(body, "metadata"), TEMPLATE_LABEL: template},
+            idle_ttl=None,  # an E2B sandbox lives its timeout, busy or idle
+            max_lifetime=timeout or None,
+        )
+    except ValueError as exc:  # pydantic's ValidationError: metadata that are no labels, an image name
+        raise InvalidArgumentError(f"the sandbox cannot be made from this request: {exc}"[:500]) from exc
+    fleet = c.upstream.client(c.key(request))
+    sb = await fleet.create(spec, idempotency_key=request.headers.get("idempotency-key"))
+    return JSONResponse(c.created(request, sb.info), status_code=201)
+
+
+async def get_sandbox(request: Request, c: Control) -> Response:
+    info = await c.sandbox(request).refresh()
+    if info.state not in ("creating", "running", "paused"):
+        return rest_error(_gone(info.id))
+    return JSONResponse(c.detail(info))
+
+
+def _gone(sandbox_id: str) -> SandboxError:
+    return SandboxNotFoundError(f"sandbox {sandbox_id} not found")
+
+
+async def list_sandboxes(request: Request, c: Control) -> Response:
+    wanted = {"running", "paused"}
+    if state := request.query_params.get("state"):
+        wanted = {s.strip() for s in state.split(",") if s.strip()}
+    labels = {}
+    if metadata := request.query_params.get("metadata"):
+        labels = {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in urllib.parse.parse_qsl(metadata)}
+    fleet = c.upstream.client(c.key(request))
+    found = await fleet.list(labels or None)
+    out = [c.detail(i) for i in found if TEMPLATE_LABEL in i.spec.labels]
+    return JSONResponse([d for d in out if d["state"] in wanted])
+
+
+async def kill(request: Request, c: Control) -> Response:
+    info = await c.sandbox(request).refresh()
+    if info.state not in ("creating", "running", "paused"):
+        return rest_error(_gone(info.id))
+    await c.sandbox(request).stop("e2b kill")
+    return Response(status_code=204)
+
+
+async def _extend(sb: AsyncSandbox, seconds: int) -> SandboxInfo:
+    """E2B's timeout: the sandbox ends `seconds` from now (sandfleet's limit counts from creation)."""
+    info = await sb.refresh()
+    return await sb.set_lifetime(max_lifetime=max(1.0, time.time() - info.created_at + seconds))
+
+
+async def set_timeout(request: Request, c: Control) -> Response:
+    seconds = _timeout(await _body(request), default=None)
+    if seconds is None:
+        raise InvalidArgumentError("timeout is required")
+    await _extend(c.sandbox(request), seconds)
+    return Response(status_code=204)
+
+
+async def refresh(request: Request, c: Control) -> Response:
+    seconds = _timeout(await _body(request), "duration", DEFAULT_TIMEOUT) or DEFAULT_TIMEOUT
+    await _extend(c.sandbox(request), seconds)
+    return Response(status_code=204)
+
+
+async def pause(request: Request, c: Control) -> Response:
+    sb = c.sandbox(request)
+    if (await sb.refresh()).state == "paused":
+        return rest_error(WrongStateError(f"sandbox {sb.id} is already paused"))
+    await sb.pause()
+    return Response(status_code=204)
+
+
+async def resume(request: Request, c: Control) -> Response:
+    sb = c.sandbox(request)
+    body = await _body(request)
+    if (await sb.refresh()).state != "paused":
+        return rest_error(WrongStateError(f"sandbox {sb.id} is not paused"))
+    await sb.resume()
+    info = await _extend(sb, _timeout(body) or DEFAULT_TIMEOUT)
+    return JSONResponse(c.created(request, info), status_code=201)
+
+
+async def connect(request: Request, c: Control) -> Response:
+    """Connect: a paused sandbox is resumed (201), a running one answered as it is (200); either way
+    its timeout is set again when one is given."""
+    sb = c.sandbox(request)
+    body = await _body(request)
+    info = await sb.refresh()
+    if info.state not in ("creating", "running", "paused"):
+        return rest_error(_gone(info.id))
+    status = 200
+    if info.state == "paused":
+        await sb.resume()
+        status = 201
+    if (seconds := _timeout(body, default=None)) is not None:
+        info = await _extend(sb, seconds)
+    return JSONResponse(c.created(request, info), status_code=status)
+
+
+async def templates(request: Request, c: Control) -> Response:
+    c.upstream.client(c.key(request))  # authenticated like every call
+    return JSONResponse(
+        [{"templateID": name, "aliases": [name], "public": True, "buildStatus": "ready"} for name in c.templates]
+    )

@@ -1,0 +1,43 @@
+"""The E2B-compatible server: E2B's control plane and envd on one address, over a node's or a
+gateway's API (`sandfleet e2b`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.applications import Starlette
+
+from sandfleet.e2b import envd
+from sandfleet.e2b._upstream import Upstream
+from sandfleet.e2b.control import Control
+
+# envd's version as the SDK reads it: 0.6.4 is the newest its features are gated on (file metadata,
+# octet-stream uploads, closing stdin), so every call of the SDK is made the current way.
+ENVD_VERSION = "0.6.4"
+
+
+class E2BConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    upstream: str = Field(description="sandfleet's API the calls go to: a node's or a gateway's http://HOST:PORT")
+    templates: dict[str, str] = Field(
+        default_factory=lambda: {"base": "python", "code-interpreter-v1": "python"},
+        description="E2B template names and the sandfleet images they create (another name is an image name)",
+    )
+    timeout: float = Field(300.0, gt=0, description="seconds a call to sandfleet may take")
+
+
+def create_app(config: E2BConfig) -> Starlette:
+    """E2B's REST control plane and envd's routes on one ASGI app: their paths do not overlap, so
+    E2B_API_URL and E2B_SANDBOX_URL can both be its address."""
+    upstream = Upstream(config.upstream, config.timeout)
+    control = Control(upstream, config.templates, ENVD_VERSION)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        yield
+        await upstream.aclose()
+
+    return Starlette(routes=[*control.routes(), *envd.routes(upstream)], lifespan=lifespan)

@@ -1,0 +1,205 @@
+"""E2B's own SDK (`e2b` from PyPI, sync and async) against sandfleet's E2B layer (`sandfleet e2b`)
+over a real node with two projects: every call the mapping serves, and one project's key against
+the other's sandboxes through every E2B route."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+e2b = pytest.importorskip("e2b")
+
+from e2b import AsyncSandbox, CommandExitException, Sandbox  # noqa: E402
+
+from conftest import Daemon, destroy_daemon, make_daemon, wait_until  # noqa: E402
+
+KEYS = {"a": "e2b-tenant-a-secret-00001", "b": "e2b-tenant-b-secret-00002"}
+IAM_TOML = f"""
+[[iam.projects]]
+path = "ea"
+
+[[iam.projects]]
+path = "eb"
+
+[[iam.tokens]]
+name = "a"
+token = "{KEYS["a"]}"
+project = "ea"
+
+[[iam.tokens]]
+name = "b"
+token = "{KEYS["b"]}"
+project = "eb"
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Node:
+    daemon: Daemon
+    url: str  # the E2B layer's address (API and envd alike)
+
+    def opts(self, who: str = "a") -> dict[str, str]:
+        return {"api_key": KEYS[who], "api_url": self.url, "sandbox_url": self.url}
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Node]:
+    if os.geteuid() != 0:
+        pytest.skip("the container tier needs root")
+    port = _free_port()
+    d = make_daemon("e2b", f'tcp = "127.0.0.1:{port}"\n' + IAM_TOML)
+    d.start()
+    listen = f"127.0.0.1:{_free_port()}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sandfleet", "e2b", "--upstream", f"http://127.0.0.1:{port}", "--listen", listen]
+    )
+    try:
+        url = f"http://{listen}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/templates", headers={"x-api-key": KEYS["a"]}).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(up, timeout=30), "the E2B layer did not come up"
+        yield Node(d, url)
+    finally:
+        server.terminate()
+        server.wait(10)
+        destroy_daemon(d)
+
+
+def test_the_sync_sdk_runs_commands_and_files(node: Node) -> None:
+    """Create from a template with metadata and env, commands (output, exit codes, env, cwd,
+    background with stdin, list, kill), files (write, read, list, stat, mkdir, rename, remove),
+    timeout, info and list, kill."""
+    sbx = Sandbox.create("base", timeout=120, metadata={"job": "e2b-sync"}, envs={"GREETING": "hi"}, **node.opts())
+    try:
+        r = sbx.commands.run("echo $GREETING; echo oops >&2")
+        assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "oops\n", 0)
+        with pytest.raises(CommandExitException) as failed:
+            sbx.commands.run("echo partial; exit 3")
+        assert failed.value.exit_code == 3 and failed.value.stdout == "partial\n"
+        assert sbx.commands.run("pwd; echo $X", cwd="/tmp", envs={"X": "y"}).stdout == "/tmp\ny\n"
+        # Background with stdin: fed, closed, waited; and one killed.
+        cat = sbx.commands.run("cat", background=True, stdin=True)
+        sbx.commands.send_stdin(cat.pid, "fed through stdin\n")
+        sbx.commands.close_stdin(cat.pid)
+        assert cat.wait().stdout == "fed through stdin\n"
+        sleeper = sbx.commands.run("sleep 300", background=True)
+        assert sleeper.pid in {p.pid for p in sbx.commands.list()}
+        assert sbx.commands.kill(sleeper.pid)
+        assert wait_until(lambda: sleeper.pid not in {p.pid for p in sbx.commands.list()}, timeout=10)
+        assert not sbx.commands.kill(sleeper.pid)  # gone: False, as E2B's envd says
+        # Files.
+        info = sbx.files.write("/work/dir/a.txt", "content a")
+        assert info.path == "/work/dir/a.txt"
+        assert sbx.files.read("/work/dir/a.txt") == "content a"
+        assert sbx.files.read("/work/dir/a.txt", format="bytes") == b"content a"
+        assert sbx.files.exists("/work/dir/a.txt") and not sbx.files.exists("/work/nope")
+        assert sbx.files.make_dir("/work/dir/sub") and not sbx.files.make_dir("/work/dir/sub")
+        names = {e.name for e in sbx.files.list("/work/dir")}
+        assert names == {"a.txt", "sub"}
+        deep = {e.path for e in sbx.files.list("/work", depth=3)}
+        assert {"/work/dir", "/work/dir/a.txt", "/work/dir/sub"} <= deep
+        assert sbx.files.get_info("/work/dir/a.txt").size == len("content a")
+        sbx.files.rename("/work/dir/a.txt", "/work/dir/b.txt")
+        assert sbx.files.read("/work/dir/b.txt") == "content a" and not sbx.files.exists("/work/dir/a.txt")
+        sbx.files.remove("/work/dir")
+        assert not sbx.files.exists("/work/dir/b.txt")
+        with pytest.raises(e2b.FileNotFoundException):
+            sbx.files.read("/work/dir/b.txt")
+        # Lifecycle.
+        sbx.set_timeout(200)
+        got = sbx.get_info()
+        assert got.sandbox_id == sbx.sandbox_id and got.metadata == {"job": "e2b-sync"} and got.template_id == "base"
+        listed = Sandbox.list(query=e2b.SandboxQuery(metadata={"job": "e2b-sync"}), **node.opts()).next_items()
+        assert [s.sandbox_id for s in listed] == [sbx.sandbox_id]
+        assert sbx.is_running()
+        again = Sandbox.connect(sbx.sandbox_id, **node.opts())
+        assert again.commands.run("echo again").stdout == "again\n"
+    finally:
+        assert sbx.kill()
+    assert not sbx.is_running()
+    assert not Sandbox.kill(sbx.sandbox_id, **node.opts())  # already gone
+
+
+def test_the_async_sdk_runs_commands_and_files(node: Node) -> None:
+    async def go() -> None:
+        sbx = await AsyncSandbox.create("base", timeout=120, **node.opts())
+        try:
+            r = await sbx.commands.run("echo async; printf 'x%.0s' $(seq 1 100000)")
+            assert r.stdout.startswith("async\n") and r.stdout.count("x") == 100000
+            await sbx.files.write("/tmp/f", b"\x00\x01binary")
+            assert await sbx.files.read("/tmp/f", format="bytes") == b"\x00\x01binary"
+            seen: list[str] = []
+            h = await sbx.commands.run("echo streamed", background=True, on_stdout=seen.append)
+            assert (await h.wait()).stdout == "streamed\n" and seen == ["streamed\n"]
+        finally:
+            await sbx.kill()
+
+    import asyncio
+
+    asyncio.run(go())
+
+
+def test_one_projects_key_cannot_reach_anothers_sandboxes(node: Node) -> None:
+    """B's key against A's sandbox through every E2B route: not found, the same as an id nobody has;
+    B's list holds none of A's; A's sandbox is untouched."""
+    sbx = Sandbox.create("base", timeout=120, metadata={"owner": "a"}, **node.opts("a"))
+    try:
+        sbx.files.write("/tmp/secret", "a's secret")
+        for sandbox_id in (sbx.sandbox_id, "sb-doesnotexist"):
+            with pytest.raises(e2b.SandboxException):
+                Sandbox.connect(sandbox_id, **node.opts("b"))
+            with pytest.raises(e2b.SandboxException):
+                Sandbox.get_info(sandbox_id, **node.opts("b"))
+            assert not Sandbox.kill(sandbox_id, **node.opts("b"))
+            with pytest.raises(e2b.SandboxException):
+                Sandbox.set_timeout(sandbox_id, 10, **node.opts("b"))
+        assert sbx.sandbox_id not in {s.sandbox_id for s in Sandbox.list(**node.opts("b")).next_items()}
+        # envd with B's key as the access token and A's sandbox id.
+        headers = {"e2b-sandbox-id": sbx.sandbox_id, "x-access-token": KEYS["b"]}
+        got = httpx.get(f"{node.url}/files", params={"path": "/tmp/secret"}, headers=headers)
+        assert got.status_code == 502 and "a's secret" not in got.text
+        run = httpx.post(
+            f"{node.url}/process.Process/List", json={}, headers={**headers, "content-type": "application/json"}
+        )
+        assert run.status_code != 200 and "secret" not in run.text
+        put = httpx.post(f"{node.url}/files", params={"path": "/tmp/secret"}, content=b"b was here",
+                         headers={**headers, "content-type": "application/octet-stream"})  # fmt: skip
+        assert put.status_code == 502
+        assert sbx.files.read("/tmp/secret") == "a's secret" and sbx.is_running()
+        # Without a key: refused.
+        assert httpx.get(f"{node.url}/sandboxes/{sbx.sandbox_id}").status_code == 401
+    finally:
+        sbx.kill()
+
+
+def test_bad_requests_get_typed_4xx(node: Node) -> None:
+    h = {"x-api-key": KEYS["a"], "content-type": "application/json"}
+    bodies = [b"not json", b"[1]", b'{"templateID": 5}', b'{"templateID": "base", "timeout": -1}']
+    bodies += [b'{"templateID": "base", "metadata": {"bad key!": "x"}}', b'{"templateID": "no-such-image"}']
+    for body in bodies:
+        r = httpx.post(f"{node.url}/v2/sandboxes", content=body, headers=h, timeout=60)
+        assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+        assert set(r.json()) == {"code", "message"} and r.json()["code"] == r.status_code
+    t0 = time.monotonic()
+    r = httpx.post(f"{node.url}/process.Process/Start", content=b"{", headers={**h, "e2b-sandbox-id": "x"})
+    assert 400 <= r.status_code < 500 and time.monotonic() - t0 < 10
