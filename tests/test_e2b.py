@@ -4,6 +4,7 @@ the other's sandboxes through every E2B route."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -148,13 +149,24 @@ def test_the_async_sdk_runs_commands_and_files(node: Node) -> None:
             assert r.stdout.startswith("async\n") and r.stdout.count("x") == 100000
             await sbx.files.write("/tmp/f", b"\x00\x01binary")
             assert await sbx.files.read("/tmp/f", format="bytes") == b"\x00\x01binary"
+            # Output streams as it comes: the first line is seen while the command waits for a file
+            # only this test writes once it has seen that line.
             seen: list[str] = []
-            h = await sbx.commands.run("echo streamed", background=True, on_stdout=seen.append)
-            assert (await h.wait()).stdout == "streamed\n" and seen == ["streamed\n"]
+            first = asyncio.Event()
+
+            def out(text: str) -> None:
+                seen.append(text)
+                first.set()
+
+            h = await sbx.commands.run(
+                "echo first; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo second", background=True, on_stdout=out
+            )
+            await asyncio.wait_for(first.wait(), 30)
+            assert "".join(seen) == "first\n"
+            await sbx.files.write("/tmp/go", b"")
+            assert (await h.wait()).stdout == "first\nsecond\n" and "".join(seen) == "first\nsecond\n"
         finally:
             await sbx.kill()
-
-    import asyncio
 
     asyncio.run(go())
 

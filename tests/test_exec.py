@@ -255,6 +255,30 @@ def test_background_process_wait_timeout_and_kill(sandbox: Sandbox) -> None:
     assert _wait(lambda: _sleeps(sandbox) == [], timeout=5)
 
 
+def test_background_process_output_is_followed_as_it_comes(sandbox: Sandbox) -> None:
+    """`output()`: the first line arrives while the process still runs (it waits for a file only
+    this test writes after reading that line), the rest then its exit; a follower that comes after
+    the exit gets all of it at once; a UTF-8 character cut across chunks arrives whole."""
+    p = sandbox.start("echo first; printf '\\303'; sleep 0.2; printf '\\251\\n'; "
+                      "while [ ! -e /tmp/go ]; do sleep 0.05; done; echo last >&2; exit 3")  # fmt: skip
+    seen: list[tuple[str, str]] = []
+    with p.output() as events:
+        for ev in events:
+            if ev.type == "exit":
+                assert ev.result is not None and ev.result.exit_code == 3
+                assert ev.result.stdout == "first\n\u00e9\n" and ev.result.stderr == "last\n"
+                break
+            seen.append((ev.type, ev.data))
+            if ev.type == "stdout" and "".join(d for t, d in seen if t == "stdout") == "first\n\u00e9\n":
+                assert p.wait(timeout=0).running  # live: the process has not ended yet
+                sandbox.files.write("/tmp/go", b"")
+    assert "".join(d for t, d in seen if t == "stdout") == "first\n\u00e9\n"
+    assert "".join(d for t, d in seen if t == "stderr") == "last\n"
+    with p.output() as events:
+        after = [(ev.type, ev.data) for ev in events if ev.type != "exit"]
+    assert after == [("stdout", "first\n\u00e9\n"), ("stderr", "last\n")]
+
+
 def test_background_process_timeout(sandbox: Sandbox) -> None:
     p = sandbox.start("sleep 100", timeout=0.5)
     info = p.wait(timeout=10)

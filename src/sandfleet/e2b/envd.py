@@ -5,6 +5,7 @@ caller's API key, so it acts as the caller's project)."""
 
 from __future__ import annotations
 
+import base64
 import gzip
 import posixpath
 import signal
@@ -30,12 +31,10 @@ from sandfleet.errors import (
     SandboxError,
     SandboxNotFoundError,
     UnsupportedError,
-    WrongStateError,
 )
-from sandfleet.models import FileInfo, ProcessInfo
+from sandfleet.models import ExecResult, FileInfo, ProcessInfo
 
 HOME = "/root"  # where relative paths lead (envd: the user's home; sandfleet's default user is root)
-KEEPALIVE = 20.0  # seconds between keepalive events while a process runs quietly
 CHUNK = 1 << 16  # output bytes per data event
 SIGNALS = {pp.SIGNAL_SIGKILL: signal.SIGKILL, pp.SIGNAL_SIGTERM: signal.SIGTERM}
 
@@ -150,32 +149,29 @@ async def _input(proc: AsyncProcess, data: pp.ProcessInput) -> None:
 
 
 async def _follow(proc: AsyncProcess) -> AsyncIterator[pp.ProcessEvent]:
-    """The process's output and end. sandfleet answers a background process's output when it
-    exits; until then a keepalive event every KEEPALIVE seconds."""
-    while True:
-        try:
-            info = await proc.wait(timeout=KEEPALIVE)
-        except WrongStateError as exc:  # its sandbox stopped first
-            end = pp.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="killed", error=str(exc))
-            yield pp.ProcessEvent(end=end)
-            return
-        if info.running or info.result is None:
-            yield pp.ProcessEvent(keepalive=pp.ProcessEvent.KeepAlive())
-            continue
-        r = info.result
-        for name, data in (("stdout", r.stdout_bytes), ("stderr", r.stderr_bytes)):
-            for i in range(0, len(data), CHUNK):
-                yield pp.ProcessEvent(data=pp.ProcessEvent.DataEvent(**{name: data[i : i + CHUNK]}))
-        if r.signal:
-            end = pp.ProcessEvent.EndEvent(
-                exit_code=-1, exited=False, status=f"signal: {signal.Signals(r.signal).name.lower()[3:]}"
-            )
-        else:
-            end = pp.ProcessEvent.EndEvent(exit_code=r.exit_code, exited=True, status=f"exit status {r.exit_code}")
-        if r.timed_out:
-            end.error = "the command's time ran out"
-        yield pp.ProcessEvent(end=end)
-        return
+    """The process's output as it comes (started with binary output: base64 chunks), then its end."""
+    async with proc.output() as events:
+        async for ev in events:
+            if ev.type in ("stdout", "stderr"):
+                data = base64.b64decode(ev.data)
+                for i in range(0, len(data), CHUNK):
+                    yield pp.ProcessEvent(data=pp.ProcessEvent.DataEvent(**{ev.type: data[i : i + CHUNK]}))
+            elif ev.type == "exit" and ev.result is not None:
+                yield pp.ProcessEvent(end=_end(ev.result))
+                return
+    end = pp.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="lost", error="its output ended without an exit")
+    yield pp.ProcessEvent(end=end)
+
+
+def _end(r: ExecResult) -> pp.ProcessEvent.EndEvent:
+    if r.signal:
+        name = signal.Signals(r.signal).name.lower().removeprefix("sig")
+        end = pp.ProcessEvent.EndEvent(exit_code=-1, exited=False, status=f"signal: {name}")
+    else:
+        end = pp.ProcessEvent.EndEvent(exit_code=r.exit_code, exited=True, status=f"exit status {r.exit_code}")
+    if r.timed_out:
+        end.error = "the command's time ran out"
+    return end
 
 
 # -- files ------------------------------------------------------------------------------------

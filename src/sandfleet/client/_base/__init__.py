@@ -39,6 +39,9 @@ from sandfleet.client._base.commands import (
     call_kill as call_kill,
 )
 from sandfleet.client._base.commands import (
+    call_output as call_output,
+)
+from sandfleet.client._base.commands import (
     call_run_batch as call_run_batch,
 )
 from sandfleet.client._base.commands import (

@@ -205,6 +205,12 @@ def call_wait(sandbox_id: str, process_id: str, timeout: float) -> Call:
     return Call("GET", process_path(sandbox_id, process_id), params={"wait": timeout}, timeout=timeout + EXEC_MARGIN)
 
 
+def call_output(sandbox_id: str, process_id: str) -> Call:
+    """A process's output as it comes, until its exit: a stream without an end in time (silence is
+    bounded by the client, see `silence_limit`)."""
+    return Call("GET", process_path(sandbox_id, process_id) + "/output", timeout=None)
+
+
 def call_kill(sandbox_id: str, process_id: str, signal: int) -> Call:
     return Call("DELETE", process_path(sandbox_id, process_id), params={"signal": signal})
 

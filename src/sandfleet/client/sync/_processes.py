@@ -30,6 +30,11 @@ class Process:
         self.info = b.finished(self._sb._c._model(ProcessInfo, b.call_wait(self._sb.id, self.id, timeout)))
         return self.info
 
+    def output(self) -> EventStream[ExecEvent]:
+        """The process's output as it comes: what it printed so far, each stdout/stderr chunk after,
+        then one `exit` event with its result (heartbeats swallowed). Several may follow one process."""
+        return self._sb._c._events(b.call_output(self._sb.id, self.id), b.exec_event)
+
     def kill(self, signal: int = 9) -> ProcessInfo:
         """Send `signal` to the process's tree; its state once the signal took effect."""
         self.info = self._sb._c._model(ProcessInfo, b.call_kill(self._sb.id, self.id, signal))

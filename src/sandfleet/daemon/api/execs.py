@@ -80,6 +80,12 @@ def router(api: Api) -> APIRouter:
     ) -> ProcessInfo:
         return await node.execs.kill_process(sandbox_id, process_id, signal)
 
+    @api.route(r, "process_output", response_class=StreamingResponse, responses=NDJSON)
+    async def process_output(sandbox_id: str, process_id: str) -> StreamingResponse:
+        """ExecEvent lines: what the process printed so far, each chunk as it comes, then one `exit`
+        (output the process printed past its output limit is not kept); `heartbeat` every 5 s while quiet."""
+        return stream(await node.execs.process_output(sandbox_id, process_id), EXEC_BEAT)
+
     @api.route(r, "process_stdin", openapi_extra=RAW_BODY)
     async def process_stdin(request: Request, sandbox_id: str, process_id: str, close: bool = False) -> Ok:
         """Bytes for the process's standard input (started with keep_stdin_open); `close` ends it."""

@@ -33,6 +33,7 @@ from sandfleet.daemon.node.core import AGENT_START_TIMEOUT, EventStream, NodeCor
 from sandfleet.daemon.node.cpuwatch import CommandWatch, boot_ticks
 from sandfleet.daemon.node.lifecycle import HOLDING_STATES, PAUSED, BackgroundProcess, Sandbox, forget_finished
 from sandfleet.daemon.node.pausing import Pauser
+from sandfleet.daemon.node.process_output import follow
 from sandfleet.daemon.node.sandbox_files import Files
 from sandfleet.errors import (
     InvalidArgumentError,
@@ -423,8 +424,7 @@ class Execs:
         try:
             async for ev in bp.process.events():
                 if isinstance(ev, OutputChunk):
-                    buf = bp.stdout if ev.stream == "stdout" else bp.stderr
-                    buf.extend(ev.data[: max(0, bp.limit - len(buf))])  # the agent caps it too
+                    bp.output(ev.stream, ev.data)
                 elif isinstance(ev, ExitInfo):
                     result = _exec_result(bytes(bp.stdout), bytes(bp.stderr), ev, bp.encoding)
                     bp.stdout, bp.stderr = bytearray(), bytearray()  # the result holds the output now
@@ -436,8 +436,7 @@ class Execs:
         finally:
             if watch is not None:
                 watch.stop()
-            bp.finished_at = time.monotonic()
-            bp.done.set()
+            bp.ended()
             forget_finished(sb)
 
     def _process_info(self, bp: BackgroundProcess) -> ProcessInfo:
@@ -464,6 +463,10 @@ class Execs:
 
     async def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
         return [self._process_info(bp) for bp in self.core.sandbox(sandbox_id).processes.values()]
+
+    async def process_output(self, sandbox_id: str, process_id: str) -> EventStream[ExecEvent]:
+        sb, bp = self._bg(sandbox_id, process_id)
+        return follow(sb, bp)
 
     async def wait_process(self, sandbox_id: str, process_id: str, timeout: float | None) -> ProcessInfo:
         sb, bp = self._bg(sandbox_id, process_id)

@@ -78,6 +78,23 @@ class BackgroundProcess:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     lost: str | None = None  # why it will never finish (its sandbox stopped, the agent went away)
     finished_at: float = 0.0  # time.monotonic() when it finished (the finished are kept newest first)
+    # Who follows its output as it comes (process_output.py): each chunk kept, then None at its end.
+    followers: list[asyncio.Queue[tuple[str, bytes] | None]] = field(default_factory=list)
+
+    def output(self, stream: str, data: bytes) -> None:
+        """A chunk of its output: kept up to its limit (the agent caps it too), and passed on."""
+        buf = self.stdout if stream == "stdout" else self.stderr
+        kept = data[: max(0, self.limit - len(buf))]
+        buf.extend(kept)
+        if kept:
+            for q in self.followers:
+                q.put_nowait((stream, kept))
+
+    def ended(self) -> None:
+        self.finished_at = time.monotonic()
+        self.done.set()
+        for q in self.followers:
+            q.put_nowait(None)
 
 
 # Finished background processes a sandbox keeps (the latest to finish), by count and by their output's bytes:
