@@ -171,6 +171,62 @@ def test_the_async_sdk_runs_commands_and_files(node: Node) -> None:
     asyncio.run(go())
 
 
+def test_pty_and_watch(node: Node) -> None:
+    """A PTY (create, input, resize, output, kill) and directory watches: the async SDK's stream and
+    the sync SDK's polled watcher, each seeing a file made, written and removed."""
+
+    async def go() -> None:
+        sbx = await AsyncSandbox.create("base", timeout=120, **node.opts())
+        try:
+            out = bytearray()
+            pty = await sbx.pty.create(e2b.PtySize(rows=24, cols=80), on_data=out.extend)
+            await sbx.pty.send_stdin(pty.pid, b"stty size; echo pty-$((6*7))\n")
+            assert await _until(lambda: b"pty-42" in out), bytes(out)
+            assert b"24 80" in out
+            await sbx.pty.resize(pty.pid, e2b.PtySize(rows=30, cols=100))
+            await sbx.pty.send_stdin(pty.pid, b"stty size\n")
+            assert await _until(lambda: b"30 100" in out), bytes(out)
+            assert pty.pid in {p.pid for p in await sbx.commands.list()}
+            assert await sbx.pty.kill(pty.pid)
+            with pytest.raises(CommandExitException):
+                await pty.wait()
+            # A streamed watch.
+            await sbx.files.make_dir("/watched")
+            seen: list[e2b.FilesystemEvent] = []
+            handle = await sbx.files.watch_dir("/watched", on_event=seen.append)
+            await sbx.files.write("/watched/new.txt", "x")
+            await sbx.files.remove("/watched/new.txt")
+            assert await _until(lambda: {e.type for e in seen} >= {e2b.FilesystemEventType.CREATE,
+                                                                    e2b.FilesystemEventType.REMOVE}), seen  # fmt: skip
+            assert {e.name for e in seen} == {"new.txt"}
+            await handle.stop()
+        finally:
+            await sbx.kill()
+
+    asyncio.run(go())
+    sbx = Sandbox.create("base", timeout=120, **node.opts())
+    try:
+        sbx.files.make_dir("/polled")
+        watcher = sbx.files.watch_dir("/polled")
+        sbx.files.write("/polled/a.txt", "a")
+        events: list[e2b.FilesystemEvent] = []
+        assert wait_until(lambda: events.extend(watcher.get_new_events()) or any(e.name == "a.txt" for e in events))
+        watcher.stop()
+        with pytest.raises(e2b.SandboxException):
+            watcher.get_new_events()  # removed
+    finally:
+        sbx.kill()
+
+
+async def _until(predicate: object, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 def test_one_projects_key_cannot_reach_anothers_sandboxes(node: Node) -> None:
     """B's key against A's sandbox through every E2B route: not found, the same as an id nobody has;
     B's list holds none of A's; A's sandbox is untouched."""

@@ -5,13 +5,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import posixpath
+from typing import Any
 
 from sandfleet.client import AsyncClient
 from sandfleet.client.aio import AsyncSandbox
-from sandfleet.errors import UnauthenticatedError
+from sandfleet.errors import InvalidArgumentError, UnauthenticatedError
 from sandfleet.models import SandboxInfo
 
 MAX_CLIENTS = 64  # keys served at once (each its own connection pool); the least recent is closed
+HOME = "/root"  # where envd's relative paths lead (the user's home; sandfleet's default user is root)
+
+
+def resolve(path: str) -> str:
+    """An envd path: absolute, or relative to the user's home."""
+    if not path:
+        raise InvalidArgumentError("a path is required")
+    return posixpath.normpath(posixpath.join(HOME, path))
+
+
+def owner(key: str | None) -> str:
+    """Who holds something the E2B layer keeps between calls (a terminal, a watcher): the key's digest."""
+    return hashlib.sha256((key or "").encode()).hexdigest()
 
 
 class Upstream:
@@ -26,7 +41,7 @@ class Upstream:
     def client(self, key: str | None) -> AsyncClient:
         if not key:
             raise UnauthenticatedError("an E2B API key (X-API-Key) or access token (X-Access-Token) is required")
-        name = hashlib.sha256(key.encode()).hexdigest()
+        name = owner(key)
         found = self._clients.pop(name, None)
         if found is None:
             found = AsyncClient(url=self.url, token=key, timeout=self.timeout)
@@ -46,6 +61,13 @@ class Upstream:
         """A handle on `sandbox_id` without asking for it first (its first call says if it is there)."""
         info = SandboxInfo.model_construct(id=sandbox_id)  # type: ignore[call-arg]  # only its id is read
         return AsyncSandbox(self.client(key), info)
+
+    def envd_sandbox(self, headers: Any) -> AsyncSandbox:
+        """The sandbox an envd call names (E2b-Sandbox-Id), as the key it carries (X-Access-Token)."""
+        sandbox_id = headers.get("e2b-sandbox-id")
+        if not sandbox_id:
+            raise InvalidArgumentError("the E2b-Sandbox-Id header is required")
+        return self.sandbox(headers.get("x-access-token"), sandbox_id)
 
     async def aclose(self) -> None:
         for task in list(self._closing):

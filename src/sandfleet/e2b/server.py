@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.applications import Starlette
 
-from sandfleet.e2b import envd
 from sandfleet.e2b._upstream import Upstream
 from sandfleet.e2b.control import Control
+from sandfleet.e2b.envd import Envd
 
 # envd's version as the SDK reads it: 0.6.4 is the newest its features are gated on (file metadata,
 # octet-stream uploads, closing stdin), so every call of the SDK is made the current way.
@@ -34,10 +34,12 @@ def create_app(config: E2BConfig) -> Starlette:
     E2B_API_URL and E2B_SANDBOX_URL can both be its address."""
     upstream = Upstream(config.upstream, config.timeout)
     control = Control(upstream, config.templates, ENVD_VERSION)
+    envd = Envd(upstream)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         yield
+        envd.close()
         await upstream.aclose()
 
-    return Starlette(routes=[*control.routes(), *envd.routes(upstream)], lifespan=lifespan)
+    return Starlette(routes=[*control.routes(), *envd.routes()], lifespan=lifespan)
