@@ -227,6 +227,37 @@ async def _until(predicate: object, timeout: float = 20.0) -> bool:
     return False
 
 
+def test_the_code_interpreter_keeps_its_state(node: Node) -> None:
+    """e2b_code_interpreter's run_code: state kept between executions, the last expression as the
+    main result, streamed stdout, an error with its traceback, env vars per execution, a context of
+    its own (its namespace apart from the default one), restarted and removed."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    sbx = CodeSandbox.create(timeout=120, **node.opts())
+    try:
+        first = sbx.run_code("x = 6 * 7\nprint('hello'); x")
+        assert first.logs.stdout == ["hello\n"] and first.text == "42" and first.error is None
+        assert first.execution_count == 1
+        streamed: list[str] = []
+        again = sbx.run_code("import os; print(x + 1); os.environ['FROM_E2B']", envs={"FROM_E2B": "v"},
+                             on_stdout=lambda m: streamed.append(m.line))  # fmt: skip
+        assert again.text == "'v'" and streamed == ["43\n"] and again.execution_count == 2
+        failed = sbx.run_code("1 / 0")
+        assert failed.error is not None and failed.error.name == "ZeroDivisionError"
+        assert "1 / 0" in failed.error.traceback
+        ctx = sbx.create_code_context(cwd="/tmp")
+        own = sbx.run_code("import os; y = 1; os.getcwd()", context=ctx)
+        assert own.text == "'/tmp'"
+        assert sbx.run_code("'y' in globals()").text == "False"  # the default context's namespace
+        assert ctx.id in {c.id for c in sbx.list_code_contexts()}
+        sbx.restart_code_context(ctx)
+        assert sbx.run_code("'y' in globals()", context=ctx).text == "False"
+        sbx.remove_code_context(ctx)
+        assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+    finally:
+        sbx.kill()
+
+
 def test_one_projects_key_cannot_reach_anothers_sandboxes(node: Node) -> None:
     """B's key against A's sandbox through every E2B route: not found, the same as an id nobody has;
     B's list holds none of A's; A's sandbox is untouched."""

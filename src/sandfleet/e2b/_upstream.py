@@ -24,6 +24,13 @@ def resolve(path: str) -> str:
     return posixpath.normpath(posixpath.join(HOME, path))
 
 
+def envd_key(headers: Any) -> str | None:
+    """The key an envd call carries: X-Access-Token (envd, the interpreter's /execute), else
+    E2B-Traffic-Access-Token (the interpreter's other calls): both are the create's answer."""
+    key: str | None = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
+    return key
+
+
 def owner(key: str | None) -> str:
     """Who holds something the E2B layer keeps between calls (a terminal, a watcher): the key's digest."""
     return hashlib.sha256((key or "").encode()).hexdigest()
@@ -67,7 +74,7 @@ class Upstream:
         sandbox_id = headers.get("e2b-sandbox-id")
         if not sandbox_id:
             raise InvalidArgumentError("the E2b-Sandbox-Id header is required")
-        return self.sandbox(headers.get("x-access-token"), sandbox_id)
+        return self.sandbox(envd_key(headers), sandbox_id)
 
     async def aclose(self) -> None:
         for task in list(self._closing):

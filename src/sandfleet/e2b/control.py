@@ -81,6 +81,7 @@ class Control:
             "envdVersion": self.envd_version,
             # envd calls carry it back as X-Access-Token: the key itself, so they act as its project.
             "envdAccessToken": self.key(request),
+            "trafficAccessToken": self.key(request),  # what the code interpreter's calls carry
             "domain": None,
         }
 

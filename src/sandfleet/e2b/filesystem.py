@@ -18,7 +18,7 @@ from connectrpc.errors import ConnectError
 
 from sandfleet.client.aio import AsyncSandbox
 from sandfleet.e2b._proto import filesystem_pb2 as fs
-from sandfleet.e2b._upstream import Upstream, owner, resolve
+from sandfleet.e2b._upstream import Upstream, envd_key, owner, resolve
 from sandfleet.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, SandboxError
 from sandfleet.models import FileEvent, FileInfo
 
@@ -137,7 +137,7 @@ class Filesystem:
     async def CreateWatcher(self, req: fs.CreateWatcherRequest, ctx: Any) -> fs.CreateWatcherResponse:
         """A watch kept here; its events are polled (GetWatcherEvents) until it is removed or idle."""
         sb = self._sandbox(ctx)
-        who = owner(ctx.request_headers.get("x-access-token"))
+        who = owner(envd_key(ctx.request_headers))
         self._expire()
         if sum(w.owner == who for w in self._watchers.values()) >= MAX_WATCHERS:
             raise ResourceExhaustedError(f"at most {MAX_WATCHERS} watchers at once: remove one first")
@@ -171,7 +171,7 @@ class Filesystem:
             watcher.failed = exc
 
     def _watcher(self, ctx: Any, watcher_id: str) -> _Watcher:
-        who = owner(ctx.request_headers.get("x-access-token"))
+        who = owner(envd_key(ctx.request_headers))
         w = self._watchers.get(watcher_id)
         if w is None or w.owner != who or w.sandbox_id != ctx.request_headers.get("e2b-sandbox-id"):
             raise NotFoundError(f"watcher {watcher_id} not found")

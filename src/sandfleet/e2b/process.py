@@ -11,7 +11,7 @@ from typing import Any
 
 from sandfleet.client.aio import AsyncProcess, AsyncSandbox, AsyncTerminal
 from sandfleet.e2b._proto import process_pb2 as pp
-from sandfleet.e2b._upstream import Upstream, owner, resolve
+from sandfleet.e2b._upstream import Upstream, envd_key, owner, resolve
 from sandfleet.errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from sandfleet.models import ExecResult, ProcessInfo
 
@@ -42,7 +42,7 @@ class Processes:
 
     def _sandbox(self, ctx: Any) -> tuple[AsyncSandbox, str]:
         headers = ctx.request_headers
-        return self.upstream.envd_sandbox(headers), owner(headers.get("x-access-token"))
+        return self.upstream.envd_sandbox(headers), owner(envd_key(headers))
 
     def _pty(self, sb: AsyncSandbox, who: str, selector: pp.ProcessSelector) -> _Pty | None:
         if selector.WhichOneof("selector") != "pid":

@@ -12,6 +12,7 @@ from starlette.applications import Starlette
 from sandfleet.e2b._upstream import Upstream
 from sandfleet.e2b.control import Control
 from sandfleet.e2b.envd import Envd
+from sandfleet.e2b.interpreter import Interpreter
 
 # envd's version as the SDK reads it: 0.6.4 is the newest its features are gated on (file metadata,
 # octet-stream uploads, closing stdin), so every call of the SDK is made the current way.
@@ -30,8 +31,8 @@ class E2BConfig(BaseModel):
 
 
 def create_app(config: E2BConfig) -> Starlette:
-    """E2B's REST control plane and envd's routes on one ASGI app: their paths do not overlap, so
-    E2B_API_URL and E2B_SANDBOX_URL can both be its address."""
+    """E2B's REST control plane, envd's routes and the code interpreter's on one ASGI app: their
+    paths do not overlap, so E2B_API_URL and E2B_SANDBOX_URL can both be its address."""
     upstream = Upstream(config.upstream, config.timeout)
     control = Control(upstream, config.templates, ENVD_VERSION)
     envd = Envd(upstream)
@@ -42,4 +43,5 @@ def create_app(config: E2BConfig) -> Starlette:
         envd.close()
         await upstream.aclose()
 
-    return Starlette(routes=[*control.routes(), *envd.routes()], lifespan=lifespan)
+    routes = [*control.routes(), *envd.routes(), *Interpreter(upstream).routes()]
+    return Starlette(routes=routes, lifespan=lifespan)
