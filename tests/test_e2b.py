@@ -299,6 +299,13 @@ def test_bad_requests_get_typed_4xx(node: Node) -> None:
         r = httpx.post(f"{node.url}/v2/sandboxes", content=body, headers=h, timeout=60)
         assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
         assert set(r.json()) == {"code", "message"} and r.json()["code"] == r.status_code
+    # An SDK of a major version the layer is not checked against: a clear refusal, not a hang.
+    old_sdk = httpx.post(f"{node.url}/sandboxes", json={"templateID": "base"},
+                         headers={**h, "user-agent": "e2b-python-sdk/1.9.0"})  # fmt: skip
+    assert old_sdk.status_code == 400 and "not supported" in old_sdk.json()["message"]
+    for query in ("limit=0", "limit=x", "nextToken=-1", "nextToken=abc"):
+        r = httpx.get(f"{node.url}/v2/sandboxes?{query}", headers=h)
+        assert r.status_code == 400 and r.json()["code"] == 400, (query, r.text)
     t0 = time.monotonic()
     r = httpx.post(f"{node.url}/process.Process/Start", content=b"{", headers={**h, "e2b-sandbox-id": "x"})
     assert 400 <= r.status_code < 500 and time.monotonic() - t0 < 10

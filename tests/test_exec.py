@@ -279,6 +279,25 @@ def test_background_process_output_is_followed_as_it_comes(sandbox: Sandbox) -> 
     assert after == [("stdout", "first\n\u00e9\n"), ("stderr", "last\n")]
 
 
+def test_a_process_started_and_followed_in_one_call(sandbox: Sandbox) -> None:
+    """`start_stream`: `started` (the process, running, listed) first, then its output and exit; the
+    process outlives a stream left early, and is a process like any (waited, killed)."""
+    with sandbox.start_stream("echo one; read line; echo got $line", keep_stdin_open=True) as events:
+        first = next(events)
+        assert first.type == "started" and first.process is not None and first.process.running
+        p = Process(sandbox, first.process)
+        assert p.id in {x.id for x in sandbox.processes()}
+        assert next(events).data == "one\n"
+        p.write_stdin("it\n", close=True)
+        rest = list(events)
+    assert [e.data for e in rest if e.type == "stdout"] == ["got it\n"] and rest[-1].type == "exit"
+    with sandbox.start_stream("sleep 0.3; echo late") as events:
+        left = next(events).process
+    assert left is not None
+    info = Process(sandbox, left).wait(timeout=10)  # left early: the process ran on
+    assert info.result is not None and info.result.stdout == "late\n"
+
+
 def test_background_process_timeout(sandbox: Sandbox) -> None:
     p = sandbox.start("sleep 100", timeout=0.5)
     info = p.wait(timeout=10)

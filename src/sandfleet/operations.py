@@ -228,6 +228,7 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("kill_process", "DELETE", SB + "/processes/{process_id}", "sandbox", "write", m.ProcessInfo),
     _op("process_stdin", "POST", SB + "/processes/{process_id}/stdin", "sandbox", "write", m.Ok),
     _op("process_output", "GET", SB + "/processes/{process_id}/output", "sandbox", "read"),
+    _op("start_process_stream", "POST", SB + "/processes/stream", "sandbox", "write"),
     _op("terminal_doc", "GET", SB + "/terminal", "sandbox", "write", status=101),
     # -- shell sessions ---------------------------------------------------------------------------
     _op("create_session", "POST", SB + "/sessions", "sandbox", "write", m.SessionInfo, status=201),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -16,12 +17,38 @@ from starlette.routing import Route
 
 from sandfleet.client.aio import AsyncSandbox
 from sandfleet.e2b._upstream import Upstream
-from sandfleet.errors import InvalidArgumentError, SandboxError, SandboxNotFoundError, WrongStateError
+from sandfleet.errors import (
+    InvalidArgumentError,
+    SandboxError,
+    SandboxNotFoundError,
+    UnsupportedError,
+    WrongStateError,
+)
 from sandfleet.models import SandboxInfo, SandboxSpec
 
 TEMPLATE_LABEL = "e2b.dev/template"  # the E2B template a sandbox was created from
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
 CLIENT_ID = "sandfleet"
+
+
+# E2B's SDKs this layer is checked against (docs/e2b.md); a call from another major version is
+# refused with a clear error instead of half working (E2B's API changed between majors).
+SUPPORTED = {"python": ((2, 45), (3, 0)), "js": ((2, 0), (3, 0))}
+_AGENT = re.compile(r"e2b-(python|js)-sdk/(\d+)\.(\d+)")
+
+
+def check_sdk(request: Request) -> None:
+    """The SDK's version from its User-Agent (`e2b-python-sdk/2.63.0`); other clients pass."""
+    m = _AGENT.search(request.headers.get("user-agent", ""))
+    if m is None:
+        return
+    lang, version = m.group(1), (int(m.group(2)), int(m.group(3)))
+    low, high = SUPPORTED[lang]
+    if not low <= version < high:
+        raise UnsupportedError(
+            f"E2B's {lang} SDK {version[0]}.{version[1]} is not supported by sandfleet's E2B layer: "
+            f"use {low[0]}.{low[1]} or later, before {high[0]}.0 (docs/e2b.md)"
+        )
 
 
 def rest_error(exc: SandboxError) -> JSONResponse:
@@ -44,6 +71,7 @@ class Control:
         def route(path: str, fn: Handler, method: str) -> Route:
             async def endpoint(request: Request) -> Response:
                 try:
+                    check_sdk(request)
                     return await fn(request, self)
                 except SandboxError as exc:
                     return rest_error(exc)
@@ -178,8 +206,26 @@ async def list_sandboxes(request: Request, c: Control) -> Response:
         labels = {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in urllib.parse.parse_qsl(metadata)}
     fleet = c.upstream.client(c.key(request))
     found = await fleet.list(labels or None)
-    out = [c.detail(i) for i in found if TEMPLATE_LABEL in i.spec.labels]
-    return JSONResponse([d for d in out if d["state"] in wanted])
+    # Every sandbox of the key's project (made through E2B or not), as E2B lists a team's; paged
+    # (`limit`, `nextToken` in and `x-next-token` out: an offset), newest first unless `order=asc`.
+    live = sorted((i for i in found if i.state in ("creating", "running", "paused")), key=lambda i: i.created_at)
+    if request.query_params.get("order", "desc") != "asc":
+        live.reverse()
+    out = [d for d in (c.detail(i) for i in live) if d["state"] in wanted]
+    limit = _query_int(request, "limit", 100, 1, 1000)
+    start = _query_int(request, "nextToken", 0, 0, len(out))
+    page = out[start : start + limit]
+    headers = {"x-next-token": str(start + limit)} if start + limit < len(out) else {}
+    return JSONResponse(page, headers=headers)
+
+
+def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise InvalidArgumentError(f"{name} must be a whole number from {low} to {high}")
+    return int(raw)
 
 
 async def kill(request: Request, c: Control) -> Response:

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from sandfleet.client.aio import AsyncProcess, AsyncSandbox, AsyncTerminal
+from sandfleet.client.aio import AsyncEventStream, AsyncProcess, AsyncSandbox, AsyncTerminal
 from sandfleet.e2b._proto import process_pb2 as pp
 from sandfleet.e2b._upstream import Upstream, envd_key, owner, resolve
 from sandfleet.errors import InvalidArgumentError, NotFoundError, UnsupportedError
-from sandfleet.models import ExecResult, ProcessInfo
+from sandfleet.models import ExecEvent, ExecResult, ProcessInfo
 
 CHUNK = 1 << 16  # output bytes per data event
 SIGNALS = {pp.SIGNAL_SIGKILL: signal.SIGKILL, pp.SIGNAL_SIGTERM: signal.SIGTERM}
@@ -75,9 +75,9 @@ class Processes:
             async for event in self._start_pty(sb, who, argv, env, cwd, req.pty.size):
                 yield pp.StartResponse(event=event)
             return
-        proc = await sb.start(argv, env=env, cwd=cwd, keep_stdin_open=req.stdin, binary=True)
-        yield pp.StartResponse(event=pp.ProcessEvent(start=pp.ProcessEvent.StartEvent(pid=pid_of(proc.id))))
-        async for event in _follow(proc):
+        # One call: the process started and its output followed (a second call would add its trip).
+        events = sb.start_stream(argv, env=env, cwd=cwd, keep_stdin_open=req.stdin, binary=True)
+        async for event in _events(events):
             yield pp.StartResponse(event=event)
 
     async def _start_pty(
@@ -168,11 +168,18 @@ def _info(p: ProcessInfo) -> pp.ProcessInfo:
     return pp.ProcessInfo(config=pp.ProcessConfig(cmd=argv[0], args=argv[1:]), pid=pid_of(p.id))
 
 
-async def _follow(proc: AsyncProcess) -> AsyncIterator[pp.ProcessEvent]:
-    """The process's output as it comes (started with binary output: base64 chunks), then its end."""
-    async with proc.output() as events:
+def _follow(proc: AsyncProcess) -> AsyncIterator[pp.ProcessEvent]:
+    return _events(proc.output())
+
+
+async def _events(stream: AsyncEventStream[ExecEvent]) -> AsyncIterator[pp.ProcessEvent]:
+    """A process's output as it comes (started with binary output: base64 chunks), then its end;
+    `started` (a process started by this stream) as envd's start event."""
+    async with stream as events:
         async for ev in events:
-            if ev.type in ("stdout", "stderr"):
+            if ev.type == "started" and ev.process is not None:
+                yield pp.ProcessEvent(start=pp.ProcessEvent.StartEvent(pid=pid_of(ev.process.id)))
+            elif ev.type in ("stdout", "stderr"):
                 data = base64.b64decode(ev.data)
                 for i in range(0, len(data), CHUNK):
                     yield pp.ProcessEvent(data=pp.ProcessEvent.DataEvent(**{ev.type: data[i : i + CHUNK]}))

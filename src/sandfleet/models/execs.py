@@ -294,16 +294,6 @@ class ExecResult(_Model):
         return base64.b64decode(self.stderr) if self.encoding == "base64" else self.stderr.encode()
 
 
-class ExecEvent(_Model):
-    """One line of a streamed exec: output chunks, then exactly one `exit` carrying the result.
-    `heartbeat` lines come while nothing else does, so a client can tell a quiet command from a
-    daemon that stopped answering."""
-
-    type: Literal["stdout", "stderr", "exit", "heartbeat"]
-    data: str = Field("", description="text, or base64 when the exec's `encoding` is base64")
-    result: ExecResult | None = None
-
-
 class ProcessInfo(_Model):
     """A background process started with `background=True`."""
 
@@ -312,6 +302,18 @@ class ProcessInfo(_Model):
     running: bool
     started_at: float
     result: ExecResult | None = None
+
+
+class ExecEvent(_Model):
+    """One line of a streamed exec: output chunks, then exactly one `exit` carrying the result.
+    `heartbeat` lines come while nothing else does, so a client can tell a quiet command from a
+    daemon that stopped answering. A background process started and followed at once
+    (`start_process_stream`) begins with one `started` carrying the process."""
+
+    type: Literal["started", "stdout", "stderr", "exit", "heartbeat"]
+    data: str = Field("", description="text, or base64 when the exec's `encoding` is base64")
+    result: ExecResult | None = None
+    process: ProcessInfo | None = Field(None, description="started: the background process")
 
 
 class SessionInfo(_Model):

@@ -57,6 +57,9 @@ from sandfleet.client._base.commands import (
     call_start as call_start,
 )
 from sandfleet.client._base.commands import (
+    call_start_stream as call_start_stream,
+)
+from sandfleet.client._base.commands import (
     call_stdin as call_stdin,
 )
 from sandfleet.client._base.commands import (

@@ -205,6 +205,11 @@ def call_wait(sandbox_id: str, process_id: str, timeout: float) -> Call:
     return Call("GET", process_path(sandbox_id, process_id), params={"wait": timeout}, timeout=timeout + EXEC_MARGIN)
 
 
+def call_start_stream(sandbox_id: str, body: dict[str, Any]) -> Call:
+    """Start a background process and follow its output: a stream without an end in time."""
+    return Call("POST", _sb(sandbox_id, "/processes/stream"), json=body, timeout=None)
+
+
 def call_output(sandbox_id: str, process_id: str) -> Call:
     """A process's output as it comes, until its exit: a stream without an end in time (silence is
     bounded by the client, see `silence_limit`)."""

@@ -373,6 +373,41 @@ class Sandbox:
         )
         return Process(self, self._c._model(ProcessInfo, b.call_start(self.id, body)))
 
+    def start_stream(
+        self,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        keep_stdin_open: bool = False,
+        timeout: float | None = None,
+        output_limit: int | None = None,
+        merge_stderr: bool = False,
+        binary: bool = False,
+        cpu_time: float | None = None,
+    ) -> EventStream[ExecEvent]:
+        """`start` and the process's `output()` in one call: a `started` event carrying the process
+        (its `process`: kill it, feed it, wait on it through `Process(sb, event.process)`), then its
+        output as it comes and one `exit`. Leaving the stream early does not stop the process."""
+        body = b.exec_body(
+            command,
+            b.CommandOptions(
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                keep_stdin_open=keep_stdin_open,
+                timeout=timeout,
+                output_limit=output_limit,
+                merge_stderr=merge_stderr,
+                binary=binary,
+                cpu_time=cpu_time,
+            ),
+        )
+        return self._c._events(b.call_start_stream(self.id, body), b.exec_event)
+
     def processes(self) -> builtins.list[ProcessInfo]:
         """The sandbox's background processes (running and finished)."""
         return (self._c._model(ProcessList, b.Call("GET", b.sandbox_path(self.id) + "/processes"))).processes

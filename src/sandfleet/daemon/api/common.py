@@ -132,12 +132,20 @@ class CheckedRoute(APIRoute):
         return checked
 
 
-def stream(events: EventStream[Any], beat: bytes) -> StreamingResponse:
-    """An ndjson response of `events`; closing them is the response's background task too, so a client
-    that left before the first byte (the body never iterated) still releases what they hold."""
-    return StreamingResponse(
-        _lines(events, beat), media_type="application/x-ndjson", background=BackgroundTask(events.aclose)
-    )
+def stream(events: EventStream[Any], beat: bytes, *, first: BaseModel | None = None) -> StreamingResponse:
+    """An ndjson response of `events` (after `first`, a line known already); closing them is the
+    response's background task too, so a client that left before the first byte (the body never
+    iterated) still releases what they hold."""
+    lines = _lines(events, beat)
+    if first is not None:
+        lines = _after(first.model_dump_json(exclude_none=True).encode() + b"\n", lines)
+    return StreamingResponse(lines, media_type="application/x-ndjson", background=BackgroundTask(events.aclose))
+
+
+async def _after(line: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield line
+    async for item in rest:
+        yield item
 
 
 async def _lines(events: AsyncIterator[BaseModel], beat: bytes, interval: float = HEARTBEAT) -> AsyncIterator[bytes]:

@@ -17,6 +17,7 @@ from sandfleet.daemon.api.common import (
     stream,
 )
 from sandfleet.models import (
+    ExecEvent,
     ExecRequest,
     ExecResult,
     Ok,
@@ -79,6 +80,14 @@ def router(api: Api) -> APIRouter:
         sandbox_id: str, process_id: str, signal: Annotated[int, Query(ge=1, le=64)] = 9
     ) -> ProcessInfo:
         return await node.execs.kill_process(sandbox_id, process_id, signal)
+
+    @api.route(r, "start_process_stream", response_class=StreamingResponse, responses=NDJSON)
+    async def start_process_stream(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
+        """start_process and process_output in one call: a `started` line carrying the process, then
+        its output as it comes and its `exit` (leaving early does not stop the process)."""
+        started = await node.execs.start_process(sandbox_id, req)
+        output = await node.execs.process_output(sandbox_id, started.id)
+        return stream(output, EXEC_BEAT, first=ExecEvent(type="started", process=started))
 
     @api.route(r, "process_output", response_class=StreamingResponse, responses=NDJSON)
     async def process_output(sandbox_id: str, process_id: str) -> StreamingResponse:
