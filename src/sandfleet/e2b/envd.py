@@ -1,5 +1,5 @@
 """E2B's in-sandbox daemon (envd) as its SDK calls it, over sandfleet's API: the Connect services
-process.Process (process.py) and filesystem.Filesystem (filesystem.py), and the /files and /health
+process.Process (commands.py) and filesystem.Filesystem (filesystem.py), and the /files and /health
 routes. Every call names its sandbox (E2b-Sandbox-Id) and carries the access token the create
 answered (X-Access-Token: the caller's API key, so it acts as the caller's project)."""
 
@@ -18,8 +18,8 @@ from sandfleet.e2b._connect import ConnectService
 from sandfleet.e2b._proto import filesystem_pb2 as fs
 from sandfleet.e2b._proto import process_pb2 as pp
 from sandfleet.e2b._upstream import Upstream, resolve
+from sandfleet.e2b.commands import Processes
 from sandfleet.e2b.filesystem import Filesystem
-from sandfleet.e2b.process import Processes
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, SandboxNotFoundError
 
 
