@@ -20,6 +20,8 @@ e2b = pytest.importorskip("e2b")
 
 from e2b import AsyncSandbox, CommandExitException, Sandbox  # noqa: E402
 
+from sandfleet.e2b import BASE_RECIPE  # noqa: E402
+
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until  # noqa: E402
 
 KEYS = {"a": "e2b-tenant-a-secret-00001", "b": "e2b-tenant-b-secret-00002"}
@@ -65,6 +67,8 @@ def node() -> Iterator[Node]:
     port = _free_port()
     d = make_daemon("e2b", f'tcp = "127.0.0.1:{port}"\n' + IAM_TOML)
     d.start()
+    with d.client(timeout=900) as root:
+        root.build_recipe(BASE_RECIPE)  # E2B's base template (its user); a cache hit after the first
     listen = f"127.0.0.1:{_free_port()}"
     server = subprocess.Popen(
         [sys.executable, "-m", "sandfleet", "e2b", "--upstream", f"http://127.0.0.1:{port}", "--listen", listen]
@@ -98,6 +102,11 @@ def test_the_sync_sdk_runs_commands_and_files(node: Node) -> None:
             sbx.commands.run("echo partial; exit 3")
         assert failed.value.exit_code == 3 and failed.value.stdout == "partial\n"
         assert sbx.commands.run("pwd; echo $X", cwd="/tmp", envs={"X": "y"}).stdout == "/tmp\ny\n"
+        # E2B's user and home (the base template's), for commands and relative paths alike.
+        assert sbx.commands.run("whoami; pwd").stdout == "user\n/home/user\n"
+        assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+        sbx.files.write("rel.txt", "relative")
+        assert sbx.commands.run("cat /home/user/rel.txt; stat -c %U rel.txt").stdout == "relativeuser\n"
         # Background with stdin: fed, closed, waited; and one killed.
         cat = sbx.commands.run("cat", background=True, stdin=True)
         sbx.commands.send_stdin(cat.pid, "fed through stdin\n")
@@ -109,23 +118,25 @@ def test_the_sync_sdk_runs_commands_and_files(node: Node) -> None:
         assert wait_until(lambda: sleeper.pid not in {p.pid for p in sbx.commands.list()}, timeout=10)
         assert not sbx.commands.kill(sleeper.pid)  # gone: False, as E2B's envd says
         # Files.
-        info = sbx.files.write("/work/dir/a.txt", "content a")
-        assert info.path == "/work/dir/a.txt"
-        assert sbx.files.read("/work/dir/a.txt") == "content a"
-        assert sbx.files.read("/work/dir/a.txt", format="bytes") == b"content a"
-        assert sbx.files.exists("/work/dir/a.txt") and not sbx.files.exists("/work/nope")
-        assert sbx.files.make_dir("/work/dir/sub") and not sbx.files.make_dir("/work/dir/sub")
-        names = {e.name for e in sbx.files.list("/work/dir")}
+        info = sbx.files.write("/home/user/work/dir/a.txt", "content a")
+        assert info.path == "/home/user/work/dir/a.txt"
+        assert sbx.files.read("/home/user/work/dir/a.txt") == "content a"
+        assert sbx.files.read("/home/user/work/dir/a.txt", format="bytes") == b"content a"
+        assert sbx.files.exists("/home/user/work/dir/a.txt") and not sbx.files.exists("/home/user/work/nope")
+        assert sbx.files.make_dir("/home/user/work/dir/sub") and not sbx.files.make_dir("/home/user/work/dir/sub")
+        names = {e.name for e in sbx.files.list("/home/user/work/dir")}
         assert names == {"a.txt", "sub"}
-        deep = {e.path for e in sbx.files.list("/work", depth=3)}
-        assert {"/work/dir", "/work/dir/a.txt", "/work/dir/sub"} <= deep
-        assert sbx.files.get_info("/work/dir/a.txt").size == len("content a")
-        sbx.files.rename("/work/dir/a.txt", "/work/dir/b.txt")
-        assert sbx.files.read("/work/dir/b.txt") == "content a" and not sbx.files.exists("/work/dir/a.txt")
-        sbx.files.remove("/work/dir")
-        assert not sbx.files.exists("/work/dir/b.txt")
+        deep = {e.path for e in sbx.files.list("/home/user/work", depth=3)}
+        assert {"/home/user/work/dir", "/home/user/work/dir/a.txt", "/home/user/work/dir/sub"} <= deep
+        assert sbx.files.get_info("/home/user/work/dir/a.txt").size == len("content a")
+        sbx.files.rename("/home/user/work/dir/a.txt", "/home/user/work/dir/b.txt")
+        assert sbx.files.read("/home/user/work/dir/b.txt") == "content a" and not sbx.files.exists(
+            "/home/user/work/dir/a.txt"
+        )
+        sbx.files.remove("/home/user/work/dir")
+        assert not sbx.files.exists("/home/user/work/dir/b.txt")
         with pytest.raises(e2b.FileNotFoundException):
-            sbx.files.read("/work/dir/b.txt")
+            sbx.files.read("/home/user/work/dir/b.txt")
         # Lifecycle.
         sbx.set_timeout(200)
         got = sbx.get_info()
@@ -191,11 +202,11 @@ def test_pty_and_watch(node: Node) -> None:
             with pytest.raises(CommandExitException):
                 await pty.wait()
             # A streamed watch.
-            await sbx.files.make_dir("/watched")
+            await sbx.files.make_dir("/home/user/watched")
             seen: list[e2b.FilesystemEvent] = []
-            handle = await sbx.files.watch_dir("/watched", on_event=seen.append)
-            await sbx.files.write("/watched/new.txt", "x")
-            await sbx.files.remove("/watched/new.txt")
+            handle = await sbx.files.watch_dir("/home/user/watched", on_event=seen.append)
+            await sbx.files.write("/home/user/watched/new.txt", "x")
+            await sbx.files.remove("/home/user/watched/new.txt")
             assert await _until(lambda: {e.type for e in seen} >= {e2b.FilesystemEventType.CREATE,
                                                                     e2b.FilesystemEventType.REMOVE}), seen  # fmt: skip
             assert {e.name for e in seen} == {"new.txt"}
@@ -206,9 +217,9 @@ def test_pty_and_watch(node: Node) -> None:
     asyncio.run(go())
     sbx = Sandbox.create("base", timeout=120, **node.opts())
     try:
-        sbx.files.make_dir("/polled")
-        watcher = sbx.files.watch_dir("/polled")
-        sbx.files.write("/polled/a.txt", "a")
+        sbx.files.make_dir("polled")
+        watcher = sbx.files.watch_dir("polled")
+        sbx.files.write("polled/a.txt", "a")
         events: list[e2b.FilesystemEvent] = []
         assert wait_until(lambda: events.extend(watcher.get_new_events()) or any(e.name == "a.txt" for e in events))
         watcher.stop()

@@ -15,6 +15,13 @@ def serve(
     template: Annotated[
         list[str] | None, typer.Option(help="NAME=IMAGE: an E2B template name and the image it creates")
     ] = None,
+    build_templates: Annotated[
+        bool,
+        typer.Option(help="first build E2B's base template (e2b/base:1) through the upstream (a token that may build)"),
+    ] = False,
+    token: Annotated[
+        str | None, typer.Option(envvar="SANDFLEET_TOKEN", help="the token --build-templates uses")
+    ] = None,
 ) -> None:
     """Serve E2B's API (control plane and envd) over sandfleet's: point an E2B program at it with
     E2B_API_URL and E2B_SANDBOX_URL set to http://LISTEN and E2B_API_KEY to a sandfleet token."""
@@ -22,6 +29,13 @@ def serve(
 
     from sandfleet.e2b import E2BConfig, create_app
 
+    if build_templates:
+        from sandfleet import Client
+        from sandfleet.e2b import BASE_RECIPE
+
+        with Client(url=upstream, token=token) as fleet:
+            built = fleet.build_recipe(BASE_RECIPE)
+        typer.echo(f"built {built.name}:{built.tag}")
     host, _, port = listen.rpartition(":")
     config = E2BConfig(upstream=upstream)
     if template:

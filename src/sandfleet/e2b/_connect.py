@@ -17,6 +17,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
 from sandfleet import errors
+from sandfleet.e2b._upstream import not_found_message
 
 # sandfleet's wire codes as Connect's (E2B's SDK turns each into its own exception).
 CODES: dict[type[errors.SandboxError], Code] = {
@@ -38,7 +39,7 @@ CODES: dict[type[errors.SandboxError], Code] = {
 def connect_error(exc: errors.SandboxError) -> ConnectError:
     if isinstance(exc, errors.SandboxNotFoundError):
         # What E2B's SDK reads as "the sandbox is not running" (not a missing file).
-        return ConnectError(Code.UNAVAILABLE, f"the sandbox was not found: {exc}")
+        return ConnectError(Code.UNAVAILABLE, not_found_message(exc))
     code = next((c for cls, c in CODES.items() if isinstance(exc, cls)), Code.INTERNAL)
     return ConnectError(code, str(exc))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import hashlib
 import posixpath
@@ -14,7 +15,7 @@ from sandfleet.errors import InvalidArgumentError, UnauthenticatedError
 from sandfleet.models import SandboxInfo
 
 MAX_CLIENTS = 64  # keys served at once (each its own connection pool); the least recent is closed
-HOME = "/root"  # where envd's relative paths lead (the user's home; sandfleet's default user is root)
+HOME = "/home/user"  # where envd's relative paths lead: the home of E2B's user (e2b/base.toml makes it)
 
 
 def resolve(path: str) -> str:
@@ -22,6 +23,26 @@ def resolve(path: str) -> str:
     if not path:
         raise InvalidArgumentError("a path is required")
     return posixpath.normpath(posixpath.join(HOME, path))
+
+
+def envd_user(headers: Any, query: Any = None) -> str | None:
+    """The user an envd call names: `Authorization: Basic base64(user:)` (Connect calls) or the
+    `username` query parameter (/files); None: the sandbox's default user."""
+    if query is not None and (name := query.get("username")):
+        return str(name)
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("basic "):
+        try:
+            name = base64.b64decode(auth[6:].strip(), validate=True).decode().partition(":")[0]
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgumentError("the Authorization header is not HTTP Basic") from exc
+        return name or None
+    return None
+
+
+def not_found_message(exc: Exception) -> str:
+    """A sandbox that is not there, in the words E2B's SDK reads as "not running" (`was not found`)."""
+    return f"the sandbox was not found ({exc})"
 
 
 def envd_key(headers: Any) -> str | None:

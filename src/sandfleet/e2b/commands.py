@@ -11,8 +11,14 @@ from typing import Any
 
 from sandfleet.client.aio import AsyncEventStream, AsyncProcess, AsyncSandbox, AsyncTerminal
 from sandfleet.e2b._proto import process_pb2 as pp
-from sandfleet.e2b._upstream import Upstream, envd_key, owner, resolve
-from sandfleet.errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from sandfleet.e2b._upstream import Upstream, envd_key, envd_user, owner, resolve
+from sandfleet.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+    UnsupportedError,
+    WrongStateError,
+)
 from sandfleet.models import ExecEvent, ExecResult, ProcessInfo
 
 CHUNK = 1 << 16  # output bytes per data event
@@ -71,20 +77,29 @@ class Processes:
         argv = [config.cmd, *config.args]
         env = dict(config.envs) or None
         cwd = resolve(config.cwd) if config.HasField("cwd") else None
+        user = envd_user(ctx.request_headers)
         if req.HasField("pty"):
-            async for event in self._start_pty(sb, who, argv, env, cwd, req.pty.size):
+            async for event in self._start_pty(sb, who, argv, env, cwd, user, req.pty.size):
                 yield pp.StartResponse(event=event)
             return
         # One call: the process started and its output followed (a second call would add its trip).
-        events = sb.start_stream(argv, env=env, cwd=cwd, keep_stdin_open=req.stdin, binary=True)
+        events = sb.start_stream(argv, env=env, cwd=cwd, user=user, keep_stdin_open=req.stdin, binary=True)
         async for event in _events(events):
             yield pp.StartResponse(event=event)
 
     async def _start_pty(
-        self, sb: AsyncSandbox, who: str, argv: list[str], env: dict[str, str] | None, cwd: str | None, size: Any
+        self,
+        sb: AsyncSandbox,
+        who: str,
+        argv: list[str],
+        env: dict[str, str] | None,
+        cwd: str | None,
+        user: str | None,
+        size: Any,
     ) -> AsyncIterator[pp.ProcessEvent]:
         """A terminal: its output as `pty` data; closed (what runs on it killed) when the stream ends."""
-        terminal = await sb.terminal(argv, rows=size.rows or 24, cols=size.cols or 80, env=env, cwd=cwd)
+        rows, cols = size.rows or 24, size.cols or 80
+        terminal = await sb.terminal(argv, rows=rows, cols=cols, env=env, cwd=cwd, user=user)
         key = (who, sb.id, terminal.pid)
         self._ptys[key] = _Pty(terminal, argv)
         try:
@@ -175,6 +190,14 @@ def _follow(proc: AsyncProcess) -> AsyncIterator[pp.ProcessEvent]:
 async def _events(stream: AsyncEventStream[ExecEvent]) -> AsyncIterator[pp.ProcessEvent]:
     """A process's output as it comes (started with binary output: base64 chunks), then its end;
     `started` (a process started by this stream) as envd's start event."""
+    try:
+        async for event in _translated(stream):
+            yield event
+    except WrongStateError as exc:  # its sandbox stopped under it: what E2B's SDK then asks /health about
+        raise UnavailableError(f"the command's sandbox stopped: {exc}") from exc
+
+
+async def _translated(stream: AsyncEventStream[ExecEvent]) -> AsyncIterator[pp.ProcessEvent]:
     async with stream as events:
         async for ev in events:
             if ev.type == "started" and ev.process is not None:

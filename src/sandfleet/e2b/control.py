@@ -18,7 +18,9 @@ from starlette.routing import Route
 from sandfleet.client.aio import AsyncSandbox
 from sandfleet.e2b._upstream import Upstream
 from sandfleet.errors import (
+    ImageNotFoundError,
     InvalidArgumentError,
+    NotFoundError,
     SandboxError,
     SandboxNotFoundError,
     UnsupportedError,
@@ -182,7 +184,13 @@ async def create(request: Request, c: Control) -> Response:
     except ValueError as exc:  # pydantic's ValidationError: metadata that are no labels, an image name
         raise InvalidArgumentError(f"the sandbox cannot be made from this request: {exc}"[:500]) from exc
     fleet = c.upstream.client(c.key(request))
-    sb = await fleet.create(spec, idempotency_key=request.headers.get("idempotency-key"))
+    try:
+        sb = await fleet.create(spec, idempotency_key=request.headers.get("idempotency-key"))
+    except ImageNotFoundError as exc:
+        raise NotFoundError(
+            f"template {template} (image {spec.image}) is not on this node: build it (`sandfleet e2b "
+            f"--build-templates`, or `sandfleet images build`), or map the name (`--template {template}=IMAGE`)"
+        ) from exc
     return JSONResponse(c.created(request, sb.info), status_code=201)
 
 
@@ -211,6 +219,14 @@ async def list_sandboxes(request: Request, c: Control) -> Response:
     live = sorted((i for i in found if i.state in ("creating", "running", "paused")), key=lambda i: i.created_at)
     if request.query_params.get("order", "desc") != "asc":
         live.reverse()
+    if template := request.query_params.get("template"):
+        live = [i for i in live if i.spec.labels.get(TEMPLATE_LABEL) == template]
+    if after := request.query_params.get("startedAfter"):
+        try:
+            since = datetime.datetime.fromisoformat(after.replace("Z", "+00:00")).timestamp()
+        except ValueError as exc:
+            raise InvalidArgumentError(f"startedAfter is not an ISO 8601 time: {exc}") from exc
+        live = [i for i in live if i.created_at > since]
     out = [d for d in (c.detail(i) for i in live) if d["state"] in wanted]
     limit = _query_int(request, "limit", 100, 1, 1000)
     start = _query_int(request, "nextToken", 0, 0, len(out))
@@ -286,8 +302,10 @@ async def connect(request: Request, c: Control) -> Response:
     if info.state == "paused":
         await sb.resume()
         status = 201
-    if (seconds := _timeout(body, default=None)) is not None:
-        info = await _extend(sb, seconds)
+    seconds = _timeout(body, default=None)
+    limit = info.spec.max_lifetime  # None: no end to extend
+    if seconds is not None and limit is not None and time.time() + seconds > info.created_at + limit:
+        info = await _extend(sb, seconds)  # a connect extends the sandbox's life, never shortens it
     return JSONResponse(c.created(request, info), status_code=status)
 
 

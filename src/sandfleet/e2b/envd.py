@@ -17,16 +17,18 @@ from sandfleet.client.aio import AsyncSandbox
 from sandfleet.e2b._connect import ConnectService
 from sandfleet.e2b._proto import filesystem_pb2 as fs
 from sandfleet.e2b._proto import process_pb2 as pp
-from sandfleet.e2b._upstream import Upstream, resolve
+from sandfleet.e2b._upstream import Upstream, envd_user, not_found_message, resolve
 from sandfleet.e2b.commands import Processes
 from sandfleet.e2b.filesystem import Filesystem
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, SandboxNotFoundError
 
 
 def _http_error(exc: SandboxError) -> JSONResponse:
-    """envd's error body ({code, message}); a sandbox that is not there is the edge's 502."""
-    status = 502 if isinstance(exc, SandboxNotFoundError) else exc.http_status
-    return JSONResponse({"code": status, "message": str(exc)}, status_code=status)
+    """envd's error body ({code, message}); a sandbox that is not there is the edge's 502, in the
+    words E2B's SDK reads as "not running"."""
+    if isinstance(exc, SandboxNotFoundError):
+        return JSONResponse({"code": 502, "message": not_found_message(exc)}, status_code=502)
+    return JSONResponse({"code": exc.http_status, "message": str(exc)}, status_code=exc.http_status)
 
 
 class Files:
@@ -52,6 +54,7 @@ class Files:
         try:
             sb = self.upstream.envd_sandbox(request.headers)
             given = request.query_params.get("path")
+            user = envd_user(request.headers, request.query_params)
             written = []
             if request.headers.get("content-type", "").startswith("multipart/form-data"):
                 async with request.form() as form:
@@ -60,12 +63,12 @@ class Files:
                         raise InvalidArgumentError("the form has no file part")
                     for part in parts:
                         target = given if given and len(parts) == 1 else part.filename
-                        written.append(await _write(sb, target or "", await part.read()))
+                        written.append(await _write(sb, target or "", await part.read(), user))
             else:
                 data = await request.body()
                 if request.headers.get("content-encoding", "").lower() == "gzip":
                     data = gzip.decompress(data)
-                written.append(await _write(sb, given or "", data))
+                written.append(await _write(sb, given or "", data, user))
         except SandboxError as exc:
             return _http_error(exc)
         except (OSError, EOFError) as exc:  # a gzip body that is not gzip
@@ -78,19 +81,19 @@ class Files:
             info = await sb.refresh()
         except SandboxError as exc:
             return _http_error(exc)
-        if info.state not in ("running", "paused"):
+        if info.state != "running":  # paused too: E2B's envd of a paused sandbox is not running
             return _http_error(SandboxNotFoundError(f"sandbox {info.id} is {info.state}"))
         return Response(status_code=204)
 
 
-async def _write(sb: AsyncSandbox, path: str, data: bytes) -> dict[str, str]:
-    """envd's write: the parents made as needed, the file replaced."""
+async def _write(sb: AsyncSandbox, path: str, data: bytes, user: str | None) -> dict[str, str]:
+    """envd's write: the parents made as needed (the user's), the file replaced."""
     target = resolve(path)
     try:
-        made = await sb.files.write(target, data)
+        made = await sb.files.write(target, data, user=user)
     except NotFoundError:
-        await sb.files.mkdir(posixpath.dirname(target), parents=True)
-        made = await sb.files.write(target, data)
+        await sb.files.mkdir(posixpath.dirname(target), parents=True, user=user)
+        made = await sb.files.write(target, data, user=user)
     return {"path": made.path, "name": made.name, "type": "file"}
 
 

@@ -18,7 +18,7 @@ from connectrpc.errors import ConnectError
 
 from sandfleet.client.aio import AsyncSandbox
 from sandfleet.e2b._proto import filesystem_pb2 as fs
-from sandfleet.e2b._upstream import Upstream, envd_key, owner, resolve
+from sandfleet.e2b._upstream import Upstream, envd_key, envd_user, owner, resolve
 from sandfleet.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, SandboxError
 from sandfleet.models import FileEvent, FileInfo
 
@@ -54,6 +54,15 @@ def entry(f: FileInfo) -> fs.EntryInfo:
     return e
 
 
+async def _entry(sb: AsyncSandbox, f: FileInfo) -> fs.EntryInfo:
+    """envd's entry: a symlink has its target's type (is_symlink and symlink_target tell it is one)."""
+    e = entry(f)
+    if f.type == "symlink":
+        with contextlib.suppress(NotFoundError):  # a dangling link stays a symlink
+            e.type = TYPES.get((await sb.files.stat(f.path, follow_symlinks=True)).type, fs.FILE_TYPE_UNSPECIFIED)
+    return e
+
+
 async def _event(sb: AsyncSandbox, root: str, change: FileEvent, with_entry: bool) -> fs.FilesystemEvent | None:
     kind = EVENTS.get(change.type)
     if kind is None:  # overflow, heartbeat
@@ -62,7 +71,7 @@ async def _event(sb: AsyncSandbox, root: str, change: FileEvent, with_entry: boo
     event = fs.FilesystemEvent(name=posixpath.relpath(full, root), type=kind)
     if with_entry and change.type not in ("delete", "rename_from"):
         with contextlib.suppress(NotFoundError):  # gone again already
-            event.entry.CopyFrom(entry(await sb.files.stat(full)))
+            event.entry.CopyFrom(await _entry(sb, await sb.files.stat(full)))
     return event
 
 
@@ -86,14 +95,15 @@ class Filesystem:
 
     async def Stat(self, req: fs.StatRequest, ctx: Any) -> fs.StatResponse:
         sb = self._sandbox(ctx)
-        return fs.StatResponse(entry=entry(await sb.files.stat(resolve(req.path))))
+        return fs.StatResponse(entry=await _entry(sb, await sb.files.stat(resolve(req.path))))
 
     async def MakeDir(self, req: fs.MakeDirRequest, ctx: Any) -> fs.MakeDirResponse:
         sb = self._sandbox(ctx)
         path = resolve(req.path)
         if await sb.files.exists(path):
             raise ConnectError(Code.ALREADY_EXISTS, f"path {path} already exists")
-        return fs.MakeDirResponse(entry=entry(await sb.files.mkdir(path, parents=True)))
+        made = await sb.files.mkdir(path, parents=True, user=envd_user(ctx.request_headers))
+        return fs.MakeDirResponse(entry=entry(made))
 
     async def Move(self, req: fs.MoveRequest, ctx: Any) -> fs.MoveResponse:
         sb = self._sandbox(ctx)
@@ -102,7 +112,7 @@ class Filesystem:
         r = await sb.exec(["mv", "-f", "-T", "--", source, destination], timeout=60)
         if r.exit_code != 0:
             raise InvalidArgumentError(f"moving {source} to {destination} failed: {r.stderr.strip()}"[:500])
-        return fs.MoveResponse(entry=entry(await sb.files.stat(destination)))
+        return fs.MoveResponse(entry=await _entry(sb, await sb.files.stat(destination)))
 
     async def ListDir(self, req: fs.ListDirRequest, ctx: Any) -> fs.ListDirResponse:
         sb = self._sandbox(ctx)
@@ -112,7 +122,7 @@ class Filesystem:
             below = []
             for directory in level:
                 for f in await sb.files.list(directory):
-                    found.append(entry(f))
+                    found.append(await _entry(sb, f))
                     if f.type == "dir":
                         below.append(f.path)
             level = below

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from sandfleet.client.aio import AsyncProcess, AsyncSandbox
-from sandfleet.e2b._upstream import Upstream, resolve
+from sandfleet.e2b._upstream import Upstream, not_found_message, resolve
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, SandboxNotFoundError
 from sandfleet.models.execs import MAX_OUTPUT
 
@@ -29,8 +29,9 @@ NO_KERNEL = (2, 3)  # the client's exits when the kernel (or its source) is not 
 
 def _text_error(exc: SandboxError) -> Response:
     """The interpreter's errors are plain text; a sandbox that is not there is the edge's 502."""
-    status = 502 if isinstance(exc, SandboxNotFoundError) else exc.http_status
-    return PlainTextResponse(str(exc), status_code=status)
+    if isinstance(exc, SandboxNotFoundError):
+        return PlainTextResponse(not_found_message(exc), status_code=502)
+    return PlainTextResponse(str(exc), status_code=exc.http_status)
 
 
 def _socket(context_id: str) -> str:
@@ -114,7 +115,7 @@ class Interpreter:
         language = body.get("language")
         if language not in LANGUAGES:
             raise InvalidArgumentError(f"language {language!r} is not served: sandfleet's kernel runs Python")
-        cwd = resolve(body["cwd"]) if isinstance(body.get("cwd"), str) else "/root"
+        cwd = resolve(body["cwd"]) if isinstance(body.get("cwd"), str) else resolve(".")
         context_id = secrets.token_hex(8)
         await self._start(sb, context_id, cwd)
         return JSONResponse({"id": context_id, "language": "python", "cwd": cwd})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.applications import Starlette
@@ -17,6 +18,8 @@ from sandfleet.e2b.interpreter import Interpreter
 # envd's version as the SDK reads it: 0.6.4 is the newest its features are gated on (file metadata,
 # octet-stream uploads, closing stdin), so every call of the SDK is made the current way.
 ENVD_VERSION = "0.6.4"
+BASE_RECIPE = Path(__file__).with_name("base.toml")  # E2B's base template: python:3.11 and its user
+BASE_IMAGE = "e2b/base:1"  # the recipe's ref
 
 
 class E2BConfig(BaseModel):
@@ -24,7 +27,7 @@ class E2BConfig(BaseModel):
 
     upstream: str = Field(description="sandfleet's API the calls go to: a node's or a gateway's http://HOST:PORT")
     templates: dict[str, str] = Field(
-        default_factory=lambda: {"base": "python", "code-interpreter-v1": "python"},
+        default_factory=lambda: {"base": BASE_IMAGE, "code-interpreter-v1": BASE_IMAGE},
         description="E2B template names and the sandfleet images they create (another name is an image name)",
     )
     timeout: float = Field(300.0, gt=0, description="seconds a call to sandfleet may take")
