@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from google.protobuf.descriptor import ServiceDescriptor
 
 from sandfleet import errors
 from sandfleet.e2b._upstream import not_found_message
+
+log = logging.getLogger("sandfleet.e2b")
 
 # sandfleet's wire codes as Connect's (E2B's SDK turns each into its own exception).
 CODES: dict[type[errors.SandboxError], Code] = {
@@ -44,6 +47,17 @@ def connect_error(exc: errors.SandboxError) -> ConnectError:
     return ConnectError(code, str(exc))
 
 
+def _error(exc: Exception) -> ConnectError:
+    """What a handler raised, as the Connect error its caller gets: sandfleet's by their code, one
+    of ours as it is, anything else `internal` (logged: a bug, but never a dropped connection)."""
+    if isinstance(exc, ConnectError):
+        return exc
+    if isinstance(exc, errors.SandboxError):
+        return connect_error(exc)
+    log.exception("unexpected error in an E2B envd call")
+    return ConnectError(Code.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
 def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(fn):
 
@@ -52,8 +66,8 @@ def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 async for item in fn(*args):
                     yield item
-            except errors.SandboxError as exc:
-                raise connect_error(exc) from exc
+            except Exception as exc:
+                raise _error(exc) from exc
 
         return stream
 
@@ -61,8 +75,8 @@ def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
     async def unary(*args: Any) -> Any:
         try:
             return await fn(*args)
-        except errors.SandboxError as exc:
-            raise connect_error(exc) from exc
+        except Exception as exc:
+            raise _error(exc) from exc
 
     return unary
 

@@ -3,8 +3,10 @@ it comes), a command on a PTY a sandfleet terminal held by this server while its
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +17,7 @@ from sandfleet.e2b._upstream import Upstream, envd_key, envd_user, owner, resolv
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,
+    SandboxTimeoutError,
     UnavailableError,
     UnsupportedError,
     WrongStateError,
@@ -84,7 +87,7 @@ class Processes:
             return
         # One call: the process started and its output followed (a second call would add its trip).
         events = sb.start_stream(argv, env=env, cwd=cwd, user=user, keep_stdin_open=req.stdin, binary=True)
-        async for event in _events(events):
+        async for event in _bounded(_events(events), ctx.timeout_ms):
             yield pp.StartResponse(event=event)
 
     async def _start_pty(
@@ -120,7 +123,7 @@ class Processes:
             raise UnsupportedError("a second reader of a terminal is not served (its Start stream reads it)")
         proc = await self._find(sb, req.process)
         yield pp.ConnectResponse(event=pp.ProcessEvent(start=pp.ProcessEvent.StartEvent(pid=pid_of(proc.id))))
-        async for event in _follow(proc):
+        async for event in _bounded(_follow(proc), ctx.timeout_ms):
             yield pp.ConnectResponse(event=event)
 
     async def Update(self, req: pp.UpdateRequest, ctx: Any) -> pp.UpdateResponse:
@@ -181,6 +184,24 @@ class Processes:
 def _info(p: ProcessInfo) -> pp.ProcessInfo:
     argv = _argv(p.command)
     return pp.ProcessInfo(config=pp.ProcessConfig(cmd=argv[0], args=argv[1:]), pid=pid_of(p.id))
+
+
+async def _bounded(events: AsyncIterator[pp.ProcessEvent], timeout_ms: float | None) -> AsyncIterator[pp.ProcessEvent]:
+    """The events until the call's deadline (Connect-Timeout-Ms: the SDK's `timeout`, the time it
+    follows the command; the command runs on, as under envd)."""
+    deadline = None if not timeout_ms else time.monotonic() + timeout_ms / 1000
+    it = aiter(events)
+    while True:
+        try:
+            if deadline is None:
+                event = await anext(it)
+            else:
+                event = await asyncio.wait_for(anext(it), max(0.0, deadline - time.monotonic()))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise SandboxTimeoutError(f"the call's {(timeout_ms or 0) / 1000:g} s ran out") from None
+        yield event
 
 
 def _follow(proc: AsyncProcess) -> AsyncIterator[pp.ProcessEvent]:

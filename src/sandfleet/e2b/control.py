@@ -226,7 +226,7 @@ async def list_sandboxes(request: Request, c: Control) -> Response:
             since = datetime.datetime.fromisoformat(after.replace("Z", "+00:00")).timestamp()
         except ValueError as exc:
             raise InvalidArgumentError(f"startedAfter is not an ISO 8601 time: {exc}") from exc
-        live = [i for i in live if i.created_at > since]
+        live = [i for i in live if i.created_at >= since - 1e-6]  # from that instant on (startedAt's rounding)
     out = [d for d in (c.detail(i) for i in live) if d["state"] in wanted]
     limit = _query_int(request, "limit", 100, 1, 1000)
     start = _query_int(request, "nextToken", 0, 0, len(out))

@@ -17,6 +17,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from sandfleet.client.aio import AsyncSandbox
+from sandfleet.e2b._names import names
 from sandfleet.e2b._proto import filesystem_pb2 as fs
 from sandfleet.e2b._upstream import Upstream, envd_key, envd_user, owner, resolve
 from sandfleet.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, SandboxError
@@ -34,6 +35,10 @@ EVENTS = {
 MAX_WATCHERS = 64  # polled watchers a key keeps at once
 MAX_EVENTS = 10_000  # events a polled watcher holds until they are asked for (the oldest dropped)
 WATCHER_IDLE = 600.0  # seconds a polled watcher lives without being polled
+POLL_WAIT = 0.2  # seconds an empty poll waits for a change on its way
+
+
+KINDS = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}  # for `ls -l`'s first letter
 
 
 def entry(f: FileInfo) -> fs.EntryInfo:
@@ -43,7 +48,7 @@ def entry(f: FileInfo) -> fs.EntryInfo:
         path=f.path,
         size=f.size,
         mode=stat.S_IMODE(f.mode),
-        permissions=stat.filemode(f.mode),
+        permissions=stat.filemode(stat.S_IMODE(f.mode) | KINDS.get(f.type, 0)),
         owner="root" if f.uid == 0 else str(f.uid),
         group="root" if f.gid == 0 else str(f.gid),
         is_symlink=f.type == "symlink",
@@ -55,11 +60,18 @@ def entry(f: FileInfo) -> fs.EntryInfo:
 
 
 async def _entry(sb: AsyncSandbox, f: FileInfo) -> fs.EntryInfo:
-    """envd's entry: a symlink has its target's type (is_symlink and symlink_target tell it is one)."""
+    """envd's entry: a symlink has its target's type and mode, and its target as an absolute path
+    (is_symlink tells it is one; a dangling one stays a symlink)."""
     e = entry(f)
+    users, groups = await names(sb)
+    e.owner, e.group = users.get(f.uid, e.owner), groups.get(f.gid, e.group)
     if f.type == "symlink":
-        with contextlib.suppress(NotFoundError):  # a dangling link stays a symlink
-            e.type = TYPES.get((await sb.files.stat(f.path, follow_symlinks=True)).type, fs.FILE_TYPE_UNSPECIFIED)
+        with contextlib.suppress(NotFoundError):
+            target = await sb.files.stat(f.path, follow_symlinks=True)
+            e.type = TYPES.get(target.type, fs.FILE_TYPE_UNSPECIFIED)
+            e.permissions = stat.filemode(stat.S_IMODE(target.mode) | KINDS.get(target.type, 0))
+        if f.link_target is not None:
+            e.symlink_target = posixpath.normpath(posixpath.join(posixpath.dirname(f.path), f.link_target))
     return e
 
 
@@ -83,6 +95,7 @@ class _Watcher:
     events: list[fs.FilesystemEvent] = field(default_factory=list)
     failed: SandboxError | None = None
     polled: float = field(default_factory=time.monotonic)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Filesystem:
@@ -103,7 +116,7 @@ class Filesystem:
         if await sb.files.exists(path):
             raise ConnectError(Code.ALREADY_EXISTS, f"path {path} already exists")
         made = await sb.files.mkdir(path, parents=True, user=envd_user(ctx.request_headers))
-        return fs.MakeDirResponse(entry=entry(made))
+        return fs.MakeDirResponse(entry=await _entry(sb, made))
 
     async def Move(self, req: fs.MoveRequest, ctx: Any) -> fs.MoveResponse:
         sb = self._sandbox(ctx)
@@ -126,11 +139,13 @@ class Filesystem:
                     if f.type == "dir":
                         below.append(f.path)
             level = below
+        found.sort(key=lambda e: e.path)  # depth first, as envd walks: a directory, then what is in it
         return fs.ListDirResponse(entries=found)
 
     async def Remove(self, req: fs.RemoveRequest, ctx: Any) -> fs.RemoveResponse:
         sb = self._sandbox(ctx)
-        await sb.files.remove(resolve(req.path), recursive=True)
+        with contextlib.suppress(NotFoundError):  # envd's remove of what is not there does nothing
+            await sb.files.remove(resolve(req.path), recursive=True)
         return fs.RemoveResponse()
 
     async def WatchDir(self, req: fs.WatchDirRequest, ctx: Any) -> AsyncIterator[fs.WatchDirResponse]:
@@ -177,6 +192,7 @@ class Filesystem:
                     if (event := await _event(sb, root, change, req.include_entry)) is not None:
                         watcher.events.append(event)
                         del watcher.events[:-MAX_EVENTS]
+                        watcher.arrived.set()
         except SandboxError as exc:
             watcher.failed = exc
 
@@ -190,6 +206,12 @@ class Filesystem:
     async def GetWatcherEvents(self, req: fs.GetWatcherEventsRequest, ctx: Any) -> fs.GetWatcherEventsResponse:
         w = self._watcher(ctx, req.watcher_id)
         w.polled = time.monotonic()
+        if not w.events and w.failed is None:
+            # A change made just before the poll may still be on its way from the sandbox (envd
+            # queues it before the write answers): wait a moment for the first.
+            w.arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(w.arrived.wait(), POLL_WAIT)
         events, w.events = w.events, []
         if not events and w.failed is not None:
             raise w.failed
