@@ -269,6 +269,43 @@ def test_the_code_interpreter_keeps_its_state(node: Node) -> None:
         sbx.kill()
 
 
+def test_snapshots_forks_and_metrics(node: Node) -> None:
+    """E2B's snapshots (named, listed, a template to create from, deleted), forks and metrics over
+    sandfleet's; another project's key reaches none of them."""
+    sbx = Sandbox.create("base", timeout=120, **node.opts())
+    try:
+        sbx.files.write("state.txt", "before")
+        snap = sbx.create_snapshot(name="e2b-test-snap")
+        assert snap.names == ["e2b-test-snap"]
+        listed = Sandbox.list_snapshots(name="e2b-test-snap", **node.opts()).next_items()
+        assert [s.snapshot_id for s in listed] == [snap.snapshot_id]
+        assert not Sandbox.list_snapshots(name="e2b-test-snap", **node.opts("b")).next_items()
+        with pytest.raises(e2b.SandboxException):
+            Sandbox.create(snap.snapshot_id, **node.opts("b"))
+        assert not Sandbox.delete_snapshot(snap.snapshot_id, **node.opts("b"))
+        restored = Sandbox.create(snap.snapshot_id, timeout=60, **node.opts())
+        try:
+            assert restored.files.read("state.txt") == "before" and restored.sandbox_id != sbx.sandbox_id
+        finally:
+            restored.kill()
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **node.opts())
+        assert not Sandbox.delete_snapshot(snap.snapshot_id, **node.opts())
+        forks = sbx.fork(count=2, timeout=60)
+        try:
+            assert len({f.sandbox_id for f in forks} | {sbx.sandbox_id}) == 3
+            forks[0].files.write("state.txt", "fork 0")
+            assert forks[1].files.read("state.txt") == "before" and sbx.files.read("state.txt") == "before"
+        finally:
+            for f in forks:
+                f.kill()
+        with pytest.raises(e2b.SandboxException):
+            Sandbox.fork(sbx.sandbox_id, **node.opts("b"))
+        metric = sbx.get_metrics()[0]
+        assert metric.mem_used > 0 and metric.mem_total == 1 << 30 and metric.cpu_count >= 1
+    finally:
+        sbx.kill()
+
+
 def test_one_projects_key_cannot_reach_anothers_sandboxes(node: Node) -> None:
     """B's key against A's sandbox through every E2B route: not found, the same as an id nobody has;
     B's list holds none of A's; A's sandbox is untouched."""

@@ -26,9 +26,11 @@ from sandfleet.errors import (
     UnsupportedError,
     WrongStateError,
 )
-from sandfleet.models import SandboxInfo, SandboxSpec
+from sandfleet.models import SandboxInfo, SandboxSpec, SnapshotInfo
 
 TEMPLATE_LABEL = "e2b.dev/template"  # the E2B template a sandbox was created from
+NAME_LABEL = "e2b.dev/name"  # a snapshot's name
+SNAPSHOT_PREFIX = "snap-"  # sandfleet's snapshot ids: E2B creates from them as from templates
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
 CLIENT_ID = "sandfleet"
 
@@ -94,6 +96,11 @@ class Control:
             route("/sandboxes/{sandbox_id}/connect", connect, "POST"),
             route("/v2/sandboxes/{sandbox_id}/connect", connect, "POST"),
             route("/templates", templates, "GET"),
+            route("/sandboxes/{sandbox_id}/snapshots", create_snapshot, "POST"),
+            route("/snapshots", list_snapshots, "GET"),
+            route("/templates/{template_id}", delete_template, "DELETE"),
+            route("/sandboxes/{sandbox_id}/fork", fork, "POST"),
+            route("/sandboxes/{sandbox_id}/metrics", metrics, "GET"),
         ]
 
     def key(self, request: Request) -> str | None:
@@ -184,6 +191,10 @@ async def create(request: Request, c: Control) -> Response:
     except ValueError as exc:  # pydantic's ValidationError: metadata that are no labels, an image name
         raise InvalidArgumentError(f"the sandbox cannot be made from this request: {exc}"[:500]) from exc
     fleet = c.upstream.client(c.key(request))
+    if template.startswith(SNAPSHOT_PREFIX):  # a snapshot is a template to E2B: restored, then timed
+        made = await _made(await fleet.restore(template, idempotency_key=request.headers.get("idempotency-key")))
+        info = await _extend(made[0], timeout or DEFAULT_TIMEOUT)
+        return JSONResponse(c.created(request, info), status_code=201)
     try:
         sb = await fleet.create(spec, idempotency_key=request.headers.get("idempotency-key"))
     except ImageNotFoundError as exc:
@@ -313,4 +324,100 @@ async def templates(request: Request, c: Control) -> Response:
     c.upstream.client(c.key(request))  # authenticated like every call
     return JSONResponse(
         [{"templateID": name, "aliases": [name], "public": True, "buildStatus": "ready"} for name in c.templates]
+    )
+
+
+async def _made(results: list[AsyncSandbox | SandboxError]) -> list[AsyncSandbox]:
+    """A restore's or fork's children, or the first child's error."""
+    for r in results:
+        if isinstance(r, SandboxError):
+            raise r
+    return [r for r in results if isinstance(r, AsyncSandbox)]
+
+
+async def create_snapshot(request: Request, c: Control) -> Response:
+    """E2B's snapshot: sandfleet's (processes, memory, files), kept until deleted; its name a label."""
+    body = await _body(request)
+    name = body.get("name")
+    if name is not None and not isinstance(name, str):
+        raise InvalidArgumentError("name must be a string")
+    try:
+        snap = await c.sandbox(request).snapshot(labels={NAME_LABEL: name} if name else None)
+    except ValueError as exc:  # a name that is no label value
+        raise InvalidArgumentError(f"the snapshot's name cannot be kept: {exc}"[:300]) from exc
+    return JSONResponse(_snapshot(snap), status_code=201)
+
+
+def _snapshot(snap: SnapshotInfo) -> dict[str, Any]:
+    name = snap.labels.get(NAME_LABEL)
+    return {"snapshotID": snap.id, "names": [name] if name else []}
+
+
+async def list_snapshots(request: Request, c: Control) -> Response:
+    fleet = c.upstream.client(c.key(request))
+    found = await fleet.snapshots(request.query_params.get("sandboxID") or None)
+    if name := request.query_params.get("name"):
+        found = [s for s in found if s.labels.get(NAME_LABEL) == name]
+    found.sort(key=lambda s: s.created_at, reverse=True)
+    limit = _query_int(request, "limit", 100, 1, 1000)
+    start = _query_int(request, "nextToken", 0, 0, len(found))
+    headers = {"x-next-token": str(start + limit)} if start + limit < len(found) else {}
+    return JSONResponse([_snapshot(s) for s in found[start : start + limit]], headers=headers)
+
+
+async def delete_template(request: Request, c: Control) -> Response:
+    """E2B deletes a snapshot as a template; sandfleet's templates are its images (not deleted here)."""
+    template_id = request.path_params["template_id"]
+    if not template_id.startswith(SNAPSHOT_PREFIX):
+        raise UnsupportedError("templates are sandfleet's images here: `sandfleet images rm` deletes one")
+    await c.upstream.client(c.key(request)).delete_snapshot(template_id)
+    return Response(status_code=204)
+
+
+async def fork(request: Request, c: Control) -> Response:
+    """E2B's fork: sandfleet's (copies of the sandbox as it is now), each timed like a create."""
+    body = await _body(request)
+    count = body.get("count", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
+        raise InvalidArgumentError("count must be a whole number from 1 to 64")
+    seconds = _timeout(body) or DEFAULT_TIMEOUT
+    results = await c.sandbox(request).fork(count, idempotency_key=request.headers.get("idempotency-key"))
+    out: list[dict[str, Any]] = []
+    for r in results:
+        if isinstance(r, SandboxError):
+            out.append({"error": {"code": r.http_status, "message": str(r)}})
+        else:
+            out.append({"sandbox": c.created(request, await _extend(r, seconds))})
+    return JSONResponse(out, status_code=201)
+
+
+async def metrics(request: Request, c: Control) -> Response:
+    """One sample, now, from the sandbox's cgroup: CPU as its average since it started (sandfleet keeps
+    no history per sandbox), memory now; disk is not measured per sandbox (0 used)."""
+    sb = c.sandbox(request)
+    info = await sb.refresh()
+    if info.state not in ("creating", "running", "paused"):
+        return rest_error(_gone(info.id))
+    now = time.time()
+    # The sample covers the sandbox's life so far: none if that does not meet [start, end] (seconds).
+    start = _query_int(request, "start", 0, 0, 1 << 40)
+    end = _query_int(request, "end", 1 << 40, 0, 1 << 40)
+    if info.created_at > end + 1 or now < start:
+        return JSONResponse([])
+    usage = await sb.usage()
+    cpus = max(1, int(info.spec.resources.cpu))
+    return JSONResponse(
+        [
+            {
+                "timestamp": _rfc3339(now),
+                "timestampUnix": int(now),
+                "cpuCount": cpus,
+                "cpuUsedPct": round(100 * usage.cpu_seconds / max(1e-3, now - info.created_at) / cpus, 2),
+                "memUsed": usage.memory_bytes,
+                "memTotal": int(info.spec.resources.memory),
+                "memCache": 0,
+                "diskUsed": 0,
+                "diskTotal": int(info.spec.resources.disk),
+            }
+        ]
     )
