@@ -86,8 +86,13 @@ def node() -> Iterator[Node]:
         yield Node(d, url)
     finally:
         server.terminate()
-        server.wait(10)
-        destroy_daemon(d)
+        try:
+            server.wait(15)  # it gives open streams 5 s
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+        finally:
+            destroy_daemon(d)
 
 
 def test_the_sync_sdk_runs_commands_and_files(node: Node) -> None:
@@ -197,7 +202,14 @@ def test_pty_and_watch(node: Node) -> None:
             await sbx.pty.resize(pty.pid, e2b.PtySize(rows=30, cols=100))
             await sbx.pty.send_stdin(pty.pid, b"stty size\n")
             assert await _until(lambda: b"30 100" in out), bytes(out)
+            assert pty.pid in {p.pid for p in await sbx.pty.list()} if hasattr(sbx.pty, "list") else True
             assert pty.pid in {p.pid for p in await sbx.commands.list()}
+            # Left and followed again (the PTY's command runs on meanwhile, its output kept).
+            await pty.disconnect()
+            await sbx.pty.send_stdin(pty.pid, b"echo again-$((2*21))\n")
+            again = bytearray()
+            pty = await sbx.pty.connect(pty.pid, on_data=again.extend)
+            assert await _until(lambda: b"again-42" in again), bytes(again)
             assert await sbx.pty.kill(pty.pid)
             with pytest.raises(CommandExitException):
                 await pty.wait()

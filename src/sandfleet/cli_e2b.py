@@ -40,4 +40,7 @@ def serve(
     config = E2BConfig(upstream=upstream)
     if template:
         config.templates.update(_pairs(template, "--template"))
-    uvicorn.run(create_app(config), host=host or "127.0.0.1", port=int(port), log_level="warning")
+    # Streams (a followed command, a PTY) may last: a stop gives them 5 s, then ends them.
+    uvicorn.run(
+        create_app(config), host=host or "127.0.0.1", port=int(port), log_level="warning", timeout_graceful_shutdown=5
+    )

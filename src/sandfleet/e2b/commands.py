@@ -8,18 +8,17 @@ import base64
 import signal
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-from sandfleet.client.aio import AsyncEventStream, AsyncProcess, AsyncSandbox, AsyncTerminal
+from sandfleet.client.aio import AsyncEventStream, AsyncProcess, AsyncSandbox
 from sandfleet.e2b._proto import process_pb2 as pp
 from sandfleet.e2b._upstream import Upstream, envd_key, envd_user, owner, resolve
+from sandfleet.e2b.ptys import Pty, Ptys
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,
     SandboxTimeoutError,
     UnavailableError,
-    UnsupportedError,
     WrongStateError,
 )
 from sandfleet.models import ExecEvent, ExecResult, ProcessInfo
@@ -38,22 +37,19 @@ def _argv(command: str | list[str]) -> list[str]:
     return command if isinstance(command, list) else ["/bin/sh", "-c", command]
 
 
-@dataclass
-class _Pty:
-    terminal: AsyncTerminal
-    argv: list[str]
-
-
 class Processes:
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
-        self._ptys: dict[tuple[str, str, int], _Pty] = {}  # (owner, sandbox, pid): while its Start streams
+        self._ptys = Ptys()
+
+    def close(self) -> None:
+        self._ptys.close()
 
     def _sandbox(self, ctx: Any) -> tuple[AsyncSandbox, str]:
         headers = ctx.request_headers
         return self.upstream.envd_sandbox(headers), owner(envd_key(headers))
 
-    def _pty(self, sb: AsyncSandbox, who: str, selector: pp.ProcessSelector) -> _Pty | None:
+    def _pty(self, sb: AsyncSandbox, who: str, selector: pp.ProcessSelector) -> Pty | None:
         if selector.WhichOneof("selector") != "pid":
             return None
         return self._ptys.get((who, sb.id, selector.pid))
@@ -69,9 +65,8 @@ class Processes:
     async def List(self, req: pp.ListRequest, ctx: Any) -> pp.ListResponse:
         sb, who = self._sandbox(ctx)
         found = [_info(p) for p in await sb.processes() if p.running]
-        for (holder, sandbox_id, pid), pty in self._ptys.items():
-            if (holder, sandbox_id) == (who, sb.id):
-                found.append(pp.ProcessInfo(config=pp.ProcessConfig(cmd=pty.argv[0], args=pty.argv[1:]), pid=pid))
+        for pid, pty in self._ptys.of(who, sb.id):
+            found.append(pp.ProcessInfo(config=pp.ProcessConfig(cmd=pty.argv[0], args=pty.argv[1:]), pid=pid))
         return pp.ListResponse(processes=found)
 
     async def Start(self, req: pp.StartRequest, ctx: Any) -> AsyncIterator[pp.StartResponse]:
@@ -100,27 +95,20 @@ class Processes:
         user: str | None,
         size: Any,
     ) -> AsyncIterator[pp.ProcessEvent]:
-        """A terminal: its output as `pty` data; closed (what runs on it killed) when the stream ends."""
+        """A terminal held here until its command exits: leaving this stream does not end it."""
         rows, cols = size.rows or 24, size.cols or 80
-        terminal = await sb.terminal(argv, rows=rows, cols=cols, env=env, cwd=cwd, user=user)
-        key = (who, sb.id, terminal.pid)
-        self._ptys[key] = _Pty(terminal, argv)
-        try:
-            yield pp.ProcessEvent(start=pp.ProcessEvent.StartEvent(pid=terminal.pid))
-            while data := await terminal.read():
-                yield pp.ProcessEvent(data=pp.ProcessEvent.DataEvent(pty=data))
-            if terminal.result is not None:
-                yield pp.ProcessEvent(end=_end(terminal.result))
-            else:
-                yield pp.ProcessEvent(end=pp.ProcessEvent.EndEvent(exit_code=-1, status="terminal closed"))
-        finally:
-            self._ptys.pop(key, None)
-            await terminal.aclose()
+        pid, pty = await self._ptys.open(sb, who, argv, rows, cols, env=env, cwd=cwd, user=user)
+        yield pp.ProcessEvent(start=pp.ProcessEvent.StartEvent(pid=pid))
+        async for event in _pty_events(pty):
+            yield event
 
     async def Connect(self, req: pp.ConnectRequest, ctx: Any) -> AsyncIterator[pp.ConnectResponse]:
         sb, who = self._sandbox(ctx)
-        if self._pty(sb, who, req.process) is not None:
-            raise UnsupportedError("a second reader of a terminal is not served (its Start stream reads it)")
+        if (pty := self._pty(sb, who, req.process)) is not None:
+            yield pp.ConnectResponse(event=pp.ProcessEvent(start=pp.ProcessEvent.StartEvent(pid=req.process.pid)))
+            async for event in _pty_events(pty):
+                yield pp.ConnectResponse(event=event)
+            return
         proc = await self._find(sb, req.process)
         yield pp.ConnectResponse(event=pp.ProcessEvent(start=pp.ProcessEvent.StartEvent(pid=pid_of(proc.id))))
         async for event in _bounded(_follow(proc), ctx.timeout_ms):
@@ -179,6 +167,15 @@ class Processes:
         sb, _ = self._sandbox(ctx)
         await (await self._find(sb, req.process)).close_stdin()
         return pp.CloseStdinResponse()
+
+
+async def _pty_events(pty: Pty) -> AsyncIterator[pp.ProcessEvent]:
+    async for data in pty.follow():
+        yield pp.ProcessEvent(data=pp.ProcessEvent.DataEvent(pty=data))
+    if pty.result is not None:
+        yield pp.ProcessEvent(end=_end(pty.result))
+    else:
+        yield pp.ProcessEvent(end=pp.ProcessEvent.EndEvent(exit_code=-1, status="terminal closed"))
 
 
 def _info(p: ProcessInfo) -> pp.ProcessInfo:

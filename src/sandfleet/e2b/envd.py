@@ -111,4 +111,5 @@ class Envd:
         return [Mount(process.path, app=process), Mount(filesystem.path, app=filesystem), *self.files.routes()]
 
     def close(self) -> None:
+        self.processes.close()
         self.filesystem.close()
