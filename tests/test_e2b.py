@@ -5,6 +5,7 @@ the other's sandboxes through every E2B route."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
 import socket
 import subprocess
@@ -366,6 +367,31 @@ def test_bad_requests_get_typed_4xx(node: Node) -> None:
     for query in ("limit=0", "limit=x", "nextToken=-1", "nextToken=abc"):
         r = httpx.get(f"{node.url}/v2/sandboxes?{query}", headers=h)
         assert r.status_code == 400 and r.json()["code"] == 400, (query, r.text)
+    # Uploads: refused past 256 MiB before they are held, a gzip bomb too, a broken gzip typed.
+    sbx = Sandbox.create("base", timeout=60, **node.opts())
+    try:
+        envd = {"e2b-sandbox-id": sbx.sandbox_id, "x-access-token": KEYS["a"]}
+        octet = {**envd, "content-type": "application/octet-stream"}
+        host, port = node.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:  # a length declared, not sent
+            head = "".join(f"{k}: {v}\r\n" for k, v in octet.items())
+            conn.sendall(
+                f"POST /files?path=big HTTP/1.1\r\nhost: x\r\n{head}content-length: {257 << 20}\r\n\r\nx".encode()
+            )
+            answer = ""
+            while "}" not in answer and (chunk := conn.recv(65536)):  # the head, then the JSON body
+                answer += chunk.decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 400") and "at most" in answer, answer[:300]
+        bomb = gzip.compress(bytes(257 << 20), compresslevel=1)
+        r = httpx.post(f"{node.url}/files", params={"path": "bomb"}, content=bomb,
+                       headers={**octet, "content-encoding": "gzip"}, timeout=120)  # fmt: skip
+        assert r.status_code == 400 and "inflated" in r.json()["message"], r.text
+        r = httpx.post(f"{node.url}/files", params={"path": "cut"}, content=gzip.compress(b"abc" * 1000)[:20],
+                       headers={**octet, "content-encoding": "gzip"})  # fmt: skip
+        assert r.status_code == 400, r.text
+        assert not sbx.files.exists("bomb") and not sbx.files.exists("cut")
+    finally:
+        sbx.kill()
     t0 = time.monotonic()
     r = httpx.post(f"{node.url}/process.Process/Start", content=b"{", headers={**h, "e2b-sandbox-id": "x"})
     assert 400 <= r.status_code < 500 and time.monotonic() - t0 < 10

@@ -75,14 +75,18 @@ class Upstream:
             found = AsyncClient(url=self.url, token=key, timeout=self.timeout)
             if len(self._clients) >= MAX_CLIENTS:
                 _, oldest = self._clients.popitem(last=False)
-                task = asyncio.create_task(self._close_later(oldest))
+                # Closed once its calls are done; a flood of keys (bogus ones too) closes at once past
+                # MAX_CLIENTS waiting, so what it holds stays bounded.
+                wait = self.timeout if len(self._closing) < MAX_CLIENTS else 0.0
+                task = asyncio.create_task(self._close_later(oldest, wait))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
         self._clients[name] = found
         return found
 
-    async def _close_later(self, client: AsyncClient) -> None:
-        await asyncio.sleep(self.timeout)  # a call of that key may still be using it
+    @staticmethod
+    async def _close_later(client: AsyncClient, wait: float) -> None:
+        await asyncio.sleep(wait)  # a call of that key may still be using it
         await client.aclose()
 
     def sandbox(self, key: str | None, sandbox_id: str) -> AsyncSandbox:

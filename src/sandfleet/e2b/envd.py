@@ -5,8 +5,8 @@ answered (X-Access-Token: the caller's API key, so it acts as the caller's proje
 
 from __future__ import annotations
 
-import gzip
 import posixpath
+import zlib
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
@@ -29,6 +29,11 @@ def _http_error(exc: SandboxError) -> JSONResponse:
     if isinstance(exc, SandboxNotFoundError):
         return JSONResponse({"code": 502, "message": not_found_message(exc)}, status_code=502)
     return JSONResponse({"code": exc.http_status, "message": str(exc)}, status_code=exc.http_status)
+
+
+# The node refuses a file body past 256 MiB too (upload larger trees as a tar in parts); this layer
+# refuses it before holding it.
+MAX_UPLOAD = 256 * 1024**2
 
 
 class Files:
@@ -55,6 +60,9 @@ class Files:
             sb = self.upstream.envd_sandbox(request.headers)
             given = request.query_params.get("path")
             user = envd_user(request.headers, request.query_params)
+            length = request.headers.get("content-length", "")
+            if length.isdigit() and int(length) > MAX_UPLOAD:
+                raise InvalidArgumentError(f"an upload is at most {MAX_UPLOAD} bytes")
             written = []
             if request.headers.get("content-type", "").startswith("multipart/form-data"):
                 async with request.form() as form:
@@ -65,13 +73,13 @@ class Files:
                         target = given if given and len(parts) == 1 else part.filename
                         written.append(await _write(sb, target or "", await part.read(), user))
             else:
-                data = await request.body()
+                data = await _capped(request)
                 if request.headers.get("content-encoding", "").lower() == "gzip":
-                    data = gzip.decompress(data)
+                    data = _gunzip(data)
                 written.append(await _write(sb, given or "", data, user))
         except SandboxError as exc:
             return _http_error(exc)
-        except (OSError, EOFError) as exc:  # a gzip body that is not gzip
+        except (OSError, EOFError, zlib.error) as exc:  # a gzip body that is not gzip
             return _http_error(InvalidArgumentError(f"the body cannot be read: {exc}"))
         return JSONResponse(written)
 
@@ -84,6 +92,27 @@ class Files:
         if info.state != "running":  # paused too: E2B's envd of a paused sandbox is not running
             return _http_error(SandboxNotFoundError(f"sandbox {info.id} is {info.state}"))
         return Response(status_code=204)
+
+
+async def _capped(request: Request) -> bytes:
+    """The body, refused past MAX_UPLOAD as it arrives (a sized or a chunked one alike)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_UPLOAD:
+            raise InvalidArgumentError(f"an upload is at most {MAX_UPLOAD} bytes")
+    return bytes(body)
+
+
+def _gunzip(data: bytes) -> bytes:
+    """A gzip body, refused when it would inflate past MAX_UPLOAD (a small bomb is no way around it)."""
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = inflater.decompress(data, MAX_UPLOAD + 1)
+    if len(out) > MAX_UPLOAD or inflater.unconsumed_tail:
+        raise InvalidArgumentError(f"an upload is at most {MAX_UPLOAD} bytes (inflated)")
+    if not inflater.eof:
+        raise InvalidArgumentError("the gzip body ends early")
+    return out
 
 
 async def _write(sb: AsyncSandbox, path: str, data: bytes, user: str | None) -> dict[str, str]:
