@@ -1,5 +1,6 @@
-"""E2B's REST control plane (sandboxes: create, connect, get, list, kill, timeout, pause, resume),
-each call made as sandfleet calls with the caller's API key (X-API-Key) as its token."""
+"""E2B's REST control plane (sandboxes: create, connect, get, list, kill, timeout, pause, resume;
+snapshots, forks, metrics, templates), each call made as sandfleet calls with the caller's API key
+(X-API-Key) as its token."""
 
 from __future__ import annotations
 
