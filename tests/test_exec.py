@@ -279,6 +279,20 @@ def test_background_process_output_is_followed_as_it_comes(sandbox: Sandbox) -> 
     assert after == [("stdout", "first\n\u00e9\n"), ("stderr", "last\n")]
 
 
+def test_a_followed_process_whose_sandbox_stops_ends_its_stream(fleet: Client) -> None:
+    """A sandbox stopped under a followed process: the stream ends with `wrong_state` (no exit
+    status), never hangs."""
+    sb = fleet.create(image="busybox")
+    p = sb.start("echo up; sleep 300")
+    with p.output() as events:
+        assert next(events).data == "up\n"
+        sb.stop()
+        t0 = time.monotonic()
+        with pytest.raises(WrongStateError, match="without an exit status"):
+            list(events)
+    assert time.monotonic() - t0 < 10
+
+
 def test_a_process_started_and_followed_in_one_call(sandbox: Sandbox) -> None:
     """`start_stream`: `started` (the process, running, listed) first, then its output and exit; the
     process outlives a stream left early, and is a process like any (waited, killed)."""

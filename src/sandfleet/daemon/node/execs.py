@@ -99,7 +99,7 @@ class Execs:
         """Stop hook: its background processes will never finish now."""
         for bp in sb.processes.values():
             bp.lost = bp.lost or f"sandbox {sb.id} stopped ({sb.stop_reason})"
-            bp.done.set()
+            bp.ended()  # its followers too
 
     async def start(
         self,

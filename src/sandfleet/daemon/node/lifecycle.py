@@ -91,6 +91,9 @@ class BackgroundProcess:
                 q.put_nowait((stream, kept))
 
     def ended(self) -> None:
+        """It finished, or will never report (its sandbox stopped): once, whoever says it first."""
+        if self.done.is_set():
+            return
         self.finished_at = time.monotonic()
         self.done.set()
         for q in self.followers:
