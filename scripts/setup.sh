@@ -62,5 +62,7 @@ python3 -m pip download -q --disable-pip-version-check --no-binary :all: --no-de
     -d "${SANDFLEET_PEER_CACHE:-$HOME/.cache/sandfleet/peer}"
 # The web console's npm libraries (xterm.js, uPlot), pinned by its package-lock.json, into the package.
 bash scripts/vendor_console.sh
+# E2B's JS SDK, pinned by its package-lock.json, for tests/test_e2b.py (no install scripts).
+(cd tests/js && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >/dev/null)
 # The agent, the launcher and criu's shim, compiled once here (the daemon copies them at start).
 python3 -m sandfleet.runtime.prebuild >/dev/null

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -317,6 +320,26 @@ def test_snapshots_forks_and_metrics(node: Node) -> None:
         assert metric.mem_used > 0 and metric.mem_total == 1 << 30 and metric.cpu_count >= 1
     finally:
         sbx.kill()
+
+
+JS = Path(__file__).parent / "js"
+
+
+def test_the_js_sdk_runs_too(node: Node) -> None:
+    """E2B's JS SDK (npm `e2b`, pinned by tests/js/package-lock.json; setup.sh installs it) through
+    the same layer: create, a command as E2B's user in its home, files, a background command
+    killed, an exit code, info, kill."""
+    if not (JS / "node_modules" / "e2b").is_dir() or shutil.which("node") is None:
+        pytest.skip("E2B's JS SDK is not installed (scripts/setup.sh: npm ci in tests/js)")
+    env = {**os.environ, "E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url, "E2B_API_KEY": KEYS["a"]}
+    env.pop("E2B_DEBUG", None)
+    run = subprocess.run(["node", "e2b_probe.mjs"], cwd=JS, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps = {line["step"]: line["value"] for line in map(json.loads, run.stdout.splitlines())}
+    assert steps["run"] == ["hello from js\nuser\n/home/user\n", 0]
+    assert steps["read"] == "written by js" and "js.txt" in steps["list"]
+    assert steps["killed"] is True and steps["exit"] == [True, 3]
+    assert steps["info"] == ["base", "running"] and steps["kill"] is True
 
 
 def test_one_projects_key_cannot_reach_anothers_sandboxes(node: Node) -> None:
