@@ -55,15 +55,18 @@ def _lane(item: pytest.Item) -> str:
         return "browser"
     if "cluster" in names:
         return "cluster"
-    if item.path.name == "test_fuzz_api.py":
+    if item.path.name in FUZZ_MODULES:
         return "fuzz"
     return "node"
+
+
+FUZZ_MODULES = ("test_fuzz_api.py", "test_e2b_fuzz.py")  # schemathesis: sandfleet's API, the E2B layer's
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """The fuzz lane's module is not even collected when no fuzz test can run: schemathesis builds
     its tests (a hypothesis strategy per operation) as it collects them, seconds of every run."""
-    if collection_path.name != "test_fuzz_api.py" or config.getoption("every_lane"):
+    if collection_path.name not in FUZZ_MODULES or config.getoption("every_lane"):
         return None
     if config.option.markexpr:
         try:

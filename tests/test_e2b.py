@@ -24,7 +24,7 @@ e2b = pytest.importorskip("e2b")
 
 from e2b import AsyncSandbox, CommandExitException, Sandbox  # noqa: E402
 
-from sandfleet.e2b import BASE_RECIPE  # noqa: E402
+from sandfleet.e2b import TEMPLATE_RECIPES  # noqa: E402
 
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until  # noqa: E402
 
@@ -59,6 +59,7 @@ def _free_port() -> int:
 class Node:
     daemon: Daemon
     url: str  # the E2B layer's address (API and envd alike)
+    layer_log: Path  # the layer's own output (uvicorn's: a traceback is a request it failed)
 
     def opts(self, who: str = "a") -> dict[str, str]:
         return {"api_key": KEYS[who], "api_url": self.url, "sandbox_url": self.url}
@@ -72,11 +73,16 @@ def node() -> Iterator[Node]:
     d = make_daemon("e2b", f'tcp = "127.0.0.1:{port}"\n' + IAM_TOML)
     d.start()
     with d.client(timeout=900) as root:
-        root.build_recipe(BASE_RECIPE)  # E2B's base template (its user); a cache hit after the first
+        for recipe in TEMPLATE_RECIPES:  # E2B's templates (its user; the data stack): cache hits after the first
+            root.build_recipe(recipe)
     listen = f"127.0.0.1:{_free_port()}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "sandfleet", "e2b", "--upstream", f"http://127.0.0.1:{port}", "--listen", listen]
-    )
+    layer_log = d.root / "e2b-layer.log"
+    with layer_log.open("wb") as out:  # the child has its own copy of the descriptor
+        server = subprocess.Popen(
+            [sys.executable, "-m", "sandfleet", "e2b", "--upstream", f"http://127.0.0.1:{port}", "--listen", listen],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         url = f"http://{listen}"
 
@@ -87,7 +93,10 @@ def node() -> Iterator[Node]:
                 return False
 
         assert wait_until(up, timeout=30), "the E2B layer did not come up"
-        yield Node(d, url)
+        yield Node(d, url, layer_log)
+        # Every request the tests made was answered (a 4xx for a bad one), never failed by the layer.
+        log = layer_log.read_text(errors="replace")
+        assert "Traceback" not in log, log[max(0, log.index("Traceback") - 300) :][:3000]
     finally:
         server.terminate()
         try:
@@ -159,6 +168,32 @@ def test_the_sync_sdk_runs_commands_and_files(node: Node) -> None:
         assert sbx.kill()
     assert not sbx.is_running()
     assert not Sandbox.kill(sbx.sandbox_id, **node.opts())  # already gone
+
+
+def test_file_metadata_is_kept_as_extended_attributes(node: Node) -> None:
+    """`files.write(metadata=...)` keeps it as the file's `user.e2b.*` attributes, as envd does:
+    seen by get_info, list and rename, set or read inside the sandbox too, gone when a write brings
+    none; bad metadata refused by the layer itself."""
+    sbx = Sandbox.create("base", timeout=120, **node.opts())
+    try:
+        info = sbx.files.write("m/a.txt", "x", metadata={"Author": "mish", "purpose": "upload"})
+        assert info.metadata == {"author": "mish", "purpose": "upload"}  # keys lowercased
+        assert sbx.files.get_info("m/a.txt").metadata == info.metadata
+        getx = "python3 -c \"import os; print(os.getxattr('/home/user/m/a.txt', 'user.e2b.author').decode())\""
+        assert sbx.commands.run(getx).stdout == "mish\n"
+        sbx.commands.run("python3 -c \"import os; os.setxattr('/home/user/m/a.txt', 'user.e2b.tag', b'in')\"")
+        assert [e.metadata for e in sbx.files.list("m")] == [{"author": "mish", "purpose": "upload", "tag": "in"}]
+        assert sbx.files.rename("m/a.txt", "m/b.txt").metadata == {"author": "mish", "purpose": "upload", "tag": "in"}
+        assert sbx.files.write("m/b.txt", "y").metadata is None and sbx.files.get_info("m/b.txt").metadata is None
+        assert sbx.files.write("m/c.txt", "z", use_octet_stream=True, metadata={"k": "v"}).metadata == {"k": "v"}
+        envd = {"e2b-sandbox-id": sbx.sandbox_id, "x-access-token": KEYS["a"]}
+        for header in ({"x-metadata-": "v"}, {"x-metadata-k": "caf\u00e9"}):  # an empty key, not ASCII
+            h = {**envd, **{k: v.encode() for k, v in header.items()}}  # type: ignore[dict-item]
+            r = httpx.post(f"{node.url}/files", params={"path": "m/d.txt"}, content=b"d", headers=h)
+            assert r.status_code == 400 and "metadata" in r.json()["message"], r.text
+        assert not sbx.files.exists("m/d.txt")
+    finally:
+        sbx.kill()
 
 
 def test_the_async_sdk_runs_commands_and_files(node: Node) -> None:
@@ -268,21 +303,53 @@ def test_the_code_interpreter_keeps_its_state(node: Node) -> None:
         streamed: list[str] = []
         again = sbx.run_code("import os; print(x + 1); os.environ['FROM_E2B']", envs={"FROM_E2B": "v"},
                              on_stdout=lambda m: streamed.append(m.line))  # fmt: skip
-        assert again.text == "'v'" and streamed == ["43\n"] and again.execution_count == 2
+        assert again.text == "v" and streamed == ["43\n"] and again.execution_count == 2  # E2B drops the quotes
         failed = sbx.run_code("1 / 0")
         assert failed.error is not None and failed.error.name == "ZeroDivisionError"
         assert "1 / 0" in failed.error.traceback
+        # IPython's shell forms (agents send `!pip install ...`): output in stdout, never raising.
+        shell = sbx.run_code("!pwd; echo {x + 1}\nlisted = !ls /home/user/.bashrc /nonexistent\nlisted")
+        assert shell.logs.stdout == ["/home/user\n", "43\n"] and shell.error is None
+        assert "/home/user/.bashrc" in shell.text and "No such file" in shell.text
+        assert "".join(sbx.run_code("%%bash\nfor i in 1 2; do echo $((i * 10)); done").logs.stdout) == "10\n20\n"
+        # The code-interpreter template's data stack: a DataFrame's HTML, a figure as a PNG.
+        frame = sbx.run_code("import pandas as pd; pd.DataFrame({'a': [1, 2]})")
+        assert frame.results[0].html and "<table" in frame.results[0].html
+        chart = sbx.run_code("import matplotlib.pyplot as plt; plt.plot([1, 2], [3, 4]); plt.show()")
+        assert chart.error is None and [r.png[:8] for r in chart.results] == ["iVBORw0K"]  # PNG's magic, base64
+        # IPython's display() and a cell written indented, as E2B's Jupyter kernel takes them.
+        shown = sbx.run_code("    from IPython.display import display\n    display({'text/latex': 'x'}, raw=True)")
+        assert [r.formats() for r in shown.results] == [["latex"]]
         ctx = sbx.create_code_context(cwd="/tmp")
+        listed = sbx.list_code_contexts()  # the default context first, then those made, in order
+        assert [(c.id, c.cwd) for c in listed] == [("default", "/home/user"), (ctx.id, "/tmp")]
         own = sbx.run_code("import os; y = 1; os.getcwd()", context=ctx)
-        assert own.text == "'/tmp'"
+        assert own.text == "/tmp"
         assert sbx.run_code("'y' in globals()").text == "False"  # the default context's namespace
-        assert ctx.id in {c.id for c in sbx.list_code_contexts()}
         sbx.restart_code_context(ctx)
         assert sbx.run_code("'y' in globals()", context=ctx).text == "False"
+        assert sbx.run_code("import os; os.getcwd()", context=ctx).text == "/tmp"  # kept by a restart
         sbx.remove_code_context(ctx)
         assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+        # A client that gives up interrupts its execution: the next one is not queued behind it.
+        with pytest.raises(e2b.TimeoutException):
+            sbx.run_code("import time; time.sleep(300)", timeout=2)
+        t0 = time.monotonic()
+        assert sbx.run_code("x + 1", timeout=20).text == "43" and time.monotonic() - t0 < 15
     finally:
         sbx.kill()
+    # An image without IPython (E2B's base template): the kernel's own engine, the same forms.
+    plain = CodeSandbox.create("base", timeout=60, **node.opts())
+    try:
+        run = plain.run_code("    import os\n    !pwd\n    listed = !echo {6 * 7}\n    os.getcwd(), listed")
+        assert run.logs.stdout == ["/home/user\n"] and run.text == "('/home/user', ['42'])", run
+        assert plain.run_code("'quoted'").text == "quoted"
+        # A bash context: each cell a script in the home, the execution's env vars its own.
+        bash = plain.run_code("echo $FOO; pwd; echo oops >&2", language="bash", envs={"FOO": "bar"})
+        assert "".join(bash.logs.stdout) == "bar\n/home/user\noops\n"
+        assert [c.language for c in plain.list_code_contexts()] == ["python", "bash"]
+    finally:
+        plain.kill()
 
 
 def test_snapshots_forks_and_metrics(node: Node) -> None:

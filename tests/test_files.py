@@ -253,6 +253,34 @@ def test_stat_and_list(fs: SandboxFS, root: Path) -> None:
     assert ei.value.kind == "not_found"
 
 
+def test_user_xattrs_written_replaced_and_reported(fs: SandboxFS, root: Path) -> None:
+    fs.write("/x/f", b"1", attrs={"e2b.author": "mish", "tag": "a b"})
+    assert os.getxattr(root / "x" / "f", "user.e2b.author") == b"mish"
+    assert fs.stat("/x/f").xattrs == {"e2b.author": "mish", "tag": "a b"}
+    # the name is always under `user.`: no other namespace is reachable (security., trusted.)
+    fs.write("/x/g", b"2", attrs={"security.evil": "1", "trusted.x": "2"})
+    assert sorted(os.listxattr(root / "x" / "g")) == ["user.security.evil", "user.trusted.x"]
+    os.setxattr(root / "x" / "f", "user.raw", b"\xff\xfe")  # not text: left out, never altered
+    os.setxattr(root / "x" / "f", "user.out-of-band", b"set inside")
+    assert fs.stat("/x/f").xattrs == {"e2b.author": "mish", "tag": "a b", "out-of-band": "set inside"}
+    fs.write("/x/f", b"22")  # no attrs: the file keeps them
+    assert fs.stat("/x/f").xattrs is not None
+    fs.write("/x/f", b"333", attrs={"tag": "b"})  # attrs: exactly these
+    assert fs.stat("/x/f").xattrs == {"tag": "b"}
+    assert os.listxattr(root / "x" / "f") == ["user.tag"]
+    fs.write("/x/f", b"4", attrs={})
+    assert fs.stat("/x/f").xattrs is None
+    os.setxattr(root / "x", "user.d", b"dir")
+    os.symlink("g", root / "x" / "lnk")
+    by = {e.name: e for e in fs.list("/x")}
+    assert (by["f"].xattrs, by["lnk"].xattrs) == (None, None)  # a symlink carries none
+    assert by["g"].xattrs == {"security.evil": "1", "trusted.x": "2"}
+    assert fs.stat("/x").xattrs == {"d": "dir"}
+    assert fs.stat("/x/lnk", follow_symlinks=True).xattrs == by["g"].xattrs
+    fs.write("/x/lnk", b"via link", attrs={"k": "v"})  # through a symlink: its target's
+    assert fs.stat("/x/g").xattrs == {"k": "v"}
+
+
 def test_mkdir(fs: SandboxFS, root: Path) -> None:
     fs.mkdir("/a/b/c", uid=2, gid=2, mode=0o700)
     for p in ("a", "a/b", "a/b/c"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ from sandfleet import (
     SandboxError,
     WrongStateError,
 )
+from sandfleet.client._base import call_write
 
 if TYPE_CHECKING:
     from sandfleet import Client, Sandbox
@@ -158,6 +160,23 @@ def test_list_stat_mkdir_remove(sandbox: Sandbox) -> None:
     with pytest.raises(InvalidArgumentError):
         sandbox.files.remove("/", recursive=True)
     assert sandbox.exec("ls /bin/sh").exit_code == 0
+
+
+def test_xattrs_kept_on_files(sandbox: Sandbox) -> None:
+    info = sandbox.files.write("/etc/group", b"root:x:0:\n", xattrs={"e2b.author": "mish"})  # a lower file
+    assert info.xattrs == {"e2b.author": "mish"}
+    assert sandbox.files.stat("/etc/group").xattrs == {"e2b.author": "mish"}
+    assert {f.name: f.xattrs for f in sandbox.files.list("/etc")}["group"] == {"e2b.author": "mish"}
+    assert sandbox.files.write("/etc/group", b"root:x:0:\n").xattrs == {"e2b.author": "mish"}
+    assert sandbox.files.write("/etc/group", b"root:x:0:\n", xattrs={}).xattrs is None
+    assert sandbox.files.stat("/etc/passwd").xattrs is None
+    for bad in ("[1]", "{", '{"a": 1}', '{"": "x"}', '{"a\\u0000b": "x"}', '{"%s": "x"}' % ("n" * 201)):
+        with pytest.raises(InvalidArgumentError, match="xattrs"):
+            call = call_write(sandbox.id, "/tmp/x", b"", 0o644, None, False, {})
+            sandbox._c._send(dataclasses.replace(call, params={**dict(call.params or {}), "xattrs": bad}))
+    with pytest.raises(InvalidArgumentError, match="longer than 4096"):
+        sandbox.files.write("/tmp/x", b"", xattrs={"a": "v" * 4097})
+    assert not sandbox.files.exists("/tmp/x")  # a refused write writes nothing
 
 
 def test_read_errors(sandbox: Sandbox) -> None:

@@ -17,7 +17,10 @@ def serve(
     ] = None,
     build_templates: Annotated[
         bool,
-        typer.Option(help="first build E2B's base template (e2b/base:1) through the upstream (a token that may build)"),
+        typer.Option(
+            help="first build E2B's templates (e2b/base:1, e2b/code-interpreter:1) through the upstream "
+            "(a token that may build)"
+        ),
     ] = False,
     token: Annotated[
         str | None, typer.Option(envvar="SANDFLEET_TOKEN", help="the token --build-templates uses")
@@ -31,11 +34,12 @@ def serve(
 
     if build_templates:
         from sandfleet import Client
-        from sandfleet.e2b import BASE_RECIPE
+        from sandfleet.e2b import TEMPLATE_RECIPES
 
         with Client(url=upstream, token=token) as fleet:
-            built = fleet.build_recipe(BASE_RECIPE)
-        typer.echo(f"built {built.name}:{built.tag}")
+            for recipe in TEMPLATE_RECIPES:
+                built = fleet.build_recipe(recipe)
+                typer.echo(f"built {built.name}:{built.tag}")
     host, _, port = listen.rpartition(":")
     config = E2BConfig(upstream=upstream)
     if template:

@@ -339,6 +339,18 @@ def test_files_round_trip(sb: Sandbox, tier: Tier) -> None:
         sb.files.read("/no/such/file")
 
 
+def test_files_keep_extended_attributes(sb: Sandbox, tier: Tier) -> None:
+    tier.needs("isolation")
+    if tier.name in VM_TIERS:  # a VM's files go through its agent, whose tools have no xattr command
+        with pytest.raises(UnsupportedError, match="extended attributes"):
+            sb.files.write("/tmp/x", "x", xattrs={"a": "b"})
+        assert sb.files.write("/tmp/x", "x", xattrs={}).xattrs is None
+        return
+    assert sb.files.write("/tmp/x", "x", xattrs={"a": "b"}).xattrs == {"a": "b"}
+    assert sb.files.stat("/tmp/x").xattrs == {"a": "b"}
+    assert sb.files.write("/tmp/x", "y", xattrs={}).xattrs is None
+
+
 def test_files_stay_inside_the_sandbox(sb: Sandbox, tier: Tier, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Paths through `..`, a symlink to /, and /proc/1/root all resolve inside the sandbox: a host
     file is never read, and a write never lands on the host."""

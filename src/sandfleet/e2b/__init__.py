@@ -10,6 +10,22 @@ and nothing crosses a project through this layer. `control` is E2B's REST contro
 
 from __future__ import annotations
 
-from sandfleet.e2b.server import BASE_IMAGE, BASE_RECIPE, E2BConfig, create_app
+from sandfleet.e2b.server import (
+    BASE_IMAGE,
+    BASE_RECIPE,
+    CODE_INTERPRETER_IMAGE,
+    CODE_INTERPRETER_RECIPE,
+    TEMPLATE_RECIPES,
+    E2BConfig,
+    create_app,
+)
 
-__all__ = ["BASE_IMAGE", "BASE_RECIPE", "E2BConfig", "create_app"]
+__all__ = [
+    "BASE_IMAGE",
+    "BASE_RECIPE",
+    "CODE_INTERPRETER_IMAGE",
+    "CODE_INTERPRETER_RECIPE",
+    "TEMPLATE_RECIPES",
+    "E2BConfig",
+    "create_app",
+]

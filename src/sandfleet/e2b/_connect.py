@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from connectrpc.code import Code
+from connectrpc.codec import Codec
 from connectrpc.compat import google_protobuf_codecs
 from connectrpc.errors import ConnectError
 from connectrpc.method import IdempotencyLevel, MethodInfo
@@ -102,12 +103,33 @@ def _endpoints(service: ServiceDescriptor, impl: object) -> Mapping[str, Any]:
     return found
 
 
+class _Checked:
+    """A codec whose failure to decode a request is the caller's error (invalid_argument), never
+    the server's: protobuf's parsers raise their own errors on malformed bodies."""
+
+    def __init__(self, codec: Codec[Any, Any]) -> None:
+        self._codec = codec
+
+    def name(self) -> str:
+        return self._codec.name()
+
+    def encode(self, message: Any) -> bytes:
+        return self._codec.encode(message)
+
+    def decode(self, data: bytes | bytearray, message_class: type[Any]) -> Any:
+        try:
+            return self._codec.decode(data, message_class)
+        except Exception as exc:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"the request cannot be decoded: {exc}") from exc
+
+
 class ConnectService(ConnectASGIApplication[Any]):
     """`impl`'s methods served as `service`'s RPCs (Connect protocol, JSON and binary codecs)."""
 
     def __init__(self, service: ServiceDescriptor, impl: object) -> None:
         self._path = "/" + str(service.full_name)
-        super().__init__(service=impl, endpoints=lambda svc: _endpoints(service, svc), codecs=google_protobuf_codecs())
+        codecs = [_Checked(c) for c in google_protobuf_codecs()]
+        super().__init__(service=impl, endpoints=lambda svc: _endpoints(service, svc), codecs=codecs)
 
     @property
     def path(self) -> str:

@@ -21,7 +21,7 @@ def _table(text: str) -> dict[int, str]:
     found: dict[int, str] = {}
     for line in text.splitlines():
         fields = line.split(":")
-        if len(fields) > 2 and fields[2].isdigit():
+        if len(fields) > 2 and fields[2].isascii() and fields[2].isdigit():
             found.setdefault(int(fields[2]), fields[0])
     return found
 

@@ -27,7 +27,7 @@ from sandfleet.errors import (
     UnsupportedError,
     WrongStateError,
 )
-from sandfleet.models import SandboxInfo, SandboxSpec, SnapshotInfo
+from sandfleet.models import MAX_SECONDS, SandboxInfo, SandboxSpec, SnapshotInfo
 
 TEMPLATE_LABEL = "e2b.dev/template"  # the E2B template a sandbox was created from
 NAME_LABEL = "e2b.dev/name"  # a snapshot's name
@@ -159,8 +159,8 @@ def _timeout(body: dict[str, Any], name: str = "timeout", default: int | None = 
     value = body.get(name, default)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgumentError(f"{name} must be a whole number of seconds")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SECONDS:
+        raise InvalidArgumentError(f"{name} must be a whole number of seconds, at most {int(MAX_SECONDS)}")
     return value
 
 
@@ -251,7 +251,7 @@ def _query_int(request: Request, name: str, default: int, low: int, high: int) -
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not (raw.isascii() and raw.isdigit()) or not low <= int(raw) <= high:
         raise InvalidArgumentError(f"{name} must be a whole number from {low} to {high}")
     return int(raw)
 

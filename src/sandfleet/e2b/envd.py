@@ -6,9 +6,11 @@ answered (X-Access-Token: the caller's API key, so it acts as the caller's proje
 from __future__ import annotations
 
 import posixpath
+import re
 import zlib
 
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -19,7 +21,7 @@ from sandfleet.e2b._proto import filesystem_pb2 as fs
 from sandfleet.e2b._proto import process_pb2 as pp
 from sandfleet.e2b._upstream import Upstream, envd_user, not_found_message, resolve
 from sandfleet.e2b.commands import Processes
-from sandfleet.e2b.filesystem import Filesystem
+from sandfleet.e2b.filesystem import METADATA_XATTR, Filesystem, metadata
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, SandboxNotFoundError
 
 
@@ -34,6 +36,11 @@ def _http_error(exc: SandboxError) -> JSONResponse:
 # The node refuses a file body past 256 MiB too (upload larger trees as a tar in parts); this layer
 # refuses it before holding it.
 MAX_UPLOAD = 256 * 1024**2
+# A file's metadata: X-Metadata-<key> headers of an upload, kept as the file's `user.e2b.<key>`
+# extended attributes (keys lowercased, as envd does); keys are HTTP tokens, values printable ASCII.
+METADATA_HEADER = "x-metadata-"
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
+_PRINTABLE = re.compile(r"[\x20-\x7e]*\Z")
 
 
 class Files:
@@ -60,6 +67,7 @@ class Files:
             sb = self.upstream.envd_sandbox(request.headers)
             given = request.query_params.get("path")
             user = envd_user(request.headers, request.query_params)
+            xattrs = _metadata(request)
             length = request.headers.get("content-length", "")
             if length.isdigit() and int(length) > MAX_UPLOAD:
                 raise InvalidArgumentError(f"an upload is at most {MAX_UPLOAD} bytes")
@@ -71,16 +79,18 @@ class Files:
                         raise InvalidArgumentError("the form has no file part")
                     for part in parts:
                         target = given if given and len(parts) == 1 else part.filename
-                        written.append(await _write(sb, target or "", await part.read(), user))
+                        written.append(await _write(sb, target or "", await part.read(), user, xattrs))
             else:
                 data = await _capped(request)
                 if request.headers.get("content-encoding", "").lower() == "gzip":
                     data = _gunzip(data)
-                written.append(await _write(sb, given or "", data, user))
+                written.append(await _write(sb, given or "", data, user, xattrs))
         except SandboxError as exc:
             return _http_error(exc)
         except (OSError, EOFError, zlib.error) as exc:  # a gzip body that is not gzip
             return _http_error(InvalidArgumentError(f"the body cannot be read: {exc}"))
+        except HTTPException as exc:  # Starlette's form parser: a multipart body it cannot parse
+            return _http_error(InvalidArgumentError(f"the form cannot be read: {exc.detail}"))
         return JSONResponse(written)
 
     async def health(self, request: Request) -> Response:
@@ -115,15 +125,34 @@ def _gunzip(data: bytes) -> bytes:
     return out
 
 
-async def _write(sb: AsyncSandbox, path: str, data: bytes, user: str | None) -> dict[str, str]:
+def _metadata(request: Request) -> dict[str, str]:
+    """The upload's metadata as the file's extended attributes (every upload sets them: a file
+    written without metadata keeps none from before)."""
+    out = {}
+    for name, value in request.headers.items():  # names come lowercased
+        if not name.startswith(METADATA_HEADER):
+            continue
+        key = name[len(METADATA_HEADER) :]
+        if not _TOKEN.match(key) or not _PRINTABLE.match(value):
+            raise InvalidArgumentError(f"invalid metadata {key!r}: keys are HTTP tokens, values printable ASCII")
+        out[METADATA_XATTR + key] = value
+    return out
+
+
+async def _write(
+    sb: AsyncSandbox, path: str, data: bytes, user: str | None, xattrs: dict[str, str]
+) -> dict[str, object]:
     """envd's write: the parents made as needed (the user's), the file replaced."""
     target = resolve(path)
     try:
-        made = await sb.files.write(target, data, user=user)
+        made = await sb.files.write(target, data, user=user, xattrs=xattrs)
     except NotFoundError:
         await sb.files.mkdir(posixpath.dirname(target), parents=True, user=user)
-        made = await sb.files.write(target, data, user=user)
-    return {"path": made.path, "name": made.name, "type": "file"}
+        made = await sb.files.write(target, data, user=user, xattrs=xattrs)
+    written: dict[str, object] = {"path": made.path, "name": made.name, "type": "file"}
+    if found := metadata(made):
+        written["metadata"] = found
+    return written
 
 
 class Envd:

@@ -38,6 +38,15 @@ WATCHER_IDLE = 600.0  # seconds a polled watcher lives without being polled
 POLL_WAIT = 0.2  # seconds an empty poll waits for a change on its way
 
 
+# A file's E2B metadata is its `user.e2b.*` extended attributes (as envd keeps it).
+METADATA_XATTR = "e2b."
+
+
+def metadata(f: FileInfo) -> dict[str, str]:
+    n = len(METADATA_XATTR)
+    return {k[n:]: v for k, v in (f.xattrs or {}).items() if k.startswith(METADATA_XATTR) and len(k) > n}
+
+
 KINDS = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}  # for `ls -l`'s first letter
 
 
@@ -54,6 +63,7 @@ def entry(f: FileInfo) -> fs.EntryInfo:
         is_symlink=f.type == "symlink",
     )
     e.modified_time.FromNanoseconds(int(f.mtime * 1e9))
+    e.metadata.update(metadata(f))
     if f.link_target is not None:
         e.symlink_target = f.link_target
     return e

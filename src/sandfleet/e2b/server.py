@@ -9,6 +9,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import Route
 
 from sandfleet.e2b._upstream import Upstream
 from sandfleet.e2b.control import Control
@@ -20,6 +23,11 @@ from sandfleet.e2b.interpreter import Interpreter
 ENVD_VERSION = "0.6.4"
 BASE_RECIPE = Path(__file__).with_name("base.toml")  # E2B's base template: python:3.11 and its user
 BASE_IMAGE = "e2b/base:1"  # the recipe's ref
+# E2B's code-interpreter template: the base with numpy, pandas, matplotlib and pillow
+CODE_INTERPRETER_RECIPE = Path(__file__).with_name("code_interpreter.toml")
+CODE_INTERPRETER_IMAGE = "e2b/code-interpreter:1"
+TEMPLATE_RECIPES = (BASE_RECIPE, CODE_INTERPRETER_RECIPE)  # in build order: each on the one before
+DOCUMENT = Path(__file__).with_name("openapi.json")
 
 
 class E2BConfig(BaseModel):
@@ -27,10 +35,15 @@ class E2BConfig(BaseModel):
 
     upstream: str = Field(description="sandfleet's API the calls go to: a node's or a gateway's http://HOST:PORT")
     templates: dict[str, str] = Field(
-        default_factory=lambda: {"base": BASE_IMAGE, "code-interpreter-v1": BASE_IMAGE},
+        default_factory=lambda: {"base": BASE_IMAGE, "code-interpreter-v1": CODE_INTERPRETER_IMAGE},
         description="E2B template names and the sandfleet images they create (another name is an image name)",
     )
     timeout: float = Field(300.0, gt=0, description="seconds a call to sandfleet may take")
+
+
+async def _document(request: Request) -> Response:
+    """The layer's own OpenAPI document (its REST, envd and interpreter routes; Connect's unary calls)."""
+    return FileResponse(DOCUMENT, media_type="application/json")
 
 
 def create_app(config: E2BConfig) -> Starlette:
@@ -46,5 +59,5 @@ def create_app(config: E2BConfig) -> Starlette:
         envd.close()
         await upstream.aclose()
 
-    routes = [*control.routes(), *envd.routes(), *Interpreter(upstream).routes()]
+    routes = [*control.routes(), *envd.routes(), *Interpreter(upstream).routes(), Route("/openapi.json", _document)]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -65,7 +65,15 @@ from sandfleet.models.execs import (
     TerminalResize,
     TerminalSize,
 )
-from sandfleet.models.files import FileEvent, FileInfo, FileList
+from sandfleet.models.files import (
+    MAX_XATTR_NAME,
+    MAX_XATTR_VALUE,
+    MAX_XATTRS,
+    FileEvent,
+    FileInfo,
+    FileList,
+    check_xattrs,
+)
 from sandfleet.models.images import (
     MAX_RECIPE,
     BuildEvent,
@@ -210,6 +218,10 @@ __all__ = [
     "FenceRequest",
     "FileEvent",
     "FileInfo",
+    "MAX_XATTRS",
+    "MAX_XATTR_NAME",
+    "MAX_XATTR_VALUE",
+    "check_xattrs",
     "FileList",
     "ForkRequest",
     "GcResult",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,14 @@ def extract_tar(data: bytes, dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
-def call_write(sandbox_id: str, path: str, data: bytes, mode: int, user: str | None, append: bool) -> Call:
+def call_write(
+    sandbox_id: str, path: str, data: bytes, mode: int, user: str | None, append: bool, xattrs: dict[str, str] | None
+) -> Call:
     params: dict[str, Any] = {"path": path, "mode": mode, "append": str(append).lower()}
     if user:
         params["user"] = user
+    if xattrs is not None:
+        params["xattrs"] = json.dumps(xattrs)
     return Call("PUT", _sb(sandbox_id, "/files/content"), params=params, content=data, headers=_OCTET_STREAM)
 
 

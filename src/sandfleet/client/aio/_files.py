@@ -30,9 +30,18 @@ class AsyncFiles:
         return (await self.read(path)).decode()
 
     async def write(
-        self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None, append: bool = False
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        mode: int = 0o644,
+        user: str | None = None,
+        append: bool = False,
+        xattrs: dict[str, str] | None = None,
     ) -> FileInfo:
-        call = b.call_write(self._sb.id, path, b.as_bytes(data), mode, user, append)
+        """`xattrs` given: they become the file's extended attributes of the `user.` namespace (named
+        without `user.`), the others go; the container tier keeps them."""
+        call = b.call_write(self._sb.id, path, b.as_bytes(data), mode, user, append, xattrs)
         return await self._sb._c._model(FileInfo, call)
 
     async def list(self, path: str = "/") -> builtins.list[FileInfo]:

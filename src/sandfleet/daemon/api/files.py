@@ -8,6 +8,7 @@ from typing import Annotated, BinaryIO, cast
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import TypeAdapter, ValidationError
 
 from sandfleet.daemon.api.common import (
     FILE_BEAT,
@@ -23,11 +24,35 @@ from sandfleet.errors import (
 )
 from sandfleet.models import (
     MAX_PATH,
+    MAX_XATTR_NAME,
+    MAX_XATTR_VALUE,
+    MAX_XATTRS,
     FileEvent,
     FileInfo,
     FileList,
     Ok,
+    check_xattrs,
 )
+
+XATTRS_DOC = (
+    'a JSON object of text, {"name": "value"}: the file\'s extended attributes of the `user.` namespace '
+    "become these (names without `user.`), the others go"
+)
+XATTRS_QUERY = 2 * MAX_XATTRS * (MAX_XATTR_NAME + MAX_XATTR_VALUE)
+_XATTRS: TypeAdapter[dict[str, str]] = TypeAdapter(dict[str, str])
+
+
+def parse_xattrs(raw: str | None) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    try:
+        attrs = _XATTRS.validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidArgumentError('xattrs: a JSON object of text, {"name": "value"}') from exc
+    try:
+        return check_xattrs(attrs)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"xattrs: {exc}") from exc
 
 
 def router(api: Api) -> APIRouter:
@@ -54,9 +79,11 @@ def router(api: Api) -> APIRouter:
         mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
         user: str | None = None,
         append: bool = False,
+        xattrs: Annotated[str | None, Query(max_length=XATTRS_QUERY, description=XATTRS_DOC)] = None,
     ) -> FileInfo:
+        attrs = parse_xattrs(xattrs)
         data = await file_body(request)
-        return await node.files.write_file(sandbox_id, path, data, mode=mode, user=user, append=append)
+        return await node.files.write_file(sandbox_id, path, data, mode=mode, user=user, append=append, xattrs=attrs)
 
     @api.route(r, "list_files")
     async def list_files(sandbox_id: str, path: str = "/") -> FileList:

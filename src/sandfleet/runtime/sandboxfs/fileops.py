@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 from sandfleet.runtime.openat2 import openat2
+from sandfleet.runtime.sandboxfs import xattrs
 from sandfleet.runtime.sandboxfs.paths import (
     _IN_ROOT,
     _MAX_SYMLINK_HOPS,
@@ -85,7 +86,9 @@ class _SandboxFSCore:
         inner = host - self.uid_base
         return inner if 0 <= inner < self.id_count else self.OVERFLOW_ID
 
-    def _filestat(self, path: str, st: os.stat_result, link_target: str | None = None) -> FileStat:
+    def _filestat(
+        self, path: str, st: os.stat_result, link_target: str | None = None, attrs: dict[str, str] | None = None
+    ) -> FileStat:
         return FileStat(
             path=path,
             name=posixpath.basename(path) or "/",
@@ -96,6 +99,7 @@ class _SandboxFSCore:
             gid=self._inner_id(st.st_gid),
             mtime=st.st_mtime,
             link_target=link_target,
+            xattrs=attrs,
         )
 
     # ---------------------------------------------------------------- fd helpers
@@ -211,13 +215,15 @@ class _SandboxFSCore:
         gid: int = 0,
         append: bool = False,
         make_parents: bool = True,
+        attrs: dict[str, str] | None = None,
     ) -> None:
         """Write ``data`` to ``path``, creating it (owned by uid/gid, with ``mode``) if needed.
 
         An existing file is truncated (or appended to) in place, keeping its inode, owner and
         mode. A final symlink is followed inside the root; a dangling one creates its target
         (inside the root). Writing to anything but a regular file is refused, and so is a mount
-        point (a file bind-mounted into the sandbox).
+        point (a file bind-mounted into the sandbox). ``attrs`` given: they become the file's
+        ``user.`` extended attributes (sandboxfs/xattrs.py), the others go.
         """
         p = self._norm(path)
         if p == "/":
@@ -240,6 +246,8 @@ class _SandboxFSCore:
                         if append:
                             os.lseek(fd, 0, os.SEEK_END)
                         _write_all(fd, data)
+                        if attrs is not None:
+                            xattrs.replace(fd, attrs)
                     finally:
                         _close(fd)
                     return
@@ -251,6 +259,8 @@ class _SandboxFSCore:
                     continue
                 try:
                     _write_all(fd, data)
+                    if attrs is not None:
+                        xattrs.replace(fd, attrs)
                 finally:
                     _close(fd)
                 return
@@ -356,14 +366,16 @@ class _SandboxFSCore:
             if p == "/" or follow_symlinks:
                 fd = self._open(p, os.O_PATH)
                 try:
-                    return self._filestat(p, os.fstat(fd))
+                    st = os.fstat(fd)
+                    regular = stat_mod.S_ISREG(st.st_mode) or stat_mod.S_ISDIR(st.st_mode)
+                    return self._filestat(p, st, attrs=xattrs.read(fd) if regular else None)
                 finally:
                     _close(fd)
             pfd, name = self._open_parent(p)
             try:
                 st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                 target = os.readlink(name, dir_fd=pfd) if stat_mod.S_ISLNK(st.st_mode) else None
-                return self._filestat(p, st, target)
+                return self._filestat(p, st, target, xattrs.read_at(pfd, name, st.st_mode))
             finally:
                 _close(pfd)
 
@@ -381,7 +393,7 @@ class _SandboxFSCore:
                         target = os.readlink(name, dir_fd=fd) if stat_mod.S_ISLNK(st.st_mode) else None
                     except FileNotFoundError:
                         continue  # removed concurrently
-                    out.append(self._filestat(child, st, target))
+                    out.append(self._filestat(child, st, target, xattrs.read_at(fd, name, st.st_mode)))
                 return out
             finally:
                 _close(fd)

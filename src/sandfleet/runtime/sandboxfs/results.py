@@ -108,6 +108,7 @@ class FileStat:
     gid: int
     mtime: float
     link_target: str | None = None
+    xattrs: dict[str, str] | None = None  # its `user.` attributes (sandboxfs/xattrs.py)
 
 
 def _kind(st_mode: int) -> FileKind:
