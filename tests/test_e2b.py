@@ -196,6 +196,66 @@ def test_file_metadata_is_kept_as_extended_attributes(node: Node) -> None:
         sbx.kill()
 
 
+def test_sandbox_hosts_reach_envd_and_the_sandboxs_ports(node: Node) -> None:
+    """`<port>-<id>.<domain>` hosts (get_host, and envd's URL when only a domain is given), routed
+    by the Host header as a wildcard name would bring them: envd's port is envd for that sandbox,
+    another port the server on it, reached only with the sandbox's project's key."""
+    sbx = Sandbox.create("base", timeout=120, **node.opts())
+    try:
+        sbx.files.write("site/index.html", "served from the sandbox")
+        server = sbx.commands.run("cd site && python3 -m http.server 8001", background=True)
+        envd = {"host": f"49983-{sbx.sandbox_id}.sandfleet.test", "x-access-token": KEYS["a"]}
+        assert httpx.get(f"{node.url}/health", headers=envd).status_code == 204
+        got = httpx.get(f"{node.url}/files", params={"path": "site/index.html"}, headers=envd)
+        assert got.content == b"served from the sandbox"
+        host = sbx.get_host(8001)
+        assert host.startswith(f"8001-{sbx.sandbox_id}.")
+        key = sbx.traffic_access_token or KEYS["a"]
+
+        def page(token: str | None, path: str = "/index.html", method: str = "GET") -> httpx.Response:
+            headers = {"host": host, **({"e2b-traffic-access-token": token} if token else {})}
+            return httpx.request(method, f"{node.url}{path}", headers=headers, timeout=30)
+
+        assert wait_until(lambda: page(key).status_code == 200, timeout=20)
+        assert page(key).text == "served from the sandbox"
+        assert page(key, "/nope").status_code == 404  # the server's own answers pass through
+        assert page(key, "/", "POST").status_code == 501
+        assert page(None).status_code == 401  # no key: the layer holds none of its own
+        assert page(KEYS["b"]).status_code == 502  # another project's key: not found, as E2B's edge
+        server.kill()
+    finally:
+        sbx.kill()
+
+
+def test_network_options_become_the_sandboxs_egress_policy(node: Node) -> None:
+    """E2B's allowOut / denyOut / allow_internet_access as sandfleet's allow list (what it cannot
+    say refused, never dropped), at create and by update_network."""
+
+    def allowed(sandbox_id: str) -> list[str]:
+        with node.daemon.client() as root:
+            return list(root.get(sandbox_id).info.spec.network.allow)
+
+    only = {"allow_out": ["example.com", "203.0.113.7/32", "*.pypi.org"], "deny_out": ["0.0.0.0/0"]}
+    sbx = Sandbox.create("base", timeout=60, network=only, **node.opts())  # type: ignore[arg-type]
+    closed = Sandbox.create("base", timeout=60, allow_internet_access=False, **node.opts())
+    try:
+        assert allowed(sbx.sandbox_id) == ["example.com", "203.0.113.7", "*.pypi.org"]
+        assert allowed(closed.sandbox_id) == []
+        # Not in the list: the node's egress proxy refuses it.
+        probe = sbx.commands.run("curl -sS -o /dev/null -w '%{http_code}' https://example.org || true")
+        assert "200" not in probe.stdout
+        sbx.update_network({"allow_out": ["example.org"], "deny_out": ["0.0.0.0/0"]})  # type: ignore[typeddict-item]
+        assert allowed(sbx.sandbox_id) == ["example.org"]
+        for refused in ({"deny_out": ["8.8.8.8"]}, {"allow_out": ["8.8.8.0/24"]}):
+            with pytest.raises(e2b.SandboxException, match="allow"):
+                Sandbox.create("base", timeout=60, network=refused, **node.opts())  # type: ignore[arg-type]
+        with pytest.raises(e2b.SandboxException, match="allow all"):
+            sbx.update_network({})  # type: ignore[typeddict-item]
+    finally:
+        sbx.kill()
+        closed.kill()
+
+
 def test_the_async_sdk_runs_commands_and_files(node: Node) -> None:
     async def go() -> None:
         sbx = await AsyncSandbox.create("base", timeout=120, **node.opts())

@@ -330,3 +330,51 @@ def test_a_keyed_create_its_node_refuses_is_not_placed_elsewhere(setup: Setup) -
             assert live_ids(setup) == [first]
         finally:
             clean(setup)
+
+
+def test_e2b_programs_run_through_the_gateway(setup: Setup) -> None:
+    """`sandfleet e2b` over the gateway instead of one node: E2B's SDK creates sandboxes placed on
+    both nodes, runs commands (followed, fed stdin), files and code in each, lists and kills them:
+    every call reaches the node holding its sandbox, so an E2B program scales out unchanged."""
+    e2b = pytest.importorskip("e2b")
+    code_interpreter = pytest.importorskip("e2b_code_interpreter")
+    from sandfleet.e2b import TEMPLATE_RECIPES
+
+    for key in KEYS:  # E2B's templates on each node (cache hits of the shared store after the first)
+        with Client(setup.daemons[key].socket, timeout=900) as c:
+            for recipe in TEMPLATE_RECIPES:
+                c.build_recipe(recipe)
+    listen = f"127.0.0.1:{_free_port()}"
+    layer = subprocess.Popen(
+        [sys.executable, "-m", "sandfleet", "e2b", "--upstream", setup.gateway, "--listen", listen]
+    )
+    opts = {"api_key": ADMIN, "api_url": f"http://{listen}", "sandbox_url": f"http://{listen}"}
+    made = []
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://{listen}/templates", headers={"x-api-key": ADMIN}).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(up, timeout=30)
+        for _ in range(4):  # the gateway spreads them over its two nodes
+            made.append(code_interpreter.Sandbox.create(timeout=120, metadata={"via": "gateway"}, **opts))
+        assert {node_of(s.sandbox_id) for s in made} == set(KEYS)
+        for s in made:
+            s.files.write("who.txt", s.sandbox_id)
+            cat = s.commands.run("cat", background=True, stdin=True)
+            s.commands.send_stdin(cat.pid, "fed\n")
+            s.commands.close_stdin(cat.pid)
+            assert cat.wait().stdout == "fed\n"
+            assert s.commands.run("cat who.txt; whoami").stdout == f"{s.sandbox_id}user\n"
+            assert s.run_code("open('who.txt').read()").text == s.sandbox_id
+        listed = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"via": "gateway"}), **opts).next_items()
+        assert sorted(i.sandbox_id for i in listed) == sorted(s.sandbox_id for s in made)
+    finally:
+        for s in made:
+            s.kill()
+        layer.terminate()
+        layer.wait(15)
+    assert not live_ids(setup)

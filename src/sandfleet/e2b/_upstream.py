@@ -9,9 +9,11 @@ import hashlib
 import posixpath
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 from sandfleet.client import AsyncClient
 from sandfleet.client.aio import AsyncSandbox
-from sandfleet.errors import InvalidArgumentError, UnauthenticatedError
+from sandfleet.errors import InvalidArgumentError, SandboxError, SandboxNotFoundError, UnauthenticatedError
 from sandfleet.models import SandboxInfo
 
 MAX_CLIENTS = 64  # keys served at once (each its own connection pool); the least recent is closed
@@ -43,6 +45,14 @@ def envd_user(headers: Any, query: Any = None) -> str | None:
 def not_found_message(exc: Exception) -> str:
     """A sandbox that is not there, in the words E2B's SDK reads as "not running" (`was not found`)."""
     return f"the sandbox was not found ({exc})"
+
+
+def edge_error(exc: SandboxError) -> JSONResponse:
+    """envd's error body ({code, message}); a sandbox that is not there is the edge's 502, in the
+    words E2B's SDK reads as "not running"."""
+    if isinstance(exc, SandboxNotFoundError):
+        return JSONResponse({"code": 502, "message": not_found_message(exc)}, status_code=502)
+    return JSONResponse({"code": exc.http_status, "message": str(exc)}, status_code=exc.http_status)
 
 
 def envd_key(headers: Any) -> str | None:

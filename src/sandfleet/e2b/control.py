@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sandfleet.client.aio import AsyncSandbox
+from sandfleet.e2b import network
 from sandfleet.e2b._upstream import Upstream
 from sandfleet.errors import (
     ImageNotFoundError,
@@ -102,6 +103,7 @@ class Control:
             route("/templates/{template_id}", delete_template, "DELETE"),
             route("/sandboxes/{sandbox_id}/fork", fork, "POST"),
             route("/sandboxes/{sandbox_id}/metrics", metrics, "GET"),
+            route("/sandboxes/{sandbox_id}/network", update_network, "PUT"),
         ]
 
     def key(self, request: Request) -> str | None:
@@ -181,6 +183,7 @@ async def create(request: Request, c: Control) -> Response:
     if not isinstance(template, str):
         raise InvalidArgumentError("templateID must be a string")
     timeout = _timeout(body)
+    egress = network.policy(body.get("network"), body.get("allow_internet_access"))
     try:
         spec = SandboxSpec(
             image=c.templates.get(template, template),
@@ -188,6 +191,7 @@ async def create(request: Request, c: Control) -> Response:
             labels={**_strings(body, "metadata"), TEMPLATE_LABEL: template},
             idle_ttl=None,  # an E2B sandbox lives its timeout, busy or idle
             max_lifetime=timeout or None,
+            **({"network": egress} if egress is not None else {}),
         )
     except ValueError as exc:  # pydantic's ValidationError: metadata that are no labels, an image name
         raise InvalidArgumentError(f"the sandbox cannot be made from this request: {exc}"[:500]) from exc
@@ -204,6 +208,16 @@ async def create(request: Request, c: Control) -> Response:
             f"--build-templates`, or `sandfleet images build`), or map the name (`--template {template}=IMAGE`)"
         ) from exc
     return JSONResponse(c.created(request, sb.info), status_code=201)
+
+
+async def update_network(request: Request, c: Control) -> Response:
+    """E2B's update_network: the sandbox's egress policy replaced at once (network.py's mapping)."""
+    body = await _body(request)
+    egress = network.policy(body, body.pop("allow_internet_access", None))
+    if egress is None:
+        raise UnsupportedError("sandfleet's egress policy cannot allow all traffic: name it in allowOut")
+    await c.sandbox(request).set_network(egress)
+    return Response(status_code=204)
 
 
 async def get_sandbox(request: Request, c: Control) -> Response:

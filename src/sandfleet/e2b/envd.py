@@ -19,19 +19,10 @@ from sandfleet.client.aio import AsyncSandbox
 from sandfleet.e2b._connect import ConnectService
 from sandfleet.e2b._proto import filesystem_pb2 as fs
 from sandfleet.e2b._proto import process_pb2 as pp
-from sandfleet.e2b._upstream import Upstream, envd_user, not_found_message, resolve
+from sandfleet.e2b._upstream import Upstream, edge_error, envd_user, resolve
 from sandfleet.e2b.commands import Processes
 from sandfleet.e2b.filesystem import METADATA_XATTR, Filesystem, metadata
 from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError, SandboxNotFoundError
-
-
-def _http_error(exc: SandboxError) -> JSONResponse:
-    """envd's error body ({code, message}); a sandbox that is not there is the edge's 502, in the
-    words E2B's SDK reads as "not running"."""
-    if isinstance(exc, SandboxNotFoundError):
-        return JSONResponse({"code": 502, "message": not_found_message(exc)}, status_code=502)
-    return JSONResponse({"code": exc.http_status, "message": str(exc)}, status_code=exc.http_status)
-
 
 # The node refuses a file body past 256 MiB too (upload larger trees as a tar in parts); this layer
 # refuses it before holding it.
@@ -59,7 +50,7 @@ class Files:
             sb = self.upstream.envd_sandbox(request.headers)
             data = await sb.files.read(resolve(request.query_params.get("path", "")))
         except SandboxError as exc:
-            return _http_error(exc)
+            return edge_error(exc)
         return Response(data, media_type="application/octet-stream")
 
     async def upload(self, request: Request) -> Response:
@@ -86,11 +77,11 @@ class Files:
                     data = _gunzip(data)
                 written.append(await _write(sb, given or "", data, user, xattrs))
         except SandboxError as exc:
-            return _http_error(exc)
+            return edge_error(exc)
         except (OSError, EOFError, zlib.error) as exc:  # a gzip body that is not gzip
-            return _http_error(InvalidArgumentError(f"the body cannot be read: {exc}"))
+            return edge_error(InvalidArgumentError(f"the body cannot be read: {exc}"))
         except HTTPException as exc:  # Starlette's form parser: a multipart body it cannot parse
-            return _http_error(InvalidArgumentError(f"the form cannot be read: {exc.detail}"))
+            return edge_error(InvalidArgumentError(f"the form cannot be read: {exc.detail}"))
         return JSONResponse(written)
 
     async def health(self, request: Request) -> Response:
@@ -98,9 +89,9 @@ class Files:
             sb = self.upstream.envd_sandbox(request.headers)
             info = await sb.refresh()
         except SandboxError as exc:
-            return _http_error(exc)
+            return edge_error(exc)
         if info.state != "running":  # paused too: E2B's envd of a paused sandbox is not running
-            return _http_error(SandboxNotFoundError(f"sandbox {info.id} is {info.state}"))
+            return edge_error(SandboxNotFoundError(f"sandbox {info.id} is {info.state}"))
         return Response(status_code=204)
 
 

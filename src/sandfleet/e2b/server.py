@@ -12,10 +12,12 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from sandfleet.e2b._upstream import Upstream
 from sandfleet.e2b.control import Control
 from sandfleet.e2b.envd import Envd
+from sandfleet.e2b.hosts import HostRouting
 from sandfleet.e2b.interpreter import Interpreter
 
 # envd's version as the SDK reads it: 0.6.4 is the newest its features are gated on (file metadata,
@@ -46,9 +48,10 @@ async def _document(request: Request) -> Response:
     return FileResponse(DOCUMENT, media_type="application/json")
 
 
-def create_app(config: E2BConfig) -> Starlette:
+def create_app(config: E2BConfig) -> ASGIApp:
     """E2B's REST control plane, envd's routes and the code interpreter's on one ASGI app: their
-    paths do not overlap, so E2B_API_URL and E2B_SANDBOX_URL can both be its address."""
+    paths do not overlap, so E2B_API_URL and E2B_SANDBOX_URL can both be its address. A sandbox's
+    host (`<port>-<id>.<domain>`) reaches envd, the interpreter or that port (hosts.py)."""
     upstream = Upstream(config.upstream, config.timeout)
     control = Control(upstream, config.templates, ENVD_VERSION)
     envd = Envd(upstream)
@@ -57,7 +60,9 @@ def create_app(config: E2BConfig) -> Starlette:
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         yield
         envd.close()
+        await hosts.aclose()
         await upstream.aclose()
 
     routes = [*control.routes(), *envd.routes(), *Interpreter(upstream).routes(), Route("/openapi.json", _document)]
-    return Starlette(routes=routes, lifespan=lifespan)
+    hosts = HostRouting(Starlette(routes=routes, lifespan=lifespan), upstream)
+    return hosts
