@@ -256,6 +256,25 @@ def test_network_options_become_the_sandboxs_egress_policy(node: Node) -> None:
         closed.kill()
 
 
+def test_a_sandbox_that_pauses_at_its_timeout(node: Node) -> None:
+    """`lifecycle={"on_timeout": "pause"}`: paused (memory kept) after its timeout's seconds without
+    a request instead of stopped, and the next request resumes it with its processes as they were."""
+    sbx = Sandbox.create("base", timeout=3, lifecycle={"on_timeout": "pause"}, **node.opts())
+    try:
+        sleeper = sbx.commands.run("sleep 600", background=True)
+        sbx.files.write("kept.txt", "in memory")
+        assert wait_until(lambda: sbx.get_info().state.value == "paused", timeout=30)
+        assert sbx.commands.run("cat kept.txt").stdout == "in memory"  # a request resumes it
+        assert sbx.get_info().state.value == "running"
+        assert sleeper.pid in {p.pid for p in sbx.commands.list()}  # its processes went on
+        sbx.set_timeout(600)  # now 600 idle seconds before it pauses
+        with node.daemon.client() as root:
+            spec = root.get(sbx.sandbox_id).info.spec
+            assert (spec.pause_after, spec.max_lifetime) == (600, None)
+    finally:
+        sbx.kill()
+
+
 def test_the_async_sdk_runs_commands_and_files(node: Node) -> None:
     async def go() -> None:
         sbx = await AsyncSandbox.create("base", timeout=120, **node.opts())

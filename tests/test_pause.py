@@ -119,6 +119,14 @@ def test_idle_policy_pauses_and_a_request_resumes(daemon: Daemon, fleet: Client)
         assert _frozen(daemon, sb.id)
         assert sb.exec("echo awake").stdout == "awake\n"
         assert fleet.get(sb.id).info.state == "running"
+    # The policy of a live sandbox, changed: set (from none), then removed.
+    with fleet.create(SandboxSpec(image="busybox")) as sb:
+        assert sb.set_lifetime(pause_after=1).spec.pause_after == 1
+        assert wait_until(lambda: fleet.get(sb.id).info.state == "paused", timeout=10)
+        assert sb.exec("echo awake").stdout == "awake\n"
+        assert sb.set_lifetime(pause_after=None).spec.pause_after is None
+        time.sleep(2.5)
+        assert fleet.get(sb.id).info.state == "running"
 
 
 def test_a_paused_sandbox_outlives_its_idle_ttl_unless_the_policy_paused_it(daemon: Daemon, fleet: Client) -> None:

@@ -620,6 +620,7 @@ def test_set_lifetime_sends_only_the_limits_given() -> None:
         sb.set_lifetime(idle_ttl=30)
         sb.set_lifetime(max_lifetime=None)
         sb.set_lifetime(idle_ttl=None, max_lifetime=3600)
+        sb.set_lifetime(pause_after=5)
         assert fleet.set_lifetimes({"job": "x"}, idle_ttl=None) == ["sb-1", "sb-2"]
         with pytest.raises(InvalidArgumentError):
             sb.set_lifetime()
@@ -631,6 +632,7 @@ def test_set_lifetime_sends_only_the_limits_given() -> None:
         {"idle_ttl": 30.0},
         {"max_lifetime": None},
         {"idle_ttl": None, "max_lifetime": 3600.0},
+        {"pause_after": 5.0},
         {"labels": {"job": "x"}, "idle_ttl": None},
     ]
 

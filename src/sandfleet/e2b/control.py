@@ -128,7 +128,12 @@ class Control:
     def detail(self, info: SandboxInfo) -> dict[str, Any]:
         """E2B's `SandboxDetail` / `ListedSandbox`."""
         spec = info.spec
-        end = info.created_at + spec.max_lifetime if spec.max_lifetime else info.created_at + DEFAULT_TIMEOUT
+        if spec.pause_after is not None:  # pauses that many idle seconds from its last request
+            end = time.time() + spec.pause_after
+        elif spec.max_lifetime:
+            end = info.created_at + spec.max_lifetime
+        else:
+            end = info.created_at + DEFAULT_TIMEOUT
         return {
             "templateID": spec.labels.get(TEMPLATE_LABEL, ""),
             "sandboxID": info.id,
@@ -184,13 +189,19 @@ async def create(request: Request, c: Control) -> Response:
         raise InvalidArgumentError("templateID must be a string")
     timeout = _timeout(body)
     egress = network.policy(body.get("network"), body.get("allow_internet_access"))
+    auto_pause = body.get("autoPause") or False
+    if not isinstance(auto_pause, bool):
+        raise InvalidArgumentError("autoPause must be a boolean")
+    # E2B's on_timeout "pause": paused (memory kept: a filesystem-only pause keeps it too) after the
+    # timeout's seconds without a request, resumed by the next one, never stopped by the timeout.
+    lifetime = {"pause_after": timeout or DEFAULT_TIMEOUT} if auto_pause else {"max_lifetime": timeout or None}
     try:
         spec = SandboxSpec(
             image=c.templates.get(template, template),
             env=_strings(body, "envVars"),
             labels={**_strings(body, "metadata"), TEMPLATE_LABEL: template},
             idle_ttl=None,  # an E2B sandbox lives its timeout, busy or idle
-            max_lifetime=timeout or None,
+            **lifetime,
             **({"network": egress} if egress is not None else {}),
         )
     except ValueError as exc:  # pydantic's ValidationError: metadata that are no labels, an image name
@@ -279,8 +290,11 @@ async def kill(request: Request, c: Control) -> Response:
 
 
 async def _extend(sb: AsyncSandbox, seconds: int) -> SandboxInfo:
-    """E2B's timeout: the sandbox ends `seconds` from now (sandfleet's limit counts from creation)."""
+    """E2B's timeout: the sandbox ends `seconds` from now (sandfleet's limit counts from creation);
+    one that pauses at its timeout pauses after that many idle seconds."""
     info = await sb.refresh()
+    if info.spec.pause_after is not None:
+        return await sb.set_lifetime(pause_after=max(1, seconds))
     return await sb.set_lifetime(max_lifetime=max(1.0, time.time() - info.created_at + seconds))
 
 

@@ -273,6 +273,11 @@ class LifetimeUpdate(_Model):
     max_lifetime: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="seconds after creation (not after this call)"
     )
+    pause_after: float | None = Field(None, gt=0, le=MAX_SECONDS, description="idle seconds before a pause")
+
+    def changes(self) -> dict[str, float | None]:
+        """The limits this update sets (None: removed)."""
+        return {k: getattr(self, k) for k in ("idle_ttl", "max_lifetime", "pause_after") if k in self.model_fields_set}
 
 
 class SetLabelsRequest(_Model):

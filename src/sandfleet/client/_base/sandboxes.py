@@ -206,27 +206,25 @@ def call_jobs(key: str, labels: Mapping[str, str] | None, state: str | None) -> 
     return Call("GET", "/v1/jobs", params=[("key", key), *(call.params or [])])
 
 
-def _lifetimes(idle_ttl: float | None | Unset, max_lifetime: float | None | Unset) -> dict[str, Any]:
-    fields = {
-        name: value
-        for name, value in (("idle_ttl", idle_ttl), ("max_lifetime", max_lifetime))
-        if not isinstance(value, Unset)
-    }
+Limit = float | None | Unset  # a lifetime limit to set: seconds, None (removed), or UNSET (kept)
+
+
+def _lifetimes(idle_ttl: Limit, max_lifetime: Limit, pause_after: Limit) -> dict[str, Any]:
+    given = (("idle_ttl", idle_ttl), ("max_lifetime", max_lifetime), ("pause_after", pause_after))
+    fields = {name: value for name, value in given if not isinstance(value, Unset)}
     if not fields:
-        raise InvalidArgumentError("give idle_ttl or max_lifetime (None removes that limit)")
+        raise InvalidArgumentError("give idle_ttl, max_lifetime or pause_after (None removes that limit)")
     return fields
 
 
-def call_set_lifetime(sandbox_id: str, idle_ttl: float | None | Unset, max_lifetime: float | None | Unset) -> Call:
+def call_set_lifetime(sandbox_id: str, idle_ttl: Limit, max_lifetime: Limit, pause_after: Limit) -> Call:
     """Only the limits given are sent (an explicit None as null: remove that limit)."""
-    body = _validated(LifetimeUpdate, "lifetime update", _lifetimes(idle_ttl, max_lifetime))
+    body = _validated(LifetimeUpdate, "lifetime update", _lifetimes(idle_ttl, max_lifetime, pause_after))
     return Call("PATCH", sandbox_path(sandbox_id), json=body.model_dump(mode="json", exclude_unset=True))
 
 
-def call_set_lifetimes(
-    labels: Mapping[str, str], idle_ttl: float | None | Unset, max_lifetime: float | None | Unset
-) -> Call:
-    fields = {"labels": dict(labels), **_lifetimes(idle_ttl, max_lifetime)}
+def call_set_lifetimes(labels: Mapping[str, str], idle_ttl: Limit, max_lifetime: Limit, pause_after: Limit) -> Call:
+    fields = {"labels": dict(labels), **_lifetimes(idle_ttl, max_lifetime, pause_after)}
     body = _validated(LifetimeManyRequest, "lifetime update", fields)
     return Call("POST", "/v1/sandboxes/lifetimes", json=body.model_dump(mode="json", exclude_unset=True))
 

@@ -193,10 +193,13 @@ class _Fleet(_AsyncCalls):
         *,
         idle_ttl: float | None | Unset = UNSET,
         max_lifetime: float | None | Unset = UNSET,
+        pause_after: float | None | Unset = UNSET,
     ) -> builtins.list[str]:
-        """Change the idle TTL and/or max lifetime (seconds after creation) of every live sandbox with
-        these labels; only the limits given change, None removes one. The ids changed."""
-        return (await self._model(IdList, b.call_set_lifetimes(labels, idle_ttl, max_lifetime))).sandboxes
+        """Change the idle TTL, max lifetime (seconds after creation) and/or idle seconds before a
+        pause of every live sandbox with these labels; only the limits given change, None removes
+        one. The ids changed."""
+        call = b.call_set_lifetimes(labels, idle_ttl, max_lifetime, pause_after)
+        return (await self._model(IdList, call)).sandboxes
 
     async def restore(
         self,

@@ -116,11 +116,16 @@ class AsyncSandbox:
         return [b.exposed(self._c._http.base_url, p) for p in found.ports]
 
     async def set_lifetime(
-        self, *, idle_ttl: float | None | Unset = UNSET, max_lifetime: float | None | Unset = UNSET
+        self,
+        *,
+        idle_ttl: float | None | Unset = UNSET,
+        max_lifetime: float | None | Unset = UNSET,
+        pause_after: float | None | Unset = UNSET,
     ) -> SandboxInfo:
-        """Change this sandbox's idle TTL and/or max lifetime (seconds after creation, not after this
-        call). Only the limits given change; None removes that limit."""
-        self.info = await self._c._model(SandboxInfo, b.call_set_lifetime(self.id, idle_ttl, max_lifetime))
+        """Change this sandbox's idle TTL, max lifetime (seconds after creation, not after this call)
+        and/or idle seconds before a pause. Only the limits given change; None removes that limit."""
+        call = b.call_set_lifetime(self.id, idle_ttl, max_lifetime, pause_after)
+        self.info = await self._c._model(SandboxInfo, call)
         return self.info
 
     async def snapshot(

@@ -126,8 +126,7 @@ def router(api: Api) -> APIRouter:
 
     @api.route(r, "update_lifetimes")
     async def update_lifetimes(req: LifetimeManyRequest) -> IdList:
-        fields = {k: getattr(req, k) for k in req.model_fields_set & {"idle_ttl", "max_lifetime"}}
-        return IdList(sandboxes=await tenancy.update_lifetimes(req.labels, fields))
+        return IdList(sandboxes=await tenancy.update_lifetimes(req.labels, req.changes()))
 
     @api.route(r, "stop_many")
     async def stop_many(req: StopManyRequest) -> StopManyResult:
@@ -161,8 +160,7 @@ def router(api: Api) -> APIRouter:
 
     @api.route(r, "update_lifetime")
     async def update_lifetime(sandbox_id: str, req: LifetimeUpdate) -> SandboxInfo:
-        fields = {k: getattr(req, k) for k in req.model_fields_set & {"idle_ttl", "max_lifetime"}}
-        return await node.core.update_lifetime(sandbox_id, fields)
+        return await node.core.update_lifetime(sandbox_id, req.changes())
 
     @api.route(r, "stop")
     async def stop(sandbox_id: str, req: Annotated[StopRequest | None, Body()] = None) -> SandboxInfo:
