@@ -184,7 +184,10 @@ def test_file_metadata_is_kept_as_extended_attributes(node: Node) -> None:
         sbx.commands.run("python3 -c \"import os; os.setxattr('/home/user/m/a.txt', 'user.e2b.tag', b'in')\"")
         assert [e.metadata for e in sbx.files.list("m")] == [{"author": "mish", "purpose": "upload", "tag": "in"}]
         assert sbx.files.rename("m/a.txt", "m/b.txt").metadata == {"author": "mish", "purpose": "upload", "tag": "in"}
+        sbx.commands.run("python3 -c \"import os; os.setxattr('/home/user/m/b.txt', 'user.mine', b'kept')\"")
         assert sbx.files.write("m/b.txt", "y").metadata is None and sbx.files.get_info("m/b.txt").metadata is None
+        mine = "python3 -c \"import os; print(os.getxattr('/home/user/m/b.txt', 'user.mine').decode())\""
+        assert sbx.commands.run(mine).stdout == "kept\n"  # an upload replaces E2B's attributes only
         assert sbx.files.write("m/c.txt", "z", use_octet_stream=True, metadata={"k": "v"}).metadata == {"k": "v"}
         envd = {"e2b-sandbox-id": sbx.sandbox_id, "x-access-token": KEYS["a"]}
         for header in ({"x-metadata-": "v"}, {"x-metadata-k": "caf\u00e9"}):  # an empty key, not ASCII
@@ -196,6 +199,34 @@ def test_file_metadata_is_kept_as_extended_attributes(node: Node) -> None:
         sbx.kill()
 
 
+COMMAND_LINES = (  # the sandbox's command lines (python:3.11 has no ps): "|sleep 301|..."
+    "import os; '|' + '|'.join(open(f'/proc/{p}/cmdline', 'rb').read().rstrip(bytes(1)).replace(bytes(1), b' ')"
+    ".decode(errors='replace') for p in os.listdir('/proc') if p.isdigit()) + '|'"
+)
+
+
+def _raw_status(url: str, target: str, headers: dict[str, str]) -> int:
+    """The status of a GET of `target` sent as written (HTTP clients normalise `..` away)."""
+    address, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((address, int(port)), timeout=30) as conn:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        conn.sendall(f"GET {target} HTTP/1.1\r\n{head}connection: close\r\n\r\n".encode())
+        return int(conn.recv(65536).split(b" ", 2)[1])
+
+
+ECHO_SERVER = """
+import http.server, json, sys
+class Echo(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Echo).serve_forever()
+"""
+
+
 def test_sandbox_hosts_reach_envd_and_the_sandboxs_ports(node: Node) -> None:
     """`<port>-<id>.<domain>` hosts (get_host, and envd's URL when only a domain is given), routed
     by the Host header as a wildcard name would bring them: envd's port is envd for that sandbox,
@@ -204,6 +235,8 @@ def test_sandbox_hosts_reach_envd_and_the_sandboxs_ports(node: Node) -> None:
     try:
         sbx.files.write("site/index.html", "served from the sandbox")
         server = sbx.commands.run("cd site && python3 -m http.server 8001", background=True)
+        sbx.files.write("echo.py", ECHO_SERVER)
+        echo = sbx.commands.run("python3 echo.py 8002", background=True)
         envd = {"host": f"49983-{sbx.sandbox_id}.sandfleet.test", "x-access-token": KEYS["a"]}
         assert httpx.get(f"{node.url}/health", headers=envd).status_code == 204
         got = httpx.get(f"{node.url}/files", params={"path": "site/index.html"}, headers=envd)
@@ -222,6 +255,19 @@ def test_sandbox_hosts_reach_envd_and_the_sandboxs_ports(node: Node) -> None:
         assert page(key, "/", "POST").status_code == 501
         assert page(None).status_code == 401  # no key: the layer holds none of its own
         assert page(KEYS["b"]).status_code == 502  # another project's key: not found, as E2B's edge
+        # What the sandbox's server gets: the path and query as sent, no credential, no encoding asked.
+        host = sbx.get_host(8002)
+        assert wait_until(lambda: page(key, "/x").status_code == 200, timeout=20)
+        got = page(key, "/a%20b/c?flag&q=%20x;y")
+        seen = got.json()
+        assert seen["path"] == "/a%20b/c?flag&q=%20x;y"
+        assert not {"authorization", "x-access-token", "e2b-traffic-access-token"} & set(seen["headers"])
+        assert seen["headers"]["accept-encoding"] == "gzip, deflate, br"  # the caller's, as it asked
+        # No way out of the port's route into the rest of sandfleet's API, however it is spelled.
+        for climb in ("/../../../exec", "/%2e%2e/%2e%2e/exec", "/a/..%2F..%2Fexec", "/.%2e/x"):
+            status = _raw_status(node.url, climb, {"host": host, "e2b-traffic-access-token": key})
+            assert status == 400, (climb, status)
+        echo.kill()
         server.kill()
     finally:
         sbx.kill()
@@ -415,6 +461,13 @@ def test_the_code_interpreter_keeps_its_state(node: Node) -> None:
             sbx.run_code("import time; time.sleep(300)", timeout=2)
         t0 = time.monotonic()
         assert sbx.run_code("x + 1", timeout=20).text == "43" and time.monotonic() - t0 < 15
+        with pytest.raises(e2b.TimeoutException):  # a shell command's too: it goes with its cell
+            sbx.run_code("!sleep 301", timeout=2)
+        probe = sbx.commands.run("sleep 303", background=True)  # the probe sees a command that runs
+        assert "|sleep 303|" in sbx.run_code(COMMAND_LINES).text
+        probe.kill()
+        assert wait_until(lambda: "|sleep 301|" not in sbx.run_code(COMMAND_LINES).text, timeout=15)
+        assert sbx.run_code("x", timeout=20).text == "42"
     finally:
         sbx.kill()
     # An image without IPython (E2B's base template): the kernel's own engine, the same forms.

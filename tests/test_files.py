@@ -279,6 +279,54 @@ def test_user_xattrs_written_replaced_and_reported(fs: SandboxFS, root: Path) ->
     assert fs.stat("/x/lnk", follow_symlinks=True).xattrs == by["g"].xattrs
     fs.write("/x/lnk", b"via link", attrs={"k": "v"})  # through a symlink: its target's
     assert fs.stat("/x/g").xattrs == {"k": "v"}
+    # A scope: only the attributes under it are replaced (E2B's layer keeps to `e2b.`).
+    fs.write("/x/g", b"5", attrs={"e2b.a": "1"}, attrs_scope="e2b.")
+    fs.write("/x/g", b"6", attrs={"e2b.b": "2"}, attrs_scope="e2b.")
+    assert fs.stat("/x/g").xattrs == {"k": "v", "e2b.b": "2"}
+
+
+@needs_root
+def test_what_a_sandbox_sets_is_reported_within_bounds(tmp_path: Path) -> None:
+    """A sandbox sets what it likes on its own files (on tmpfs, its writable layer's): a stat or a
+    listing reports at most READ_COUNT attributes, no value past READ_VALUE, a bounded total per
+    listing, and a file with more names than can be listed reports none, never an error."""
+    from sandfleet.runtime.sandboxfs import xattrs
+
+    root = tmp_path / "t"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=100000", "t", str(root)], check=True)
+    try:
+        many, big, flood = root / "many", root / "big", root / "flood"
+        for f in (many, big, flood):
+            f.write_bytes(b"")
+        for i in range(100):
+            os.setxattr(many, f"user.n{i:03}", b"v")
+        os.setxattr(big, "user.small", b"s")
+        os.setxattr(big, "user.huge", b"h" * (xattrs.READ_VALUE + 1))
+        for i in range(2000):  # more names than one listxattr returns (E2BIG)
+            os.setxattr(flood, "user." + f"{i:04}".ljust(240, "x"), b"")
+        fd = os.open(root, os.O_PATH)
+        try:
+            sfs = SandboxFS(fd, uid_base=0)
+            assert len(sfs.stat("/many").xattrs or {}) == xattrs.READ_COUNT
+            assert sfs.stat("/big").xattrs == {"small": "s"}
+            assert sfs.stat("/flood").xattrs is None
+            by = {e.name: e.xattrs for e in sfs.list("/")}
+            assert by["big"] == {"small": "s"} and by["flood"] is None
+            budget = xattrs.Budget(64)
+            f = os.open(many, os.O_PATH)
+            try:
+                assert len(xattrs.read(f, budget) or {}) < xattrs.READ_COUNT and budget.left <= 0
+                assert xattrs.read(f, budget) is None  # spent: later entries report none
+            finally:
+                os.close(f)
+            with pytest.raises(FileOpError) as refused:
+                sfs.write("/flood", b"x", attrs={})
+            assert refused.value.kind == "too_large"
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
 
 
 def test_mkdir(fs: SandboxFS, root: Path) -> None:

@@ -174,8 +174,10 @@ def test_xattrs_kept_on_files(sandbox: Sandbox) -> None:
         with pytest.raises(InvalidArgumentError, match="xattrs"):
             call = call_write(sandbox.id, "/tmp/x", b"", 0o644, None, False, {})
             sandbox._c._send(dataclasses.replace(call, params={**dict(call.params or {}), "xattrs": bad}))
-    with pytest.raises(InvalidArgumentError, match="longer than 4096"):
-        sandbox.files.write("/tmp/x", b"", xattrs={"a": "v" * 4097})
+    with pytest.raises(InvalidArgumentError, match="longer than 1024"):
+        sandbox.files.write("/tmp/x", b"", xattrs={"a": "v" * 1025})
+    with pytest.raises(InvalidArgumentError):  # more than a URL carries (2,048 characters of JSON)
+        sandbox.files.write("/tmp/x", b"", xattrs={f"k{i}": "v" * 100 for i in range(30)})
     assert not sandbox.files.exists("/tmp/x")  # a refused write writes nothing
 
 

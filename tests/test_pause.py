@@ -123,8 +123,8 @@ def test_idle_policy_pauses_and_a_request_resumes(daemon: Daemon, fleet: Client)
     with fleet.create(SandboxSpec(image="busybox")) as sb:
         assert sb.set_lifetime(pause_after=1).spec.pause_after == 1
         assert wait_until(lambda: fleet.get(sb.id).info.state == "paused", timeout=10)
-        assert sb.exec("echo awake").stdout == "awake\n"
         assert sb.set_lifetime(pause_after=None).spec.pause_after is None
+        assert sb.exec("echo awake").stdout == "awake\n"  # resumed, and no policy pauses it again
         time.sleep(2.5)
         assert fleet.get(sb.id).info.state == "running"
 

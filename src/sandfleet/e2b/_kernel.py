@@ -136,15 +136,26 @@ def _shell(namespace):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own group: an interrupt ends all it started
         )
         lines = []
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace")
-            if capture:
-                lines.append(line.rstrip("\n"))
-            else:
-                sys.stdout.write(line)
-        namespace["_exit_code"] = proc.wait()
+        try:
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", "replace")
+                if capture:
+                    lines.append(line.rstrip("\n"))
+                else:
+                    sys.stdout.write(line)
+            namespace["_exit_code"] = proc.wait()
+        except BaseException:  # the cell interrupted: the command goes with it, never left running
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            proc.wait()
+            raise
+        finally:
+            proc.stdout.close()
         return lines if capture else None
 
     return run
@@ -370,26 +381,29 @@ def _interrupted(signum, frame):
         raise KeyboardInterrupt
 
 
-def _watch(conn):
-    """The caller's end closing while the cell runs (a client that timed out): interrupt the cell,
-    as E2B's server interrupts its kernel, so the next execution is not queued behind it."""
+def _watch(conn, done):
+    """The caller's end closing while its cell runs (a client that timed out): interrupt the cell,
+    as E2B's server interrupts its kernel, so the next execution is not queued behind it. `done`:
+    this execution's end (a late wake-up never interrupts the next one)."""
     try:
         while conn.recv(4096):
             pass
     except OSError:
         pass
-    if RUNNING[0]:
+    if not done.is_set():
         os.kill(os.getpid(), signal.SIGINT)
 
 
 def execute(request, run, emit_to, emit):
     emit_to[0] = emit
-    saved = dict(os.environ)
+    env = request.get("env_vars") or {}
+    # Only the execution's own variables are put back after it: what the cell sets (os.environ,
+    # %env) stays, as in Jupyter.
+    before = {k: os.environ.get(k) for k in env} if isinstance(env, dict) else {}
     try:
-        os.environ.update(request.get("env_vars") or {})
+        os.environ.update(env)
     except (TypeError, ValueError) as exc:  # a NUL or "=" in a name: the execution's error, not the kernel's
-        os.environ.clear()
-        os.environ.update(saved)
+        _put_back(before)
         emit({"type": "error", "name": type(exc).__name__, "value": str(exc), "traceback": ""})
         return
     stdout, stderr = sys.stdout, sys.stderr
@@ -404,8 +418,15 @@ def execute(request, run, emit_to, emit):
         sys.stdout.flush()
         sys.stderr.flush()
         sys.stdout, sys.stderr = stdout, stderr
-        os.environ.clear()
-        os.environ.update(saved)
+        _put_back(before)
+
+
+def _put_back(before):
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _bash(emit_to):
@@ -454,19 +475,36 @@ def serve(path, language="python"):
 
             try:
                 request = json.loads(stream.readline() or b"{}")
-            except ValueError as exc:
+                if not isinstance(request, dict):
+                    raise ValueError("a request is a JSON object")
+            except (OSError, ValueError) as exc:
                 emit({"type": "error", "name": "ValueError", "value": str(exc), "traceback": ""})
+                _close(stream)
                 continue
             count += 1
-            threading.Thread(target=_watch, args=(conn,), daemon=True).start()
-            execute(request, run, emit_to, emit)
+            done = threading.Event()
+            watcher = threading.Thread(target=_watch, args=(conn, done), daemon=True)
+            watcher.start()
+            try:
+                execute(request, run, emit_to, emit)
+            except KeyboardInterrupt:  # an interrupt landing as the execution ended: too late, ignored
+                pass
+            done.set()
             emit({"type": "number_of_executions", "execution_count": count})
             emit({"type": "end_of_execution"})
             try:
                 conn.shutdown(socket.SHUT_RDWR)  # ends the watcher
-                stream.close()
             except OSError:
                 pass
+            watcher.join(5)
+            _close(stream)
+
+
+def _close(stream):
+    try:
+        stream.close()
+    except OSError:
+        pass
 
 
 def run(path, wait=10.0):

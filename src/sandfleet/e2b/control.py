@@ -34,6 +34,7 @@ TEMPLATE_LABEL = "e2b.dev/template"  # the E2B template a sandbox was created fr
 NAME_LABEL = "e2b.dev/name"  # a snapshot's name
 SNAPSHOT_PREFIX = "snap-"  # sandfleet's snapshot ids: E2B creates from them as from templates
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
+PAUSED_FOR = 30 * 86400.0  # seconds a sandbox paused at its timeout is kept (E2B keeps one 30 days)
 CLIENT_ID = "sandfleet"
 
 
@@ -193,14 +194,18 @@ async def create(request: Request, c: Control) -> Response:
     if not isinstance(auto_pause, bool):
         raise InvalidArgumentError("autoPause must be a boolean")
     # E2B's on_timeout "pause": paused (memory kept: a filesystem-only pause keeps it too) after the
-    # timeout's seconds without a request, resumed by the next one, never stopped by the timeout.
-    lifetime = {"pause_after": timeout or DEFAULT_TIMEOUT} if auto_pause else {"max_lifetime": timeout or None}
+    # timeout's seconds without a request, resumed by the next one, never stopped by the timeout; a
+    # paused sandbox is kept PAUSED_FOR idle seconds, as E2B keeps a paused one.
+    lifetime: dict[str, float | None] = (
+        {"pause_after": timeout or DEFAULT_TIMEOUT, "idle_ttl": PAUSED_FOR}
+        if auto_pause
+        else {"max_lifetime": timeout or None, "idle_ttl": None}  # it lives its timeout, busy or idle
+    )
     try:
         spec = SandboxSpec(
             image=c.templates.get(template, template),
             env=_strings(body, "envVars"),
             labels={**_strings(body, "metadata"), TEMPLATE_LABEL: template},
-            idle_ttl=None,  # an E2B sandbox lives its timeout, busy or idle
             **lifetime,
             **({"network": egress} if egress is not None else {}),
         )

@@ -117,8 +117,8 @@ def _gunzip(data: bytes) -> bytes:
 
 
 def _metadata(request: Request) -> dict[str, str]:
-    """The upload's metadata as the file's extended attributes (every upload sets them: a file
-    written without metadata keeps none from before)."""
+    """The upload's metadata as the file's `user.e2b.*` extended attributes (every upload sets
+    them: a file written without metadata keeps none of E2B's from before; others stay)."""
     out = {}
     for name, value in request.headers.items():  # names come lowercased
         if not name.startswith(METADATA_HEADER):
@@ -136,10 +136,10 @@ async def _write(
     """envd's write: the parents made as needed (the user's), the file replaced."""
     target = resolve(path)
     try:
-        made = await sb.files.write(target, data, user=user, xattrs=xattrs)
+        made = await sb.files.write(target, data, user=user, xattrs=xattrs, xattrs_scope=METADATA_XATTR)
     except NotFoundError:
         await sb.files.mkdir(posixpath.dirname(target), parents=True, user=user)
-        made = await sb.files.write(target, data, user=user, xattrs=xattrs)
+        made = await sb.files.write(target, data, user=user, xattrs=xattrs, xattrs_scope=METADATA_XATTR)
     written: dict[str, object] = {"path": made.path, "name": made.name, "type": "file"}
     if found := metadata(made):
         written["metadata"] = found

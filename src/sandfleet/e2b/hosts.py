@@ -20,16 +20,21 @@ from collections.abc import AsyncIterator
 from urllib.parse import quote
 
 import httpx
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandfleet.e2b._upstream import Upstream, edge_error, envd_key, owner
-from sandfleet.errors import SandboxError, UnauthenticatedError
+from sandfleet.errors import InvalidArgumentError, SandboxError, UnauthenticatedError
 
 ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
-_HOST = re.compile(r"(\d{1,5})-([A-Za-z0-9][A-Za-z0-9_-]{0,127})\.")
+# `<port>-<a sandfleet sandbox id>.`: nothing else is taken for a sandbox's host (a layer named
+# `1-2-3-4.sslip.io` is not "port 1 of sandbox 2-3-4").
+_HOST = re.compile(r"(\d{1,5})-(sb-[0-9a-f]{16})\.")
+_DOT_SEGMENT = re.compile(rb"(?:^|/)(?:\.|%2e){1,2}(?:/|$)", re.IGNORECASE)
+_BODILESS = ("GET", "HEAD", "OPTIONS", "DELETE", "TRACE")
 # Headers that are the hop's, not the request's (RFC 9110 7.6.1), and the caller's credentials.
 _HOP = {
     b"connection",
@@ -62,7 +67,12 @@ class HostRouting:
     def __init__(self, app: ASGIApp, upstream: Upstream) -> None:
         self.app = app
         self.upstream = upstream
-        self._http = httpx.AsyncClient(base_url=upstream.url, timeout=httpx.Timeout(upstream.timeout, read=None))
+        # Every tenant's port traffic shares this pool: wide, so long streams of some do not starve others.
+        self._http = httpx.AsyncClient(
+            base_url=upstream.url,
+            timeout=httpx.Timeout(upstream.timeout, read=None),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+        )
         self._exposed: OrderedDict[tuple[str, str, int], float] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,18 +105,29 @@ class HostRouting:
             await self._expose(key, sandbox_id, port)
         except SandboxError as exc:
             return edge_error(exc)
-        path = f"/v1/sandboxes/{quote(sandbox_id, safe='')}/ports/{port}{request.url.path}"
+        # The path and query as the caller sent them (never decoded and normalised again: a `..`
+        # must not climb out of the port's route into the rest of sandfleet's API with the key).
+        raw: bytes = request.scope.get("raw_path") or request.url.path.encode()
+        if _DOT_SEGMENT.search(raw) or b"%2f" in raw.lower() or b"\\" in raw:
+            return edge_error(InvalidArgumentError("a path of a sandbox's port has no dot segments or encoded slashes"))
+        query: bytes = request.scope.get("query_string", b"")
+        target = f"/v1/sandboxes/{quote(sandbox_id, safe='')}/ports/{port}".encode() + raw
+        url = self._http.base_url.copy_with(raw_path=target + (b"?" + query if query else b""))
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP]
         headers.append((b"authorization", f"Bearer {key}".encode()))
+        if b"accept-encoding" not in {k.lower() for k, _ in headers}:  # not httpx's: the body passes as it is
+            headers.append((b"accept-encoding", b"identity"))
+        has_body = request.method not in _BODILESS or "content-length" in request.headers
         sent = self._http.build_request(
-            request.method, path, params=request.url.query, headers=headers, content=request.stream()
+            request.method, url, headers=headers, content=request.stream() if has_body else None
         )
         try:
             answer = await self._http.send(sent, stream=True)
-        except httpx.HTTPError as exc:
-            return JSONResponse({"code": 502, "message": f"port {port} did not answer: {exc}"}, status_code=502)
+        except httpx.HTTPError:
+            return JSONResponse({"code": 502, "message": f"port {port} did not answer"}, status_code=502)
         response = StreamingResponse(_body(answer), status_code=answer.status_code)
         response.raw_headers = [(k, v) for k, v in answer.headers.raw if k.lower() not in _HOP]
+        response.background = BackgroundTask(answer.aclose)  # a caller gone before the first byte too
         return response
 
     async def _expose(self, key: str, sandbox_id: str, port: int) -> None:

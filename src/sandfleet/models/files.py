@@ -7,10 +7,10 @@ from typing import Literal
 from sandfleet.models.common import _Model, shown
 
 # A write's extended attributes (`xattrs`, of the `user.` namespace, named without it): the kernel
-# allows 255-byte names and 64 KiB values; these travel in a URL.
+# allows 255-byte names and 64 KiB values; these travel in a URL (their JSON at most 2,048 characters).
 MAX_XATTR_NAME = 200
-MAX_XATTR_VALUE = 4096
-MAX_XATTRS = 64
+MAX_XATTR_VALUE = 1024
+MAX_XATTRS = 32
 
 
 def check_xattrs(attrs: dict[str, str]) -> dict[str, str]:

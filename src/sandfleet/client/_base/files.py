@@ -41,13 +41,22 @@ def extract_tar(data: bytes, dest: Path) -> None:
 
 
 def call_write(
-    sandbox_id: str, path: str, data: bytes, mode: int, user: str | None, append: bool, xattrs: dict[str, str] | None
+    sandbox_id: str,
+    path: str,
+    data: bytes,
+    mode: int,
+    user: str | None,
+    append: bool,
+    xattrs: dict[str, str] | None,
+    xattrs_scope: str = "",
 ) -> Call:
     params: dict[str, Any] = {"path": path, "mode": mode, "append": str(append).lower()}
     if user:
         params["user"] = user
     if xattrs is not None:
         params["xattrs"] = json.dumps(xattrs)
+    if xattrs_scope:
+        params["xattrs_scope"] = xattrs_scope
     return Call("PUT", _sb(sandbox_id, "/files/content"), params=params, content=data, headers=_OCTET_STREAM)
 
 

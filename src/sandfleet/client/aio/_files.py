@@ -38,10 +38,12 @@ class AsyncFiles:
         user: str | None = None,
         append: bool = False,
         xattrs: dict[str, str] | None = None,
+        xattrs_scope: str = "",
     ) -> FileInfo:
         """`xattrs` given: they become the file's extended attributes of the `user.` namespace (named
-        without `user.`), the others go; the container tier keeps them."""
-        call = b.call_write(self._sb.id, path, b.as_bytes(data), mode, user, append, xattrs)
+        without `user.`) whose names start with `xattrs_scope` (default: all of them), the others
+        there go; the container tier keeps them."""
+        call = b.call_write(self._sb.id, path, b.as_bytes(data), mode, user, append, xattrs, xattrs_scope)
         return await self._sb._c._model(FileInfo, call)
 
     async def list(self, path: str = "/") -> builtins.list[FileInfo]:

@@ -25,8 +25,6 @@ from sandfleet.errors import (
 from sandfleet.models import (
     MAX_PATH,
     MAX_XATTR_NAME,
-    MAX_XATTR_VALUE,
-    MAX_XATTRS,
     FileEvent,
     FileInfo,
     FileList,
@@ -36,13 +34,16 @@ from sandfleet.models import (
 
 XATTRS_DOC = (
     'a JSON object of text, {"name": "value"}: the file\'s extended attributes of the `user.` namespace '
-    "become these (names without `user.`), the others go"
+    "under xattrs_scope become these (names without `user.`), the others there go"
 )
-XATTRS_QUERY = 2 * MAX_XATTRS * (MAX_XATTR_NAME + MAX_XATTR_VALUE)
+SCOPE_DOC = "the names xattrs replaces start with this (default: all of `user.`); xattrs' names must too"
+# The JSON in the query, at most, in characters: percent-encoded (up to 12 bytes each) beside a
+# longest path, the request's head stays within what the HTTP server reads (httptools: 80 KiB).
+XATTRS_QUERY = 2048
 _XATTRS: TypeAdapter[dict[str, str]] = TypeAdapter(dict[str, str])
 
 
-def parse_xattrs(raw: str | None) -> dict[str, str] | None:
+def parse_xattrs(raw: str | None, scope: str = "") -> dict[str, str] | None:
     if raw is None:
         return None
     try:
@@ -50,9 +51,13 @@ def parse_xattrs(raw: str | None) -> dict[str, str] | None:
     except ValidationError as exc:
         raise InvalidArgumentError('xattrs: a JSON object of text, {"name": "value"}') from exc
     try:
-        return check_xattrs(attrs)
+        check_xattrs(attrs)
     except ValueError as exc:
         raise InvalidArgumentError(f"xattrs: {exc}") from exc
+    outside = [name for name in attrs if not name.startswith(scope)]
+    if outside:
+        raise InvalidArgumentError(f"xattrs: {outside[0]!r} is outside xattrs_scope {scope!r}"[:300])
+    return attrs
 
 
 def router(api: Api) -> APIRouter:
@@ -80,10 +85,13 @@ def router(api: Api) -> APIRouter:
         user: str | None = None,
         append: bool = False,
         xattrs: Annotated[str | None, Query(max_length=XATTRS_QUERY, description=XATTRS_DOC)] = None,
+        xattrs_scope: Annotated[str, Query(max_length=MAX_XATTR_NAME, description=SCOPE_DOC)] = "",
     ) -> FileInfo:
-        attrs = parse_xattrs(xattrs)
+        attrs = parse_xattrs(xattrs, xattrs_scope)
         data = await file_body(request)
-        return await node.files.write_file(sandbox_id, path, data, mode=mode, user=user, append=append, xattrs=attrs)
+        return await node.files.write_file(
+            sandbox_id, path, data, mode=mode, user=user, append=append, xattrs=attrs, xattrs_scope=xattrs_scope
+        )
 
     @api.route(r, "list_files")
     async def list_files(sandbox_id: str, path: str = "/") -> FileList:

@@ -166,7 +166,7 @@ def port_router(api: Api) -> APIRouter:
             elif has_body:
                 headers.append((b"transfer-encoding", b"chunked"))
             headers.append((b"connection", b"close"))
-            target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+            target = _target(request, port)
             writer.write(conn.send(h11.Request(method=request.method, target=target, headers=headers)))
             if length is not None or has_body:
                 async for chunk in request.stream():
@@ -201,6 +201,15 @@ def port_router(api: Api) -> APIRouter:
 
 
 SANDBOXED = b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
+
+
+def _target(request: Request, port: int) -> bytes:
+    """The request's target past `.../ports/{port}`, as the caller sent it (still percent-encoded:
+    the server in the sandbox decodes it, and a space or a `?` in a name arrives as it was meant)."""
+    raw: bytes = request.scope.get("raw_path") or request.url.path.encode()
+    rest = raw.split(b"/ports/%d" % port, 1)[-1] or b"/"
+    query: bytes = request.scope.get("query_string", b"")
+    return rest + (b"?" + query if query else b"")
 
 
 def _answered(name: bytes) -> bool:

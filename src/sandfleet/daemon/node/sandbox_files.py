@@ -279,8 +279,10 @@ class Files:
         user: str | None,
         append: bool,
         xattrs: dict[str, str] | None = None,
+        xattrs_scope: str = "",
     ) -> FileInfo:
-        """`xattrs` given: they become the file's `user.` extended attributes, the others go."""
+        """`xattrs` given: they become the file's `user.<xattrs_scope>` extended attributes, the
+        others there go (those outside the scope stay)."""
         owner = await self._file_owner(sandbox_id, user)
 
         async def via_agent(a: AgentFS) -> FileInfo:
@@ -294,7 +296,16 @@ class Files:
             return info
 
         def op(fs: SandboxFS) -> FileInfo:
-            fs.write(path, data, mode=mode, uid=owner.uid, gid=owner.gid, append=append, attrs=xattrs)
+            fs.write(
+                path,
+                data,
+                mode=mode,
+                uid=owner.uid,
+                gid=owner.gid,
+                append=append,
+                attrs=xattrs,
+                attrs_scope=xattrs_scope,
+            )
             return file_info(fs.stat(path, follow_symlinks=True))
 
         return await self._file_op(sandbox_id, op, ("file_write", {"path": path, "bytes": len(data)}), mutating=True)

@@ -216,6 +216,7 @@ class _SandboxFSCore:
         append: bool = False,
         make_parents: bool = True,
         attrs: dict[str, str] | None = None,
+        attrs_scope: str = "",
     ) -> None:
         """Write ``data`` to ``path``, creating it (owned by uid/gid, with ``mode``) if needed.
 
@@ -223,7 +224,7 @@ class _SandboxFSCore:
         mode. A final symlink is followed inside the root; a dangling one creates its target
         (inside the root). Writing to anything but a regular file is refused, and so is a mount
         point (a file bind-mounted into the sandbox). ``attrs`` given: they become the file's
-        ``user.`` extended attributes (sandboxfs/xattrs.py), the others go.
+        ``user.<attrs_scope>`` extended attributes (sandboxfs/xattrs.py), the others there go.
         """
         p = self._norm(path)
         if p == "/":
@@ -247,7 +248,7 @@ class _SandboxFSCore:
                             os.lseek(fd, 0, os.SEEK_END)
                         _write_all(fd, data)
                         if attrs is not None:
-                            xattrs.replace(fd, attrs)
+                            xattrs.replace(fd, attrs, attrs_scope)
                     finally:
                         _close(fd)
                     return
@@ -260,7 +261,7 @@ class _SandboxFSCore:
                 try:
                     _write_all(fd, data)
                     if attrs is not None:
-                        xattrs.replace(fd, attrs)
+                        xattrs.replace(fd, attrs, attrs_scope)
                 finally:
                     _close(fd)
                 return
@@ -384,6 +385,7 @@ class _SandboxFSCore:
         p = self._norm(path)
         with _translate(p):
             fd = self._open(p, os.O_RDONLY | os.O_DIRECTORY)
+            budget = xattrs.Budget()
             try:
                 out: list[FileStat] = []
                 for name in sorted(os.listdir(fd)):
@@ -393,7 +395,7 @@ class _SandboxFSCore:
                         target = os.readlink(name, dir_fd=fd) if stat_mod.S_ISLNK(st.st_mode) else None
                     except FileNotFoundError:
                         continue  # removed concurrently
-                    out.append(self._filestat(child, st, target, xattrs.read_at(fd, name, st.st_mode)))
+                    out.append(self._filestat(child, st, target, xattrs.read_at(fd, name, st.st_mode, budget)))
                 return out
             finally:
                 _close(fd)

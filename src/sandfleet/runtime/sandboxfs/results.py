@@ -39,6 +39,7 @@ _ERRNO_KIND: dict[int, tuple[FileOpKind, str]] = {
     errno.EDQUOT: ("no_space", "disk quota exceeded"),
     errno.ENAMETOOLONG: ("invalid_path", "file name too long"),
     errno.EINVAL: ("invalid_path", "invalid argument"),
+    errno.E2BIG: ("too_large", "the file carries more extended attributes than can be listed"),
 }
 
 
