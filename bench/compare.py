@@ -7,7 +7,8 @@ alternating rounds so both see the same machine minute by minute.
 Figures per side (medians over the rounds): create-to-first-exec p50, `exec("true")` p50, a burst
 of 128 creates and a sustained run of 400 (creations/s, `create_many`, 32 in flight), pause of a
 sandbox holding 200 MiB (seconds) and resume to first exec, fork into 4 children (seconds), and 100
-idle sandboxes (daemon RSS and host memory per sandbox, exec p99 into random ones). Writes
+idle sandboxes (daemon RSS and host memory per sandbox, exec p99 into random ones), the files API's
+stat and list of 1,000 entries. Writes
 compare.json (each figure's value in every round) and compare.md; everything it made is removed at the end.
 """
 
@@ -33,6 +34,7 @@ from scenarios.burst import bench_burst
 from scenarios.create import bench_create
 from scenarios.density import bench_density
 from scenarios.exec import bench_exec
+from scenarios.files import bench_files
 from scenarios.fork import bench_fork
 from scenarios.pause import bench_pause
 
@@ -48,10 +50,12 @@ FIGURES: dict[str, tuple[str, bool, Callable[[dict[str, Any]], float]]] = {
     "100 idle: daemon RSS": ("MiB", False, lambda r: r["density"]["daemon_rss_after_mib"]),
     "100 idle: host memory per sandbox": ("KiB", False, lambda r: r["density"]["host_mem_used_per_sandbox_kib"]),
     "100 idle: exec p99": ("ms", False, lambda r: r["density"]["exec_into_random_idle"]["p99_ms"]),
+    "files: stat p50": ("ms", False, lambda r: r["files"]["stat"]["p50_ms"]),
+    "files: list of 1000 p50": ("ms", False, lambda r: r["files"]["list of 1000"]["p50_ms"]),
 }
 
 
-SCENARIOS = ("create", "exec", "burst", "sustained", "pause", "fork", "density")
+SCENARIOS = ("create", "exec", "burst", "sustained", "pause", "fork", "density", "files")
 
 
 def one_round(daemon: Daemon, side: str, scenarios: tuple[str, ...]) -> dict[str, Any]:
@@ -66,6 +70,7 @@ def one_round(daemon: Daemon, side: str, scenarios: tuple[str, ...]) -> dict[str
             "pause": lambda: bench_pause(fleet, daemon, 3, labels),
             "fork": lambda: bench_fork(fleet, 1, 4, labels),
             "density": lambda: bench_density(fleet, daemon, 100, 100, labels),
+            "files": lambda: bench_files(fleet, 200, labels),
         }
         for name in scenarios:
             out[name] = runs[name]()

@@ -272,7 +272,8 @@ def test_user_xattrs_written_replaced_and_reported(fs: SandboxFS, root: Path) ->
     assert fs.stat("/x/f").xattrs is None
     os.setxattr(root / "x", "user.d", b"dir")
     os.symlink("g", root / "x" / "lnk")
-    by = {e.name: e for e in fs.list("/x")}
+    assert all(e.xattrs is None for e in fs.list("/x"))  # a listing reads them when asked
+    by = {e.name: e for e in fs.list("/x", xattrs=True)}
     assert (by["f"].xattrs, by["lnk"].xattrs) == (None, None)  # a symlink carries none
     assert by["g"].xattrs == {"security.evil": "1", "trusted.x": "2"}
     assert fs.stat("/x").xattrs == {"d": "dir"}
@@ -311,7 +312,7 @@ def test_what_a_sandbox_sets_is_reported_within_bounds(tmp_path: Path) -> None:
             assert len(sfs.stat("/many").xattrs or {}) == xattrs.READ_COUNT
             assert sfs.stat("/big").xattrs == {"small": "s"}
             assert sfs.stat("/flood").xattrs is None
-            by = {e.name: e.xattrs for e in sfs.list("/")}
+            by = {e.name: e.xattrs for e in sfs.list("/", xattrs=True)}
             assert by["big"] == {"small": "s"} and by["flood"] is None
             budget = xattrs.Budget(64)
             f = os.open(many, os.O_PATH)

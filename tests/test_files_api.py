@@ -166,7 +166,8 @@ def test_xattrs_kept_on_files(sandbox: Sandbox) -> None:
     info = sandbox.files.write("/etc/group", b"root:x:0:\n", xattrs={"e2b.author": "mish"})  # a lower file
     assert info.xattrs == {"e2b.author": "mish"}
     assert sandbox.files.stat("/etc/group").xattrs == {"e2b.author": "mish"}
-    assert {f.name: f.xattrs for f in sandbox.files.list("/etc")}["group"] == {"e2b.author": "mish"}
+    assert {f.name: f.xattrs for f in sandbox.files.list("/etc", xattrs=True)}["group"] == {"e2b.author": "mish"}
+    assert {f.name: f.xattrs for f in sandbox.files.list("/etc")}["group"] is None  # asked for, or not read
     assert sandbox.files.write("/etc/group", b"root:x:0:\n").xattrs == {"e2b.author": "mish"}
     assert sandbox.files.write("/etc/group", b"root:x:0:\n", xattrs={}).xattrs is None
     assert sandbox.files.stat("/etc/passwd").xattrs is None

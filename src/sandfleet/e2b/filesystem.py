@@ -144,7 +144,7 @@ class Filesystem:
         for _ in range(req.depth or 1):
             below = []
             for directory in level:
-                for f in await sb.files.list(directory):
+                for f in await sb.files.list(directory, xattrs=True):
                     found.append(await _entry(sb, f))
                     if f.type == "dir":
                         below.append(f.path)

@@ -67,8 +67,11 @@ def call_read(sandbox_id: str, path: str, offset: int, length: int | None) -> Ca
     return Call("GET", _sb(sandbox_id, "/files/content"), params=params)
 
 
-def call_list_files(sandbox_id: str, path: str) -> Call:
-    return Call("GET", _sb(sandbox_id, "/files/list"), params={"path": path})
+def call_list_files(sandbox_id: str, path: str, xattrs: bool = False) -> Call:
+    params: dict[str, Any] = {"path": path}
+    if xattrs:
+        params["xattrs"] = "true"
+    return Call("GET", _sb(sandbox_id, "/files/list"), params=params)
 
 
 def call_stat(sandbox_id: str, path: str, follow_symlinks: bool) -> Call:

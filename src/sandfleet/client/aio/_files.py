@@ -46,9 +46,10 @@ class AsyncFiles:
         call = b.call_write(self._sb.id, path, b.as_bytes(data), mode, user, append, xattrs, xattrs_scope)
         return await self._sb._c._model(FileInfo, call)
 
-    async def list(self, path: str = "/") -> builtins.list[FileInfo]:
-        """The entries of directory `path`."""
-        return (await self._sb._c._model(FileList, b.call_list_files(self._sb.id, path))).files
+    async def list(self, path: str = "/", *, xattrs: bool = False) -> builtins.list[FileInfo]:
+        """The entries of directory `path`; `xattrs`: with each one's extended attributes (a
+        syscall more per entry, so asked for)."""
+        return (await self._sb._c._model(FileList, b.call_list_files(self._sb.id, path, xattrs))).files
 
     async def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
         return await self._sb._c._model(FileInfo, b.call_stat(self._sb.id, path, follow_symlinks))

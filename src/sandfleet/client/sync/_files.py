@@ -46,9 +46,10 @@ class Files:
         call = b.call_write(self._sb.id, path, b.as_bytes(data), mode, user, append, xattrs, xattrs_scope)
         return self._sb._c._model(FileInfo, call)
 
-    def list(self, path: str = "/") -> builtins.list[FileInfo]:
-        """The entries of directory `path`."""
-        return (self._sb._c._model(FileList, b.call_list_files(self._sb.id, path))).files
+    def list(self, path: str = "/", *, xattrs: bool = False) -> builtins.list[FileInfo]:
+        """The entries of directory `path`; `xattrs`: with each one's extended attributes (a
+        syscall more per entry, so asked for)."""
+        return (self._sb._c._model(FileList, b.call_list_files(self._sb.id, path, xattrs))).files
 
     def stat(self, path: str, *, follow_symlinks: bool = False) -> FileInfo:
         return self._sb._c._model(FileInfo, b.call_stat(self._sb.id, path, follow_symlinks))

@@ -94,8 +94,9 @@ def router(api: Api) -> APIRouter:
         )
 
     @api.route(r, "list_files")
-    async def list_files(sandbox_id: str, path: str = "/") -> FileList:
-        return FileList(files=await node.files.list_files(sandbox_id, path))
+    async def list_files(sandbox_id: str, path: str = "/", xattrs: bool = False) -> FileList:
+        """`xattrs`: each entry's extended attributes too (a syscall more per entry)."""
+        return FileList(files=await node.files.list_files(sandbox_id, path, xattrs))
 
     @api.route(r, "stat_file")
     async def stat_file(sandbox_id: str, path: str, follow_symlinks: bool = False) -> FileInfo:

@@ -310,11 +310,11 @@ class Files:
 
         return await self._file_op(sandbox_id, op, ("file_write", {"path": path, "bytes": len(data)}), mutating=True)
 
-    async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
+    async def list_files(self, sandbox_id: str, path: str, xattrs: bool = False) -> builtins.list[FileInfo]:
         via = await self._agent_op(sandbox_id, lambda a: a.list(path))
         if via is not None:
             return [file_info(x) for x in via]
-        return [file_info(st) for st in await self._file_op(sandbox_id, lambda fs: fs.list(path))]
+        return [file_info(st) for st in await self._file_op(sandbox_id, lambda fs: fs.list(path, xattrs=xattrs))]
 
     async def stat_file(self, sandbox_id: str, path: str, follow_symlinks: bool) -> FileInfo:
         via = await self._agent_op(sandbox_id, lambda a: a.stat(path, follow_symlinks=follow_symlinks))

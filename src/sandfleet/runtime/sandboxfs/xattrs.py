@@ -35,11 +35,24 @@ def read(fd: int, budget: Budget | None = None) -> dict[str, str] | None:
     """The `user.` attributes of the file `fd` refers to (None when it has none). `fd` may be an
     O_PATH descriptor: the calls go through its /proc link, which names exactly that file (the
     f*xattr calls refuse O_PATH). Names or values that are not UTF-8 text are left out."""
+    return _read(f"/proc/self/fd/{fd}", True, budget)
+
+
+def read_at(dir_fd: int, name: str, st_mode: int, budget: Budget | None = None) -> dict[str, str] | None:
+    """`read` of entry `name` (one component) of directory `dir_fd`, never following a symlink:
+    through the directory's /proc link, one call per entry and no descriptor of its own."""
+    if not (stat.S_ISREG(st_mode) or stat.S_ISDIR(st_mode)):
+        return None
+    return _read(f"/proc/self/fd/{dir_fd}/{name}", False, budget)
+
+
+def _read(link: str, follow: bool, budget: Budget | None) -> dict[str, str] | None:
     if budget is not None and budget.left <= 0:
         return None
-    link = f"/proc/self/fd/{fd}"
     try:
-        names = os.listxattr(link)
+        names = os.listxattr(link, follow_symlinks=follow)
+    except FileNotFoundError:
+        return None  # removed meanwhile
     except OSError as exc:
         if exc.errno in _ABSENT or exc.errno in _TOO_MANY:
             return None
@@ -49,7 +62,7 @@ def read(fd: int, budget: Budget | None = None) -> dict[str, str] | None:
         if not name.startswith(PREFIX) or not _text(name):
             continue
         try:
-            value = os.getxattr(link, name)
+            value = os.getxattr(link, name, follow_symlinks=follow)
         except OSError as exc:
             if exc.errno in _ABSENT or exc.errno in _TOO_MANY:
                 continue  # removed meanwhile
@@ -73,20 +86,6 @@ def _text(name: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def read_at(dir_fd: int, name: str, st_mode: int, budget: Budget | None = None) -> dict[str, str] | None:
-    """`read` of entry `name` of directory `dir_fd` (never following a symlink)."""
-    if not (stat.S_ISREG(st_mode) or stat.S_ISDIR(st_mode)):
-        return None
-    try:
-        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None  # removed meanwhile
-    try:
-        return read(fd, budget)
-    finally:
-        os.close(fd)
 
 
 def replace(fd: int, attrs: dict[str, str], scope: str = "") -> None:
