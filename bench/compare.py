@@ -1,15 +1,20 @@
-"""This tree against an earlier commit, side by side in one run: each side its own daemon (started
-from its own source tree), both driven by this tree's SDK through the same scenario modules, in
-alternating rounds so both see the same machine minute by minute.
+"""This tree against earlier commits, side by side in one run: each side its own daemon (started
+from its own source tree), all driven by this tree's SDK through the same scenario modules, in
+rotating rounds so every side sees the same machine minute by minute.
 
-    python3 bench/compare.py BASE_REV [--rounds 5] [--results bench/results]   (as root)
+    python3 bench/compare.py BASE_REV [BASE_REV ...] [--baseline bbfbac3] [--rounds 5]
+        [--results bench/results]   (as root)
+
+Besides the revisions named (usually the commit before a change), every run also measures the fixed
+baseline (`--baseline`, by default bbfbac3, the one the hot-path issue names; `--baseline ''`: none),
+so a regression that creeps in over many changes, each within 10 % of the one before, still shows.
 
 Figures per side (medians over the rounds): create-to-first-exec p50, `exec("true")` p50, a burst
 of 128 creates and a sustained run of 400 (creations/s, `create_many`, 32 in flight), pause of a
 sandbox holding 200 MiB (seconds) and resume to first exec, fork into 4 children (seconds), and 100
 idle sandboxes (daemon RSS and host memory per sandbox, exec p99 into random ones), the files API's
-stat and list of 1,000 entries. Writes
-compare.json (each figure's value in every round) and compare.md; everything it made is removed at the end.
+stat and list of 1,000 entries. Writes compare.json (each figure's value in every round) and
+compare.md; everything it made is removed at the end.
 """
 
 from __future__ import annotations
@@ -86,38 +91,50 @@ def _has(read: Callable[[dict[str, Any]], float], result: dict[str, Any]) -> boo
     return True
 
 
+BASELINE = "bbfbac3"  # the fixed baseline of the hot-path work (issue 30): before its first change
+
+
+def _rev(rev: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("base", help="the commit to compare with (a git revision of this repository)")
+    ap.add_argument("base", nargs="+", help="the commits to compare with (git revisions of this repository)")
+    ap.add_argument("--baseline", default=BASELINE, help="a fixed baseline measured in every run ('': none)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS, help="scenarios to run (default: all)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root")
-    base_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    this_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
+    bases: list[str] = []
+    for rev in [*args.base, *([args.baseline] if args.baseline else [])]:
+        if (short := _rev(rev)) not in bases:
+            bases.append(short)
+    this_rev = _rev("HEAD")
     if subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                       text=True, check=True).stdout.strip():  # fmt: skip
         this_rev += " + uncommitted changes"  # "this" runs the working tree
+    elif this_rev in bases:
+        bases.remove(this_rev)  # HEAD against itself: only when "this" is the working tree
     tmp = Path(tempfile.mkdtemp(prefix="sandfleet-compare-"))
     os.chmod(tmp, 0o755)  # criu, as a sandbox's user-namespace owner, walks down to its sandbox's files
-    base_tree = tmp / "base-tree"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base_tree), args.base], check=True,
-                   capture_output=True)  # fmt: skip
     stamp = f"{os.getpid()}-{int(dt.datetime.now().timestamp())}"
-    sides = {
-        "base": Daemon(tmp / "base", f"/sfcompare-base-{stamp}", src=base_tree / "src"),
-        "this": Daemon(tmp / "this", f"/sfcompare-this-{stamp}", src=REPO / "src"),
-    }
-    rounds: dict[str, list[dict[str, Any]]] = {"base": [], "this": []}
+    trees = {rev: tmp / f"tree-{rev}" for rev in bases}
+    for rev, tree in trees.items():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], check=True,
+                       capture_output=True)  # fmt: skip
+    sides = {rev: Daemon(tmp / rev, f"/sfcompare-{rev}-{stamp}", src=tree / "src") for rev, tree in trees.items()}
+    sides["this"] = Daemon(tmp / "this", f"/sfcompare-this-{stamp}", src=REPO / "src")
+    names = list(sides)
+    rounds: dict[str, list[dict[str, Any]]] = {side: [] for side in names}
     try:
         for d in sides.values():
             d.start()
         for i in range(args.rounds):
-            order = ["base", "this"] if i % 2 == 0 else ["this", "base"]
+            order = names[i % len(names) :] + names[: i % len(names)]  # each side leads in turn
             for side in order:
                 print(f"round {i + 1}/{args.rounds}: {side}", flush=True)
                 rounds[side].append(one_round(sides[side], side, tuple(args.only)))
@@ -129,22 +146,24 @@ def main() -> int:
             with contextlib.suppress(Exception):
                 d.stop()
             remove_cgroup_tree(d.cgroup_parent)
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base_tree)], capture_output=True)
+        for tree in trees.values():
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
     table = []
     for name, (unit, higher, read) in FIGURES.items():
-        if not all(_has(read, r) for r in rounds["base"] + rounds["this"]):
+        if not all(_has(read, r) for side in names for r in rounds[side]):
             continue
-        a = statistics.median(read(r) for r in rounds["base"])
-        b = statistics.median(read(r) for r in rounds["this"])
-        change = (b - a) / a * 100 if a else 0.0
-        worse = -change if higher else change
-        table.append({"figure": name, "unit": unit, "base": a, "this": b, "change_percent": round(change, 1),
+        value = {side: statistics.median(read(r) for r in rounds[side]) for side in names}
+        change = {rev: (value["this"] - value[rev]) / value[rev] * 100 if value[rev] else 0.0 for rev in bases}
+        worse = max([(-c if higher else c) for c in change.values()], default=0.0)
+        table.append({"figure": name, "unit": unit, "values": value,
+                      "change_percent": {rev: round(c, 1) for rev, c in change.items()},
                       "worse_percent": round(worse, 1),
-                      "rounds": {side: [read(r) for r in rounds[side]] for side in rounds}})  # fmt: skip
+                      "rounds": {side: [read(r) for r in rounds[side]] for side in names}})  # fmt: skip
     res = {
         "when": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "base": base_rev,
+        "bases": bases,
+        "baseline": _rev(args.baseline) if args.baseline else None,
         "this": this_rev,
         "rounds": args.rounds,
         "machine": machine_info(),
@@ -152,19 +171,24 @@ def main() -> int:
     }
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "compare.json").write_text(json.dumps(res, indent=2) + "\n")
+    against = " and ".join(bases)
     lines = [
-        f"# Side by side: {this_rev} against {base_rev} ({res['when']}, {args.rounds} alternating rounds)",
+        f"# Side by side: {this_rev} against {against} ({res['when']}, {args.rounds} rotating rounds)",
         "",
-        f"| figure | {base_rev} | {this_rev} | change | worse by |",
-        "|---|---|---|---|---|",
+        "| figure | "
+        + " | ".join(bases)
+        + f" | {this_rev} | "
+        + " | ".join(f"change vs {r}" for r in bases)
+        + " | worse by (most) |",
+        "|---|" + "---|" * (2 * len(bases) + 2),
     ]
     for row in table:
-        lines.append(
-            f"| {row['figure']} | {row['base']:.2f} {row['unit']} | {row['this']:.2f} {row['unit']} "
-            f"| {row['change_percent']:+.1f} % | {max(0.0, row['worse_percent']):.1f} % |"
-        )
+        cells = [f"{row['values'][side]:.2f} {row['unit']}" for side in [*bases, "this"]]
+        cells += [f"{row['change_percent'][rev]:+.1f} %" for rev in bases]
+        lines.append(f"| {row['figure']} | " + " | ".join(cells) + f" | {max(0.0, row['worse_percent']):.1f} % |")
     only = "" if tuple(args.only) == SCENARIOS else " --only " + " ".join(args.only)
-    lines += ["", f"Command: `python3 bench/compare.py {args.base} --rounds {args.rounds}{only}`", ""]
+    named = " ".join(args.base) + ("" if args.baseline == BASELINE else f" --baseline '{args.baseline}'")
+    lines += ["", f"Command: `python3 bench/compare.py {named} --rounds {args.rounds}{only}`", ""]
     (args.results / "compare.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

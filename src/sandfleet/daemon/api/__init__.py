@@ -9,16 +9,12 @@ fails when the two drift apart, and tests validate live responses against the ch
 
 from __future__ import annotations
 
-import re
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import HTTPConnection
 from starlette.routing import Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -36,14 +32,13 @@ from sandfleet.daemon.api import (
     terminal,
 )
 from sandfleet.daemon.api import node as node_api
-from sandfleet.daemon.api.common import ERRORS, Api, CheckedRoute, error_response, log
-from sandfleet.daemon.errormap import to_wire_error
+from sandfleet.daemon.api.common import ERRORS, Api, CheckedRoute, error_response
+from sandfleet.daemon.api.guard import CALLER, Auditor, Authenticate, Caller, Guard
 from sandfleet.daemon.node.metrics import Metrics
 from sandfleet.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
-    PermissionDeniedError,
     SandboxError,
 )
 from sandfleet.models import WhoAmI, validation_message
@@ -51,25 +46,6 @@ from sandfleet.models import WhoAmI, validation_message
 if TYPE_CHECKING:
     from sandfleet.daemon.security.tenancy import Tenancy
     from sandfleet.daemon.service import SandboxManager
-
-
-class Caller(Protocol):
-    """Who a request comes from, as the routes' layer needs to know it (daemon/security/iam.py's `Principal`)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def can_write(self) -> bool: ...
-
-    def actor(self, host: str | None) -> str:
-        """How the audit stream names it, calling from `host` (None: the unix socket)."""
-        ...
-
-
-# The caller an Authorization header ('' when there is none) stands for, or UnauthenticatedError. It
-# also makes the caller current for the service the routes call (daemon/security/iam.py: `Iam.enter`).
-Authenticate = Callable[[str], Caller]
 
 
 def create_app(
@@ -112,43 +88,7 @@ def create_app(
             return error_response(InvalidArgumentError(f"bad request: {exc.detail}"[:300]))
         return error_response(InternalError(str(exc.detail)[:300]))
 
-    @app.middleware("http")
-    async def _unexpected(request: Request, call_next: Any) -> Any:
-        # A middleware, not an exception handler: Starlette re-raises after running an
-        # Exception handler, and uvicorn then drops the client's keep-alive connection.
-        # Also where every call is audited: who, what, and the answer's status.
-        t0 = time.perf_counter()
-        try:
-            response = await call_next(request)
-        except Exception as exc:
-            wire = to_wire_error(exc)
-            if isinstance(wire, InternalError):
-                log.exception("unexpected error serving %s %s", request.method, request.url.path)
-            else:
-                log.warning("%s serving %s %s: %s", wire.code, request.method, request.url.path, exc)
-            metrics.http_errors.labels(code=wire.code).inc()
-            metrics.failures.labels(cause=wire.cause).inc()
-            response = error_response(wire)
-        _audit(request, response.status_code, t0)
-        return response
-
-    def _audit(request: HTTPConnection, status: int, t0: float) -> None:
-        path = request.url.path
-        m = _SANDBOX_PATH.match(path)
-        try:
-            node.audit_call(
-                _actor(request, auth is not None),
-                {
-                    "method": request.scope.get("method", "WEBSOCKET"),
-                    "path": path[:256],
-                    "status": status,
-                    "ms": round((time.perf_counter() - t0) * 1000, 2),
-                    "sandbox_id": m.group(1) if m else None,
-                    "agent": request.headers.get("user-agent", "")[:64] or None,
-                },
-            )
-        except Exception:
-            log.exception("auditing %s failed", path[:100])
+    audit = Auditor(lambda actor, call: node.audit_call(actor, call), auth is not None)
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus its default 422 responses: validation errors here are 400s."""
@@ -166,30 +106,12 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    if auth is not None:
-        authenticate = auth
-
-        @app.middleware("http")
-        async def _auth(request: Request, call_next: Any) -> Any:
-            try:
-                caller = authenticate(request.headers.get("authorization", ""))
-                if not caller.can_write and request.method not in ("GET", "HEAD"):
-                    request.scope[_CALLER] = caller
-                    raise PermissionDeniedError(f"token {caller.name} is read-only")
-            except SandboxError as exc:
-                metrics.http_errors.labels(code=exc.code).inc()
-                response = error_response(exc)
-                _audit(request, response.status_code, time.perf_counter())
-                return response
-            request.scope[_CALLER] = caller
-            return await call_next(request)
-
     api = Api(node, tenancy)
 
     @api.route(app.router, "whoami", tags=["node"])
     async def whoami(request: Request) -> WhoAmI:
         """Who the credentials of this call stand for, and whether they may act (the console asks)."""
-        caller: Caller | None = request.scope.get(_CALLER)
+        caller: Caller | None = request.scope.get(CALLER)
         if caller is None:
             unix = request.client is None or not request.client.host
             return WhoAmI(name="root" if unix else "anonymous", can_write=True)
@@ -197,12 +119,13 @@ def create_app(
 
     for resource in (node_api, sandboxes, snapshots, execs, sessions, files, images, network, rl):
         app.include_router(resource.router(api))
-    app.include_router(terminal.router(api, auth, lambda ws, status, t0: _audit(ws, status, t0)))
+    app.include_router(terminal.router(api, auth, audit))
     app.include_router(network.port_router(api))
     app.include_router(fusion.router(api))
     api.check_complete()
     # The console's files hold no data: served ahead of the API's middleware (no token: the page asks
     # for one, then calls the API with it; not audited), straight from memory.
+    app.add_middleware(Guard, audit=audit, metrics=metrics, authenticate=auth)
     app.add_middleware(ConsoleFirst, console=Router(routes=console.routes()))
     # FastAPI builds an included router's routes on the first request that reaches them (~0.5 s for
     # the whole API here): matching a path no route has builds them all now, so a trainer's first
@@ -211,9 +134,6 @@ def create_app(
     for route in app.router.routes:
         route.matches(probe)
     return app
-
-
-_SANDBOX_PATH = re.compile(r"^/v1/sandboxes/(sb-[0-9a-f]{1,32})(?:/|$)")
 
 
 CONSOLE = "/console"  # the web console's page and files (sandfleet/console), served to anyone
@@ -231,19 +151,3 @@ class ConsoleFirst:
             await self.console(scope, receive, send)
         else:
             await self.app(scope, receive, send)
-
-
-_CALLER = "sandfleet.caller"  # where the authenticated caller is kept in the request's scope
-
-
-def _actor(request: HTTPConnection, authenticated: bool) -> str:
-    """Who called: the caller (`token:<name>@<host>`; the legacy token `token@<host>`), root's unix
-    socket (`unix`); a refused caller as `token@<host>`; a TCP peer when nothing is checked."""
-    client = request.client
-    host = client.host if client is not None and client.host else None
-    caller: Caller | None = request.scope.get(_CALLER)
-    if caller is not None:
-        return caller.actor(host)
-    if host is None:
-        return "unix"
-    return f"{'token' if authenticated else 'tcp'}@{host}"
