@@ -30,6 +30,7 @@ REPLACEMENTS = [
     ("httpx.AsyncClient", "httpx.Client"),
     ("AsyncClient", "Client"),
     ("AsyncEventStream", "EventStream"),
+    ("b.AsyncConnection", "b.Connection"),
     ("__aiter__", "__iter__"),
     ("__anext__", "__next__"),
     ("await anext(", "next("),

@@ -1,7 +1,8 @@
 """I/O-free core shared by `Client` and `AsyncClient`: request building and response decoding.
 
 One module per concern: `wire` (the `Call`, bodies validated, answers decoded, resource paths),
-`transport` (endpoints, fail-over, transport errors), `deadlines`, `commands` (a command's options,
+`transport` (endpoints, fail-over, transport errors), `lane` (one-response calls on a unix
+socket without httpx), `deadlines`, `commands` (a command's options,
 `CommandOptions`, and the exec, process, session and run_code calls), `sandboxes` (creates and
 their retries, forks, snapshots, fleet-wide calls), `files`, `terminal`, `node` (images, audit)
 and `rl` (trajectories, verification). This package re-exports their names: `b.call_exec(...)`.
@@ -181,6 +182,21 @@ from sandfleet.client._base.files import (
 )
 from sandfleet.client._base.files import (
     local_tar as local_tar,
+)
+from sandfleet.client._base.lane import (
+    Answer as Answer,
+)
+from sandfleet.client._base.lane import (
+    AsyncConnection as AsyncConnection,
+)
+from sandfleet.client._base.lane import (
+    Connection as Connection,
+)
+from sandfleet.client._base.lane import (
+    Lane as Lane,
+)
+from sandfleet.client._base.lane import (
+    encode as encode,
 )
 from sandfleet.client._base.node import (
     audit_query as audit_query,

@@ -42,12 +42,19 @@ class AsyncClient(_Node, _Images, _Fleet, _Trajectories):
     ) -> None:
         self.endpoint = b.Endpoint.resolve(socket, url, token)
         self.timeout = b.check_timeout(timeout, b.DEFAULT_TIMEOUT)
+        own_transport = transport is None
         if transport is None and self.endpoint.socket:
             transport = httpx.AsyncHTTPTransport(uds=self.endpoint.socket)
         elif transport is None:  # TCP: a request's headers and body leave at once (no Nagle wait)
             transport = httpx.AsyncHTTPTransport(socket_options=b.TCP_OPTIONS)
         self._http = httpx.AsyncClient(
             base_url=self.endpoint.url, transport=transport, timeout=self.timeout, headers=self.endpoint.headers()
+        )
+        # a local daemon's one-response calls skip httpx (b.lane); its streams and terminals keep to it
+        self._lane = (
+            b.Lane[b.AsyncConnection](self.endpoint.socket, self._http.headers)
+            if own_transport and self.endpoint.socket
+            else None
         )
         # async-only: begin
         self._batcher: CallBatcher | None = None
@@ -60,4 +67,6 @@ class AsyncClient(_Node, _Images, _Fleet, _Trajectories):
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         await self._http.aclose()

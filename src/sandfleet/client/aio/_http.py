@@ -29,6 +29,7 @@ class _AsyncCalls:
     endpoint: b.Endpoint
     timeout: float
     _http: httpx.AsyncClient
+    _lane: b.Lane[b.AsyncConnection] | None
 
     @property
     def _client(self) -> AsyncClient:
@@ -36,6 +37,12 @@ class _AsyncCalls:
         return cast("AsyncClient", self)
 
     async def _send(self, call: b.Call) -> bytes:
+        if self._lane is not None:
+            answer = await self._by_lane(self._lane, call)
+            if answer is not None:
+                body = bytes(answer.body)
+                b.raise_for(answer.status, body, self.endpoint)
+                return body
         route = b.Route(self._http, self.endpoint, call)  # several gateways: on to the next where safe
         while True:
             route.sending()
@@ -55,6 +62,28 @@ class _AsyncCalls:
                     raise err from exc
         b.raise_for(resp.status_code, resp.content, self.endpoint)
         return resp.content
+
+    async def _by_lane(self, lane: b.Lane[b.AsyncConnection], call: b.Call) -> b.Answer | None:
+        """`call` on the unix socket's lane (b.lane); None when all its connections are busy."""
+        try:
+            request = b.encode(call, lane.headers)
+        except httpx.HTTPError as exc:  # a header h11 will not write
+            raise b.map_transport_error(exc, self.endpoint) from exc
+        conn = lane.take()
+        if conn is None and not lane.room():
+            return None
+        timeout = b.request_timeout(call, self.timeout)
+        try:
+            if conn is None:
+                conn = await b.AsyncConnection.open(lane.path, timeout)
+            answer = await conn.exchange(request, timeout)
+        except BaseException as exc:
+            lane.discard(conn)
+            if isinstance(exc, httpx.HTTPError | OSError):
+                raise b.map_transport_error(exc, self.endpoint) from exc
+            raise
+        lane.put(conn, answer)
+        return answer
 
     async def _model(self, model: type[M], call: b.Call) -> M:
         return b.decode(model, await self._send(call))

@@ -37,12 +37,19 @@ class Client(_Node, _Images, _Fleet, _Trajectories):
     ) -> None:
         self.endpoint = b.Endpoint.resolve(socket, url, token)
         self.timeout = b.check_timeout(timeout, b.DEFAULT_TIMEOUT)
+        own_transport = transport is None
         if transport is None and self.endpoint.socket:
             transport = httpx.HTTPTransport(uds=self.endpoint.socket)
         elif transport is None:  # TCP: a request's headers and body leave at once (no Nagle wait)
             transport = httpx.HTTPTransport(socket_options=b.TCP_OPTIONS)
         self._http = httpx.Client(
             base_url=self.endpoint.url, transport=transport, timeout=self.timeout, headers=self.endpoint.headers()
+        )
+        # a local daemon's one-response calls skip httpx (b.lane); its streams and terminals keep to it
+        self._lane = (
+            b.Lane[b.Connection](self.endpoint.socket, self._http.headers)
+            if own_transport and self.endpoint.socket
+            else None
         )
 
     def __enter__(self) -> Client:
@@ -52,4 +59,6 @@ class Client(_Node, _Images, _Fleet, _Trajectories):
         self.close()
 
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         self._http.close()

@@ -1,0 +1,254 @@
+"""The unix socket's lane: one-response calls to a local daemon without httpx's layers.
+
+A call to the node daemon on its unix socket is most of an RL step's own cost on the caller's side;
+httpx (its client, httpcore's pool, h11) took ~0.4 ms of CPU per call there, four fifths of it not
+the socket. On this lane a call is h11's framing of it (the HTTP/1.1 state machine under httpx and
+uvicorn, already an SDK dependency: it validates what is written and reads what comes back) on a
+kept-alive connection: ~0.1 ms. Streams, WebSockets, TCP
+(TLS, proxies, several gateways) and tests' own transports keep to httpx; so does any call beyond
+`MAX_CONNECTIONS` at once (the lane never queues). Failures are raised as the httpx exceptions the
+transport mapping already reads (`map_transport_error`, `request_sent`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar
+
+import h11
+import httpx
+
+from sandfleet.client._base.wire import Call
+
+MAX_CONNECTIONS = 64  # open at once; a call finding all busy goes through httpx
+MAX_IDLE = 16  # kept for the next calls
+_CHUNK = 256 * 1024
+
+
+@functools.lru_cache(maxsize=4096)
+def _target(path: str, query: str) -> bytes:
+    """The request target as httpx would write it (its percent-encoding of the path)."""
+    raw = httpx.URL(path).raw_path
+    return raw + b"?" + query.encode("ascii") if query else raw
+
+
+def encode(call: Call, headers: Mapping[str, str]) -> tuple[h11.Request, bytes]:
+    """A call's HTTP/1.1 request: its head (h11 checks every name and value) and its body."""
+    body = b""
+    head = dict(headers)
+    if call.json is not None:
+        body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        head["content-type"] = "application/json"
+    elif call.content is not None:
+        body = call.content
+    head.update(call.headers)
+    if body or call.method in ("POST", "PUT", "PATCH"):
+        head["content-length"] = str(len(body))
+    query = str(httpx.QueryParams(call.params)) if call.params else ""
+    try:
+        return h11.Request(method=call.method, target=_target(call.path, query), headers=list(head.items())), body
+    except h11.LocalProtocolError as exc:
+        raise httpx.LocalProtocolError(f"cannot send this request: {exc}") from None
+
+
+class Answer:
+    """A response as h11 reads it off one connection (`Connection.exchange`)."""
+
+    def __init__(self, http: h11.Connection) -> None:
+        self.http = http
+        self.status = 0
+        self.body = bytearray()
+        self.complete = False
+        self.keep_alive = False
+
+    def next_events(self) -> bool:
+        """Takes what h11 has; True once it needs more bytes."""
+        try:
+            while not self.complete:
+                event = self.http.next_event()
+                if event is h11.NEED_DATA:
+                    return True
+                if isinstance(event, h11.Response):
+                    self.status = event.status_code
+                elif isinstance(event, h11.Data):
+                    self.body += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    self.complete = True
+                    self.keep_alive = self.http.our_state is h11.DONE and self.http.their_state is h11.DONE
+                    if self.keep_alive:
+                        self.http.start_next_cycle()
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise httpx.RemoteProtocolError("the daemon closed the connection before answering")
+        except h11.RemoteProtocolError as exc:
+            raise httpx.RemoteProtocolError(f"unreadable answer from the daemon: {exc}") from None
+        return False
+
+    def feed(self, data: bytes) -> None:
+        self.http.receive_data(data)  # b"": the daemon closed its end
+
+
+def _frame(http: h11.Connection, request: tuple[h11.Request, bytes]) -> bytes:
+    head, body = request
+    return b"".join((http.send(head), http.send(h11.Data(data=body)) if body else b"", http.send(h11.EndOfMessage())))
+
+
+def _open(path: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except TimeoutError:
+        sock.close()
+        raise httpx.ConnectTimeout(f"connecting to {path} timed out") from None
+    except OSError:
+        sock.close()
+        raise  # FileNotFoundError, ConnectionRefusedError: the mapping says the daemon is not there
+    return sock
+
+
+def _gone(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive connection was closed by the daemon (it restarted, or let it go):
+    readable while idle means its end (or stray bytes: unusable either way)."""
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0))
+
+
+class Connection:
+    """A blocking connection to the daemon's unix socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.http = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    def open(cls, path: str, timeout: float) -> Connection:
+        return cls(_open(path, timeout))
+
+    def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
+        deadline = time.monotonic() + timeout
+        answer = Answer(self.http)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.sendall(_frame(self.http, request))
+            while answer.next_events():
+                self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                answer.feed(self.sock.recv(_CHUNK))
+        except TimeoutError:
+            raise httpx.ReadTimeout("the daemon did not answer in time") from None
+        except OSError as exc:
+            raise httpx.RemoteProtocolError(f"connection to the daemon broke: {exc}") from None
+        return answer
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AsyncConnection:
+    """A connection to the daemon's unix socket for an event loop (non-blocking socket)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.http = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def open(cls, path: str, timeout: float) -> AsyncConnection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.get_running_loop().sock_connect(sock, path)
+        except TimeoutError:
+            sock.close()
+            raise httpx.ConnectTimeout(f"connecting to {path} timed out") from None
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    async def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
+        loop = asyncio.get_running_loop()
+        answer = Answer(self.http)
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.sock_sendall(self.sock, _frame(self.http, request))
+                while answer.next_events():
+                    answer.feed(await loop.sock_recv(self.sock, _CHUNK))
+        except TimeoutError:
+            raise httpx.ReadTimeout("the daemon did not answer in time") from None
+        except OSError as exc:
+            raise httpx.RemoteProtocolError(f"connection to the daemon broke: {exc}") from None
+        return answer
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+C = TypeVar("C", Connection, AsyncConnection)
+
+
+class Lane(Generic[C]):
+    """The connections of one client to its daemon's unix socket: idle ones kept (last used first),
+    at most MAX_CONNECTIONS open. Thread-safe (a blocking client may be shared by threads); a child
+    process after fork() starts with none (it must never write on its parent's connections)."""
+
+    def __init__(self, path: str, headers: Mapping[str, Any]) -> None:
+        self.path = path
+        # httpx's own (user agent, the token), less compression: the daemon never compresses
+        self.headers = {"host": "sandfleet", **{k: v for k, v in headers.items() if k != "accept-encoding"}}
+        self._idle: list[C] = []
+        self._open = 0
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def take(self) -> C | None:
+        """An idle connection, or None: open a new one if `room()`, else use httpx."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._idle, self._open, self._pid = [], 0, os.getpid()  # the parent's: not closed here
+            while self._idle:
+                conn = self._idle.pop()
+                if not _gone(conn.sock):
+                    return conn
+                conn.close()
+                self._open -= 1
+            return None
+
+    def room(self) -> bool:
+        """Reserves room for a new connection (give it back with `discard` if none is made)."""
+        with self._lock:
+            if self._open >= MAX_CONNECTIONS:
+                return False
+            self._open += 1
+            return True
+
+    def put(self, conn: C, answer: Answer) -> None:
+        """A connection whose call was answered: kept if the daemon keeps it and room is left."""
+        with self._lock:
+            if self._pid == os.getpid() and answer.keep_alive and len(self._idle) < MAX_IDLE:
+                self._idle.append(conn)
+                return
+            self._open -= 1
+        conn.close()
+
+    def discard(self, conn: C | None) -> None:
+        """A connection that failed (or was never made): closed, its room given back."""
+        with self._lock:
+            self._open -= 1
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+        for conn in idle:
+            conn.close()

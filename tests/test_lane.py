@@ -1,0 +1,226 @@
+"""The unix socket's lane (client/_base/lane.py) against a raw socket server that answers as told:
+kept-alive connections, a daemon that closed an idle one or restarted, `Connection: close`, chunked
+bodies, silence (timeouts), a connection broken mid-call, no daemon at all, more calls at once than
+the lane holds (the rest go through httpx), a forked child, and the request bytes httpx would send.
+No daemon, no root."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandfleet import AsyncClient, Client
+from sandfleet.client import _base as b
+from sandfleet.client._base import lane
+from sandfleet.errors import SandboxError, SandboxTimeoutError, UnavailableError
+
+pytestmark = pytest.mark.unit
+
+OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok":true}'
+
+
+class Server:
+    """Accepts on a unix socket; each request (head and content-length body) is answered by
+    `answer(request_bytes, connection_number)`: bytes to send, then "close" or None (keep)."""
+
+    def __init__(self, path: Path, answer: Callable[[bytes, int], tuple[bytes, str | None]]) -> None:
+        self.path, self.answer = path, answer
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(128)
+        self.accepted = 0
+        self.requests: list[bytes] = []
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn, self.accepted), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, number: int) -> None:
+        buf = b""
+        with contextlib.suppress(OSError):
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, rest = buf.partition(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    0,
+                )
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                request, buf = head + b"\r\n\r\n" + rest[:length], rest[length:]
+                self.requests.append(request)
+                reply, then = self.answer(request, number)
+                conn.sendall(reply)
+                if then == "close":
+                    conn.close()
+                    return
+
+    def close_all(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+                conn.close()
+
+    def stop(self) -> None:
+        self.sock.close()
+        self.close_all()
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    servers: list[Server] = []
+
+    def start(answer: Callable[[bytes, int], tuple[bytes, str | None]] = lambda r, n: (OK, None)) -> Server:
+        server = Server(tmp_path / f"d{len(servers)}.sock", answer)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_calls_share_a_kept_alive_connection_and_a_closed_one_is_replaced(serve: Callable[..., Server]) -> None:
+    server = serve()
+    with Client(server.path) as fleet:
+        for _ in range(5):
+            assert fleet._send(b.Call("GET", "/v1/x")) == b'{"ok":true}'
+        assert server.accepted == 1
+        server.close_all()  # the daemon restarted, or let the idle connection go
+        assert fleet._send(b.Call("GET", "/v1/x")) == b'{"ok":true}'
+        assert server.accepted == 2
+    assert len(server.requests) == 6
+
+
+def test_connection_close_and_chunked_answers(serve: Callable[..., Server]) -> None:
+    chunked = b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\n{"a\r\n5\r\n":1}\n\r\n0\r\n\r\n'
+    closing = b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
+    server = serve(lambda r, n: (chunked, None) if b"chunked" in r else (closing, "close"))
+    with Client(server.path) as fleet:
+        assert fleet._send(b.Call("GET", "/v1/chunked")) == b'{"a":1}\n'
+        assert fleet._send(b.Call("GET", "/v1/close")) == b"{}"
+        assert fleet._send(b.Call("GET", "/v1/close")) == b"{}"
+    assert server.accepted == 2  # the first kept for the second, which the daemon then closed
+
+
+def test_errors_are_the_sdks(serve: Callable[..., Server], tmp_path: Path) -> None:
+    body = b'{"error":{"code":"not_found","message":"no such sandbox sb-1","retryable":false}}'
+    err = b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    silent = serve(lambda r, n: (b"", None))
+    broken = serve(lambda r, n: (b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n{", "close"))
+    missing = serve(lambda r, n: (err, None))
+    with Client(silent.path, timeout=0.5) as fleet, pytest.raises(SandboxTimeoutError):
+        fleet._send(b.Call("GET", "/v1/x"))
+    with Client(broken.path) as fleet, pytest.raises(UnavailableError, match="peer closed connection"):
+        fleet._send(b.Call("POST", "/v1/x", json={"a": 1}))
+    assert broken.accepted == 1  # a call that may have run is never sent twice
+    with Client(missing.path) as fleet, pytest.raises(SandboxError) as info:
+        fleet._send(b.Call("GET", "/v1/sandboxes/sb-1"))
+    assert info.value.code == "not_found" and "sb-1" in str(info.value)
+    with Client(tmp_path / "nothing.sock") as fleet, pytest.raises(UnavailableError, match="sandfleet serve"):
+        fleet._send(b.Call("GET", "/v1/x"))
+    smuggled = b.Call("GET", "/v1/x", headers={"x-a": "1\r\nx-b: 2"})
+    with Client(missing.path) as fleet, pytest.raises(UnavailableError, match="cannot send"):
+        fleet._send(smuggled)  # h11 refuses the header, as under httpx: nothing is written
+    assert not [r for r in missing.requests if b"x-b" in r]
+
+
+def test_more_calls_at_once_than_the_lane_holds_go_through_httpx(serve: Callable[..., Server]) -> None:
+    gate = threading.Event()
+
+    def slow(request: bytes, n: int) -> tuple[bytes, str | None]:
+        gate.wait(5)
+        return OK, None
+
+    server = serve(slow)
+    n = lane.MAX_CONNECTIONS + 16
+
+    async def main() -> list[bytes]:
+        async with AsyncClient(server.path) as fleet:
+            calls = [asyncio.create_task(fleet._send(b.Call("GET", "/v1/x"))) for _ in range(n)]
+            while len(server.requests) < n:  # noqa: ASYNC110 (the server is a thread: no event to wait on)
+                await asyncio.sleep(0.01)
+            gate.set()
+            return await asyncio.gather(*calls)
+
+    assert asyncio.run(main()) == [b'{"ok":true}'] * n
+    agents = [r for r in server.requests if b"python-httpx" in r]
+    assert len(agents) == n  # both ways send httpx's headers (the audit names the client the same)
+    assert server.accepted >= n
+
+
+def test_a_forked_child_never_writes_on_its_parents_connection(serve: Callable[..., Server]) -> None:
+    server = serve()
+    with Client(server.path) as fleet:
+        fleet._send(b.Call("GET", "/v1/parent"))
+        pid = os.fork()
+        if pid == 0:  # the child: its own connection
+            code = 0
+            try:
+                fleet._send(b.Call("GET", "/v1/child"))
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert fleet._send(b.Call("GET", "/v1/parent")) == b'{"ok":true}'
+    assert server.accepted == 2
+    assert [r.split(b" ")[1] for r in server.requests] == [b"/v1/parent", b"/v1/child", b"/v1/parent"]
+
+
+def test_requests_are_written_as_httpx_writes_them(serve: Callable[..., Server]) -> None:
+    server = serve()
+    call = b.Call("PUT", "/v1/sandboxes/sb-1/files/a b/ü", params={"path": "/x y&z", "n": 3, "f": True},
+                  json={"text": "ü\u2028", "n": None}, headers={"x-extra": "1"})  # fmt: skip
+    with Client(server.path, token="t0k") as fleet:
+        fleet._send(call)
+        ours = server.requests[-1]
+        want = fleet._http.build_request(call.method, call.path, params=call.params, json=call.json,
+                                         headers=dict(call.headers))  # fmt: skip
+    head, _, body = ours.partition(b"\r\n\r\n")
+    line, *fields = head.split(b"\r\n")
+    assert line == b"PUT " + want.url.raw_path + b" HTTP/1.1"
+    assert body == want.read()
+    headers = dict(f.split(b": ", 1) for f in fields)
+    for name in (b"authorization", b"content-type", b"content-length", b"x-extra", b"user-agent"):
+        assert headers[name] == want.headers[name.decode()].encode(), name
+    assert b"accept-encoding" not in headers
+
+
+def test_tests_own_transports_keep_to_httpx() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(200, json={"ok": True})
+
+    with Client("/nonexistent.sock", transport=httpx.MockTransport(handler)) as fleet:
+        assert fleet._lane is None
+        fleet._send(b.Call("GET", "/v1/x"))
+    assert seen == ["/v1/x"]
+    with Client(url="http://127.0.0.1:9") as fleet:
+        assert fleet._lane is None  # TCP: httpx (TLS, proxies, gateways)
