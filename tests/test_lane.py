@@ -31,8 +31,11 @@ class Server:
     """Accepts on a unix socket; each request (head and content-length body) is answered by
     `answer(request_bytes, connection_number)`: bytes to send, then "close" or None (keep)."""
 
-    def __init__(self, path: Path, answer: Callable[[bytes, int], tuple[bytes, str | None]]) -> None:
-        self.path, self.answer = path, answer
+    def __init__(
+        self, path: Path, answer: Callable[[bytes, int], tuple[bytes, str | None]], *, early: bool = False
+    ) -> None:
+        """`early`: answered once the head is in, the body unread (then the connection is closed)."""
+        self.path, self.answer, self.early = path, answer, early
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(128)
@@ -61,6 +64,11 @@ class Server:
                         return
                     buf += data
                 head, _, rest = buf.partition(b"\r\n\r\n")
+                if self.early:
+                    self.requests.append(head)
+                    conn.sendall(self.answer(head, number)[0])
+                    conn.close()
+                    return
                 length = next(
                     (
                         int(line.split(b":")[1])
@@ -94,8 +102,10 @@ class Server:
 def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
-    def start(answer: Callable[[bytes, int], tuple[bytes, str | None]] = lambda r, n: (OK, None)) -> Server:
-        server = Server(tmp_path / f"d{len(servers)}.sock", answer)
+    def start(
+        answer: Callable[[bytes, int], tuple[bytes, str | None]] = lambda r, n: (OK, None), early: bool = False
+    ) -> Server:
+        server = Server(tmp_path / f"d{len(servers)}.sock", answer, early=early)
         servers.append(server)
         return server
 
@@ -224,3 +234,119 @@ def test_tests_own_transports_keep_to_httpx() -> None:
     assert seen == ["/v1/x"]
     with Client(url="http://127.0.0.1:9") as fleet:
         assert fleet._lane is None  # TCP: httpx (TLS, proxies, gateways)
+
+
+def _json(status: str, body: bytes, extra: str = "") -> bytes:
+    return f"HTTP/1.1 {status}\r\ncontent-length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+def test_a_connect_that_fails_for_any_reason_was_never_sent(tmp_path: Path) -> None:
+    """Not only no socket: a path too long, no permission, a full backlog are all "cannot reach"
+    (so a create's retries know the daemon never had it)."""
+    too_long = tmp_path / ("x" * 120)
+    for client in (Client(too_long), AsyncClient(too_long)):
+        with pytest.raises(UnavailableError, match="cannot reach the sandfleet daemon") as info:
+            if isinstance(client, Client):
+                client._send(b.Call("POST", "/v1/sandboxes", json={}))
+            else:
+                asyncio.run(client._send(b.Call("POST", "/v1/sandboxes", json={})))
+        cause = b.transport_cause(info.value)
+        assert cause is not None and not b.request_sent(cause)
+
+
+def test_a_full_backlog_is_waited_out_not_taken_for_a_connection(tmp_path: Path) -> None:
+    path = tmp_path / "full.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(0)
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    waiting.connect(str(path))  # fills the backlog: the next non-blocking connect is EAGAIN
+
+    def serve_later() -> None:
+        threading.Event().wait(0.3)
+        first, _ = listener.accept()
+        first.close()
+        conn, _ = listener.accept()
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(4096)
+        conn.sendall(OK)
+
+    threading.Thread(target=serve_later, daemon=True).start()
+
+    async def main() -> bytes:
+        async with AsyncClient(path) as fleet:
+            return await fleet._send(b.Call("GET", "/v1/x"))
+
+    assert asyncio.run(main()) == b'{"ok":true}'
+    listener.close()
+    waiting.close()
+
+
+def test_the_timeout_bounds_each_read_not_a_whole_transfer(tmp_path: Path) -> None:
+    path = tmp_path / "slow.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    body = b"0123456789"
+
+    def trickle() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(4096)
+            conn.sendall(f"HTTP/1.1 200 OK\r\ncontent-length: {len(body)}\r\n\r\n".encode())
+            for i in range(len(body)):
+                threading.Event().wait(0.25)  # 2.5 s in all, never 1 s without a byte
+                conn.sendall(body[i : i + 1])
+
+    threading.Thread(target=trickle, daemon=True).start()
+    with Client(path, timeout=1) as fleet:
+        assert fleet._send(b.Call("GET", "/v1/file")) == body
+
+    async def main() -> bytes:
+        async with AsyncClient(path, timeout=1) as fleet:
+            return await fleet._send(b.Call("GET", "/v1/file"))
+
+    assert asyncio.run(main()) == body
+    listener.close()
+
+
+def test_an_early_answer_to_a_large_upload_is_read(serve: Callable[..., Server]) -> None:
+    body = b'{"error":{"code":"permission_denied","message":"token t is read-only","retryable":false}}'
+    server = serve(lambda r, n: (_json("403 Forbidden", body, "connection: close\r\n"), "close"), early=True)
+    upload = b.Call("PUT", "/v1/sandboxes/sb-1/files/content", content=b"x" * (20 * 1024**2))
+    with Client(server.path) as fleet, pytest.raises(SandboxError) as info:
+        fleet._send(upload)
+    assert info.value.code == "permission_denied"
+
+    async def main() -> None:
+        async with AsyncClient(server.path) as fleet:
+            await fleet._send(upload)
+
+    with pytest.raises(SandboxError) as ainfo:
+        asyncio.run(main())
+    assert ainfo.value.code == "permission_denied"
+
+
+def test_bytes_after_an_answer_never_become_the_next_ones(serve: Callable[..., Server]) -> None:
+    stale = _json("200 OK", b'"stale"')
+    server = serve(lambda r, n: (OK + stale, None))
+    with Client(server.path) as fleet:
+        assert fleet._send(b.Call("GET", "/v1/x")) == b'{"ok":true}'
+        assert fleet._send(b.Call("GET", "/v1/x")) == b'{"ok":true}'
+    assert server.accepted == 2  # the connection with stray bytes was not kept
+
+
+def test_a_closed_client_takes_no_call(serve: Callable[..., Server]) -> None:
+    server = serve()
+    fleet = Client(server.path)
+    fleet._send(b.Call("GET", "/v1/x"))
+    fleet.close()
+    with pytest.raises(RuntimeError):
+        fleet._send(b.Call("GET", "/v1/x"))  # as httpx says it
+    assert server.accepted == 1

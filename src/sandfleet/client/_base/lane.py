@@ -19,7 +19,7 @@ import os
 import select
 import socket
 import threading
-import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
@@ -82,7 +82,12 @@ class Answer:
                     self.body += event.data
                 elif isinstance(event, h11.EndOfMessage):
                     self.complete = True
-                    self.keep_alive = self.http.our_state is h11.DONE and self.http.their_state is h11.DONE
+                    # kept only if both sides are done and nothing follows the answer (a desync)
+                    self.keep_alive = (
+                        self.http.our_state is h11.DONE
+                        and self.http.their_state is h11.DONE
+                        and not self.http.trailing_data[0]
+                    )
                     if self.keep_alive:
                         self.http.start_next_cycle()
                 elif isinstance(event, h11.ConnectionClosed):
@@ -95,9 +100,18 @@ class Answer:
         self.http.receive_data(data)  # b"": the daemon closed its end
 
 
-def _frame(http: h11.Connection, request: tuple[h11.Request, bytes]) -> bytes:
+def _frames(http: h11.Connection, request: tuple[h11.Request, bytes]) -> list[bytes]:
+    """What to write: one buffer for a small request; a large one's body apart (never copied)."""
     head, body = request
-    return b"".join((http.send(head), http.send(h11.Data(data=body)) if body else b"", http.send(h11.EndOfMessage())))
+    parts = [http.send(head), http.send(h11.Data(data=body)) if body else b"", http.send(h11.EndOfMessage())]
+    parts = [p for p in parts if p]
+    return [b"".join(parts)] if len(body) <= _CHUNK else parts
+
+
+def _connect_error(path: str, exc: OSError) -> httpx.ConnectError:
+    # any failure to connect (no socket, refused, a full backlog, no permission): never sent, and
+    # said as the httpx path says it (`map_transport_error`: is the daemon there?)
+    return httpx.ConnectError(f"cannot connect to {path}: {exc}")
 
 
 def _open(path: str, timeout: float) -> socket.socket:
@@ -108,9 +122,9 @@ def _open(path: str, timeout: float) -> socket.socket:
     except TimeoutError:
         sock.close()
         raise httpx.ConnectTimeout(f"connecting to {path} timed out") from None
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise  # FileNotFoundError, ConnectionRefusedError: the mapping says the daemon is not there
+        raise _connect_error(path, exc) from exc
     return sock
 
 
@@ -134,13 +148,19 @@ class Connection:
         return cls(_open(path, timeout))
 
     def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
-        deadline = time.monotonic() + timeout
+        """Write the request and read its answer; `timeout` bounds each write and each read (as httpx's
+        does): a large transfer that keeps moving is never cut."""
         answer = Answer(self.http)
         try:
             self.sock.settimeout(timeout)
-            self.sock.sendall(_frame(self.http, request))
+            try:
+                for data in _frames(self.http, request):
+                    view = memoryview(data)
+                    while view:  # sendall's timeout would bound the whole body
+                        view = view[self.sock.send(view[:_CHUNK]) :]
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon answered early (an error) and closed: its answer is still to read
             while answer.next_events():
-                self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 answer.feed(self.sock.recv(_CHUNK))
         except TimeoutError:
             raise httpx.ReadTimeout("the daemon did not answer in time") from None
@@ -165,23 +185,42 @@ class AsyncConnection:
         sock.setblocking(False)
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.get_running_loop().sock_connect(sock, path)
+                delay = 0.001
+                while True:
+                    try:
+                        sock.connect(path)  # a unix socket connects at once, or its backlog is full
+                        break
+                    except BlockingIOError:  # (asyncio's sock_connect would take that for connected)
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 0.05)
         except TimeoutError:
             sock.close()
             raise httpx.ConnectTimeout(f"connecting to {path} timed out") from None
+        except OSError as exc:
+            sock.close()
+            raise _connect_error(path, exc) from exc
         except BaseException:
             sock.close()
             raise
         return cls(sock)
 
     async def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
+        """As `Connection.exchange`: `timeout` bounds each write and each read."""
         loop = asyncio.get_running_loop()
         answer = Answer(self.http)
         try:
-            async with asyncio.timeout(timeout):
-                await loop.sock_sendall(self.sock, _frame(self.http, request))
-                while answer.next_events():
-                    answer.feed(await loop.sock_recv(self.sock, _CHUNK))
+            try:
+                for data in _frames(self.http, request):
+                    view = memoryview(data)
+                    for i in range(0, len(view), _CHUNK):
+                        async with asyncio.timeout(timeout):
+                            await loop.sock_sendall(self.sock, view[i : i + _CHUNK])
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon answered early (an error) and closed: its answer is still to read
+            while answer.next_events():
+                async with asyncio.timeout(timeout):
+                    data = await loop.sock_recv(self.sock, _CHUNK)
+                answer.feed(data)
         except TimeoutError:
             raise httpx.ReadTimeout("the daemon did not answer in time") from None
         except OSError as exc:
@@ -198,7 +237,8 @@ C = TypeVar("C", Connection, AsyncConnection)
 class Lane(Generic[C]):
     """The connections of one client to its daemon's unix socket: idle ones kept (last used first),
     at most MAX_CONNECTIONS open. Thread-safe (a blocking client may be shared by threads); a child
-    process after fork() starts with none (it must never write on its parent's connections)."""
+    process after fork() starts with none (it must never write on its parent's connections) and a
+    fresh lock. Once closed it takes no call: they go to httpx, which refuses them as closed."""
 
     def __init__(self, path: str, headers: Mapping[str, Any]) -> None:
         self.path = path
@@ -206,14 +246,16 @@ class Lane(Generic[C]):
         self.headers = {"host": "sandfleet", **{k: v for k, v in headers.items() if k != "accept-encoding"}}
         self._idle: list[C] = []
         self._open = 0
+        self._closed = False
         self._lock = threading.Lock()
-        self._pid = os.getpid()
+        _LANES.add(self)
+
+    def _forked(self) -> None:
+        self._idle, self._open, self._lock = [], 0, threading.Lock()  # the parent's: not closed here
 
     def take(self) -> C | None:
         """An idle connection, or None: open a new one if `room()`, else use httpx."""
         with self._lock:
-            if self._pid != os.getpid():
-                self._idle, self._open, self._pid = [], 0, os.getpid()  # the parent's: not closed here
             while self._idle:
                 conn = self._idle.pop()
                 if not _gone(conn.sock):
@@ -225,7 +267,7 @@ class Lane(Generic[C]):
     def room(self) -> bool:
         """Reserves room for a new connection (give it back with `discard` if none is made)."""
         with self._lock:
-            if self._open >= MAX_CONNECTIONS:
+            if self._closed or self._open >= MAX_CONNECTIONS:
                 return False
             self._open += 1
             return True
@@ -233,7 +275,7 @@ class Lane(Generic[C]):
     def put(self, conn: C, answer: Answer) -> None:
         """A connection whose call was answered: kept if the daemon keeps it and room is left."""
         with self._lock:
-            if self._pid == os.getpid() and answer.keep_alive and len(self._idle) < MAX_IDLE:
+            if not self._closed and answer.keep_alive and len(self._idle) < MAX_IDLE:
                 self._idle.append(conn)
                 return
             self._open -= 1
@@ -248,7 +290,18 @@ class Lane(Generic[C]):
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
             self._open -= len(idle)
         for conn in idle:
             conn.close()
+
+
+_LANES: weakref.WeakSet[Lane[Any]] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lane in list(_LANES):
+        lane._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
