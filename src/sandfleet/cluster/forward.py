@@ -8,6 +8,7 @@ the node, not the gateway, decides what the caller may do. Only hop-by-hop heade
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from sandfleet.client._base import Answer, AsyncConnection, Call, Lane, encode
 from sandfleet.cluster.membership import Node
 from sandfleet.errors import SandboxError, SandboxLostError, UnavailableError, error_from_wire
 
@@ -129,17 +131,49 @@ async def call_json(
             raise UnavailableError("no credentials to pass on")  # the gateway always has a caller's
         hdrs["authorization"] = auth
     try:
-        http = node.control if control else node.http
-        r = await http.request(method, path, json=json_body, params=params, headers=hdrs, timeout=timeout)
+        answer = None
+        if node.lane is not None and not control:
+            answer = await _by_lane(node.lane, Call(method, path, params, json_body, headers=hdrs), timeout)
+        if answer is not None:
+            status, content = answer.status, bytes(answer.body)
+        else:
+            http = node.control if control else node.http
+            r = await http.request(method, path, json=json_body, params=params, headers=hdrs, timeout=timeout)
+            status, content = r.status_code, r.content
     except httpx.HTTPError as exc:
         raise _unreachable(node, exc) from exc
     try:
-        data = json.loads(r.content) if r.content else None
+        data = json.loads(content) if content else None
     except ValueError as exc:
-        raise UnavailableError(f"node {node.key} answered HTTP {r.status_code} without JSON") from exc
-    if r.status_code >= 400:
-        raise error_from_wire(data, status=r.status_code)
+        raise UnavailableError(f"node {node.key} answered HTTP {status} without JSON") from exc
+    if status >= 400:
+        raise error_from_wire(data, status=status)
     return data
+
+
+@functools.lru_cache(maxsize=1024)
+def _host_port(url: str) -> tuple[str, int]:
+    target = httpx.URL(url)
+    return target.host, target.port or 80
+
+
+async def _by_lane(lane: Lane[AsyncConnection], call: Call, timeout: httpx.Timeout) -> Answer | None:
+    """A one-answer call on the node's lane (as the SDK's, over TCP); None: all its connections busy."""
+    request = encode(call, lane.headers)
+    conn = lane.take()
+    if conn is None and not lane.room():
+        return None
+    try:
+        if conn is None:
+            host, port = _host_port(lane.address)
+            conn = await AsyncConnection.open_tcp(host, port, timeout.connect or 5.0)
+            lane.opened(conn)
+        answer = await conn.exchange(request, timeout.read or 1e9)
+    except BaseException:
+        lane.discard(conn)
+        raise
+    lane.put(conn, answer)
+    return answer
 
 
 def json_response(data: Any, status: int = 200, background: BackgroundTask | None = None) -> Response:

@@ -27,7 +27,7 @@ from typing import Literal
 
 import httpx
 
-from sandfleet.client._base import TCP_OPTIONS
+from sandfleet.client._base import TCP_OPTIONS, AsyncConnection, Lane
 from sandfleet.cluster.placement import NodeState
 from sandfleet.errors import NotFoundError, SandboxLostError
 from sandfleet.ids import node_of
@@ -56,6 +56,9 @@ class Node:
     group: str
     http: httpx.AsyncClient  # callers' calls passed on
     control: httpx.AsyncClient  # the gateway's own: load reads, acks, drains
+    # one-answer JSON calls (creates, lookups) without httpx's layers (client/_base/lane.py); None:
+    # through `http` (a test's transport, an https URL)
+    lane: Lane[AsyncConnection] | None = None
     lost: bool = False
     load: NodeLoad | None = None
     load_at: float = 0.0  # monotonic time the load was read
@@ -80,6 +83,7 @@ class Node:
         return self.failures >= self.unreachable_after
 
 
+USER_AGENT = f"python-httpx/{httpx.__version__}"  # what nodes' audit records name, either way
 CONTROL_CONNECTIONS = 4  # per node: a load read and an ack sender at a time, a drain
 
 
@@ -125,6 +129,7 @@ class Membership:
                     reg.group,
                     self._client(reg.url, self.connections),
                     self._client(reg.url, CONTROL_CONNECTIONS),
+                    lane=self._lane(reg.url),
                     unreachable_after=self.unreachable_after,
                 )
                 log.info("node %s at %s (group %s) joined", reg.key, reg.url, reg.group)
@@ -137,6 +142,7 @@ class Membership:
                 self._close(node)
                 node.http = self._client(node.url, self.connections)
                 node.control = self._client(node.url, CONTROL_CONNECTIONS)
+                node.lane = self._lane(node.url)
             elif reg.alive is True and node.lost:
                 # A node that came back under its key lost what it held when it died, and starts over.
                 node.lost, node.load, node.failures = False, None, 0
@@ -154,7 +160,21 @@ class Membership:
             timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0),
         )
 
+    def _lane(self, url: str) -> Lane[AsyncConnection] | None:
+        target = httpx.URL(url)
+        if self._transport is not None or target.scheme != "http" or not target.host:
+            return None
+        headers = {
+            "host": target.netloc.decode("ascii"),
+            "accept": "*/*",
+            "user-agent": f"python-httpx/{httpx.__version__}",
+        }
+        headers["authorization"] = f"Bearer {self._token}"  # the gateway's, unless a call carries its caller's
+        return Lane(url, headers, limit=min(64, self.connections))
+
     def _close(self, node: Node) -> None:
+        if node.lane is not None:
+            node.lane.close()
         for client in (node.http, node.control):
             self._closing.add(asyncio.get_running_loop().create_task(client.aclose()))
 

@@ -13,6 +13,7 @@ transport mapping already reads (`map_transport_error`, `request_sent`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -204,6 +205,32 @@ class AsyncConnection:
             raise
         return cls(sock)
 
+    @classmethod
+    async def open_tcp(cls, host: str, port: int, timeout: float) -> AsyncConnection:
+        """A connection over TCP (the gateway's to a node), its small writes never held back (no Nagle)."""
+        loop = asyncio.get_running_loop()
+        sock: socket.socket | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_connect(sock, address)
+        except TimeoutError:
+            if sock is not None:
+                sock.close()
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            raise _connect_error(f"{host}:{port}", exc) from exc
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+        return cls(sock)
+
     async def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
         """As `Connection.exchange`: `timeout` bounds each write and each read."""
         loop = asyncio.get_running_loop()
@@ -235,30 +262,34 @@ C = TypeVar("C", Connection, AsyncConnection)
 
 
 class Lane(Generic[C]):
-    """The connections of one client to its daemon's unix socket: idle ones kept (last used first),
-    at most MAX_CONNECTIONS open. Thread-safe (a blocking client may be shared by threads); a child
-    process after fork() starts with none (it must never write on its parent's connections) and a
-    fresh lock. Once closed it takes no call: they go to httpx, which refuses them as closed."""
+    """The connections of one client to its daemon (`address`: where the caller opens them): idle
+    ones kept (last used first), at most MAX_CONNECTIONS open. Thread-safe (a blocking client may be
+    shared by threads); a child process after fork() starts with none (it must never write on its
+    parent's connections) and a fresh lock. Closed, it takes no call (they go to httpx, which
+    refuses them as closed) and the calls on its connections end at once (as httpx's `aclose`)."""
 
-    def __init__(self, path: str, headers: Mapping[str, Any]) -> None:
-        self.path = path
+    def __init__(self, address: str, headers: Mapping[str, Any], *, limit: int = MAX_CONNECTIONS) -> None:
+        self.address = address
         # httpx's own (user agent, the token), less compression: the daemon never compresses
         self.headers = {"host": "sandfleet", **{k: v for k, v in headers.items() if k != "accept-encoding"}}
+        self.limit = limit
         self._idle: list[C] = []
+        self._busy: set[C] = set()
         self._open = 0
         self._closed = False
         self._lock = threading.Lock()
         _LANES.add(self)
 
     def _forked(self) -> None:
-        self._idle, self._open, self._lock = [], 0, threading.Lock()  # the parent's: not closed here
+        self._idle, self._busy, self._open, self._lock = [], set(), 0, threading.Lock()  # the parent's
 
     def take(self) -> C | None:
-        """An idle connection, or None: open a new one if `room()`, else use httpx."""
+        """An idle connection, or None: open a new one if `room()` (then `opened`), else use httpx."""
         with self._lock:
             while self._idle:
                 conn = self._idle.pop()
                 if not _gone(conn.sock):
+                    self._busy.add(conn)
                     return conn
                 conn.close()
                 self._open -= 1
@@ -267,14 +298,21 @@ class Lane(Generic[C]):
     def room(self) -> bool:
         """Reserves room for a new connection (give it back with `discard` if none is made)."""
         with self._lock:
-            if self._closed or self._open >= MAX_CONNECTIONS:
+            if self._closed or self._open >= self.limit:
                 return False
             self._open += 1
             return True
 
+    def opened(self, conn: C) -> None:
+        with self._lock:
+            self._busy.add(conn)
+        if self._closed:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+
     def put(self, conn: C, answer: Answer) -> None:
         """A connection whose call was answered: kept if the daemon keeps it and room is left."""
         with self._lock:
+            self._busy.discard(conn)
             if not self._closed and answer.keep_alive and len(self._idle) < MAX_IDLE:
                 self._idle.append(conn)
                 return
@@ -285,6 +323,8 @@ class Lane(Generic[C]):
         """A connection that failed (or was never made): closed, its room given back."""
         with self._lock:
             self._open -= 1
+            if conn is not None:
+                self._busy.discard(conn)
         if conn is not None:
             conn.close()
 
@@ -292,8 +332,12 @@ class Lane(Generic[C]):
         with self._lock:
             idle, self._idle, self._closed = self._idle, [], True
             self._open -= len(idle)
+            busy = list(self._busy)
         for conn in idle:
             conn.close()
+        for conn in busy:  # their calls read the end and fail (the connection then goes)
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 _LANES: weakref.WeakSet[Lane[Any]] = weakref.WeakSet()

@@ -75,7 +75,8 @@ class _AsyncCalls:
         timeout = b.request_timeout(call, self.timeout)
         try:
             if conn is None:
-                conn = await b.AsyncConnection.open(lane.path, timeout)
+                conn = await b.AsyncConnection.open(lane.address, timeout)
+                lane.opened(conn)
             answer = await conn.exchange(request, timeout)
         except BaseException as exc:
             lane.discard(conn)

@@ -75,7 +75,8 @@ class _Calls:
         timeout = b.request_timeout(call, self.timeout)
         try:
             if conn is None:
-                conn = b.Connection.open(lane.path, timeout)
+                conn = b.Connection.open(lane.address, timeout)
+                lane.opened(conn)
             answer = conn.exchange(request, timeout)
         except BaseException as exc:
             lane.discard(conn)
