@@ -179,7 +179,13 @@ def profile(op: Callable[[], None], n: int, daemon: Daemon, out: Path, name: str
 
 # Leaf frames blocked in a socket call: waiting for the peer, or preempted by the peer the call woke
 # (on 2 cores a send often hands the CPU to its receiver: the agent, the daemon).
-SOCKET_IO = ("SyncStream.read (", "SyncStream.write (", "AgentChannel._send_unlocked (", "sock_sendall (")
+SOCKET_IO = (
+    "SyncStream.read (",  # httpx's (the caller on TCP, streams)
+    "SyncStream.write (",
+    "Connection.exchange (sandfleet/client/_base/lane.py",  # the SDK's lane: its send and recv
+    "AgentChannel._send_unlocked (",  # the daemon's datagram to the agent
+    "sock_sendall (",
+)
 WAITING = ("select (", "epoll", "poll (", "wait (")  # idle: not counted
 
 
