@@ -52,10 +52,20 @@ LAYERS = (
     ("starlette/", "HTTP server and framework (uvicorn, starlette, fastapi, anyio)"),
     ("fastapi/", "HTTP server and framework (uvicorn, starlette, fastapi, anyio)"),
     ("anyio/", "HTTP server and framework (uvicorn, starlette, fastapi, anyio)"),
+    # py-spy names a file by its shortest path under sys.path: the daemon's may come as "node/..."
     ("sandfleet/daemon/api/", "daemon API (sandfleet.daemon.api)"),
+    ("(api/", "daemon API (sandfleet.daemon.api)"),
     ("sandfleet/daemon/", "daemon node (sandfleet.daemon)"),
+    ("(node/", "daemon node (sandfleet.daemon)"),
+    ("(net/", "daemon node (sandfleet.daemon)"),
+    ("(security/", "daemon node (sandfleet.daemon)"),
+    ("(rl/", "daemon node (sandfleet.daemon)"),
+    ("(service.py", "daemon node (sandfleet.daemon)"),
     ("sandfleet/runtime/", "runtime (sandfleet.runtime: agent channel, launcher)"),
     ("sandfleet/backends/", "runtime (sandfleet.runtime: agent channel, launcher)"),
+    ("(backends/", "runtime (sandfleet.runtime: agent channel, launcher)"),
+    ("(runtime/", "runtime (sandfleet.runtime: agent channel, launcher)"),
+    ("concurrent/futures/", "worker threads (blocking calls off the event loop)"),
     ("pydantic", "models (pydantic, sandfleet.models)"),
     ("sandfleet/models/", "models (pydantic, sandfleet.models)"),
     ("asyncio/", "event loop (asyncio, selectors)"),
@@ -186,7 +196,7 @@ SOCKET_IO = (
     "AgentChannel._send_unlocked (",  # the daemon's datagram to the agent
     "sock_sendall (",
 )
-WAITING = ("select (", "epoll", "poll (", "wait (")  # idle: not counted
+WAITING = ("select (", "epoll", "poll (", "wait (", "get (queue.py")  # idle (an idle worker thread too)
 
 
 def _layers(raw: Path) -> dict[str, Any]:

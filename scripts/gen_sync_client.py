@@ -31,6 +31,7 @@ REPLACEMENTS = [
     ("AsyncClient", "Client"),
     ("AsyncEventStream", "EventStream"),
     ("b.AsyncConnection", "b.Connection"),
+    ("await lane.call(", "lane.call_sync("),
     ("__aiter__", "__iter__"),
     ("__anext__", "__next__"),
     ("await anext(", "next("),

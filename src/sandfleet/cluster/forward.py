@@ -159,21 +159,11 @@ def _host_port(url: str) -> tuple[str, int]:
 
 async def _by_lane(lane: Lane[AsyncConnection], call: Call, timeout: httpx.Timeout) -> Answer | None:
     """A one-answer call on the node's lane (as the SDK's, over TCP); None: all its connections busy."""
-    request = encode(call, lane.headers)
-    conn = lane.take()
-    if conn is None and not lane.room():
-        return None
-    try:
-        if conn is None:
-            host, port = _host_port(lane.address)
-            conn = await AsyncConnection.open_tcp(host, port, timeout.connect or 5.0)
-            lane.opened(conn)
-        answer = await conn.exchange(request, timeout.read or 1e9)
-    except BaseException:
-        lane.discard(conn)
-        raise
-    lane.put(conn, answer)
-    return answer
+    host, port = _host_port(lane.address)
+    connect = timeout.connect or 5.0
+    return await lane.call(
+        encode(call, lane.headers), lambda: AsyncConnection.open_tcp(host, port, connect), timeout.read or 1e9
+    )
 
 
 def json_response(data: Any, status: int = 200, background: BackgroundTask | None = None) -> Response:

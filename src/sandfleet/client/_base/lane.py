@@ -21,7 +21,7 @@ import select
 import socket
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import h11
@@ -115,17 +115,39 @@ def _connect_error(path: str, exc: OSError) -> httpx.ConnectError:
     return httpx.ConnectError(f"cannot connect to {path}: {exc}")
 
 
+@contextlib.contextmanager
+def _connecting(where: str, sock: socket.socket | None = None) -> Iterator[list[socket.socket]]:
+    """Around a connect: the socket (given, or put in the list yielded) closed on any failure, which
+    is raised as httpx's (any failure to connect was never sent: `map_transport_error`, `request_sent`)."""
+    made: list[socket.socket] = [] if sock is None else [sock]
+    try:
+        yield made
+    except BaseException as exc:
+        for s in made:
+            s.close()
+        if isinstance(exc, TimeoutError):
+            raise httpx.ConnectTimeout(f"connecting to {where} timed out") from None
+        if isinstance(exc, OSError):
+            raise _connect_error(where, exc) from exc
+        raise
+
+
+@contextlib.contextmanager
+def _exchanging() -> Iterator[None]:
+    """Around a request and its answer: socket failures raised as httpx's."""
+    try:
+        yield
+    except TimeoutError:
+        raise httpx.ReadTimeout("the daemon did not answer in time") from None
+    except OSError as exc:
+        raise httpx.RemoteProtocolError(f"connection to the daemon broke: {exc}") from None
+
+
 def _open(path: str, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
+    with _connecting(path, sock):
+        sock.settimeout(timeout)
         sock.connect(path)
-    except TimeoutError:
-        sock.close()
-        raise httpx.ConnectTimeout(f"connecting to {path} timed out") from None
-    except OSError as exc:
-        sock.close()
-        raise _connect_error(path, exc) from exc
     return sock
 
 
@@ -152,7 +174,7 @@ class Connection:
         """Write the request and read its answer; `timeout` bounds each write and each read (as httpx's
         does): a large transfer that keeps moving is never cut."""
         answer = Answer(self.http)
-        try:
+        with _exchanging():
             self.sock.settimeout(timeout)
             try:
                 for data in _frames(self.http, request):
@@ -163,10 +185,6 @@ class Connection:
                 pass  # the daemon answered early (an error) and closed: its answer is still to read
             while answer.next_events():
                 answer.feed(self.sock.recv(_CHUNK))
-        except TimeoutError:
-            raise httpx.ReadTimeout("the daemon did not answer in time") from None
-        except OSError as exc:
-            raise httpx.RemoteProtocolError(f"connection to the daemon broke: {exc}") from None
         return answer
 
     def close(self) -> None:
@@ -183,8 +201,8 @@ class AsyncConnection:
     @classmethod
     async def open(cls, path: str, timeout: float) -> AsyncConnection:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
+        with _connecting(path, sock):
+            sock.setblocking(False)
             async with asyncio.timeout(timeout):
                 delay = 0.001
                 while True:
@@ -194,48 +212,26 @@ class AsyncConnection:
                     except BlockingIOError:  # (asyncio's sock_connect would take that for connected)
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, 0.05)
-        except TimeoutError:
-            sock.close()
-            raise httpx.ConnectTimeout(f"connecting to {path} timed out") from None
-        except OSError as exc:
-            sock.close()
-            raise _connect_error(path, exc) from exc
-        except BaseException:
-            sock.close()
-            raise
         return cls(sock)
 
     @classmethod
     async def open_tcp(cls, host: str, port: int, timeout: float) -> AsyncConnection:
         """A connection over TCP (the gateway's to a node), its small writes never held back (no Nagle)."""
         loop = asyncio.get_running_loop()
-        sock: socket.socket | None = None
-        try:
+        with _connecting(f"{host}:{port}") as made:
             async with asyncio.timeout(timeout):
                 family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
-                sock = socket.socket(family, kind, proto)
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await loop.sock_connect(sock, address)
-        except TimeoutError:
-            if sock is not None:
-                sock.close()
-            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
-        except OSError as exc:
-            if sock is not None:
-                sock.close()
-            raise _connect_error(f"{host}:{port}", exc) from exc
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
-        return cls(sock)
+                made.append(socket.socket(family, kind, proto))
+                made[0].setblocking(False)
+                made[0].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_connect(made[0], address)
+        return cls(made[0])
 
     async def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
         """As `Connection.exchange`: `timeout` bounds each write and each read."""
         loop = asyncio.get_running_loop()
         answer = Answer(self.http)
-        try:
+        with _exchanging():
             try:
                 for data in _frames(self.http, request):
                     view = memoryview(data)
@@ -248,10 +244,6 @@ class AsyncConnection:
                 async with asyncio.timeout(timeout):
                     data = await loop.sock_recv(self.sock, _CHUNK)
                 answer.feed(data)
-        except TimeoutError:
-            raise httpx.ReadTimeout("the daemon did not answer in time") from None
-        except OSError as exc:
-            raise httpx.RemoteProtocolError(f"connection to the daemon broke: {exc}") from None
         return answer
 
     def close(self) -> None:
@@ -327,6 +319,46 @@ class Lane(Generic[C]):
                 self._busy.discard(conn)
         if conn is not None:
             conn.close()
+
+    async def call(
+        self: Lane[AsyncConnection],
+        request: tuple[h11.Request, bytes],
+        open_: Callable[[], Awaitable[AsyncConnection]],
+        timeout: float,
+    ) -> Answer | None:
+        """`request` on a connection of the lane (`open_` makes one when none is idle); None: all
+        its connections are busy (the caller goes through httpx)."""
+        conn = self.take()
+        if conn is None and not self.room():
+            return None
+        try:
+            if conn is None:
+                conn = await open_()
+                self.opened(conn)
+            answer = await conn.exchange(request, timeout)
+        except BaseException:
+            self.discard(conn)
+            raise
+        self.put(conn, answer)
+        return answer
+
+    def call_sync(
+        self: Lane[Connection], request: tuple[h11.Request, bytes], open_: Callable[[], Connection], timeout: float
+    ) -> Answer | None:
+        """`call` for a blocking client."""
+        conn = self.take()
+        if conn is None and not self.room():
+            return None
+        try:
+            if conn is None:
+                conn = open_()
+                self.opened(conn)
+            answer = conn.exchange(request, timeout)
+        except BaseException:
+            self.discard(conn)
+            raise
+        self.put(conn, answer)
+        return answer
 
     def close(self) -> None:
         with self._lock:

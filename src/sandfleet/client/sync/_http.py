@@ -65,26 +65,12 @@ class _Calls:
 
     def _by_lane(self, lane: b.Lane[b.Connection], call: b.Call) -> b.Answer | None:
         """`call` on the unix socket's lane (b.lane); None when all its connections are busy."""
-        try:
-            request = b.encode(call, lane.headers)
-        except httpx.HTTPError as exc:  # a header h11 will not write
-            raise b.map_transport_error(exc, self.endpoint) from exc
-        conn = lane.take()
-        if conn is None and not lane.room():
-            return None
         timeout = b.request_timeout(call, self.timeout)
         try:
-            if conn is None:
-                conn = b.Connection.open(lane.address, timeout)
-                lane.opened(conn)
-            answer = conn.exchange(request, timeout)
-        except BaseException as exc:
-            lane.discard(conn)
-            if isinstance(exc, httpx.HTTPError | OSError):
-                raise b.map_transport_error(exc, self.endpoint) from exc
-            raise
-        lane.put(conn, answer)
-        return answer
+            request = b.encode(call, lane.headers)
+            return lane.call_sync(request, lambda: b.Connection.open(lane.address, timeout), timeout)
+        except (httpx.HTTPError, OSError) as exc:
+            raise b.map_transport_error(exc, self.endpoint) from exc
 
     def _model(self, model: type[M], call: b.Call) -> M:
         return b.decode(model, self._send(call))
