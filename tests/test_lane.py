@@ -11,7 +11,7 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -350,3 +350,80 @@ def test_a_closed_client_takes_no_call(serve: Callable[..., Server]) -> None:
     with pytest.raises(RuntimeError):
         fleet._send(b.Call("GET", "/v1/x"))  # as httpx says it
     assert server.accepted == 1
+
+
+def test_a_tcp_lane_tries_each_address_and_keeps_what_it_may_open() -> None:
+    """The gateway's lane to a node: an address that refuses is passed over for the next (as httpx
+    does), a connection opened after the lane closed fails typed, and idle connections are kept up
+    to the lane's own bound (a gateway closing them after each burst piles up TIME_WAIT)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    closed = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    closed.bind(("127.0.0.1", 0))
+    refused = closed.getsockname()[1]
+    closed.close()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: _answer_all(c), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        real = loop.getaddrinfo
+
+        async def two(host: str, p: int, **kw: object) -> list[tuple[object, ...]]:
+            first = await real("127.0.0.1", refused, type=socket.SOCK_STREAM)
+            return [*first, *(await real("127.0.0.1", port, type=socket.SOCK_STREAM))]
+
+        loop.getaddrinfo = two  # type: ignore[method-assign,assignment]
+        conn = await lane.AsyncConnection.open_tcp("node.test", 1, 5.0)
+        answer = await conn.exchange(lane.encode(b.Call("GET", "/v1/x"), {"host": "node.test"}), 5.0)
+        assert answer.status == 200 and bytes(answer.body) == b'{"ok":true}'
+        conn.close()
+        loop.getaddrinfo = real  # type: ignore[method-assign]
+
+        pool: lane.Lane[lane.AsyncConnection] = lane.Lane(f"http://127.0.0.1:{port}", {}, limit=40, idle=40)
+
+        def opener() -> Awaitable[lane.AsyncConnection]:
+            return lane.AsyncConnection.open_tcp("127.0.0.1", port, 5.0)
+
+        calls = [pool.call(lane.encode(b.Call("GET", "/v1/x"), pool.headers), opener, 5.0) for _ in range(40)]
+        assert all(a is not None and a.status == 200 for a in await asyncio.gather(*calls))
+        assert len(pool._idle) == 40  # all kept for the next burst
+        pool.close()
+        late = lane.Lane[lane.AsyncConnection](f"http://127.0.0.1:{port}", {})
+        late.close()
+        assert await late.call(lane.encode(b.Call("GET", "/v1/x"), late.headers), opener, 5.0) is None
+
+    asyncio.run(main())
+    listener.close()
+
+
+def _answer_all(conn: socket.socket) -> None:
+    buf = b""
+    with conn, contextlib.suppress(OSError):
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return
+            buf += data
+            while b"\r\n\r\n" in buf:
+                _, _, buf = buf.partition(b"\r\n\r\n")
+                conn.sendall(OK)
+
+
+def test_a_gateway_keeps_httpx_for_nodes_the_lane_cannot_write_to() -> None:
+    from sandfleet.cluster.membership import Membership
+
+    members = Membership("t0k")
+    assert members._lane("http://10.0.0.1:8600") is not None
+    for url in ("https://10.0.0.1:8600", "http://10.0.0.1:8600/prefix"):
+        assert members._lane(url) is None, url

@@ -162,15 +162,21 @@ class Membership:
 
     def _lane(self, url: str) -> Lane[AsyncConnection] | None:
         target = httpx.URL(url)
-        if self._transport is not None or target.scheme != "http" or not target.host:
-            return None
+        if (
+            self._transport is not None
+            or target.scheme != "http"
+            or not target.host
+            or target.raw_path not in (b"", b"/")
+        ):
+            return None  # a test's transport, TLS, or a path prefix (the lane writes the call's path as it is)
         headers = {
             "host": target.netloc.decode("ascii"),
             "accept": "*/*",
             "user-agent": f"python-httpx/{httpx.__version__}",
         }
         headers["authorization"] = f"Bearer {self._token}"  # the gateway's, unless a call carries its caller's
-        return Lane(url, headers, limit=min(64, self.connections))
+        limit = min(64, self.connections)
+        return Lane(url, headers, limit=limit, idle=limit)
 
     def _close(self, node: Node) -> None:
         if node.lane is not None:
@@ -219,6 +225,8 @@ class Membership:
 
     async def close(self) -> None:
         for node in self.nodes.values():
+            if node.lane is not None:
+                node.lane.close()
             await node.http.aclose()
             await node.control.aclose()
         await asyncio.gather(*self._closing, return_exceptions=True)

@@ -50,7 +50,7 @@ def encode(call: Call, headers: Mapping[str, str]) -> tuple[h11.Request, bytes]:
         head["content-type"] = "application/json"
     elif call.content is not None:
         body = call.content
-    head.update(call.headers)
+    head.update((k.lower(), v) for k, v in call.headers.items())  # a call's own win, whatever their case
     if body or call.method in ("POST", "PUT", "PATCH"):
         head["content-length"] = str(len(body))
     query = str(httpx.QueryParams(call.params)) if call.params else ""
@@ -220,11 +220,20 @@ class AsyncConnection:
         loop = asyncio.get_running_loop()
         with _connecting(f"{host}:{port}") as made:
             async with asyncio.timeout(timeout):
-                family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
-                made.append(socket.socket(family, kind, proto))
-                made[0].setblocking(False)
-                made[0].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await loop.sock_connect(made[0], address)
+                addresses = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                for i, (family, kind, proto, _, address) in enumerate(addresses):  # each in turn, as httpx
+                    sock = socket.socket(family, kind, proto)
+                    made[:] = [sock]
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    try:
+                        await loop.sock_connect(sock, address)
+                        break
+                    except OSError:
+                        sock.close()
+                        made.clear()
+                        if i == len(addresses) - 1:
+                            raise
         return cls(made[0])
 
     async def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
@@ -260,11 +269,15 @@ class Lane(Generic[C]):
     parent's connections) and a fresh lock. Closed, it takes no call (they go to httpx, which
     refuses them as closed) and the calls on its connections end at once (as httpx's `aclose`)."""
 
-    def __init__(self, address: str, headers: Mapping[str, Any], *, limit: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self, address: str, headers: Mapping[str, Any], *, limit: int = MAX_CONNECTIONS, idle: int = MAX_IDLE
+    ) -> None:
+        """`limit`: connections open at once; `idle`: kept between calls (a gateway keeps all it may
+        open: a connection closed after each burst leaves a TIME_WAIT entry behind on TCP)."""
         self.address = address
         # httpx's own (user agent, the token), less compression: the daemon never compresses
         self.headers = {"host": "sandfleet", **{k: v for k, v in headers.items() if k != "accept-encoding"}}
-        self.limit = limit
+        self.limit, self.max_idle = limit, idle
         self._idle: list[C] = []
         self._busy: set[C] = set()
         self._open = 0
@@ -299,13 +312,14 @@ class Lane(Generic[C]):
         with self._lock:
             self._busy.add(conn)
         if self._closed:
-            conn.sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):  # already reset: the exchange fails all the same
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
     def put(self, conn: C, answer: Answer) -> None:
         """A connection whose call was answered: kept if the daemon keeps it and room is left."""
         with self._lock:
             self._busy.discard(conn)
-            if not self._closed and answer.keep_alive and len(self._idle) < MAX_IDLE:
+            if not self._closed and answer.keep_alive and len(self._idle) < self.max_idle:
                 self._idle.append(conn)
                 return
             self._open -= 1
