@@ -572,6 +572,9 @@ def serve(ctl: socket.socket, wdirs: list[str]) -> None:
         req = None
         try:
             req = json.loads(body)
+            # Said before anything of the call happens: a daemon that never hears it knows the call
+            # never started (this process was killed first) and may run it on a successor.
+            write_all(json.dumps({"taken": req.get("id")}).encode() + b"\n")
             order = prepare(req)
         except Exception as exc:
             call_id = req.get("id") if isinstance(req, dict) else None

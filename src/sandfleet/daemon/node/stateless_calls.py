@@ -59,6 +59,7 @@ class _Zygote:
     waiting: asyncio.Future[dict[str, Any]] | None = None
     dead: bool = False
     ids: itertools.count[int] = field(default_factory=itertools.count)
+    taken: int | None = None  # the last call the supervisor said it read
 
     def feed(self, data: bytes) -> None:
         self.buf += data
@@ -68,6 +69,8 @@ class _Zygote:
             if msg.get("ready"):
                 if not self.ready.done():
                     self.ready.set_result(None)
+            elif "taken" in msg:
+                self.taken = msg["taken"]
             elif self.waiting is not None and not self.waiting.done():
                 self.waiting.set_result(msg)
 
@@ -77,6 +80,10 @@ class _Zygote:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
                 fut.exception()  # retrieved: nobody may be waiting any more
+
+
+class _NotTaken(UnavailableError):
+    """The worker's interpreter died before it read the call: nothing of the call ran."""
 
 
 @dataclass(eq=False)
@@ -180,8 +187,15 @@ class Calls:
         sb, _live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
         z = await self._zygote(sb)
-        async with z.lock:
-            result = await self._call(sb, z, req)
+        try:
+            async with z.lock:
+                result = await self._call(sb, z, req)
+        except _NotTaken:
+            # The interpreter died (killed from inside the worker, say) before it read the call: the
+            # call never started, so it runs once on the successor.
+            z = await self._zygote(sb)
+            async with z.lock:
+                result = await self._call(sb, z, req)
         self.core.touch(sb)
         self.core.journal.record(sb.id, "call", {"language": req.language, "exit_code": result.exit_code})
         return result
@@ -240,9 +254,17 @@ class Calls:
     async def _call(self, sb: Sandbox, z: _Zygote, req: RunCodeRequest) -> ExecResult:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         z.waiting = fut
+        call_id = next(z.ids)
         try:
-            await z.proc.write_stdin(_request(req, next(z.ids)))
-            msg = await asyncio.wait_for(asyncio.shield(fut), req.timeout + GRACE)
+            if z.dead:
+                raise _NotTaken("the worker's interpreter exited before the call")
+            await z.proc.write_stdin(_request(req, call_id))
+            try:
+                msg = await asyncio.wait_for(asyncio.shield(fut), req.timeout + GRACE)
+            except UnavailableError as exc:
+                if z.dead and z.taken != call_id:
+                    raise _NotTaken(str(exc)) from exc
+                raise
         except TimeoutError as exc:
             # A worker that does not answer is not trusted with another call.
             z.fail(UnavailableError(f"worker {sb.id} did not answer its call"))
