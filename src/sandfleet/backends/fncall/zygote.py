@@ -2,7 +2,8 @@
 
 The daemon starts it through the agent (`python3 -I -c <this file's text> <preload...>`) as the
 sandbox's root and keeps its stdin and stdout: per call it writes a request (HEADER, then that many
-bytes of JSON) and reads one JSON line back. Three kinds of process, so that nothing of a call ever
+bytes of JSON) and reads two JSON lines back: `taken` once the request is read (before anything of
+the call happens), then its result. Three kinds of process, so that nothing of a call ever
 lies in the memory a later call is forked from:
 
 - the supervisor (this process, long-lived): reads each request, writes the call's files, has the

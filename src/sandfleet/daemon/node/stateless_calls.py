@@ -1,15 +1,15 @@
 """Stateless calls (the fncall tier): `run_code` on a worker sandbox, or on one of the node's pools.
 
-A worker is a sandbox of the fncall tier with a warm interpreter (backends/fncall/zygote.py) started in it
-through the agent on its first call; each call is one request to it (a framed JSON document) and
-one JSON line back, and runs in a fresh process forked from it (see zygote.py for what is wiped
-between calls). A worker serves one call at a time, so the sandbox's limits (memory, pids) are the
-call's. Pools of workers are kept per (project, image, resources): the project is the trust domain,
-so workers are never shared between projects (a worker carries its project like any sandbox: its
-tokens see it, a restarted daemon adopts it back into that project's pool). A call takes an idle
-worker, or creates one while under `max_workers`, or waits for one (no longer than its own timeout:
-then `resource_exhausted`); idle workers above `workers` stop after `worker_idle` seconds (their
-idle TTL).
+A worker is a sandbox of the fncall tier with a warm interpreter (backends/fncall/zygote.py) started in
+it through the agent on its first call; each call is one request to it (a framed JSON document) and two
+JSON lines back (`taken`, then the result: an interpreter that died before `taken` never started the
+call, which runs once on its successor), and runs in a fresh process forked from it (see zygote.py for
+what is wiped between calls). A worker serves one call at a time, so the sandbox's limits (memory, pids)
+are the call's. Pools of workers are kept per (project, image, resources): the project is the trust
+domain, so workers are never shared between projects (a worker carries its project like any sandbox: its
+tokens see it, a restarted daemon adopts it back into that project's pool). A call takes an idle worker,
+or creates one while under `max_workers`, or waits for one (no longer than its own timeout: then
+`resource_exhausted`); idle workers above `workers` stop after `worker_idle` seconds (their idle TTL).
 """
 
 from __future__ import annotations
