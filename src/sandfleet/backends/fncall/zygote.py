@@ -2,9 +2,8 @@
 
 The daemon starts it through the agent (`python3 -I -c <this file's text> <preload...>`) as the
 sandbox's root and keeps its stdin and stdout: per call it writes a request (HEADER, then that many
-bytes of JSON) and reads two JSON lines back: `taken` once the request is read (before anything of
-the call happens), then its result. Three kinds of process, so that nothing of a call ever
-lies in the memory a later call is forked from:
+bytes of JSON) and reads a line `taken` (none: the call never began), then the result. Three kinds of
+process, so that nothing of a call ever lies in the memory a later call is forked from:
 
 - the supervisor (this process, long-lived): reads each request, writes the call's files, has the
   zygote fork the call, feeds the call's stdin and collects its output, kills what it left running,
@@ -573,9 +572,7 @@ def serve(ctl: socket.socket, wdirs: list[str]) -> None:
         req = None
         try:
             req = json.loads(body)
-            # Said before anything of the call happens: a daemon that never hears it knows the call
-            # never started (this process was killed first) and may run it on a successor.
-            write_all(json.dumps({"taken": req.get("id")}).encode() + b"\n")
+            write_all(json.dumps({"taken": req.get("id")}).encode() + b"\n")  # see the top: `taken`
             order = prepare(req)
         except Exception as exc:
             call_id = req.get("id") if isinstance(req, dict) else None
