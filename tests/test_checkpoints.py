@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -257,3 +258,21 @@ def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon) 
         while time.time() < deadline and residue(d) != baseline:
             time.sleep(0.2)
         assert residue(d) == baseline
+
+
+def test_a_sandbox_stopped_during_its_checkpoint_says_so(fleet: Client) -> None:
+    """Stop does not wait for a checkpoint: the checkpoint then fails as a wrong state (or a sandbox
+    not found), never as an internal error (the race a fuzzed stateful run found)."""
+    for delay in (0.05, 0.15, 0.3):
+        sb = fleet.create(image="busybox", labels=JOB)
+        sb.start("dd if=/dev/zero bs=150M count=1 | sleep 1000")  # 150 MB held: a dump of some length
+        time.sleep(0.5)
+        stopper = threading.Timer(delay, sb.stop)
+        stopper.start()
+        try:
+            sb.checkpoint()
+        except (WrongStateError, NotFoundError):
+            pass
+        finally:
+            stopper.join()
+    assert fleet.list(labels=JOB) == []

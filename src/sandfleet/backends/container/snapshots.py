@@ -110,8 +110,10 @@ class ContainerSnapshots(ContainerSandboxes):
                     log=log_file,
                 )
                 ooms = await asyncio.to_thread(self._oom_kills, sandbox)
-                done = await proc.spawn(argv, env=tool.dump_env(pid), timeout=300)
-                if done.returncode != 0:
+                for attempt in range(2):
+                    done = await proc.spawn(argv, env=tool.dump_env(pid), timeout=300)
+                    if done.returncode == 0:
+                        break
                     why = _criu_error(log_file)
                     if await asyncio.to_thread(self._oom_kills, sandbox) > ooms or "killed by 9 unexpectedly" in why:
                         # criu's parasite runs in the sandbox's processes and needs a little memory
@@ -121,7 +123,15 @@ class ContainerSnapshots(ContainerSandboxes):
                             f"a process of sandbox {sandbox.id} was killed while it was being checkpointed "
                             f"(at its memory limit? raise it, or free memory, and retry): {why}"[:500]
                         )
-                    raise InternalError(f"criu dump failed ({done.returncode}): {why}")
+                    if "No such process" not in why:
+                        raise InternalError(f"criu dump failed ({done.returncode}): {why}")
+                    if attempt:
+                        why = f"processes of sandbox {sandbox.id} exited during its dump, twice: retry ({why})"
+                        raise UnavailableError(why[:500])
+                    # A process exiting as the cgroup froze (the freezer passes over those) vanished
+                    # under criu: it is gone by now, and a second dump sees the tree without it.
+                    log.info("sandbox %s: a process exited during its dump, dumping again: %s", sandbox.id, why)
+                    await asyncio.to_thread(_empty_dir, images)
                 # Still frozen: the tree the images were taken from is the one checked.
                 await self._check_restore_paths(sandbox, images)
             finally:
@@ -309,6 +319,11 @@ class ContainerSnapshots(ContainerSandboxes):
             if isinstance(exc, OSError | ValueError | KeyError):
                 raise InternalError(f"restoring the snapshot failed: {exc}") from exc
             raise
+
+
+def _empty_dir(path: Path) -> None:
+    for child in path.iterdir():
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 def _criu_error(log_file: Path) -> str:

@@ -196,7 +196,12 @@ class Snapshots:
         if not isinstance(tier, Snapshottable) or not offers(tier, "snapshot"):
             raise unsupported(tier, "snapshot or fork a sandbox")
         inherit = self._inheritance(sb)
-        meta = await tier.snapshot(live, path)
+        try:
+            meta = await tier.snapshot(live, path)
+        except SandboxError as exc:
+            if sb.state != RUNNING:  # stop does not wait for the hold: what failed is a stopped sandbox
+                raise WrongStateError(f"sandbox {sb.id} stopped while its state was taken") from exc
+            raise
         meta["sizes"] = await asyncio.to_thread(image_sizes, path)
         meta["keep_execs"] = [s["exec_id"] for s in inherit["sessions"]]
         meta["keep_execs"] += [p["exec_id"] for p in inherit["processes"]]
