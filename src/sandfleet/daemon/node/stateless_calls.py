@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.backends.config import FncallBackendConfig
-from sandfleet.backends.fncall import zygote
+from sandfleet.backends.fncall import residue, zygote
 from sandfleet.backends.fncall.zygote import HEADER, MAGIC
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.node.core import EventStream, NodeCore, wire_text
@@ -39,7 +39,21 @@ from sandfleet.runtime.agent_errors import AgentError, ExecStartError
 from sandfleet.runtime.agent_exec import ExecProcess
 from sandfleet.runtime.agent_wire import ExitInfo, OutputChunk
 
-ZYGOTE_SOURCE = Path(zygote.__file__).read_text()  # run in a worker as `python3 -I -c`
+
+def _bundle() -> str:
+    """zygote.py as one `python3 -I -c` program: residue.py, which it imports, is made a module of
+    that name from its text first (the worker's image has no sandfleet)."""
+    own, main = Path(residue.__file__).read_text(), Path(zygote.__file__).read_text()
+    return (
+        "import sys, types\n"
+        f"m = types.ModuleType({residue.__name__!r})\n"
+        f"exec(compile({own!r}, 'residue.py', 'exec'), m.__dict__)\n"
+        f"sys.modules[m.__name__] = m\n"
+        f"exec(compile({main!r}, 'zygote.py', 'exec'), {{'__name__': '__main__'}})\n"
+    )
+
+
+ZYGOTE_SOURCE = _bundle()  # run in a worker as `python3 -I -c`
 DEFAULT_IMAGE = "python"
 POOL_LABEL = "sandfleet.fncall-pool"
 START_TIMEOUT = 30.0  # the interpreter's start (and its preloads) in a fresh worker
