@@ -71,6 +71,14 @@ def test_run_code_basics(fleet: Client) -> None:
     r = fleet.run_code("def f(:\n  pass")
     assert r.exit_code == 1 and "SyntaxError" in r.stderr
     assert fleet.run_code("import sys; sys.exit(5)").exit_code == 5
+    # A call says its exit status itself before it exits; one that never gets there (os._exit, its
+    # descriptor closed, an exec) is reported from its exit.
+    r = fleet.run_code("import os; print('out', flush=True); os._exit(4)")
+    assert (r.exit_code, r.stdout) == (4, "out\n")
+    r = fleet.run_code("import os; os.closerange(3, 65536); print('shut'); raise SystemExit(6)")
+    assert (r.exit_code, r.stdout) == (6, "shut\n")
+    r = fleet.run_code("import os; os.execv('/bin/sh', ['sh', '-c', 'echo sh; exit 7'])")
+    assert (r.exit_code, r.stdout) == (7, "sh\n")
     assert fleet.run_code("import os; os.kill(os.getpid(), 9)").signal == 9
 
 
@@ -137,8 +145,9 @@ for p in os.listdir('/proc'):
             parents[int(p)] = int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1])
     except OSError:
         pass
-zygotes = {p for p, parent in parents.items() if parent in parents}
-print(sorted(set(parents) - zygotes), sorted(zygotes))
+supervisors = {p for p, parent in parents.items() if parent not in parents}
+zygotes = {p for p, parent in parents.items() if parent in supervisors}  # (their children: the spare call)
+print(sorted(supervisors), sorted(zygotes))
 for p in parents:
     if sys.argv[1] == 'all' or (sys.argv[1] == 'zygote' and p in zygotes):
         os.kill(p, signal.SIGKILL)

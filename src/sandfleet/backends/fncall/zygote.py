@@ -6,19 +6,21 @@ The daemon starts it through the agent (`python3 -I -c <this file's text and res
 the result. Three kinds of process, so that nothing of a call ever lies in the memory a later call
 is forked from:
 
-- the supervisor (this process, long-lived): reads each request, writes the call's files, has the
-  zygote fork the call, feeds the call's stdin and collects its output, kills what it left running,
-  removes what it left, and answers. It holds every call's data, so no call is ever forked from it
-  once it has read a request (nor can a call read it: it is root, calls are not);
+- the supervisor (this process, long-lived): reads each request, writes the call's files, gives the
+  call forked ahead its order, feeds its stdin and collects its output, kills what it left running,
+  answers, then (before reading the next request) removes what it left. It holds every call's data,
+  so no call is ever forked from it once it has read a request (nor can a call read it: it is root,
+  calls are not);
 - the zygote, forked from the supervisor before any request (warm: the preloads imported): it reads
-  nothing but the supervisor's one-byte orders, each with the call's pipes attached (SCM_RIGHTS),
-  forks the call with them, and reports its exit status and then that every process of the call is
-  gone (it is their child subreaper: orphans come to it, and it reaps until no child is left). The
-  next call starts only then;
-- the call: a fresh fork of the zygote, which reads its order from a pipe of its own (the code as
-  the supervisor compiled it, marshalled: a first compile in a fresh fork costs hundreds of
-  copy-on-write faults), becomes the unprivileged CALL_UID in a scratch directory of its own, and
-  runs the code (or execs bash).
+  nothing at all. It forks the next call ahead with five pipes (order, stdin, stdout, stderr, exit
+  status) and sends the supervisor their other ends (SCM_RIGHTS), then reports the call's exit
+  status and then that every process of the call is gone (it is their child subreaper: orphans
+  come to it, and it reaps until no child is left). Only then does it fork the next;
+- the call: a fork of the zygote that waits, still root, for its order on its pipe (the code as the
+  supervisor compiled it, marshalled: a first compile in a fresh fork costs hundreds of copy-on-
+  write faults), then becomes the unprivileged CALL_UID in a scratch directory of its own and runs
+  the code (or execs bash). Before it exits it writes its exit status and closes its output, so the
+  answer need not wait for the kernel to take its memory down.
 
 What a call could leave, and where it goes: residue.py.
 Limits (memory, pids, no network) are the worker sandbox's, which serves one call at a time.
@@ -66,6 +68,7 @@ LOCK = "/run/.sandfleet-zygote"  # root's: held by the live supervisor and zygot
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 STATUS = struct.Struct("i")
+STATUS_FD = 1023  # the call's own exit status, told just before it exits (out of the way of its fds)
 
 
 class _ZygoteGone(Exception):
@@ -75,7 +78,7 @@ class _ZygoteGone(Exception):
 def run_child(fds: list[int]) -> NoReturn:
     """In a fresh fork of the zygote: read the order from its pipe, become the call and run it;
     never returns."""
-    req_r, in_r, out_w, err_w = fds
+    req_r, in_r, out_w, err_w, status_w = fds
     try:
         parts = []
         while True:
@@ -90,7 +93,13 @@ def run_child(fds: list[int]) -> NoReturn:
         os.dup2(in_r, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.closerange(3, 1 << 16)
+        told = True
+        try:
+            os.dup2(status_w, STATUS_FD, inheritable=False)  # what it runs does not inherit it
+        except OSError:  # a lower RLIMIT_NOFILE: the zygote's report will do
+            told = False
+        os.closerange(3, STATUS_FD)
+        os.closerange(STATUS_FD + 1, 1 << 16)
         for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         os.chdir(cwd)
@@ -134,6 +143,14 @@ def run_child(fds: list[int]) -> NoReturn:
                     stream.flush()
             except Exception:
                 pass
+        if told:
+            # Its exit status and the end of its output before the kernel takes its memory down
+            # (most of an exit's time): the supervisor answers meanwhile.
+            with contextlib.suppress(OSError):
+                os.write(STATUS_FD, bytes((status,)))
+            for fd in (0, 1, 2):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         os._exit(status)
     except BaseException:
         try:
@@ -142,9 +159,38 @@ def run_child(fds: list[int]) -> NoReturn:
             os._exit(126)
 
 
+def fork_spare(ctl: socket.socket) -> int:
+    """Fork the next call ahead, with its pipes, and give the supervisor their other ends (s). The
+    call waits for its order on its pipe, still root and holding nothing of a call: the fork is paid
+    for while the worker idles. -1 (F said): the fork failed."""
+    pipes = [os.pipe() for _ in range(5)]  # its order, stdin, stdout, stderr, own exit status
+    theirs = [pipes[0][0], pipes[1][0], pipes[2][1], pipes[3][1], pipes[4][1]]
+    mine = [pipes[0][1], pipes[1][1], pipes[2][0], pipes[3][0], pipes[4][0]]
+    try:
+        pid = os.fork()
+    except OSError:
+        pid = -1
+    if pid == 0:
+        low = 3  # all but its pipes go (the lock: see take_over)
+        for fd in sorted(theirs):
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, 1 << 16)
+        run_child(theirs)
+    for fd in theirs:
+        os.close(fd)
+    if pid > 0:
+        socket.send_fds(ctl, [b"s"], mine)
+    else:
+        ctl.send(b"F")
+    for fd in mine:
+        os.close(fd)
+    return pid
+
+
 def zygote(ctl: socket.socket) -> NoReturn:
-    """The zygote's loop: per order, fork the call with the pipes that came with it, report its exit
-    status (x), then that nothing of it is left (g); F: the fork failed."""
+    """The zygote's loop: fork the next call (see fork_spare), report its exit status (x), then that
+    nothing of it is left (g), and again; after a failed fork, fork again on the supervisor's word."""
     try:
         LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -153,20 +199,11 @@ def zygote(ctl: socket.socket) -> NoReturn:
         os.dup2(null, 1)
         os.close(null)
         while True:
-            msg, fds, _, _ = socket.recv_fds(ctl, 1, 4)
-            if not msg:
-                os._exit(0)  # the supervisor is gone
-            try:
-                pid = os.fork()
-            except OSError:
-                pid = -1
-            if pid == 0:
-                ctl.close()
-                run_child(fds)
-            for fd in fds:
-                os.close(fd)
+            pid = fork_spare(ctl)
             if pid < 0:
-                ctl.send(b"F")
+                if not ctl.recv(1):
+                    os._exit(0)  # the supervisor is gone
+                continue
             while True:
                 try:
                     done, status = os.waitpid(-1, 0)
@@ -179,6 +216,46 @@ def zygote(ctl: socket.socket) -> NoReturn:
             ctl.send(b"g")
     except BaseException:
         os._exit(1)
+
+
+class Zygote:
+    """The supervisor's end of the zygote: its messages, and the pipes of the call it forked ahead."""
+
+    def __init__(self, ctl: socket.socket) -> None:
+        self.ctl = ctl
+        self.spare: list[int] | None = None
+        self.failed = False
+
+    def fileno(self) -> int:
+        return self.ctl.fileno()
+
+    def recv(self) -> bytes:
+        """The zygote's next message (a spare's pipes kept); _ZygoteGone when it died."""
+        # (socket.recv_fds would drop the flag: these must not outlive an exec of this process)
+        msg, anc, _, _ = self.ctl.recvmsg(16, socket.CMSG_SPACE(5 * 4), socket.MSG_CMSG_CLOEXEC)
+        fds: list[int] = []
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4])
+        if msg == b"s" and len(fds) == 5:
+            self.spare, fds = fds, []
+        self.failed = self.failed or msg == b"F"
+        for fd in fds:
+            os.close(fd)
+        if not msg:
+            raise _ZygoteGone
+        return msg
+
+    def take(self) -> list[int] | None:
+        """The pipes of the call forked ahead (its order, stdin, stdout, stderr, exit status), once
+        it is there; None: it could not be forked."""
+        if self.spare is None and self.failed:
+            self.failed = False
+            self.ctl.send(b"r")  # fork again
+        while self.spare is None and not self.failed:
+            self.recv()
+        fds, self.spare = self.spare, None
+        return fds
 
 
 def prepare_scratch(req: dict[str, Any]) -> None:
@@ -220,17 +297,15 @@ def prepare(req: dict[str, Any]) -> bytes:
     return marshal.dumps((req["language"], code, req.get("env") or {}, SCRATCH))
 
 
-def call(req: dict[str, Any], order: bytes, ctl: socket.socket, wdirs: list[str]) -> dict[str, Any]:
-    """Run one call through the zygote; returns once nothing of it is left."""
+def call(req: dict[str, Any], order: bytes, zyg: Zygote) -> tuple[dict[str, Any], bool]:
+    """Run one call through the zygote; returns its result once its status and all its output are
+    in, and whether the zygote said that nothing of it is left (else `settle` waits for that)."""
     cap = int(req["cap"])
-    req_r, req_w = os.pipe()
-    in_r, in_w = os.pipe()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
     t0 = time.monotonic()
-    socket.send_fds(ctl, [b"f"], [req_r, in_r, out_w, err_w])
-    for fd in (req_r, in_r, out_w, err_w):
-        os.close(fd)
+    fds = zyg.take()
+    if fds is None:
+        return {"id": req["id"], "error": "the zygote could not fork the call (the pids limit?)"}, True
+    req_w, in_w, out_r, err_r, status_r = fds
     deadline = t0 + float(req["timeout"])
     kept: dict[int, list[bytes]] = {out_r: [], err_r: []}
     counts = {out_r: 0, err_r: 0}
@@ -239,10 +314,9 @@ def call(req: dict[str, Any], order: bytes, ctl: socket.socket, wdirs: list[str]
         os.set_blocking(fd, False)
     status = None
     ended = 0.0
-    forked = True
     gone = timed_out = False
-    readers = [out_r, err_r, ctl.fileno()]
-    while not gone:
+    readers = [out_r, err_r, status_r, zyg.fileno()]
+    while not gone and not (status is not None and out_r not in readers and err_r not in readers):
         for fd in [fd for fd, data in pending.items() if not data]:
             os.close(fd)
             del pending[fd]
@@ -252,7 +326,7 @@ def call(req: dict[str, Any], order: bytes, ctl: socket.socket, wdirs: list[str]
             if wait <= 0:
                 timed_out = True
                 as_call_uid(kill_calls)
-                readers, wait = [ctl.fileno()], None  # its output is not waited for any more
+                readers, wait = [zyg.fileno()], None  # its output is not waited for any more
         r, w, _ = select.select(readers, list(pending), [], wait)
         for fd in w:
             try:
@@ -260,19 +334,20 @@ def call(req: dict[str, Any], order: bytes, ctl: socket.socket, wdirs: list[str]
             except BrokenPipeError:
                 pending[fd] = b""
         for fd in r:
-            if fd != ctl.fileno():
+            if fd in (out_r, err_r):
                 if not keep(fd, kept, counts, cap):
                     readers.remove(fd)
                 continue
-            msg = ctl.recv(16)
-            if not msg:
-                raise _ZygoteGone
-            if msg[:1] == b"x":
+            msg = os.read(fd, 1) if fd == status_r else zyg.recv()
+            if fd == status_r:
+                readers.remove(fd)
+                if msg and status is None and not timed_out:  # the call's own word, before its exit
+                    status, ended = msg[0] << 8, time.monotonic()
+                    as_call_uid(kill_calls)  # as below
+            elif msg[:1] == b"x" and status is None:
                 status, ended = STATUS.unpack(msg[1:])[0], time.monotonic()
                 # The call is over: whatever it left running goes now (and its pipes close with it).
                 as_call_uid(kill_calls)
-            elif msg == b"F":
-                forked = False
             elif msg == b"g":
                 gone = True
     if not timed_out:  # every writer is gone: the rest of the output is in the pipes
@@ -280,12 +355,8 @@ def call(req: dict[str, Any], order: bytes, ctl: socket.socket, wdirs: list[str]
             while fd in readers and keep(fd, kept, counts, cap):
                 pass
     duration = (ended or time.monotonic()) - t0
-    for fd in [out_r, err_r, *pending]:
+    for fd in [out_r, err_r, status_r, *pending]:
         os.close(fd)
-    as_call_uid(remove_ipc)
-    sweep(wdirs)
-    if not forked:
-        return {"id": req["id"], "error": "the zygote could not fork the call (the pids limit?)"}
     out = b"".join(kept[out_r])
     err = b"".join(kept[err_r])
     return {
@@ -297,7 +368,16 @@ def call(req: dict[str, Any], order: bytes, ctl: socket.socket, wdirs: list[str]
         "out_n": counts[out_r],
         "err_n": counts[err_r],
         "duration": duration,
-    }
+    }, gone
+
+
+def settle(zyg: Zygote, gone: bool, wdirs: list[str]) -> None:
+    """After the answer, before the next request: wait until the zygote has reaped every process of
+    the call (all killed by then), then remove what they left."""
+    while not gone:
+        gone = zyg.recv() == b"g"
+    as_call_uid(remove_ipc)
+    sweep(wdirs)
 
 
 def read_exactly(n: int) -> bytes | None:
@@ -362,7 +442,7 @@ def main() -> None:
     wdirs = claim()
     write_all(b'{"ready": true}\n')
     try:
-        serve(ctl, wdirs)
+        serve(Zygote(ctl), wdirs)
     except _ZygoteGone:
         # Killed from inside the worker (say): no zygote may be forked from this process, which
         # has read requests, so it starts afresh as a new program (the daemon's pipes stay).
@@ -371,12 +451,12 @@ def main() -> None:
         os.execv("/proc/self/exe", argv)
 
 
-def serve(ctl: socket.socket, wdirs: list[str]) -> None:
+def serve(zyg: Zygote, wdirs: list[str]) -> None:
     """Requests until the daemon closes fd 0; _ZygoteGone when the zygote dies."""
     while True:
-        r, _, _ = select.select([0, ctl.fileno()], [], [])
-        if ctl.fileno() in r and not ctl.recv(16):
-            raise _ZygoteGone
+        r, _, _ = select.select([0, zyg.fileno()], [], [])
+        if zyg.fileno() in r:
+            zyg.recv()  # the next spare; _ZygoteGone if it died
         if 0 not in r:
             continue
         head = read_exactly(HEADER.size)
@@ -399,7 +479,7 @@ def serve(ctl: socket.socket, wdirs: list[str]) -> None:
             write_all(json.dumps({"id": call_id, "error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
             continue
         try:
-            res = call(req, order, ctl, wdirs)
+            res, gone = call(req, order, zyg)
         except _ZygoteGone:
             write_all(json.dumps({"error": "the worker's zygote died"}).encode() + b"\n")
             raise
@@ -409,6 +489,13 @@ def serve(ctl: socket.socket, wdirs: list[str]) -> None:
             write_all(json.dumps({"id": req["id"], "error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
             return
         write_all(json.dumps(res).encode() + b"\n")
+        try:
+            settle(zyg, gone, wdirs)
+        except _ZygoteGone:
+            raise
+        except Exception as exc:  # answered already: this process ends, the next call starts another
+            os.write(2, f"sandfleet-zygote: after call {req['id']}: {type(exc).__name__}: {exc}\n".encode())
+            return
 
 
 def write_all(data: bytes, fd: int = 1) -> None:
