@@ -79,6 +79,12 @@ def test_run_code_basics(fleet: Client) -> None:
     assert (r.exit_code, r.stdout) == (6, "shut\n")
     r = fleet.run_code("import os; os.execv('/bin/sh', ['sh', '-c', 'echo sh; exit 7'])")
     assert (r.exit_code, r.stdout) == (7, "sh\n")
+    # A process the call forked ends as the call would, first: not the call's status.
+    r = fleet.run_code(
+        "import os, sys\nif os.fork() == 0:\n    print('child', flush=True)\n    sys.exit(0)\n"
+        "os.wait()\nprint('parent done')\nsys.exit(3)"
+    )
+    assert (r.exit_code, r.stdout) == (3, "child\nparent done\n"), r
     assert fleet.run_code("import os; os.kill(os.getpid(), 9)").signal == 9
 
 
@@ -146,21 +152,23 @@ for p in os.listdir('/proc'):
     except OSError:
         pass
 supervisors = {p for p, parent in parents.items() if parent not in parents}
-zygotes = {p for p, parent in parents.items() if parent in supervisors}  # (their children: the spare call)
-print(sorted(supervisors), sorted(zygotes))
+zygotes = {p for p, parent in parents.items() if parent in supervisors}
+spares = {p for p, parent in parents.items() if parent in zygotes}  # the next call, forked ahead
+print(sorted(supervisors), sorted(zygotes), len(os.listdir(f'/proc/{min(supervisors)}/fd')))
 for p in parents:
-    if sys.argv[1] == 'all' or (sys.argv[1] == 'zygote' and p in zygotes):
+    if sys.argv[1] == 'all' or (sys.argv[1] == 'zygote' and p in zygotes) or (sys.argv[1] == 'spare' and p in spares):
         os.kill(p, signal.SIGKILL)
 """
 
 
-def _warm(w: Sandbox, *, kill: bool = True, zygote_only: bool = False) -> tuple[list[int], list[int]]:
-    """The pids of a worker's supervisor and zygote (killing both, or the zygote only, or none)."""
-    which = "none" if not kill else "zygote" if zygote_only else "all"
+def _warm(w: Sandbox, which: str = "all") -> tuple[list[int], list[int], int]:
+    """The pids of a worker's supervisor and zygote and the supervisor's open descriptors (killing
+    both, or the zygote, or the spare call, or none)."""
     r = w.exec(["python3", "-c", WARM, which])
-    supervisors, zygotes = (json.loads(part + "]") for part in r.stdout.strip()[:-1].split("] "))
+    sups, zygs, fds = r.stdout.split("] ")
+    supervisors, zygotes = json.loads(sups + "]"), json.loads(zygs + "]")
     assert len(supervisors) == len(zygotes) == 1, r
-    return supervisors, zygotes
+    return supervisors, zygotes, int(fds)
 
 
 def test_worker_sandbox(fleet: Client) -> None:
@@ -172,14 +180,23 @@ def test_worker_sandbox(fleet: Client) -> None:
         assert r.exit_code == 1 and "PermissionError" in r.stderr
         assert w.files.read("/srv/input.txt") == b"data\n"
         # The warm interpreter killed from inside the worker: the next call starts another.
-        killed, _ = _warm(w)
+        killed, _, _ = _warm(w)
         assert w.run_code("print(2)").stdout == "2\n"
         # Its zygote alone: the supervisor starts afresh in the same process (a new program).
-        supervisor, zygote = _warm(w, zygote_only=True)
+        supervisor, zygote, _ = _warm(w, "zygote")
         assert supervisor != killed
         assert w.run_code("print(3)").stdout == "3\n"
-        again, fresh = _warm(w, kill=False)
+        again, fresh, fds = _warm(w, "none")
         assert again == supervisor and fresh != zygote
+        # The call forked ahead, killed before its order: the next is forked, nothing kept of it.
+        for i in range(3):
+            _warm(w, "spare")
+            assert w.run_code(f"print({i})").stdout == f"{i}\n"
+        assert _warm(w, "none") == (supervisor, fresh, fds)
+        # The worker is clean when a call on it returns (the cleanup is not left for later).
+        for _ in range(3):
+            w.run_code("open('/tmp/left', 'w').write('x'); open('/dev/shm/left', 'w').write('x')")
+            assert w.exec("ls /tmp /dev/shm").stdout.count("left") == 0
     with fleet.create(image="busybox") as plain, pytest.raises(InvalidArgumentError):
         plain.run_code("print(1)")
 

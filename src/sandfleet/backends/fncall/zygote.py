@@ -3,8 +3,8 @@
 The daemon starts it through the agent (`python3 -I -c <this file's text and residue.py's>
 <preload...>`) as the sandbox's root and keeps its stdin and stdout: per call it writes a request
 (HEADER, then that many bytes of JSON) and reads a line `taken` (none: the call never began), then
-the result. Three kinds of process, so that nothing of a call ever lies in the memory a later call
-is forked from:
+the result, then `settled` (nothing of the call is left: the next request may come). Three kinds
+of process, so that nothing of a call ever lies in the memory a later call is forked from:
 
 - the supervisor (this process, long-lived): reads each request, writes the call's files, gives the
   call forked ahead its order, feeds its stdin and collects its output, kills what it left running,
@@ -86,18 +86,20 @@ def run_child(fds: list[int]) -> NoReturn:
             if not data:
                 break
             parts.append(data)
+        if not parts:
+            os._exit(0)  # a spare whose supervisor went away (its zygote died)
         language, code, env, cwd = marshal.loads(b"".join(parts))
         if isinstance(code, tuple):  # the compiler's error
             code = SyntaxError(*code[1]) if code[0] == "SyntaxError" else ValueError(code[1])
         os.setsid()
+        told = None  # the status pipe as (device, inode): its own, not a file later on that number
+        with contextlib.suppress(OSError):  # a lower RLIMIT_NOFILE: the zygote's report will do
+            os.dup2(status_w, STATUS_FD, inheritable=False)  # what it runs does not inherit it
+            st = os.fstat(STATUS_FD)
+            told = (st.st_dev, st.st_ino)
         os.dup2(in_r, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        told = True
-        try:
-            os.dup2(status_w, STATUS_FD, inheritable=False)  # what it runs does not inherit it
-        except OSError:  # a lower RLIMIT_NOFILE: the zygote's report will do
-            told = False
         os.closerange(3, STATUS_FD)
         os.closerange(STATUS_FD + 1, 1 << 16)
         for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -117,6 +119,7 @@ def run_child(fds: list[int]) -> NoReturn:
         # costs nothing; fds 0-2 are the call's pipes now.
         sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
         sys.argv = ["-c"]
+        me = os.getpid()
         main = types.ModuleType("__main__")
         sys.modules["__main__"] = main
         status = 0
@@ -143,14 +146,16 @@ def run_child(fds: list[int]) -> NoReturn:
                     stream.flush()
             except Exception:
                 pass
-        if told:
+        with contextlib.suppress(OSError):
+            st = os.fstat(STATUS_FD)
             # Its exit status and the end of its output before the kernel takes its memory down
-            # (most of an exit's time): the supervisor answers meanwhile.
-            with contextlib.suppress(OSError):
+            # (most of an exit's time): the supervisor answers meanwhile. Not from a process the
+            # call forked (it holds the descriptor too), whose end is not the call's.
+            if os.getpid() == me and told == (st.st_dev, st.st_ino):
                 os.write(STATUS_FD, bytes((status,)))
-            for fd in (0, 1, 2):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                for fd in (0, 1, 2):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
         os._exit(status)
     except BaseException:
         try:
@@ -229,16 +234,19 @@ class Zygote:
     def fileno(self) -> int:
         return self.ctl.fileno()
 
-    def recv(self) -> bytes:
-        """The zygote's next message (a spare's pipes kept); _ZygoteGone when it died."""
+    def recv(self, in_call: bool = False) -> bytes:
+        """The zygote's next message (a spare's pipes kept); _ZygoteGone when it died. Outside a
+        call, x and g are of the spare: it died before its order (killed by root or the OOM killer)."""
         # (socket.recv_fds would drop the flag: these must not outlive an exec of this process)
         msg, anc, _, _ = self.ctl.recvmsg(16, socket.CMSG_SPACE(5 * 4), socket.MSG_CMSG_CLOEXEC)
         fds: list[int] = []
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds += struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4])
-        if msg == b"s" and len(fds) == 5:
-            self.spare, fds = fds, []
+        if msg == b"s" and len(fds) == 5 or not in_call and msg[:1] in (b"x", b"g"):
+            self.drop()
+            if msg == b"s":
+                self.spare, fds = fds, []
         self.failed = self.failed or msg == b"F"
         for fd in fds:
             os.close(fd)
@@ -246,16 +254,33 @@ class Zygote:
             raise _ZygoteGone
         return msg
 
+    def drop(self) -> None:
+        for fd in self.spare or ():
+            os.close(fd)
+        self.spare = None
+
     def take(self) -> list[int] | None:
         """The pipes of the call forked ahead (its order, stdin, stdout, stderr, exit status), once
-        it is there; None: it could not be forked."""
+        it is there and alive; None: it could not be forked."""
         if self.spare is None and self.failed:
             self.failed = False
-            self.ctl.send(b"r")  # fork again
-        while self.spare is None and not self.failed:
-            self.recv()
-        fds, self.spare = self.spare, None
-        return fds
+            try:
+                self.ctl.send(b"r")  # fork again
+            except OSError as exc:
+                raise _ZygoteGone from exc
+        while True:
+            spare = self.spare
+            watch = [self.fileno()] if spare is None else [self.fileno(), spare[4]]
+            r, _, _ = select.select(watch, [], [], None if spare is None else 0)
+            if self.fileno() in r:
+                self.recv()
+                if self.spare is None and self.failed:
+                    return None
+            elif spare is not None and spare[4] in r:  # its status pipe ended unwritten: it died
+                self.drop()
+            elif spare is not None:
+                self.spare = None
+                return spare
 
 
 def prepare_scratch(req: dict[str, Any]) -> None:
@@ -338,7 +363,7 @@ def call(req: dict[str, Any], order: bytes, zyg: Zygote) -> tuple[dict[str, Any]
                 if not keep(fd, kept, counts, cap):
                     readers.remove(fd)
                 continue
-            msg = os.read(fd, 1) if fd == status_r else zyg.recv()
+            msg = os.read(fd, 1) if fd == status_r else zyg.recv(in_call=True)
             if fd == status_r:
                 readers.remove(fd)
                 if msg and status is None and not timed_out:  # the call's own word, before its exit
@@ -375,7 +400,7 @@ def settle(zyg: Zygote, gone: bool, wdirs: list[str]) -> None:
     """After the answer, before the next request: wait until the zygote has reaped every process of
     the call (all killed by then), then remove what they left."""
     while not gone:
-        gone = zyg.recv() == b"g"
+        gone = zyg.recv(in_call=True) == b"g"
     as_call_uid(remove_ipc)
     sweep(wdirs)
 
@@ -430,6 +455,9 @@ def main() -> None:
         except ImportError as exc:
             os.write(2, f"sandfleet-zygote: preload {name}: {exc}\n".encode())
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    with contextlib.suppress(ChildProcessError):  # the zygote of this process before it started afresh
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a group with its zygote: a successor ends them together
     take_over()  # its descriptor stays open: the lock lives as long as this process
@@ -496,6 +524,7 @@ def serve(zyg: Zygote, wdirs: list[str]) -> None:
         except Exception as exc:  # answered already: this process ends, the next call starts another
             os.write(2, f"sandfleet-zygote: after call {req['id']}: {type(exc).__name__}: {exc}\n".encode())
             return
+        write_all(json.dumps({"settled": req["id"]}).encode() + b"\n")
 
 
 def write_all(data: bytes, fd: int = 1) -> None:

@@ -58,6 +58,7 @@ DEFAULT_IMAGE = "python"
 POOL_LABEL = "sandfleet.fncall-pool"
 START_TIMEOUT = 30.0  # the interpreter's start (and its preloads) in a fresh worker
 GRACE = 5.0  # past a call's own timeout: how long the zygote may take to answer
+SETTLE_TIMEOUT = 60.0  # how long a worker may take to remove what its last call left (answered already)
 CAPACITY_WAIT = 10.0  # how long a pooled call waits for a full node to take a new worker
 
 
@@ -74,6 +75,12 @@ class _Zygote:
     dead: bool = False
     ids: itertools.count[int] = field(default_factory=itertools.count)
     taken: int | None = None  # the last call the supervisor said it read
+    # Nothing of the last call is left (the supervisor answers first, then cleans): set by the
+    # line `settled`, a fresh start (`ready`) or the interpreter's end.
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.settled.set()
 
     def feed(self, data: bytes) -> None:
         self.buf += data
@@ -81,8 +88,11 @@ class _Zygote:
             line, self.buf = bytes(self.buf[:nl]), self.buf[nl + 1 :]
             msg = json.loads(line)
             if msg.get("ready"):
+                self.settled.set()
                 if not self.ready.done():
                     self.ready.set_result(None)
+            elif "settled" in msg:
+                self.settled.set()
             elif "taken" in msg:
                 self.taken = msg["taken"]
             elif self.waiting is not None and not self.waiting.done():
@@ -90,6 +100,7 @@ class _Zygote:
 
     def fail(self, exc: BaseException) -> None:
         self.dead = True
+        self.settled.set()  # whoever waits sees it dead
         for fut in (self.ready, self.waiting):
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -195,21 +206,22 @@ class Calls:
             )
         if req.image is not None or req.resources is not None or req.project is not None:
             raise InvalidArgumentError("image, resources and project are the pool's: a worker sandbox has its own")
-        return await self._run_on(sandbox_id, req)
+        # A worker of the caller's own, which it may look into: clean when the call returns.
+        return await self._run_on(sandbox_id, req, settled=True)
 
-    async def _run_on(self, sandbox_id: str, req: RunCodeRequest) -> ExecResult:
+    async def _run_on(self, sandbox_id: str, req: RunCodeRequest, *, settled: bool = False) -> ExecResult:
         sb, _live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
         z = await self._zygote(sb)
         try:
             async with z.lock:
-                result = await self._call(sb, z, req)
+                result = await self._call(sb, z, req, settled)
         except _NotTaken:
             # The interpreter died (killed from inside the worker, say) before it read the call: the
             # call never started, so it runs once on the successor.
             z = await self._zygote(sb)
             async with z.lock:
-                result = await self._call(sb, z, req)
+                result = await self._call(sb, z, req, settled)
         self.core.touch(sb)
         self.core.journal.record(sb.id, "call", {"language": req.language, "exit_code": result.exit_code})
         return result
@@ -265,13 +277,17 @@ class Calls:
         if self._zygotes.get(z.sandbox_id) is z:
             del self._zygotes[z.sandbox_id]
 
-    async def _call(self, sb: Sandbox, z: _Zygote, req: RunCodeRequest) -> ExecResult:
+    async def _call(self, sb: Sandbox, z: _Zygote, req: RunCodeRequest, settled: bool = False) -> ExecResult:
+        """The call on `z`, once the last one is settled (its cleanup is not this call's time);
+        `settled`: also this one's before returning."""
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        z.waiting = fut
         call_id = next(z.ids)
         try:
+            await self._settled(sb, z)
             if z.dead:
                 raise _NotTaken("the worker's interpreter exited before the call")
+            z.waiting = fut
+            z.settled.clear()
             await z.proc.write_stdin(_request(req, call_id))
             try:
                 msg = await asyncio.wait_for(asyncio.shield(fut), req.timeout + GRACE)
@@ -288,7 +304,22 @@ class Calls:
             raise UnavailableError(f"worker {sb.id} is gone: {exc}") from exc
         finally:
             z.waiting = None
-        return _result(msg, req)
+        result = _result(msg, req)
+        if settled:
+            with contextlib.suppress(UnavailableError):  # answered: a worker lost now fails the next call
+                await self._settled(sb, z)
+        return result
+
+    async def _settled(self, sb: Sandbox, z: _Zygote) -> None:
+        """Wait until nothing of the worker's last call is left; one that never gets there is stopped."""
+        if z.settled.is_set():
+            return
+        try:
+            await asyncio.wait_for(z.settled.wait(), SETTLE_TIMEOUT)
+        except TimeoutError:
+            z.fail(UnavailableError(f"worker {sb.id} did not clean up after its last call"))
+            self.core.spawn(self._stop_quietly(sb.id), name=f"stop-{sb.id}")
+            raise UnavailableError(f"worker {sb.id} did not clean up after its last call") from None
 
     # -- pools ----------------------------------------------------------------------------------
 
@@ -369,7 +400,7 @@ class Calls:
             async with pool.freed:
                 while True:
                     while pool.idle:
-                        sid = pool.idle.pop()
+                        sid = self._pick(pool.idle)
                         sb = self.core.table.find(sid)
                         if sb is not None and sb.state in ("running", "paused"):
                             return sid
@@ -408,6 +439,14 @@ class Calls:
                 await self._stop_quietly(sid, reason="evicted")
                 return True
         return False
+
+    def _pick(self, idle: list[str]) -> str:
+        """The most recently freed idle worker whose last call is settled, else the most recent."""
+        for i in range(len(idle) - 1, -1, -1):
+            z = self._zygotes.get(idle[i])
+            if z is None or z.settled.is_set():
+                return idle.pop(i)
+        return idle.pop()
 
     def _give_back(self, pool: _Pool, sid: str, *, broken: bool = False) -> None:
         z = self._zygotes.get(sid)
