@@ -13,10 +13,12 @@ Measures
   5. a burst of concurrent creates through AsyncClient.
 
     python bench/run.py --only checkpoint [--rounds 10]
+    python bench/run.py --only density [--idle 10000]
 
 runs only the checkpoint scenario (`sb.checkpoint()` and `sb.rollback(cp)` of a python sandbox
 holding 200 MiB and of an idle busybox one, with where the time goes) and writes
-bench/results/checkpoint.json and checkpoint.md instead.
+bench/results/checkpoint.json and checkpoint.md instead; `--only density` runs the density scenario
+alone for each N of `--idle` (H6: 10,000) and writes density.json and density.md.
 
 Writes bench/results/latest.json and bench/results/latest.md and prints the tables. Everything it
 makes (daemon, sandboxes, peer containers, cgroups, temp dirs) is removed at the end, also on error.
@@ -83,8 +85,9 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="py-spy record the daemon during the create loop into this file")
     ap.add_argument("--no-peers", action="store_true", help="skip the peer runtimes")
     ap.add_argument("--results", type=Path, default=RESULTS, help="where latest.json / latest.md go")
-    ap.add_argument("--only", choices=["checkpoint"], help="run one scenario alone (its own results files)")
+    ap.add_argument("--only", choices=["checkpoint", "density"], help="run one scenario alone (its own results files)")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds of --only checkpoint (after a warm-up)")
+    ap.add_argument("--idle", type=int, nargs="+", default=[10000], help="sandboxes of each --only density step")
     ap.add_argument("--peer-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_worker:
@@ -96,6 +99,8 @@ def main() -> int:
 
     if args.only == "checkpoint":
         return run_checkpoint(args)
+    if args.only == "density":
+        return run_density(args)
 
     q = args.quick
     n_create, n_exec, n_idle_exec, n_peer = (30, 100, 100, 30) if q else (100, 500, 500, 100)
@@ -376,6 +381,58 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         write_checkpoint_markdown(res, args.results / "checkpoint.md")
         print((args.results / "checkpoint.md").read_text())
         print(f"wrote {args.results / 'checkpoint.json'} and {args.results / 'checkpoint.md'}")
+        return 0
+    except BaseException:
+        if daemon is not None and daemon.process.started:
+            print("daemon log tail:\n" + daemon.log()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        cleanup(daemon, tmp, [daemon_cg], None, None)
+
+
+def run_density(args: argparse.Namespace) -> int:
+    """`--only density --idle N [N ...]`: H6 (N idle sandboxes on one node: host memory each, exec
+    p99 into random ones) alone, each N on the same daemon in turn. Writes density.json and .md."""
+    tag, tmp, daemon_cg = _begin()
+    labels = {"sfbench": tag}
+    res: dict[str, Any] = {"meta": machine_info(), "config": {"idle": args.idle, "execs": 500}, "runs": []}
+    daemon: Daemon | None = None
+    try:
+        from sandfleet import Client
+
+        daemon = Daemon(tmp / "daemon", daemon_cg)
+        # Each idle sandbox requests 0.01 CPU: 10,000 of them is 100 CPUs of requests, past the
+        # default overcommit of 32 per core on 2 cores; the warm pool's sandboxes count too.
+        most = max(args.idle) + 100
+        daemon.config.write_text(f"cpu_overcommit = 64\nmax_sandboxes = {most}\n" + daemon.config.read_text())
+        daemon.start()
+        with Client(daemon.socket, timeout=600) as fleet:
+            fleet.create(image="busybox", labels=labels).stop()  # the image mounted once
+            for n in args.idle:
+                print(f"density: {n} idle sandboxes", flush=True)
+                res["runs"].append(bench_density(fleet, daemon, n, 500, labels))
+        res["daemon_crashes"] = daemon.crashes
+        res["meta"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[0]
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "density.json").write_text(json.dumps(res, indent=2) + "\n")
+        lines = [
+            f"# density, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+            f"(`python3 bench/run.py --only density --idle {' '.join(map(str, args.idle))}`)",
+            "",
+            "| idle sandboxes | created in | host memory each | their processes' PSS each | daemon RSS each "
+            "| exec into random ones p50 / p99 | daemon CPU idle | stopped in |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in res["runs"]:
+            ex, host = r["exec_into_random_idle"], r["host_mem_used_per_sandbox_kib"] / 1024
+            lines.append(
+                f"| {r['sandboxes']:,} | {r['create_all_s']:.1f} s | {host:.2f} MiB "
+                f"| {r['sandbox_pss_per_sandbox_kib']:.1f} KiB | {r['daemon_rss_per_sandbox_kib']:.1f} KiB "
+                f"| {ex['p50_ms']:.1f} / {ex['p99_ms']:.1f} ms "
+                f"| {r['daemon_idle_cpu_percent_of_one_core']:.1f} % of a core | {r['stop_all_s']:.1f} s |"
+            )
+        (args.results / "density.md").write_text("\n".join(lines) + "\n")
+        print((args.results / "density.md").read_text())
         return 0
     except BaseException:
         if daemon is not None and daemon.process.started:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ from sandfleet.images.recipe_sandbox import BUILD_LABEL
 from sandfleet.models import Usage
 
 log = logging.getLogger(__name__)
+
+FULL_EVERY = 60  # sweeps an idle sandbox goes without a full read (5 minutes at the default interval)
 
 # Journal events that belong in the audit stream (the rest are lifecycle bookkeeping).
 AUDITED = frozenset(
@@ -61,6 +64,8 @@ class Monitor:
         self.audit = audit
         self.interval = interval
         self.detectors = Detectors(config)
+        # Per running sandbox at the last sweep: (CPU seconds, last request, sweeps since a full read).
+        self._last: dict[str, tuple[float | None, float, int]] = {}
         self._buckets: dict[str, _Bucket] = {}
         self._node_bucket = _Bucket(NODE_AUDIT_RATE, NODE_AUDIT_BURST, NODE_AUDIT_BURST, time.monotonic())
         core.journal.tap = self._event
@@ -175,7 +180,8 @@ class Monitor:
                 self._act(self.detectors.binaries(sb.id, paths))
 
     def _read_all(self, sandboxes: list[Sandbox]) -> list[tuple[Sandbox, Usage | None, float | None, list[str]]]:
-        out = []
+        out: list[tuple[Sandbox, Usage | None, float | None, list[str]]] = []
+        seen: dict[str, tuple[float | None, float, int]] = {}
         for sb in sandboxes:
             live = sb.live
             if live is None:
@@ -185,8 +191,20 @@ class Monitor:
             cpu: float | None = None
             paths: list[str] = []
             try:
-                stats = tier.usage(live)
                 cpu = tier.cpu_seconds(live)
+            except OSError:
+                pass
+            # A sandbox that used no CPU and had no request since its last full read changed none of
+            # it (its counters, its files): one file read, and the full one every FULL_EVERY sweeps.
+            last = self._last.get(sb.id)
+            if last is not None and last[:2] == (cpu, sb.last_active_at) and last[2] < FULL_EVERY:
+                seen[sb.id] = (cpu, sb.last_active_at, last[2] + 1)
+                out.append((sb, None, cpu, paths))
+                continue
+            # (a new one starts its count anywhere: a burst of creates is not read in full all at once again)
+            seen[sb.id] = (cpu, sb.last_active_at, 0 if last is not None else zlib.crc32(sb.id.encode()) % FULL_EVERY)
+            try:
+                stats = tier.usage(live)
             except OSError:
                 pass
             # A recipe's build step changes system files by design (apt, pip): its sandboxes are not scanned.
@@ -197,6 +215,7 @@ class Monitor:
                 except OSError:
                     pass
             out.append((sb, stats, cpu, paths))
+        self._last = seen  # the sandboxes gone or not running are forgotten
         return out
 
     # ---- what a finding does -----------------------------------------------------------------
