@@ -5,6 +5,7 @@ How fast pausing and resuming are is measured in bench/ (`pause`), not asserted 
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -223,3 +224,24 @@ def test_usage_reports_memory_cpu_and_tasks(fleet: Client) -> None:
         assert u.pids >= 1 and u.oom_kills == 0
         sb.pause()
         assert sb.usage().memory_bytes >= 0 and fleet.get(sb.id).info.state == "paused"  # no resume
+
+
+def test_a_pause_racing_a_stop_is_refused_and_leaves_nothing(daemon: Daemon, fleet: Client) -> None:
+    """Stop does not wait for a pause: the pause fails as a wrong state (or a sandbox not found),
+    never as an internal error, and a freeze that landed after the stop's thaw does not keep the
+    killed processes (and so the cgroup) alive."""
+    before = residue(daemon)
+    for delay in (0.0, 0.02, 0.05, 0.1):
+        sb = fleet.create(image="busybox", labels={"job": "pause-stop-race"})
+        sb.start("dd if=/dev/zero bs=100M count=1 | sleep 1000")  # memory to push out: a pause of some length
+        time.sleep(0.3)
+        stopper = threading.Timer(delay, sb.stop)
+        stopper.start()
+        try:
+            sb.pause()
+        except (WrongStateError, SandboxNotFoundError):
+            pass
+        finally:
+            stopper.join()
+    assert fleet.list(labels={"job": "pause-stop-race"}) == []
+    assert wait_until(lambda: residue(daemon).cgroups == before.cgroups, timeout=30), residue(daemon)

@@ -218,7 +218,14 @@ class ContainerSandboxes(ContainerPreparation):
             exited = loop.create_future()
             loop.add_reader(pidfd, lambda: None if exited.done() else exited.set_result(None))
             try:
-                async with asyncio.timeout(10):
+                try:
+                    async with asyncio.timeout(0.5):
+                        await asyncio.shield(exited)
+                except TimeoutError:
+                    # A freeze (a pause racing this stop) that landed after the thaw before the
+                    # kill keeps the killed processes from dying until thawed.
+                    await asyncio.to_thread(self._thaw_quietly, sandbox_id)
+                async with asyncio.timeout(9.5):
                     await exited
             except TimeoutError:
                 # Stuck in uninterruptible sleep; the runtime's delete below still removes its

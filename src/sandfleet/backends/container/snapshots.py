@@ -111,6 +111,10 @@ class ContainerSnapshots(ContainerSandboxes):
                 )
                 ooms = await asyncio.to_thread(self._oom_kills, sandbox)
                 for attempt in range(2):
+                    if attempt:  # a log of its own (criu truncates its log): the first one's errors stay
+                        retry_log = target / "dump-again.log"
+                        argv[argv.index(str(log_file))] = str(retry_log)
+                        log_file = retry_log
                     done = await proc.spawn(argv, env=tool.dump_env(pid), timeout=300)
                     if done.returncode == 0:
                         break
@@ -123,14 +127,14 @@ class ContainerSnapshots(ContainerSandboxes):
                             f"a process of sandbox {sandbox.id} was killed while it was being checkpointed "
                             f"(at its memory limit? raise it, or free memory, and retry): {why}"[:500]
                         )
-                    if "No such process" not in why:
+                    if not _only_vanished(log_file):
                         raise InternalError(f"criu dump failed ({done.returncode}): {why}")
-                    if attempt:
-                        why = f"processes of sandbox {sandbox.id} exited during its dump, twice: retry ({why})"
-                        raise UnavailableError(why[:500])
-                    # A process exiting as the cgroup froze (the freezer passes over those) vanished
-                    # under criu: it is gone by now, and a second dump sees the tree without it.
-                    log.info("sandbox %s: a process exited during its dump, dumping again: %s", sandbox.id, why)
+                    if attempt or channel.closed or not await asyncio.to_thread(self.cgroups.frozen, rel):
+                        # stopped meanwhile (the caller says so), or lost, or thawed under the dump
+                        raise UnavailableError(f"processes of sandbox {sandbox.id} vanished during its dump: retry")
+                    # A process killed from outside (the host's OOM killer, say) vanished under criu,
+                    # which put the cgroup back as frozen: a second dump sees the tree without it.
+                    log.info("sandbox %s: a process vanished during its dump, dumping again: %s", sandbox.id, why)
                     await asyncio.to_thread(_empty_dir, images)
                 # Still frozen: the tree the images were taken from is the one checked.
                 await self._check_restore_paths(sandbox, images)
@@ -324,6 +328,16 @@ class ContainerSnapshots(ContainerSandboxes):
 def _empty_dir(path: Path) -> None:
     for child in path.iterdir():
         shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+
+
+def _only_vanished(log_file: Path) -> bool:
+    """Whether every error criu logged is of a task gone under it (ESRCH), and nothing else failed."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+    errors = [ln for ln in lines if "Error" in ln and "RLIMIT_NOFILE" not in ln and "Dumping FAILED" not in ln]
+    return bool(errors) and all("No such process" in ln for ln in errors)
 
 
 def _criu_error(log_file: Path) -> str:

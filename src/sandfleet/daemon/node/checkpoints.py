@@ -31,7 +31,7 @@ from sandfleet.backends.base import LiveSandbox, Snapshottable, offers, unsuppor
 from sandfleet.daemon import failpoints
 from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.core import NodeCore, log
-from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox
+from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox, stopped_meanwhile
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.snapshot_files import check_intact, write_json
 from sandfleet.daemon.node.snapshots import Snapshots
@@ -91,29 +91,33 @@ class Checkpoints:
             path = self.root / sb.id / checkpoint_id
             t0 = time.perf_counter()
             try:
-                await asyncio.to_thread(path.parent.mkdir, 0o700, True, True)
-                meta = await self.snapshots.capture(sb, live, path)
-                seconds = time.perf_counter() - t0
-                size = await asyncio.to_thread(fsutil.disk_usage, path)
-                if size > sb.spec.resources.disk:
-                    raise ResourceExhaustedError(
-                        f"a checkpoint of sandbox {sb.id} takes {size} bytes, more than its disk "
-                        f"({sb.spec.resources.disk}): free memory or files, or give it more disk"
+                with stopped_meanwhile(sb, "its checkpoint was taken"):
+                    await asyncio.to_thread(path.parent.mkdir, 0o700, True, True)
+                    meta = await self.snapshots.capture(sb, live, path)
+                    seconds = time.perf_counter() - t0
+                    size = await asyncio.to_thread(fsutil.disk_usage, path)
+                    if size > sb.spec.resources.disk:
+                        raise ResourceExhaustedError(
+                            f"a checkpoint of sandbox {sb.id} takes {size} bytes, more than its disk "
+                            f"({sb.spec.resources.disk}): free memory or files, or give it more disk"
+                        )
+                    info = CheckpointInfo(
+                        id=checkpoint_id,
+                        sandbox_id=sb.id,
+                        created_at=time.time(),
+                        size_bytes=size,
+                        seconds=round(seconds, 4),
+                        labels=labels or {},
                     )
-                info = CheckpointInfo(
-                    id=checkpoint_id,
-                    sandbox_id=sb.id,
-                    created_at=time.time(),
-                    size_bytes=size,
-                    seconds=round(seconds, 4),
-                    labels=labels or {},
-                )
-                record = {"info": info.model_dump(mode="json"), "meta": meta}
-                await asyncio.to_thread(write_json, path / "checkpoint.json", record)
-                if sb.state != RUNNING:  # stopped meanwhile (stop does not wait for the freeze lock)
-                    raise WrongStateError(f"sandbox {sandbox_id} stopped while its checkpoint was taken")
+                    record = {"info": info.model_dump(mode="json"), "meta": meta}
+                    await asyncio.to_thread(write_json, path / "checkpoint.json", record)
+                    if sb.state != RUNNING:  # stopped meanwhile (stop does not wait for the freeze lock)
+                        raise WrongStateError(f"sandbox {sandbox_id} stopped while its checkpoint was taken")
             except BaseException:
                 await asyncio.to_thread(shutil.rmtree, path, True)
+                if sb.state != RUNNING:  # its stop removed the folder of its checkpoints: not made again
+                    with contextlib.suppress(OSError):
+                        await asyncio.to_thread(path.parent.rmdir)
                 raise
             kept = self.of.setdefault(sb.id, [])
             kept.append(CheckpointRecord(info, path, meta))
@@ -154,7 +158,10 @@ class Checkpoints:
         tier = self._tier(sb, "roll a sandbox back")
         async with self.pauser.holding(sandbox_id) as (sb, live):
             rec = self._record(sandbox_id, checkpoint_id)
-            await asyncio.to_thread(check_intact, rec.path, rec.meta)  # before the sandbox is taken down
+            with stopped_meanwhile(sb, "it was rolled back"):  # its stop removes its checkpoints
+                await asyncio.to_thread(check_intact, rec.path, rec.meta)  # before the sandbox is taken down
+            if sb.state != RUNNING:
+                raise WrongStateError(f"sandbox {sandbox_id} stopped while it was rolled back")
             self.core.busy(sb, ROLLBACK_TIMEOUT)  # its idle TTL does not stop it meanwhile
             try:
                 task = asyncio.ensure_future(self._replace(sb, live, tier, rec))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import time
@@ -394,3 +395,16 @@ class EventJournal:
         await self.flush()
         rows = await self._state.events(sandbox_id, after, limit)
         return [SandboxEvent.model_validate(r) for r in rows]
+
+
+@contextlib.contextmanager
+def stopped_meanwhile(sb: Sandbox, what: str) -> Iterator[None]:
+    """What fails in the block once `sb` is being stopped (a stop does not wait for a pause hold nor
+    a freeze, and takes its processes, cgroup and files away) fails as that: a WrongStateError, not
+    the error the vanishing sandbox caused (a 500)."""
+    try:
+        yield
+    except Exception as exc:
+        if sb.state in (CREATING, RUNNING, PAUSED) or isinstance(exc, WrongStateError):
+            raise
+        raise WrongStateError(f"sandbox {sb.id} stopped while {what}") from exc

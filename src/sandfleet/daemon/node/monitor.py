@@ -29,7 +29,7 @@ from sandfleet.models import Usage
 
 log = logging.getLogger(__name__)
 
-FULL_EVERY = 60  # sweeps an idle sandbox goes without a full read (5 minutes at the default interval)
+FULL_AFTER = 300.0  # seconds an idle sandbox goes without a full read of its counters and files
 
 # Journal events that belong in the audit stream (the rest are lifecycle bookkeeping).
 AUDITED = frozenset(
@@ -64,8 +64,9 @@ class Monitor:
         self.audit = audit
         self.interval = interval
         self.detectors = Detectors(config)
-        # Per running sandbox at the last sweep: (CPU seconds, last request, sweeps since a full read).
-        self._last: dict[str, tuple[float | None, float, int]] = {}
+        # Per running sandbox at its last full read: (CPU seconds, last request, when: monotonic).
+        self._last: dict[str, tuple[float, float, float]] = {}
+        self.clock = time.monotonic
         self._buckets: dict[str, _Bucket] = {}
         self._node_bucket = _Bucket(NODE_AUDIT_RATE, NODE_AUDIT_BURST, NODE_AUDIT_BURST, time.monotonic())
         core.journal.tap = self._event
@@ -181,7 +182,8 @@ class Monitor:
 
     def _read_all(self, sandboxes: list[Sandbox]) -> list[tuple[Sandbox, Usage | None, float | None, list[str]]]:
         out: list[tuple[Sandbox, Usage | None, float | None, list[str]]] = []
-        seen: dict[str, tuple[float | None, float, int]] = {}
+        seen: dict[str, tuple[float, float, float]] = {}
+        now = self.clock()
         for sb in sandboxes:
             live = sb.live
             if live is None:
@@ -190,19 +192,22 @@ class Monitor:
             stats: Usage | None = None
             cpu: float | None = None
             paths: list[str] = []
+            active = sb.last_active_at  # once: a request may move it meanwhile (seen at the next sweep)
             try:
                 cpu = tier.cpu_seconds(live)
             except OSError:
                 pass
             # A sandbox that used no CPU and had no request since its last full read changed none of
-            # it (its counters, its files): one file read, and the full one every FULL_EVERY sweeps.
+            # it (its counters, its files): one file read, and the full one every FULL_AFTER seconds.
+            # A counter that reads 0 (unreadable, or a tier without one) tells nothing.
             last = self._last.get(sb.id)
-            if last is not None and last[:2] == (cpu, sb.last_active_at) and last[2] < FULL_EVERY:
-                seen[sb.id] = (cpu, sb.last_active_at, last[2] + 1)
+            if cpu and last is not None and last[:2] == (cpu, active) and now - last[2] < FULL_AFTER:
+                seen[sb.id] = last
                 out.append((sb, None, cpu, paths))
                 continue
-            # (a new one starts its count anywhere: a burst of creates is not read in full all at once again)
-            seen[sb.id] = (cpu, sb.last_active_at, 0 if last is not None else zlib.crc32(sb.id.encode()) % FULL_EVERY)
+            # (a new one's clock starts anywhere: a burst of creates is not read in full all at once again)
+            stagger = 0.0 if last is not None else zlib.crc32(sb.id.encode()) % 1000 / 1000 * FULL_AFTER
+            seen[sb.id] = (cpu or 0.0, active, now - stagger)
             try:
                 stats = tier.usage(live)
             except OSError:

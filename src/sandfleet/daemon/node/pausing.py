@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from sandfleet.backends.base import LiveSandbox, Pausable, unsupported
 from sandfleet.daemon.node.core import NodeCore, is_busy, log
-from sandfleet.daemon.node.lifecycle import PAUSED, RUNNING, Sandbox
+from sandfleet.daemon.node.lifecycle import PAUSED, RUNNING, Sandbox, stopped_meanwhile
 from sandfleet.errors import SandboxError, UnavailableError, WrongStateError
 from sandfleet.models import SandboxInfo
 
@@ -72,7 +72,13 @@ class Pauser:
             if not force and is_busy(sb, time.time()):
                 raise WrongStateError(f"sandbox {sandbox_id} has {sb.inflight} request(s) in flight")
             t0 = time.perf_counter()
-            before, after = await self._tier(sb, "pause").pause(sb.live)
+            tier, live = self._tier(sb, "pause"), sb.live
+            with stopped_meanwhile(sb, "it was paused"):
+                before, after = await tier.pause(live)
+            if sb.state != RUNNING:  # stopped meanwhile (a stop does not wait for the freeze lock)
+                with contextlib.suppress(Exception):
+                    await tier.resume(live)  # its processes, killed, must be able to die
+                raise WrongStateError(f"sandbox {sandbox_id} stopped while it was paused")
             self.core.table.move(sb, PAUSED)
             sb.held = not by_policy
             await self.core.state.update(sb.id, state=PAUSED, held=int(sb.held))
@@ -98,7 +104,8 @@ class Pauser:
         if sb.state != PAUSED or sb.live is None:
             return
         t0 = time.perf_counter()
-        await self._tier(sb, "resume").resume(sb.live)
+        with stopped_meanwhile(sb, "it was resumed"):
+            await self._tier(sb, "resume").resume(sb.live)
         self.core.table.move(sb, RUNNING)
         sb.held = False
         self.core.touch(sb)

@@ -20,7 +20,7 @@ from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.node.agentfiles import AgentFS
 from sandfleet.daemon.node.core import AGENT_START_TIMEOUT, EventStream, NodeCore, T, resolve_cwd
 from sandfleet.daemon.node.image_service import Images
-from sandfleet.daemon.node.lifecycle import Sandbox, User
+from sandfleet.daemon.node.lifecycle import Sandbox, User, stopped_meanwhile
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.errors import (
     InvalidArgumentError,
@@ -235,6 +235,8 @@ class Files:
             raise to_wire_error(exc, limit=1000) from exc
         except AgentError as exc:
             raise UnavailableError(f"sandbox {sandbox_id}: {exc}") from exc
+        finally:
+            self.core.touch(sb)  # once more when done: the monitor rereads a sandbox touched since it last looked
         if event is not None:
             self.core.journal.record(sb.id, event[0], event[1])
         return result
@@ -393,7 +395,10 @@ class Files:
     ) -> T:
         sb, live = await self.pauser.ready(sandbox_id)
         self.core.touch(sb)
-        result = await self.fs(sb, live, op, cwd=sb.spec.workdir, mutating=mutating)
+        try:
+            result = await self.fs(sb, live, op, cwd=sb.spec.workdir, mutating=mutating)
+        finally:
+            self.core.touch(sb)  # as in _agent_op
         if event is not None:
             self.core.journal.record(sb.id, event[0], event[1])
         return result
@@ -437,10 +442,14 @@ class Files:
 
         gen = _thread_chunks(chunks)
         try:
-            first = await anext(gen, b"")
+            with stopped_meanwhile(sb, "its files were read"):
+                first = await anext(gen, b"")
         except FileOpError as exc:
             await gen.aclose()
             raise to_wire_error(exc, limit=1000) from exc
+        except BaseException:
+            await gen.aclose()
+            raise
 
         async def rest() -> AsyncGenerator[bytes, None]:
             try:

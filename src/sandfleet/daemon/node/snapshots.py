@@ -27,7 +27,7 @@ from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.creation import Creation
 from sandfleet.daemon.node.execs import Execs
 from sandfleet.daemon.node.image_service import Images, image_info
-from sandfleet.daemon.node.lifecycle import PAUSED, RUNNING, BackgroundProcess, Sandbox, Session
+from sandfleet.daemon.node.lifecycle import PAUSED, RUNNING, BackgroundProcess, Sandbox, Session, stopped_meanwhile
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.sessions import Sessions
 from sandfleet.daemon.node.snapshot_files import (
@@ -167,9 +167,10 @@ class Snapshots:
                     project=sb.spec.project,
                 )
                 record = {"info": info.model_dump(mode="json"), "spec": sb.spec.model_dump(mode="json"), "meta": meta}
-                await asyncio.to_thread(write_json, path / "snapshot.json", record)
-                if sb.state != RUNNING:  # stopped meanwhile (stop does not wait for the pause lock)
-                    raise WrongStateError(f"sandbox {sandbox_id} stopped while its snapshot was taken")
+                with stopped_meanwhile(sb, "its snapshot was taken"):
+                    await asyncio.to_thread(write_json, path / "snapshot.json", record)
+                    if sb.state != RUNNING:  # stopped meanwhile (stop does not wait for the pause lock)
+                        raise WrongStateError(f"sandbox {sandbox_id} stopped while its snapshot was taken")
             except BaseException:
                 await asyncio.to_thread(shutil.rmtree, path, True)
                 raise
@@ -196,13 +197,9 @@ class Snapshots:
         if not isinstance(tier, Snapshottable) or not offers(tier, "snapshot"):
             raise unsupported(tier, "snapshot or fork a sandbox")
         inherit = self._inheritance(sb)
-        try:
+        with stopped_meanwhile(sb, "its state was taken"):
             meta = await tier.snapshot(live, path)
-        except SandboxError as exc:
-            if sb.state != RUNNING:  # stop does not wait for the hold: what failed is a stopped sandbox
-                raise WrongStateError(f"sandbox {sb.id} stopped while its state was taken") from exc
-            raise
-        meta["sizes"] = await asyncio.to_thread(image_sizes, path)
+            meta["sizes"] = await asyncio.to_thread(image_sizes, path)
         meta["keep_execs"] = [s["exec_id"] for s in inherit["sessions"]]
         meta["keep_execs"] += [p["exec_id"] for p in inherit["processes"]]
         meta["inherit"] = inherit
@@ -522,7 +519,8 @@ class Snapshots:
                 try:
                     layers = [str(d) for d in live.runtime.get("layers", [])]
                     base = await asyncio.to_thread(self.images.layer_refs, layers)
-                    await tier.export_writable_layer(live, staging)
+                    with stopped_meanwhile(sb, "its changes were copied"):
+                        await tier.export_writable_layer(live, staging)
                 finally:
                     self.core.idle_done(sb)
             seen = await asyncio.to_thread(inspect, staging)
