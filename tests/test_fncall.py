@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from sandfleet import AsyncClient, Client, InvalidArgumentError, Resources, Sandbox
-from sandfleet.errors import ResourceExhaustedError
+from sandfleet.errors import ResourceExhaustedError, UnavailableError
 
 from conftest import Daemon, destroy_daemon, make_daemon
 
@@ -206,6 +206,9 @@ def test_bad_requests(fleet: Client, node: Daemon) -> None:
         fleet.run_code("print(1)", files={"/etc/passwd": "x"})
     with pytest.raises(InvalidArgumentError):
         fleet.run_code("print(1)", files={"../up": "x"})
+    for files in ({"a": "1", "a/b": "2"}, {"a": "1", "./a": "2"}, {"x" * 256: "1"}, {".": "1"}):
+        with pytest.raises(InvalidArgumentError):  # never reaches a worker (the scratch could not hold it)
+            fleet.run_code("print(1)", files=files)
     with pytest.raises(InvalidArgumentError):
         fleet.run_code("echo", language="bash", image="busybox")  # no python3 for the warm worker
     transport = httpx.HTTPTransport(uds=str(node.socket))
@@ -213,6 +216,16 @@ def test_bad_requests(fleet: Client, node: Daemon) -> None:
         for body in ({"code": 1}, {"code": "x", "language": "perl"}, {"code": "x", "timeout": -1}, {}):
             resp = h.post("/v1/run", json=body)
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_argument", (body, resp.text)
+
+
+def test_a_call_its_worker_cannot_prepare_fails_alone(fleet: Client) -> None:
+    """Files that do not fit the worker's disk: that call fails, and the next runs at once."""
+    with fleet.create(backend="fncall", image="python", resources=Resources(disk="4MiB")) as w:
+        with pytest.raises(UnavailableError, match="could not run the call"):
+            w.run_code("print(1)", files={"big.bin": b"x" * 6 * 1024**2})
+        t = time.monotonic()
+        assert w.run_code("import os; print(os.listdir())").stdout == "[]\n"
+        assert time.monotonic() - t < 10
 
 
 def test_concurrent_calls(node: Daemon) -> None:

@@ -185,8 +185,10 @@ MAX_CALL_FILES_BYTES = 8 * 1024**2
 
 def _check_call_path(v: str) -> str:
     norm = posixpath.normpath(v) if v else ""
-    if not v or v.startswith("/") or norm.startswith("..") or "\0" in v or len(v) > MAX_PATH:
+    if not v or v.startswith("/") or norm.startswith("..") or "\0" in v or len(v) > MAX_PATH or norm == ".":
         raise ValueError(f"call file {shown(v)}: a relative path inside the call's scratch directory")
+    if any(len(part.encode()) > 255 for part in norm.split("/")):
+        raise ValueError(f"call file {shown(v)}: a name longer than 255 bytes")
     return v
 
 
@@ -229,6 +231,16 @@ class RunCodeRequest(_Stdin):
         names = set(self.files) & set(self.files_b64)
         if names:
             raise ValueError(f"file {shown(sorted(names)[0])} given twice (files and files_b64)")
+        paths = [posixpath.normpath(p) for p in [*self.files, *self.files_b64]]
+        if len(set(paths)) < len(paths):
+            raise ValueError("a call file given twice (by two spellings of one path)")
+        known = set(paths)
+        for path in paths:  # a file cannot also be the directory of another
+            parent = posixpath.dirname(path)
+            while parent:
+                if parent in known:
+                    raise ValueError(f"call file {shown(parent)} is also the directory of {shown(path)}")
+                parent = posixpath.dirname(parent)
         total = sum(len(v) for v in self.files.values()) + sum(len(v) * 3 // 4 for v in self.files_b64.values())
         if total > MAX_CALL_FILES_BYTES:
             raise ValueError(

@@ -502,9 +502,10 @@ def serve(zyg: Zygote, wdirs: list[str]) -> None:
             req = json.loads(body)
             write_all(json.dumps({"taken": req.get("id")}).encode() + b"\n")  # see the top: `taken`
             order = prepare(req)
-        except Exception as exc:
+        except Exception as exc:  # nothing of the call ran: settled at once (its files go with the next)
             call_id = req.get("id") if isinstance(req, dict) else None
-            write_all(json.dumps({"id": call_id, "error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
+            error = json.dumps({"id": call_id, "error": f"{type(exc).__name__}: {exc}"})
+            write_all(f"{error}\n{json.dumps({'settled': call_id})}\n".encode())
             continue
         try:
             res, gone = call(req, order, zyg)
