@@ -63,6 +63,9 @@ BUDGET_MS = 300.0  # the issue's promise: a page loads in under 300 ms with 5,00
 JOBS = 50
 BASE_LABELS = {"bench": "console"}
 FILTER_JOB = "job-7"
+TRAJECTORY = "bench-7"  # a trajectory of FILTER_JOB's (record_steps)
+RECORDED = False  # whether record_steps has run (the baseline is measured before)
+TRAJECTORIES = 0  # how many (--trajectories): the first sandboxes made are theirs
 BLANK = "#/bench-blank"  # a route the console does not have: an empty page to navigate from
 
 # page name -> (hash, what it shows; the marker: the element that appears once its data is drawn).
@@ -74,6 +77,9 @@ MARKERS = {
     "jobs": "#jobs-table tbody tr[data-job]",
     "images": "#images-table tbody tr",
     "audit": "#audit-table tbody tr",
+    "job": "#slowest-table tbody tr[data-id]",
+    "trajectory": "#steps-table tbody tr.step-row",
+    "alerts": "#alerts-table",
     # the detail page's later parts
     "sb-usage": "#usage-now dl",
     "sb-events": "#events table",
@@ -339,9 +345,14 @@ class Node:
         return out
 
 
+STEPPED_CPU = 0.1  # the CPU of the sandboxes trajectories run on: at 0.01 each step waits ~100 ms for its quota
+
+
 def spec_for(i: int, cpu: float, memory: str, idle_ttl: float) -> Any:
     from sandfleet import Resources, SandboxSpec
 
+    if i < TRAJECTORIES:
+        cpu = max(cpu, STEPPED_CPU)
     return SandboxSpec(
         image="busybox",
         labels={**BASE_LABELS, "job": f"job-{i % JOBS}", "team": "ab"[i % 2]},
@@ -396,6 +407,44 @@ def create_sandboxes(
     out["host_memory_used_mib"] = round(out.get("host_memory_used_mib", 0) + used, 1)
 
 
+def record_steps(node: Node, out: dict[str, Any], ids: list[str], trajectories: int, steps: int) -> None:
+    """`trajectories` trajectories on the first sandboxes made (labelled with their sandbox's job),
+    `steps` steps each (commands; every tenth fails with exit 1, the agent's fault), 16 at a time, every
+    other one closed (its sandbox kept): what the job and trajectory pages show. Figures added to `out`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sandfleet.models import ExecAction, ExecRequest
+
+    def one(i: int) -> float:
+        with node.client() as fleet:
+            sandbox = fleet.get(ids[i])
+            labels = {**BASE_LABELS, "job": sandbox.info.spec.labels["job"]}
+            traj = fleet.trajectory(f"bench-{i}", sandbox_id=ids[i], labels=labels)
+            t = time.perf_counter()
+            for k in range(steps):
+                command = "exit 1" if k % 10 == 9 else f"echo step {k}"
+                traj.step(ExecAction(exec=ExecRequest(command=command)), step=k)
+            if i % 2:  # half of them done (a rollout that ended: read from its log when asked)
+                traj.close(stop_sandbox=False)
+            return time.perf_counter() - t
+
+    n = min(trajectories, len(ids))
+    t0 = time.perf_counter()
+    done = 0
+    with ThreadPoolExecutor(16) as pool:
+        for _ in pool.map(one, range(n)):
+            done += 1
+            if done % max(1, n // 10) == 0:
+                rate = done * steps / (time.perf_counter() - t0)
+                print(f"  trajectories {done}/{n} ({rate:.0f} steps/s)", flush=True)
+    seconds = time.perf_counter() - t0
+    out.update(trajectories=n, steps_each=steps, steps=n * steps, seconds=round(seconds, 1))
+    out["steps_per_s"] = round(n * steps / seconds, 1) if seconds else None
+    global RECORDED
+    RECORDED = True
+    out["rss_after_mib"] = node.rss_mib()
+
+
 # ================================================================================================
 # The API calls, from Python
 # ================================================================================================
@@ -443,6 +492,12 @@ def api_calls(sandbox_id: str) -> list[tuple[str, str, str]]:
             "/console/static/vendor/xterm.js",
         ),
         ("GET /v1/audit?newest=true&limit=300", "audit", "/v1/audit?newest=true&limit=300"),
+        (f"GET /v1/jobs/{FILTER_JOB}", "job", f"/v1/jobs/{FILTER_JOB}"),
+        (f"GET /v1/trajectories?label=job={FILTER_JOB}&limit=200", "job", f"/v1/trajectories?label={job}&limit=200"),
+        ("GET /v1/trajectories/{id}", "trajectory", f"/v1/trajectories/{TRAJECTORY}"),
+        ("GET /v1/trajectories/{id}/steps", "trajectory", f"/v1/trajectories/{TRAJECTORY}/steps"),
+        ("GET /v1/trajectories/{id}/record", "trajectory", f"/v1/trajectories/{TRAJECTORY}/record"),
+        ("GET /v1/alerts", "alerts, every page (its badge)", "/v1/alerts"),
     ]
 
 
@@ -503,7 +558,7 @@ def time_api(node: Node, sandbox_id: str, rounds: int) -> list[dict[str, Any]]:
             return 1, len(r.content)
 
         timed: list[tuple[str, str, Any]] = [
-            (n, p, lambda path=path: one(path)) for n, p, path in api_calls(sandbox_id)
+            (n, p, lambda path=path: one(path)) for n, p, path in with_steps(api_calls(sandbox_id))
         ]
         timed.insert(
             8,
@@ -698,6 +753,11 @@ COLLECT = """
 """
 
 
+def with_steps(items: list[tuple[str, ...]]) -> list[Any]:
+    """The calls or pages: those of trajectories only once `record_steps` has made them."""
+    return [x for x in items if RECORDED or not any("trajector" in part for part in x)]
+
+
 def page_list(sandbox_id: str) -> list[tuple[str, str, str, str]]:
     """(name, hash, marker key, what it waits on)."""
     return [
@@ -723,6 +783,19 @@ def page_list(sandbox_id: str) -> list[tuple[str, str, str, str]]:
         ),
         ("images", "#/images", "images", "GET /v1/images (`#images-table tbody tr`)"),
         ("audit", "#/audit", "audit", "the newest audit records (`#audit-table tbody tr`)"),
+        (
+            f"job {FILTER_JOB}",
+            f"#/jobs/{FILTER_JOB}",
+            "job",
+            "GET /v1/jobs/{job}: its figures, charts and slowest sandboxes (`#slowest-table tbody tr[data-id]`)",
+        ),
+        (
+            "one trajectory",
+            f"#/trajectories/{TRAJECTORY}",
+            "trajectory",
+            "its info, steps and record (`#steps-table tbody tr.step-row`)",
+        ),
+        ("alerts", "#/alerts", "alerts", "GET /v1/alerts (`#alerts-table`)"),
     ]
 
 
@@ -858,7 +931,7 @@ def breakdown(load: dict[str, Any], key: str) -> dict[str, Any]:
 def browse(node: Node, sandbox_id: str, rounds: int, modes: list[str], timeout_ms: float) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
-    pages = page_list(sandbox_id)
+    pages = with_steps(page_list(sandbox_id))
     out: dict[str, Any] = {"pages": [p[:4] for p in pages], "modes": modes, "loads": {}}
     with sync_playwright() as pw:
         b = Browser(pw, node.url, timeout_ms)
@@ -1057,9 +1130,11 @@ def write_report(res: dict[str, Any], results: Path) -> Path:
         "",
     ]
     if c:
+        stepped = res["params"].get("trajectories", 0)
         L += [
             f"Sandboxes: **{c['made']} of {c['requested']} made, {c['live']} live** when measured: real busybox "
-            f'containers, `Resources(cpu={c["cpu"]}, memory="{c["memory"]}")`, `idle_ttl={c["idle_ttl"]:.0f}`, labels '
+            f'containers, `Resources(cpu={c["cpu"]}, memory="{c["memory"]}")` (the first {stepped}, which '
+            f"trajectories run on: cpu={STEPPED_CPU}), `idle_ttl={c['idle_ttl']:.0f}`, labels "
             f"`bench=console`, `job=job-0..job-{JOBS - 1}` ({c['requested'] // JOBS} each), `team=a|b`. Made with the "
             f"sync SDK over the unix socket, `fleet.create_many(specs, concurrency=32, retry_for=30)` in calls of "
             f"{c['batch']} specs (the SDK sends 64 to a request, 2 requests in flight).",
@@ -1073,6 +1148,16 @@ def write_report(res: dict[str, Any], results: Path) -> Path:
             f"| host memory used (MemAvailable delta) | {c['host_memory_used_mib']} MiB "
             f"({c['host_memory_used_mib'] / max(1, c['made']) * 1024:.0f} KiB per sandbox) |",
             f"| errors | {json.dumps(c['errors']) if c['errors'] else 'none'} |",
+            "",
+        ]
+    st = res.get("steps")
+    if st:
+        L += [
+            f"Trajectories: **{st['trajectories']} of {st['steps_each']} steps each, {st['steps']} steps recorded** "
+            f"in {st['seconds']} s ({st['steps_per_s']} steps/s, 16 at a time), on the first sandboxes made, labelled "
+            "with their sandbox's job; every tenth step `exit 1` (an agent failure), every other trajectory closed "
+            f"(its log read again when asked). The trajectory page shows `{TRAJECTORY}` ({FILTER_JOB}); daemon RSS "
+            f"after: {st['rss_after_mib']} MiB.",
             "",
         ]
     idle = [(x["live"], x["idle"]) for x in (res.get("baseline"), res) if x and x.get("idle")]
@@ -1402,6 +1487,8 @@ def main() -> int:
     p.add_argument("--cpu", type=float, default=0.01, help="each sandbox's CPU limit (and request)")
     p.add_argument("--memory", default="16MiB", help="each sandbox's memory limit")
     p.add_argument("--idle-ttl", type=float, default=86400)
+    p.add_argument("--trajectories", type=int, default=1000, help="trajectories recorded on the sandboxes")
+    p.add_argument("--steps", type=int, default=100, help="steps each trajectory records")
     p.add_argument("--rounds", type=int, default=10, help="page loads per page and mode")
     p.add_argument("--baseline", type=int, default=200, help="first measure with this many sandboxes (0: no baseline)")
     p.add_argument("--baseline-rounds", type=int, default=5)
@@ -1420,7 +1507,10 @@ def main() -> int:
         return 0
     if a.dry:
         a.sandboxes, a.rounds, a.api_rounds, a.batch = min(a.sandboxes, 400), 3, 5, 100
+        a.trajectories, a.steps = min(a.trajectories, 40), min(a.steps, 20)
         a.baseline, a.baseline_rounds, a.idle_seconds = 100, 2, 5
+    global TRAJECTORIES
+    TRAJECTORIES = a.trajectories if a.steps else 0
     if os.geteuid() != 0:
         print("needs root (real container sandboxes)", file=sys.stderr)
         return 2
@@ -1466,6 +1556,12 @@ def main() -> int:
         ids = res["create"].pop("ids")
         if not ids:
             raise RuntimeError(f"no sandbox could be made: {res['create']['errors']}")
+        if a.trajectories and a.steps:
+            print(f"recording {a.trajectories} trajectories of {a.steps} steps", flush=True)
+            res["steps"] = {}
+            cpu = CpuWatch()
+            record_steps(node, res["steps"], ids, a.trajectories, a.steps)
+            res["cpu"]["steps"] = cpu.done()
         sandbox_id = sandbox_id or ids[0]
         res["sandbox_id"] = sandbox_id
         print(f"with {res['create']['live']} sandboxes", flush=True)

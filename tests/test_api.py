@@ -337,9 +337,11 @@ def test_live_responses_match_the_spec(http: httpx.Client, contract: Contract) -
         # metrics are text, not JSON
         m = http.get("/metrics")
         assert m.status_code == 200 and "sandfleet_sandboxes_running" in m.text
-        # per-sandbox usage series, and the admission's view of the node
-        for series in ("memory_bytes", "memory_peak_bytes", "cpu_seconds_total", "tasks"):
-            assert f'sandfleet_sandbox_{series}{{qos="latency_sensitive",sandbox="{sid}",state="running"}}' in m.text
+        # usage added up by state and QoS (no series per sandbox by default), and the admission's view of the node
+        for family in ("sandfleet_sandboxes", "sandfleet_sandboxes_memory_bytes", "sandfleet_sandboxes_tasks"):
+            assert f'{family}{{qos="latency_sensitive",state="running"}}' in m.text
+        assert 'sandfleet_sandboxes_cpu_seconds_total{qos="latency_sensitive"}' in m.text
+        assert f'sandbox="{sid}"' not in m.text
         assert "sandfleet_admission_cpu_requests" in m.text and "sandfleet_admission_cpu_load" in m.text
 
         # snapshots, restore, fork

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from sandfleet.daemon.security import audit
+from sandfleet.daemon.security import audit, audit_lines
 from sandfleet.daemon.security.audit import AuditLog
 
 pytestmark = pytest.mark.unit
@@ -387,3 +387,18 @@ async def test_newest_gives_the_last_matching_records_oldest_first_across_segmen
     assert seqs(await log.read(newest=True, limit=1000)) == list(range(1, 61))
     assert await log.read(newest=True, since=60) == []
     await log.close()
+
+
+@pytest.mark.parametrize("block", [1, 3, 7, 64, 1 << 18])
+def test_a_segment_read_from_its_end_gives_its_lines_newest_first(tmp_path: Path, block: int) -> None:
+    """The newest records are read from a segment's end (a page's `newest=true` reads no more of a
+    large segment than it shows): every complete line, last first, whatever the block size, a line
+    longer than a block whole, and a line still being written left out."""
+    lines = [b'{"seq":1}\n', b"\n", b'{"seq":2,"data":"' + b"x" * 40 + b'"}\n', b'{"seq":3}\n']
+    for torn in (b"", b'{"seq":4,"da'):
+        path = tmp_path / f"s-{len(torn)}.jsonl"
+        path.write_bytes(b"".join(lines) + torn)
+        assert list(audit_lines.lines_backwards(path, block)) == lines[::-1]
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    assert list(audit_lines.lines_backwards(tmp_path / "empty.jsonl", block)) == []
+    assert list(audit_lines.lines_backwards(tmp_path / "gone.jsonl", block)) == []

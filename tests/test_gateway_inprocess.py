@@ -8,13 +8,14 @@ socket and no root. tests/test_cluster.py is the proof on real nodes under Ray.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from sandfleet import AsyncClient, ResourceExhaustedError, SandboxSpec, UnavailableError
+from sandfleet import AsyncClient, NotFoundError, ResourceExhaustedError, SandboxSpec, UnavailableError
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.gateway import Gateway, create_gateway_app
 from sandfleet.cluster.membership import Registration
@@ -179,3 +180,48 @@ async def test_each_kind_of_operation_is_served_through_the_gateway(cluster: Clu
             r = await raw.post("/v1/node/drain", json={"draining": True}, headers={"authorization": f"Bearer {TOKEN}"})
             assert (r.status_code, r.json()["error"]["code"]) == (400, "unsupported")
             assert "/v1/cluster/nodes/{key}/drain" in r.json()["error"]["message"]
+
+
+async def test_a_jobs_figures_and_the_alerts_are_added_up_over_nodes(cluster: Cluster) -> None:
+    """GET /v1/jobs/{job} of every node that knows the job, added up; alerts of every node with its
+    key, and a node the cluster lost as an alert of its own; nodes say when they were lost and how
+    many creates were placed on each."""
+    async with cluster.client() as fleet:
+        sandboxes = [await fleet.create(image="busybox", labels={"job": "j5"}) for _ in range(4)]
+        assert {_node_of(sb.id) for sb in sandboxes} == set(KEYS)
+        for sb in sandboxes:
+            assert (await sb.exec("exit 1")).exit_code == 1
+        stats = await fleet.job("j5")
+        assert stats.created == 4 and stats.execs == 4 and stats.failures == {"agent": 4}
+        assert stats.states == {"running": 4}
+        assert {s.node for s in stats.slowest} == set(KEYS)
+        assert sorted(s.id for s in stats.slowest) == sorted(sb.id for sb in sandboxes)
+        assert sum(p.created for p in stats.series) == 4
+        assert {(g.value, g.failures) for g in (await fleet.jobs()).jobs} >= {("j5", 4)}
+        with pytest.raises(NotFoundError):
+            await fleet.job("no-such-job")
+        assert await fleet.alerts() == []
+
+        raw = httpx.AsyncClient(transport=httpx.ASGITransport(app=cluster.app), base_url="http://gateway")
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        async with raw:
+            nodes = (await raw.get("/v1/cluster/nodes", headers=auth)).json()
+            placed = {n["key"]: n["placed"] for n in nodes["nodes"]}
+            assert sum(placed.values()) == 4 and all(placed.values()), placed
+            assert {n["lost_at"] for n in nodes["nodes"]} == {None} and nodes["projects"] == []
+            gone = KEYS[0]
+            before = time.time()
+            cluster.gateway.membership.apply(
+                [
+                    Registration(gone, f"http://node-{gone}", "default", False),
+                    Registration(KEYS[1], f"http://node-{KEYS[1]}", "default", True),
+                ]
+            )
+            nodes = (await raw.get("/v1/cluster/nodes", headers=auth)).json()
+            lost = next(n for n in nodes["nodes"] if n["key"] == gone)
+            assert lost["status"] == "lost" and lost["lost_at"] >= before
+        alerts = await fleet.alerts()
+        assert [(a.name, a.labels["node"], a.severity) for a in alerts] == [("node_lost", gone, "critical")]
+        assert alerts[0].since == lost["lost_at"]
+        # the figures of the node left: its own sandboxes only
+        assert {s.node for s in (await fleet.job("j5")).slowest} == {KEYS[1]}

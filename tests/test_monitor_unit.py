@@ -29,7 +29,7 @@ class Tier:
 
 
 def _monitor(tier: Tier, now: list[float]) -> Monitor:
-    core = SimpleNamespace(journal=SimpleNamespace(tap=None), table=SimpleNamespace(on_stopped=lambda fn: None))
+    core = SimpleNamespace(journal=SimpleNamespace(taps=[]), table=SimpleNamespace(on_stopped=lambda fn: None))
     core.tier = lambda sb: tier
     m = Monitor(core, pauser=None, config=DetectorsConfig(), audit=None)  # type: ignore[arg-type]
     m.clock = lambda: now[0]

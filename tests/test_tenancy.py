@@ -391,6 +391,7 @@ ELSEWHERE = {
     ("POST", "/v1/trajectories"): "test_a_trajectory_naming_b_objects_* below",
 }
 PARAMS = (
+    "job",
     "sandbox_id",
     "snapshot_id",
     "trajectory_id",
@@ -429,6 +430,7 @@ def test_every_route_answers_a_for_b_as_for_nothing(tenants: tuple[Daemon, str],
     _, url = tenants
     b, fake = b_objects, _fake(b_objects)
     b_values = {
+        "job": "b-job",  # the value of B's sandbox's label "job": its job's figures
         "sandbox_id": b.sandbox,
         "snapshot_id": b.snapshot,
         "trajectory_id": b.trajectory,
@@ -439,7 +441,7 @@ def test_every_route_answers_a_for_b_as_for_nothing(tenants: tuple[Daemon, str],
         "path": "index.html",
         "ref": "busybox:latest",
     }
-    fake_values = {**b_values, "sandbox_id": fake.sandbox, "snapshot_id": fake.snapshot}
+    fake_values = {**b_values, "job": "nobodys-job", "sandbox_id": fake.sandbox, "snapshot_id": fake.snapshot}
     fake_values |= {"trajectory_id": fake.trajectory, "session_id": fake.session, "process_id": fake.process}
     fake_values |= {"checkpoint_id": fake.checkpoint}
     names = {
@@ -457,6 +459,8 @@ def test_every_route_answers_a_for_b_as_for_nothing(tenants: tuple[Daemon, str],
         fake.checkpoint: "<checkpoint>",
         b.label: "<label>",
         fake.label: "<label>",
+        "b-job": "<job>",
+        "nobodys-job": "<job>",
     }
     problems: list[str] = []
     probed = 0

@@ -148,3 +148,32 @@ async def test_no_step_begins_on_a_trajectory_being_deleted(trajectories: Trajec
     info = await tr.open(TrajectoryOpen(id="deleting", spec=SandboxSpec(image="busybox")), project=None)
     assert info.steps == 0 and info.state == "open"
     await tr.delete("deleting", project=None)
+
+
+def test_closed_trajectories_infos_are_kept_within_their_bounds() -> None:
+    """The infos a list reads instead of logs: the least recently used go past the count or the bytes,
+    a verdict with a large output is not kept, a forgotten one is gone."""
+    from sandfleet.daemon.rl.trajlogs import Infos
+    from sandfleet.models import ExecResult, TrajectoryInfo, VerifyResult
+
+    def info(tid: str, out: int = 0) -> TrajectoryInfo:
+        result = ExecResult(exit_code=0, stdout="x" * out, stderr="", duration=0.1)
+        verdict = VerifyResult(passed=True, reward=1.0, cause=None, result=result, changed=[], duration=1.0)
+        return TrajectoryInfo(id=tid, sandbox_id=None, state="closed", steps=1, created_at=0, verification=verdict)
+
+    infos = Infos()
+    infos.MAX, infos.MAX_BYTES = 3, 64 * 3000  # an info over 3000 bytes is not kept
+    for i in range(4):
+        infos.remember((None, f"t{i}"), info(f"t{i}"))
+    assert infos.get((None, "t0")) is None and infos.get((None, "t1")) is not None  # t1 now the most recent
+    infos.remember((None, "t4"), info("t4"))
+    assert [k[1] for k in infos._infos] == ["t3", "t1", "t4"]
+    infos.remember((None, "big"), info("big", out=5000))
+    assert infos.get((None, "big")) is None
+    infos.MAX = 1000
+    for i in range(100):  # 2 KiB each: the bytes bound keeps 93 of them
+        infos.remember((None, f"many{i}"), info(f"many{i}"))
+    assert 90 <= len(infos._infos) < 100 and infos._bytes <= infos.MAX_BYTES
+    assert infos.get((None, "many99")) is not None and infos.get((None, "many0")) is None
+    infos.forget((None, "many99"))
+    assert infos.get((None, "many99")) is None and infos._bytes == sum(size for _, size in infos._infos.values())

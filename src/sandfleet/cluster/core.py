@@ -57,6 +57,12 @@ class GatewayMetrics:
             "sandfleet_gateway_replacements_total", "creates a node refused, placed again elsewhere", registry=r
         )
         self.errors = Counter("sandfleet_gateway_errors_total", "error answers, by wire code", ["code"], registry=r)
+        self.quota_refusals = Counter(
+            "sandfleet_gateway_quota_refusals_total",
+            "creates refused by a project's quota, by project",
+            ["project"],
+            registry=r,
+        )
         self.nodes = Gauge("sandfleet_gateway_nodes", "nodes known, by status", ["status"], registry=r)
 
 
@@ -124,6 +130,8 @@ class GatewayCore:
         self.iam = Iam(config.iam, config.token.get_secret_value() if config.token else None)
         self.quotas = GatewayQuotas(self.iam, self.membership, config.url)
         self.metrics = GatewayMetrics()
+        self.quotas.refused = lambda project: self.metrics.quota_refusals.labels(project=project).inc()
+        self.quota_since: dict[tuple[str, str], float] = {}  # (project, dim) at its quota: since when
         self._rng = rng or random.Random()
         self.acks = Acks(self.membership)
         # (project, idempotency key) -> node: a retried create goes where the first attempt went

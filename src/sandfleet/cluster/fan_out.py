@@ -4,23 +4,25 @@ one node can serve."""
 
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any
+from urllib.parse import quote
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sandfleet.cluster.core import LABEL_CALLS, GatewayCore, json_object, read_body, stamp
 from sandfleet.cluster.forward import call_json, forward, json_response
+from sandfleet.cluster.job_figures import merge_alerts, merge_groups, merge_stats
 from sandfleet.cluster.membership import Node
 from sandfleet.cluster.placement import NoCapacity, PlacementRequest
+from sandfleet.daemon.security.iam import Principal, exhausted, quota_alert
 from sandfleet.errors import (
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
 )
-from sandfleet.models import list_page
+from sandfleet.models import QuotaUse, list_page
 
 
 class FanOut(GatewayCore):
@@ -136,22 +138,79 @@ class FanOut(GatewayCore):
             return await call_json(n, "GET", "/v1/jobs", request=request, params=params)
 
         parts = await self._fan_out(one)
-        groups: dict[str | None, collections.Counter[str]] = {}
-        for part in parts:
-            for job in part["jobs"]:
-                groups.setdefault(job["value"], collections.Counter()).update(job["states"])
-        jobs = [
-            {"value": value, "count": sum(states.values()), "states": dict(states)}
-            for value, states in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))
-        ]
         key = parts[0]["key"] if parts else request.query_params.get("key", "job")
-        return json_response({"key": key, "jobs": jobs, "total": sum(p["total"] for p in parts)})
+        counted = bool(parts) and all(p.get("counted") for p in parts)
+        total = sum(p["total"] for p in parts)
+        return json_response({"key": key, "jobs": merge_groups(parts), "total": total, "counted": counted})
+
+    async def job_stats(self, request: Request) -> Response:
+        """The nodes that know the job, added up (`job_figures`)."""
+        params = list(request.query_params.multi_items())
+        job_path = "/v1/jobs/" + quote(request.path_params["job"], safe="")  # (the path is decoded: again as sent)
+
+        async def one(n: Node) -> tuple[str, Any] | None:
+            try:
+                return n.key, await call_json(n, "GET", job_path, request=request, params=params)
+            except NotFoundError:
+                return None  # not a job of this node's
+
+        parts = [p for p in await self._fan_out(one) if p is not None]
+        if not parts:
+            raise NotFoundError(f"job {request.path_params['job'][:200]}: no sandbox of it, nor any figure counted")
+        merged = merge_stats(parts)
+        # Each node's use of a quota is its own: the cluster's is what the gateway reads of them all.
+        named = {q["project"] for q in merged["quotas"]}
+        merged["quotas"] = [q.model_dump() for q in self._quota_uses(request) if q.project in named]
+        return json_response(merged)
+
+    def _quota_uses(self, request: Request) -> list[QuotaUse]:
+        """Every listed project's quota with what the cluster holds of it, those the caller sees."""
+        principal: Principal = request.state.principal
+        uses = self.iam.uses(self.membership.project_usage())
+        return [q for q in uses if principal.project is None or principal.sees(q.project)]
+
+    async def alerts(self, request: Request) -> Response:
+        """Every node's alerts (labelled with their node), and the nodes the cluster lost."""
+
+        async def one(n: Node) -> tuple[str, Any]:
+            return n.key, await call_json(n, "GET", "/v1/alerts", request=request)
+
+        alerts = merge_alerts(await self._fan_out(one)) if self.membership.reachable() else []
+        # A quota is the cluster's: each node sees only its part of what a project holds.
+        alerts = [a for a in alerts if a["name"] != "quota_exhausted"]
+        now = time.time()
+        began: dict[tuple[str, str], float] = {}
+        for q in self._quota_uses(request):
+            for dim, used, cap in exhausted(q):
+                ident = (q.project, dim)
+                began[ident] = self.quota_since.get(ident, now)
+                alerts.append(quota_alert(q, dim, used, cap, began[ident]).model_dump())
+        if request.state.principal.project is None:  # (a scoped caller's view: not the gateway's memory)
+            self.quota_since = began
+        for n in self.membership.nodes.values():
+            if n.lost:
+                what = f"node {n.key} is lost: its sandboxes are gone"
+                since = n.lost_at or time.time()
+                labels = {"node": n.key, "group": n.group}
+                alerts.append(
+                    {"name": "node_lost", "severity": "critical", "summary": what, "labels": labels}
+                    | {"value": 1, "threshold": 1, "since": since}
+                )
+        return json_response({"alerts": alerts, "at": time.time()})
 
     async def list_trajectories(self, request: Request) -> Response:
         params = list(request.query_params.multi_items())
+        limit = request.query_params.get("limit")
+        if limit is not None and not (limit.isdecimal() and limit.isascii() and 1 <= int(limit) <= 10000):
+            raise InvalidArgumentError("limit: an integer from 1 to 10000")
 
-        async def one(n: Node) -> list[Any]:
-            data = await call_json(n, "GET", "/v1/trajectories", request=request, params=params)
-            return list(data["trajectories"])
+        async def one(n: Node) -> Any:
+            return await call_json(n, "GET", "/v1/trajectories", request=request, params=params)
 
-        return json_response({"trajectories": [t for part in await self._fan_out(one) for t in part]})
+        parts = await self._fan_out(one)
+        merged = [t for part in parts for t in part["trajectories"]]
+        if limit is None:
+            return json_response({"trajectories": merged})
+        merged.sort(key=lambda t: (-t["created_at"], t["id"]))  # each node's newest `limit`: the cluster's among them
+        total = sum(part.get("total", len(part["trajectories"])) for part in parts)
+        return json_response({"trajectories": merged[: int(limit)], "total": total})

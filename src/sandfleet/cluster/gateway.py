@@ -114,12 +114,18 @@ class Gateway(TrajectoryRouting, FanOut):
             out = {"key": n.key, "group": n.group, "status": n.status}
             if root:
                 age = round(time.monotonic() - n.load_at, 3) if n.load else None
-                return out | {"url": n.url, "generation": n.generation, "load": load, "load_age": age}
+                more = {"load": load, "load_age": age, "lost_at": n.lost_at, "placed": self.placer.placed[n.key]}
+                return out | {"url": n.url, "generation": n.generation} | more
             shown = ("labels", "draining", "tiers", "projects")
             return out | {"load": {k: load[k] for k in shown} if load is not None else None}
 
         nodes = [entry(n) for n in sorted(self.membership.nodes.values(), key=lambda n: n.key)]
-        return json_response({"nodes": nodes, "gateways": self.membership.gateways})
+        projects = self.iam.uses(self.membership.project_usage())  # every project's quota, cluster-wide
+        if not root:
+            projects = [q for q in projects if principal.sees(q.project)]
+        return json_response(
+            {"nodes": nodes, "gateways": self.membership.gateways, "projects": [q.model_dump() for q in projects]}
+        )
 
     async def drain(self, request: Request) -> Response:
         principal: Principal = request.state.principal

@@ -60,6 +60,7 @@ class Node:
     # through `http` (a test's transport, an https URL)
     lane: Lane[AsyncConnection] | None = None
     lost: bool = False
+    lost_at: float | None = None  # when it was declared lost (wall clock)
     load: NodeLoad | None = None
     load_at: float = 0.0  # monotonic time the load was read
     failures: int = 0  # load reads failed in a row
@@ -136,7 +137,7 @@ class Membership:
             node.group = reg.group
             node.generation = reg.generation
             if reg.alive is False and not node.lost:
-                node.lost = True
+                node.lost, node.lost_at = True, time.time()
                 log.warning("node %s is lost: its sandboxes are gone", reg.key)
                 # Calls still waiting on it fail now (as sandbox_lost), not when TCP gives up.
                 self._close(node)
@@ -145,7 +146,7 @@ class Membership:
                 node.lane = self._lane(node.url)
             elif reg.alive is True and node.lost:
                 # A node that came back under its key lost what it held when it died, and starts over.
-                node.lost, node.load, node.failures = False, None, 0
+                node.lost, node.lost_at, node.load, node.failures = False, None, None, 0
                 log.info("node %s is back", reg.key)
         self.changed.set()
 

@@ -13,7 +13,7 @@ Pure: no I/O, no clock (the caller passes `now`, monotonic seconds), the standar
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -121,6 +121,7 @@ class Placer:
         self.choices = choices
         self.groups = tuple(groups)
         self.overlay_ttl = overlay_ttl
+        self.placed: Counter[str] = Counter()  # creates placed per node, net of releases
         self._rng = rng if rng is not None else random.Random()
         self._nodes: dict[str, _Node] = {}
         self._pools: dict[_CacheKey, _Pools] = {}  # filtered candidates per request shape; rebuilt after update()
@@ -163,6 +164,7 @@ class Placer:
                 node = self._pick(every, now, exclude)
             if node is not None:
                 node.record(now)
+                self.placed[node.state.key] += 1
                 return node.state.key
         raise NoCapacity(self._why(req, pools, exclude))
 
@@ -197,6 +199,7 @@ class Placer:
                             cand = [n for n in cand if _has_room(n, now, ttl)]
                             continue
                         best.record(now)
+                        self.placed[best.state.key] += 1
                         out.append(best.state.key)
         if len(out) < m and not partial:
             for key in out:
@@ -214,6 +217,7 @@ class Placer:
         if node is None:
             return
         node.unrecord(n)
+        self.placed[key] = max(0, self.placed[key] - n)
         if full:
             node.full = True
 

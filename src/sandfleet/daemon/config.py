@@ -9,12 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandfleet.backends.config import BackendConfig, ContainerBackendConfig, FncallBackendConfig
 from sandfleet.daemon.net.policy import NetworkConfig
+from sandfleet.daemon.node.alerts import AlertsConfig
 from sandfleet.daemon.node.pool import PoolConfig
 from sandfleet.daemon.rl.trajectories import TrajectoryConfig
 from sandfleet.daemon.rl.verify import VerifyConfig
 from sandfleet.daemon.security.detectors import DetectorsConfig
 from sandfleet.daemon.security.iam import IamConfig, token_hash
-from sandfleet.models import ByteSize
+from sandfleet.models import LABEL_KEY, ByteSize
 
 DEFAULT_SOCKET = Path("/run/sandfleet/sandfleet.sock")
 
@@ -31,6 +32,19 @@ class AuditConfig(BaseModel):
     enabled: bool = Field(True, description="keep the audit stream (GET /v1/audit)")
     dir: Path | None = Field(None, description="where its files go (default <state_dir>/audit)")
     max_bytes: ByteSize = Field(64 * 1024**2, description="retention: the oldest records go past this size")
+
+
+class JobsConfig(BaseModel):
+    """What an operator watches (`[jobs]`): the jobs' figures and the alerts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(
+        "job",
+        pattern=LABEL_KEY.pattern,
+        description="the label whose values are the jobs the node counts figures of (GET /v1/jobs/{job})",
+    )
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig, description="when the node's alerts fire")
 
 
 class DaemonConfig(BaseModel):
@@ -147,6 +161,12 @@ class DaemonConfig(BaseModel):
         default_factory=DetectorsConfig, description="misbehaviour detectors: thresholds, and record, pause or kill"
     )
     audit: AuditConfig = Field(default_factory=AuditConfig, description="the audit stream")
+    jobs: JobsConfig = Field(default_factory=JobsConfig, description="the jobs' figures and the alerts")
+    metrics_per_sandbox: bool = Field(
+        False,
+        description="also export a series per sandbox on /metrics (memory, CPU, tasks); off, the usage is "
+        "added up by state and QoS class, so a scrape stays small at 10,000 sandboxes",
+    )
     monitor_interval: float = Field(
         5.0, gt=0, le=3600, description="seconds between sweeps of sandbox counters for the detectors"
     )

@@ -218,6 +218,9 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         node_key=node_key,
         node_group=config.node_group,
         node_labels=config.node_labels,
+        job_label=config.jobs.label,
+        alerts=config.jobs.alerts,
+        metrics_per_sandbox=config.metrics_per_sandbox,
     )
     manager.core.claim_window = config.claim_window
     await manager.fencing.load()  # the generation it serves under (cluster mode)
@@ -240,6 +243,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     socket_auth = None
     # Projects or scoped tokens: each request sees its principal's share of the node.
     tenancy = Tenancy(manager, iam if iam.scoped else None)
+    manager.alerts.quotas = tenancy.quota_uses
     if iam.scoped:
         socket_auth = functools.partial(iam.enter, anonymous=ROOT)  # no header on root's socket: root
     app = create_app(manager, tenancy, metrics, auth=socket_auth)

@@ -29,6 +29,7 @@ from sandfleet.backends.base import TierBackend, capabilities
 from sandfleet.daemon.net.policy import NetworkConfig
 from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.admission import Admission, AdmissionPolicy
+from sandfleet.daemon.node.alerts import Alerts, AlertsConfig
 from sandfleet.daemon.node.builds import Builds
 from sandfleet.daemon.node.checkpoints import Checkpoints
 from sandfleet.daemon.node.core import NodeCore, log
@@ -99,6 +100,9 @@ class SandboxManager:
         node_key: str | None = None,
         node_group: str = "default",
         node_labels: dict[str, str] | None = None,
+        job_label: str = "job",
+        alerts: AlertsConfig | None = None,
+        metrics_per_sandbox: bool = False,
     ) -> None:
         """`client_factory`: a client of this node's own API (recipe builds create their build
         sandboxes through it)."""
@@ -112,6 +116,8 @@ class SandboxManager:
             stopped_retention=stopped_retention,
             reaper_interval=reaper_interval,
             node_key=node_key or new_node_key(),
+            job_label=job_label,
+            metrics_per_sandbox=metrics_per_sandbox,
         )
         self.core = core
         self.node_group = node_group
@@ -120,6 +126,7 @@ class SandboxManager:
         self._image_refs: tuple[float, builtins.list[str]] = (-math.inf, [])
         self.audit = audit
         self.pauser = Pauser(core)
+        self.alerts = Alerts(core.jobs, metrics, alerts or AlertsConfig(), lambda: core.pools)
         self.monitor = Monitor(core, self.pauser, detectors or DetectorsConfig(), audit, monitor_interval)
         self.networking = Networking(
             core, self.pauser, self.monitor, network or NetworkConfig(), run_dir or Path("/run/sandfleet")
@@ -187,6 +194,8 @@ class SandboxManager:
             core.spawn(self.reaper.run(), name="reaper")
             core.spawn(core.journal.run(), name="event-flusher")
             core.spawn(self.monitor.run(), name="monitor")
+            core.spawn(core.jobs.run(), name="job-figures")
+            core.spawn(self.alerts.run(), name="alerts")
             if core.pools is not None:
                 core.spawn(core.pools.run(core.spawn), name="warm-pools")
             try:
@@ -265,6 +274,8 @@ class SandboxManager:
         metrics.admission_cpu_committed.set(adm.committed_cpu)
         metrics.admission_cpu_load.set(adm.cpu_load)
         metrics.admission_memory_committed.set(adm.committed_memory)
+        metrics.pools_ready(self.core.pools.ready() if self.core.pools is not None else {})
+        metrics.alive.set(self.core.running_count())  # (pauses and resumes move it too)
         # Per-sandbox series read thousands of cgroup files: off the event loop.
         return await asyncio.to_thread(generate_latest, metrics.registry), CONTENT_TYPE_LATEST
 

@@ -4,6 +4,7 @@ resource, every name also importable from `sandfleet.models` itself."""
 from sandfleet.models.audit import AuditList, AuditQuery, AuditRecord
 from sandfleet.models.common import (
     DEFAULT_CPU_REQUEST,
+    KEPT_LABEL,
     LABEL_KEY,
     MAX_BYTES,
     MAX_COMMAND,
@@ -19,6 +20,7 @@ from sandfleet.models.common import (
     MAX_STDIN,
     PROJECT_LABEL,
     SHOWN,
+    VERIFY_LABEL,
     AbsPath,
     Backend,
     ByteSize,
@@ -82,6 +84,20 @@ from sandfleet.models.images import (
     ImageList,
     ImportRequest,
     RecipeBuildRequest,
+)
+from sandfleet.models.jobs import (
+    BRIEF,
+    EXAMPLES,
+    REWARD_EDGES,
+    Alert,
+    AlertList,
+    FailureExample,
+    JobPoint,
+    JobStats,
+    QuotaUse,
+    RewardBin,
+    Rewards,
+    SandboxBrief,
 )
 from sandfleet.models.network import (
     MAX_ALLOW,
@@ -234,6 +250,8 @@ __all__ = [
     "ImageRef",
     "ImportRequest",
     "JobGroup",
+    "JobPoint",
+    "JobStats",
     "JobList",
     "KeysHeld",
     "KeysRequest",
@@ -343,4 +361,16 @@ __all__ = [
     "shown",
     "split_host_port",
     "validation_message",
+    "REWARD_EDGES",
+    "Alert",
+    "AlertList",
+    "FailureExample",
+    "QuotaUse",
+    "RewardBin",
+    "Rewards",
+    "SandboxBrief",
+    "KEPT_LABEL",
+    "VERIFY_LABEL",
+    "BRIEF",
+    "EXAMPLES",
 ]

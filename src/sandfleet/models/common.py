@@ -179,6 +179,8 @@ _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # In a label selector (list, stop, pause, resume ... by labels), this key selects by project: a
 # sandbox of that project or of one under it matches. Sandboxes do not carry it as a label.
 PROJECT_LABEL = "sandfleet.project"
+VERIFY_LABEL = "sandfleet.verify"  # on a verifier's sandbox: the id of the sandbox it verifies
+KEPT_LABEL = "sandfleet.verify.kept"  # on one the caller asked to keep: a restart adopts it
 
 
 _PROJECT_PART = r"[a-z0-9][a-z0-9_.-]{0,62}"

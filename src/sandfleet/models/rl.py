@@ -242,6 +242,7 @@ class TrajectoryInfo(_Model):
 
 class TrajectoryList(_Model):
     trajectories: list[TrajectoryInfo]
+    total: int | None = Field(None, description="with `limit`: how many match in all (the newest `limit` given)")
 
 
 class TrajectoryClose(_Model):

@@ -322,12 +322,18 @@ class JobGroup(_Model):
     value: str | None = Field(description="the label's value; null: sandboxes without that label")
     count: int
     states: dict[str, int] = Field(description="how many in each state")
+    # Counted by the node as things happen, for the values of its job label only (`counted`).
+    failures: int | None = Field(None, description="failures of every cause (since the node began counting the job)")
+    verified: int | None = Field(None, description="verifications counted")
+    passed: int | None = Field(None, description="of which passed")
+    steps: int | None = Field(None, description="trajectory steps counted")
 
 
 class JobList(_Model):
     """Sandboxes grouped by one label's value (a job, a team, ...): counts, never the sandboxes."""
 
     key: str
+    counted: bool = Field(False, description="`key` is the node's job label: the groups carry its figures")
     jobs: list[JobGroup]
     total: int
 

@@ -256,6 +256,9 @@ from sandfleet.client._base.sandboxes import (
     call_fork as call_fork,
 )
 from sandfleet.client._base.sandboxes import (
+    call_job as call_job,
+)
+from sandfleet.client._base.sandboxes import (
     call_jobs as call_jobs,
 )
 from sandfleet.client._base.sandboxes import (

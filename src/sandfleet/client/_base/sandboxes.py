@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -18,6 +19,7 @@ from sandfleet.client._base.transport import request_sent, transport_cause
 from sandfleet.client._base.wire import Call, Unset, _sb, _validated, sandbox_path, snapshot_path
 from sandfleet.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError, error_from_wire
 from sandfleet.models import (
+    MAX_LABEL_VALUE,
     PROJECT_LABEL,
     CreateBatchItem,
     CreateBatchRequest,
@@ -204,6 +206,14 @@ def call_list(labels: Mapping[str, str] | None, state: str | None) -> Call:
 def call_jobs(key: str, labels: Mapping[str, str] | None, state: str | None) -> Call:
     call = call_list(labels, state)
     return Call("GET", "/v1/jobs", params=[("key", key), *(call.params or [])])
+
+
+def call_job(value: str, stuck_after: float) -> Call:
+    """A job's figures: its value is the rest of the path, one segment however many slashes it holds
+    ("." and "..": a URL's dot segments, which clients take away, name none)."""
+    if not value or len(value) > MAX_LABEL_VALUE or value in (".", ".."):
+        raise InvalidArgumentError(f"a job is a label value of 1-{MAX_LABEL_VALUE} characters, not . or ..")
+    return Call("GET", "/v1/jobs/" + quote(value, safe=""), params=[("stuck_after", stuck_after)])
 
 
 Limit = float | None | Unset  # a lifetime limit to set: seconds, None (removed), or UNSET (kept)

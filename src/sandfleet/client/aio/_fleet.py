@@ -15,9 +15,12 @@ from sandfleet.client.aio._http import _AsyncCalls
 from sandfleet.client.aio._sandbox import AsyncSandbox
 from sandfleet.errors import SandboxError
 from sandfleet.models import (
+    Alert,
+    AlertList,
     CreateBatchResult,
     IdList,
     JobList,
+    JobStats,
     NetworkPolicy,
     SandboxInfo,
     SandboxList,
@@ -150,6 +153,17 @@ class _Fleet(_AsyncCalls):
         """Sandboxes (live ones by default; `state` as in `list`) grouped by the value of label `key`
         (a job, a team, ...), counted by state: `fleet.jobs().jobs[0].states` -> {"running": 98, ...}."""
         return await self._model(JobList, b.call_jobs(key, b.selector(labels, project), state))
+
+    async def job(self, value: str, *, stuck_after: float = 600.0) -> JobStats:
+        """The figures of job `value` (a value of the node's job label, "job" by default): creates,
+        stops, commands, steps, failures by cause with recent examples, OOM kills, verifications and
+        rewards, over the last hour; its CPU and memory against quotas; its stuck (no request for
+        `stuck_after` seconds) and slowest sandboxes."""
+        return await self._model(JobStats, b.call_job(value, stuck_after))
+
+    async def alerts(self) -> builtins.list[Alert]:
+        """The alerts firing (on the node, or every node of a cluster, and its lost nodes)."""
+        return (await self._model(AlertList, b.Call("GET", "/v1/alerts"))).alerts
 
     async def stop_many(
         self, labels: Mapping[str, str] | None = None, reason: str = "user", *, project: str | None = None

@@ -84,10 +84,16 @@ class _Trajectories(_AsyncCalls):
         return AsyncTrajectory(self._client, info, sandbox, retry_for)
 
     async def trajectories(
-        self, labels: Mapping[str, str] | None = None, state: Literal["open", "closed"] | None = None
+        self,
+        labels: Mapping[str, str] | None = None,
+        state: Literal["open", "closed"] | None = None,
+        *,
+        limit: int | None = None,
     ) -> builtins.list[TrajectoryInfo]:
+        """The trajectories with these labels (and state); `limit`: the newest this many only."""
         call = b.call_list(labels, state)
-        reply = await self._model(TrajectoryList, b.Call("GET", "/v1/trajectories", params=call.params))
+        params = [*(call.params or []), *([("limit", limit)] if limit is not None else [])]
+        reply = await self._model(TrajectoryList, b.Call("GET", "/v1/trajectories", params=params))
         return reply.trajectories
 
 

@@ -85,10 +85,16 @@ class _Trajectories(_Calls):
         return Trajectory(self._client, info, sandbox, retry_for)
 
     def trajectories(
-        self, labels: Mapping[str, str] | None = None, state: Literal["open", "closed"] | None = None
+        self,
+        labels: Mapping[str, str] | None = None,
+        state: Literal["open", "closed"] | None = None,
+        *,
+        limit: int | None = None,
     ) -> builtins.list[TrajectoryInfo]:
+        """The trajectories with these labels (and state); `limit`: the newest this many only."""
         call = b.call_list(labels, state)
-        reply = self._model(TrajectoryList, b.Call("GET", "/v1/trajectories", params=call.params))
+        params = [*(call.params or []), *([("limit", limit)] if limit is not None else [])]
+        reply = self._model(TrajectoryList, b.Call("GET", "/v1/trajectories", params=params))
         return reply.trajectories
 
 

@@ -1,12 +1,16 @@
 // The console's entry: sign-in, the header, hash routing and each page's lifetime.
 
-import { ApiError, onUnauthenticated, session, whileSigningIn, whoami } from "./api.js";
+import { ApiError, api, onUnauthenticated, session, whileSigningIn, whoami } from "./api.js";
+import { ALERTS_MS, alertsPage, showAlertCount } from "./pages/alerts.js";
 import { auditPage } from "./pages/audit.js";
+import { clusterPage } from "./pages/cluster.js";
 import { imagesPage } from "./pages/images.js";
+import { jobPage } from "./pages/job.js";
 import { jobsPage } from "./pages/jobs.js";
 import { nodePage } from "./pages/node.js";
 import { sandboxPage } from "./pages/sandbox.js";
 import { sandboxesPage } from "./pages/sandboxes.js";
+import { trajectoryPage } from "./pages/trajectory.js";
 import { clearError, h, showError } from "./ui.js";
 
 // [pattern of the hash's path, nav entry, page]
@@ -15,14 +19,19 @@ const ROUTES = [
   [/^\/sandboxes$/, "sandboxes", sandboxesPage],
   [/^\/sandboxes\/([^/]+)$/, "sandboxes", sandboxPage],
   [/^\/jobs$/, "jobs", jobsPage],
+  [/^\/jobs\/([^/]+)$/, "jobs", jobPage],
+  [/^\/trajectories\/([^/]+)$/, "jobs", trajectoryPage],
   [/^\/images$/, "images", imagesPage],
   [/^\/audit$/, "audit", auditPage],
+  [/^\/alerts$/, "alerts", alertsPage],
+  [/^\/cluster$/, "cluster", clusterPage],
 ];
 
 const $ = (id) => document.getElementById(id);
 let me = null; // {name, can_write, project}
 let signingIn = null; // the sign-in call, while it is in flight
 let current = null; // the page shown: its context
+let watching = null; // while signed in: the alerts poll's {timer}
 
 // -- pages ----------------------------------------------------------------------------------------
 
@@ -115,8 +124,43 @@ function showWhoami() {
   $("logout").hidden = !session.token;
 }
 
+// -- what every page shows: the alerts' count, the cluster's entry ---------------------------------
+
+/** Signed in: the alerts firing, counted in the top bar every 10 s; the Cluster entry if a gateway serves us. */
+function watch() {
+  unwatch();
+  const w = (watching = { timer: null });
+  const tick = async () => {
+    try {
+      showAlertCount((await api("/v1/alerts")).alerts);
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 404) {
+        $("nav-alerts").hidden = true; // a daemon older than alerts: no entry, and no more asking
+        return;
+      }
+      if (watching === w && !(err instanceof ApiError && err.status === 401)) showError(err);
+    }
+    if (watching === w) w.timer = setTimeout(tick, ALERTS_MS);
+  };
+  tick();
+  // Only a cluster gateway answers this (a node: 404); once per sign-in.
+  api("/v1/cluster/nodes").then(
+    () => watching === w && ($("nav-cluster").hidden = false),
+    () => {},
+  );
+}
+
+function unwatch() {
+  if (watching) clearTimeout(watching.timer);
+  watching = null;
+  $("nav-cluster").hidden = true;
+  $("nav-alerts").hidden = false;
+  $("alerts-count").hidden = true;
+}
+
 function showLogin(message) {
   me = null;
+  unwatch();
   leavePage();
   $("whoami").hidden = true;
   $("login").hidden = false;
@@ -150,6 +194,7 @@ async function start() {
   signingIn = null;
   $("login").hidden = true;
   showWhoami();
+  watch();
 }
 
 function boot() {

@@ -67,6 +67,15 @@ export const fmtCores = (n) => (typeof n === "number" ? `${+n.toFixed(2)}` : "�
 /** A time cell: the local time, its age on hover. */
 export const timeCell = (ts) => h("time", { title: typeof ts === "number" ? fmtAgo(ts) : "" }, fmtTime(ts));
 
+/** An age cell: "3 min ago", the local time on hover. */
+export const agoCell = (ts) => h("time", { title: fmtTime(ts) }, typeof ts === "number" ? fmtAgo(ts) : "–");
+
+/** 0.756 -> "76%"; null (nothing to divide) -> "–". */
+export const fmtShare = (x) => (typeof x === "number" && Number.isFinite(x) ? `${Math.round(x * 100)}%` : "–");
+
+/** A number as the API gives it, without float noise: 0.30000000000000004 -> "0.3". */
+export const fmtNumber = (n, digits = 3) => (typeof n === "number" ? `${+n.toFixed(digits)}` : "–");
+
 // -- small components ------------------------------------------------------------------------------
 
 export const stateBadge = (state) => h("span", { class: `badge state state-${state}` }, state);
@@ -79,6 +88,25 @@ export function labelChips(labels) {
     { class: "chips" },
     entries.map(([k, v]) => h("span", { class: "chip", title: `${k}=${v}` }, `${k}=${v}`)),
   );
+}
+
+/** A bar of `used` against `limit` (none: no bar), its text beside it. */
+export function meter(used, limit, text, { id } = {}) {
+  const share = typeof limit === "number" && limit > 0 ? Math.min(1, used / limit) : null;
+  return h(
+    "div",
+    { class: "meter-row", id, title: share === null ? "no limit" : `${Math.round(share * 100)}%` },
+    h("div", { class: `meter${share === null ? " meter-none" : ""}` }, share === null ? null : h("div", { class: `meter-fill${share >= 1 ? " meter-full" : ""}`, style: `width: ${share * 100}%` })),
+    h("span", { class: "meter-text" }, text),
+  );
+}
+
+/** Counts by name (`{agent: 3, timeout: 1}`) as chips, the largest first; none: a dash. */
+export function countChips(counts, { cls } = {}) {
+  const entries = Object.entries(counts || {}).filter(([, n]) => n);
+  if (!entries.length) return h("span", { class: "muted" }, "–");
+  entries.sort((a, b) => b[1] - a[1]);
+  return h("span", { class: "chips" }, entries.map(([k, n]) => h("span", { class: `chip ${cls ? cls(k) : ""}`, dataset: { name: k } }, `${k} ${n}`)));
 }
 
 /** A section with a title (and optional tools at its right). */

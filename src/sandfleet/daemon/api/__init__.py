@@ -24,6 +24,7 @@ from sandfleet.daemon.api import (
     files,
     fusion,
     images,
+    jobs,
     network,
     rl,
     sandboxes,
@@ -117,7 +118,7 @@ def create_app(
             return WhoAmI(name="root" if unix else "anonymous", can_write=True)
         return WhoAmI(name=caller.name, can_write=caller.can_write, project=getattr(caller, "project", None))
 
-    for resource in (node_api, sandboxes, snapshots, execs, sessions, files, images, network, rl):
+    for resource in (node_api, sandboxes, jobs, snapshots, execs, sessions, files, images, network, rl):
         app.include_router(resource.router(api))
     app.include_router(terminal.router(api, auth, audit))
     app.include_router(network.port_router(api))

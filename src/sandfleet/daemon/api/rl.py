@@ -37,8 +37,13 @@ def router(api: Api) -> APIRouter:
     async def list_trajectories(
         label: Annotated[list[str], Query(max_length=64)] = [],  # noqa: B006
         state: Literal["open", "closed"] | None = None,
+        limit: Annotated[int | None, Query(ge=1, le=10000, description="the newest this many (and `total`)")] = None,
     ) -> TrajectoryList:
-        return TrajectoryList(trajectories=await tenancy.list_trajectories(parse_labels(label), state))
+        found = await tenancy.list_trajectories(parse_labels(label), state)
+        if limit is None:
+            return TrajectoryList(trajectories=found)
+        found.sort(key=lambda t: (-t.created_at, t.id))
+        return TrajectoryList(trajectories=found[:limit], total=len(found))
 
     @api.route(r, "get_trajectory")
     async def get_trajectory(trajectory_id: TrajectoryIdParam) -> TrajectoryInfo:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import json
 from typing import Annotated, Literal
 
@@ -23,13 +22,10 @@ from sandfleet.errors import (
     InvalidArgumentError,
 )
 from sandfleet.models import (
-    LABEL_KEY,
     CreateBatchRequest,
     CreateBatchResult,
     EventList,
     IdList,
-    JobGroup,
-    JobList,
     LabelsRequest,
     LifetimeManyRequest,
     LifetimeUpdate,
@@ -42,7 +38,6 @@ from sandfleet.models import (
     StopRequest,
     Usage,
     list_page,
-    shown,
 )
 
 
@@ -109,21 +104,6 @@ def router(api: Api) -> APIRouter:
                 log.exception("sandbox %s cannot be listed", info.id)
         return Response(b'{"sandboxes":[' + b",".join(items) + b"]" + tail + b"}", media_type="application/json")
 
-    @api.route(r, "jobs")
-    async def jobs(
-        key: Annotated[str, Query(max_length=63, description="the label whose values group sandboxes")] = "job",
-        label: Annotated[list[str], Query(max_length=64)] = [],  # noqa: B006
-        state: Annotated[
-            SandboxState | Literal["live", "all"] | None,
-            Query(description="one state, `live` (the default) or `all`"),
-        ] = None,
-    ) -> JobList:
-        """Sandboxes grouped by the value of label `key`, counted by state (the console's jobs page:
-        counts of thousands of sandboxes without sending them)."""
-        if not LABEL_KEY.match(key):
-            raise InvalidArgumentError(f"key: {shown(key)} is not a label key")
-        return group_by_label(await tenancy.list(parse_labels(label), state), key)
-
     @api.route(r, "update_lifetimes")
     async def update_lifetimes(req: LifetimeManyRequest) -> IdList:
         return IdList(sandboxes=await tenancy.update_lifetimes(req.labels, req.changes()))
@@ -183,14 +163,3 @@ def router(api: Api) -> APIRouter:
 
 def _stamp(info: SandboxInfo) -> tuple[float, str]:
     return info.created_at, info.id
-
-
-def group_by_label(infos: list[SandboxInfo], key: str) -> JobList:
-    groups: dict[str | None, collections.Counter[str]] = {}
-    for info in infos:
-        groups.setdefault(info.spec.labels.get(key), collections.Counter())[info.state] += 1
-    jobs = [
-        JobGroup(value=value, count=sum(states.values()), states=dict(states))
-        for value, states in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))
-    ]
-    return JobList(key=key, jobs=jobs, total=len(infos))

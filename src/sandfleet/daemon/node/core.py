@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from sandfleet.backends.base import LiveSandbox, TierBackend
 from sandfleet.daemon.node.admission import Admission
+from sandfleet.daemon.node.jobstats import JobBook
 from sandfleet.daemon.node.lifecycle import (
     CREATING,
     FAILED,
@@ -40,7 +41,7 @@ from sandfleet.daemon.node.lifecycle import (
     Sandbox,
     SandboxTable,
 )
-from sandfleet.daemon.node.metrics import Metrics
+from sandfleet.daemon.node.metrics import Metrics, NodeUsage, SandboxSample
 from sandfleet.daemon.node.pool import WarmPools
 from sandfleet.daemon.node.state import SandboxRow, StateStore
 from sandfleet.errors import InternalError, InvalidArgumentError, SandboxError, UnavailableError, WrongStateError
@@ -163,6 +164,8 @@ class NodeCore:
         stopped_retention: float,
         reaper_interval: float,
         node_key: str,
+        job_label: str = "job",
+        metrics_per_sandbox: bool = False,
     ) -> None:
         # The node's isolation tiers by name; a sandbox's is `sb.spec.backend`. The first is the default.
         self.backends: dict[str, TierBackend] = {b.name: b for b in backends}
@@ -177,6 +180,8 @@ class NodeCore:
         self.node_key = node_key  # in every sandbox and snapshot id this node makes (sandfleet.ids)
         self.table = SandboxTable()
         self.journal = EventJournal(state)
+        self.jobs = JobBook(self.table, job_label)  # each job's figures, as things happen
+        self.journal.taps.append(self.jobs.event)
         # (project, idempotency key) -> (the sandbox id it made, or the create still running; the
         # request's fingerprint). Keys are per project: another project's key is simply unused.
         self.keys: dict[KeyName, tuple[str | asyncio.Future[str], str]] = {}
@@ -187,11 +192,12 @@ class NodeCore:
         self.best_effort_cpu: dict[str, float] = {}  # CPU seconds of each best-effort sandbox, last seen
         self.best_effort_retired = 0.0  # what best-effort sandboxes that have stopped had used
         self.best_effort_ids: set[str] = set()  # running or paused best-effort sandboxes
+        self.cpu_split: dict[str, float] = {}  # CPU seconds by QoS class, as `observe_cpu` last split them
         self.shutting_down = False
         self.draining = False  # cluster mode: finishing what it holds, taking no new creates
         self.claim_window = CLAIM_WINDOW  # the node's `claim_window` (config)
         self.node_labels: dict[str, str] = {}  # cluster mode: what `SandboxSpec.node_selector` matches
-        metrics.track_sandboxes(self.usage_sources)
+        metrics.track_sandboxes(self.usage_sources, per_sandbox=metrics_per_sandbox)
 
     def tier(self, sb: Sandbox) -> TierBackend:
         """The backend a sandbox lives on."""
@@ -409,13 +415,23 @@ class NodeCore:
         usage = await asyncio.to_thread(self.tier(sb).usage, sb.live)
         return usage.model_copy(update={"cpu_seconds": round(usage.cpu_seconds, 6)})
 
-    def usage_sources(self) -> builtins.list[tuple[str, str, str, Callable[[], Usage]]]:
-        """For the metrics scrape (in a worker thread): every sandbox holding resources, with a reader."""
-        return [
-            (sb.id, sb.state, sb.spec.qos, functools.partial(self.tier(sb).usage, live))
+    def usage_sources(self) -> NodeUsage:
+        """For the metrics scrape (in a worker thread): every sandbox holding resources, with what the
+        monitor last read of it and a reader of its cgroup; and the CPU time used by QoS class."""
+        sandboxes = [
+            SandboxSample(
+                sb.id,
+                sb.state,
+                sb.spec.qos,
+                sb.memory_seen,
+                sb.tasks_seen,
+                functools.partial(self.tier(sb).usage, live),
+            )
             for sb in self.table
             if (live := sb.live) is not None and sb.state in HOLDING_STATES
         ]
+        # As `observe_cpu` last split it (one assignment on the event loop: never half updated here).
+        return NodeUsage(sandboxes, self.cpu_split)
 
     def observe_cpu(self) -> None:
         """Feed admission the CPU time latency-sensitive sandboxes used: all sandboxes' (one counter
@@ -431,12 +447,10 @@ class NodeCore:
         for gone in self.best_effort_cpu.keys() - best_effort.keys():
             self.best_effort_retired += self.best_effort_cpu[gone]
         self.best_effort_cpu = best_effort
-        used = (
-            sum(b.cpu_seconds(None) for b in self.backends.values())
-            - sum(best_effort.values())
-            - self.best_effort_retired
-        )
+        be_total = sum(best_effort.values()) + self.best_effort_retired
+        used = sum(b.cpu_seconds(None) for b in self.backends.values()) - be_total
         self.admission.observe_cpu(used, time.monotonic())
+        self.cpu_split = {"latency_sensitive": used, "best_effort": be_total}
 
     def touch(self, sb: Sandbox) -> None:
         sb.last_active_at = time.time()

@@ -218,7 +218,8 @@ class Creation:
                         await asyncio.shield(self.core.state.update(sandbox_id, idempotency_key=None))
                 self.core.table.move(sb, FAILED)
                 sb.stopped_at, sb.stop_reason = time.time(), f"create failed: {exc}"[:500]
-                self.core.journal.record(sandbox_id, "create_failed", {"error": str(exc)[:500]})
+                cause = exc.cause if isinstance(exc, SandboxError) else "infra"
+                self.core.journal.record(sandbox_id, "create_failed", {"error": str(exc)[:500], "cause": cause})
                 await asyncio.shield(self.core.forget(sb))
                 self.core.metrics.create_failures.inc()
                 finished.set()

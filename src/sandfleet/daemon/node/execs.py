@@ -226,6 +226,7 @@ class Execs:
                 result = result.model_copy(update={"oom_killed": True})
         if result.cause is not None:
             self.core.metrics.failures.labels(cause=result.cause).inc()
+        self.core.jobs.executed(sb, result, cmd)
         self.core.journal.record(
             sb.id,
             "exec",

@@ -202,6 +202,10 @@ class Sandbox:
     created: asyncio.Event = field(default_factory=asyncio.Event)
     oom_kills: int = 0
     pids_hits: int = 0
+    # What the monitor saw at its last sweep (a job's CPU and memory in use, its slowest sandboxes).
+    cpu_rate: float | None = None  # cores used between its last two reads
+    memory_seen: int | None = None  # bytes held at its last full read (or as it was paused)
+    tasks_seen: int | None = None  # tasks at its last full read
     # Held by whatever freezes the sandbox's cgroup (pause, resume, a snapshot, an export of its
     # writable layer): two of them at once would thaw it under the other, or never thaw it.
     freeze_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -363,17 +367,18 @@ class EventJournal:
     def __init__(self, state: StateStore) -> None:
         self._state = state
         self._pending: list[tuple[str, float, str, dict[str, Any]]] = []
-        # Sees every event as it is recorded (the monitor: audit stream and detectors); must not block.
-        self.tap: Callable[[str, str, dict[str, Any]], None] | None = None
+        # See every event as it is recorded (the monitor: audit stream and detectors; the jobs'
+        # figures); must not block.
+        self.taps: list[Callable[[str, str, dict[str, Any]], None]] = []
 
     def record(self, sandbox_id: str, kind: str, data: dict[str, Any] | None = None) -> None:
         data = data or {}
         self._pending.append((sandbox_id, time.time(), kind, data))
-        if self.tap is not None:
+        for tap in self.taps:
             try:
-                self.tap(sandbox_id, kind, data)
+                tap(sandbox_id, kind, data)
             except Exception:
-                log.exception("the event tap failed on a %s event of sandbox %s", kind, sandbox_id)
+                log.exception("an event tap failed on a %s event of sandbox %s", kind, sandbox_id)
 
     async def flush(self) -> None:
         batch, self._pending = self._pending, []

@@ -1,7 +1,7 @@
 """What the node sees sandboxes do, and what it does about it: the audit stream's sandbox records,
 the misbehaviour detectors' inputs, and a finding's action (record, pause or kill).
 
-Inputs: every journal event (`EventJournal.tap`: OOM kills, refused forks, truncated output,
+Inputs: every journal event (a tap of `EventJournal`: OOM kills, refused forks, truncated output,
 attempts on the agent), every connection the egress proxy accepted, and what became of it (served,
 refused, or silent until closed), and a sweep every `interval` seconds over running sandboxes (cgroup
 counters, CPU time, the system directories of their writable layer), read in one thread call for all
@@ -67,9 +67,10 @@ class Monitor:
         # Per running sandbox at its last full read: (CPU seconds, last request, when: monotonic).
         self._last: dict[str, tuple[float, float, float]] = {}
         self.clock = time.monotonic
+        self._cpu_marks: dict[str, tuple[float, float]] = {}  # per running sandbox: (CPU seconds, when)
         self._buckets: dict[str, _Bucket] = {}
         self._node_bucket = _Bucket(NODE_AUDIT_RATE, NODE_AUDIT_BURST, NODE_AUDIT_BURST, time.monotonic())
-        core.journal.tap = self._event
+        core.journal.taps.append(self._event)
         core.table.on_stopped(self._stopped)
 
     def _stopped(self, sb: Sandbox) -> None:
@@ -170,15 +171,23 @@ class Monitor:
         if not running:
             return
         samples = await asyncio.to_thread(self._read_all, running)
+        now = self.clock()
+        marks: dict[str, tuple[float, float]] = {}
         for sb, stats, cpu, paths in samples:
             if sb.state != RUNNING:
                 continue
             if stats is not None:
                 self.core.note_limits(sb, stats)
+                sb.memory_seen, sb.tasks_seen = stats.memory_bytes, stats.pids
             if cpu is not None:
+                last = self._cpu_marks.get(sb.id)
+                if last is not None and now > last[1]:
+                    sb.cpu_rate = round(max(0.0, cpu - last[0]) / (now - last[1]), 4)
+                marks[sb.id] = (cpu, now)
                 self._act(self.detectors.cpu_sample(sb.id, cpu, sb.spec.resources.cpu))
             if paths:
                 self._act(self.detectors.binaries(sb.id, paths))
+        self._cpu_marks = marks
 
     def _read_all(self, sandboxes: list[Sandbox]) -> list[tuple[Sandbox, Usage | None, float | None, list[str]]]:
         out: list[tuple[Sandbox, Usage | None, float | None, list[str]]] = []

@@ -80,7 +80,7 @@ class Pauser:
                     await tier.resume(live)  # its processes, killed, must be able to die
                 raise WrongStateError(f"sandbox {sandbox_id} stopped while it was paused")
             self.core.table.move(sb, PAUSED)
-            sb.held = not by_policy
+            sb.held, sb.memory_seen, sb.cpu_rate = not by_policy, after, 0.0
             await self.core.state.update(sb.id, state=PAUSED, held=int(sb.held))
             seconds = time.perf_counter() - t0
             self.core.journal.record(

@@ -128,6 +128,14 @@ class WarmPools:
     def sizes(self) -> dict[str, int]:
         return {p.key.describe(): len(p.ready) for p in self.pools.values()}
 
+    def ready(self) -> dict[str, int]:
+        """Members ready in each configured pool (`sandfleet_pool_ready`)."""
+        return {p.key.describe(): len(p.ready) for p in self.pools.values() if p.configured}
+
+    def empty(self) -> list[str]:
+        """The configured pools with no member ready (a create of theirs waits for a cold start)."""
+        return [p.key.describe() for p in self.pools.values() if p.configured and not p.ready]
+
     def target(self, pool: _Pool, now: float) -> int:
         adaptive = 0
         if self.adaptive_max > 0 and now - pool.last_demand < 60:

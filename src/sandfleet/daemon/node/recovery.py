@@ -18,9 +18,8 @@ from sandfleet.daemon.node.lifecycle import CREATING, FAILED, HOLDING_STATES, PA
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.snapshots import Snapshots
 from sandfleet.daemon.node.state import SandboxRow
-from sandfleet.daemon.rl.verify import KEPT_LABEL, VERIFY_LABEL
 from sandfleet.errors import SandboxError
-from sandfleet.models import SandboxSpec
+from sandfleet.models import KEPT_LABEL, VERIFY_LABEL, SandboxSpec
 
 
 class Recovery:

@@ -35,7 +35,6 @@ import builtins
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from sandfleet.daemon.node.checkpoints import Checkpoints
 from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.creation import Creation
 from sandfleet.daemon.node.execs import Execs
+from sandfleet.daemon.node.jobstats import within_step
 from sandfleet.daemon.node.lifecycle import HOLDING_STATES
 from sandfleet.daemon.node.sandbox_files import Files
 from sandfleet.daemon.node.snapshots import Snapshots
@@ -62,7 +62,7 @@ from sandfleet.daemon.rl.steplog import (
     rewrite,
     scan,
 )
-from sandfleet.daemon.rl.trajlogs import LogFolder
+from sandfleet.daemon.rl.trajlogs import Infos, KeyLocks, LogFolder
 from sandfleet.daemon.rl.trajsteps import TRAJECTORY_LABEL, act, agent_fault, error_result, reproduction, seed_env
 from sandfleet.daemon.rl.verify import Verifier, interrupted
 from sandfleet.errors import (
@@ -105,25 +105,6 @@ def _fingerprint(req: TrajectoryOpen) -> str:
     return req.model_dump_json(exclude_defaults=True)
 
 
-class _Locks:
-    """A lock per key, kept only while someone holds or awaits it (one per rollout would pile up)."""
-
-    def __init__(self) -> None:
-        self._locks: dict[Key, list[Any]] = {}  # key -> [lock, how many hold or await it]
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: Key) -> AsyncIterator[None]:
-        entry = self._locks.setdefault(key, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                self._locks.pop(key, None)
-
-
 class Trajectories:
     def __init__(
         self,
@@ -147,8 +128,9 @@ class Trajectories:
         self.logs = LogFolder(root)
         self.config = config or TrajectoryConfig()
         self.loaded: dict[Key, Trajectory] = {}  # one object per trajectory (the module's doc)
-        self._opening = _Locks()
-        self._loading = _Locks()
+        self._opening = KeyLocks()
+        self._loading = KeyLocks()
+        self.infos = Infos()  # closed trajectories' infos, as they left memory: a list reads no log again
         # Keys `exists` found without a log, for the open that follows (it reads no second time).
         # Only `_open` makes a log, and it drops the key as it does: one here still has none.
 
@@ -200,6 +182,7 @@ class Trajectories:
         t.log.close()
         if self.loaded.get(t.key) is t:
             del self.loaded[t.key]
+            self.infos.remember(t.key, t.info())
 
     async def exists(self, tid: str, *, project: str | None) -> bool:
         """Whether the project has a trajectory of this id (DataLossError: one whose log is unreadable)."""
@@ -311,6 +294,7 @@ class Trajectories:
             if idle and (t.running is not None or t.verifying is not None):
                 raise WrongStateError(f"trajectory {t.id} has a step running")
             await t.log.retire("deleted")  # whatever still holds it logs nothing more
+            self.infos.forget(t.key)
             if self.loaded.get(t.key) is t:
                 del self.loaded[t.key]
             await asyncio.to_thread(t.log.path.unlink, True)
@@ -348,13 +332,19 @@ class Trajectories:
     async def list(
         self, labels: dict[str, str], state: str | None, *, project: str | None
     ) -> builtins.list[TrajectoryInfo]:
+        """Those with these labels and state. A closed one's info is the one it left memory with (its
+        log does not change while this daemon runs), read from its log the first time only."""
         names = await asyncio.to_thread(self.logs.own, project) | self.logs.reached(project)
         out = []
         for tid in sorted(names):
-            with contextlib.suppress(SandboxError, OSError):  # one unreadable log hides no other
-                info = await self.get(tid, project=project)
-                if all(info.labels.get(k) == v for k, v in labels.items()) and state in (None, info.state):
-                    out.append(info)
+            key = self.logs.key(project, tid)
+            t = self.loaded.get(key)
+            info = t.info() if t is not None else self.infos.get(key)
+            if info is None:
+                with contextlib.suppress(SandboxError, OSError):  # one unreadable log hides no other
+                    info = await self.get(tid, project=project)
+            if info is not None and state in (None, info.state) and labels.items() <= info.labels.items():
+                out.append(info)
         return out
 
     async def close(self, tid: str, req: TrajectoryClose, *, project: str | None) -> TrajectoryInfo:
@@ -409,11 +399,13 @@ class Trajectories:
             got = await self._begin(t, req)
         finally:
             self._release(t)
-        if isinstance(got, StepResult):
-            return got
-        fut, began = got
-        done = await asyncio.shield(fut)
-        return done if began else done.model_copy(update={"replayed": True})
+        if not isinstance(got, StepResult):  # else the logged result: a replay
+            fut, began = got
+            got = await asyncio.shield(fut)
+            if began:
+                return got
+        self.core.jobs.replayed(t.sandbox.id if t.sandbox else None)
+        return got.model_copy(update={"replayed": True})
 
     async def _begin(self, t: Trajectory, req: StepRequest) -> StepResult | tuple[asyncio.Future[StepResult], bool]:
         """The logged result of step `req.step`, or the future of its run and whether it began now."""
@@ -460,7 +452,8 @@ class Trajectories:
         t0, wall = time.perf_counter(), time.time()
         try:
             try:
-                result = await act(self.execs, self.files, self.snapshots, self.checkpoints, t, k, action, t0, wall)
+                with within_step(t.id, k):
+                    result = await act(self.execs, self.files, self.snapshots, self.checkpoints, t, k, action, t0, wall)
             except Exception as exc:  # noqa: BLE001 (every outcome is the step's recorded result)
                 result = error_result(t, k, action.kind, agent_fault(to_wire_error(exc)), wall, t0)
             await self._finish(t, k, dig, result)
@@ -488,6 +481,7 @@ class Trajectories:
         t.running = None
         if result.cause is not None:
             self.core.metrics.failures.labels(cause=result.cause).inc()
+        self.core.jobs.stepped(t.sandbox.id if t.sandbox else None, t.id, result)
 
     async def steps(self, tid: str, *, project: str | None) -> builtins.list[StepResult]:
         t = await self._get(self.logs.key(project, tid))
@@ -498,6 +492,7 @@ class Trajectories:
         """Set every log aside (`why`): the cluster told callers that all this node held is lost, so
         none of its trajectories answers again (an id opened again is a new one). Work still going
         on here logs nothing more."""
+        self.infos.clear()
         for key in await asyncio.to_thread(self.logs.keys):
             async with self._loading.hold(key):  # no reader meanwhile loads what goes
                 t = self.loaded.pop(key, None)

@@ -13,19 +13,22 @@ answers again, and the file stays for whoever looks into what happened.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Container
+from collections.abc import AsyncIterator, Callable, Container
 from pathlib import Path
+from typing import Any
 
 from sandfleet.daemon.rl.steplog import Key, Scan, scan
 from sandfleet.daemon.security.iam import within
 from sandfleet.errors import InvalidArgumentError
-from sandfleet.models import TRAJECTORY_ID
+from sandfleet.models import TRAJECTORY_ID, TrajectoryInfo
 
 log = logging.getLogger(__name__)
 _ID = re.compile(TRAJECTORY_ID)
@@ -128,6 +131,75 @@ class LogFolder:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             log.error("%s could not be written: %s", self.root / _MOVED, exc)
+
+
+class KeyLocks:
+    """A lock per key, kept only while someone holds or awaits it (one per rollout would pile up)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[Key, list[Any]] = {}  # key -> [lock, how many hold or await it]
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: Key) -> AsyncIterator[None]:
+        entry = self._locks.setdefault(key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                self._locks.pop(key, None)
+
+
+class Infos:
+    """Closed trajectories' infos as they left memory, the least recently used dropped past `MAX` of
+    them or `MAX_BYTES` (a verdict holds the checks' output: one over `MAX_BYTES // 64` is not kept): a
+    closed log changes only through this daemon (loaded again first: its info is then the loaded
+    one's, and remembered again as it leaves), is deleted through it (`forget`), or expires (no longer
+    listed), so a list need not read it again. Cleared when the node is fenced."""
+
+    MAX = 10_000
+    MAX_BYTES = 64 * 2**20
+
+    def __init__(self) -> None:
+        self._infos: collections.OrderedDict[Key, tuple[TrajectoryInfo, int]] = collections.OrderedDict()
+        self._bytes = 0
+
+    def remember(self, key: Key, info: TrajectoryInfo) -> None:
+        self.forget(key)
+        size = _size(info)
+        if size > self.MAX_BYTES // 64:
+            return
+        self._infos[key] = (info, size)
+        self._bytes += size
+        while len(self._infos) > self.MAX or self._bytes > self.MAX_BYTES:
+            self._bytes -= self._infos.popitem(last=False)[1][1]
+
+    def get(self, key: Key) -> TrajectoryInfo | None:
+        got = self._infos.get(key)
+        if got is None:
+            return None
+        self._infos.move_to_end(key)
+        return got[0]
+
+    def forget(self, key: Key) -> None:
+        got = self._infos.pop(key, None)
+        if got is not None:
+            self._bytes -= got[1]
+
+    def clear(self) -> None:
+        self._infos.clear()
+        self._bytes = 0
+
+
+def _size(info: TrajectoryInfo) -> int:
+    """About the bytes an info holds: what grows with the rollout (its verdict's output and files)."""
+    v = info.verification
+    if v is None:
+        return 1024
+    out = len(v.result.stdout) + len(v.result.stderr) if v.result is not None else 0
+    return 2048 + out + 160 * len(v.changed) + 80 * len(v.dropped)
 
 
 def _key(path: Path) -> Key:

@@ -56,10 +56,13 @@ from sandfleet.daemon.node.admission import CpuQueue
 from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.creation import Creation
 from sandfleet.daemon.node.execs import Execs
+from sandfleet.daemon.node.lifecycle import Sandbox
 from sandfleet.daemon.node.sandbox_files import Files
 from sandfleet.daemon.node.snapshots import Snapshots, inside_path
 from sandfleet.errors import Cause, InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import (
+    KEPT_LABEL,
+    VERIFY_LABEL,
     ChangedFile,
     ErrorBody,
     ExecRequest,
@@ -75,8 +78,6 @@ MAX_CHANGED = 10_000  # files listed in a result at most
 MAX_LAYERS = 32  # SandboxSpec.layers' bound
 # The default capacity of the checks' queue: this share of the CPU load admission allows.
 QUEUE_SHARE = 0.5
-VERIFY_LABEL = "sandfleet.verify"  # on a verifier's sandbox: the id of the sandbox it verifies
-KEPT_LABEL = "sandfleet.verify.kept"  # on one the caller asked to keep: a restart adopts it
 # How the checks' process ended that is the agent's code crashing (directly, or 128+n from a shell).
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
 
@@ -289,9 +290,9 @@ class Verifier:
             )
         common["queued"] = time.monotonic() - waited
         if isinstance(made, SandboxError):
-            return self._failed(made, None, t0, common)
+            return self._counted(agent_sb, self._failed(made, None, t0, common))
         try:
-            return await self._check(made.id, req, t0, common)
+            return self._counted(agent_sb, await self._check(made.id, req, t0, common))
         finally:
             try:
                 if not req.keep:
@@ -376,11 +377,15 @@ class Verifier:
             options=base.options,
         )
 
+    def _counted(self, agent_sb: Sandbox, result: VerifyResult) -> VerifyResult:
+        self.core.metrics.verifications.labels(outcome=result.cause or "passed").inc()
+        self.core.jobs.verified(agent_sb, result)
+        return result
+
     def _failed(self, exc: SandboxError, vid: str | None, t0: float, common: dict[str, Any]) -> VerifyResult:
         """A verification whose checks could not run, or not to their end."""
         # A request error here is the task's (a verifier layer not found, a checker that cannot start).
         cause: Cause = "verifier" if exc.cause == "caller" else exc.cause
-        self.core.metrics.verifications.labels(outcome=cause).inc()
         return VerifyResult(
             passed=False,
             reward=0.0,
@@ -415,7 +420,6 @@ class Verifier:
                 reward = float(text.strip())
             except (SandboxError, ValueError):
                 verdict, passed, reward = "verifier", False, 0.0  # the checks promised a reward and wrote none
-        self.core.metrics.verifications.labels(outcome=verdict or "passed").inc()
         return VerifyResult(
             passed=passed,
             reward=reward,

@@ -36,11 +36,13 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Collection, Iterator, Mapping
+from collections.abc import AsyncGenerator, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from sandfleet.daemon.security.audit_lines import Record, complete_lines, line_seq, lines_backwards, matches, parse
 
 log = logging.getLogger(__name__)
 
@@ -52,57 +54,10 @@ RETRY_INTERVAL = 1.0  # seconds between writes while the disk refuses them
 READ_PAGE = 1000  # records per file read of a follower catching up
 
 _SEGMENT = re.compile(r"audit-(\d+)\.jsonl")
-_SEQ_PREFIX = b'{"seq":'
-
-Record = dict[str, Any]
 
 
 def _segment_name(first_seq: int) -> str:
     return f"audit-{first_seq:012d}.jsonl"
-
-
-def _line_seq(line: bytes) -> int | None:
-    """The seq of a line as written here, without parsing the rest of it (None: parse it)."""
-    if line.startswith(_SEQ_PREFIX):
-        end = line.find(b",", len(_SEQ_PREFIX))
-        if end > 0:
-            try:
-                return int(line[len(_SEQ_PREFIX) : end])
-            except ValueError:
-                return None
-    return None
-
-
-def _complete_lines(path: Path) -> Iterator[bytes]:
-    """A segment's lines, up to one still being written; none when rotation deleted it meanwhile."""
-    try:
-        f = open(path, "rb")  # noqa: SIM115
-    except FileNotFoundError:
-        return
-    with f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                return  # being written
-            yield line
-
-
-def _matches(rec: Record, kinds: frozenset[str] | None, sandbox_id: str | None, since_time: float | None) -> bool:
-    return (
-        (kinds is None or rec.get("kind") in kinds)
-        and (sandbox_id is None or rec.get("sandbox_id") == sandbox_id)
-        and (since_time is None or rec.get("ts", 0) >= since_time)
-    )
-
-
-def _parse(line: bytes) -> Record | None:
-    """A record of a complete line, or None for a line that is not one (damaged)."""
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return None
-    if isinstance(rec, dict) and type(rec.get("seq")) is int:
-        return rec
-    return None
 
 
 @dataclass
@@ -392,7 +347,7 @@ class AuditLog:
                 lines = buf.split(b"\n")[:-1]
                 head = lines.pop(0) if pos > 0 and lines else None  # may start before this block
                 for line in reversed(lines):
-                    rec = _parse(line)
+                    rec = parse(line)
                     if rec is not None:
                         last = rec["seq"]
                         break
@@ -533,11 +488,11 @@ class AuditLog:
         out: list[Record] = []
         scanned = since
         for _, path in segments[start:]:
-            for line in _complete_lines(path):
-                seq = _line_seq(line)
+            for line in complete_lines(path):
+                seq = line_seq(line)
                 rec: Record | None = None
                 if seq is None:
-                    rec = _parse(line)
+                    rec = parse(line)
                     if rec is None:
                         continue  # damaged
                     seq = rec["seq"]
@@ -545,10 +500,10 @@ class AuditLog:
                     continue
                 scanned = seq
                 if rec is None:
-                    rec = _parse(line)
+                    rec = parse(line)
                     if rec is None:
                         continue
-                if _matches(rec, kinds, sandbox_id, since_time):
+                if matches(rec, kinds, sandbox_id, since_time):
                     out.append(rec)
                     if len(out) >= limit:
                         return out, scanned
@@ -562,20 +517,23 @@ class AuditLog:
         kinds: frozenset[str] | None,
         sandbox_id: str | None,
     ) -> list[Record]:
-        """The last `limit` records `_scan` would match, oldest first: segments read newest first,
-        each whole (a segment is bounded), until enough are found or older ones cannot match."""
+        """The last `limit` records `_scan` would match, oldest first: segments read newest first, each
+        from its end (lines in a segment are in seq order), until enough are found or older ones
+        cannot match."""
         found: list[list[Record]] = []
         count = 0
         for first, path in reversed(self._list_segments()):
-            part: list[Record] = []
-            for line in _complete_lines(path):
-                seq = _line_seq(line)
+            part: list[Record] = []  # newest first
+            for line in lines_backwards(path):
+                seq = line_seq(line)
                 if seq is not None and seq <= since:
-                    continue
-                rec = _parse(line)
-                if rec is not None and rec.get("seq", 0) > since and _matches(rec, kinds, sandbox_id, since_time):
+                    break
+                rec = parse(line)
+                if rec is not None and rec.get("seq", 0) > since and matches(rec, kinds, sandbox_id, since_time):
                     part.append(rec)
-            found.append(part)
+                    if count + len(part) >= limit:
+                        break
+            found.append(part[::-1])
             count += len(part)
             older = since_time is not None and (ts := self._first_ts(path)) is not None and ts < since_time
             if count >= limit or first <= since + 1 or older:
@@ -590,6 +548,6 @@ class AuditLog:
                 line = f.readline()
         except FileNotFoundError:
             return None
-        rec = _parse(line) if line.endswith(b"\n") else None
+        rec = parse(line) if line.endswith(b"\n") else None
         ts = rec.get("ts") if rec is not None else None
         return float(ts) if isinstance(ts, int | float) else None

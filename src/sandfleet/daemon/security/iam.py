@@ -28,14 +28,14 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from sandfleet.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
-from sandfleet.models import ByteSize, ProjectPath
+from sandfleet.models import Alert, ByteSize, ProjectPath, QuotaUse
 
 Role = Literal["admin", "user", "read-only"]
 
@@ -161,6 +161,25 @@ def _check_within(path: str, quota: Quota, anc: str, held: Quota) -> None:
                 f"project {path}: its quota of {_amount(dim, mine)} exceeds what its ancestor {anc} holds "
                 f"({_amount(dim, theirs)}): a child is never granted more than its parent"
             )
+
+
+def exhausted(q: QuotaUse) -> list[tuple[str, float, float]]:
+    """The dimensions a project holds all its quota of (its creates are refused): (dim, used, cap)."""
+    dims = (
+        ("sandboxes", q.sandboxes, q.quota_sandboxes),
+        ("cpu", q.cpu, q.quota_cpu),
+        ("memory", q.memory, q.quota_memory),
+    )
+    return [(dim, used, cap) for dim, used, cap in dims if cap is not None and used >= cap]
+
+
+def quota_alert(q: QuotaUse, dim: str, used: float, cap: float, since: float) -> Alert:
+    """The alert that a project is at its quota (`quota_exhausted`: the node's and the gateway's)."""
+    what = f"project {q.project} holds {used:g} of its {cap:g} {dim}: its creates are refused"
+    labels = {"project": q.project, "dim": dim}
+    return Alert(
+        name="quota_exhausted", severity="critical", summary=what, labels=labels, value=used, threshold=cap, since=since
+    )
 
 
 def token_hash(secret: str) -> str:
@@ -357,6 +376,31 @@ class Iam:
                     row[0] += n
                     row[1] += cpu
                     row[2] += mem
+        return out
+
+    def uses(self, usage: UsageMap, projects: Iterable[str | None] | None = None) -> list[QuotaUse]:
+        """The quotas `projects` count against (None: every listed project's that caps what is held),
+        each with what its whole subtree holds, from per-project `usage`."""
+        if projects is None:
+            paths = {path for path, q in self.quotas.items() if q.bounds()}
+        else:
+            paths = {path for p in projects for path, q in self.chain(p) if q.bounds()}
+        held = self.rollup(usage, tuple(sorted(paths)))
+        out = []
+        for path in sorted(paths):
+            q = self.quotas[path]
+            n, cpu, mem = held[path]
+            out.append(
+                QuotaUse(
+                    project=path,
+                    sandboxes=int(n),
+                    cpu=round(cpu, 6),
+                    memory=int(mem),
+                    quota_sandboxes=q.sandboxes,
+                    quota_cpu=q.cpu,
+                    quota_memory=None if q.memory is None else int(q.memory),
+                )
+            )
         return out
 
     def check_create(

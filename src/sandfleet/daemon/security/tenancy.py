@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,6 +54,7 @@ from sandfleet.errors import (
 from sandfleet.models import (
     Health,
     NetworkPolicy,
+    QuotaUse,
     RunCodeRequest,
     SandboxInfo,
     SandboxSpec,
@@ -204,7 +205,20 @@ class Tenancy:
             if spec is None or not p.sees(spec.project):
                 raise hidden_sandbox(sandbox_id)
 
+    def sees(self) -> Callable[[str | None], bool]:
+        """Whether the caller sees a project's data (everything, for the root or with no projects)."""
+        p = self._principal()
+        return (lambda _project: True) if p is None or p.project is None else p.sees
+
+    def is_root(self) -> bool:
+        p = self._principal()
+        return p is None or p.project is None
+
     # -- quotas ----------------------------------------------------------------------------------
+
+    def quota_uses(self, projects: Iterable[str | None] | None = None) -> builtins.list[QuotaUse]:
+        """The quotas `projects` count against (None: every project's), with what their subtrees hold here."""
+        return [] if self.iam is None else self.iam.uses(self.directory.project_usage(), projects)
 
     @property
     def _quotas(self) -> Iam:
@@ -247,7 +261,16 @@ class Tenancy:
                 usage[project] = (n + 1, ucpu + cpu, int(umem + mem))
             if not refused or not self._pending:
                 break
+        for (project, _), err in zip(wanted, out, strict=True):
+            if err is not None:
+                self._refused(project)
         return out
+
+    def _refused(self, project: str | None, n: int = 1) -> None:
+        """Count a create refused by a quota, under the listed project it counts against first (a
+        project a caller names needs not be listed: the metric's labels are the configuration's)."""
+        chain = self._quotas.chain(project)
+        self.node.core.metrics.quota_refusals.labels(project=chain[0][0] if chain else "").inc(n)
 
     @contextmanager
     def _admitted(self, wanted: list[tuple[str | None, SandboxSpec]]) -> Iterator[None]:
@@ -281,6 +304,7 @@ class Tenancy:
             try:
                 self._quotas.take_create(project, n)
             except ResourceExhaustedError as exc:
+                self._refused(project, n)
                 refused[project] = exc
         return refused
 

@@ -1,9 +1,11 @@
 // #/jobs?key=job&state=live : sandboxes grouped by one label's values ("a job is a label"), counted by
 // state (GET /v1/jobs: the node counts, the page gets no sandbox); a job paused, resumed or stopped at
-// once (POST /v1/sandboxes/pause|resume|stop by label).
+// once (POST /v1/sandboxes/pause|resume|stop by label). Grouped by the node's job label (`counted`),
+// each job also has its failures, pass rate and steps, and a page of its own (#/jobs/<value>).
 
 import { api } from "../api.js";
-import { actionButton, fill, h, notify, pageHead, table } from "../ui.js";
+import { jobHash } from "../figures.js";
+import { actionButton, fill, fmtShare, h, notify, pageHead, table } from "../ui.js";
 import { sandboxesHash } from "./sandboxes.js";
 
 const STATES = ["creating", "running", "paused", "stopping", "stopped", "failed"];
@@ -27,7 +29,7 @@ export async function jobsPage(root, ctx) {
     summary.textContent =
       `${jobs.length} values of label "${key}" over ${answer.total - without} ${state} sandboxes` +
       (without ? ` (${without} without it)` : "");
-    fill(body, jobsTable(ctx, key, state, jobs, refresh));
+    fill(body, jobsTable(ctx, key, state, jobs, refresh, Boolean(answer.counted)));
   };
   await ctx.every(5000, refresh);
 }
@@ -44,13 +46,27 @@ function jobsForm(key, state) {
   return form;
 }
 
-function jobsTable(ctx, key, state, jobs, refresh) {
-  const counted = STATES.filter((s) => jobs.some((j) => j.states[s]));
+const figure = (n) => (n == null ? "–" : String(n));
+
+function jobsTable(ctx, key, state, jobs, refresh, counted) {
+  const states = STATES.filter((s) => jobs.some((j) => j.states[s]));
+  const list = (j) => sandboxesHash({ labels: [`${key}=${j.value}`], state });
+  // The node's job label: a job's page; another label: its values are no jobs, their link is the list.
+  const name = counted
+    ? (j) => [h("a", { href: jobHash(j.value), class: "job-link" }, j.value), " ", h("a", { href: list(j), class: "list-link small" }, "sandboxes")]
+    : (j) => h("a", { href: list(j), class: "job-link" }, j.value);
   return table(
     [
-      { title: key, cell: (j) => h("a", { href: sandboxesHash({ labels: [`${key}=${j.value}`], state }), class: "job-link" }, j.value) },
+      { title: key, cell: name },
       { title: "sandboxes", class: "num", cell: (j) => String(j.count) },
-      ...counted.map((s) => ({ title: s, class: "num", cell: (j) => String(j.states[s] || "") })),
+      ...states.map((s) => ({ title: s, class: "num", cell: (j) => String(j.states[s] || "") })),
+      ...(counted
+        ? [
+            { title: "failures", class: "num", cell: (j) => figure(j.failures) },
+            { title: "pass rate", class: "num", cell: (j) => (j.verified ? `${fmtShare(j.passed / j.verified)} of ${j.verified}` : "–") },
+            { title: "steps", class: "num", cell: (j) => figure(j.steps) },
+          ]
+        : []),
       { title: "", class: "actions", cell: (j) => jobActions(ctx, { [key]: j.value }, refresh) },
     ],
     jobs,
