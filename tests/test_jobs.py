@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from sandfleet import Client, SandboxSpec
-from sandfleet.errors import InvalidArgumentError, NotFoundError
+from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError
 from sandfleet.models import ExecAction, ExecRequest, Resources
 
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until
@@ -240,3 +240,19 @@ def test_a_list_of_trajectories_gives_the_newest_and_how_many_match(node: tuple[
         with _client(url, "b") as b:
             assert b.trajectories({"job": job}) == []  # another project's, never listed
         trajs[2].close()
+
+
+def test_a_create_that_failed_once_its_sandbox_ran_is_the_jobs_failure(node: tuple[Daemon, str]) -> None:
+    """A user the image does not have is found only once the sandbox runs: the create fails (the
+    caller's fault), its sandbox stops, and the job counts one failed create, never a created one."""
+    _, url = node
+    job = f"baduser-{uuid.uuid4().hex[:6]}"
+    with _client(url, "a") as fleet:
+        with pytest.raises(SandboxError) as err:
+            fleet.create(image="busybox", user="nosuchuser", labels={"job": job}, idle_ttl=300, timeout=60)
+        assert err.value.cause == "caller", err.value
+        stats = fleet.job(job)
+        assert (stats.created, stats.failures) == (0, {"caller": 1}), stats
+        assert [(e.kind, e.cause) for e in stats.examples] == [("create", "caller")]
+        assert "nosuchuser" in stats.examples[0].message
+        assert wait_until(lambda: fleet.job(job).stopped == 1, 30)

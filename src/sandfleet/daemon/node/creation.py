@@ -253,21 +253,28 @@ class Creation:
         await self._settle_create(sb, live, {"image": spec.environment(), "pooled": True}, t0)
         return sb.info()
 
+    async def _failed_late(self, sb: Sandbox, exc: SandboxError, reason: str) -> None:
+        """A create that failed once its sandbox ran: recorded as a failed create, then stopped."""
+        self.core.journal.record(sb.id, "create_failed", {"error": str(exc)[:500], "cause": exc.cause})
+        self.core.metrics.create_failures.inc()
+        await self.core.stop(sb.id, reason=reason)
+
     async def _settle_create(self, sb: Sandbox, live: LiveSandbox, created: dict[str, Any], t0: float) -> None:
         """The last step of every create, cold or pooled: check the spec's user exists, then record it."""
         if sb.spec.user != "root":
             try:
                 await self.files.user(sb, live, sb.spec.user)
-            except SandboxError:
-                await self.core.stop(sb.id, reason="invalid user")
+            except SandboxError as exc:
+                await self._failed_late(sb, exc, "invalid user")
                 raise
         self.core.watch_agent(sb.id, live)
         if not sb.spec.network.none:
             try:
                 await self.networking.attach(sb)
             except OSError as exc:
-                await self.core.stop(sb.id, reason="network policy could not be applied")
-                raise UnavailableError(f"the sandbox's network policy could not be applied: {exc}") from exc
+                err = UnavailableError(f"the sandbox's network policy could not be applied: {exc}")
+                await self._failed_late(sb, err, "network policy could not be applied")
+                raise err from exc
         if sb.spec.qos == "best_effort":
             self.core.best_effort_ids.add(sb.id)
         self.core.journal.record(sb.id, "created", created)

@@ -242,6 +242,8 @@ class Trajectories:
             why = f"the daemon restarted while trajectory {t.id} was being verified: the verification was lost"
             result = interrupted(why)
             self.core.metrics.verifications.labels(outcome="infra").inc()
+            if (sb := self.core.table.find(t.sandbox.id if t.sandbox else "")) is not None:
+                self.core.jobs.verified(sb, result)
             await self._append(t, {"k": "verify", "digest": t.verify_begun, "result": result.model_dump(mode="json")})
             t.verification, t.verify_digest = result, t.verify_begun
 
