@@ -124,7 +124,6 @@ class Alert(_Model):
         "failure_rate",
         "verifier_timeouts",
         "quota_exhausted",
-        "node_full",
         "pool_empty",
         "detector_findings",
         "stuck_sandboxes",

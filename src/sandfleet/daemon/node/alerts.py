@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,15 +27,7 @@ from sandfleet.models import Alert, QuotaUse
 
 log = logging.getLogger(__name__)
 
-NAMES = (
-    "failure_rate",
-    "verifier_timeouts",
-    "quota_exhausted",
-    "pool_empty",
-    "detector_findings",
-    "stuck_sandboxes",
-    "node_lost",
-)
+NAMES: tuple[str, ...] = get_args(Alert.model_fields["name"].annotation)  # the closed set of alerts
 
 
 FAILURE_RATIO: dict[Cause, float] = {"infra": 0.05, "timeout": 0.25, "verifier": 0.05, "caller": 0.5}
