@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ import httpx
 import pytest
 import uvicorn
 
-from sandfleet import Client, Resources, SandboxSpec
+from sandfleet import Client, Resources, SandboxSpec, UnavailableError
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.gateway import Gateway, create_gateway_app
 from sandfleet.cluster.membership import Registration
@@ -101,6 +102,12 @@ def test_a_jobs_failures_of_each_cause_verdicts_rewards_and_stuck_sandboxes(tab:
         assert worker.verify("exit 1").cause == "agent"  # the work failed the checks: reward 0
         assert worker.verify("true").passed  # reward 1
         assert wait_until(lambda: any(e.kind == "oom_kill" for e in worker.events()), timeout=15)
+        admin.drain(True)  # a create of the job refused: the job's refusal, not its failure
+        try:
+            with pytest.raises(UnavailableError):
+                admin.create(image="busybox", labels={"job": job}, idle_ttl=300, timeout=1)
+        finally:
+            admin.drain(False)
 
         # The jobs page: the job label's groups carry their figures, and lead to the job's page.
         tab.sign_in(ADMIN, "#/jobs")
@@ -124,6 +131,8 @@ def test_a_jobs_failures_of_each_cause_verdicts_rewards_and_stuck_sandboxes(tab:
         examples = tab.text("#examples-table")
         assert "sleep 5: timed out" in examples and "exit 1" in examples and "OOM-killed" in examples, examples
         assert tab.text("#job-oom") == "1"
+        assert re.fullmatch(r"\d+ \(draining \d+\)", tab.text("#job-refused")), tab.text("#job-refused")
+        assert "draining: node" in tab.text("#refusals-table")
         # Verifications by outcome, the pass rate; rewards of the judged ones (passed: 1, agent: 0).
         assert tab.text("#job-pass-rate") == "33%"
         outcomes = tab.page.locator("#verifications-table tbody tr").evaluate_all(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from sandfleet.cluster.job_figures import Refusals
 from sandfleet.cluster.quotas import GatewayQuotas, ShareSpent
 from sandfleet.daemon.security.iam import Iam, IamConfig
 from sandfleet.errors import ResourceExhaustedError
@@ -101,3 +102,24 @@ def test_own_admissions_age_out_once_the_nodes_count_them() -> None:
         gw.admit(spec(), now=10.0)
     gw.forget(spec())  # a create that made no sandbox gives its share back
     gw.admit(spec(), now=10.0)
+
+
+def test_a_refusal_is_counted_in_the_job_of_its_spec_for_the_projects_that_see_it() -> None:
+    """What the gateway refuses never reaches a node: it keeps it per (project, label, value) and adds
+    it to the nodes' figures of that job (GET /v1/jobs/{job} through a gateway)."""
+    seen = Seen({"org/job": (6, 6.0, 0)})  # at its quota
+    gw = GatewayQuotas(Iam(IAM), seen, GATEWAYS[0])  # type: ignore[arg-type]
+    gw.membership.gateways = [GATEWAYS[0]]
+    refusals = Refusals()
+    gw.refused = lambda _listed, spec, why, err: refusals.add(spec, why, err)
+    wanted = SandboxSpec(project="org/job", labels={"job": "grpo-1", "team": "a"})
+    for _ in range(3):
+        with pytest.raises(ResourceExhaustedError):
+            gw.admit(wanted, now=0.0)
+    nodes = {"key": "job", "value": "grpo-1", "refused": {"capacity": 2}, "refusals": []}
+    got = refusals.into(nodes, lambda project: project == "org/job")
+    assert got["refused"] == {"capacity": 2, "quota": 3}
+    assert [e["message"][:35] for e in got["refusals"]] == ["quota: project org/job: quota of 6 "]
+    assert refusals.into({**nodes, "value": "other"}, lambda _p: True)["refused"] == {"capacity": 2}
+    assert refusals.into(nodes, lambda project: project == "org/else")["refused"] == {"capacity": 2}
+    assert refusals.into({**nodes, "key": "team", "value": "a"}, lambda _p: True)["refused"]["quota"] == 3

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from sandfleet import Client, SandboxSpec
-from sandfleet.errors import InvalidArgumentError, NotFoundError, SandboxError
+from sandfleet.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import ExecAction, ExecRequest, Resources
 
 from conftest import Daemon, destroy_daemon, make_daemon, wait_until
@@ -256,3 +256,41 @@ def test_a_create_that_failed_once_its_sandbox_ran_is_the_jobs_failure(node: tup
         assert [(e.kind, e.cause) for e in stats.examples] == [("create", "caller")]
         assert "nosuchuser" in stats.examples[0].message
         assert wait_until(lambda: fleet.job(job).stopped == 1, 30)
+
+
+def test_creates_refused_by_a_quota_or_a_draining_node_are_the_jobs_refusals(node: tuple[Daemon, str]) -> None:
+    """A create refused before any sandbox existed (the project's quota, the node draining) is counted
+    in its job as refused, by why, with the refusal to read; never as a failure, and only in the
+    figures of the project that asked."""
+    _, url = node
+    job = f"refused-{uuid.uuid4().hex[:6]}"
+    with _client(url, "full") as full, _client(url, "root") as root, _client(url, "a") as a:
+        with full.create(image="busybox", labels={"job": job}, idle_ttl=300):
+            with pytest.raises(ResourceExhaustedError):  # (the SDK tries again until its timeout)
+                full.create(image="busybox", labels={"job": job}, idle_ttl=300, timeout=2)
+            batch = full.create_many([SandboxSpec(image="busybox", labels={"job": job})] * 2, retry_for=0)
+            assert all(isinstance(r, ResourceExhaustedError) for r in batch), batch
+            stats = full.job(job)
+            assert stats.created == 1 and stats.failures == {}, stats
+            quota = stats.refused.get("quota", 0)
+            assert quota >= 3 and set(stats.refused) == {"quota"}, stats.refused
+            assert stats.refusals and stats.refusals[0].message.startswith("quota: project org/full"), stats.refusals
+            assert sum(p.refused for p in stats.series) == quota
+            assert not _has_job(a, job)  # another project's: not even its refusals
+        root.drain(True)
+        try:
+            with pytest.raises(UnavailableError):
+                full.create(image="busybox", labels={"job": job}, idle_ttl=300, timeout=2)
+        finally:
+            root.drain(False)
+        stats = full.job(job)
+        assert stats.refused["draining"] >= 1 and stats.failures == {}, stats
+        assert stats.refusals[0].message.startswith("draining: node"), stats.refusals
+
+
+def _has_job(fleet: Client, job: str) -> bool:
+    try:
+        fleet.job(job)
+    except NotFoundError:
+        return False
+    return True

@@ -22,16 +22,18 @@ from starlette.responses import Response
 from sandfleet.cluster.acks import Acks
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.forward import json_response
+from sandfleet.cluster.job_figures import Refusals
 from sandfleet.cluster.membership import Membership, Node
 from sandfleet.cluster.placement import Placer
 from sandfleet.cluster.quotas import GatewayQuotas
 from sandfleet.daemon.security.iam import Iam
 from sandfleet.errors import (
     InvalidArgumentError,
+    ResourceExhaustedError,
     SandboxError,
     UnavailableError,
 )
-from sandfleet.models import SandboxSpec, validation_message
+from sandfleet.models import Refusal, SandboxSpec, validation_message
 
 log = logging.getLogger("sandfleet.cluster")
 
@@ -130,7 +132,8 @@ class GatewayCore:
         self.iam = Iam(config.iam, config.token.get_secret_value() if config.token else None)
         self.quotas = GatewayQuotas(self.iam, self.membership, config.url)
         self.metrics = GatewayMetrics()
-        self.quotas.refused = lambda project: self.metrics.quota_refusals.labels(project=project).inc()
+        self.refusals = Refusals()  # creates this gateway refused, per job
+        self.quotas.refused = self._refused
         self.quota_since: dict[tuple[str, str], float] = {}  # (project, dim) at its quota: since when
         self._rng = rng or random.Random()
         self.acks = Acks(self.membership)
@@ -141,6 +144,10 @@ class GatewayCore:
         self._gateways: dict[str, httpx.AsyncClient] = {}  # other gateways (quota delegation)
 
     # -- membership ------------------------------------------------------------------------------
+    def _refused(self, project: str, spec: SandboxSpec, why: Refusal, error: ResourceExhaustedError) -> None:
+        self.metrics.quota_refusals.labels(project=project).inc()
+        self.refusals.add(spec, why, error)
+
     def refresh_placement(self) -> None:
         self.placer.update(self.membership.placement_view())
         counts = collections.Counter(n.status for n in self.membership.nodes.values())

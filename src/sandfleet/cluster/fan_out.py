@@ -157,7 +157,9 @@ class FanOut(GatewayCore):
         parts = [p for p in await self._fan_out(one) if p is not None]
         if not parts:
             raise NotFoundError(f"job {request.path_params['job'][:200]}: no sandbox of it, nor any figure counted")
-        merged = merge_stats(parts)
+        principal: Principal = request.state.principal
+        sees = (lambda _p: True) if principal.project is None else (lambda p: principal.sees(p or None))
+        merged = self.refusals.into(merge_stats(parts), sees)
         # Each node's use of a quota is its own: the cluster's is what the gateway reads of them all.
         named = {q["project"] for q in merged["quotas"]}
         merged["quotas"] = [q.model_dump() for q in self._quota_uses(request) if q.project in named]

@@ -5,14 +5,16 @@ sandboxes are merged newest or oldest first and marked with their node."""
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable
 from typing import Any
 
-from sandfleet.errors import CAUSES
-from sandfleet.models import BRIEF, EXAMPLES
+from sandfleet.errors import CAUSES, SandboxError
+from sandfleet.models import BRIEF, EXAMPLES, Refusal, SandboxSpec
 
 _ADD = ("created", "stopped", "execs", "steps", "replays", "oom_kills", "cpu", "memory", "cpu_used", "memory_used")
-_ADD_DICTS = ("states", "failures", "verifications", "findings")
-_POINT_ADD = ("created", "stopped", "oom_kills", "verified", "passed", "steps", "replays", "execs")
+_ADD_DICTS = ("states", "failures", "verifications", "findings", "refused")
+_POINT_ADD = ("created", "refused", "stopped", "oom_kills", "verified", "passed", "steps", "replays", "execs")
 
 
 def merge_groups(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -50,6 +52,8 @@ def merge_stats(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     out["rewards"] = _rewards([p["rewards"] for _, p in parts])
     examples = [e for _, p in parts for e in p["examples"]]
     out["examples"] = sorted(examples, key=lambda e: -e["at"])[: EXAMPLES * len(CAUSES)]
+    refusals = [e for _, p in parts for e in p["refusals"]]
+    out["refusals"] = sorted(refusals, key=lambda e: -e["at"])[:EXAMPLES]
     quotas: dict[str, dict[str, Any]] = {}
     for _, p in parts:  # each node's use of a project's quota: the cluster's is their sum
         for q in p["quotas"]:
@@ -97,6 +101,44 @@ def _series(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 for name, n in pt[k].items():
                     into[k][name] = into[k].get(name, 0) + n
     return [points[t] for t in sorted(points)]
+
+
+class Refusals:
+    """Creates the gateway itself refused (a project's quota or creates per second, before any node
+    was asked), to add to the nodes' figures of their jobs. The gateway does not know the nodes' job
+    label: each refusal is kept under every label of its spec, (project, label, value), at most `MAX`
+    of them, the least recent forgotten first."""
+
+    MAX = 5000
+
+    def __init__(self) -> None:
+        self._by: collections.OrderedDict[tuple[str, str, str], tuple[collections.Counter[str], list[dict[str, Any]]]]
+        self._by = collections.OrderedDict()
+
+    def add(self, spec: SandboxSpec, why: Refusal, error: SandboxError) -> None:
+        now = time.time()
+        message = f"{why}: {error.message}"[:300]
+        example: dict[str, Any] = {"at": now, "cause": error.cause, "kind": "create", "message": message}
+        for key, value in spec.labels.items():
+            ident = (spec.project or "", key, value)
+            counts, examples = self._by.pop(ident) if ident in self._by else (collections.Counter(), [])
+            counts[why] += 1
+            last = examples[0] if examples else None
+            if last is None or last["at"] < now - 1 or not last["message"].startswith(why):  # (a burst: one example)
+                examples[:] = [example, *examples[: EXAMPLES - 1]]
+            self._by[ident] = (counts, examples)
+            while len(self._by) > self.MAX:
+                self._by.popitem(last=False)
+
+    def into(self, stats: dict[str, Any], sees: Callable[[str], bool]) -> dict[str, Any]:
+        """`stats` (a merged job's) with the gateway's refusals of it, of the projects the caller sees."""
+        refused = collections.Counter(stats["refused"])
+        refusals = list(stats["refusals"])
+        for (project, key, value), (counts, examples) in self._by.items():
+            if key == stats["key"] and value == stats["value"] and sees(project):
+                refused.update(counts)
+                refusals.extend(examples)
+        return {**stats, "refused": dict(refused), "refusals": sorted(refusals, key=lambda e: -e["at"])[:EXAMPLES]}
 
 
 def merge_alerts(parts: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:

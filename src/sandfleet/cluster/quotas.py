@@ -22,7 +22,7 @@ from collections.abc import Callable
 from sandfleet.cluster.membership import Membership
 from sandfleet.daemon.security.iam import Iam
 from sandfleet.errors import ResourceExhaustedError
-from sandfleet.models import SandboxSpec
+from sandfleet.models import Refusal, SandboxSpec
 
 
 class ShareSpent(ResourceExhaustedError):
@@ -42,8 +42,8 @@ class GatewayQuotas:
         self.me = me  # this gateway's URL: its place in each project's order of gateways
         # (monotonic time, project, cpu, memory) of this gateway's admissions not yet in a load read
         self._recent: collections.deque[tuple[float, str, float, int]] = collections.deque()
-        # counts a refusal under the listed project whose quota refused (the gateway's metric)
-        self.refused: Callable[[str], None] = lambda project: None
+        # a refusal: the listed project whose quota refused (the gateway's metric), the spec, why
+        self.refused: Callable[[str, SandboxSpec, Refusal, ResourceExhaustedError], None] = lambda *_: None
 
     def _mine(self, now: float) -> dict[str, tuple[int, float, int]]:
         # Ours older than every node's last load read are in the nodes' counts; a node whose reads
@@ -99,14 +99,15 @@ class GatewayQuotas:
                         amount = f"{int(limit)} sandboxes" if dim == "sandboxes" else f"{limit:g} {dim}"
                         if units > 0 and rank != 0:  # the first gateway of the project holds a share
                             raise ShareSpent(f"project {path}: this gateway's share of its quota is spent", order[0])
-                        self.refused(path)
-                        raise ResourceExhaustedError(f"project {path}: quota of {amount} reached ({used:g} in use)")
+                        err = ResourceExhaustedError(f"project {path}: quota of {amount} reached ({used:g} in use)")
+                        self.refused(path, spec, "quota", err)
+                        raise err
         if self.iam.rated(project):
             try:
                 self.iam.take_create(project, share=1.0 / gateways, now=now)
-            except ResourceExhaustedError:
+            except ResourceExhaustedError as err:
                 rated = [path for path, q in self.iam.chain(project) if q.creates_per_second is not None]
-                self.refused(rated[0] if rated else project)  # a listed project (the metric's labels)
+                self.refused(rated[0] if rated else project, spec, "rate", err)  # a listed project (the metric's)
                 raise
         self._recent.append((now, project, cpu, mem))
 

@@ -18,6 +18,10 @@ REWARD_EDGES: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 
 EXAMPLES = 5  # recent failures a job keeps per cause
 BRIEF = 20  # stuck and slowest sandboxes a job lists at most
 
+# Why a create was refused before a sandbox existed: a project's quota, its creates per second, the
+# node full (or every node, through a gateway), the node draining.
+Refusal = Literal["quota", "rate", "capacity", "draining"]
+
 
 class FailureExample(_Model):
     """One recent failure of a job, to look into."""
@@ -50,6 +54,7 @@ class JobPoint(_Model):
 
     t: float = Field(description="the bucket's start (seconds since the epoch)")
     created: int = 0
+    refused: int = Field(0, description="creates refused before a sandbox existed")
     stopped: int = 0
     failures: dict[str, int] = Field(default_factory=dict, description="by cause")
     oom_kills: int = 0
@@ -100,6 +105,12 @@ class JobStats(_Model):
     oom_kills: int
     failures: dict[str, int] = Field(description="by cause: infra, agent, timeout, verifier, caller")
     examples: list[FailureExample] = Field(description="the latest failures, newest first (a few per cause)")
+    refused: dict[Refusal, int] = Field(
+        default_factory=dict,
+        description="creates refused before a sandbox existed, by why: quota (a project's cap), rate (its creates "
+        "per second), capacity (no room on the node), draining. Not failures: the caller is told and may retry",
+    )
+    refusals: list[FailureExample] = Field(default_factory=list, description="the latest refusals, newest first")
     verifications: dict[str, int] = Field(description="by outcome: passed, or the cause of the failure")
     pass_rate: float | None
     rewards: Rewards

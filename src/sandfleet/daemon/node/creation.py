@@ -16,7 +16,7 @@ import asyncio
 import builtins
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
@@ -150,12 +150,16 @@ class Creation:
             spec, lambda sid: tier.create(sid, spec, image), created, key, fingerprint=fingerprint
         )
 
-    def check_draining(self, key: str | None = None, project: str | None = None) -> None:
-        """A caller's new sandbox (create, batch, a trajectory's): refused while the node drains. The
+    def check_draining(self, specs: Sequence[SandboxSpec], key: str | None = None, project: str | None = None) -> None:
+        """A caller's new sandboxes (create, batch, a trajectory's): refused while the node drains. The
         node's own (verifiers, fncall workers), forks and restores of its snapshots, and a retried
-        create whose idempotency key (of the spec's `project`) already made its sandbox still go through."""
-        if self.core.draining and (key is None or (project, key) not in self.core.keys):
-            raise UnavailableError(f"node {self.core.node_key} is draining: it takes no new sandboxes")
+        create whose idempotency key (of the spec's project) already made its sandbox still go through.
+        `project`: the caller's, for a spec that names none (the job the refusal is counted in)."""
+        if not self.core.draining or (key is not None and (specs[0].project, key) in self.core.keys):
+            return
+        err = UnavailableError(f"node {self.core.node_key} is draining: it takes no new sandboxes")
+        self.core.jobs.refused(specs, "draining", err, project)
+        raise err
 
     def check_node_selector(self, spec: SandboxSpec) -> None:
         """A sandbox that asks for node labels this node does not carry is not for this node."""
@@ -174,8 +178,9 @@ class Creation:
         """Take the spec's admission budget (or raise ResourceExhaustedError); counts as creating."""
         try:
             self.core.admission.admit(self.core.node_count(), spec.resources, cpu_held=cpu_held)
-        except ResourceExhaustedError:
+        except ResourceExhaustedError as exc:
             self.core.metrics.rejected.inc()
+            self.core.jobs.refused([spec], "capacity", exc)
             raise
         self.core.admission.commit(spec.resources)
         self.core.creating += 1

@@ -27,12 +27,12 @@ import math
 import sys
 import time
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sandfleet.daemon.node.lifecycle import HOLDING_STATES, LIVE_STATES, PAUSED, RUNNING, Sandbox, SandboxTable
-from sandfleet.errors import CAUSES
+from sandfleet.errors import CAUSES, SandboxError
 from sandfleet.models import (
     BRIEF,
     EXAMPLES,
@@ -44,9 +44,11 @@ from sandfleet.models import (
     JobPoint,
     JobStats,
     QuotaUse,
+    Refusal,
     RewardBin,
     Rewards,
     SandboxBrief,
+    SandboxSpec,
     StepResult,
     VerifyResult,
 )
@@ -130,6 +132,7 @@ class _Job:
     counts: Counts = field(default_factory=collections.Counter)
     series: Series = field(default_factory=Series)
     examples: dict[str, collections.deque[FailureExample]] = field(default_factory=dict)
+    refusals: collections.deque[FailureExample] = field(default_factory=lambda: collections.deque(maxlen=EXAMPLES))
     reward_min: float = math.inf
     reward_max: float = -math.inf
     reward_sum: float = 0.0
@@ -212,6 +215,27 @@ class JobBook:
             message=message[:300],
         )
         job.examples.setdefault(cause, collections.deque(maxlen=EXAMPLES)).appendleft(example)
+
+    def refused(
+        self, specs: Iterable[SandboxSpec], why: Refusal, error: SandboxError, project: str | None = None
+    ) -> None:
+        """Creates of these specs refused before a sandbox existed (`project`: theirs when a spec names
+        none). Not failures: the caller is told and may retry (a retrying SDK would inflate a rate);
+        what holds a job back all the same. A verifier's is its verification's verdict."""
+        now = self.clock()
+        for spec in specs:
+            if VERIFY_LABEL in spec.labels:
+                continue
+            job = self._job((spec.project or project or "", spec.labels.get(self.label)), now)
+            if job is None:
+                continue
+            job.counts[f"refused:{why}"] += 1
+            job.series.add(bucket_of(now), f"refused:{why}", 1)
+            last = job.refusals[0] if job.refusals else None
+            if last is None or last.at < now - 1 or not last.message.startswith(why):  # (a burst: one example)
+                job.refusals.appendleft(
+                    FailureExample(at=now, cause=error.cause, kind="create", message=f"{why}: {error.message}"[:300])
+                )
 
     def event(self, sandbox_id: str, kind: str, data: dict[str, Any]) -> None:
         """The journal's tap: the events that are a job's figures. A verifier's sandbox counts as the
@@ -386,6 +410,7 @@ class JobBook:
         last = bucket_of(now)
         series: dict[int, tuple[Counts, Counts]] = {}  # bucket number -> (counts, states), the keys added up
         examples: list[FailureExample] = []
+        refusals: list[FailureExample] = []
         since, rmin, rmax, rsum = now, math.inf, -math.inf, 0.0
         for k in keys:
             job = self.jobs[k]
@@ -394,12 +419,14 @@ class JobBook:
             rmin, rmax, rsum = min(rmin, job.reward_min), max(rmax, job.reward_max), rsum + job.reward_sum
             for ex in job.examples.values():
                 examples.extend(ex)
+            refusals.extend(job.refusals)
             rows = job.series
             for b, i in rows.buckets(last - KEEP + 1, last):
                 into, in_states = series.setdefault(b, (collections.Counter(), collections.Counter()))
                 into.update({name: a[i] for name, a in rows.counts.items() if a[i]})
                 in_states.update({state: a[i] for state, a in rows.states.items() if a[i]})
         examples.sort(key=lambda e: -e.at)
+        refusals.sort(key=lambda e: -e.at)
         states = collections.Counter(sb.state for sb in sandboxes)
         rewards = sum(n for k, n in counts.items() if k.startswith("reward:"))
         verifications = {k.split(":", 1)[1]: n for k, n in counts.items() if k.startswith("verify:") and n}
@@ -419,6 +446,8 @@ class JobBook:
             oom_kills=counts["oom_kills"],
             failures={c: counts[f"failure:{c}"] for c in CAUSES if counts[f"failure:{c}"]},
             examples=examples[: EXAMPLES * len(CAUSES)],
+            refused={k.split(":", 1)[1]: n for k, n in counts.items() if k.startswith("refused:") and n},
+            refusals=refusals[:EXAMPLES],
             verifications=verifications,
             pass_rate=verifications.get("passed", 0) / verified if verified else None,
             rewards=Rewards(
@@ -452,6 +481,7 @@ class JobBook:
                 JobPoint(
                     t=b * BUCKET,
                     created=c["created"],
+                    refused=sum(n for k, n in c.items() if k.startswith("refused:")),
                     stopped=c["stopped"],
                     failures={cause: c[f"failure:{cause}"] for cause in CAUSES if c[f"failure:{cause}"]},
                     oom_kills=c["oom_kills"],

@@ -318,7 +318,7 @@ class Trajectories:
                     "pause_after": req.spec.pause_after or self.config.pause_after,
                 }
             )
-            self.creation.check_draining(idempotency_key, spec.project)
+            self.creation.check_draining([spec], idempotency_key)
             return await self.creation.create(spec, idempotency_key=idempotency_key)
         assert req.snapshot_id is not None
         results = await self.snapshots.restore(req.snapshot_id, 1, labels, idempotency_key=idempotency_key)

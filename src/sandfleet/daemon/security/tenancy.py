@@ -261,9 +261,10 @@ class Tenancy:
                 usage[project] = (n + 1, ucpu + cpu, int(umem + mem))
             if not refused or not self._pending:
                 break
-        for (project, _), err in zip(wanted, out, strict=True):
+        for (project, spec), err in zip(wanted, out, strict=True):
             if err is not None:
                 self._refused(project)
+                self.node.core.jobs.refused([spec], "quota", err)
         return out
 
     def _refused(self, project: str | None, n: int = 1) -> None:
@@ -306,6 +307,7 @@ class Tenancy:
             except ResourceExhaustedError as exc:
                 self._refused(project, n)
                 refused[project] = exc
+                self.node.core.jobs.refused([spec for p, spec in wanted if p == project], "rate", exc)
         return refused
 
     def _held_each(self, keys: builtins.list[tuple[str | None, str | None]]) -> builtins.list[bool]:
@@ -367,7 +369,7 @@ class Tenancy:
         if p is not None and (p.project is not None or spec.project is not None):
             spec = _placed(p, spec)
         project = spec.project
-        self.node.creation.check_draining(idempotency_key, project)
+        self.node.creation.check_draining([spec], idempotency_key)
         create = self.node.creation.create
         if p is None or self.iam is None or not self.iam.chain(project) or self._held(project, idempotency_key):
             return await create(spec, idempotency_key=idempotency_key)
@@ -381,9 +383,9 @@ class Tenancy:
         concurrency: int,
         idempotency_keys: builtins.list[str | None] | None = None,
     ) -> builtins.list[SandboxInfo | SandboxError]:
-        self.node.creation.check_draining()
-        create_batch = self.node.creation.create_batch
         p = self._principal()
+        self.node.creation.check_draining(specs, project=p.project if p is not None else None)
+        create_batch = self.node.creation.create_batch
         if p is None or (p.project is None and all(s.project is None for s in specs)):
             return await create_batch(specs, concurrency, idempotency_keys)
         results: list[SandboxInfo | SandboxError | None] = [None] * len(specs)

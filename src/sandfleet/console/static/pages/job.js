@@ -250,6 +250,7 @@ class JobView {
     const p = this.parts;
     fill(p.now, stateCounts(s.states), facts([
       ["created", String(s.created)],
+      ["creates refused", refused(s.refused || {})],
       ["stopped", String(s.stopped)],
       ["commands run", String(s.execs)],
       ["steps", `${s.steps}${s.replays ? ` (+${s.replays} replayed)` : ""}`],
@@ -336,7 +337,7 @@ class JobView {
       const hosts = this.chartHosts;
       this.charts = {
         states: new LineChart(hosts.states, { lines: lines(STATES, STATE_COLORS), unit: "sandboxes", digits: 0 }),
-        lifecycle: new LineChart(hosts.lifecycle, { lines: lines(["creates/s", "stops/s"], ["#4cc38a", "#f0706a"]), unit: "per s" }),
+        lifecycle: new LineChart(hosts.lifecycle, { lines: lines(["creates/s", "stops/s", "refused/s"], ["#4cc38a", "#f0706a", "#e3a35e"]), unit: "per s" }),
         work: new LineChart(hosts.work, { lines: lines(["steps/s", "commands/s"], ["#5aa9ff", "#e3a35e"]), unit: "per s" }),
         failures: new LineChart(hosts.failures, { lines: lines(CAUSES, CAUSE_COLORS), unit: "per min" }),
       };
@@ -345,7 +346,7 @@ class JobView {
     const t = pts.map((p) => p.t);
     const per = (n) => n / s.bucket;
     this.charts.states.set(t, STATES.map((st) => pts.map((p) => p.states[st] || 0)));
-    this.charts.lifecycle.set(t, [pts.map((p) => per(p.created)), pts.map((p) => per(p.stopped))]);
+    this.charts.lifecycle.set(t, [pts.map((p) => per(p.created)), pts.map((p) => per(p.stopped)), pts.map((p) => per(p.refused || 0))]);
     this.charts.work.set(t, [pts.map((p) => per(p.steps)), pts.map((p) => per(p.execs))]);
     this.charts.failures.set(t, CAUSES.map((c) => pts.map((p) => per(p.failures[c] || 0) * 60)));
     this.chartNote.textContent = pts.length ? "" : "nothing counted yet";
@@ -424,7 +425,25 @@ function failures(s) {
       s.examples,
       { id: "examples-table", empty: "none", rowAttrs: (e) => ({ dataset: { cause: e.cause, kind: e.kind } }) },
     ),
+    (s.refusals || []).length > 0 && h("h3", {}, "creates refused (not failures: the caller is told and may retry)"),
+    (s.refusals || []).length > 0 &&
+      table(
+        [
+          { title: "when", cell: (e) => agoCell(e.at) },
+          { title: "why", class: "mono small", cell: (e) => h("span", { title: e.message }, cut(e.message, 200)) },
+        ],
+        s.refusals,
+        { id: "refusals-table", empty: "none" },
+      ),
   ];
+}
+
+/** Creates refused before a sandbox existed, by why: `5 (quota 3, capacity 2)`. */
+function refused(byWhy) {
+  const rows = Object.entries(byWhy).filter(([, n]) => n).sort((a, b) => b[1] - a[1]);
+  const total = rows.reduce((n, [, c]) => n + c, 0);
+  const text = total ? `${total} (${rows.map(([w, n]) => `${w} ${n}`).join(", ")})` : "0";
+  return h("span", { id: "job-refused", class: total ? "warn" : "", title: "refused before a sandbox existed: a quota, the node full or draining" }, text);
 }
 
 function verifications(s) {
