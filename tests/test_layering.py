@@ -193,6 +193,7 @@ RULES = [
             "sandfleet.daemon.config",  # `sandfleet cluster up` reads the node's config
             "sandfleet.images.models",  # image references, as placement compares them
             "sandfleet.console",  # the web console's files, served beside the API
+            "sandfleet.collector",  # the garbage collector's policy, as a node's
             *SDK,
         ),
     ),

@@ -15,6 +15,7 @@ import uvicorn
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.gateway import Gateway, create_gateway_app
 from sandfleet.cluster.membership import Registration
+from sandfleet.collector import Collector
 
 log = logging.getLogger("sandfleet.cluster")
 
@@ -82,6 +83,8 @@ async def serve_gateway(config: GatewayConfig, *, ready: asyncio.Event | None = 
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    collector = Collector(loop)  # full collections scan what is new, not every table's objects
+    collector.install()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -100,5 +103,6 @@ async def serve_gateway(config: GatewayConfig, *, ready: asyncio.Event | None = 
             for t in tasks:
                 t.cancel()
     finally:
+        collector.uninstall()
         await gw.acks.close()  # creates answered, not yet acknowledged to their nodes
         await gw.membership.close()

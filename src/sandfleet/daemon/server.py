@@ -23,6 +23,7 @@ import uvicorn
 from sandfleet.backends.base import TierBackend
 from sandfleet.backends.tiers import build_backend
 from sandfleet.client import AsyncClient
+from sandfleet.collector import Collector
 from sandfleet.daemon.api import create_app
 from sandfleet.daemon.config import DaemonConfig
 from sandfleet.daemon.node.admission import Admission, AdmissionPolicy
@@ -255,6 +256,8 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    collector = Collector(loop)  # full collections scan what is new, not every sandbox's objects
+    collector.install()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # The runtime's detached helpers exit a moment after `crun run` returns; reap them as they go
@@ -277,6 +280,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
     try:
         await manager.run(run_servers)
     finally:
+        collector.uninstall()
         for _server, sock in servers:
             sock.close()
         with contextlib.suppress(FileNotFoundError):
