@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -25,14 +26,14 @@ import httpx
 import pytest
 import uvicorn
 
-from sandfleet import Client, Resources, SandboxSpec, UnavailableError
+from sandfleet import Client, Resources, SandboxError, SandboxSpec, UnavailableError
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.gateway import Gateway, create_gateway_app
 from sandfleet.cluster.membership import Registration
 from sandfleet.models import ExecAction, ExecRequest
 from test_console import ADMIN, IAM_TOML, READ_ONLY, Console, _free_port, browser  # noqa: F401 (a fixture)
 
-from conftest import Daemon, destroy_daemon, make_daemon, wait_until
+from conftest import Daemon, agent_pid, destroy_daemon, make_daemon, wait_until
 
 ALERTS_TOML = "[jobs.alerts]\nstuck_after = 1\n"  # after the top-level lines and [[iam.tokens]]
 
@@ -87,7 +88,10 @@ def _state(fleet: Client, sandbox_id: str) -> str | None:
 # -- a job: its figures, failures of each cause, stuck sandboxes ------------------------------------
 
 
-def test_a_jobs_failures_of_each_cause_verdicts_rewards_and_stuck_sandboxes(tab: Console, admin: Client) -> None:
+def test_a_jobs_failures_of_each_cause_verdicts_rewards_and_stuck_sandboxes(
+    tab: Console, admin: Client, run_daemon: tuple[Daemon, str]
+) -> None:
+    daemon = run_daemon[0]
     job = f"fail-{_run()}"
     worker = admin.create(image="busybox", labels={"job": job}, resources=Resources(memory="64MiB"), idle_ttl=300)
     idle = admin.create(image="busybox", labels={"job": job}, idle_ttl=300)
@@ -102,6 +106,12 @@ def test_a_jobs_failures_of_each_cause_verdicts_rewards_and_stuck_sandboxes(tab:
         assert worker.verify("exit 1").cause == "agent"  # the work failed the checks: reward 0
         assert worker.verify("true").passed  # reward 1
         assert wait_until(lambda: any(e.kind == "oom_kill" for e in worker.events()), timeout=15)
+        with pytest.raises(SandboxError) as bad_user:  # cause caller: found once its sandbox ran
+            admin.create(image="busybox", labels={"job": job}, user="nosuchuser", idle_ttl=300)
+        assert bad_user.value.cause == "caller", bad_user.value
+        lost = admin.create(image="busybox", labels={"job": job}, idle_ttl=300)
+        os.kill(agent_pid(daemon, lost.id), signal.SIGKILL)  # cause infra: the node lost its agent
+        assert wait_until(lambda: _state(admin, lost.id) in ("stopped", "failed", None), timeout=15)
         admin.drain(True)  # a create of the job refused: the job's refusal, not its failure
         try:
             with pytest.raises(UnavailableError):
@@ -115,7 +125,8 @@ def test_a_jobs_failures_of_each_cause_verdicts_rewards_and_stuck_sandboxes(tab:
         row.wait_for()
         cells = _cells(tab, "#jobs-table", row)
         assert cells["sandboxes"] == "2" and cells["pass rate"] == "33% of 3", cells
-        assert cells["failures"] == "4", cells  # agent (exit 1, the command the OOM killer ended), timeout, verifier
+        # agent (exit 1, the command the OOM killer ended), timeout, verifier, caller, infra
+        assert cells["failures"] == "6", cells
         assert "sandboxes" in cells["job"]  # the second link: the list
         tab.screenshot("jobs-counted")
         row.locator("a.job-link").click()
@@ -124,10 +135,10 @@ def test_a_jobs_failures_of_each_cause_verdicts_rewards_and_stuck_sandboxes(tab:
 
         # The job's page: failures by cause, the latest of each with what failed, OOM kills.
         tab.page.locator("#failures-table tr[data-cause='verifier']").wait_for()
-        for cause in ("agent", "timeout", "verifier"):
+        for cause in ("agent", "timeout", "verifier", "caller", "infra"):
             assert tab.page.locator(f"#failures-table tr[data-cause='{cause}']").count() == 1, cause
         kinds = set(tab.page.locator("#examples-table tbody tr").evaluate_all("rs => rs.map(r => r.dataset.kind)"))
-        assert kinds == {"exec", "verify"}, kinds
+        assert kinds == {"exec", "verify", "create", "agent"}, kinds
         examples = tab.text("#examples-table")
         assert "sleep 5: timed out" in examples and "exit 1" in examples and "OOM-killed" in examples, examples
         assert tab.text("#job-oom") == "1"
