@@ -111,7 +111,7 @@ def test_a_refusal_is_counted_in_the_job_of_its_spec_for_the_projects_that_see_i
     gw = GatewayQuotas(Iam(IAM), seen, GATEWAYS[0])  # type: ignore[arg-type]
     gw.membership.gateways = [GATEWAYS[0]]
     refusals = Refusals()
-    gw.refused = lambda _listed, spec, why, err: refusals.add(spec, why, err)
+    gw.refused = refusals.add
     wanted = SandboxSpec(project="org/job", labels={"job": "grpo-1", "team": "a"})
     for _ in range(3):
         with pytest.raises(ResourceExhaustedError):

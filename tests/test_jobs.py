@@ -265,7 +265,7 @@ def test_creates_refused_by_a_quota_or_a_draining_node_are_the_jobs_refusals(nod
     _, url = node
     job = f"refused-{uuid.uuid4().hex[:6]}"
     with _client(url, "full") as full, _client(url, "root") as root, _client(url, "a") as a:
-        with full.create(image="busybox", labels={"job": job}, idle_ttl=300):
+        with full.create(image="busybox", labels={"job": job}, idle_ttl=300) as sb:
             with pytest.raises(ResourceExhaustedError):  # (the SDK tries again until its timeout)
                 full.create(image="busybox", labels={"job": job}, idle_ttl=300, timeout=2)
             batch = full.create_many([SandboxSpec(image="busybox", labels={"job": job})] * 2, retry_for=0)
@@ -277,6 +277,16 @@ def test_creates_refused_by_a_quota_or_a_draining_node_are_the_jobs_refusals(nod
             assert stats.refusals and stats.refusals[0].message.startswith("quota: project org/full"), stats.refusals
             assert sum(p.refused for p in stats.series) == quota
             assert not _has_job(a, job)  # another project's: not even its refusals
+            # A trajectory's sandbox and a fork's children: in the job of the labels they would get.
+            with pytest.raises(ResourceExhaustedError):
+                full.trajectory(f"{job}-t", SandboxSpec(image="busybox"), labels={"job": job}, retry_for=2)
+            with pytest.raises(ResourceExhaustedError):
+                sb.fork(2, labels={"job": job})
+            assert full.job(job).refused["quota"] >= quota + 3
+            # A refusal never makes a job of its own (it costs nothing: it would push real jobs out).
+            with pytest.raises(ResourceExhaustedError):
+                full.create(image="busybox", labels={"job": f"{job}-new"}, timeout=1)
+            assert not _has_job(full, f"{job}-new")
         root.drain(True)
         try:
             with pytest.raises(UnavailableError):
@@ -294,3 +304,34 @@ def _has_job(fleet: Client, job: str) -> bool:
     except NotFoundError:
         return False
     return True
+
+
+def test_a_jobs_figures_come_back_after_a_restart_and_a_damaged_file_is_set_aside(node: tuple[Daemon, str]) -> None:
+    """A daemon stopped and started again (an upgrade) reads its jobs' figures back: the totals, the
+    series and the failures as they were. A file of figures it cannot use is moved aside and the
+    daemon starts anyway, counting anew."""
+    d, url = node
+    job = f"restart-{uuid.uuid4().hex[:6]}"
+    with _client(url, "a") as a:
+        sb = a.create(image="busybox", labels={"job": job}, idle_ttl=300)
+        assert sb.exec("exit 1").exit_code == 1
+        before = a.job(job)
+    d.stop()
+    saved = d.state_dir / "jobs.json"
+    assert saved.is_file()
+    d.start()
+    with _client(url, "a") as a:
+        after = a.job(job)
+        assert (after.created, after.execs, after.failures) == (1, 1, {"agent": 1}), after
+        assert (after.since, after.examples) == (before.since, before.examples)
+        assert sum(p.created for p in after.series) == 1 and after.states == {"running": 1}
+        assert a.get(sb.id).exec("exit 2").exit_code == 2  # the sandbox carried on, and so does the count
+        assert a.job(job).failures == {"agent": 2}
+    d.stop()
+    saved.write_bytes(b'{"version": 1, "label": "job", "jobs": [{"project": ')  # cut short
+    d.start()
+    assert len(list(d.state_dir.glob("jobs.json.corrupt-*"))) == 1
+    with _client(url, "a") as a:
+        anew = a.job(job)  # known by its live sandbox, its counts from this start
+        assert (anew.created, anew.failures, anew.states) == (0, {}, {"running": 1}), anew
+        a.get(sb.id).stop()

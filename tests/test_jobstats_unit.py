@@ -3,14 +3,17 @@ adds nodes' answers up (`cluster/job_figures.py`): buckets, windows, rewards, pr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sandfleet.cluster.job_figures import merge_alerts, merge_groups, merge_stats
-from sandfleet.daemon.node import jobstats
+from sandfleet.daemon.node import jobstats, jobstore
 from sandfleet.daemon.node.alerts import Alerts, AlertsConfig
 from sandfleet.daemon.node.jobstats import BUCKET, JobBook, reward_bin, within_step
 from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox, SandboxTable
 from sandfleet.daemon.node.metrics import Metrics
+from sandfleet.errors import ResourceExhaustedError
 from sandfleet.models import (
     REWARD_EDGES,
     ErrorBody,
@@ -272,3 +275,39 @@ def test_a_gateway_adds_nodes_up() -> None:
     ]
     alerts = merge_alerts([("n1", {"alerts": [{"name": "pool_empty", "labels": {"pool": "p"}}]})])
     assert alerts == [{"name": "pool_empty", "labels": {"pool": "p", "node": "n1"}}]
+
+
+def test_a_book_written_and_read_back_answers_the_same() -> None:
+    """What a restarted daemon reads back (`jobstore`): every figure, point and example the same; a
+    file of another job label, damaged, or with a cut ring is refused whole."""
+    book, table, clock = _book()
+    sb = _sandbox(table, "sb-1", "j", project="p", at=clock.now)
+    book.event("sb-1", "created", {})
+    book.executed(sb, _exec(1, "agent"), "exit 1")
+    book.verified(sb, _verdict(None, 1.0))
+    book.refused([sb.spec], "quota", ResourceExhaustedError("project p: quota of 1 sandboxes reached"))
+    book.sample()
+    clock.now += 3 * BUCKET
+    book.executed(sb, _exec(124, "timeout", timed_out=True), "sleep 9")
+    before = book.stats("j", ALL, 60, lambda _p: [])
+    data = jobstore.dump(book)
+
+    again, table2, _ = _book()
+    again.clock = clock
+    _sandbox(table2, "sb-1", "j", project="p", at=1_000_000.0)
+    assert jobstore.load(again, data) == 1
+    assert again.stats("j", ALL, 60, lambda _p: []) == before
+    assert before is not None and before.refused == {"quota": 1} and before.failures == {"agent": 1, "timeout": 1}
+
+    other = JobBook(SandboxTable(), "team", clock)
+    with pytest.raises(ValueError, match="job label 'job'"):
+        jobstore.load(other, data)
+    for bad in (data[: len(data) // 2], b"\x00garbage", data.replace(b'"version":1', b'"version":2')):
+        with pytest.raises(ValueError):
+            jobstore.load(_book()[0], bad)
+    saved = json.loads(data)
+    saved["jobs"][0]["stamp"] = saved["jobs"][0]["stamp"][:40]  # a ring cut short
+    fresh = _book()[0]
+    with pytest.raises(ValueError, match="series cannot be read"):
+        jobstore.load(fresh, json.dumps(saved).encode())
+    assert fresh.jobs == {}

@@ -12,8 +12,9 @@ out of every later collection), so the next one scans only what is newer than th
 pause in proportion to what survived since, not to the heap (2-5 ms in the same run). A frozen
 object whose last reference goes is still freed at once (reference counting); only a reference
 cycle among frozen objects waits, for a collection of everything (`gc.unfreeze()`, then a full one),
-run when the frozen heap has grown by `growth` since the last such collection: such cycles never
-hold more memory than the live heap, and that pause comes once per doubling, not every few seconds.
+run when the number of frozen objects has grown by `growth` since the last such collection: so such
+cycles are at most as many objects as that collection left, and that pause comes once per doubling,
+not every few seconds. (CPython 3.11-3.13's collector; 3.14's incremental one needs none of this.)
 """
 
 from __future__ import annotations
@@ -28,38 +29,46 @@ log = logging.getLogger(__name__)
 
 
 class Collector:
-    """The policy above, for the process whose event loop is `loop` (the freeze runs there, between
-    callbacks, never inside a collection)."""
+    """The policy above, for the process whose event loop is `loop`. A collection's callback (which
+    runs inside it, in whatever thread allocated) only notes that a full one ran; the loop looks
+    every `tick` seconds and freezes there, between its callbacks, never inside a collection nor
+    while another thread is in one."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, growth: float = 2.0) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, growth: float = 2.0, tick: float = 0.5) -> None:
         self.loop = loop
         self.growth = growth
+        self.tick = tick
         self.baseline = 0  # objects frozen after the last collection of everything (0: none yet)
         self.collections = 0  # collections of everything run
-        self._asked = False  # a freeze is scheduled
+        self._due = False  # a full collection ran since the last freeze
+        self._timer: asyncio.TimerHandle | None = None
 
     def install(self) -> None:
         gc.callbacks.append(self._after)
+        self._timer = self.loop.call_later(self.tick, self._tick)
 
     def uninstall(self) -> None:
-        """Back to CPython's own policy: nothing frozen."""
+        """Back to CPython's own policy: nothing frozen, nothing scheduled."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._after in gc.callbacks:
             gc.callbacks.remove(self._after)
         gc.unfreeze()
 
     def _after(self, phase: str, info: dict[str, Any]) -> None:
-        # Runs inside the collection, in whatever thread allocated: only schedule the freeze.
-        if phase != "stop" or info["generation"] != 2 or self._asked or self.loop.is_closed():
+        if phase == "stop" and info["generation"] == 2:
+            self._due = True
+
+    def _tick(self) -> None:
+        if self._timer is None:  # uninstalled
             return
-        self._asked = True
-        try:
-            self.loop.call_soon_threadsafe(self.freeze)
-        except RuntimeError:  # the loop closed meanwhile
-            self._asked = False
+        if self._due:
+            self.freeze()
+        self._timer = self.loop.call_later(self.tick, self._tick)
 
     def freeze(self) -> None:
         """Freeze what is alive now; first collect everything if the frozen heap has grown by `growth`."""
-        self._asked = False
         frozen = gc.get_freeze_count()
         full = self.baseline > 0 and frozen > self.growth * self.baseline
         if full:
@@ -74,5 +83,6 @@ class Collector:
                 (time.perf_counter() - t0) * 1000,
             )
         gc.freeze()
+        self._due = False  # (the collection just run included)
         if full or not self.baseline:
             self.baseline = gc.get_freeze_count()

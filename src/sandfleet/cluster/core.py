@@ -146,7 +146,7 @@ class GatewayCore:
     # -- membership ------------------------------------------------------------------------------
     def _refused(self, project: str, spec: SandboxSpec, why: Refusal, error: ResourceExhaustedError) -> None:
         self.metrics.quota_refusals.labels(project=project).inc()
-        self.refusals.add(spec, why, error)
+        self.refusals.add(project, spec, why, error)
 
     def refresh_placement(self) -> None:
         self.placer.update(self.membership.placement_view())

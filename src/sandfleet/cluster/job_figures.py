@@ -45,14 +45,14 @@ def merge_stats(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     for k in _ADD_DICTS:
         c: collections.Counter[str] = collections.Counter()
         for _, p in parts:
-            c.update(p[k])
+            c.update(p.get(k, {}))  # (a node of a version before a figure: none of it)
         out[k] = dict(c)
     verified = sum(out["verifications"].values())
     out["pass_rate"] = out["verifications"].get("passed", 0) / verified if verified else None
     out["rewards"] = _rewards([p["rewards"] for _, p in parts])
     examples = [e for _, p in parts for e in p["examples"]]
     out["examples"] = sorted(examples, key=lambda e: -e["at"])[: EXAMPLES * len(CAUSES)]
-    refusals = [e for _, p in parts for e in p["refusals"]]
+    refusals = [e for _, p in parts for e in p.get("refusals", [])]  # (a node before refusals: none)
     out["refusals"] = sorted(refusals, key=lambda e: -e["at"])[:EXAMPLES]
     quotas: dict[str, dict[str, Any]] = {}
     for _, p in parts:  # each node's use of a project's quota: the cluster's is their sum
@@ -96,7 +96,7 @@ def _series(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 points[pt["t"]] = {**pt, "failures": dict(pt["failures"]), "states": dict(pt["states"])}
                 continue
             for k in _POINT_ADD:
-                into[k] += pt[k]
+                into[k] = into.get(k, 0) + pt.get(k, 0)
             for k in ("failures", "states"):
                 for name, n in pt[k].items():
                     into[k][name] = into[k].get(name, 0) + n
@@ -105,40 +105,45 @@ def _series(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 class Refusals:
     """Creates the gateway itself refused (a project's quota or creates per second, before any node
-    was asked), to add to the nodes' figures of their jobs. The gateway does not know the nodes' job
-    label: each refusal is kept under every label of its spec, (project, label, value), at most `MAX`
-    of them, the least recent forgotten first."""
+    was asked), to add to the nodes' figures of their jobs (totals and latest refusals; the series
+    are the nodes'). The gateway does not know the nodes' job label: each refusal is kept under every
+    label of its spec, (project, label, value). At most `MAX` of those per listed project whose quota
+    refused, the least recent forgotten first: a project's own refusals never push another's out."""
 
-    MAX = 5000
+    MAX = 1000
 
     def __init__(self) -> None:
-        self._by: collections.OrderedDict[tuple[str, str, str], tuple[collections.Counter[str], list[dict[str, Any]]]]
-        self._by = collections.OrderedDict()
+        self._by: dict[str, collections.OrderedDict[tuple[str, str, str], _Counted]] = {}
 
-    def add(self, spec: SandboxSpec, why: Refusal, error: SandboxError) -> None:
+    def add(self, listed: str, spec: SandboxSpec, why: Refusal, error: SandboxError) -> None:
         now = time.time()
         message = f"{why}: {error.message}"[:300]
         example: dict[str, Any] = {"at": now, "cause": error.cause, "kind": "create", "message": message}
+        book = self._by.setdefault(listed, collections.OrderedDict())
         for key, value in spec.labels.items():
             ident = (spec.project or "", key, value)
-            counts, examples = self._by.pop(ident) if ident in self._by else (collections.Counter(), [])
+            counts, examples = book.pop(ident) if ident in book else (collections.Counter(), [])
             counts[why] += 1
             last = examples[0] if examples else None
             if last is None or last["at"] < now - 1 or not last["message"].startswith(why):  # (a burst: one example)
                 examples[:] = [example, *examples[: EXAMPLES - 1]]
-            self._by[ident] = (counts, examples)
-            while len(self._by) > self.MAX:
-                self._by.popitem(last=False)
+            book[ident] = (counts, examples)
+            while len(book) > self.MAX:
+                book.popitem(last=False)
 
     def into(self, stats: dict[str, Any], sees: Callable[[str], bool]) -> dict[str, Any]:
         """`stats` (a merged job's) with the gateway's refusals of it, of the projects the caller sees."""
-        refused = collections.Counter(stats["refused"])
-        refusals = list(stats["refusals"])
-        for (project, key, value), (counts, examples) in self._by.items():
-            if key == stats["key"] and value == stats["value"] and sees(project):
-                refused.update(counts)
-                refusals.extend(examples)
+        refused = collections.Counter(stats.get("refused", {}))
+        refusals = list(stats.get("refusals", []))
+        for book in self._by.values():
+            for (project, key, value), (counts, examples) in book.items():
+                if key == stats["key"] and value == stats["value"] and sees(project):
+                    refused.update(counts)
+                    refusals.extend(examples)
         return {**stats, "refused": dict(refused), "refusals": sorted(refusals, key=lambda e: -e["at"])[:EXAMPLES]}
+
+
+_Counted = tuple[collections.Counter[str], list[dict[str, Any]]]  # by why, and the latest examples
 
 
 def merge_alerts(parts: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ from sandfleet.daemon.node.creation import Creation
 from sandfleet.daemon.node.execs import Execs
 from sandfleet.daemon.node.fencing import Fencing
 from sandfleet.daemon.node.image_service import Images
+from sandfleet.daemon.node.jobstore import JobStore
 from sandfleet.daemon.node.lifecycle import LIVE_STATES
 from sandfleet.daemon.node.metrics import Metrics
 from sandfleet.daemon.node.monitor import Monitor
@@ -127,6 +128,7 @@ class SandboxManager:
         self.audit = audit
         self.pauser = Pauser(core)
         self.alerts = Alerts(core.jobs, metrics, alerts or AlertsConfig(), lambda: core.pools)
+        self.job_store = JobStore(core.jobs, state.path.parent / "jobs.json")
         self.monitor = Monitor(core, self.pauser, detectors or DetectorsConfig(), audit, monitor_interval)
         self.networking = Networking(
             core, self.pauser, self.monitor, network or NetworkConfig(), run_dir or Path("/run/sandfleet")
@@ -188,6 +190,7 @@ class SandboxManager:
             if self.audit is not None:
                 core.spawn(self.audit.run(), name="audit-writer")
             await self.networking.start()
+            await self.job_store.restore()  # (before recovery: what it finds counts in the jobs again)
             await self.recovery.recover()
             await self.checkpoints.recover()
             await self.trajectories.start()
@@ -195,6 +198,7 @@ class SandboxManager:
             core.spawn(core.journal.run(), name="event-flusher")
             core.spawn(self.monitor.run(), name="monitor")
             core.spawn(core.jobs.run(), name="job-figures")
+            core.spawn(self.job_store.run(), name="job-figures-saver")
             core.spawn(self.alerts.run(), name="alerts")
             if core.pools is not None:
                 core.spawn(core.pools.run(core.spawn), name="warm-pools")
@@ -206,6 +210,7 @@ class SandboxManager:
                 if core.pools is not None:
                     await core.pools.drain()
                 await core.journal.flush()
+                await self.job_store.save()
                 await core.state.touch_many(core.dirty_activity)
                 await self.networking.close()
                 if self.audit is not None:

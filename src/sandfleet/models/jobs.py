@@ -19,7 +19,7 @@ EXAMPLES = 5  # recent failures a job keeps per cause
 BRIEF = 20  # stuck and slowest sandboxes a job lists at most
 
 # Why a create was refused before a sandbox existed: a project's quota, its creates per second, the
-# node full (or every node, through a gateway), the node draining.
+# node full, the node draining.
 Refusal = Literal["quota", "rate", "capacity", "draining"]
 
 
@@ -107,8 +107,9 @@ class JobStats(_Model):
     examples: list[FailureExample] = Field(description="the latest failures, newest first (a few per cause)")
     refused: dict[Refusal, int] = Field(
         default_factory=dict,
-        description="creates refused before a sandbox existed, by why: quota (a project's cap), rate (its creates "
-        "per second), capacity (no room on the node), draining. Not failures: the caller is told and may retry",
+        description="create attempts refused before a sandbox existed, by why: quota (a project's cap), rate (its "
+        "creates per second), capacity (no room on the node), draining; each attempt (an SDK or a gateway that tries "
+        "again counts each). Not failures: the caller is told and may retry",
     )
     refusals: list[FailureExample] = Field(default_factory=list, description="the latest refusals, newest first")
     verifications: dict[str, int] = Field(description="by outcome: passed, or the cause of the failure")

@@ -150,15 +150,15 @@ class Creation:
             spec, lambda sid: tier.create(sid, spec, image), created, key, fingerprint=fingerprint
         )
 
-    def check_draining(self, specs: Sequence[SandboxSpec], key: str | None = None, project: str | None = None) -> None:
-        """A caller's new sandboxes (create, batch, a trajectory's): refused while the node drains. The
-        node's own (verifiers, fncall workers), forks and restores of its snapshots, and a retried
-        create whose idempotency key (of the spec's project) already made its sandbox still go through.
-        `project`: the caller's, for a spec that names none (the job the refusal is counted in)."""
+    def check_draining(self, specs: Sequence[SandboxSpec], key: str | None = None) -> None:
+        """A caller's new sandboxes (create, batch, a trajectory's; in their projects): refused while
+        the node drains, and counted in their jobs. The node's own (verifiers, fncall workers), forks
+        and restores of its snapshots, and a retried create whose idempotency key (of the spec's
+        project) already made its sandbox still go through."""
         if not self.core.draining or (key is not None and (specs[0].project, key) in self.core.keys):
             return
         err = UnavailableError(f"node {self.core.node_key} is draining: it takes no new sandboxes")
-        self.core.jobs.refused(specs, "draining", err, project)
+        self.core.jobs.refused(specs, "draining", err)
         raise err
 
     def check_node_selector(self, spec: SandboxSpec) -> None:

@@ -126,7 +126,7 @@ class Series:
 
 
 @dataclass(slots=True)
-class _Job:
+class JobTally:
     since: float
     active: float  # the last thing counted or seen (for forgetting idle jobs first)
     counts: Counts = field(default_factory=collections.Counter)
@@ -163,20 +163,22 @@ class JobBook:
         self.table = table
         self.label = label
         self.clock = clock
-        self.jobs: dict[JobKey, _Job] = {}
+        self.jobs: dict[JobKey, JobTally] = {}
         self.live: set[JobKey] = set()  # the jobs with live sandboxes, as `sample` last counted them
         self.unbooked = 0  # counts left out: the book was full of jobs with live sandboxes (MAX_JOBS)
         self.findings: dict[str, tuple[int, float]] = {}  # per live sandbox: detector findings, the last when
         self.started = clock()
+        self.changes = 0  # how many times a job's figures changed (what a save of the book looks at)
 
     # -- what happened -----------------------------------------------------------------------
 
     def key_of(self, sb: Sandbox) -> JobKey:
         return (sb.spec.project or "", sb.spec.labels.get(self.label))
 
-    def _job(self, key: JobKey, now: float) -> _Job | None:
+    def _job(self, key: JobKey, now: float) -> JobTally | None:
         """The job's book; a new one in place of the idle job (no live sandbox) quiet longest when the
         book is full; None when every job in it has live sandboxes (counted in `unbooked`)."""
+        self.changes += 1
         job = self.jobs.get(key)
         if job is None:
             if len(self.jobs) >= MAX_JOBS:
@@ -187,11 +189,11 @@ class JobBook:
                     self.unbooked += 1
                     return None
                 del self.jobs[min(idle, key=lambda k: self.jobs[k].active)]
-            job = self.jobs[key] = _Job(since=now, active=now)
+            job = self.jobs[key] = JobTally(since=now, active=now)
         job.active = now
         return job
 
-    def _count(self, sb: Sandbox, name: str, n: int = 1) -> _Job | None:
+    def _count(self, sb: Sandbox, name: str, n: int = 1) -> JobTally | None:
         now = self.clock()
         job = self._job(self.key_of(sb), now)
         if job is not None:
@@ -216,19 +218,20 @@ class JobBook:
         )
         job.examples.setdefault(cause, collections.deque(maxlen=EXAMPLES)).appendleft(example)
 
-    def refused(
-        self, specs: Iterable[SandboxSpec], why: Refusal, error: SandboxError, project: str | None = None
-    ) -> None:
-        """Creates of these specs refused before a sandbox existed (`project`: theirs when a spec names
-        none). Not failures: the caller is told and may retry (a retrying SDK would inflate a rate);
-        what holds a job back all the same. A verifier's is its verification's verdict."""
+    def refused(self, specs: Iterable[SandboxSpec], why: Refusal, error: SandboxError) -> None:
+        """Creates of these specs (in their projects) refused before a sandbox existed, each attempt.
+        Not failures: the caller is told and may retry (a retrying SDK would inflate a rate); what
+        holds a job back all the same. Counted only in a job the book already holds: a refusal costs
+        its caller nothing, so it never makes room for itself by forgetting another project's job.
+        A verifier's is its verification's verdict; a spec without the job label is no job's."""
         now = self.clock()
         for spec in specs:
-            if VERIFY_LABEL in spec.labels:
+            value = spec.labels.get(self.label)
+            job = self.jobs.get((spec.project or "", value))
+            if job is None or value is None or VERIFY_LABEL in spec.labels:
                 continue
-            job = self._job((spec.project or project or "", spec.labels.get(self.label)), now)
-            if job is None:
-                continue
+            self.changes += 1
+            job.active = now
             job.counts[f"refused:{why}"] += 1
             job.series.add(bucket_of(now), f"refused:{why}", 1)
             last = job.refusals[0] if job.refusals else None

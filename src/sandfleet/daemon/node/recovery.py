@@ -89,8 +89,8 @@ class Recovery:
                     else "lost in daemon restart"
                 )
                 sb.stopped_at = time.time()
+                self.core.table.add(sb)  # (first: the journal's taps find it, its job counts the stop)
                 self.core.journal.record(row.id, "stopped", {"reason": sb.stop_reason})
-                self.core.table.add(sb)
                 await self.core.forget(sb)
                 continue
             self.core.table.add(self._recovered(row, spec, row.state, now))

@@ -55,6 +55,7 @@ from sandfleet.models import (
     Health,
     NetworkPolicy,
     QuotaUse,
+    Refusal,
     RunCodeRequest,
     SandboxInfo,
     SandboxSpec,
@@ -261,10 +262,9 @@ class Tenancy:
                 usage[project] = (n + 1, ucpu + cpu, int(umem + mem))
             if not refused or not self._pending:
                 break
-        for (project, spec), err in zip(wanted, out, strict=True):
+        for (project, _), err in zip(wanted, out, strict=True):
             if err is not None:
                 self._refused(project)
-                self.node.core.jobs.refused([spec], "quota", err)
         return out
 
     def _refused(self, project: str | None, n: int = 1) -> None:
@@ -307,7 +307,6 @@ class Tenancy:
             except ResourceExhaustedError as exc:
                 self._refused(project, n)
                 refused[project] = exc
-                self.node.core.jobs.refused([spec for p, spec in wanted if p == project], "rate", exc)
         return refused
 
     def _held_each(self, keys: builtins.list[tuple[str | None, str | None]]) -> builtins.list[bool]:
@@ -322,14 +321,20 @@ class Tenancy:
             key = f"{key}#{child}"
         return self._held_each([(project, key)])[0]
 
-    def _admit_all(self, project: str | None, spec: SandboxSpec, count: int) -> None:
-        """All `count` sandboxes of `spec` fit, or the refusal is raised."""
-        for err in self._check([(project, spec)] * count):
-            if err is not None:
-                raise err
-        refused = self._rate([(project, spec)] * count)
-        if refused:
-            raise next(iter(refused.values()))
+    def _admit_all(
+        self, project: str | None, spec: SandboxSpec, count: int, labels: dict[str, str] | None = None
+    ) -> None:
+        """All `count` sandboxes of `spec` fit, or the refusal is raised (and counted in their job:
+        `labels`, those they get on top of the spec's)."""
+        err: SandboxError | None = next((e for e in self._check([(project, spec)] * count) if e is not None), None)
+        why: Refusal = "quota"
+        if err is None:
+            refused = self._rate([(project, spec)] * count)
+            err, why = next(iter(refused.values()), None), "rate"
+        if err is not None:
+            made = spec.model_copy(update={"labels": {**spec.labels, **(labels or {})}, "project": project})
+            self.node.core.jobs.refused([made] * count, why, err)
+            raise err
 
     # -- node ------------------------------------------------------------------------------------
 
@@ -384,9 +389,9 @@ class Tenancy:
         idempotency_keys: builtins.list[str | None] | None = None,
     ) -> builtins.list[SandboxInfo | SandboxError]:
         p = self._principal()
-        self.node.creation.check_draining(specs, project=p.project if p is not None else None)
         create_batch = self.node.creation.create_batch
         if p is None or (p.project is None and all(s.project is None for s in specs)):
+            self.node.creation.check_draining(specs)
             return await create_batch(specs, concurrency, idempotency_keys)
         results: list[SandboxInfo | SandboxError | None] = [None] * len(specs)
         wanted: list[tuple[str | None, SandboxSpec]] = []
@@ -399,6 +404,7 @@ class Tenancy:
                 continue
             wanted.append((placed.project, placed))
             where.append(i)
+        self.node.creation.check_draining([spec for _, spec in wanted])  # (counted in the jobs it may make)
         # An item whose key already made its sandbox here is a retry: it takes no quota again.
         keys = idempotency_keys or [None] * len(specs)
         retried = self._held_each([(w[0], keys[i]) for w, i in zip(wanted, where, strict=True)])
@@ -406,13 +412,16 @@ class Tenancy:
         new = [(w, i) for w, i, r in zip(wanted, where, retried, strict=True) if not r]
         checked = self._check([w for w, _ in new])
         fits = [(w, i) for (w, i), err in zip(new, checked, strict=True) if err is None]
-        for (_, i), err in zip(new, checked, strict=True):
+        jobs = self.node.core.jobs
+        for ((_, spec), i), err in zip(new, checked, strict=True):
             if err is not None:
                 results[i] = err
+                jobs.refused([spec], "quota", err)
         refused = self._rate([w for w, _ in fits])
         for w, i in fits:
             if w[0] in refused:
                 results[i] = refused[w[0]]
+                jobs.refused([w[1]], "rate", refused[w[0]])
             else:
                 go.append((w, i))
         if go:
@@ -498,7 +507,7 @@ class Tenancy:
         if self._unbounded(spec, idempotency_key):
             return await fork(sandbox_id, count, labels, idempotency_key=idempotency_key)
         assert spec is not None
-        self._admit_all(spec.project, spec, count)
+        self._admit_all(spec.project, spec, count, labels)
         with self._admitted([(spec.project, spec)] * count):
             return await fork(sandbox_id, count, labels, idempotency_key=idempotency_key)
 
@@ -511,7 +520,7 @@ class Tenancy:
         if self._unbounded(spec, idempotency_key):
             return await restore(snapshot_id, count, labels, idempotency_key=idempotency_key)
         assert spec is not None
-        self._admit_all(spec.project, spec, count)
+        self._admit_all(spec.project, spec, count, labels)
         with self._admitted([(spec.project, spec)] * count):
             return await restore(snapshot_id, count, labels, idempotency_key=idempotency_key)
 
@@ -555,7 +564,7 @@ class Tenancy:
         assert self.iam is not None
         if spec is None or not self.iam.chain(placed):
             return await open_(req, project=p.project)
-        self._admit_all(placed, spec, 1)
+        self._admit_all(placed, spec, 1, req.labels)
         with self._admitted([(placed, spec)]):
             return await open_(req, project=p.project)
 
