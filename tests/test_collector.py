@@ -24,7 +24,7 @@ class Cycle:
 
 
 async def test_survivors_are_frozen_and_a_frozen_cycle_is_collected_once_the_heap_grew() -> None:
-    collector = Collector(asyncio.get_running_loop(), growth=1.1, tick=0.02)
+    collector = Collector(asyncio.get_running_loop(), growth=1.1, tick=0.02, check_every=0)
     collector.install()
     try:
         kept = [[i] for i in range(50_000)]  # long-lived objects, as a node's sandboxes
