@@ -11,7 +11,7 @@ from sandfleet.cluster.job_figures import merge_alerts, merge_groups, merge_stat
 from sandfleet.daemon.node import jobstats, jobstore
 from sandfleet.daemon.node.alerts import Alerts, AlertsConfig
 from sandfleet.daemon.node.jobstats import BUCKET, JobBook, reward_bin, within_step
-from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox, SandboxTable
+from sandfleet.daemon.node.lifecycle import FAILED, RUNNING, Sandbox, SandboxTable
 from sandfleet.daemon.node.metrics import Metrics
 from sandfleet.errors import ResourceExhaustedError
 from sandfleet.models import (
@@ -311,3 +311,15 @@ def test_a_book_written_and_read_back_answers_the_same() -> None:
     with pytest.raises(ValueError, match="series cannot be read"):
         jobstore.load(fresh, json.dumps(saved).encode())
     assert fresh.jobs == {}
+
+
+def test_a_create_a_restart_never_answered_is_a_failed_create_not_a_stop() -> None:
+    """Recovery finds a row still `creating`: the sandbox is failed and journalled `stopped`; its job
+    counts a failed create of the node's fault (never a stop of a sandbox it never counted made)."""
+    book, table, clock = _book()
+    sb = Sandbox("sb-9", SandboxSpec(image="busybox", labels={"job": "j"}), FAILED, clock.now, clock.now)
+    table.add(sb)
+    book.event("sb-9", "stopped", {"reason": "its create was never answered"})
+    stats = book.stats("j", ALL, 60, lambda _p: [])
+    assert stats is not None and (stats.stopped, stats.failures) == (0, {"infra": 1})
+    assert [(e.kind, e.message) for e in stats.examples] == [("create", "its create was never answered")]

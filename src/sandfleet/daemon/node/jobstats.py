@@ -31,7 +31,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandfleet.daemon.node.lifecycle import HOLDING_STATES, LIVE_STATES, PAUSED, RUNNING, Sandbox, SandboxTable
+from sandfleet.daemon.node.lifecycle import (
+    FAILED,
+    HOLDING_STATES,
+    LIVE_STATES,
+    PAUSED,
+    RUNNING,
+    Sandbox,
+    SandboxTable,
+)
 from sandfleet.errors import CAUSES, SandboxError
 from sandfleet.models import (
     BRIEF,
@@ -178,11 +186,12 @@ class JobBook:
     def _job(self, key: JobKey, now: float) -> JobTally | None:
         """The job's book; a new one in place of the idle job (no live sandbox) quiet longest when the
         book is full; None when every job in it has live sandboxes (counted in `unbooked`)."""
-        self.changes += 1
         job = self.jobs.get(key)
         if job is None:
             if len(self.jobs) >= MAX_JOBS:
-                idle = [k for k in self.jobs if k not in self.live]
+                # (from the table, not `live`: a book read back at start has no sample yet)
+                live = {self.key_of(sb) for sb in self.table if sb.state in LIVE_STATES}
+                idle = [k for k in self.jobs if k not in live]
                 if not idle:
                     if not self.unbooked:
                         log.warning("%d jobs have live sandboxes: the figures of more are not counted", MAX_JOBS)
@@ -191,6 +200,7 @@ class JobBook:
                 del self.jobs[min(idle, key=lambda k: self.jobs[k].active)]
             job = self.jobs[key] = JobTally(since=now, active=now)
         job.active = now
+        self.changes += 1
         return job
 
     def _count(self, sb: Sandbox, name: str, n: int = 1) -> JobTally | None:
@@ -252,6 +262,9 @@ class JobBook:
             self._count(sb, "created")
             if not verifier:
                 self._count(sb, "runs")
+        elif kind == "stopped" and sb.state == FAILED:  # a create a daemon restart never answered
+            self._count(sb, "runs")
+            self._failure(sb, "infra", "create", str(data.get("reason") or "create lost"))
         elif kind == "stopped":
             self._count(sb, "stopped")
             self.findings.pop(sandbox_id, None)

@@ -1,5 +1,5 @@
 """The jobs' figures across a daemon restart: the `JobBook` written to a file of the state directory
-(each minute something was counted, and as the daemon stops) and read back as it starts, before
+(each minute its figures changed, and as the daemon stops) and read back as it starts, before
 recovery, so an upgrade or a crash does not empty an operator's charts in the middle of a run (a
 crash loses at most the last minute's counts).
 
@@ -23,7 +23,7 @@ import os
 import time
 from array import array
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -60,8 +60,8 @@ class _File(BaseModel):
     jobs: list[_Job]
 
 
-def _ring(a: array[int]) -> str:
-    return base64.b64encode(a.tobytes()).decode()
+def _ring(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
 
 
 def _unring(text: str) -> array[int]:
@@ -76,25 +76,65 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def dump(book: JobBook) -> bytes:
-    """The book as the file holds it."""
+class _Copy(NamedTuple):
+    """What the loop copies of a job (dicts, lists and the rings' bytes), for a thread to encode."""
+
+    key: tuple[str, str | None]
+    since: float
+    active: float
+    reward: tuple[float, float, float]
+    counts: dict[str, int]
+    examples: dict[str, list[FailureExample]]
+    refusals: list[FailureExample]
+    stamp: bytes
+    counted: dict[str, bytes]
+    states: dict[str, bytes]
+
+
+def snapshot(book: JobBook) -> tuple[str, list[_Copy]]:
+    """The book at one moment (on the loop, which counts into it: 32 ms for 2,000 jobs with full series)."""
+    return book.label, [
+        _Copy(
+            key,
+            job.since,
+            job.active,
+            (job.reward_min, job.reward_max, job.reward_sum),
+            {k: n for k, n in job.counts.items() if n},
+            {cause: list(ex) for cause, ex in job.examples.items()},
+            list(job.refusals),
+            job.series.stamp.tobytes(),
+            {name: a.tobytes() for name, a in job.series.counts.items()},
+            {name: a.tobytes() for name, a in job.series.states.items()},
+        )
+        for key, job in book.jobs.items()
+    ]
+
+
+def encode(snap: tuple[str, list[_Copy]]) -> bytes:
+    """A snapshot as the file holds it (in a thread: ~300 ms and 59 MB for those 2,000)."""
+    label, copies = snap
     jobs = [
         _Job(
-            project=project,
-            value=value,
-            since=job.since,
-            active=job.active,
-            counts={k: n for k, n in job.counts.items() if n},
-            reward=(_finite(job.reward_min), _finite(job.reward_max), job.reward_sum),
-            examples={cause: list(ex) for cause, ex in job.examples.items()},
-            refusals=list(job.refusals),
-            stamp=_ring(job.series.stamp),
-            counted={name: _ring(a) for name, a in job.series.counts.items()},
-            states={name: _ring(a) for name, a in job.series.states.items()},
+            project=c.key[0],
+            value=c.key[1],
+            since=c.since,
+            active=c.active,
+            counts=c.counts,
+            reward=(_finite(c.reward[0]), _finite(c.reward[1]), c.reward[2]),
+            examples=c.examples,
+            refusals=c.refusals,
+            stamp=_ring(c.stamp),
+            counted={name: _ring(raw) for name, raw in c.counted.items()},
+            states={name: _ring(raw) for name, raw in c.states.items()},
         )
-        for (project, value), job in book.jobs.items()
+        for c in copies
     ]
-    return _File(version=1, label=book.label, saved_at=time.time(), jobs=jobs).model_dump_json().encode()
+    return _File(version=1, label=label, saved_at=time.time(), jobs=jobs).model_dump_json().encode()
+
+
+def dump(book: JobBook) -> bytes:
+    """The book as the file holds it."""
+    return encode(snapshot(book))
 
 
 def load(book: JobBook, data: bytes) -> int:
@@ -138,6 +178,7 @@ class JobStore:
         self.book = book
         self.path = path
         self._saved = -1  # the book's count of changes at the last save
+        self._saving = asyncio.Lock()  # the minute's save and the stop's: one at a time (one temp file)
 
     async def restore(self) -> None:
         try:
@@ -159,27 +200,30 @@ class JobStore:
         log.info("the figures of %d jobs counted before this start are back", n)
 
     async def save(self) -> None:
-        """Write the book (built here, on the loop: what it holds at one moment; written in a thread)."""
-        changes = self.book.changes
-        data = dump(self.book)
-        try:
-            await asyncio.to_thread(_write, self.path, data)
-        except OSError as exc:  # a full state disk: the figures wait for the next save
-            log.warning("the jobs' figures could not be saved: %s", exc)
-            return
-        self._saved = changes
+        """Write the book: copied on the loop (what it holds at one moment), encoded and written in a
+        thread. Never raises: the figures are not worth a stop that does not finish."""
+        async with self._saving:
+            changes = self.book.changes
+            snap = snapshot(self.book)
+            try:
+                await asyncio.to_thread(_write, self.path, snap)
+            except OSError as exc:  # a full state disk: the figures wait for the next save
+                log.warning("the jobs' figures could not be saved: %s", exc)
+                return
+            except Exception:  # (a bug here must not take the node down)
+                log.exception("saving the jobs' figures failed")
+                return
+            self._saved = changes
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(SAVE_EVERY)
             if self.book.changes != self._saved:
-                try:
-                    await self.save()
-                except Exception:  # (a bug here must not take the node down)
-                    log.exception("saving the jobs' figures failed")
+                await self.save()
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, snap: tuple[str, list[_Copy]]) -> None:
+    data = encode(snap)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
