@@ -356,7 +356,7 @@ def write_checkpoint_markdown(res: dict[str, Any], path: Path) -> None:
     """`run.py --only checkpoint`: B1 / B2 for each image, then where the time went."""
     m = res["meta"]
     cfg = res["config"]
-    images = [res[k] for k in ("python", "busybox") if res.get(k)]
+    images = [res[k] for k in ("python", "python_think", "busybox", "busybox_think") if res.get(k)]
     first = images[0] if images else {}
     lines = [
         f"# sandfleet checkpoint and rollback in place, {m['date']} (commit {m['sandfleet_commit']})",
@@ -380,9 +380,14 @@ def write_checkpoint_markdown(res: dict[str, Any], path: Path) -> None:
         "## B1 / B2",
         "",
         "| image | memory (start / end) | B1 checkpoint p50 / p90 | B1 server (`cp.seconds`) p50 / p90 | size p50 "
-        "| B2 rollback + first exec p50 / p90 | rollback call p50 / p90 | rollback server p50 / p90 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| B2 rollback + first exec p50 / p90 | rollback call p50 / p90 | rollback server p50 / p90 "
+        "| rollbacks through a standby |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def label(r: dict[str, Any]) -> str:
+        think = r.get("think_s") or 0
+        return f"{r['image']}, {think:g} s to think" if think else r["image"]
 
     def pp(s: dict[str, Any]) -> str:
         return f"{s['p50_ms']:.1f} / {s['p90_ms']:.1f} ms"
@@ -395,7 +400,7 @@ def write_checkpoint_markdown(res: dict[str, Any], path: Path) -> None:
 
     for r in images:
         row(
-            r["image"],
+            label(r),
             [
                 f"{r['memory_mib']:.0f} / {r['memory_mib_end']:.0f} MiB",
                 pp(r["checkpoint_client"]),
@@ -404,9 +409,16 @@ def write_checkpoint_markdown(res: dict[str, Any], path: Path) -> None:
                 pp(r["rollback_to_first_exec"]),
                 pp(r["rollback_call_client"]),
                 pp(r["rollback_server"]),
+                f"{r.get('rollbacks_through_a_standby', 0)} of {r['rounds']}",
             ],
         )
-    header = ["", "| phase (p50 over the rounds) | " + " | ".join(r["image"] for r in images) + " |"]
+    lines += [
+        "",
+        "A checkpoint is restored ahead in the background (a standby, kept frozen); a rollback to it renames "
+        "that restore into the sandbox's place. Rolled back at once, the rollback waits for the standby still "
+        "being made (about a restore); after the think time (a model choosing its next action) it is a swap.",
+    ]
+    header = ["", "| phase (p50 over the rounds) | " + " | ".join(label(r) for r in images) + " |"]
     header.append("|---|" + "---|" * len(images))
     lines += ["", "## Where a checkpoint's time goes", ""]
     lines += [
@@ -457,10 +469,30 @@ def write_checkpoint_markdown(res: dict[str, Any], path: Path) -> None:
     for key, label in (("forking_us", "criu: forking the tree"), ("restore_us", "criu: restoring it")):
         row(label, [ms(c.get("criu", {}).get(key, 0) / 1000) for c in rbs])
     row("criu: pages restored", [str(c.get("criu", {}).get("pages_restored", "?")) for c in rbs])
+    fork = res.get("fork16")
+    if fork:
+        lines += [
+            "",
+            f"## B3 / B4: a fork of {fork['children']} from the python parent ({fork['hold_mib']} MiB held)",
+            "",
+            "ksmd stopped meanwhile (no merging). The call returns once every child's agent answered.",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            f"| B3 fork call, until all {fork['children']} are exec-ready | {fork['fork_ms']:.0f} ms |",
+            f"| of which the parent's snapshot | {fork['snapshot_ms']:.0f} ms |",
+            f"| of which the {fork['children']} restores (2 cores) | {fork['restores_ms']:.0f} ms |",
+            f"| then one exec in each, in turn | {fork['fork_and_one_exec_each_ms'] - fork['fork_ms']:.0f} ms |",
+            f"| parent's memory cgroup | {fork['parent_mib']:.0f} MiB |",
+            f"| the children's memory cgroups, summed | {fork['children_cgroups_mib']:.0f} MiB |",
+            f"| MemAvailable's drop | {fork['children_mem_available_drop_mib']:.0f} MiB |",
+            f"| B4 children / parent | {fork['children_over_parent']:.2f}x |",
+        ]
     if res.get("targets"):
         lines += ["", "## Targets (from the issue)", "", "| target | measured | met |", "|---|---|---|"]
         for t in res["targets"]:
-            lines.append(f"| {t['target']} | {t['measured']:.1f} ms | {'yes' if t['met'] else '**no**'} |")
+            unit = "x" if t["target"].startswith("B4") else " ms"
+            lines.append(f"| {t['target']} | {t['measured']:.2f}{unit} | {'yes' if t['met'] else '**no**'} |")
     errors = sorted({e for r in images for e in r.get("timeline_errors", [])})
     if errors:
         lines += ["", "Breakdown not read in some rounds: " + "; ".join(f"`{e}`" for e in errors)]

@@ -70,11 +70,17 @@ from report import (
 )
 from sandfleet.errors import SandboxError
 from scenarios.burst import bench_burst
-from scenarios.checkpoint import CHECKPOINT_HOLD_MIB, CHECKPOINT_TARGETS_MS, bench_checkpoint, checkpoint_targets
+from scenarios.checkpoint import (
+    CHECKPOINT_HOLD_MIB,
+    CHECKPOINT_TARGETS_MS,
+    THINK_S,
+    bench_checkpoint,
+    checkpoint_targets,
+)
 from scenarios.create import bench_create, bench_pooled_groups
 from scenarios.density import bench_density
 from scenarios.exec import bench_exec
-from scenarios.fork import bench_fork, bench_fork_memory
+from scenarios.fork import bench_branch_fork, bench_fork, bench_fork_memory
 from scenarios.pause import bench_pause
 from scenarios.qos import bench_qos
 
@@ -365,13 +371,21 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         with Client(daemon.socket, timeout=600) as fleet:
             for image in ("python:3.11", "busybox"):
                 fleet.create(image=image, labels=labels).stop()  # builds / mounts the image once
-            res["python"] = run_one(
-                f"checkpoint: python:3.11 holding {hold_mib} MiB, x{rounds}",
-                lambda: bench_checkpoint(fleet, daemon, "python:3.11", rounds, labels, hold_mib),
-            )
-            res["busybox"] = run_one(
-                f"checkpoint: busybox, no memory load (the floor), x{rounds}",
-                lambda: bench_checkpoint(fleet, daemon, "busybox", rounds, labels, 0),
+            for image, key, mib in (("python:3.11", "python", hold_mib), ("busybox", "busybox", 0)):
+                what = f"holding {mib} MiB" if mib else "no memory load (the floor)"
+                res[key] = run_one(
+                    f"checkpoint: {image}, {what}, rolled back at once, x{rounds}",
+                    lambda image=image, mib=mib: bench_checkpoint(fleet, daemon, image, rounds, labels, mib),
+                )
+                res[f"{key}_think"] = run_one(
+                    f"checkpoint: {image}, {what}, {THINK_S:g} s to think before the rollback, x{rounds}",
+                    lambda image=image, mib=mib: bench_checkpoint(
+                        fleet, daemon, image, rounds, labels, mib, think=THINK_S
+                    ),
+                )
+            res["fork16"] = run_one(
+                f"fork of 16 from the python:3.11 parent holding {hold_mib} MiB (B3, B4)",
+                lambda: bench_branch_fork(fleet, 16, hold_mib, labels),
             )
         res["daemon_crashes"] = daemon.crashes
         res["meta"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[0]
@@ -459,6 +473,9 @@ def _begin() -> tuple[str, Path, str]:
 def run_one(title: str, fn: Any) -> dict[str, Any]:
     print(title, flush=True)
     out = fn()
+    if "fork_ms" in out:
+        print(f"  {out}", flush=True)
+        return out
     cp, server = out["checkpoint_client"]["p50_ms"], out["checkpoint_server"]["p50_ms"]
     print(
         f"  checkpoint p50 {cp:.1f} ms (server {server:.1f}), "

@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,16 @@ from leakcheck import residue
 
 JOB = {"job": "checkpoint-test"}
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
+# A value only the process's memory holds (never in a file until asked), written out on demand.
+HOLDER = """
+import os, time
+v = "kept-" + "7" * 3
+while True:
+    if os.path.exists("/tmp/ask"):
+        open("/tmp/v", "w").write(v)
+        os.remove("/tmp/ask")
+    time.sleep(0.02)
+"""
 
 
 def _count(sb: Sandbox) -> int:
@@ -91,6 +102,61 @@ def test_a_rolled_back_sandbox_keeps_its_isolation(fleet: Client) -> None:
         assert all(line.endswith(":/") for line in sb.exec("cat /proc/self/cgroup").stdout.split())
         scratch = sb.exec("ls /dev/.sandfleet 2>&1").stdout  # closed again before any of its code ran
         assert "Permission denied" in scratch and "upper" not in scratch, scratch
+
+
+def _standby_ready(d: Daemon, sb: Sandbox) -> bool:
+    """Whether the sandbox's latest checkpoint is restored ahead (a standby: frozen, under a name of
+    its own), so a rollback to it swaps instead of restoring."""
+    for name in os.listdir(d.run_dir / "sandboxes"):
+        state = Path("/sys/fs/cgroup/freezer") / d.cgroup_parent / name / "freezer.state"
+        if name.startswith(f"{sb.id}.standby-") and state.exists() and state.read_text().strip() == "FROZEN":
+            return True
+    return False
+
+
+def _standbys(d: Daemon) -> list[str]:
+    return [n for n in os.listdir(d.run_dir / "sandboxes") if ".standby-" in n]
+
+
+def test_a_rollback_to_a_standby_is_a_swap_with_the_same_state(daemon: Daemon, fleet: Client) -> None:
+    """The latest checkpoint is restored ahead and kept frozen; a rollback to it renames that restore
+    into the sandbox's place: the same state as a restore gives (files, memory, sessions, processes),
+    the same isolation, again after each rollback, and nothing left once the sandbox stops."""
+    probe = "cat /proc/self/uid_map /proc/self/gid_map /proc/self/cgroup; ls /sys/class/net; ls -a /dev/.sandfleet 2>&1"
+    with fleet.create(image="python", labels=JOB) as sb:
+        before = sb.exec(probe).stdout
+        sb.files.write("/work/a.txt", "one")
+        shell = sb.session()
+        shell.run("cd /tmp && export MARK=before && HIDDEN=in-memory")
+        # Process memory: a value only the process holds, printed on demand.
+        holder = sb.start(["python3", "-c", HOLDER])
+        counter = sb.start(COUNTER)
+        assert wait_until(lambda: _count(sb) > 5)
+        cp = sb.checkpoint()
+        at_checkpoint = _count(sb)
+        assert wait_until(lambda: _standby_ready(daemon, sb), 30)
+        for round_ in range(2):
+            sb.files.write("/work/a.txt", f"two-{round_}")
+            sb.files.write("/work/b.txt", "new")
+            shell.run("cd / && export MARK=after && HIDDEN=changed")
+            late = sb.start("sleep 1000")
+            result = sb.rollback(cp)
+            assert result.dropped_processes == [late.id]
+            [event] = [e for e in sb.events() if e.kind == "rolled_back"][-1:]
+            assert event.data["standby"] is True, event.data
+            assert sb.files.read("/work/a.txt") == b"one" and not sb.files.exists("/work/b.txt")
+            assert shell.run('pwd; echo "$MARK $HIDDEN"').stdout == "/tmp\nbefore in-memory\n"
+            assert at_checkpoint <= _count(sb) < at_checkpoint + 60
+            sb.exec("rm -f /tmp/v && touch /tmp/ask")
+            assert wait_until(lambda: sb.exec("cat /tmp/v 2>/dev/null").stdout == "kept-777", 10)
+            assert {p.id for p in sb.processes() if p.running} == {counter.id, holder.id}
+            assert sb.exec(probe).stdout.split() == before.split()  # as closed off as it was
+            assert wait_until(lambda: _standby_ready(daemon, sb), 30)  # made again for the next rollback
+        sb.delete_checkpoint(cp)
+        assert wait_until(lambda: _standbys(daemon) == [], 10)
+        sb.rollback(sb.checkpoint())  # (a rollback that finds its standby still being made waits for it)
+    assert wait_until(lambda: _standbys(daemon) == [], 10)
+    assert fleet.list(labels=JOB) == []
 
 
 def _get(path: str) -> str:
@@ -164,6 +230,7 @@ def test_checkpoints_go_with_their_sandbox_and_leave_nothing(own_daemon: Daemon)
 
         damaged = fleet.create(image="busybox", labels=JOB)
         bad = damaged.checkpoint()
+        damaged.checkpoint()  # the standby (restored ahead) is the newest one's: `bad` is restored from its images
         damaged.exec("echo kept > /tmp/kept")
         # Emptied images (a full disk, a partial copy): refused before the sandbox is taken down
         # (criu would hang on them rather than fail).
@@ -176,6 +243,7 @@ def test_checkpoints_go_with_their_sandbox_and_leave_nothing(own_daemon: Daemon)
         assert damaged.exec("cat /tmp/kept").stdout == "kept\n"  # untouched, still running
         # Images damaged in place, sizes kept: criu fails, and the sandbox it could not put back is stopped.
         worse = damaged.checkpoint()
+        damaged.checkpoint()
         inventory = folder / damaged.id / worse.id / "img" / "inventory.img"
         inventory.write_bytes(b"\xff" * inventory.stat().st_size)
         t0 = time.monotonic()
@@ -226,7 +294,8 @@ def test_checkpoint_and_rollback_steps_are_taken_once_across_a_daemon_sigkill(ow
     assert wait_until(lambda: not any((d.state_dir / "checkpoints").iterdir()), 10)
 
 
-def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon) -> None:
+@pytest.mark.parametrize("through", ["standby", "restore"])
+def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon, through: str) -> None:
     """SIGKILL after the restore made the new processes, before they were recorded (a failpoint):
     the restarted daemon does not adopt a half-made sandbox; it stops it and nothing is left."""
     d = own_daemon
@@ -245,6 +314,8 @@ def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon) 
         sb = fleet.create(image="busybox", labels=JOB)
         sb.start("sleep 1000")
         cp = sb.checkpoint()
+        if through == "restore":
+            sb.checkpoint()  # the standby is the newest one's
         with pytest.raises(SandboxError):
             sb.rollback(cp)
         assert wait_until(lambda: not d.process.alive(), 10)

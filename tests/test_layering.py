@@ -245,6 +245,8 @@ SERVICE_ORDER = [
     "node.creation",
     "node.stateless_calls",
     "node.snapshots",
+    "node.standbys",
+    "node.checkpoints",
     "rl.verify",
     "rl.trajectories",
     "node.reaper",
@@ -259,7 +261,8 @@ def test_the_service_concerns_call_down_only() -> None:
     bad = sorted(f"{mod} -> {dep}" for mod, i in rank.items() for dep in GRAPH[mod] if dep in rank and rank[dep] >= i)
     assert not bad, f"a concern imports one at or above its level: {bad}"
     assert GRAPH["sandfleet.daemon.service"] >= {d for d in rank if d != "sandfleet.daemon.service"} - {
-        "sandfleet.daemon.node.lifecycle"
+        "sandfleet.daemon.node.lifecycle",
+        "sandfleet.daemon.node.standbys",  # (the checkpoints' own)
     }
 
 

@@ -202,13 +202,10 @@ def _median_dict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def bench_checkpoint(
-    fleet: Any, daemon: Daemon, image: str, rounds: int, labels: dict[str, str], hold_mib: int = 0
-) -> dict[str, Any]:
-    """B1 (checkpoint after a small change) and B2 (rollback to it until the next exec answers) on one
-    sandbox of `image` running a session and a background process (holding `hold_mib` MiB of touched
-    anonymous memory of random bytes if > 0, else `sleep`), with a repo of small files: `rounds` timed rounds after
-    one warm-up."""
+def make_parent(fleet: Any, image: str, labels: dict[str, str], hold_mib: int = 0) -> tuple[Any, Any, Any]:
+    """The issue's parent: a sandbox of `image` running a session (cwd and a variable set) and a
+    background process (holding `hold_mib` MiB of touched anonymous memory of random bytes if > 0,
+    else `sleep`), with a repo of small files. Returns (sandbox, session, process)."""
     sb = fleet.create(image=image, labels=labels, resources={"memory": "1GiB", "disk": "2GiB"})
     try:
         prep = sb.exec(
@@ -227,6 +224,29 @@ def bench_checkpoint(
         else:
             bg = sb.start("sleep 1000000")
         time.sleep(0.5)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            sb.stop()
+        raise
+    return sb, shell, bg
+
+
+def bench_checkpoint(
+    fleet: Any,
+    daemon: Daemon,
+    image: str,
+    rounds: int,
+    labels: dict[str, str],
+    hold_mib: int = 0,
+    think: float = 0.0,
+) -> dict[str, Any]:
+    """B1 (checkpoint after a small change) and B2 (rollback to it until the next exec answers) on the
+    issue's parent (`make_parent`): `rounds` timed rounds after one warm-up. `think`: seconds between
+    the checkpoint and the change thrown away (a model deciding its next action): long enough for the
+    daemon's standby of the checkpoint (restored ahead, frozen) to be ready, the rollback swaps it in;
+    with 0 the rollback waits for the standby being made (about a restore's time)."""
+    sb, shell, bg = make_parent(fleet, image, labels, hold_mib)
+    try:
         memory_bytes = sb.usage().memory_bytes
         cp_root = daemon.root / "state" / "checkpoints" / sb.id
         sdir = daemon.root / "run" / "sandboxes" / sb.id
@@ -244,6 +264,7 @@ def bench_checkpoint(
                 cp_tl = checkpoint_timeline(folder)
             except (KeyError, ValueError) as exc:
                 cp_tl = {"error": f"{type(exc).__name__}: {exc}"}
+            time.sleep(think)
             # A branch to throw away.
             sb.exec("echo lost > /work/repo/mod1.py && rm /work/dirty.bin")
             # B2: rollback, until the next exec answers.
@@ -256,8 +277,10 @@ def bench_checkpoint(
             rb_wall = time.perf_counter() - t
             if ok.exit_code != 0:
                 raise RuntimeError(f"exec after rollback failed: {ok}")
+            swapped = bool([e for e in sb.events() if e.kind == "rolled_back"][-1].data.get("standby"))
             try:
-                rb_tl = rollback_timeline(t_call, sdir, folder / "img", t_return)
+                # (a standby's directory and criu log are from its restore, made before the call)
+                rb_tl = {"standby": 1} if swapped else rollback_timeline(t_call, sdir, folder / "img", t_return)
             except (KeyError, ValueError, OSError) as exc:
                 rb_tl = {"error": f"{type(exc).__name__}: {exc}"}
             # The checkpoint's state came back: files, the session's shell, the background process.
@@ -282,6 +305,7 @@ def bench_checkpoint(
                         "rb_call": rb_call,
                         "rb_server": rb.seconds,
                         "rb_wall": rb_wall,
+                        "standby": swapped,
                         "memory_mib_after_rollback": round(memory_after_rollback / 2**20, 1),
                         "cp_timeline": cp_tl,
                         "rb_timeline": rb_tl,
@@ -295,9 +319,11 @@ def bench_checkpoint(
         with contextlib.suppress(Exception):
             sb.stop()
     cp_ok = [x["cp_timeline"] for x in rows if "error" not in x["cp_timeline"]]
-    rb_ok = [x["rb_timeline"] for x in rows if "error" not in x["rb_timeline"]]
+    rb_ok = [x["rb_timeline"] for x in rows if "error" not in x["rb_timeline"] and "standby" not in x["rb_timeline"]]
     return {
         "image": image,
+        "think_s": think,
+        "rollbacks_through_a_standby": sum(1 for x in rows if x["standby"]),
         "rounds": rounds,
         "hold_mib": hold_mib,
         "memory_mib": round(memory_bytes / 2**20, 1),
@@ -322,16 +348,37 @@ def bench_checkpoint(
     }
 
 
+# Results of `run.py --only checkpoint`: each image rolled back at once, and after a think time.
+CHECKPOINT_RUNS = ("python", "python_think", "busybox", "busybox_think")
+THINK_S = 1.0
+
+
+def run_label(r: dict[str, Any]) -> str:
+    think = r.get("think_s") or 0
+    return f"{r['image']}, {think:g} s to think" if think else r["image"]
+
+
 def checkpoint_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
-    for image in ("python", "busybox"):
-        r = res.get(image)
+    t1, t2 = CHECKPOINT_TARGETS_MS["checkpoint_p50"], CHECKPOINT_TARGETS_MS["rollback_to_first_exec_p50"]
+    for key in CHECKPOINT_RUNS:
+        r = res.get(key)
         if not r:
             continue
         b1, b2 = r["checkpoint_client"]["p50_ms"], r["rollback_to_first_exec"]["p50_ms"]
-        t1, t2 = CHECKPOINT_TARGETS_MS["checkpoint_p50"], CHECKPOINT_TARGETS_MS["rollback_to_first_exec_p50"]
-        out.append({"target": f"B1 {r['image']}: checkpoint p50 <= {t1:.0f} ms", "measured": b1, "met": b1 <= t1})
+        if not r.get("think_s"):
+            out.append({"target": f"B1 {r['image']}: checkpoint p50 <= {t1:.0f} ms", "measured": b1, "met": b1 <= t1})
         out.append(
-            {"target": f"B2 {r['image']}: rollback to first exec p50 <= {t2:.0f} ms", "measured": b2, "met": b2 <= t2}
+            {"target": f"B2 {run_label(r)}: rollback to first exec p50 <= {t2:.0f} ms", "measured": b2, "met": b2 <= t2}
         )
+    fork = res.get("fork16")
+    if fork:
+        out.append(
+            {"target": "B3 fork of 16 from the python parent: call to all exec-ready <= 150 ms",
+             "measured": fork["fork_ms"], "met": fork["fork_ms"] <= 150}
+        )  # fmt: skip
+        out.append(
+            {"target": "B4 host memory of the 16 right after the fork / the parent's <= 1.25x (ratio, not ms)",
+             "measured": fork["children_over_parent"], "met": fork["children_over_parent"] <= 1.25}
+        )  # fmt: skip
     return out

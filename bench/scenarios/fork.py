@@ -132,3 +132,58 @@ def bench_fork_memory(fleet: Any, children: int, mib: int, labels: dict[str, str
         out["memory_ratio_no_ksm_over_ksm"] = round(out["no_ksm"]["children_mib"] / out["ksm"]["children_mib"], 2)
         out["children_over_parent_ksm"] = round(out["ksm"]["children_mib"] / max(1.0, out["ksm"]["parent_mib"]), 2)
     return out
+
+
+def bench_branch_fork(fleet: Any, children: int, hold_mib: int, labels: dict[str, str]) -> dict[str, Any]:
+    """B3 and B4: a fork of `children` from the issue's parent (`make_parent`: python:3.11 with a
+    session, a background process holding `hold_mib` MiB of random bytes and a repo). B3: the fork
+    call until every child is exec-ready (the call returns once each child's agent answered), then
+    one exec in each. B4: the host memory the children take right after the fork, with ksmd stopped
+    (no merging yet), against the parent's: the sum of the children's memory cgroups and the drop
+    of MemAvailable."""
+    from sandfleet import SandboxError
+    from scenarios.checkpoint import make_parent
+
+    saved_run = (KSM / "run").read_text().strip() if KSM.exists() else "0"
+    parent, _shell, _bg = make_parent(fleet, "python:3.11", labels, hold_mib)
+    kids: list[Any] = []
+    try:
+        if KSM.exists():
+            (KSM / "run").write_text("0")  # stopped, merged pages kept: nothing merges meanwhile
+        parent_bytes = parent.usage().memory_bytes
+        settle(2)
+        before = mem_available_kib()
+        t = time.perf_counter()
+        kids = parent.fork(children, labels=labels)
+        fork_s = time.perf_counter() - t
+        failed = [k for k in kids if isinstance(k, SandboxError)]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {children} forks failed: {failed[0]}")
+        for k in kids:
+            k.exec("true")
+        one_exec_s = time.perf_counter() - t
+        children_bytes = sum(k.usage().memory_bytes for k in kids)
+        after = mem_available_kib()
+        snaps = [e for e in parent.events() if e.kind == "snapshot"]
+        snapshot_s = snaps[-1].data["seconds"] if snaps else 0.0
+        return {
+            "children": children,
+            "hold_mib": hold_mib,
+            "fork_ms": round(fork_s * 1000, 1),
+            "fork_and_one_exec_each_ms": round(one_exec_s * 1000, 1),
+            "snapshot_ms": round(snapshot_s * 1000, 1),
+            "restores_ms": round((fork_s - snapshot_s) * 1000, 1),
+            "parent_mib": round(parent_bytes / 2**20, 1),
+            "children_cgroups_mib": round(children_bytes / 2**20, 1),
+            "children_mem_available_drop_mib": round((before - after) / 1024, 1),
+            "children_over_parent": round(children_bytes / max(1, parent_bytes), 2),
+        }
+    finally:
+        for k in kids:
+            if not isinstance(k, SandboxError):
+                with contextlib.suppress(Exception):
+                    k.stop()
+        with contextlib.suppress(Exception):
+            parent.stop()
+        if KSM.exists():
+            (KSM / "run").write_text(saved_run if saved_run != "2" else "1")

@@ -105,6 +105,35 @@ class Snapshottable(Protocol):
 
 
 @runtime_checkable
+class Standbys(Protocol):
+    """A tier that restores a checkpoint ahead of a rollback, frozen under a name of its own, and
+    later makes that restore the sandbox itself: the rollback is then a swap, not a restore."""
+
+    def standbys_possible(self) -> bool:
+        """Whether this node can (the container tier: a cgroup can be renamed, v1 only)."""
+
+    async def restore_standby(self, name: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
+        """Restore the snapshot at `source` as `name` (a name no sandbox has) and freeze it."""
+
+    async def promote(self, standby: LiveSandbox, sandbox_id: str) -> None:
+        """Make the frozen standby the sandbox `sandbox_id` (whose own live part is gone) and thaw it;
+        on failure raise SandboxError, the standby destroyed."""
+
+    async def set_aside(self, live: LiveSandbox, name: str) -> None:
+        """Move a sandbox's live part out of its id's way under `name` (a name no sandbox has), to
+        be destroyed later; raises SandboxError (nothing moved) if it cannot."""
+
+    async def destroy(self, sandbox: LiveSandbox) -> None:
+        """(as TierBackend's)"""
+
+    async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        """(as TierBackend's)"""
+
+    def residue(self) -> set[str]:
+        """(as TierBackend's)"""
+
+
+@runtime_checkable
 class SharedRestores(Protocol):
     """A tier whose restores of one snapshot can share its memory (microvm: a template of it)."""
 

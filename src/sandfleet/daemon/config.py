@@ -137,6 +137,12 @@ class DaemonConfig(BaseModel):
     snapshot_max_bytes: ByteSize | None = Field(
         None, description="disk the node's snapshots may use in all; past it, new snapshots are refused"
     )
+    checkpoint_standbys: bool = Field(
+        True,
+        description="restore a sandbox's latest checkpoint ahead of a rollback (kept frozen, while the node "
+        "keeps a quarter of its memory available): a rollback to it is then a swap of a few ms, not a restore; "
+        "costs a restore's CPU per checkpoint taken or rolled back to, and its memory until used",
+    )
     ksm: bool = Field(
         True,
         description="let restored and forked sandboxes share their identical memory pages (KSM): children of "

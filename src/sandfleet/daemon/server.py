@@ -204,6 +204,7 @@ async def serve(config: DaemonConfig, *, ready_file: Path | None = None) -> None
         snapshot_dir=config.snapshot_dir or config.state_dir / "snapshots",
         snapshot_retention=config.snapshot_retention,
         snapshot_max_bytes=config.snapshot_max_bytes,
+        checkpoint_standbys=config.checkpoint_standbys,
         import_dirs=config.import_dirs,
         client_factory=functools.partial(AsyncClient, config.socket),  # recipe builds' own sandboxes
         network=config.network,

@@ -88,6 +88,7 @@ class SandboxManager:
         snapshot_dir: Path | None = None,
         snapshot_retention: float | None = None,
         snapshot_max_bytes: int | None = None,
+        checkpoint_standbys: bool = True,
         import_dirs: builtins.list[Path] | None = None,
         client_factory: Callable[[], AsyncClient] | None = None,
         network: NetworkConfig | None = None,
@@ -152,7 +153,12 @@ class SandboxManager:
             max_bytes=snapshot_max_bytes,
         )
         self.checkpoints = Checkpoints(
-            core, self.pauser, self.snapshots, self.networking, state.path.parent / "checkpoints"
+            core,
+            self.pauser,
+            self.snapshots,
+            self.networking,
+            state.path.parent / "checkpoints",
+            standbys=checkpoint_standbys,
         )
         self.verifier = Verifier(core, self.creation, self.execs, self.files, self.snapshots, verify)
         self.trajectories = Trajectories(
@@ -195,6 +201,7 @@ class SandboxManager:
             await self.checkpoints.recover()
             await self.trajectories.start()
             core.spawn(self.reaper.run(), name="reaper")
+            core.spawn(self.checkpoints.standbys.run(), name="standby-sweeper")
             core.spawn(core.journal.run(), name="event-flusher")
             core.spawn(self.monitor.run(), name="monitor")
             core.spawn(core.jobs.run(), name="job-figures")
@@ -209,6 +216,7 @@ class SandboxManager:
                 core.shutting_down = True
                 if core.pools is not None:
                     await core.pools.drain()
+                await self.checkpoints.standbys.close()
                 await core.journal.flush()
                 await self.job_store.save()
                 await core.state.touch_many(core.dirty_activity)

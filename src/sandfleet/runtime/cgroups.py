@@ -347,6 +347,30 @@ class Cgroups:
                             os.unlink(os.path.join(sub, name))
                     os.rmdir(sub)
 
+    @property
+    def renamable(self) -> bool:
+        """v1 renames a cgroup with its tasks in it (within its parent); v2 cannot rename at all."""
+        return self.mode != "v2"
+
+    def rename(self, rel: str, new: str) -> None:
+        """Rename a cgroup within its parent in every hierarchy it has a directory in, its tasks
+        staying in it (v1 only). A failure part way puts back what was renamed."""
+        if not self.renamable:
+            raise OSError(errno.EPERM, "cgroup v2 cannot rename a cgroup")  # (kernfs: no rename op)
+        done: list[tuple[Path, Path]] = []
+        try:
+            for d in self._dirs(rel):
+                if not d.is_dir():
+                    continue  # not joined there, or the other name of a co-mounted hierarchy
+                target = d.with_name(new.rsplit("/", 1)[-1])
+                os.rename(d, target)
+                done.append((d, target))
+        except OSError:
+            for d, target in reversed(done):
+                with contextlib.suppress(OSError):
+                    os.rename(target, d)
+            raise
+
     def remove_parent_if_empty(self) -> None:
         """rmdir our parent cgroup where no sandbox cgroup is left under it (daemon shutdown)."""
         for d in self._dirs(self.parent):

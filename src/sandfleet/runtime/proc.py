@@ -192,8 +192,11 @@ def become_subreaper() -> None:
 
 # OCI runtimes, the launcher (a launch that failed past its fork leaves one child behind), and
 # sandbox agents (our children once the launcher's intermediate process exits) that died on their own
-# or were killed with their half-created sandbox.
-ORPHAN_NAMES = frozenset({"crun", "runc", "runsc", "sandfleet-run", "sandfleet-agent", "qemu-system-x86", "bwrap"})
+# or were killed with their half-created sandbox; and criu's tasks of a restore that failed part way
+# (criu runs through its own dynamic loader, hence that name), left to us when criu exits.
+ORPHAN_NAMES = frozenset(
+    {"crun", "runc", "runsc", "sandfleet-run", "sandfleet-agent", "qemu-system-x86", "bwrap", "ld-linux-x86-64"}
+)
 
 
 def reap_orphans(names: frozenset[str] = ORPHAN_NAMES, limit: int = 1024) -> int:

@@ -244,6 +244,64 @@ class ContainerSnapshots(ContainerSandboxes):
         async with self._restores:
             return await self._restore(sandbox_id, spec, source, meta, tool)
 
+    # -- standbys: a checkpoint restored ahead of its rollback -----------------------------------------
+
+    def standbys_possible(self) -> bool:
+        return self.uses_launcher and self.cgroups.renamable
+
+    async def restore_standby(self, name: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
+        """A restore under `name`, frozen as soon as its agent answered: its processes ran only
+        that long past the checkpoint (as any restore's do before the caller's next call)."""
+        live = await self.restore(name, spec, source, meta)
+        try:
+            await asyncio.to_thread(self.cgroups.freeze, self.cgroups.path_for(name))
+        except BaseException as exc:
+            await asyncio.shield(self.destroy(live))
+            if isinstance(exc, OSError | TimeoutError):
+                raise InternalError(f"freezing a standby restore failed: {exc}") from exc
+            raise
+        return live
+
+    def _rename(self, old: str, new: str) -> None:
+        """A live sandbox's cgroup and directory under another name (its tasks stay in the renamed
+        cgroup, its mounts on the renamed directory)."""
+        self.cgroups.rename(self.cgroups.path_for(old), self.cgroups.path_for(new))
+        try:
+            if os.path.lexists(self.sandboxes_dir / old):
+                os.rename(self.sandboxes_dir / old, self.sandboxes_dir / new)
+        except OSError:
+            self.cgroups.rename(self.cgroups.path_for(new), self.cgroups.path_for(old))
+            raise
+
+    async def set_aside(self, live: LiveSandbox, name: str) -> None:
+        """Move a sandbox's live part out of its id's way, to be destroyed later under `name`."""
+        try:
+            await asyncio.to_thread(self._rename, live.id, name)
+        except OSError as exc:
+            raise UnavailableError(f"sandbox {live.id} could not be set aside: {exc}") from exc
+        live.id = name
+
+    async def promote(self, standby: LiveSandbox, sandbox_id: str) -> None:
+        """Rename the standby's cgroup and directory to the sandbox's, thaw it, check its agent answers."""
+        renamed = False
+
+        def swap() -> None:
+            nonlocal renamed
+            self._rename(standby.id, sandbox_id)
+            renamed = True
+            self.cgroups.thaw(self.cgroups.path_for(sandbox_id))
+
+        try:
+            await asyncio.to_thread(swap)
+            if renamed:  # (the cgroup and directory are the sandbox's from here on)
+                standby.id = sandbox_id
+            await standby.channel.ping(timeout=self.config.start_timeout)
+        except (OSError, TimeoutError, ChannelClosedError) as exc:
+            if renamed:
+                standby.id = sandbox_id
+            await asyncio.shield(self.destroy(standby))
+            raise UnavailableError(f"the standby restore could not take the sandbox's place: {exc}") from exc
+
     async def _restore(
         self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any], tool: criu.Criu
     ) -> LiveSandbox:

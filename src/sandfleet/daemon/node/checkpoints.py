@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sandfleet.backends.base import LiveSandbox, Snapshottable, offers, unsupported
+from sandfleet.backends.base import Standbys as StandbyTier
 from sandfleet.daemon import failpoints
 from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.core import NodeCore, log
@@ -35,6 +36,7 @@ from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox, stopped_meanwhile
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.snapshot_files import check_intact, write_json
 from sandfleet.daemon.node.snapshots import Snapshots
+from sandfleet.daemon.node.standbys import Standbys
 from sandfleet.errors import NotFoundError, ResourceExhaustedError, SandboxError, UnavailableError, WrongStateError
 from sandfleet.ids import new_id
 from sandfleet.images import fsutil
@@ -55,7 +57,14 @@ class CheckpointRecord:
 
 class Checkpoints:
     def __init__(
-        self, core: NodeCore, pauser: Pauser, snapshots: Snapshots, networking: Networking, root: Path
+        self,
+        core: NodeCore,
+        pauser: Pauser,
+        snapshots: Snapshots,
+        networking: Networking,
+        root: Path,
+        *,
+        standbys: bool = True,
     ) -> None:
         self.core = core
         self.pauser = pauser
@@ -63,6 +72,7 @@ class Checkpoints:
         self.networking = networking
         self.root = root
         self.of: dict[str, builtins.list[CheckpointRecord]] = {}  # sandbox id -> its checkpoints, oldest first
+        self.standbys = Standbys(core, enabled=standbys)
         core.table.on_stopped(self._stopped)
         snapshots.images.layer_users.append(self._layers)
 
@@ -122,6 +132,7 @@ class Checkpoints:
             kept = self.of.setdefault(sb.id, [])
             kept.append(CheckpointRecord(info, path, meta))
             await self._bound(sb, kept)
+            self.standbys.prepare(sb, checkpoint_id, path, meta)
             self.core.touch(sb)
             self.core.journal.record(sb.id, "checkpoint", {"checkpoint": checkpoint_id, "bytes": size,
                                                            "seconds": info.seconds})  # fmt: skip
@@ -134,6 +145,7 @@ class Checkpoints:
             len(kept) > MAX_CHECKPOINTS or sum(r.info.size_bytes for r in kept) > sb.spec.resources.disk
         ):
             old = kept.pop(0)
+            self.standbys.drop(sb.id, old.info.id)
             await asyncio.to_thread(shutil.rmtree, old.path, True)
             self.core.journal.record(sb.id, "checkpoint_dropped", {"checkpoint": old.info.id})
 
@@ -146,6 +158,7 @@ class Checkpoints:
         async with sb.freeze_lock:  # not while a rollback reads it
             rec = self._record(sandbox_id, checkpoint_id)
             self.of[sandbox_id].remove(rec)
+            self.standbys.drop(sandbox_id, checkpoint_id)
             await asyncio.to_thread(shutil.rmtree, rec.path, True)
 
     # -- rollback -------------------------------------------------------------------------------------
@@ -158,18 +171,21 @@ class Checkpoints:
         tier = self._tier(sb, "roll a sandbox back")
         async with self.pauser.holding(sandbox_id) as (sb, live):
             rec = self._record(sandbox_id, checkpoint_id)
-            with stopped_meanwhile(sb, "it was rolled back"):  # its stop removes its checkpoints
-                await asyncio.to_thread(check_intact, rec.path, rec.meta)  # before the sandbox is taken down
+            if not self.standbys.ready(sandbox_id, checkpoint_id):  # (a standby was checked and restored)
+                with stopped_meanwhile(sb, "it was rolled back"):  # its stop removes its checkpoints
+                    await asyncio.to_thread(check_intact, rec.path, rec.meta)  # before the sandbox is taken down
             if sb.state != RUNNING:
                 raise WrongStateError(f"sandbox {sandbox_id} stopped while it was rolled back")
             self.core.busy(sb, ROLLBACK_TIMEOUT)  # its idle TTL does not stop it meanwhile
             try:
                 task = asyncio.ensure_future(self._replace(sb, live, tier, rec))
-                dropped_sessions, dropped_processes = await asyncio.shield(task)
+                dropped_sessions, dropped_processes, swapped = await asyncio.shield(task)
             finally:
                 self.core.idle_done(sb)
         seconds = time.perf_counter() - t0
-        self.core.journal.record(sb.id, "rolled_back", {"checkpoint": checkpoint_id, "seconds": round(seconds, 4)})
+        self.core.journal.record(
+            sb.id, "rolled_back", {"checkpoint": checkpoint_id, "seconds": round(seconds, 4), "standby": swapped}
+        )
         return RollbackResult(
             sandbox_id=sb.id,
             checkpoint_id=checkpoint_id,
@@ -180,7 +196,9 @@ class Checkpoints:
 
     async def _replace(
         self, sb: Sandbox, live: LiveSandbox, tier: Snapshottable, rec: CheckpointRecord
-    ) -> tuple[builtins.list[str], builtins.list[str]]:
+    ) -> tuple[builtins.list[str], builtins.list[str], bool]:
+        """The sandbox's live part replaced by the checkpoint's: what was dropped, and whether a
+        standby took its place (else a restore)."""
         inherit = rec.meta.get("inherit", {})
         kept_sessions = {str(s["id"]) for s in inherit.get("sessions", [])}
         kept_processes = {str(p["id"]) for p in inherit.get("processes", [])}
@@ -188,17 +206,27 @@ class Checkpoints:
         dropped_processes = sorted(
             i for i, p in sb.processes.items() if not p.done.is_set() and i not in kept_processes
         )
+        # A standby of this checkpoint (restored ahead, frozen) takes the sandbox's place instead
+        # of a restore begun now.
+        standby = await self.standbys.take(sb.id, rec.info.id)
+        new: LiveSandbox | None = None
+        swapped = False
         # Our own teardown: the old agent's channel closing is no lost sandbox. A stop meanwhile
         # finds no live part and leaves the new one to us (below).
         live.channel.on_close = None
         sb.live = None
         try:
-            await self.core.tier(sb).destroy(live)
+            await self.standbys.retire(sb, live)
             self.networking.detach(sb)
             # No agent to adopt until the restore is recorded: a daemon that dies meanwhile finds a
             # half-made sandbox, and its restart cleans up whatever is in its cgroup.
             await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
-            new = await tier.restore(sb.id, sb.spec, rec.path, rec.meta)
+            if standby is not None:
+                tried, standby = standby, None  # promoted, or destroyed by the failed promotion
+                new = await self._promote(sb, *tried)
+                swapped = new is not None
+            if new is None:
+                new = await tier.restore(sb.id, sb.spec, rec.path, rec.meta)
             failpoints.hit("rollback_before_record")
         except SandboxError as exc:
             log.warning("rollback of %s to %s failed: %s", sb.id, rec.info.id, exc)
@@ -207,6 +235,9 @@ class Checkpoints:
         except BaseException as exc:
             await self.core.stop(sb.id, reason="rollback failed")
             raise UnavailableError(f"sandbox {sb.id} could not be rolled back and was stopped: {exc}") from exc
+        finally:
+            if standby is not None:  # never tried: it goes
+                await asyncio.shield(standby[0].destroy(standby[1]))
         if sb.state != RUNNING:
             await self.core.tier(sb).destroy(new)
             raise WrongStateError(f"sandbox {sb.id} stopped while it was rolled back")
@@ -218,11 +249,24 @@ class Checkpoints:
         await self.core.state.update(sb.id, runtime=new.runtime)
         await self.networking.attach(sb)
         self.core.touch(sb)
-        return dropped_sessions, dropped_processes
+        self.standbys.prepare(sb, rec.info.id, rec.path, rec.meta)  # for the next rollback to it
+        return dropped_sessions, dropped_processes, swapped
+
+    async def _promote(self, sb: Sandbox, tier: StandbyTier, standby: LiveSandbox) -> LiveSandbox | None:
+        """The standby as the sandbox's live part; None (restore instead) if it could not take its place."""
+        t0 = time.perf_counter()
+        try:
+            await tier.promote(standby, sb.id)
+        except SandboxError as exc:
+            log.info("sandbox %s: its standby did not take its place (%s): restoring instead", sb.id, exc.message)
+            return None
+        log.debug("sandbox %s: standby promoted in %.1f ms", sb.id, (time.perf_counter() - t0) * 1000)
+        return standby
 
     # -- the end of a sandbox, a restart ---------------------------------------------------------------
 
     def _stopped(self, sb: Sandbox) -> None:
+        self.standbys.drop(sb.id)
         if self.of.pop(sb.id, None) is not None or (self.root / sb.id).exists():
             remove = asyncio.to_thread(shutil.rmtree, self.root / sb.id, True)
             with contextlib.suppress(UnavailableError):  # shutting down: the next start's `recover` removes them

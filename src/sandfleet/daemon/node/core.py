@@ -188,6 +188,9 @@ class NodeCore:
         self.tg: asyncio.TaskGroup | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
         self.dirty_activity: dict[str, float] = {}  # last-activity times not yet in the state store
+        # What else holds node resources for a sandbox (a checkpoint restored ahead): released
+        # before its stop returns.
+        self.stop_hooks: builtins.list[Callable[[Sandbox], Awaitable[None]]] = []
         self.creating = 0  # creates admitted and not settled
         self.best_effort_cpu: dict[str, float] = {}  # CPU seconds of each best-effort sandbox, last seen
         self.best_effort_retired = 0.0  # what best-effort sandboxes that have stopped had used
@@ -377,6 +380,8 @@ class NodeCore:
             if sb.live is not None:
                 await self.record_limits(sb, sb.live)
                 await self.tier(sb).destroy(sb.live)
+            for hook in self.stop_hooks:
+                await hook(sb)
         except Exception as exc:
             # Still holds resources: keep the row `stopping` (a restart retries) and let the reaper
             # retry the stop; the admission budget stays taken until it succeeds.

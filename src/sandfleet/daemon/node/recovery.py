@@ -17,6 +17,7 @@ from sandfleet.daemon.node.core import ACTIVITY_FLUSH, NodeCore, lenient_spec, l
 from sandfleet.daemon.node.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.snapshots import Snapshots
+from sandfleet.daemon.node.standbys import is_standby
 from sandfleet.daemon.node.state import SandboxRow
 from sandfleet.errors import SandboxError
 from sandfleet.models import KEPT_LABEL, VERIFY_LABEL, SandboxSpec
@@ -137,6 +138,8 @@ class Recovery:
             log.warning("the %s tier cannot take back running sandboxes: they are cleaned up", rebuild.name)
             return taken
         for sandbox_id in sorted(candidates):
+            if is_standby(sandbox_id):
+                continue  # a checkpoint restored ahead of a rollback, not a sandbox: cleaned up
             found = await rebuild.recover(sandbox_id)
             if found is None:
                 continue
