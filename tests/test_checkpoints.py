@@ -7,6 +7,7 @@ How long a checkpoint and a rollback take is measured in bench/ (`checkpoint`), 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -154,7 +155,8 @@ def test_a_rollback_to_a_standby_is_a_swap_with_the_same_state(daemon: Daemon, f
             assert wait_until(lambda: _standby_ready(daemon, sb), 30)  # made again for the next rollback
         sb.delete_checkpoint(cp)
         assert wait_until(lambda: _standbys(daemon) == [], 10)
-        sb.rollback(sb.checkpoint())  # (a rollback that finds its standby still being made waits for it)
+        sb.rollback(sb.checkpoint())  # at once: restored (the standby's restore had not begun: never made)
+        assert [e for e in sb.events() if e.kind == "rolled_back"][-1].data["standby"] is False
     assert wait_until(lambda: _standbys(daemon) == [], 10)
     assert fleet.list(labels=JOB) == []
 
@@ -346,4 +348,29 @@ def test_a_sandbox_stopped_during_its_checkpoint_says_so(fleet: Client) -> None:
             pass
         finally:
             stopper.join()
+    assert fleet.list(labels=JOB) == []
+
+
+def test_a_sandbox_stopped_during_its_rollback_leaves_nothing(daemon: Daemon, fleet: Client) -> None:
+    """A stop racing a rollback (one that restores, one waiting for its standby's restore, one
+    swapping a made standby): the rollback fails as a wrong state or unavailable, never a 500; the
+    stop returns; nothing of the sandbox, its old part or its standby stays on the node."""
+    for after_checkpoint, stop_after in ((0.0, 0.03), (0.3, 0.02), (0.3, 0.1), (1.5, 0.0), (1.5, 0.005)):
+        sb = fleet.create(image="busybox", labels=JOB)
+        sb.start("sleep 1000")
+        cp = sb.checkpoint()
+        time.sleep(after_checkpoint)
+        stopper = threading.Timer(stop_after, sb.stop)
+        stopper.start()
+        try:
+            sb.rollback(cp)
+        except (WrongStateError, NotFoundError, UnavailableError):
+            pass
+        finally:
+            stopper.join()
+        with contextlib.suppress(NotFoundError):
+            sb.stop()
+        assert wait_until(
+            lambda sb=sb: not any(n.startswith(sb.id) for n in os.listdir(daemon.run_dir / "sandboxes")), 10
+        )
     assert fleet.list(labels=JOB) == []

@@ -62,6 +62,7 @@ class FakeCore:
     def __init__(self, tier: FakeTier) -> None:
         self.backends = {"container": tier}
         self.stop_hooks: list[Any] = []
+        self.shutting_down = False
         self._tier = tier
 
     def tier(self, sb: Any) -> FakeTier:
@@ -86,17 +87,17 @@ def _meminfo(tmp_path: Path, total_kib: int, available_kib: int) -> Path:
 
 def _standbys(tmp_path: Path, tier: FakeTier, *, available_kib: int = 8 << 20, enabled: bool = True) -> Standbys:
     core: Any = FakeCore(tier)
-    return Standbys(core, enabled=enabled, meminfo=_meminfo(tmp_path, 16 << 20, available_kib))
+    return Standbys(core, enabled=enabled, meminfo=_meminfo(tmp_path, 16 << 20, available_kib), delay=0.01)
 
 
-SB = SimpleNamespace(id="sb-1", spec=None)
+SB = SimpleNamespace(id="sb-1", spec=None, state="running")
 
 
 async def test_a_standby_is_of_one_checkpoint_and_taken_once(tmp_path: Path) -> None:
     tier = FakeTier()
     standbys = _standbys(tmp_path, tier)
     cp = _checkpoint(tmp_path)
-    standbys.prepare(SB, "cp-1", cp, {})  # type: ignore[arg-type]
+    standbys.prepare(SB, "cp-1", cp, {}, 4096)  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     assert standbys.ready("sb-1", "cp-1") and not standbys.ready("sb-1", "cp-2")
     assert await standbys.take("sb-1", "cp-2") is None  # another checkpoint's: kept
@@ -110,11 +111,11 @@ async def test_a_new_checkpoint_replaces_the_standby_and_a_stop_releases_it(tmp_
     tier = FakeTier()
     standbys = _standbys(tmp_path, tier)
     cp = _checkpoint(tmp_path)
-    standbys.prepare(SB, "cp-1", cp, {})  # type: ignore[arg-type]
+    standbys.prepare(SB, "cp-1", cp, {}, 4096)  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     first = next(iter(tier.live))
     tier.delay = 0.1
-    standbys.prepare(SB, "cp-2", cp, {})  # type: ignore[arg-type]
+    standbys.prepare(SB, "cp-2", cp, {}, 4096)  # type: ignore[arg-type]
     await asyncio.sleep(0.02)
     assert tier.destroyed == [first]
     # Stopped while the next one is still being made: the stop waits for it and destroys it.
@@ -126,7 +127,7 @@ async def test_a_new_checkpoint_replaces_the_standby_and_a_stop_releases_it(tmp_
 async def test_a_dropped_checkpoint_takes_only_its_own_standby(tmp_path: Path) -> None:
     tier = FakeTier()
     standbys = _standbys(tmp_path, tier)
-    standbys.prepare(SB, "cp-1", _checkpoint(tmp_path), {})  # type: ignore[arg-type]
+    standbys.prepare(SB, "cp-1", _checkpoint(tmp_path), {}, 4096)  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     standbys.drop("sb-1", "cp-other")
     assert standbys.ready("sb-1", "cp-1")
@@ -137,12 +138,12 @@ async def test_a_dropped_checkpoint_takes_only_its_own_standby(tmp_path: Path) -
 
 async def test_no_standby_when_memory_is_short_or_they_are_off(tmp_path: Path) -> None:
     tier = FakeTier()
-    cp = _checkpoint(tmp_path, pages=3 << 30)  # a 3 GiB page image
+    cp = _checkpoint(tmp_path)
     short = _standbys(tmp_path, tier, available_kib=6 << 20)  # 6 of 16 GiB: 3 left, under a quarter
-    short.prepare(SB, "cp-1", cp, {})  # type: ignore[arg-type]
+    short.prepare(SB, "cp-1", cp, {}, 3 << 30)  # type: ignore[arg-type]
     assert await short.take("sb-1", "cp-1") is None and tier.live == {}
     off = _standbys(tmp_path, tier, enabled=False)
-    off.prepare(SB, "cp-1", _checkpoint(tmp_path), {})  # type: ignore[arg-type]
+    off.prepare(SB, "cp-1", _checkpoint(tmp_path), {}, 4096)  # type: ignore[arg-type]
     assert off.of == {}
 
 
@@ -167,10 +168,23 @@ async def test_retire_destroys_in_the_background_and_a_stop_waits_for_it(tmp_pat
     assert tier.destroyed[-1] == "sb-1"
 
 
+async def test_a_standby_not_begun_costs_nothing_when_dropped_or_taken(tmp_path: Path) -> None:
+    tier = FakeTier()
+    core: Any = FakeCore(tier)
+    standbys = Standbys(core, meminfo=_meminfo(tmp_path, 16 << 20, 8 << 20), delay=0.2)
+    cp = _checkpoint(tmp_path)
+    standbys.prepare(SB, "cp-1", cp, {}, 4096)  # type: ignore[arg-type]
+    assert await standbys.take("sb-1", "cp-1") is None  # a rollback at once restores: nothing waited for
+    standbys.prepare(SB, "cp-2", cp, {}, 4096)  # type: ignore[arg-type]
+    standbys.drop("sb-1", "cp-2")
+    await asyncio.sleep(0.3)
+    assert tier.live == {} and tier.destroyed == []  # never restored
+
+
 async def test_a_sweep_removes_only_another_runs_standbys(tmp_path: Path) -> None:
     tier = FakeTier()
     standbys = _standbys(tmp_path, tier)
-    standbys.prepare(SB, "cp-1", _checkpoint(tmp_path), {})  # type: ignore[arg-type]
+    standbys.prepare(SB, "cp-1", _checkpoint(tmp_path), {}, 4096)  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     ours = next(iter(tier.live))
     tier.leftover = {f"sb-2{STANDBY_MARK}0badc0de-3", "sb-3"}
@@ -178,3 +192,30 @@ async def test_a_sweep_removes_only_another_runs_standbys(tmp_path: Path) -> Non
     assert tier.cleaned == [f"sb-2{STANDBY_MARK}0badc0de-3"] and ours in tier.live
     await standbys.close()
     assert tier.live == {}
+
+
+async def test_a_stop_during_retire_still_finds_the_old_part_destroyed(tmp_path: Path) -> None:
+    """The sandbox stops while its old part is being set aside: `release` has nothing to wait for
+    yet, so the retire destroys it itself before it returns (never left running in the background)."""
+    tier = FakeTier()
+    standbys = _standbys(tmp_path, tier)
+    gate = asyncio.Event()
+    plain_set_aside = tier.set_aside
+
+    async def slow_set_aside(live: LiveSandbox, name: str) -> None:
+        await gate.wait()
+        await plain_set_aside(live, name)
+
+    tier.set_aside = slow_set_aside  # type: ignore[method-assign]
+    sb = SimpleNamespace(id="sb-1", spec=None, state="running")
+    old = LiveSandbox(
+        id="sb-1", channel=SimpleNamespace(close=lambda: None), agent_pid=1, agent_start_time=None, uid_base=0
+    )  # type: ignore[arg-type]
+    tier.live["sb-1"] = old
+    retiring = asyncio.ensure_future(standbys.retire(sb, old))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    sb.state = "stopping"
+    await standbys.release(sb)  # type: ignore[arg-type]
+    gate.set()
+    await retiring
+    assert tier.destroyed == [old.id] and tier.live == {}

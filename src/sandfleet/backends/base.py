@@ -105,7 +105,7 @@ class Snapshottable(Protocol):
 
 
 @runtime_checkable
-class Standbys(Protocol):
+class StandbyTier(Protocol):
     """A tier that restores a checkpoint ahead of a rollback, frozen under a name of its own, and
     later makes that restore the sandbox itself: the rollback is then a swap, not a restore."""
 

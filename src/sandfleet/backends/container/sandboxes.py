@@ -306,6 +306,8 @@ class ContainerSandboxes(ContainerPreparation):
         pid = runtime.get("agent_pid")
         if not isinstance(pid, int) or proc.process_start_time(pid) != runtime.get("agent_start_time"):
             return None
+        if not await asyncio.to_thread(self._is_ours, sandbox_id, pid, None):
+            return None  # in another cgroup: set aside by a rollback the old daemon died in
         await asyncio.to_thread(self._thaw_quietly, sandbox_id)  # paused when the old daemon died
         # The agent notices the old channel's EOF and offers a new one at fd 4.
         sock = await self._grab_channel(pid, 2.0)

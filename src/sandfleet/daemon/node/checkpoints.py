@@ -27,8 +27,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import LiveSandbox, Snapshottable, offers, unsupported
-from sandfleet.backends.base import Standbys as StandbyTier
+from sandfleet.backends.base import LiveSandbox, Snapshottable, StandbyTier, offers, unsupported
 from sandfleet.daemon import failpoints
 from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.core import NodeCore, log
@@ -132,7 +131,7 @@ class Checkpoints:
             kept = self.of.setdefault(sb.id, [])
             kept.append(CheckpointRecord(info, path, meta))
             await self._bound(sb, kept)
-            self.standbys.prepare(sb, checkpoint_id, path, meta)
+            self.standbys.prepare(sb, checkpoint_id, path, meta, size)
             self.core.touch(sb)
             self.core.journal.record(sb.id, "checkpoint", {"checkpoint": checkpoint_id, "bytes": size,
                                                            "seconds": info.seconds})  # fmt: skip
@@ -171,14 +170,15 @@ class Checkpoints:
         tier = self._tier(sb, "roll a sandbox back")
         async with self.pauser.holding(sandbox_id) as (sb, live):
             rec = self._record(sandbox_id, checkpoint_id)
-            if not self.standbys.ready(sandbox_id, checkpoint_id):  # (a standby was checked and restored)
+            checked = not self.standbys.ready(sandbox_id, checkpoint_id)  # (a standby's restore read them)
+            if checked:
                 with stopped_meanwhile(sb, "it was rolled back"):  # its stop removes its checkpoints
                     await asyncio.to_thread(check_intact, rec.path, rec.meta)  # before the sandbox is taken down
             if sb.state != RUNNING:
                 raise WrongStateError(f"sandbox {sandbox_id} stopped while it was rolled back")
             self.core.busy(sb, ROLLBACK_TIMEOUT)  # its idle TTL does not stop it meanwhile
             try:
-                task = asyncio.ensure_future(self._replace(sb, live, tier, rec))
+                task = asyncio.ensure_future(self._replace(sb, live, tier, rec, checked))
                 dropped_sessions, dropped_processes, swapped = await asyncio.shield(task)
             finally:
                 self.core.idle_done(sb)
@@ -195,10 +195,18 @@ class Checkpoints:
         )
 
     async def _replace(
-        self, sb: Sandbox, live: LiveSandbox, tier: Snapshottable, rec: CheckpointRecord
+        self, sb: Sandbox, live: LiveSandbox, tier: Snapshottable, rec: CheckpointRecord, checked: bool
     ) -> tuple[builtins.list[str], builtins.list[str], bool]:
         """The sandbox's live part replaced by the checkpoint's: what was dropped, and whether a
-        standby took its place (else a restore)."""
+        standby took its place (else a restore). `checked`: the images' sizes were checked."""
+        # Our own teardown: the old agent's channel closing is no lost sandbox. A stop meanwhile
+        # finds no live part and leaves the new one to us (below).
+        live.channel.on_close = None
+        sb.live = None
+        # A standby of this checkpoint (restored ahead, frozen) takes the sandbox's place instead of
+        # a restore begun now; one whose restore runs is waited for (nothing starts in the sandbox
+        # meanwhile: it has no live part).
+        standby = await self.standbys.take(sb.id, rec.info.id)
         inherit = rec.meta.get("inherit", {})
         kept_sessions = {str(s["id"]) for s in inherit.get("sessions", [])}
         kept_processes = {str(p["id"]) for p in inherit.get("processes", [])}
@@ -206,26 +214,23 @@ class Checkpoints:
         dropped_processes = sorted(
             i for i, p in sb.processes.items() if not p.done.is_set() and i not in kept_processes
         )
-        # A standby of this checkpoint (restored ahead, frozen) takes the sandbox's place instead
-        # of a restore begun now.
-        standby = await self.standbys.take(sb.id, rec.info.id)
         new: LiveSandbox | None = None
-        swapped = False
-        # Our own teardown: the old agent's channel closing is no lost sandbox. A stop meanwhile
-        # finds no live part and leaves the new one to us (below).
-        live.channel.on_close = None
-        sb.live = None
+        retired = swapped = False
         try:
+            # No agent to adopt until the restore is recorded: a daemon that dies meanwhile finds a
+            # half-made sandbox, and its restart cleans up whatever is in its cgroup. (Recorded before
+            # the old part is set aside: a restart never adopts it under the name it was given.)
+            await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
+            retired = True
             await self.standbys.retire(sb, live)
             self.networking.detach(sb)
-            # No agent to adopt until the restore is recorded: a daemon that dies meanwhile finds a
-            # half-made sandbox, and its restart cleans up whatever is in its cgroup.
-            await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
-            if standby is not None:
+            if standby is not None and sb.state == RUNNING:
                 tried, standby = standby, None  # promoted, or destroyed by the failed promotion
                 new = await self._promote(sb, *tried)
                 swapped = new is not None
-            if new is None:
+            if new is None and sb.state == RUNNING:
+                if not checked:  # (skipped for the standby, whose restore checked them)
+                    await asyncio.to_thread(check_intact, rec.path, rec.meta)
                 new = await tier.restore(sb.id, sb.spec, rec.path, rec.meta)
             failpoints.hit("rollback_before_record")
         except SandboxError as exc:
@@ -236,10 +241,13 @@ class Checkpoints:
             await self.core.stop(sb.id, reason="rollback failed")
             raise UnavailableError(f"sandbox {sb.id} could not be rolled back and was stopped: {exc}") from exc
         finally:
+            if not retired:  # (its stop found no live part)
+                await asyncio.shield(self.core.tier(sb).destroy(live))
             if standby is not None:  # never tried: it goes
                 await asyncio.shield(standby[0].destroy(standby[1]))
-        if sb.state != RUNNING:
-            await self.core.tier(sb).destroy(new)
+        if sb.state != RUNNING or new is None:
+            if new is not None:
+                await self.core.tier(sb).destroy(new)
             raise WrongStateError(f"sandbox {sb.id} stopped while it was rolled back")
         sb.live = new
         new.channel.on_close = lambda _ch: self.core.on_agent_lost(sb.id)
@@ -249,7 +257,8 @@ class Checkpoints:
         await self.core.state.update(sb.id, runtime=new.runtime)
         await self.networking.attach(sb)
         self.core.touch(sb)
-        self.standbys.prepare(sb, rec.info.id, rec.path, rec.meta)  # for the next rollback to it
+        # For the next rollback to it (a search goes back to one node again and again).
+        self.standbys.prepare(sb, rec.info.id, rec.path, rec.meta, rec.info.size_bytes)
         return dropped_sessions, dropped_processes, swapped
 
     async def _promote(self, sb: Sandbox, tier: StandbyTier, standby: LiveSandbox) -> LiveSandbox | None:
@@ -266,7 +275,6 @@ class Checkpoints:
     # -- the end of a sandbox, a restart ---------------------------------------------------------------
 
     def _stopped(self, sb: Sandbox) -> None:
-        self.standbys.drop(sb.id)
         if self.of.pop(sb.id, None) is not None or (self.root / sb.id).exists():
             remove = asyncio.to_thread(shutil.rmtree, self.root / sb.id, True)
             with contextlib.suppress(UnavailableError):  # shutting down: the next start's `recover` removes them

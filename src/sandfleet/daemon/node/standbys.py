@@ -6,10 +6,11 @@ The restore's CPU is the same; it is spent while the caller does something else 
 thinking about its next action).
 
 A sandbox has at most one, for the checkpoint it last took or last rolled back to (a search rolls
-back to the same node again and again). It is made in the background, only while the node has the
-memory to spare (a standby holds the checkpoint's memory until it is used or dropped), and dropped
-with its checkpoint, with its sandbox and when the daemon stops. A daemon killed meanwhile leaves
-names no sandbox has, which the next start's recovery removes as residue.
+back to the same node again and again). Its restore begins DELAY after that, only while the node
+has the memory to spare (a standby holds the checkpoint's memory until it is used or dropped); it is
+dropped with its checkpoint, with its sandbox (before the stop returns) and when the daemon stops.
+A daemon killed meanwhile leaves names no sandbox has: the next start's recovery removes them as
+residue and never adopts one, and its sweeps remove those a restore finished after that.
 """
 
 from __future__ import annotations
@@ -19,25 +20,28 @@ import builtins
 import contextlib
 import itertools
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandfleet.backends.base import LiveSandbox
-from sandfleet.backends.base import Standbys as StandbyTier
+from sandfleet.backends.base import LiveSandbox, StandbyTier
 from sandfleet.daemon.node.core import NodeCore, log
-from sandfleet.daemon.node.lifecycle import Sandbox
+from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox
 from sandfleet.daemon.node.snapshot_files import check_intact
 from sandfleet.errors import SandboxError, UnavailableError
 
 # In a standby's name (`<sandbox id>.standby-<daemon run>-<n>`): never a sandbox id, so recovery
 # never adopts one; the daemon run's token tells this daemon's own from a killed one's.
 STANDBY_MARK = ".standby-"
-# Seconds after start, then between, sweeps for a killed daemon's standbys (a restore it began can
-# finish after the new daemon's recovery).
-SWEEP_AFTER, SWEEP_EVERY = 5.0, 30.0
-# A standby is made only if the node keeps this share of its memory available after it.
+# Seconds after start of the sweeps for a killed daemon's standbys: a restore it began can finish
+# after this daemon's recovery, within a launch's timeout (60 s).
+SWEEPS_AT = (5.0, 35.0, 65.0, 95.0, 125.0)
+# A standby is made only if the node keeps this share of its memory available with it.
 RESERVE = 0.25
+# Seconds a standby's restore waits to begin: a caller that deletes the checkpoint, takes another or
+# rolls back at once (a restore then, either way) never pays a restore's CPU for nothing.
+DELAY = 0.2
+MAKING_AT_ONCE = 2  # standby restores at once (the node's restores for callers are not held up)
 
 
 def is_standby(name: str) -> bool:
@@ -48,17 +52,22 @@ def is_standby(name: str) -> bool:
 class Standby:
     checkpoint_id: str
     tier: StandbyTier
-    task: asyncio.Task[LiveSandbox | None]
+    size: int  # the checkpoint's bytes: what the standby may hold in memory
+    task: asyncio.Task[LiveSandbox | None] = field(init=False)
+    started: bool = False  # its restore has begun (before: a wait, cancelled by a drop or a take)
 
 
 class Standbys:
-    def __init__(self, core: NodeCore, *, enabled: bool = True, meminfo: Path = Path("/proc/meminfo")) -> None:
+    def __init__(
+        self, core: NodeCore, *, enabled: bool = True, meminfo: Path = Path("/proc/meminfo"), delay: float = DELAY
+    ) -> None:
         self.core = core
         self.enabled = enabled
         self.meminfo = meminfo
+        self.delay = delay
         self.of: dict[str, Standby] = {}  # sandbox id -> its standby (made or being made)
-        self._closing: list[Standby] = []  # dropped while the daemon stopped: `close` destroys them
         self._retiring: dict[str, set[asyncio.Task[Any]]] = {}  # sandbox id -> its old parts being destroyed
+        self._making = asyncio.Semaphore(MAKING_AT_ONCE)
         self._serial = itertools.count(1)
         self._run = secrets.token_hex(4)
         core.stop_hooks.append(self.release)
@@ -66,31 +75,39 @@ class Standbys:
     def _name(self, sandbox_id: str) -> str:
         return f"{sandbox_id}{STANDBY_MARK}{self._run}-{next(self._serial)}"
 
-    def prepare(self, sb: Sandbox, checkpoint_id: str, path: Path, meta: dict[str, Any]) -> None:
+    def _tier(self, sb: Sandbox) -> StandbyTier | None:
+        tier = self.core.tier(sb)
+        return tier if isinstance(tier, StandbyTier) and tier.standbys_possible() else None
+
+    # -- made, taken, dropped -----------------------------------------------------------------------------
+
+    def prepare(self, sb: Sandbox, checkpoint_id: str, path: Path, meta: dict[str, Any], size: int) -> None:
         """Start making a standby of this checkpoint of `sb` (in place of any other it had)."""
         self.drop(sb.id)
-        tier = self.core.tier(sb)
-        if not self.enabled or not isinstance(tier, StandbyTier) or not tier.standbys_possible():
+        tier = self._tier(sb)
+        if not self.enabled or tier is None or self.core.shutting_down or sb.state != RUNNING:
             return
         name = self._name(sb.id)
+        st = Standby(checkpoint_id, tier, size)
         try:
-            task = self.core.spawn(self._make(tier, name, sb, path, meta), name=f"standby-{name}")
+            st.task = self.core.spawn(self._make(st, name, sb, path, meta), name=f"standby-{name}")
         except UnavailableError:
             return  # shutting down
-        self.of[sb.id] = Standby(checkpoint_id, tier, task)
+        self.of[sb.id] = st
 
-    async def _make(
-        self, tier: StandbyTier, name: str, sb: Sandbox, path: Path, meta: dict[str, Any]
-    ) -> LiveSandbox | None:
-        if not await asyncio.to_thread(self._room_for, path):
-            log.info("no standby %s: the node's memory is short", name)
-            return None
-        try:
-            await asyncio.to_thread(check_intact, path, meta)  # (criu may hang on damaged images)
-            return await tier.restore_standby(name, sb.spec, path, meta)
-        except SandboxError as exc:  # the rollback restores as it would have anyway
-            log.info("standby %s was not made: %s", name, exc.message)
-            return None
+    async def _make(self, st: Standby, name: str, sb: Sandbox, path: Path, meta: dict[str, Any]) -> LiveSandbox | None:
+        await asyncio.sleep(self.delay)
+        st.started = True
+        async with self._making:
+            if not await asyncio.to_thread(self._room_for, st):
+                log.info("no standby %s: the node's memory is short", name)
+                return None
+            try:
+                await asyncio.to_thread(check_intact, path, meta)  # (criu may hang on damaged images)
+                return await st.tier.restore_standby(name, sb.spec, path, meta)
+            except SandboxError as exc:  # the rollback restores as it would have anyway
+                log.info("standby %s was not made: %s", name, exc.message)
+                return None
 
     def ready(self, sandbox_id: str, checkpoint_id: str) -> bool:
         """Whether a standby of this checkpoint is made (a rollback to it is a swap)."""
@@ -104,44 +121,28 @@ class Standbys:
         )
 
     async def take(self, sandbox_id: str, checkpoint_id: str) -> tuple[StandbyTier, LiveSandbox] | None:
-        """The standby of this checkpoint, now the caller's (waiting for one still being made: it
-        is further along than a restore begun now); None if there is none."""
+        """The standby of this checkpoint, now the caller's (waiting for one whose restore runs: it is
+        further along than a restore begun now); None if there is none. Any other standby stays."""
         st = self.of.get(sandbox_id)
         if st is None or st.checkpoint_id != checkpoint_id:
             return None
         del self.of[sandbox_id]
-        live = await asyncio.shield(st.task)
+        live = await self._result(st)
         return None if live is None else (st.tier, live)
 
-    async def retire(self, sb: Sandbox, live: LiveSandbox) -> None:
-        """Destroy the live part a rollback replaces. Where the tier can, it is first set aside under
-        a standby's kind of name and destroyed in the background: the rollback does not wait for
-        its processes to exit and their memory to be freed (10-20 ms for 200 MiB)."""
-        tier = self.core.tier(sb)
-        if isinstance(tier, StandbyTier) and tier.standbys_possible():
-            live.channel.close()
-            try:
-                await tier.set_aside(live, self._name(sb.id))
-                task = self.core.spawn(tier.destroy(live), name=f"retire-{live.id}")
-            except SandboxError:
-                pass  # in its place still (or set aside while the daemon stops): destroyed now
-            else:
-                tasks = self._retiring.setdefault(sb.id, set())
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                return
-        await tier.destroy(live)
-
-    async def release(self, sb: Sandbox) -> None:
-        """The sandbox stops: its standby and old parts go before its stop returns."""
-        st = self.of.pop(sb.id, None)
+    @staticmethod
+    async def _result(st: Standby) -> LiveSandbox | None:
+        """The standby once made (None if it was not); one whose restore had not begun is cancelled.
+        A restore that runs is waited for, never cancelled: the launcher would finish it unseen."""
+        if not st.started:
+            st.task.cancel()
+            return None
         try:
-            if st is not None:
-                await self._discard(st)
-            for task in list(self._retiring.pop(sb.id, ())):
-                await asyncio.shield(task)
-        except Exception:  # (the sandbox itself is stopped; the next daemon start removes what is left)
-            log.exception("sandbox %s: destroying its standby failed", sb.id)
+            return await asyncio.shield(st.task)
+        except asyncio.CancelledError:
+            if st.task.cancelled():  # (by the daemon's stop: its restore cleaned up after itself)
+                return None
+            raise
 
     def drop(self, sandbox_id: str, checkpoint_id: str | None = None) -> None:
         """Destroy the sandbox's standby (only if it is of `checkpoint_id`, when given)."""
@@ -149,41 +150,87 @@ class Standbys:
         if st is None or (checkpoint_id is not None and st.checkpoint_id != checkpoint_id):
             return
         del self.of[sandbox_id]
-        try:
-            self.core.spawn(self._discard(st), name=f"standby-drop-{sandbox_id}")
-        except UnavailableError:  # shutting down: `close` (or the next start's recovery) has it
-            self._closing.append(st)
+        with contextlib.suppress(UnavailableError):  # shutting down: `close` ran, the next start removes it
+            self._track(sandbox_id, self.core.spawn(self._discard(st), name=f"standby-drop-{sandbox_id}"))
 
-    @staticmethod
-    async def _discard(st: Standby) -> None:
-        live = await asyncio.shield(st.task)
+    @classmethod
+    async def _discard(cls, st: Standby) -> None:
+        live = await cls._result(st)
         if live is not None:
             await st.tier.destroy(live)
 
+    # -- the live part a rollback replaces ---------------------------------------------------------------
+
+    async def retire(self, sb: Sandbox, live: LiveSandbox) -> None:
+        """Destroy the live part a rollback replaces. Where the tier can, it is first set aside under
+        a standby's kind of name and destroyed in the background: the rollback does not wait for
+        its processes to exit and their memory to be freed (10-20 ms for 200 MiB)."""
+        tier = self._tier(sb)
+        if tier is not None and not self.core.shutting_down:
+            live.channel.close()
+            try:
+                await tier.set_aside(live, self._name(sb.id))
+            except SandboxError:
+                pass  # still in its place: destroyed now
+            else:
+                if sb.state != RUNNING:  # stopped meanwhile: its stop's `release` may have run already
+                    await tier.destroy(live)
+                    return
+                with contextlib.suppress(UnavailableError):
+                    self._track(sb.id, self.core.spawn(tier.destroy(live), name=f"retire-{live.id}"))
+                    return
+        await self.core.tier(sb).destroy(live)
+
+    def _track(self, sandbox_id: str, task: asyncio.Task[Any]) -> None:
+        """A destroy in the background that the sandbox's stop (`release`) and `close` wait for."""
+        tasks = self._retiring.setdefault(sandbox_id, set())
+        tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            tasks.discard(t)
+            if not tasks and self._retiring.get(sandbox_id) is tasks:
+                del self._retiring[sandbox_id]
+
+        task.add_done_callback(done)
+
+    async def release(self, sb: Sandbox) -> None:
+        """The sandbox stops: its standby and old parts go before its stop returns."""
+        self.drop(sb.id)
+        for task in list(self._retiring.get(sb.id, ())):
+            try:
+                await asyncio.shield(task)
+            except Exception:  # (the sandbox itself is stopped; the next daemon start removes what is left)
+                log.exception("sandbox %s: destroying what it held besides its live part failed", sb.id)
+
     async def close(self) -> None:
-        """The daemon stops: every standby goes (none is a sandbox anyone will roll back)."""
-        pending = [*self.of.values(), *self._closing]
-        self.of.clear()
-        self._closing = []
-        for st in pending:
+        """The daemon stops: every standby goes (none is a sandbox anyone will roll back), and every
+        old part being destroyed is."""
+        for sandbox_id in list(self.of):
+            self.drop(sandbox_id)
+        for task in [t for tasks in self._retiring.values() for t in tasks]:
             with contextlib.suppress(Exception):
-                await self._discard(st)
+                await asyncio.shield(task)
+
+    # -- what a killed daemon left ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        await asyncio.sleep(SWEEP_AFTER)
-        while True:
+        if not self.enabled:
+            return
+        waited = 0.0
+        for at in SWEEPS_AT:
+            await asyncio.sleep(at - waited)
+            waited = at
             try:
                 await self.sweep()
             except Exception:  # (the next sweep tries again)
                 log.exception("sweeping standbys failed")
-            await asyncio.sleep(SWEEP_EVERY)
 
     async def sweep(self) -> builtins.list[str]:
         """Remove what standbys of another daemon run left (a daemon killed while it made, dropped
         or set one aside); this run's own are its to destroy. Returns their names."""
         swept = []
         for tier in self.core.backends.values():
-            if not isinstance(tier, StandbyTier):
+            if not isinstance(tier, StandbyTier) or not tier.standbys_possible():
                 continue
             for name in sorted(await asyncio.to_thread(tier.residue)):
                 if is_standby(name) and f"{STANDBY_MARK}{self._run}-" not in name:
@@ -192,13 +239,14 @@ class Standbys:
                     swept.append(name)
         return swept
 
-    def _room_for(self, path: Path) -> bool:
-        """Whether the node keeps RESERVE of its memory available with the checkpoint's pages restored."""
+    def _room_for(self, st: Standby) -> bool:
+        """Whether the node keeps RESERVE of its memory available with this standby and the others
+        being made (what is made already is in MemAvailable)."""
         try:
             fields = dict(line.split(":", 1) for line in self.meminfo.read_text().splitlines() if ":" in line)
             total = int(fields["MemTotal"].split()[0]) * 1024
             available = int(fields["MemAvailable"].split()[0]) * 1024
-            pages = sum(p.stat().st_size for p in (path / "img").glob("pages-*.img"))
         except (OSError, KeyError, ValueError, IndexError):
             return False
-        return available - pages >= total * RESERVE
+        making = sum(o.size for o in self.of.values() if o is not st and o.started and not o.task.done())
+        return available - making - st.size >= total * RESERVE
