@@ -152,6 +152,8 @@ def test_a_rollback_to_a_standby_is_a_swap_with_the_same_state(daemon: Daemon, f
             assert wait_until(lambda: sb.exec("cat /tmp/v 2>/dev/null").stdout == "kept-777", 10)
             assert {p.id for p in sb.processes() if p.running} == {counter.id, holder.id}
             assert sb.exec(probe).stdout.split() == before.split()  # as closed off as it was
+            # (made on idle CPU, it runs with the sandbox's own weight again)
+            assert (Path("/sys/fs/cgroup/cpu") / daemon.cgroup_parent / sb.id / "cpu.shares").read_text() == "1024\n"
             assert wait_until(lambda: _standby_ready(daemon, sb), 30)  # made again for the next rollback
         sb.delete_checkpoint(cp)
         assert wait_until(lambda: _standbys(daemon) == [], 10)

@@ -25,17 +25,25 @@ class FakeTier:
         self.leftover: set[str] = set()
         self.fail_aside = False
         self.delay = 0.0
+        self.idle: list[bool] = []  # each restore: on idle CPU?
+        self.hurried: list[str] = []
 
     def standbys_possible(self) -> bool:
         return True
 
-    async def restore_standby(self, name: str, spec: Any, source: Path, meta: dict[str, Any]) -> LiveSandbox:
+    async def restore_standby(
+        self, name: str, spec: Any, source: Path, meta: dict[str, Any], *, idle: bool
+    ) -> LiveSandbox:
+        self.idle.append(idle)
         await asyncio.sleep(self.delay)
         live = LiveSandbox(id=name, channel=None, agent_pid=1, agent_start_time=None, uid_base=0)  # type: ignore[arg-type]
         self.live[name] = live
         return live
 
-    async def promote(self, standby: LiveSandbox, sandbox_id: str) -> None:
+    async def hurry(self, name: str) -> None:
+        self.hurried.append(name)
+
+    async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: Any) -> None:
         self.live[sandbox_id] = self.live.pop(standby.id)
         standby.id = sandbox_id
 
@@ -118,9 +126,10 @@ async def test_a_new_checkpoint_replaces_the_standby_and_a_stop_releases_it(tmp_
     standbys.prepare(SB, "cp-2", cp, {}, 4096)  # type: ignore[arg-type]
     await asyncio.sleep(0.02)
     assert tier.destroyed == [first]
-    # Stopped while the next one is still being made: the stop waits for it and destroys it.
+    # Stopped while the next one is still being made: the stop hurries it, waits and destroys it.
     await standbys.release(SB)  # type: ignore[arg-type]
     assert tier.live == {} and len(tier.destroyed) == 2
+    assert tier.idle == [True, True] and len(tier.hurried) == 1
     assert await standbys.take("sb-1", "cp-2") is None
 
 

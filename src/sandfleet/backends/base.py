@@ -112,12 +112,18 @@ class StandbyTier(Protocol):
     def standbys_possible(self) -> bool:
         """Whether this node can (the container tier: a cgroup can be renamed, v1 only)."""
 
-    async def restore_standby(self, name: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
-        """Restore the snapshot at `source` as `name` (a name no sandbox has) and freeze it."""
+    async def restore_standby(
+        self, name: str, spec: SandboxSpec, source: Path, meta: dict[str, Any], *, idle: bool
+    ) -> LiveSandbox:
+        """Restore the snapshot at `source` as `name` (a name no sandbox has) and freeze it. `idle`:
+        the restore gets only CPU no one else wants (until `hurry`)."""
 
-    async def promote(self, standby: LiveSandbox, sandbox_id: str) -> None:
-        """Make the frozen standby the sandbox `sandbox_id` (whose own live part is gone) and thaw it;
-        on failure raise SandboxError, the standby destroyed."""
+    async def hurry(self, name: str) -> None:
+        """The restore of standby `name` is waited for: give it its full CPU share."""
+
+    async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec) -> None:
+        """Make the frozen standby the sandbox `sandbox_id` (whose own live part is gone; `spec` its
+        own) and thaw it; on failure raise SandboxError, the standby destroyed."""
 
     async def set_aside(self, live: LiveSandbox, name: str) -> None:
         """Move a sandbox's live part out of its id's way under `name` (a name no sandbox has), to

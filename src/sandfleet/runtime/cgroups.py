@@ -347,6 +347,14 @@ class Cgroups:
                             os.unlink(os.path.join(sub, name))
                     os.rmdir(sub)
 
+    def set_idle(self, rel: str, idle: bool) -> None:
+        """The lowest CPU weight (as a best-effort sandbox has), or the default one."""
+        rel = rel.lstrip("/")
+        if self.mode == "v2":
+            _write(self.root / rel / "cpu.weight", "1" if idle else "100")
+        else:
+            _write(self.root / "cpu" / rel / "cpu.shares", "2" if idle else "1024")
+
     @property
     def renamable(self) -> bool:
         """v1 renames a cgroup with its tasks in it (within its parent); v2 cannot rename at all."""

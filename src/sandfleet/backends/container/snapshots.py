@@ -249,9 +249,14 @@ class ContainerSnapshots(ContainerSandboxes):
     def standbys_possible(self) -> bool:
         return self.uses_launcher and self.cgroups.renamable
 
-    async def restore_standby(self, name: str, spec: SandboxSpec, source: Path, meta: dict[str, Any]) -> LiveSandbox:
+    async def restore_standby(
+        self, name: str, spec: SandboxSpec, source: Path, meta: dict[str, Any], *, idle: bool
+    ) -> LiveSandbox:
         """A restore under `name`, frozen as soon as its agent answered: its processes ran only
-        that long past the checkpoint (as any restore's do before the caller's next call)."""
+        that long past the checkpoint (as any restore's do before the caller's next call). `idle`:
+        made with a best-effort sandbox's CPU weight (the launcher's copy and criu run in its cgroup)."""
+        if idle:
+            spec = spec.model_copy(update={"qos": "best_effort"})
         live = await self.restore(name, spec, source, meta)
         try:
             await asyncio.to_thread(self.cgroups.freeze, self.cgroups.path_for(name))
@@ -281,15 +286,22 @@ class ContainerSnapshots(ContainerSandboxes):
             raise UnavailableError(f"sandbox {live.id} could not be set aside: {exc}") from exc
         live.id = name
 
-    async def promote(self, standby: LiveSandbox, sandbox_id: str) -> None:
-        """Rename the standby's cgroup and directory to the sandbox's, thaw it, check its agent answers."""
+    async def hurry(self, name: str) -> None:
+        with contextlib.suppress(OSError):  # not made yet (its launch writes the weight it was asked)
+            await asyncio.to_thread(self.cgroups.set_idle, self.cgroups.path_for(name), False)
+
+    async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec) -> None:
+        """Rename the standby's cgroup and directory to the sandbox's, give it the sandbox's CPU
+        weight, thaw it, check its agent answers."""
         renamed = False
 
         def swap() -> None:
             nonlocal renamed
             self._rename(standby.id, sandbox_id)
             renamed = True
-            self.cgroups.thaw(self.cgroups.path_for(sandbox_id))
+            rel = self.cgroups.path_for(sandbox_id)
+            self.cgroups.set_idle(rel, spec.qos == "best_effort")
+            self.cgroups.thaw(rel)
 
         try:
             await asyncio.to_thread(swap)

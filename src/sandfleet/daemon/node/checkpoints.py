@@ -265,7 +265,7 @@ class Checkpoints:
         """The standby as the sandbox's live part; None (restore instead) if it could not take its place."""
         t0 = time.perf_counter()
         try:
-            await tier.promote(standby, sb.id)
+            await tier.promote(standby, sb.id, sb.spec)
         except SandboxError as exc:
             log.info("sandbox %s: its standby did not take its place (%s): restoring instead", sb.id, exc.message)
             return None

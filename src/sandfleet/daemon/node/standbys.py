@@ -51,10 +51,12 @@ def is_standby(name: str) -> bool:
 @dataclass
 class Standby:
     checkpoint_id: str
+    name: str
     tier: StandbyTier
     size: int  # the checkpoint's bytes: what the standby may hold in memory
     task: asyncio.Task[LiveSandbox | None] = field(init=False)
     started: bool = False  # its restore has begun (before: a wait, cancelled by a drop or a take)
+    hurried: bool = False  # someone waits for it: its restore gets its full CPU share
 
 
 class Standbys:
@@ -87,26 +89,27 @@ class Standbys:
         tier = self._tier(sb)
         if not self.enabled or tier is None or self.core.shutting_down or sb.state != RUNNING:
             return
-        name = self._name(sb.id)
-        st = Standby(checkpoint_id, tier, size)
+        st = Standby(checkpoint_id, self._name(sb.id), tier, size)
         try:
-            st.task = self.core.spawn(self._make(st, name, sb, path, meta), name=f"standby-{name}")
+            st.task = self.core.spawn(self._make(st, sb, path, meta), name=f"standby-{st.name}")
         except UnavailableError:
             return  # shutting down
         self.of[sb.id] = st
 
-    async def _make(self, st: Standby, name: str, sb: Sandbox, path: Path, meta: dict[str, Any]) -> LiveSandbox | None:
+    async def _make(self, st: Standby, sb: Sandbox, path: Path, meta: dict[str, Any]) -> LiveSandbox | None:
+        """The restore, on CPU no one else wants (a busy node's sandboxes are not slowed for a
+        rollback that may not come) unless someone waits for it."""
         await asyncio.sleep(self.delay)
         st.started = True
         async with self._making:
             if not await asyncio.to_thread(self._room_for, st):
-                log.info("no standby %s: the node's memory is short", name)
+                log.info("no standby %s: the node's memory is short", st.name)
                 return None
             try:
                 await asyncio.to_thread(check_intact, path, meta)  # (criu may hang on damaged images)
-                return await st.tier.restore_standby(name, sb.spec, path, meta)
+                return await st.tier.restore_standby(st.name, sb.spec, path, meta, idle=not st.hurried)
             except SandboxError as exc:  # the rollback restores as it would have anyway
-                log.info("standby %s was not made: %s", name, exc.message)
+                log.info("standby %s was not made: %s", st.name, exc.message)
                 return None
 
     def ready(self, sandbox_id: str, checkpoint_id: str) -> bool:
@@ -137,6 +140,9 @@ class Standbys:
         if not st.started:
             st.task.cancel()
             return None
+        if not st.task.done():
+            st.hurried = True
+            await st.tier.hurry(st.name)
         try:
             return await asyncio.shield(st.task)
         except asyncio.CancelledError:
