@@ -118,8 +118,8 @@ class StandbyTier(Protocol):
         """Restore the snapshot at `source` as `name` (a name no sandbox has) and freeze it. `idle`:
         the restore gets only CPU no one else wants (until `hurry`)."""
 
-    async def hurry(self, name: str) -> None:
-        """The restore of standby `name` is waited for: give it its full CPU share."""
+    async def hurry(self, name: str, spec: SandboxSpec) -> None:
+        """The restore of standby `name` is waited for: give it the CPU weight of its sandbox (`spec`)."""
 
     async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec) -> None:
         """Make the frozen standby the sandbox `sandbox_id` (whose own live part is gone; `spec` its

@@ -286,9 +286,9 @@ class ContainerSnapshots(ContainerSandboxes):
             raise UnavailableError(f"sandbox {live.id} could not be set aside: {exc}") from exc
         live.id = name
 
-    async def hurry(self, name: str) -> None:
+    async def hurry(self, name: str, spec: SandboxSpec) -> None:
         with contextlib.suppress(OSError):  # not made yet (its launch writes the weight it was asked)
-            await asyncio.to_thread(self.cgroups.set_idle, self.cgroups.path_for(name), False)
+            await asyncio.to_thread(self.cgroups.set_idle, self.cgroups.path_for(name), spec.qos == "best_effort")
 
     async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec) -> None:
         """Rename the standby's cgroup and directory to the sandbox's, give it the sandbox's CPU

@@ -203,10 +203,6 @@ class Checkpoints:
         # finds no live part and leaves the new one to us (below).
         live.channel.on_close = None
         sb.live = None
-        # A standby of this checkpoint (restored ahead, frozen) takes the sandbox's place instead of
-        # a restore begun now; one whose restore runs is waited for (nothing starts in the sandbox
-        # meanwhile: it has no live part).
-        standby = await self.standbys.take(sb.id, rec.info.id)
         inherit = rec.meta.get("inherit", {})
         kept_sessions = {str(s["id"]) for s in inherit.get("sessions", [])}
         kept_processes = {str(p["id"]) for p in inherit.get("processes", [])}
@@ -214,6 +210,7 @@ class Checkpoints:
         dropped_processes = sorted(
             i for i, p in sb.processes.items() if not p.done.is_set() and i not in kept_processes
         )
+        standby: tuple[StandbyTier, LiveSandbox] | None = None
         new: LiveSandbox | None = None
         retired = swapped = False
         try:
@@ -221,9 +218,12 @@ class Checkpoints:
             # half-made sandbox, and its restart cleans up whatever is in its cgroup. (Recorded before
             # the old part is set aside: a restart never adopts it under the name it was given.)
             await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
-            retired = True
+            retired = True  # (set aside before any wait: a stop meanwhile waits for its destroy)
             await self.standbys.retire(sb, live)
             self.networking.detach(sb)
+            # A standby of this checkpoint (restored ahead, frozen) takes the sandbox's place instead
+            # of a restore begun now; one whose restore runs is waited for.
+            standby = await self.standbys.take(sb.id, rec.info.id)
             if standby is not None and sb.state == RUNNING:
                 tried, standby = standby, None  # promoted, or destroyed by the failed promotion
                 new = await self._promote(sb, *tried)

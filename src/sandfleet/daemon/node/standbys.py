@@ -8,7 +8,7 @@ thinking about its next action).
 A sandbox has at most one, for the checkpoint it last took or last rolled back to (a search rolls
 back to the same node again and again). Its restore begins DELAY after that, only while the node
 has the memory to spare (a standby holds the checkpoint's memory until it is used or dropped); it is
-dropped with its checkpoint, with its sandbox (before the stop returns) and when the daemon stops.
+dropped with its checkpoint, with its sandbox (its stop waits for it) and when the daemon stops.
 A daemon killed meanwhile leaves names no sandbox has: the next start's recovery removes them as
 residue and never adopts one, and its sweeps remove those a restore finished after that.
 """
@@ -29,6 +29,7 @@ from sandfleet.daemon.node.core import NodeCore, log
 from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox
 from sandfleet.daemon.node.snapshot_files import check_intact
 from sandfleet.errors import SandboxError, UnavailableError
+from sandfleet.models import SandboxSpec
 
 # In a standby's name (`<sandbox id>.standby-<daemon run>-<n>`): never a sandbox id, so recovery
 # never adopts one; the daemon run's token tells this daemon's own from a killed one's.
@@ -53,6 +54,7 @@ class Standby:
     checkpoint_id: str
     name: str
     tier: StandbyTier
+    spec: SandboxSpec  # its sandbox's
     size: int  # the checkpoint's bytes: what the standby may hold in memory
     task: asyncio.Task[LiveSandbox | None] = field(init=False)
     started: bool = False  # its restore has begun (before: a wait, cancelled by a drop or a take)
@@ -89,7 +91,7 @@ class Standbys:
         tier = self._tier(sb)
         if not self.enabled or tier is None or self.core.shutting_down or sb.state != RUNNING:
             return
-        st = Standby(checkpoint_id, self._name(sb.id), tier, size)
+        st = Standby(checkpoint_id, self._name(sb.id), tier, sb.spec, size)
         try:
             st.task = self.core.spawn(self._make(st, sb, path, meta), name=f"standby-{st.name}")
         except UnavailableError:
@@ -100,14 +102,14 @@ class Standbys:
         """The restore, on CPU no one else wants (a busy node's sandboxes are not slowed for a
         rollback that may not come) unless someone waits for it."""
         await asyncio.sleep(self.delay)
-        st.started = True
         async with self._making:
+            st.started = True  # (not before: one queued behind others is still cancelled by a take)
             if not await asyncio.to_thread(self._room_for, st):
                 log.info("no standby %s: the node's memory is short", st.name)
                 return None
             try:
                 await asyncio.to_thread(check_intact, path, meta)  # (criu may hang on damaged images)
-                return await st.tier.restore_standby(st.name, sb.spec, path, meta, idle=not st.hurried)
+                return await st.tier.restore_standby(st.name, st.spec, path, meta, idle=not st.hurried)
             except SandboxError as exc:  # the rollback restores as it would have anyway
                 log.info("standby %s was not made: %s", st.name, exc.message)
                 return None
@@ -130,38 +132,43 @@ class Standbys:
         if st is None or st.checkpoint_id != checkpoint_id:
             return None
         del self.of[sandbox_id]
-        live = await self._result(st)
+        live = await self._result(st, hurry=True)
         return None if live is None else (st.tier, live)
 
     @staticmethod
-    async def _result(st: Standby) -> LiveSandbox | None:
+    async def _result(st: Standby, *, hurry: bool) -> LiveSandbox | None:
         """The standby once made (None if it was not); one whose restore had not begun is cancelled.
-        A restore that runs is waited for, never cancelled: the launcher would finish it unseen."""
+        A restore that runs is waited for, never cancelled (the launcher would finish it unseen);
+        `hurry`: someone waits for it, so it gets its sandbox's CPU weight (again and again until
+        done: a weight written before its launcher made the cgroup is lost)."""
         if not st.started:
             st.task.cancel()
             return None
-        if not st.task.done():
-            st.hurried = True
-            await st.tier.hurry(st.name)
         try:
+            while hurry and not st.task.done():
+                st.hurried = True
+                await st.tier.hurry(st.name, st.spec)
+                await asyncio.wait([st.task], timeout=0.02)
             return await asyncio.shield(st.task)
         except asyncio.CancelledError:
             if st.task.cancelled():  # (by the daemon's stop: its restore cleaned up after itself)
                 return None
             raise
 
-    def drop(self, sandbox_id: str, checkpoint_id: str | None = None) -> None:
-        """Destroy the sandbox's standby (only if it is of `checkpoint_id`, when given)."""
+    def drop(self, sandbox_id: str, checkpoint_id: str | None = None, *, hurry: bool = False) -> None:
+        """Destroy the sandbox's standby (only if it is of `checkpoint_id`, when given); a restore
+        that runs finishes first, on idle CPU unless `hurry` (someone waits for the destroy)."""
         st = self.of.get(sandbox_id)
         if st is None or (checkpoint_id is not None and st.checkpoint_id != checkpoint_id):
             return
         del self.of[sandbox_id]
         with contextlib.suppress(UnavailableError):  # shutting down: `close` ran, the next start removes it
-            self._track(sandbox_id, self.core.spawn(self._discard(st), name=f"standby-drop-{sandbox_id}"))
+            task = self.core.spawn(self._discard(st, hurry), name=f"standby-drop-{sandbox_id}")
+            self._track(sandbox_id, task)
 
     @classmethod
-    async def _discard(cls, st: Standby) -> None:
-        live = await cls._result(st)
+    async def _discard(cls, st: Standby, hurry: bool) -> None:
+        live = await cls._result(st, hurry=hurry)
         if live is not None:
             await st.tier.destroy(live)
 
@@ -200,19 +207,18 @@ class Standbys:
         task.add_done_callback(done)
 
     async def release(self, sb: Sandbox) -> None:
-        """The sandbox stops: its standby and old parts go before its stop returns."""
-        self.drop(sb.id)
+        """The sandbox stops: its standby and the old parts its rollbacks set aside go before its
+        stop returns. (A standby a rollback took is the rollback's: it destroys it once it sees the
+        stop, as it does a restore it made.)"""
+        self.drop(sb.id, hurry=True)
         for task in list(self._retiring.get(sb.id, ())):
-            try:
-                await asyncio.shield(task)
-            except Exception:  # (the sandbox itself is stopped; the next daemon start removes what is left)
-                log.exception("sandbox %s: destroying what it held besides its live part failed", sb.id)
+            await asyncio.shield(task)  # (a failure is logged by the task's guard)
 
     async def close(self) -> None:
         """The daemon stops: every standby goes (none is a sandbox anyone will roll back), and every
         old part being destroyed is."""
         for sandbox_id in list(self.of):
-            self.drop(sandbox_id)
+            self.drop(sandbox_id, hurry=True)
         for task in [t for tasks in self._retiring.values() for t in tasks]:
             with contextlib.suppress(Exception):
                 await asyncio.shield(task)
