@@ -66,8 +66,9 @@ def test_a_rollback_brings_the_same_sandbox_back_to_its_checkpoint(fleet: Client
         assert sb.files.read("/work/a.txt") == b"one"
         assert not sb.files.exists("/work/b.txt")
         assert shell.run('pwd; echo "$MARK $HIDDEN"').stdout == "/tmp\nbefore in-memory\n"
-        # The counter goes on from where it was, under the same handle.
-        assert at_checkpoint <= _count(sb) < at_checkpoint + 40
+        # The counter goes on from where it was, under the same handle (read after the checkpoint
+        # returned: the checkpoint's own count may be a tick or two lower, and a swap is quick).
+        assert at_checkpoint - 5 <= _count(sb) < at_checkpoint + 40
         assert wait_until(lambda: _count(sb) > at_checkpoint + 5)
         assert {p.id for p in sb.processes() if p.running} == {counter.id}
         assert [s.id for s in sb.sessions()] == [shell.id]
@@ -135,7 +136,10 @@ def test_a_rollback_to_a_standby_is_a_swap_with_the_same_state(daemon: Daemon, f
         assert wait_until(lambda: _count(sb) > 5)
         cp = sb.checkpoint()
         at_checkpoint = _count(sb)
-        assert wait_until(lambda: _standby_ready(daemon, sb), 30)
+        # Made on CPU no one else wants: on a busy node it may still be restoring, and the rollback
+        # then waits for it (at full weight); past the 0.2 s before its restore begins, either way
+        # the rollback is a swap.
+        wait_until(lambda: _standby_ready(daemon, sb), 10)
         for round_ in range(2):
             sb.files.write("/work/a.txt", f"two-{round_}")
             sb.files.write("/work/b.txt", "new")
@@ -147,14 +151,15 @@ def test_a_rollback_to_a_standby_is_a_swap_with_the_same_state(daemon: Daemon, f
             assert event.data["standby"] is True, event.data
             assert sb.files.read("/work/a.txt") == b"one" and not sb.files.exists("/work/b.txt")
             assert shell.run('pwd; echo "$MARK $HIDDEN"').stdout == "/tmp\nbefore in-memory\n"
-            assert at_checkpoint <= _count(sb) < at_checkpoint + 60
+            # (read after the checkpoint returned: the checkpoint's own count may be a tick or two lower)
+            assert at_checkpoint - 5 <= _count(sb) < at_checkpoint + 60
             sb.exec("rm -f /tmp/v && touch /tmp/ask")
             assert wait_until(lambda: sb.exec("cat /tmp/v 2>/dev/null").stdout == "kept-777", 10)
             assert {p.id for p in sb.processes() if p.running} == {counter.id, holder.id}
             assert sb.exec(probe).stdout.split() == before.split()  # as closed off as it was
             # (made on idle CPU, it runs with the sandbox's own weight again)
             assert (Path("/sys/fs/cgroup/cpu") / daemon.cgroup_parent / sb.id / "cpu.shares").read_text() == "1024\n"
-            assert wait_until(lambda: _standby_ready(daemon, sb), 30)  # made again for the next rollback
+            wait_until(lambda: _standby_ready(daemon, sb), 10)  # made again for the next rollback
         sb.delete_checkpoint(cp)
         assert wait_until(lambda: _standbys(daemon) == [], 10)
         sb.rollback(sb.checkpoint())  # at once: restored (the standby's restore had not begun: never made)
