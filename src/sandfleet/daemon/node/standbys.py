@@ -132,20 +132,20 @@ class Standbys:
         if st is None or st.checkpoint_id != checkpoint_id:
             return None
         del self.of[sandbox_id]
-        live = await self._result(st, hurry=True)
+        live = await self._result(st)
         return None if live is None else (st.tier, live)
 
     @staticmethod
-    async def _result(st: Standby, *, hurry: bool) -> LiveSandbox | None:
+    async def _result(st: Standby) -> LiveSandbox | None:
         """The standby once made (None if it was not); one whose restore had not begun is cancelled.
-        A restore that runs is waited for, never cancelled (the launcher would finish it unseen);
-        `hurry`: someone waits for it, so it gets its sandbox's CPU weight (again and again until
-        done: a weight written before its launcher made the cgroup is lost)."""
+        A restore that runs is waited for, never cancelled (the launcher would finish it unseen).
+        Someone waits for it, so it gets its sandbox's CPU weight (again and again until done: a
+        weight written before its launcher made the cgroup is lost)."""
         if not st.started:
             st.task.cancel()
             return None
         try:
-            while hurry and not st.task.done():
+            while not st.task.done():
                 st.hurried = True
                 await st.tier.hurry(st.name, st.spec)
                 await asyncio.wait([st.task], timeout=0.02)
@@ -155,20 +155,21 @@ class Standbys:
                 return None
             raise
 
-    def drop(self, sandbox_id: str, checkpoint_id: str | None = None, *, hurry: bool = False) -> None:
+    def drop(self, sandbox_id: str, checkpoint_id: str | None = None) -> None:
         """Destroy the sandbox's standby (only if it is of `checkpoint_id`, when given); a restore
-        that runs finishes first, on idle CPU unless `hurry` (someone waits for the destroy)."""
+        that runs finishes first, hurried (on a busy node one left on idle CPU would hold its memory,
+        a place of MAKING_AT_ONCE and the sandbox's stop for as long as the node stays busy)."""
         st = self.of.get(sandbox_id)
         if st is None or (checkpoint_id is not None and st.checkpoint_id != checkpoint_id):
             return
         del self.of[sandbox_id]
         with contextlib.suppress(UnavailableError):  # shutting down: `close` ran, the next start removes it
-            task = self.core.spawn(self._discard(st, hurry), name=f"standby-drop-{sandbox_id}")
+            task = self.core.spawn(self._discard(st), name=f"standby-drop-{sandbox_id}")
             self._track(sandbox_id, task)
 
     @classmethod
-    async def _discard(cls, st: Standby, hurry: bool) -> None:
-        live = await cls._result(st, hurry=hurry)
+    async def _discard(cls, st: Standby) -> None:
+        live = await cls._result(st)
         if live is not None:
             await st.tier.destroy(live)
 
@@ -210,7 +211,7 @@ class Standbys:
         """The sandbox stops: its standby and the old parts its rollbacks set aside go before its
         stop returns. (A standby a rollback took is the rollback's: it destroys it once it sees the
         stop, as it does a restore it made.)"""
-        self.drop(sb.id, hurry=True)
+        self.drop(sb.id)
         for task in list(self._retiring.get(sb.id, ())):
             await asyncio.shield(task)  # (a failure is logged by the task's guard)
 
@@ -218,7 +219,7 @@ class Standbys:
         """The daemon stops: every standby goes (none is a sandbox anyone will roll back), and every
         old part being destroyed is."""
         for sandbox_id in list(self.of):
-            self.drop(sandbox_id, hurry=True)
+            self.drop(sandbox_id)
         for task in [t for tasks in self._retiring.values() for t in tasks]:
             with contextlib.suppress(Exception):
                 await asyncio.shield(task)
