@@ -796,36 +796,49 @@ def test_a_gateway_killed_mid_burst_loses_nothing_and_duplicates_nothing(cluster
     n, small = 200, {"cpu": 0.1, "memory": 64 * 1024**2}
     errors: list[SandboxError] = []
     retried: list[str] = []  # creates the SDK sent again, marked, after an answer the dead gateway lost
-    # Creates sent and not answered, per gateway: the one the SDK uses is killed (under load a connect
-    # timeout may already have moved the SDK to the other one, which is then the one it uses).
-    inflight: collections.Counter[str] = collections.Counter()
+    # Creates whose request was all sent and whose answer has not come, per gateway: the first gateway
+    # with three of them a second in is killed there and then, so they surely reached it and lose their
+    # answer. (Counting creates merely begun could count ones still connecting: under load a connect
+    # timeout may have moved the SDK on, and a kill then loses no answer.)
+    awaiting: collections.Counter[str] = collections.Counter()
     target: list[int] = []  # the index of the gateway killed
 
     class Counting(httpx.AsyncHTTPTransport):
         """The SDK's transport, counting creates sent and not answered, and retries marked."""
 
-        def __init__(self, busy: asyncio.Event) -> None:
+        def __init__(self, killed: asyncio.Event) -> None:
             super().__init__(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-            self.busy = busy
+            self.killed = killed
 
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             if request.headers.get("x-sandfleet-retry"):
                 retried.append(request.headers.get("idempotency-key", ""))
-            create = request.method == "POST" and request.url.path == "/v1/sandboxes"
+            if request.method != "POST" or request.url.path != "/v1/sandboxes":
+                return await super().handle_async_request(request)
             at = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-            inflight[at] += create
-            if inflight[at] >= 3 and time.monotonic() - t0 > 1.0 and not self.busy.is_set():
-                target.append(cluster.gateway_urls.index(at))
-                self.busy.set()
+            sent = False
+
+            async def trace(event: str, info: dict[str, object]) -> None:
+                nonlocal sent
+                if event != "http11.send_request_body.complete":
+                    return
+                sent = True
+                awaiting[at] += 1
+                if awaiting[at] >= 3 and time.monotonic() - t0 > 1.0 and not self.killed.is_set():
+                    target.append(cluster.gateway_urls.index(at))
+                    os.killpg(cluster.gateways[target[0]].pid, signal.SIGKILL)  # it and its watcher
+                    self.killed.set()
+
+            request.extensions["trace"] = trace
             try:
                 return await super().handle_async_request(request)
             finally:
-                inflight[at] -= create
+                awaiting[at] -= sent
 
     async def burst() -> dict[int, str]:
         got: dict[int, str] = {}
-        busy = asyncio.Event()
-        async with AsyncClient(url=cluster.gateway_urls, token=ADMIN, timeout=120, transport=Counting(busy)) as fleet:
+        killed = asyncio.Event()
+        async with AsyncClient(url=cluster.gateway_urls, token=ADMIN, timeout=120, transport=Counting(killed)) as fleet:
             limit = asyncio.Semaphore(24)
 
             async def one(i: int) -> None:
@@ -839,9 +852,8 @@ def test_a_gateway_killed_mid_burst_loses_nothing_and_duplicates_nothing(cluster
                     got[i] = sb.id
 
             calls = asyncio.gather(*(one(i) for i in range(n)))
-            await asyncio.wait_for(busy.wait(), 30)
-            await asyncio.sleep(0.005)  # their bytes are out
-            await asyncio.to_thread(_killpg, cluster.gateways[target[0]])  # it and its watcher, mid-burst
+            await asyncio.wait_for(killed.wait(), 30)
+            await asyncio.to_thread(_killpg, cluster.gateways[target[0]])  # reaped
             await calls
         return got
 
