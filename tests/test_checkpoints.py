@@ -23,7 +23,7 @@ from conftest import Daemon, serve_http, wait_until
 from leakcheck import residue
 
 JOB = {"job": "checkpoint-test"}
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.02; done"
 # A value only the process's memory holds (never in a file until asked), written out on demand.
 HOLDER = """
 import os, time

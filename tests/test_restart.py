@@ -31,7 +31,9 @@ def test_sigkill_and_restart_adopts_live_sandboxes(own_daemon: Daemon) -> None:
         short = fleet.create(image="busybox", idle_ttl=2)
         b.set_labels({"job": "moved", "phase": "verify"})  # labels changed later are kept, too
         a.files.write("/task/state.txt", b"before the crash")
-        counter = a.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done")
+        counter = a.start(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done"
+        )
         assert counter.info.running
     pids = _agent_pids(d)
     assert set(pids) == {a.id, b.id, short.id}

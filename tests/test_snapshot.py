@@ -24,7 +24,10 @@ from sandfleet.images import LayerStore
 from conftest import IMAGES, Daemon, agent_pid, wait_until
 from leakcheck import residue
 
-COUNTER = "echo $$ > /tmp/counter.pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
+COUNTER = (
+    "echo $$ > /tmp/counter.pid; "
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.02; done"
+)
 
 
 def _count(sb: Sandbox) -> int:

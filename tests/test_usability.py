@@ -91,7 +91,9 @@ async def test_async_create_waits_for_capacity(one_slot: Daemon) -> None:
 def test_fork_children_keep_sessions_and_processes(fleet: Client, sandbox: Sandbox) -> None:
     s = sandbox.session()
     s.run("cd /tmp && export LEVEL=7")
-    bg = sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done")
+    bg = sandbox.start(
+        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.2; done"
+    )
     (child,) = sandbox.fork(1)
     assert isinstance(child, Sandbox)
     try:

@@ -250,8 +250,16 @@ class Cgroups:
     # -- freezer and reclaim (pause) ------------------------------------------------------------
 
     def freeze(self, rel: str, timeout: float = 5.0) -> None:
-        """Stop every task of the cgroup and wait until the kernel reports it frozen."""
-        self._set_frozen(rel, True, timeout)
+        """Stop every task of the cgroup and wait until the kernel reports it frozen. A freeze that
+        does not complete in time (tasks that get no CPU on a saturated node to stop at) is undone
+        before the TimeoutError: a cgroup left freezing stops its tasks one by one, and the frozen
+        ones ignore SIGKILL until thawed."""
+        try:
+            self._set_frozen(rel, True, timeout)
+        except TimeoutError:
+            with contextlib.suppress(OSError, TimeoutError):
+                self._set_frozen(rel, False, timeout)
+            raise
 
     def thaw(self, rel: str, timeout: float = 5.0) -> None:
         self._set_frozen(rel, False, timeout)
@@ -265,6 +273,16 @@ class Cgroups:
         except OSError:
             return False
 
+    def thawed(self, rel: str) -> bool:
+        """Neither frozen nor freezing (asked to freeze, some tasks maybe stopped already)."""
+        rel = rel.lstrip("/")
+        try:
+            if self.mode == "v2":
+                return (self.root / rel / "cgroup.freeze").read_text().strip() == "0" and not self.frozen(rel)
+            return (self.root / "freezer" / rel / "freezer.state").read_text().strip() == "THAWED"
+        except OSError:
+            return True
+
     def freezer_dir(self, rel: str) -> Path:
         """The directory whose freezer state criu's --freeze-cgroup drives (v1 freezer or v2 cgroup)."""
         rel = rel.lstrip("/")
@@ -277,7 +295,7 @@ class Cgroups:
         else:
             _write(self.root / "freezer" / rel / "freezer.state", "FROZEN" if frozen else "THAWED")
         deadline = time.monotonic() + timeout
-        while self.frozen(rel) != frozen:
+        while not self.frozen(rel) if frozen else not self.thawed(rel):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cgroup {rel} did not {'freeze' if frozen else 'thaw'} within {timeout}s")
             time.sleep(0.001)

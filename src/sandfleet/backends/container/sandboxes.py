@@ -161,12 +161,22 @@ class ContainerSandboxes(ContainerPreparation):
 
     # -- pause / resume -------------------------------------------------------------------------
 
+    async def _freeze(self, sandbox_id: str) -> None:
+        """Freeze the sandbox's cgroup. On a node so busy that its tasks do not stop in time the
+        freeze is undone and the caller gets a retryable error: the sandbox runs on unharmed."""
+        try:
+            await asyncio.to_thread(self.cgroups.freeze, self.cgroups.path_for(sandbox_id))
+        except TimeoutError as exc:
+            raise UnavailableError(f"sandbox {sandbox_id} could not be frozen in time (a busy node): retry") from exc
+        except OSError as exc:
+            raise InternalError(f"freezing sandbox {sandbox_id} failed: {exc}") from exc
+
     async def pause(self, sandbox: LiveSandbox) -> tuple[int, int]:
         rel = self.cgroups.path_for(sandbox.id)
+        before = await asyncio.to_thread(self.cgroups.memory_bytes, rel)
+        await self._freeze(sandbox.id)
 
-        def run() -> tuple[int, int]:
-            before = self.cgroups.memory_bytes(rel)
-            self.cgroups.freeze(rel)
+        def reclaim() -> tuple[int, int]:
             try:
                 self.cgroups.reclaim(rel)
             except BaseException:
@@ -175,7 +185,7 @@ class ContainerSandboxes(ContainerPreparation):
             return before, self.cgroups.memory_bytes(rel)
 
         try:
-            return await asyncio.to_thread(run)
+            return await asyncio.to_thread(reclaim)
         except (OSError, TimeoutError) as exc:
             raise InternalError(f"pausing sandbox {sandbox.id} failed: {exc}") from exc
 
@@ -188,7 +198,7 @@ class ContainerSandboxes(ContainerPreparation):
     def _thaw_quietly(self, sandbox_id: str) -> None:
         """Frozen tasks do not die of SIGKILL until thawed, and a frozen agent cannot answer."""
         rel = self.cgroups.path_for(sandbox_id)
-        if self.cgroups.frozen(rel):
+        if not self.cgroups.thawed(rel):
             with contextlib.suppress(OSError, TimeoutError):
                 self.cgroups.thaw(rel)
 

@@ -98,7 +98,7 @@ class ContainerSnapshots(ContainerSandboxes):
             await self._take_new_channel(sandbox)
             raise
         try:
-            await asyncio.to_thread(self.cgroups.freeze, rel)
+            await self._freeze(sandbox.id)
             try:
                 await self._copy_scratch(sandbox, ["upper", "dev"], fs)
                 argv = tool.dump_argv(
@@ -204,7 +204,7 @@ class ContainerSnapshots(ContainerSandboxes):
         staging = dest.parent / f".{dest.name}.copy"
         await asyncio.to_thread(staging.mkdir, 0o700, True)
         try:
-            await asyncio.to_thread(self.cgroups.freeze, rel)
+            await self._freeze(sandbox.id)
             try:
                 await self._copy_scratch(sandbox, ["upper"], staging)
             finally:
@@ -259,11 +259,9 @@ class ContainerSnapshots(ContainerSandboxes):
             spec = spec.model_copy(update={"qos": "best_effort"})
         live = await self.restore(name, spec, source, meta)
         try:
-            await asyncio.to_thread(self.cgroups.freeze, self.cgroups.path_for(name))
-        except BaseException as exc:
+            await self._freeze(name)
+        except BaseException:
             await asyncio.shield(self.destroy(live))
-            if isinstance(exc, OSError | TimeoutError):
-                raise InternalError(f"freezing a standby restore failed: {exc}") from exc
             raise
         return live
 
