@@ -123,7 +123,8 @@ class StandbyTier(Protocol):
 
     async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec) -> None:
         """Make the frozen standby the sandbox `sandbox_id` (whose own live part is gone; `spec` its
-        own) and thaw it; on failure raise SandboxError, the standby destroyed."""
+        own) and thaw it; on failure raise SandboxError, the standby destroyed. (The caller checks
+        that its agent answers.)"""
 
     async def set_aside(self, live: LiveSandbox, name: str) -> None:
         """Move a sandbox's live part out of its id's way under `name` (a name no sandbox has), to

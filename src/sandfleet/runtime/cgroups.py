@@ -94,6 +94,7 @@ class Cgroups:
         self.mode: Mode = detect(root)
         self.parent = "/" + parent.strip("/")
         self._hierarchies: list[Path] | None = None
+        self._v1_roots: list[Path] | None = None
         self._features: dict[str, bool] = {}
         self._v2_parent_ready = False
 
@@ -104,7 +105,9 @@ class Cgroups:
         rel = rel.lstrip("/")
         if self.mode == "v2":
             return [self.root / rel]
-        return [self.root / c / rel for c in V1_CONTROLLERS if (self.root / c).is_dir()]
+        if self._v1_roots is None:  # (mounted at boot: looked up once, not per call)
+            self._v1_roots = [self.root / c for c in V1_CONTROLLERS if (self.root / c).is_dir()]
+        return [r / rel for r in self._v1_roots]
 
     def stats(self, rel: str) -> CgroupStats:
         rel = rel.lstrip("/")
@@ -372,6 +375,23 @@ class Cgroups:
             _write(self.root / rel / "cpu.weight", "1" if idle else "100")
         else:
             _write(self.root / "cpu" / rel / "cpu.shares", "2" if idle else "1024")
+
+    def holds(self, pid: int, rel: str) -> bool:
+        """Whether process `pid` is in cgroup `rel`, and in no other of ours under another name (v1:
+        a rename half done leaves a sandbox's tasks under two names, and neither is the sandbox)."""
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return False
+        rel, ours = "/" + rel.strip("/"), False
+        for line in lines:
+            path = line.split(":", 2)[-1]
+            if path == rel:
+                ours = True
+            elif path.startswith(self.parent + "/"):
+                return False
+        return ours
 
     @property
     def renamable(self) -> bool:

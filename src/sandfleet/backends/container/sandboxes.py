@@ -162,10 +162,13 @@ class ContainerSandboxes(ContainerPreparation):
     # -- pause / resume -------------------------------------------------------------------------
 
     async def _freeze(self, sandbox_id: str) -> None:
+        await asyncio.to_thread(self._freeze_now, sandbox_id)
+
+    def _freeze_now(self, sandbox_id: str) -> None:
         """Freeze the sandbox's cgroup. On a node so busy that its tasks do not stop in time the
         freeze is undone and the caller gets a retryable error: the sandbox runs on unharmed."""
         try:
-            await asyncio.to_thread(self.cgroups.freeze, self.cgroups.path_for(sandbox_id))
+            self.cgroups.freeze(self.cgroups.path_for(sandbox_id))
         except TimeoutError as exc:
             raise UnavailableError(f"sandbox {sandbox_id} could not be frozen in time (a busy node): retry") from exc
         except OSError as exc:
@@ -173,10 +176,10 @@ class ContainerSandboxes(ContainerPreparation):
 
     async def pause(self, sandbox: LiveSandbox) -> tuple[int, int]:
         rel = self.cgroups.path_for(sandbox.id)
-        before = await asyncio.to_thread(self.cgroups.memory_bytes, rel)
-        await self._freeze(sandbox.id)
 
-        def reclaim() -> tuple[int, int]:
+        def run() -> tuple[int, int]:
+            before = self.cgroups.memory_bytes(rel)
+            self._freeze_now(sandbox.id)
             try:
                 self.cgroups.reclaim(rel)
             except BaseException:
@@ -185,7 +188,7 @@ class ContainerSandboxes(ContainerPreparation):
             return before, self.cgroups.memory_bytes(rel)
 
         try:
-            return await asyncio.to_thread(reclaim)
+            return await asyncio.to_thread(run)
         except (OSError, TimeoutError) as exc:
             raise InternalError(f"pausing sandbox {sandbox.id} failed: {exc}") from exc
 
@@ -206,11 +209,7 @@ class ContainerSandboxes(ContainerPreparation):
         """Is `pid` still this sandbox's init? By start time if we know it, else by its cgroup."""
         if start_time is not None:
             return proc.process_start_time(pid) == start_time
-        try:
-            with open(f"/proc/{pid}/cgroup") as f:
-                return f"{self.cgroups.path_for(sandbox_id)}\n" in f.read().replace(":", "\n")
-        except OSError:
-            return False
+        return self.cgroups.holds(pid, self.cgroups.path_for(sandbox_id))
 
     async def _kill_and_wait(self, sandbox_id: str, pid: int, start_time: int | None) -> None:
         """SIGKILL the sandbox's init (its pid namespace dies with it) and wait, on one pidfd."""

@@ -255,11 +255,16 @@ class ContainerSnapshots(ContainerSandboxes):
         """A restore under `name`, frozen as soon as its agent answered: its processes ran only
         that long past the checkpoint (as any restore's do before the caller's next call). `idle`:
         made with a best-effort sandbox's CPU weight (the launcher's copy and criu run in its cgroup)."""
-        if idle:
-            spec = spec.model_copy(update={"qos": "best_effort"})
-        live = await self.restore(name, spec, source, meta)
+        made = spec.model_copy(update={"qos": "best_effort"}) if idle else spec
+        live = await self.restore(name, made, source, meta)
+
+        def settle() -> None:
+            self._freeze_now(name)
+            # Frozen, it takes no CPU: its sandbox's own weight from now (not written at the swap).
+            self.cgroups.set_idle(self.cgroups.path_for(name), spec.qos == "best_effort")
+
         try:
-            await self._freeze(name)
+            await asyncio.to_thread(settle)
         except BaseException:
             await asyncio.shield(self.destroy(live))
             raise
@@ -289,28 +294,24 @@ class ContainerSnapshots(ContainerSandboxes):
             await asyncio.to_thread(self.cgroups.set_idle, self.cgroups.path_for(name), spec.qos == "best_effort")
 
     async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec) -> None:
-        """Rename the standby's cgroup and directory to the sandbox's, give it the sandbox's CPU
-        weight, thaw it, check its agent answers."""
+        """Rename the standby's cgroup and directory to the sandbox's, thaw it. (It has the
+        sandbox's CPU weight since it was frozen.)"""
         renamed = False
 
         def swap() -> None:
             nonlocal renamed
             self._rename(standby.id, sandbox_id)
             renamed = True
-            rel = self.cgroups.path_for(sandbox_id)
-            self.cgroups.set_idle(rel, spec.qos == "best_effort")
-            self.cgroups.thaw(rel)
+            self.cgroups.thaw(self.cgroups.path_for(sandbox_id))
 
         try:
             await asyncio.to_thread(swap)
-            if renamed:  # (the cgroup and directory are the sandbox's from here on)
-                standby.id = sandbox_id
-            await standby.channel.ping(timeout=self.config.start_timeout)
-        except (OSError, TimeoutError, ChannelClosedError) as exc:
+        except (OSError, TimeoutError) as exc:
             if renamed:
                 standby.id = sandbox_id
             await asyncio.shield(self.destroy(standby))
             raise UnavailableError(f"the standby restore could not take the sandbox's place: {exc}") from exc
+        standby.id = sandbox_id  # (the cgroup and directory are the sandbox's from here on)
 
     async def _restore(
         self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any], tool: criu.Criu

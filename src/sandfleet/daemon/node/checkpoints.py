@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from pydantic import ValidationError
 from sandfleet.backends.base import LiveSandbox, Snapshottable, StandbyTier, offers, unsupported
 from sandfleet.daemon import failpoints
 from sandfleet.daemon.net.sandbox_network import Networking
-from sandfleet.daemon.node.core import NodeCore, log
+from sandfleet.daemon.node.core import LIVENESS_TIMEOUT, NodeCore, log
 from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox, stopped_meanwhile
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.snapshot_files import check_intact, write_json
@@ -214,25 +215,29 @@ class Checkpoints:
         new: LiveSandbox | None = None
         retired = swapped = False
         try:
-            # No agent to adopt until the restore is recorded: a daemon that dies meanwhile finds a
-            # half-made sandbox, and its restart cleans up whatever is in its cgroup. (Recorded before
-            # the old part is set aside: a restart never adopts it under the name it was given.)
-            await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
+            # Recorded as rolled back (no agent to adopt: a daemon that dies from here finds a half-made
+            # sandbox, and its restart removes whatever is in its cgroup) while the old part is set aside
+            # (out of the sandbox's cgroup: a restart does not adopt it). Nothing new is put in the
+            # sandbox's place before the record is written.
             retired = True  # (set aside before any wait: a stop meanwhile waits for its destroy)
-            await self.standbys.retire(sb, live)
+            if self.standbys.sets_aside(sb):
+                await _together(self._record_rolling_back(sb, rec), self.standbys.retire(sb, live))
+            else:  # (destroyed in place: not before the record)
+                await self._record_rolling_back(sb, rec)
+                await self.standbys.retire(sb, live)
             self.networking.detach(sb)
             # A standby of this checkpoint (restored ahead, frozen) takes the sandbox's place instead
             # of a restore begun now; one whose restore runs is waited for.
             standby = await self.standbys.take(sb.id, rec.info.id)
             if standby is not None and sb.state == RUNNING:
                 tried, standby = standby, None  # promoted, or destroyed by the failed promotion
-                new = await self._promote(sb, *tried)
+                new = await self._promote(sb, rec, *tried)
                 swapped = new is not None
             if new is None and sb.state == RUNNING:
                 if not checked:  # (skipped for the standby, whose restore checked them)
                     await asyncio.to_thread(check_intact, rec.path, rec.meta)
                 new = await tier.restore(sb.id, sb.spec, rec.path, rec.meta)
-            failpoints.hit("rollback_before_record")
+                failpoints.hit("rollback_before_record")
         except SandboxError as exc:
             log.warning("rollback of %s to %s failed: %s", sb.id, rec.info.id, exc)
             await self.core.stop(sb.id, reason=f"rollback failed: {exc.message}"[:200])
@@ -254,20 +259,42 @@ class Checkpoints:
         sb.sessions, sb.processes = {}, {}  # the old handles' shells are gone; the checkpoint's come back
         self.snapshots.inherit(sb, new, inherit)
         self.core.watch_agent(sb.id, new)
-        await self.core.state.update(sb.id, runtime=new.runtime)
+        if not swapped:  # (a standby's was recorded as it was checked)
+            await self.core.state.update(sb.id, runtime=new.runtime)
         await self.networking.attach(sb)
         self.core.touch(sb)
         # For the next rollback to it (a search goes back to one node again and again).
         self.standbys.prepare(sb, rec.info.id, rec.path, rec.meta, rec.info.size_bytes)
         return dropped_sessions, dropped_processes, swapped
 
-    async def _promote(self, sb: Sandbox, tier: StandbyTier, standby: LiveSandbox) -> LiveSandbox | None:
-        """The standby as the sandbox's live part; None (restore instead) if it could not take its place."""
+    async def _record_rolling_back(self, sb: Sandbox, rec: CheckpointRecord) -> None:
+        await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
+
+    async def _promote(
+        self, sb: Sandbox, rec: CheckpointRecord, tier: StandbyTier, standby: LiveSandbox
+    ) -> LiveSandbox | None:
+        """The standby as the sandbox's live part, recorded as it; None (restore instead: recorded
+        as rolled back again) if it could not take its place."""
         t0 = time.perf_counter()
         try:
             await tier.promote(standby, sb.id, sb.spec)
         except SandboxError as exc:
             log.info("sandbox %s: its standby did not take its place (%s): restoring instead", sb.id, exc.message)
+            return None
+        failpoints.hit("rollback_before_record")
+        # Its agent is asked whether it answers while it is recorded as the sandbox's (one round trip
+        # less on the way of a rollback; an agent that does not answer is rare, and undone here).
+        answered, recorded = await asyncio.gather(
+            standby.channel.ping(timeout=LIVENESS_TIMEOUT),
+            self.core.state.update(sb.id, runtime=standby.runtime),
+            return_exceptions=True,
+        )
+        if isinstance(recorded, BaseException) or isinstance(answered, BaseException):
+            await asyncio.shield(tier.destroy(standby))
+            if isinstance(recorded, BaseException):
+                raise recorded
+            log.info("sandbox %s: its standby's agent did not answer (%r): restoring instead", sb.id, answered)
+            await self._record_rolling_back(sb, rec)
             return None
         log.debug("sandbox %s: standby promoted in %.1f ms", sb.id, (time.perf_counter() - t0) * 1000)
         return standby
@@ -303,3 +330,11 @@ def _load_all(folder: Path) -> builtins.list[CheckpointRecord]:
             log.warning("checkpoint %s is unreadable: removing it", path)
             shutil.rmtree(path, True)
     return out
+
+
+async def _together(*steps: Awaitable[None]) -> None:
+    """Run the steps at once, each to its end (none is cancelled by another's failure); then raise
+    the first failure, if any."""
+    for outcome in await asyncio.gather(*steps, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome

@@ -83,6 +83,10 @@ class Standbys:
         tier = self.core.tier(sb)
         return tier if isinstance(tier, StandbyTier) and tier.standbys_possible() else None
 
+    def sets_aside(self, sb: Sandbox) -> bool:
+        """Whether `retire` moves the sandbox's live part out of its cgroup before destroying it."""
+        return self._tier(sb) is not None and not self.core.shutting_down
+
     # -- made, taken, dropped -----------------------------------------------------------------------------
 
     def prepare(self, sb: Sandbox, checkpoint_id: str, path: Path, meta: dict[str, Any], size: int) -> None:
@@ -180,7 +184,7 @@ class Standbys:
         a standby's kind of name and destroyed in the background: the rollback does not wait for
         its processes to exit and their memory to be freed (10-20 ms for 200 MiB)."""
         tier = self._tier(sb)
-        if tier is not None and not self.core.shutting_down:
+        if tier is not None and self.sets_aside(sb):
             live.channel.close()
             try:
                 await tier.set_aside(live, self._name(sb.id))
