@@ -305,8 +305,9 @@ def test_checkpoint_and_rollback_steps_are_taken_once_across_a_daemon_sigkill(ow
 
 @pytest.mark.parametrize("through", ["standby", "restore"])
 def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon, through: str) -> None:
-    """SIGKILL after the restore made the new processes, before they were recorded (a failpoint):
-    the restarted daemon does not adopt a half-made sandbox; it stops it and nothing is left."""
+    """SIGKILL once the new processes are in the sandbox's place (a standby renamed into it, or a
+    restore), before they are recorded (a failpoint): the restarted daemon does not adopt a half-made
+    sandbox; it stops it and nothing is left."""
     d = own_daemon
 
     def start(crash: bool) -> None:
@@ -325,6 +326,8 @@ def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon, 
         cp = sb.checkpoint()
         if through == "restore":
             sb.checkpoint()  # the standby is the newest one's
+        else:
+            assert wait_until(lambda: _standby_ready(d, sb), 30)  # (else the rollback restores)
         with pytest.raises(SandboxError):
             sb.rollback(cp)
         assert wait_until(lambda: not d.process.alive(), 10)

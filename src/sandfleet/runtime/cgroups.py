@@ -404,8 +404,11 @@ class Cgroups:
         if not self.renamable:
             raise OSError(errno.EPERM, "cgroup v2 cannot rename a cgroup")  # (kernfs: no rename op)
         done: list[tuple[Path, Path]] = []
+        # The freezer first: a daemon killed part way leaves the tasks' freezer under the name whose
+        # cleanup thaws it (frozen tasks ignore the SIGKILL that empties the cgroup).
+        dirs = sorted(self._dirs(rel), key=lambda d: d.relative_to(self.root).parts[0] != "freezer")
         try:
-            for d in self._dirs(rel):
+            for d in dirs:
                 if not d.is_dir():
                     continue  # not joined there, or the other name of a co-mounted hierarchy
                 target = d.with_name(new.rsplit("/", 1)[-1])

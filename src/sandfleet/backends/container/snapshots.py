@@ -261,7 +261,10 @@ class ContainerSnapshots(ContainerSandboxes):
         def settle() -> None:
             self._freeze_now(name)
             # Frozen, it takes no CPU: its sandbox's own weight from now (not written at the swap).
-            self.cgroups.set_idle(self.cgroups.path_for(name), spec.qos == "best_effort")
+            try:
+                self.cgroups.set_idle(self.cgroups.path_for(name), spec.qos == "best_effort")
+            except OSError as exc:
+                raise InternalError(f"giving a standby its sandbox's CPU weight failed: {exc}") from exc
 
         try:
             await asyncio.to_thread(settle)
