@@ -533,7 +533,7 @@ class NodeCore:
         if new_ooms:
             self.journal.record(sb.id, "oom_kill", {"count": new_ooms, "limit": sb.spec.resources.memory})
             self.metrics.oom_kills.inc(new_ooms)
-            sb.oom_kills = stats.oom_kills
+            sb.oom_kills, sb.oom_noted_at = stats.oom_kills, time.monotonic()
         if stats.pids_limit_hits > sb.pids_hits:
             self.journal.record(
                 sb.id,

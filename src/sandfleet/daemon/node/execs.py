@@ -221,8 +221,10 @@ class Execs:
         # reading the cgroup after every successful exec would cost a thread hop for nothing.
         if sb.live is not None and (result.exit_code >= 128 or (result.exit_code != 0 and result.stderr)):
             new_ooms = await self.core.record_limits(sb, sb.live)
+            # (the monitor's sweep may have noted this exec's OOM kill while it ran, a long one)
+            while_it_ran = sb.oom_noted_at >= time.monotonic() - result.duration - 1.0
             killed = result.signal == signal.SIGKILL or result.exit_code == 128 + signal.SIGKILL
-            if new_ooms and killed and not result.timed_out:
+            if (new_ooms or while_it_ran) and killed and not result.timed_out:
                 result = result.model_copy(update={"oom_killed": True})
         if result.cause is not None:
             self.core.metrics.failures.labels(cause=result.cause).inc()

@@ -201,6 +201,7 @@ class Sandbox:
     stop_failed: bool = False
     created: asyncio.Event = field(default_factory=asyncio.Event)
     oom_kills: int = 0
+    oom_noted_at: float = 0.0  # (monotonic) when new OOM kills were last noted, by an exec or the monitor
     pids_hits: int = 0
     # What the monitor saw at its last sweep (a job's CPU and memory in use, its slowest sandboxes).
     cpu_rate: float | None = None  # cores used between its last two reads
