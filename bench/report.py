@@ -328,6 +328,11 @@ def machine_info() -> dict[str, Any]:
         commit = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
+        if dirty:  # (what ran is not that commit)
+            commit += " + uncommitted changes"
     from sandfleet.runtime import cgroups
 
     return {
@@ -414,8 +419,8 @@ def write_checkpoint_markdown(res: dict[str, Any], path: Path) -> None:
         )
     lines += [
         "",
-        "A checkpoint is restored ahead in the background (a standby, kept frozen); a rollback to it renames "
-        "that restore into the sandbox's place. Rolled back at once, the rollback waits for the standby still "
+        "A checkpoint is restored ahead in the background (a standby, kept frozen); a rollback to it thaws "
+        "that restore in the sandbox's place. Rolled back at once, the rollback waits for the standby still "
         "being made (about a restore); after the think time (a model choosing its next action) it is a swap.",
     ]
     header = ["", "| phase (p50 over the rounds) | " + " | ".join(label(r) for r in images) + " |"]

@@ -117,12 +117,28 @@ def _standby_ready(d: Daemon, sb: Sandbox) -> bool:
 
 
 def _standbys(d: Daemon) -> list[str]:
-    return [n for n in os.listdir(d.run_dir / "sandboxes") if ".standby-" in n]
+    """Standbys and old parts set aside (a promoted standby's directory says whose live part it is)."""
+    root = d.run_dir / "sandboxes"
+    return [n for n in os.listdir(root) if ".standby-" in n and not (root / n / "promoted").exists()]
+
+
+def _parts(d: Daemon, sb: Sandbox) -> list[str]:
+    """The sandbox's cgroups: its live part's (its id, or the name of the standby a rollback
+    promoted), its standby's and old parts' not destroyed yet."""
+    root = Path("/sys/fs/cgroup/freezer") / d.cgroup_parent
+    return sorted(n for n in os.listdir(root) if n == sb.id or n.startswith(f"{sb.id}.standby-"))
+
+
+def _live_part(d: Daemon, sb: Sandbox) -> str:
+    """Once its old parts are gone and its standby is made: the one that is not frozen."""
+    root = Path("/sys/fs/cgroup/freezer") / d.cgroup_parent
+    [live] = [n for n in _parts(d, sb) if (root / n / "freezer.state").read_text().strip() == "THAWED"]
+    return live
 
 
 def test_a_rollback_to_a_standby_is_a_swap_with_the_same_state(daemon: Daemon, fleet: Client) -> None:
-    """The latest checkpoint is restored ahead and kept frozen; a rollback to it renames that restore
-    into the sandbox's place: the same state as a restore gives (files, memory, sessions, processes),
+    """The latest checkpoint is restored ahead and kept frozen; a rollback to it thaws that restore in
+    the sandbox's place (under its own name): the same state as a restore gives (files, memory, sessions, processes),
     the same isolation, again after each rollback, and nothing left once the sandbox stops."""
     probe = "cat /proc/self/uid_map /proc/self/gid_map /proc/self/cgroup; ls /sys/class/net; ls -a /dev/.sandfleet 2>&1"
     with fleet.create(image="python", labels=JOB) as sb:
@@ -157,9 +173,13 @@ def test_a_rollback_to_a_standby_is_a_swap_with_the_same_state(daemon: Daemon, f
             assert wait_until(lambda: sb.exec("cat /tmp/v 2>/dev/null").stdout == "kept-777", 10)
             assert {p.id for p in sb.processes() if p.running} == {counter.id, holder.id}
             assert sb.exec(probe).stdout.split() == before.split()  # as closed off as it was
-            # (made on idle CPU, it runs with the sandbox's own weight again)
-            assert (Path("/sys/fs/cgroup/cpu") / daemon.cgroup_parent / sb.id / "cpu.shares").read_text() == "1024\n"
             wait_until(lambda: _standby_ready(daemon, sb), 10)  # made again for the next rollback
+            assert wait_until(lambda: len(_parts(daemon, sb)) == 2, 10)  # the old part is gone
+            live_part = _live_part(daemon, sb)
+            assert live_part.startswith(f"{sb.id}.standby-")  # the promoted standby, under its own name
+            # (made on idle CPU, it runs with the sandbox's own weight again)
+            shares = Path("/sys/fs/cgroup/cpu") / daemon.cgroup_parent / live_part / "cpu.shares"
+            assert shares.read_text() == "1024\n"
         sb.delete_checkpoint(cp)
         assert wait_until(lambda: _standbys(daemon) == [], 10)
         sb.rollback(sb.checkpoint())  # at once: restored (the standby's restore had not begun: never made)
@@ -303,27 +323,37 @@ def test_checkpoint_and_rollback_steps_are_taken_once_across_a_daemon_sigkill(ow
     assert wait_until(lambda: not any((d.state_dir / "checkpoints").iterdir()), 10)
 
 
-@pytest.mark.parametrize("through", ["standby", "restore"])
-def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon, through: str) -> None:
-    """SIGKILL once the new processes are in the sandbox's place (a standby renamed into it, or a
-    restore), before they are recorded (a failpoint): the restarted daemon does not adopt a half-made
-    sandbox; it stops it and nothing is left."""
+def _start(d: Daemon, failpoint: str | None = None) -> None:
+    """Start the daemon, to SIGKILL itself at `failpoint` if given."""
+    if failpoint:
+        os.environ["SANDFLEET_FAILPOINTS"] = failpoint
+    try:
+        d.start()
+    finally:
+        os.environ.pop("SANDFLEET_FAILPOINTS", None)
+
+
+@pytest.mark.parametrize(
+    ("through", "failpoint"),
+    [
+        ("standby", "rollback_before_record"),
+        ("standby", "rollback_before_retire"),
+        ("restore", "rollback_before_record"),
+    ],
+)
+def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon, through: str, failpoint: str) -> None:
+    """SIGKILL in a rollback (a failpoint): the restarted daemon adopts the sandbox as its record has
+    it and removes the rest. A restore in its place before its record: a half-made sandbox, stopped.
+    A standby thawed before its record: the old part (the rollback did not happen; the standby
+    goes). A standby recorded before the old part is destroyed: the standby (the old part goes)."""
     d = own_daemon
-
-    def start(crash: bool) -> None:
-        if crash:
-            os.environ["SANDFLEET_FAILPOINTS"] = "rollback_before_record"
-        try:
-            d.start()
-        finally:
-            os.environ.pop("SANDFLEET_FAILPOINTS", None)
-
-    start(crash=True)
+    _start(d, failpoint)
     with d.client(timeout=30) as fleet:
         baseline = residue(d)
         sb = fleet.create(image="busybox", labels=JOB)
         sb.start("sleep 1000")
         cp = sb.checkpoint()
+        sb.exec("touch /after")
         if through == "restore":
             sb.checkpoint()  # the standby is the newest one's
         else:
@@ -331,12 +361,69 @@ def test_a_daemon_killed_mid_rollback_leaves_nothing_behind(own_daemon: Daemon, 
         with pytest.raises(SandboxError):
             sb.rollback(cp)
         assert wait_until(lambda: not d.process.alive(), 10)
-    start(crash=False)
+    _start(d)
     with d.client(timeout=30) as fleet:
-        with pytest.raises(NotFoundError, match="lost in daemon restart"):
-            fleet.get(sb.id)
+        if through == "restore":
+            with pytest.raises(NotFoundError, match="lost in daemon restart"):
+                fleet.get(sb.id)
+        else:
+            again = fleet.get(sb.id)
+            rolled_back = failpoint == "rollback_before_retire"
+            assert again.exec("test -e /after").exit_code == (1 if rolled_back else 0)
+            assert wait_until(lambda: len(_parts(d, sb)) == 1, 10)  # nothing else of it
+            assert _live_part(d, sb).startswith(f"{sb.id}.standby-") is rolled_back
+            assert not _standbys(d)
+            again.stop()
         assert fleet.list(labels=JOB) == []
         assert wait_until(lambda: not (d.state_dir / "checkpoints" / sb.id).exists(), 10)
+        deadline = time.time() + 30
+        while time.time() < deadline and residue(d) != baseline:
+            time.sleep(0.2)
+        assert residue(d) == baseline
+
+
+@pytest.mark.parametrize("killed", [None, "rollback_before_retire"])
+def test_a_rolled_back_sandbox_is_taken_back_when_the_state_database_is_lost(
+    own_daemon: Daemon, killed: str | None
+) -> None:
+    """Its live part is a promoted standby (under the standby's name) and its next standby is made,
+    or (`killed`: the daemon SIGKILLed once the standby was recorded as the sandbox's) the old part
+    it replaced is still there, frozen: a daemon whose state database was damaged takes back the
+    newest promoted part as the sandbox (its directory says whose it is, and since when), never the
+    standby or the old part, and leaves nothing once it stops."""
+    d = own_daemon
+    _start(d, killed)
+    with d.client(timeout=30) as fleet:
+        baseline = residue(d)
+        sb = fleet.create(image="busybox", labels=JOB, idle_ttl=300)
+        sb.exec("echo before > /mark")
+        cp = sb.checkpoint()
+        assert wait_until(lambda: _standby_ready(d, sb), 30)
+        sb.exec("echo after > /mark")
+        if killed:
+            with pytest.raises(SandboxError):
+                sb.rollback(cp)
+            assert wait_until(lambda: not d.process.alive(), 10)
+            assert len(_parts(d, sb)) == 2  # the old part and the promoted standby
+        else:
+            sb.rollback(cp)
+            assert [e for e in sb.events() if e.kind == "rolled_back"][-1].data["standby"] is True
+            assert wait_until(lambda: _standby_ready(d, sb) and len(_parts(d, sb)) == 2, 30)
+    root = Path("/sys/fs/cgroup/freezer") / d.cgroup_parent
+    [live_part] = [n for n in _parts(d, sb) if (d.run_dir / "sandboxes" / n / "promoted").exists()]
+    if d.process.alive():
+        d.kill()
+    (d.state_dir / "state.db").write_bytes(b"this is not a database" * 100)
+    for extra in ("state.db-wal", "state.db-shm"):
+        (d.state_dir / extra).unlink(missing_ok=True)
+    d.start()
+    with d.client(timeout=30) as fleet:
+        again = fleet.get(sb.id)
+        assert again.exec("cat /mark").stdout == "before\n"
+        assert any(e.kind == "recovered" for e in again.events())
+        assert wait_until(lambda: _parts(d, sb) == [live_part], 10)  # the rest went as residue
+        assert (root / live_part / "freezer.state").read_text().strip() == "THAWED"
+        again.stop()
         deadline = time.time() + 30
         while time.time() < deadline and residue(d) != baseline:
             time.sleep(0.2)

@@ -43,9 +43,8 @@ class FakeTier:
     async def hurry(self, name: str, spec: Any) -> None:
         self.hurried.append(name)
 
-    async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: Any) -> None:
-        self.live[sandbox_id] = self.live.pop(standby.id)
-        standby.id = sandbox_id
+    async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: Any, replacing: LiveSandbox | None) -> None:
+        standby.runtime["part"] = standby.id  # (under its own name)
 
     async def set_aside(self, live: LiveSandbox, name: str) -> None:
         if self.fail_aside:
@@ -71,6 +70,7 @@ class FakeCore:
         self.backends = {"container": tier}
         self.stop_hooks: list[Any] = []
         self.shutting_down = False
+        self.table: list[Any] = []  # the sandboxes (`live`: their live parts)
         self._tier = tier
 
     def tier(self, sb: Any) -> FakeTier:
@@ -197,7 +197,12 @@ async def test_a_sweep_removes_only_another_runs_standbys(tmp_path: Path) -> Non
     standbys.prepare(SB, "cp-1", _checkpoint(tmp_path), {}, 4096)  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     ours = next(iter(tier.live))
-    tier.leftover = {f"sb-2{STANDBY_MARK}0badc0de-3", "sb-3"}
+    # sb-4's live part: a standby another run promoted in a rollback (adopted under that name)
+    promoted = f"sb-4{STANDBY_MARK}0badc0de-1"
+    standbys.core.table.append(SimpleNamespace(id="sb-4", live=SimpleNamespace(id=promoted)))
+    # sb-5 is being rolled back (no live part meanwhile): its old part is the rollback's to destroy
+    standbys.core.table.append(SimpleNamespace(id="sb-5", live=None, state="running"))
+    tier.leftover = {f"sb-2{STANDBY_MARK}0badc0de-3", "sb-3", promoted, f"sb-5{STANDBY_MARK}0badc0de-2"}
     assert await standbys.sweep() == [f"sb-2{STANDBY_MARK}0badc0de-3"]
     assert tier.cleaned == [f"sb-2{STANDBY_MARK}0badc0de-3"] and ours in tier.live
     await standbys.close()

@@ -30,7 +30,7 @@ from sandfleet.runtime.cgroups import Cgroups
 class LiveSandbox:
     """A running sandbox as its backend sees it. `runtime` is persisted so a restarted daemon can adopt it."""
 
-    id: str
+    id: str  # its live part's name: the sandbox's id, or a standby's a rollback promoted (`part_of`)
     channel: AgentChannel
     agent_pid: int
     agent_start_time: int | None
@@ -39,6 +39,10 @@ class LiveSandbox:
     # A restored child's handles on the execs it kept from its parent (sessions, background
     # processes), by exec id; the service turns them into its own records.
     inherited: dict[int, ExecProcess] = field(default_factory=dict)
+
+    @property
+    def sandbox_id(self) -> str:
+        return sandbox_of(self.id)
 
 
 class TierBackend(Protocol):
@@ -104,6 +108,26 @@ class Snapshottable(Protocol):
         """Start a new sandbox from a snapshot; on failure leave nothing behind and raise SandboxError."""
 
 
+# A sandbox's live part has the sandbox's id as its name (of its cgroup, directory, ...), or, once a
+# rollback promoted a standby (restored ahead under a name of its own, `<id>.<...>`) in its place,
+# the standby's: a swap renames nothing. The sandbox's runtime record says which (`part`).
+PART_SEP = "."
+
+
+def part_of(sandbox_id: str, runtime: Any) -> str:
+    """The name of the sandbox's live part (a damaged record's anything else is ignored: it never
+    names another sandbox's part, or a path)."""
+    part = runtime.get("part") if isinstance(runtime, dict) else None
+    if isinstance(part, str) and part.startswith(sandbox_id + PART_SEP) and "/" not in part and "\0" not in part:
+        return part
+    return sandbox_id
+
+
+def sandbox_of(part: str) -> str:
+    """The id of the sandbox whose live part (or standby, or old part) `part` names."""
+    return part.split(PART_SEP, 1)[0]
+
+
 @runtime_checkable
 class StandbyTier(Protocol):
     """A tier that restores a checkpoint ahead of a rollback, frozen under a name of its own, and
@@ -121,10 +145,14 @@ class StandbyTier(Protocol):
     async def hurry(self, name: str, spec: SandboxSpec) -> None:
         """The restore of standby `name` is waited for: give it the CPU weight of its sandbox (`spec`)."""
 
-    async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec) -> None:
-        """Make the frozen standby the sandbox `sandbox_id` (whose own live part is gone; `spec` its
-        own) and thaw it; on failure raise SandboxError, the standby destroyed. (The caller checks
-        that its agent answers.)"""
+    async def promote(
+        self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec, replacing: LiveSandbox | None
+    ) -> None:
+        """Make the frozen standby the live part of sandbox `sandbox_id` (`spec` its own) under its
+        own name, and thaw it; its runtime then says so (the caller records it). The live part it
+        replaces (`replacing`, if still in place) stops taking CPU at the same time and stays until
+        the caller destroys it. On failure raise SandboxError, the standby destroyed. (The caller checks that its agent
+        answers.)"""
 
     async def set_aside(self, live: LiveSandbox, name: str) -> None:
         """Move a sandbox's live part out of its id's way under `name` (a name no sandbox has), to
@@ -186,9 +214,10 @@ class LayerCache(Protocol):
 
 @runtime_checkable
 class Recoverable(Protocol):
-    async def recover(self, sandbox_id: str) -> tuple[LiveSandbox, Resources] | None:
+    async def recover(self, name: str) -> tuple[LiveSandbox, Resources] | None:
         """After the state database was lost: take back a sandbox found running on the node (by its
-        cgroup and agent), with the resources its limits say; None if there is nothing to take."""
+        cgroup and agent) under `name` (of `residue`: its id, or its live part's name), with the
+        resources its limits say; None if there is nothing to take."""
 
 
 @runtime_checkable

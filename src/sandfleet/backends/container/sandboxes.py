@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandfleet.backends.base import LiveSandbox, cgroup_cpu_seconds, cgroup_usage
+from sandfleet.backends.base import PART_SEP, LiveSandbox, cgroup_cpu_seconds, cgroup_usage, part_of, sandbox_of
 from sandfleet.backends.container.preparation import (
     OWNER_BASE,
     OWNER_SPAN,
@@ -40,6 +40,10 @@ from sandfleet.runtime.launcher import LaunchError
 from sandfleet.runtime.sandboxfs.paths import mount_points
 
 log = logging.getLogger("sandfleet.container")
+
+# The file in a promoted standby's directory naming the sandbox whose live part it is (`part_of`)
+# and when it became so, for a recovery that lost the records (`_owner`).
+PROMOTED = "promoted"
 
 
 class ContainerSandboxes(ContainerPreparation):
@@ -157,7 +161,7 @@ class ContainerSandboxes(ContainerPreparation):
 
     async def destroy(self, sandbox: LiveSandbox) -> None:
         sandbox.channel.close()
-        await self.cleanup(sandbox.id, sandbox.runtime)
+        await self._cleanup(sandbox.id, sandbox.runtime)
 
     # -- pause / resume -------------------------------------------------------------------------
 
@@ -170,9 +174,11 @@ class ContainerSandboxes(ContainerPreparation):
         try:
             self.cgroups.freeze(self.cgroups.path_for(sandbox_id))
         except TimeoutError as exc:
-            raise UnavailableError(f"sandbox {sandbox_id} could not be frozen in time (a busy node): retry") from exc
+            raise UnavailableError(
+                f"sandbox {sandbox_of(sandbox_id)} could not be frozen in time (a busy node): retry"
+            ) from exc
         except OSError as exc:
-            raise InternalError(f"freezing sandbox {sandbox_id} failed: {exc}") from exc
+            raise InternalError(f"freezing sandbox {sandbox_of(sandbox_id)} failed: {exc}") from exc
 
     async def pause(self, sandbox: LiveSandbox) -> tuple[int, int]:
         rel = self.cgroups.path_for(sandbox.id)
@@ -251,6 +257,10 @@ class ContainerSandboxes(ContainerPreparation):
             os.close(pidfd)
 
     async def cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        await self._cleanup(part_of(sandbox_id, runtime), runtime)
+
+    async def _cleanup(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        """`sandbox_id`: the name of the live part's cgroup and directory."""
         await asyncio.to_thread(self._thaw_quietly, sandbox_id)
         pid = runtime.get("agent_pid")
         if isinstance(pid, int):
@@ -312,6 +322,7 @@ class ContainerSandboxes(ContainerPreparation):
     # -- adoption after a daemon restart -----------------------------------------------------
 
     async def adopt(self, sandbox_id: str, runtime: dict[str, Any]) -> LiveSandbox | None:
+        sandbox_id = part_of(sandbox_id, runtime)  # (its cgroup and directory)
         pid = runtime.get("agent_pid")
         if not isinstance(pid, int) or proc.process_start_time(pid) != runtime.get("agent_start_time"):
             return None
@@ -338,14 +349,20 @@ class ContainerSandboxes(ContainerPreparation):
         self._keep_owner(runtime)  # never handed to another sandbox while this one lives
         return self._live(sandbox_id, channel, runtime)
 
-    async def recover(self, sandbox_id: str) -> tuple[LiveSandbox, Resources] | None:
+    async def recover(self, name: str) -> tuple[LiveSandbox, Resources] | None:
         """A sandbox running on the node that the daemon has no record of (its state database was
-        lost): its agent is the cgroup's `sandfleet-agent` whose parent is outside the cgroup."""
-        rel = self.cgroups.path_for(sandbox_id)
+        lost): its agent is the cgroup's `sandfleet-agent` whose parent is outside the cgroup. `name`:
+        a sandbox id, or a part's name that a rollback made a sandbox's live part (a standby's)."""
+        sandbox_id = await asyncio.to_thread(self._owner, name)
+        if sandbox_id is None:
+            return None
+        rel = self.cgroups.path_for(name)
         agent = await asyncio.to_thread(self._find_agent, rel)
         if agent is None:
             return None
         runtime: dict[str, Any] = {"agent_pid": agent, "agent_start_time": proc.process_start_time(agent), "layers": []}
+        if name != sandbox_id:
+            runtime["part"] = name
         owner = userns_owner(agent)
         if owner is not None and OWNER_BASE <= owner < OWNER_BASE + OWNER_SPAN:
             runtime["userns_owner"] = owner
@@ -367,6 +384,29 @@ class ContainerSandboxes(ContainerPreparation):
             resources = Resources()
         return live, resources
 
+    def _owner(self, name: str) -> str | None:
+        """The sandbox whose live part `name` is, as far as the node tells: its own id, or the one
+        `promote` marked it as. Of the parts that claim one sandbox (a daemon killed before it
+        destroyed the one a rollback replaced) the newest promoted wins, then the id's own."""
+        sandbox_id = sandbox_of(name)
+        claims = self._claims(sandbox_id)
+        if PART_SEP in name and name not in claims:
+            return None  # a standby, or a part set aside: never a sandbox
+        return sandbox_id if max(claims, key=lambda n: claims[n]) == name else None
+
+    def _claims(self, sandbox_id: str) -> dict[str, int]:
+        """The parts that claim to be the sandbox's live part: name -> when promoted (0: its own)."""
+        claims = {sandbox_id: 0}
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.sandboxes_dir):
+                if sandbox_of(name) != sandbox_id or PART_SEP not in name:
+                    continue
+                with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
+                    owner, at = (self.sandboxes_dir / name / PROMOTED).read_text().split()
+                    if owner == sandbox_id and part_of(owner, {"part": name}) == name:
+                        claims[name] = int(at)
+        return claims
+
     def _find_agent(self, rel: str) -> int | None:
         members = set(self.cgroups.procs(rel))
         for pid in members:
@@ -385,7 +425,7 @@ class ContainerSandboxes(ContainerPreparation):
         try:
             text = Path(f"/proc/{sandbox.agent_pid}/mountinfo").read_text()
         except OSError as exc:
-            raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
+            raise UnavailableError(f"sandbox {sandbox.sandbox_id} is no longer running") from exc
         return mount_points(text)
 
     # -- introspection ------------------------------------------------------------------------
@@ -394,7 +434,7 @@ class ContainerSandboxes(ContainerPreparation):
         fd = os.open(f"/proc/{sandbox.agent_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         if proc.process_start_time(sandbox.agent_pid) != sandbox.agent_start_time:
             os.close(fd)
-            raise UnavailableError(f"sandbox {sandbox.id} is no longer running")
+            raise UnavailableError(f"sandbox {sandbox.sandbox_id} is no longer running")
         return fd
 
     def usage(self, sandbox: LiveSandbox) -> Usage:

@@ -13,7 +13,7 @@ from typing import Any
 
 from sandfleet.backends.base import LiveSandbox
 from sandfleet.backends.container.preparation import userns_owner
-from sandfleet.backends.container.sandboxes import ContainerSandboxes
+from sandfleet.backends.container.sandboxes import PROMOTED, ContainerSandboxes
 from sandfleet.errors import (
     DataLossError,
     InternalError,
@@ -58,7 +58,8 @@ class ContainerSnapshots(ContainerSandboxes):
         assert self.agent_path is not None
         if sandbox.channel.agent_version != AGENT_VERSION:
             raise WrongStateError(
-                f"sandbox {sandbox.id} runs {sandbox.channel.agent_version}, from before the daemon was upgraded; "
+                f"sandbox {sandbox.sandbox_id} runs {sandbox.channel.agent_version}, from before the daemon was "
+                "upgraded; "
                 f"snapshots need {AGENT_VERSION}"
             )
         pid = sandbox.agent_pid
@@ -66,9 +67,9 @@ class ContainerSnapshots(ContainerSandboxes):
             mountinfo = await asyncio.to_thread(Path(f"/proc/{pid}/mountinfo").read_text)
             externals = criu.Criu.external_mounts(mountinfo)
         except ValueError as exc:
-            raise InvalidArgumentError(f"sandbox {sandbox.id} cannot be snapshotted: {exc}") from exc
+            raise InvalidArgumentError(f"sandbox {sandbox.sandbox_id} cannot be snapshotted: {exc}") from exc
         except OSError as exc:
-            raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
+            raise UnavailableError(f"sandbox {sandbox.sandbox_id} is no longer running") from exc
         # The agent binary as the sandbox maps it: criu names it by its mount (in the namespace of the
         # daemon that started the sandbox, perhaps not this one) and inode, and a restore gives this
         # daemon's copy back in its place, so it must be this very file.
@@ -76,12 +77,12 @@ class ContainerSnapshots(ContainerSandboxes):
             exe = Path(f"/proc/{pid}/exe")
             if not os.path.samestat(os.stat(exe), os.stat(self.agent_path)):
                 raise WrongStateError(
-                    f"sandbox {sandbox.id} runs another build of the agent than this daemon's (started before an "
-                    "upgrade): it cannot be snapshotted"
+                    f"sandbox {sandbox.sandbox_id} runs another build of the agent than this daemon's (started "
+                    "before an upgrade): it cannot be snapshotted"
                 )
             agent_key = criu.Criu.external_file_key(exe)
         except OSError as exc:
-            raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
+            raise UnavailableError(f"sandbox {sandbox.sandbox_id} is no longer running") from exc
         rel = self.cgroups.path_for(sandbox.id)
         images, fs = target / "img", target / "fs"
         images.mkdir(parents=True)
@@ -143,7 +144,7 @@ class ContainerSnapshots(ContainerSandboxes):
         finally:
             await self._take_new_channel(sandbox)
         if channel.closed:
-            raise UnavailableError(f"sandbox {sandbox.id} was lost while its snapshot was taken")
+            raise UnavailableError(f"sandbox {sandbox.sandbox_id} was lost while its snapshot was taken")
         return {
             "layers": sandbox.runtime.get("layers", []),
             "externals": externals,
@@ -165,7 +166,7 @@ class ContainerSnapshots(ContainerSandboxes):
         try:
             root = os.open(f"/proc/{sandbox.agent_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            raise UnavailableError(f"sandbox {sandbox.id} is no longer running") from exc
+            raise UnavailableError(f"sandbox {sandbox.sandbox_id} is no longer running") from exc
         try:
             problems = await asyncio.to_thread(criu.unsafe_restore_paths, images, root)
         except (criu.ImageError, OSError) as exc:
@@ -176,7 +177,7 @@ class ContainerSnapshots(ContainerSandboxes):
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise WrongStateError(
-                f"sandbox {sandbox.id} cannot be snapshotted: {problems[0]}{more}. A restore recreates such "
+                f"sandbox {sandbox.sandbox_id} cannot be snapshotted: {problems[0]}{more}. A restore recreates such "
                 "a file by that path before the new sandbox is confined to its root, so it would land outside "
                 "it. Close the file (or end the process holding it open), or put a real directory back on its "
                 "path, then snapshot or fork again"
@@ -274,12 +275,14 @@ class ContainerSnapshots(ContainerSandboxes):
         return live
 
     def _rename(self, old: str, new: str) -> None:
-        """A live sandbox's cgroup and directory under another name (its tasks stay in the renamed
-        cgroup, its mounts on the renamed directory)."""
+        """A live part's cgroup and directory under another name (its tasks stay in the renamed
+        cgroup, its mounts on the renamed directory); it is no sandbox's live part any more."""
         self.cgroups.rename(self.cgroups.path_for(old), self.cgroups.path_for(new))
         try:
             if os.path.lexists(self.sandboxes_dir / old):
                 os.rename(self.sandboxes_dir / old, self.sandboxes_dir / new)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.sandboxes_dir / new / PROMOTED)
         except OSError:
             self.cgroups.rename(self.cgroups.path_for(new), self.cgroups.path_for(old))
             raise
@@ -289,32 +292,33 @@ class ContainerSnapshots(ContainerSandboxes):
         try:
             await asyncio.to_thread(self._rename, live.id, name)
         except OSError as exc:
-            raise UnavailableError(f"sandbox {live.id} could not be set aside: {exc}") from exc
+            raise UnavailableError(f"sandbox {live.sandbox_id} could not be set aside: {exc}") from exc
         live.id = name
 
     async def hurry(self, name: str, spec: SandboxSpec) -> None:
         with contextlib.suppress(OSError):  # not made yet (its launch writes the weight it was asked)
             await asyncio.to_thread(self.cgroups.set_idle, self.cgroups.path_for(name), spec.qos == "best_effort")
 
-    async def promote(self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec) -> None:
-        """Rename the standby's cgroup and directory to the sandbox's, thaw it. (It has the
-        sandbox's CPU weight since it was frozen.)"""
-        renamed = False
+    async def promote(
+        self, standby: LiveSandbox, sandbox_id: str, spec: SandboxSpec, replacing: LiveSandbox | None
+    ) -> None:
+        """Thaw the standby, marked as the sandbox's live part under its own name (nothing is
+        renamed: its runtime says which part it is), and freeze the part it replaces (not waited
+        for: its destroy thaws it first). It has the sandbox's CPU weight since it was frozen."""
 
         def swap() -> None:
-            nonlocal renamed
-            self._rename(standby.id, sandbox_id)
-            renamed = True
-            self.cgroups.thaw(self.cgroups.path_for(sandbox_id))
+            (self.sandboxes_dir / standby.id / PROMOTED).write_text(f"{sandbox_id} {time.time_ns()}\n")
+            self.cgroups.thaw(self.cgroups.path_for(standby.id))
+            if replacing is not None:
+                with contextlib.suppress(OSError):  # (it only keeps running until destroyed)
+                    self.cgroups.freeze_soon(self.cgroups.path_for(replacing.id))
 
         try:
             await asyncio.to_thread(swap)
         except (OSError, TimeoutError) as exc:
-            if renamed:
-                standby.id = sandbox_id
             await asyncio.shield(self.destroy(standby))
             raise UnavailableError(f"the standby restore could not take the sandbox's place: {exc}") from exc
-        standby.id = sandbox_id  # (the cgroup and directory are the sandbox's from here on)
+        standby.runtime["part"] = standby.id
 
     async def _restore(
         self, sandbox_id: str, spec: SandboxSpec, source: Path, meta: dict[str, Any], tool: criu.Criu

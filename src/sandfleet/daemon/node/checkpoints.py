@@ -215,25 +215,30 @@ class Checkpoints:
         new: LiveSandbox | None = None
         retired = swapped = False
         try:
-            # Recorded as rolled back (no agent to adopt: a daemon that dies from here finds a half-made
-            # sandbox, and its restart removes whatever is in its cgroup) while the old part is set aside
-            # (out of the sandbox's cgroup: a restart does not adopt it). Nothing new is put in the
-            # sandbox's place before the record is written.
-            retired = True  # (set aside before any wait: a stop meanwhile waits for its destroy)
-            if self.standbys.sets_aside(sb):
-                await _together(self._record_rolling_back(sb, rec), self.standbys.retire(sb, live))
-            else:  # (destroyed in place: not before the record)
-                await self._record_rolling_back(sb, rec)
-                await self.standbys.retire(sb, live)
             self.networking.detach(sb)
             # A standby of this checkpoint (restored ahead, frozen) takes the sandbox's place instead
-            # of a restore begun now; one whose restore runs is waited for.
+            # of a restore begun now. One that is made: the old part stays the sandbox's on record
+            # until the standby's is written (a daemon that dies before adopts it again, and the
+            # standby is residue), then goes in the background. One whose restore runs is waited
+            # for, the old part first set aside as for a restore (below): a stop meanwhile waits for
+            # its destroy.
+            if not self.standbys.ready(sb.id, rec.info.id):
+                retired = True
+                await self._retire_first(sb, live, rec)
             standby = await self.standbys.take(sb.id, rec.info.id)
             if standby is not None and sb.state == RUNNING:
                 tried, standby = standby, None  # promoted, or destroyed by the failed promotion
-                new = await self._promote(sb, rec, *tried)
+                new = await self._promote(sb, None if retired else live, *tried)
                 swapped = new is not None
+                if swapped and not retired:
+                    failpoints.hit("rollback_before_retire")
+                    retired = True
+                    await self.standbys.retire(sb, live, replaced=True)
             if new is None and sb.state == RUNNING:
+                if not retired:
+                    retired = True
+                    await self._retire_first(sb, live, rec)
+                await self.standbys.retired(sb.id, sb.id)  # (an old part of its own name: the restore's)
                 if not checked:  # (skipped for the standby, whose restore checked them)
                     await asyncio.to_thread(check_intact, rec.path, rec.meta)
                 new = await tier.restore(sb.id, sb.spec, rec.path, rec.meta)
@@ -267,17 +272,28 @@ class Checkpoints:
         self.standbys.prepare(sb, rec.info.id, rec.path, rec.meta, rec.info.size_bytes)
         return dropped_sessions, dropped_processes, swapped
 
+    async def _retire_first(self, sb: Sandbox, live: LiveSandbox, rec: CheckpointRecord) -> None:
+        """Before anything new goes in the sandbox's place: recorded as rolled back (no agent to
+        adopt: a daemon that dies from here finds a half-made sandbox, and its restart removes
+        whatever is in its cgroup) while the old part is set aside (out of the sandbox's cgroup: a
+        restart does not adopt it), or destroyed in place after the record."""
+        if self.standbys.sets_aside(sb):
+            await _together(self._record_rolling_back(sb, rec), self.standbys.retire(sb, live))
+        else:
+            await self._record_rolling_back(sb, rec)
+            await self.standbys.retire(sb, live)
+
     async def _record_rolling_back(self, sb: Sandbox, rec: CheckpointRecord) -> None:
         await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
 
     async def _promote(
-        self, sb: Sandbox, rec: CheckpointRecord, tier: StandbyTier, standby: LiveSandbox
+        self, sb: Sandbox, old: LiveSandbox | None, tier: StandbyTier, standby: LiveSandbox
     ) -> LiveSandbox | None:
-        """The standby as the sandbox's live part, recorded as it; None (restore instead: recorded
-        as rolled back again) if it could not take its place."""
+        """The standby as the sandbox's live part in place of `old` (None: retired already),
+        recorded as it; None (restore instead) if it could not take its place."""
         t0 = time.perf_counter()
         try:
-            await tier.promote(standby, sb.id, sb.spec)
+            await tier.promote(standby, sb.id, sb.spec, old)
         except SandboxError as exc:
             log.info("sandbox %s: its standby did not take its place (%s): restoring instead", sb.id, exc.message)
             return None
@@ -294,8 +310,7 @@ class Checkpoints:
             if isinstance(recorded, BaseException):
                 raise recorded
             log.info("sandbox %s: its standby's agent did not answer (%r): restoring instead", sb.id, answered)
-            await self._record_rolling_back(sb, rec)
-            return None
+            return None  # (the restore's record comes first)
         log.debug("sandbox %s: standby promoted in %.1f ms", sb.id, (time.perf_counter() - t0) * 1000)
         return standby
 

@@ -11,13 +11,13 @@ import time
 
 from pydantic import ValidationError
 
-from sandfleet.backends.base import Recoverable, TierBackend
+from sandfleet.backends.base import Recoverable, TierBackend, part_of
 from sandfleet.daemon.net.sandbox_network import Networking
 from sandfleet.daemon.node.core import ACTIVITY_FLUSH, NodeCore, lenient_spec, log, store_row
 from sandfleet.daemon.node.lifecycle import CREATING, FAILED, HOLDING_STATES, PAUSED, RUNNING, STOPPED, Sandbox
 from sandfleet.daemon.node.pausing import Pauser
 from sandfleet.daemon.node.snapshots import Snapshots
-from sandfleet.daemon.node.standbys import is_standby
+from sandfleet.daemon.node.standbys import STANDBY_MARK, is_standby
 from sandfleet.daemon.node.state import SandboxRow
 from sandfleet.errors import SandboxError
 from sandfleet.models import KEPT_LABEL, VERIFY_LABEL, SandboxSpec
@@ -33,7 +33,10 @@ class Recovery:
     async def recover(self) -> None:
         """Re-adopt live sandboxes of a previous daemon; clean every half-created or dead one."""
         rows = await self.core.state.all()
-        known = {r.id for r in rows}
+        # The live parts of the sandboxes that hold the node (a sandbox's id, or the standby's a
+        # rollback promoted): anything else of ours is residue (an old part a killed daemon had not
+        # destroyed yet, whatever a stopped sandbox still had).
+        known = {part_of(r.id, r.runtime) for r in rows if r.state in HOLDING_STATES}
         now = time.time()
         repause: builtins.list[str] = []
         for row in rows:
@@ -129,18 +132,22 @@ class Recovery:
     async def _rebuild(self, rebuild: TierBackend, candidates: set[str]) -> set[str]:
         """After the state database was lost: adopt the sandboxes still running on the node (their
         cgroups and agents say what they are), with what can be known of their specs. Returns the
-        ids taken back."""
+        names taken back (and of those cleaned up)."""
         taken: set[str] = set()
+        owners: set[str] = set()  # the sandboxes taken back
         # Rows still readable in the damaged file give back the spec (labels, env, TTLs) of theirs.
         salvaged = {row.id: row for row in getattr(self.core.state, "salvaged", [])}
         lost = "events and exec history; for sandboxes whose row was lost too: labels, env, user, workdir, TTLs"
         if not isinstance(rebuild, Recoverable):
             log.warning("the %s tier cannot take back running sandboxes: they are cleaned up", rebuild.name)
             return taken
-        for sandbox_id in sorted(candidates):
-            if is_standby(sandbox_id):
-                continue  # a checkpoint restored ahead of a rollback, not a sandbox: cleaned up
-            found = await rebuild.recover(sandbox_id)
+        for name in sorted(candidates):  # (a sandbox's id before its parts' names)
+            # A standby's name: a checkpoint restored ahead of a rollback (the tier says none, and it
+            # is cleaned up) or a sandbox's live part that a rollback promoted.
+            sandbox_id = name.split(STANDBY_MARK)[0] if is_standby(name) else name
+            if sandbox_id in owners:
+                continue
+            found = await rebuild.recover(name)
             if found is None:
                 continue
             live, resources = found
@@ -160,6 +167,7 @@ class Recovery:
             if VERIFY_LABEL in spec.labels and KEPT_LABEL not in spec.labels:  # its verification is gone
                 live.channel.close()
                 await rebuild.cleanup(sandbox_id, live.runtime)
+                taken.add(name)  # (gone: not residue)
                 continue
             now = time.time()
             sb = Sandbox(sandbox_id, spec, RUNNING, now, now, live=live)
@@ -169,13 +177,14 @@ class Recovery:
             live.channel.on_close = lambda _ch, sid=sandbox_id: self.core.on_agent_lost(sid)
             self.core.watch_agent(sandbox_id, live)
             self.core.journal.record(sandbox_id, "recovered", {"from": str(self.core.state.reset_from), "lost": lost})
-            taken.add(sandbox_id)
+            taken.add(name)
+            owners.add(sandbox_id)
         log.warning(
             "state database %s was damaged (%s) and set aside: %d running sandboxes were taken back from "
             "the node; lost: %s",
             self.core.state.reset_from,
             self.core.state.reset_reason,
-            len(taken),
+            len(owners),
             lost,
         )
         return taken

@@ -263,7 +263,7 @@ class Files:
         except FileOpError as exc:
             raise to_wire_error(exc, limit=1000) from exc
         except FileNotFoundError as exc:
-            raise UnavailableError(f"sandbox {live.id} is no longer running") from exc
+            raise UnavailableError(f"sandbox {live.sandbox_id} is no longer running") from exc
 
     async def read_file(self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None) -> bytes:
         via = await self._agent_op(sandbox_id, lambda a: a.read(path, offset=offset, length=length))

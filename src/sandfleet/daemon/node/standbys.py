@@ -1,16 +1,18 @@
 """Standbys: a sandbox's checkpoint restored ahead of its rollback and kept frozen.
 
-A rollback to that checkpoint is then a swap: the tier renames the standby into the sandbox's place
-(cgroup and directory) and thaws it, instead of restoring the checkpoint while the caller waits.
-The restore's CPU is the same; it is spent while the caller does something else (a model
-thinking about its next action).
+A rollback to that checkpoint is then a swap: the tier thaws the standby, which stays under its own
+name (cgroup and directory: the sandbox's record names its live part, `part_of`), and the old part
+is destroyed in the background once the record is written, instead of restoring the checkpoint
+while the caller waits. The restore's CPU is the same; it is spent while the caller does something
+else (a model thinking about its next action).
 
 A sandbox has at most one, for the checkpoint it last took or last rolled back to (a search rolls
 back to the same node again and again). Its restore begins DELAY after that, only while the node
 has the memory to spare (a standby holds the checkpoint's memory until it is used or dropped); it is
 dropped with its checkpoint, with its sandbox (its stop waits for it) and when the daemon stops.
-A daemon killed meanwhile leaves names no sandbox has: the next start's recovery removes them as
-residue and never adopts one, and its sweeps remove those a restore finished after that.
+A daemon killed meanwhile leaves names no sandbox's record has: the next start's recovery removes
+them as residue (it adopts a standby only as the live part a record names), and its sweeps remove
+those a restore finished after that.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import builtins
 import contextlib
 import itertools
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,10 @@ RESERVE = 0.25
 # rolls back at once (a restore then, either way) never pays a restore's CPU for nothing.
 DELAY = 0.2
 MAKING_AT_ONCE = 2  # standby restores at once (the node's restores for callers are not held up)
+# Seconds a part a standby replaced waits, frozen, for its destroy: the rollback's answer and the
+# caller's next call (right after it, as a rule) do not share the node with its teardown (the exit
+# of its processes frees their memory: 10-20 ms of CPU for 200 MiB).
+RETIRE_AFTER = 0.05
 
 
 def is_standby(name: str) -> bool:
@@ -70,7 +77,8 @@ class Standbys:
         self.meminfo = meminfo
         self.delay = delay
         self.of: dict[str, Standby] = {}  # sandbox id -> its standby (made or being made)
-        self._retiring: dict[str, set[asyncio.Task[Any]]] = {}  # sandbox id -> its old parts being destroyed
+        # sandbox id -> its old parts being destroyed (and their names)
+        self._retiring: dict[str, dict[asyncio.Task[Any], str]] = {}
         self._making = asyncio.Semaphore(MAKING_AT_ONCE)
         self._serial = itertools.count(1)
         self._run = secrets.token_hex(4)
@@ -169,7 +177,7 @@ class Standbys:
         del self.of[sandbox_id]
         with contextlib.suppress(UnavailableError):  # shutting down: `close` ran, the next start removes it
             task = self.core.spawn(self._discard(st), name=f"standby-drop-{sandbox_id}")
-            self._track(sandbox_id, task)
+            self._track(sandbox_id, st.name, task)
 
     @classmethod
     async def _discard(cls, st: Standby) -> None:
@@ -179,33 +187,47 @@ class Standbys:
 
     # -- the live part a rollback replaces ---------------------------------------------------------------
 
-    async def retire(self, sb: Sandbox, live: LiveSandbox) -> None:
-        """Destroy the live part a rollback replaces. Where the tier can, it is first set aside under
-        a standby's kind of name and destroyed in the background: the rollback does not wait for
-        its processes to exit and their memory to be freed (10-20 ms for 200 MiB)."""
+    async def retire(self, sb: Sandbox, live: LiveSandbox, *, replaced: bool = False) -> None:
+        """Destroy the live part a rollback replaces. Where the tier can, it is destroyed in the
+        background (the rollback does not wait for its processes to exit and their memory to be
+        freed: 10-20 ms for 200 MiB): RETIRE_AFTER later if `replaced` (by a standby, which froze
+        it; its sandbox's record names the standby already), else first set aside under a standby's
+        kind of name (out of the sandbox's way: a restore takes its id's name)."""
         tier = self._tier(sb)
         if tier is not None and self.sets_aside(sb):
             live.channel.close()
             try:
-                await tier.set_aside(live, self._name(sb.id))
+                if not replaced:
+                    await tier.set_aside(live, self._name(sb.id))
             except SandboxError:
                 pass  # still in its place: destroyed now
             else:
                 if sb.state != RUNNING:  # stopped meanwhile: its stop's `release` may have run already
                     await tier.destroy(live)
                     return
+                destroy = _after(RETIRE_AFTER if replaced else 0.0, tier.destroy, live)
                 with contextlib.suppress(UnavailableError):
-                    self._track(sb.id, self.core.spawn(tier.destroy(live), name=f"retire-{live.id}"))
+                    self._track(sb.id, live.id, self.core.spawn(destroy, name=f"retire-{live.id}"))
                     return
+                destroy.close()  # (never awaited: shutting down)
         await self.core.tier(sb).destroy(live)
 
-    def _track(self, sandbox_id: str, task: asyncio.Task[Any]) -> None:
-        """A destroy in the background that the sandbox's stop (`release`) and `close` wait for."""
-        tasks = self._retiring.setdefault(sandbox_id, set())
-        tasks.add(task)
+    async def retired(self, sandbox_id: str, name: str) -> None:
+        """Wait until no old part of the sandbox named `name` is being destroyed (a restore is about
+        to take that name)."""
+        for task, part in list(self._retiring.get(sandbox_id, {}).items()):
+            if part == name:
+                with contextlib.suppress(Exception):  # (a failure is logged by the task's guard)
+                    await asyncio.shield(task)
+
+    def _track(self, sandbox_id: str, name: str, task: asyncio.Task[Any]) -> None:
+        """A destroy in the background (of a part named `name`) that the sandbox's stop (`release`)
+        and `close` wait for."""
+        tasks = self._retiring.setdefault(sandbox_id, {})
+        tasks[task] = name
 
         def done(t: asyncio.Task[Any]) -> None:
-            tasks.discard(t)
+            tasks.pop(t, None)
             if not tasks and self._retiring.get(sandbox_id) is tasks:
                 del self._retiring[sandbox_id]
 
@@ -246,11 +268,17 @@ class Standbys:
         """Remove what standbys of another daemon run left (a daemon killed while it made, dropped
         or set one aside); this run's own are its to destroy. Returns their names."""
         swept = []
+        # Not residue: a live part (a standby a rollback promoted), one this run destroys already, nor
+        # any part of a sandbox being rolled back (its old part and its standby are the rollback's).
+        live = {sb.live.id for sb in self.core.table if sb.live is not None}
+        live |= {name for tasks in self._retiring.values() for name in tasks.values()}  # (being destroyed)
+        rolling = {sb.id for sb in self.core.table if sb.live is None and sb.state == RUNNING}
         for tier in self.core.backends.values():
             if not isinstance(tier, StandbyTier) or not tier.standbys_possible():
                 continue
             for name in sorted(await asyncio.to_thread(tier.residue)):
-                if is_standby(name) and f"{STANDBY_MARK}{self._run}-" not in name:
+                ours = f"{STANDBY_MARK}{self._run}-" in name
+                if is_standby(name) and not ours and name not in live and name.split(STANDBY_MARK)[0] not in rolling:
                     log.info("removing %s, a standby a previous daemon run left", name)
                     await tier.cleanup(name, {})
                     swept.append(name)
@@ -267,3 +295,9 @@ class Standbys:
             return False
         making = sum(o.size for o in self.of.values() if o is not st and o.started and not o.task.done())
         return available - making - st.size >= total * RESERVE
+
+
+async def _after(seconds: float, destroy: Callable[[LiveSandbox], Awaitable[None]], live: LiveSandbox) -> None:
+    if seconds:
+        await asyncio.sleep(seconds)
+    await destroy(live)
