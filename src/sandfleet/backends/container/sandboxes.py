@@ -387,12 +387,16 @@ class ContainerSandboxes(ContainerPreparation):
     def _owner(self, name: str) -> str | None:
         """The sandbox whose live part `name` is, as far as the node tells: its own id, or the one
         `promote` marked it as. Of the parts that claim one sandbox (a daemon killed before it
-        destroyed the one a rollback replaced) the newest promoted wins, then the id's own."""
+        destroyed the one a rollback replaced) the newest promoted one that runs wins, then the id's
+        own."""
         sandbox_id = sandbox_of(name)
         claims = self._claims(sandbox_id)
         if PART_SEP in name and name not in claims:
             return None  # a standby, or a part set aside: never a sandbox
-        return sandbox_id if max(claims, key=lambda n: claims[n]) == name else None
+        for claim in sorted(claims, key=lambda n: claims[n], reverse=True):
+            if self._find_agent(self.cgroups.path_for(claim)) is not None:  # (one that still runs)
+                return sandbox_id if claim == name else None
+        return None
 
     def _claims(self, sandbox_id: str) -> dict[str, int]:
         """The parts that claim to be the sandbox's live part: name -> when promoted (0: its own)."""

@@ -277,12 +277,12 @@ class ContainerSnapshots(ContainerSandboxes):
     def _rename(self, old: str, new: str) -> None:
         """A live part's cgroup and directory under another name (its tasks stay in the renamed
         cgroup, its mounts on the renamed directory); it is no sandbox's live part any more."""
+        with contextlib.suppress(FileNotFoundError):  # (first: a part set aside never claims a sandbox)
+            os.unlink(self.sandboxes_dir / old / PROMOTED)
         self.cgroups.rename(self.cgroups.path_for(old), self.cgroups.path_for(new))
         try:
             if os.path.lexists(self.sandboxes_dir / old):
                 os.rename(self.sandboxes_dir / old, self.sandboxes_dir / new)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.sandboxes_dir / new / PROMOTED)
         except OSError:
             self.cgroups.rename(self.cgroups.path_for(new), self.cgroups.path_for(old))
             raise

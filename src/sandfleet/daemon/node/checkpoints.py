@@ -213,7 +213,7 @@ class Checkpoints:
         )
         standby: tuple[StandbyTier, LiveSandbox] | None = None
         new: LiveSandbox | None = None
-        retired = swapped = False
+        retired = swapped = done = False
         try:
             self.networking.detach(sb)
             # A standby of this checkpoint (restored ahead, frozen) takes the sandbox's place instead
@@ -228,7 +228,7 @@ class Checkpoints:
             standby = await self.standbys.take(sb.id, rec.info.id)
             if standby is not None and sb.state == RUNNING:
                 tried, standby = standby, None  # promoted, or destroyed by the failed promotion
-                new = await self._promote(sb, None if retired else live, *tried)
+                new = await self._promote(sb, rec, None if retired else live, *tried)
                 swapped = new is not None
                 if swapped and not retired:
                     failpoints.hit("rollback_before_retire")
@@ -243,6 +243,7 @@ class Checkpoints:
                     await asyncio.to_thread(check_intact, rec.path, rec.meta)
                 new = await tier.restore(sb.id, sb.spec, rec.path, rec.meta)
                 failpoints.hit("rollback_before_record")
+            done = True
         except SandboxError as exc:
             log.warning("rollback of %s to %s failed: %s", sb.id, rec.info.id, exc)
             await self.core.stop(sb.id, reason=f"rollback failed: {exc.message}"[:200])
@@ -255,6 +256,8 @@ class Checkpoints:
                 await asyncio.shield(self.core.tier(sb).destroy(live))
             if standby is not None:  # never tried: it goes
                 await asyncio.shield(standby[0].destroy(standby[1]))
+            if new is not None and not done:  # (put in place, then the rollback failed: never the sandbox's)
+                await asyncio.shield(self.core.tier(sb).destroy(new))
         if sb.state != RUNNING or new is None:
             if new is not None:
                 await self.core.tier(sb).destroy(new)
@@ -287,7 +290,7 @@ class Checkpoints:
         await self.core.state.update(sb.id, runtime={"layers": rec.meta.get("layers", []), "rolling_back": 1})
 
     async def _promote(
-        self, sb: Sandbox, old: LiveSandbox | None, tier: StandbyTier, standby: LiveSandbox
+        self, sb: Sandbox, rec: CheckpointRecord, old: LiveSandbox | None, tier: StandbyTier, standby: LiveSandbox
     ) -> LiveSandbox | None:
         """The standby as the sandbox's live part in place of `old` (None: retired already),
         recorded as it; None (restore instead) if it could not take its place."""
@@ -310,7 +313,9 @@ class Checkpoints:
             if isinstance(recorded, BaseException):
                 raise recorded
             log.info("sandbox %s: its standby's agent did not answer (%r): restoring instead", sb.id, answered)
-            return None  # (the restore's record comes first)
+            if old is None:  # (else the restore's own record comes first)
+                await self._record_rolling_back(sb, rec)
+            return None
         log.debug("sandbox %s: standby promoted in %.1f ms", sb.id, (time.perf_counter() - t0) * 1000)
         return standby
 

@@ -22,14 +22,13 @@ import builtins
 import contextlib
 import itertools
 import secrets
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sandfleet.backends.base import LiveSandbox, StandbyTier
 from sandfleet.daemon.node.core import NodeCore, log
-from sandfleet.daemon.node.lifecycle import RUNNING, Sandbox
+from sandfleet.daemon.node.lifecycle import FAILED, RUNNING, STOPPED, Sandbox
 from sandfleet.daemon.node.snapshot_files import check_intact
 from sandfleet.errors import SandboxError, UnavailableError
 from sandfleet.models import SandboxSpec
@@ -205,12 +204,21 @@ class Standbys:
                 if sb.state != RUNNING:  # stopped meanwhile: its stop's `release` may have run already
                     await tier.destroy(live)
                     return
-                destroy = _after(RETIRE_AFTER if replaced else 0.0, tier.destroy, live)
+                destroy = self._retire_later(tier, live, sb.id) if replaced else tier.destroy(live)
                 with contextlib.suppress(UnavailableError):
                     self._track(sb.id, live.id, self.core.spawn(destroy, name=f"retire-{live.id}"))
                     return
                 destroy.close()  # (never awaited: shutting down)
         await self.core.tier(sb).destroy(live)
+
+    async def _retire_later(self, tier: StandbyTier, live: LiveSandbox, sandbox_id: str) -> None:
+        """RETIRE_AFTER on: an old part under the sandbox's own id is first set aside (whatever its
+        destroy might leave never stands in the way of a restore into that name), then destroyed."""
+        await asyncio.sleep(RETIRE_AFTER)
+        if live.id == sandbox_id:
+            with contextlib.suppress(SandboxError):
+                await tier.set_aside(live, self._name(sandbox_id))
+        await tier.destroy(live)
 
     async def retired(self, sandbox_id: str, name: str) -> None:
         """Wait until no old part of the sandbox named `name` is being destroyed (a restore is about
@@ -269,10 +277,11 @@ class Standbys:
         or set one aside); this run's own are its to destroy. Returns their names."""
         swept = []
         # Not residue: a live part (a standby a rollback promoted), one this run destroys already, nor
-        # any part of a sandbox being rolled back (its old part and its standby are the rollback's).
+        # any part of a sandbox being rolled back or stopped (its old part and its standby are the
+        # rollback's or the stop's).
         live = {sb.live.id for sb in self.core.table if sb.live is not None}
         live |= {name for tasks in self._retiring.values() for name in tasks.values()}  # (being destroyed)
-        rolling = {sb.id for sb in self.core.table if sb.live is None and sb.state == RUNNING}
+        rolling = {sb.id for sb in self.core.table if sb.live is None and sb.state not in (STOPPED, FAILED)}
         for tier in self.core.backends.values():
             if not isinstance(tier, StandbyTier) or not tier.standbys_possible():
                 continue
@@ -295,9 +304,3 @@ class Standbys:
             return False
         making = sum(o.size for o in self.of.values() if o is not st and o.started and not o.task.done())
         return available - making - st.size >= total * RESERVE
-
-
-async def _after(seconds: float, destroy: Callable[[LiveSandbox], Awaitable[None]], live: LiveSandbox) -> None:
-    if seconds:
-        await asyncio.sleep(seconds)
-    await destroy(live)
