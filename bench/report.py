@@ -94,6 +94,16 @@ def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
             f"create p50 {f(cold['create']['p50_ms'])} ms + first exec p50 {f(cold['first_exec']['p50_ms'])} ms",
         )
     ]
+    if "spaced_create_to_first_exec" in sf:
+        spaced = sf["spaced_create_to_first_exec"]
+        rows.append(
+            sandfleet_row(
+                'sandfleet SDK, one every 0.1 s: create + exec("true")',
+                spaced["create_plus_first_exec"],
+                f"create p50 {f(spaced['create']['p50_ms'])} ms + first exec p50 "
+                f"{f(spaced['first_exec']['p50_ms'])} ms; cold creates after an idle spell (a lone one's cost)",
+            )
+        )
     if "pooled_create_to_first_exec" in sf:
         pooled = sf["pooled_create_to_first_exec"]
         rows.append(

@@ -3,7 +3,8 @@
     python bench/run.py [--quick] [--profile FILE]      (as root)
 
 Measures
-  1. create-to-first-exec through the SDK (`fleet.create(image="busybox")` then `sb.exec("true")`);
+  1. create-to-first-exec through the SDK (`fleet.create(image="busybox")` then `sb.exec("true")`),
+     back to back and one every 0.1 s (what a lone create costs after an idle spell);
   2. exec round trips into a running sandbox (`true`, `echo hi`, argv `["true"]`);
   3. peers doing the same "fresh sandbox + run true" cycle (raw crun with a minimal config, crun with
      sandfleet's own config.json, bwrap, runsc, podman, docker) and the same exec (`crun exec`,
@@ -169,6 +170,10 @@ def main() -> int:
                 )
             print(f"1. create-to-first-exec x{n_create}", flush=True)
             res["sandfleet"]["create_to_first_exec"] = bench_create(fleet, n_create, labels, daemon.socket)
+            print(f"1a. create-to-first-exec, one cold create every 0.1 s x{n_create // 2}", flush=True)
+            res["sandfleet"]["spaced_create_to_first_exec"] = bench_create(
+                fleet, n_create // 2, labels, daemon.socket, pause=0.1
+            )
             print(f"1b. create-to-first-exec from the warm pool x{n_create}", flush=True)
             res["sandfleet"]["pooled_create_to_first_exec"] = bench_create(
                 fleet, n_create, labels, daemon.socket, memory=POOL_MEMORY, pause=0.2

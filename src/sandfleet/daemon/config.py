@@ -148,6 +148,12 @@ class DaemonConfig(BaseModel):
         description="let restored and forked sandboxes share their identical memory pages (KSM): children of "
         "one snapshot then cost little more than one; the kernel's ksmd scans them (its CPU is capped)",
     )
+    cgroup_favordynmods: bool = Field(
+        True,
+        description="give the host's cgroup2 root the kernel's favordynmods option (Linux >= 6.0): a create "
+        "after an idle spell then waits for no RCU grace period when its first process joins its cgroups "
+        "(15 ms on some hosts); every fork and exit on the host pays a memory barrier more",
+    )
     zram_size: ByteSize | None = Field(
         None,
         description="compressed swap the daemon sets up for paused sandboxes when the host has no swap "

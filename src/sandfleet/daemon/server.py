@@ -54,7 +54,10 @@ def prepare_process(config: DaemonConfig) -> None:
     if os.geteuid() != 0:
         raise SystemExit("sandfleet serve must run as root (it creates namespaces, mounts and cgroups)")
     hybrid = cgroups.detect() == "hybrid" and config.container.runtime == "crun"
+    cgroup2 = cgroups.root_options()  # as the host has them: the namespace may hide cgroup2
     mounts.enter_private_namespace(hide_hybrid_cgroup2=hybrid)
+    if config.cgroup_favordynmods and not cgroups.favor_moves(cgroup2):
+        log.warning("cgroup2's favordynmods is not available (Linux < 6.0?): a create after an idle spell waits longer")
     proc.become_subreaper()
     _raise_file_max()
     # One channel fd per sandbox (plus transient ones): lift the soft limit to the hard one.

@@ -88,6 +88,16 @@ def run_checks(*, state_dir: Path) -> Iterator[Check]:
         + (f"; missing {sorted(missing)}" if missing else "")
         + ("; hybrid host: with crun the daemon hides cgroup2 in its own mount namespace" if mode == "hybrid" else ""),
     )
+    options = cgroups.root_options()
+    favored = options is not None and cgroups.FAVOR_MOVES in options
+    yield Check(
+        "cgroup moves",
+        "ok" if favored else "warn",
+        "cgroup2 has favordynmods: a process joins a cgroup without waiting for an RCU grace period"
+        if favored
+        else "cgroup2 lacks favordynmods (Linux >= 6.0): a create after an idle spell may wait ~10 ms; "
+        "`sandfleet serve` sets it (config cgroup_favordynmods)",
+    )
     for binary, pkg, need in (
         ("crun", "crun", "warn"),
         ("runc", "runc", "warn"),
