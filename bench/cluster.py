@@ -9,7 +9,7 @@
       request path from gateway to node is the same one a Ray-discovered cluster uses.
   G2) creates/s one gateway places against N *null nodes*: emulated node APIs (in this file, all
       in one process of their own) that answer /v1/node/load and the create calls with valid
-      answers while making nothing. A load generator (a third process, httpx.AsyncClient, C
+      answers while making nothing. A load generator (a third process, the SDK's lane over TCP, C
       requests in flight) sends creates for S seconds. The gateway is pinned to a core of its
       own; the null nodes and the load generator share the other. Reported: creates/s, the
       gateway's CPU seconds per 1,000 creates (/proc/<pid>/stat), each process's CPU use (which
@@ -172,6 +172,10 @@ def null_nodes_main(n: int, ready: Path, capacity: int) -> None:
     for i in range(n):
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # As a node daemon's listener (daemon/server.py): asyncio sets TCP_NODELAY only on sockets it
+        # made, and without it each answer's body waited 40 ms for the gateway's delayed ACK of its
+        # head (every single-create figure before 2026-12-06 was bound by that, not by the gateway).
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.bind(("127.0.0.1", 0))
         s.listen(1024)
         port = s.getsockname()[1]
@@ -219,28 +223,31 @@ async def load_main(url: str, mode: str, concurrency: int, seconds: float, warmu
     window = [0.0, 0.0]
 
     if mode == "single":
+        from sandfleet.client._base import Call, lane
+
+        # The SDK's lane over TCP (as the gateway's to its nodes): kept-alive connections, one request
+        # written once. An httpx client per worker cost the load generator ~0.5 ms of CPU per request,
+        # more than the gateway, so it was the limit of the figure.
+        pool = lane.Lane[lane.AsyncConnection](
+            url, {"authorization": f"Bearer {TOKEN}"}, limit=concurrency, idle=concurrency
+        )
         body = json.dumps({"image": "busybox", "labels": {"bench": "cluster"}}).encode()
-        # One client (one connection) per worker: a single httpx pool of 64 connections costs the
-        # load generator ~10 ms of CPU per request (httpcore scans its pool per request and response).
-        clients = [
-            httpx.AsyncClient(
-                base_url=url,
-                timeout=60,
-                limits=httpx.Limits(max_connections=1),
-                headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
-            )
-            for _ in range(concurrency)
-        ]
+        request = lane.encode(
+            Call("POST", "/v1/sandboxes", content=body, headers={"content-type": "application/json"}), pool.headers
+        )
+        where = httpx.URL(url)
+
+        def connect() -> Any:
+            return lane.AsyncConnection.open_tcp(where.host, where.port or 80, 10.0)
 
         async def one(i: int) -> int:
-            r = await clients[i].post("/v1/sandboxes", content=body)
-            if r.status_code != 201:
-                raise RuntimeError(f"HTTP {r.status_code} {r.text[:200]}")
+            answer = await pool.call(request, connect, 60.0)
+            if answer is None or answer.status != 201:
+                raise RuntimeError("no connection free" if answer is None else f"HTTP {answer.status}")
             return 1
 
         closer: Any = contextlib.AsyncExitStack()
-        for c in clients:
-            await closer.enter_async_context(c)
+        closer.callback(pool.close)
     else:
         fleet = AsyncClient(url, token=TOKEN, timeout=60)
         specs = [SandboxSpec(image="busybox", labels={"bench": "cluster"})] * batch
@@ -952,7 +959,7 @@ def write_report(res: dict[str, Any], results: Path) -> Path:
             "|---|---|---|---|---|---|---|---|",
         ]
         rows = [
-            (f"single creates, httpx.AsyncClient, {s['concurrency']} in flight", s),
+            (f"single creates, kept-alive connections, {s['concurrency']} in flight", s),
             (f"SDK `create_many`, batches of {b['batch']}, {b['concurrency']} callers", b),
         ]
         if g2.get("few"):

@@ -155,7 +155,7 @@ def test_errors_are_the_sdks(serve: Callable[..., Server], tmp_path: Path) -> No
         fleet._send(b.Call("GET", "/v1/x"))
     smuggled = b.Call("GET", "/v1/x", headers={"x-a": "1\r\nx-b: 2"})
     with Client(missing.path) as fleet, pytest.raises(UnavailableError, match="cannot send"):
-        fleet._send(smuggled)  # h11 refuses the header, as under httpx: nothing is written
+        fleet._send(smuggled)  # refused as under httpx (h11 there): nothing is written
     assert not [r for r in missing.requests if b"x-b" in r]
 
 
@@ -340,6 +340,31 @@ def test_bytes_after_an_answer_never_become_the_next_ones(serve: Callable[..., S
         assert fleet._send(b.Call("GET", "/v1/x")) == b'{"ok":true}'
         assert fleet._send(b.Call("GET", "/v1/x")) == b'{"ok":true}'
     assert server.accepted == 2  # the connection with stray bytes was not kept
+
+
+def test_interim_answers_are_skipped_and_a_body_may_end_with_the_connection(serve: Callable[..., Server]) -> None:
+    """As h11 read them: a 1xx before the answer is passed over, a body without a length ends where the
+    connection does (never kept), and what is not HTTP is a transport error, never a guess."""
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n" + OK
+    unframed = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{"until":"closed"}'
+    garbage = b"HTTP/1.1 2x0 what\r\n\r\n"
+    answers = {b"/v1/interim": (interim, None), b"/v1/unframed": (unframed, "close"), b"/v1/bad": (garbage, "close")}
+    server = serve(lambda r, n: answers[r.split(b" ")[1]])
+    with Client(server.path) as fleet:
+        assert fleet._send(b.Call("GET", "/v1/interim")) == b'{"ok":true}'
+        assert fleet._send(b.Call("GET", "/v1/interim")) == b'{"ok":true}'
+        assert server.accepted == 1  # kept after an interim answer
+        assert fleet._send(b.Call("GET", "/v1/unframed")) == b'{"until":"closed"}'
+        with pytest.raises(UnavailableError, match="unreadable answer"):
+            fleet._send(b.Call("GET", "/v1/bad"))
+        for bad in (
+            b.Call("GET", "/v1/x", headers={"x-a": "caf\u00e9"}),
+            b.Call("GET /", "/v1/x"),
+            b.Call("HEAD", "/x"),
+        ):
+            with pytest.raises(UnavailableError, match="cannot send"):
+                fleet._send(bad)
+    assert len(server.requests) == 4  # nothing of the refused ones was written
 
 
 def test_a_closed_client_takes_no_call(serve: Callable[..., Server]) -> None:

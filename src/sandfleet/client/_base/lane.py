@@ -2,12 +2,13 @@
 
 A call to the node daemon on its unix socket is most of an RL step's own cost on the caller's side;
 httpx (its client, httpcore's pool, h11) took ~0.4 ms of CPU per call there, four fifths of it not
-the socket. On this lane a call is h11's framing of it (the HTTP/1.1 state machine under httpx and
-uvicorn, already an SDK dependency: it validates what is written and reads what comes back) on a
-kept-alive connection: ~0.1 ms. Streams, WebSockets, TCP
-(TLS, proxies, several gateways) and tests' own transports keep to httpx; so does any call beyond
-`MAX_CONNECTIONS` at once (the lane never queues). Failures are raised as the httpx exceptions the
-transport mapping already reads (`map_transport_error`, `request_sent`).
+the socket, and h11 alone, written and read directly, still ~75 us. On this lane a request's head is
+written here, every name and value checked as h11 checks them (the lane's own headers once, when
+first used), and the answer is read by httptools (llhttp, the parser under uvicorn): ~5 us, on a
+kept-alive connection. Streams, WebSockets, TCP (TLS, proxies, several gateways) and tests' own
+transports keep to httpx; so does any call beyond `MAX_CONNECTIONS` at once (the lane never
+queues). Failures are raised as the httpx exceptions the transport mapping already reads
+(`map_transport_error`, `request_sent`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import select
 import socket
 import threading
@@ -24,7 +26,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
-import h11
+import httptools
 import httpx
 
 from sandfleet.client._base.wire import Call
@@ -34,79 +36,135 @@ MAX_IDLE = 16  # kept for the next calls
 _CHUNK = 256 * 1024
 
 
+# What h11 accepts (RFC 9110): a method or a field's name is a token; a field's value is visible
+# characters with single spaces or tabs inside; a request target is visible characters.
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?")
+_VISIBLE = re.compile(rb"[\x21-\x7e]+")
+
+Request = tuple[bytes, bytes]  # its head (request line and fields, CRLF CRLF) and its body
+
+
+def _refused(what: str) -> httpx.LocalProtocolError:
+    return httpx.LocalProtocolError(f"cannot send this request: {what}")
+
+
 @functools.lru_cache(maxsize=4096)
 def _target(path: str, query: str) -> bytes:
     """The request target as httpx would write it (its percent-encoding of the path)."""
     raw = httpx.URL(path).raw_path
-    return raw + b"?" + query.encode("ascii") if query else raw
+    target = raw + b"?" + query.encode("ascii") if query else raw
+    if not _VISIBLE.fullmatch(target):
+        raise _refused(f"illegal target {target!r}")
+    return target
 
 
-def encode(call: Call, headers: Mapping[str, str]) -> tuple[h11.Request, bytes]:
-    """A call's HTTP/1.1 request: its head (h11 checks every name and value) and its body."""
+def _field(name: str, value: str) -> bytes:
+    try:
+        key, val = name.encode("ascii"), value.encode("ascii")
+    except UnicodeEncodeError:
+        raise _refused(f"header {name!r} is not ASCII") from None
+    if not _TOKEN.fullmatch(key) or not _VALUE.fullmatch(val):
+        raise _refused(f"illegal header {name!r}: {value!r}")
+    return key + b": " + val + b"\r\n"
+
+
+@functools.lru_cache(maxsize=64)
+def _fields(items: tuple[tuple[str, str], ...]) -> bytes:
+    """A lane's own headers, checked and written once."""
+    return b"".join(_field(name, value) for name, value in items)
+
+
+def encode(call: Call, headers: Mapping[str, str]) -> Request:
+    """A call's HTTP/1.1 request: its head (every name and value checked) and its body. `headers`:
+    the lane's, lower-case names; a call's own win, whatever their case."""
     body = b""
-    head = dict(headers)
+    own: dict[str, str] = {}
     if call.json is not None:
         body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-        head["content-type"] = "application/json"
+        own["content-type"] = "application/json"
     elif call.content is not None:
         body = call.content
-    head.update((k.lower(), v) for k, v in call.headers.items())  # a call's own win, whatever their case
+    own.update((k.lower(), v) for k, v in call.headers.items())
     if body or call.method in ("POST", "PUT", "PATCH"):
-        head["content-length"] = str(len(body))
+        own["content-length"] = str(len(body))
+    method = call.method.encode("ascii", "replace")
+    if not _TOKEN.fullmatch(method) or method == b"HEAD":  # (an answer to HEAD has no body to read)
+        raise _refused(f"method {call.method!r} is not sent on the lane")
     query = str(httpx.QueryParams(call.params)) if call.params else ""
-    try:
-        return h11.Request(method=call.method, target=_target(call.path, query), headers=list(head.items())), body
-    except h11.LocalProtocolError as exc:
-        raise httpx.LocalProtocolError(f"cannot send this request: {exc}") from None
+    if own.keys() & headers.keys():
+        headers = {k: v for k, v in headers.items() if k not in own}
+    parts = [method, b" ", _target(call.path, query), b" HTTP/1.1\r\n", _fields(tuple(headers.items()))]
+    parts += [_field(name, value) for name, value in own.items()]
+    parts.append(b"\r\n")
+    return b"".join(parts), body
 
 
 class Answer:
-    """A response as h11 reads it off one connection (`Connection.exchange`)."""
+    """A response as httptools reads it off one connection (`Connection.exchange`)."""
 
-    def __init__(self, http: h11.Connection) -> None:
-        self.http = http
+    def __init__(self) -> None:
         self.status = 0
         self.body = bytearray()
         self.complete = False
         self.keep_alive = False
+        self._interim = False  # a 1xx answer before the real one: skipped, as h11 does
+        self._framed = False  # a content-length or chunked body (else: read until the daemon closes)
+        self._stray = False  # bytes after the answer: the connection is not kept (a desync)
+        self._parser = httptools.HttpResponseParser(self)
+
+    # httptools' callbacks
+    def on_message_begin(self) -> None:
+        self._stray = self._stray or self.complete
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        self._interim = 100 <= status < 200
+        if not self._interim and not self.complete:
+            self.status = status
+
+    def on_body(self, body: bytes) -> None:
+        if not self.complete:
+            self.body += body
+
+    def on_message_complete(self) -> None:
+        if self._interim or self.complete:
+            self._interim, self._framed = False, False
+            return
+        self.complete = True
+        self.keep_alive = self._parser.should_keep_alive()
 
     def next_events(self) -> bool:
-        """Takes what h11 has; True once it needs more bytes."""
-        try:
-            while not self.complete:
-                event = self.http.next_event()
-                if event is h11.NEED_DATA:
-                    return True
-                if isinstance(event, h11.Response):
-                    self.status = event.status_code
-                elif isinstance(event, h11.Data):
-                    self.body += event.data
-                elif isinstance(event, h11.EndOfMessage):
-                    self.complete = True
-                    # kept only if both sides are done and nothing follows the answer (a desync)
-                    self.keep_alive = (
-                        self.http.our_state is h11.DONE
-                        and self.http.their_state is h11.DONE
-                        and not self.http.trailing_data[0]
-                    )
-                    if self.keep_alive:
-                        self.http.start_next_cycle()
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise httpx.RemoteProtocolError("the daemon closed the connection before answering")
-        except h11.RemoteProtocolError as exc:
-            raise httpx.RemoteProtocolError(f"unreadable answer from the daemon: {exc}") from None
-        return False
+        """True while the answer needs more bytes."""
+        return not self.complete
 
     def feed(self, data: bytes) -> None:
-        self.http.receive_data(data)  # b"": the daemon closed its end
+        """The next bytes off the connection (b"": the daemon closed its end)."""
+        if not data:
+            if self.status and not self._framed:  # a body that ends where the connection does
+                self.complete, self.keep_alive = True, False
+                return
+            if self.status:
+                raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+            raise httpx.RemoteProtocolError("the daemon closed the connection before answering")
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if not self.complete:
+                raise httpx.RemoteProtocolError(f"unreadable answer from the daemon: {exc}") from None
+            self._stray = True
+        # kept only if nothing follows the answer
+        self.keep_alive = self.keep_alive and not self._stray
 
 
-def _frames(http: h11.Connection, request: tuple[h11.Request, bytes]) -> list[bytes]:
+def _frames(request: Request) -> list[bytes]:
     """What to write: one buffer for a small request; a large one's body apart (never copied)."""
     head, body = request
-    parts = [http.send(head), http.send(h11.Data(data=body)) if body else b"", http.send(h11.EndOfMessage())]
-    parts = [p for p in parts if p]
-    return [b"".join(parts)] if len(body) <= _CHUNK else parts
+    return [head + body] if len(body) <= _CHUNK else [head, body]
 
 
 def _connect_error(path: str, exc: OSError) -> httpx.ConnectError:
@@ -164,20 +222,19 @@ class Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.http = h11.Connection(h11.CLIENT)
 
     @classmethod
     def open(cls, path: str, timeout: float) -> Connection:
         return cls(_open(path, timeout))
 
-    def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
+    def exchange(self, request: Request, timeout: float) -> Answer:
         """Write the request and read its answer; `timeout` bounds each write and each read (as httpx's
         does): a large transfer that keeps moving is never cut."""
-        answer = Answer(self.http)
+        answer = Answer()
         with _exchanging():
             self.sock.settimeout(timeout)
             try:
-                for data in _frames(self.http, request):
+                for data in _frames(request):
                     view = memoryview(data)
                     while view:  # sendall's timeout would bound the whole body
                         view = view[self.sock.send(view[:_CHUNK]) :]
@@ -196,7 +253,6 @@ class AsyncConnection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.http = h11.Connection(h11.CLIENT)
 
     @classmethod
     async def open(cls, path: str, timeout: float) -> AsyncConnection:
@@ -236,13 +292,13 @@ class AsyncConnection:
                             raise
         return cls(made[0])
 
-    async def exchange(self, request: tuple[h11.Request, bytes], timeout: float) -> Answer:
+    async def exchange(self, request: Request, timeout: float) -> Answer:
         """As `Connection.exchange`: `timeout` bounds each write and each read."""
         loop = asyncio.get_running_loop()
-        answer = Answer(self.http)
+        answer = Answer()
         with _exchanging():
             try:
-                for data in _frames(self.http, request):
+                for data in _frames(request):
                     view = memoryview(data)
                     for i in range(0, len(view), _CHUNK):
                         async with asyncio.timeout(timeout):
@@ -336,7 +392,7 @@ class Lane(Generic[C]):
 
     async def call(
         self: Lane[AsyncConnection],
-        request: tuple[h11.Request, bytes],
+        request: Request,
         open_: Callable[[], Awaitable[AsyncConnection]],
         timeout: float,
     ) -> Answer | None:
@@ -357,7 +413,7 @@ class Lane(Generic[C]):
         return answer
 
     def call_sync(
-        self: Lane[Connection], request: tuple[h11.Request, bytes], open_: Callable[[], Connection], timeout: float
+        self: Lane[Connection], request: Request, open_: Callable[[], Connection], timeout: float
     ) -> Answer | None:
         """`call` for a blocking client."""
         conn = self.take()
