@@ -169,6 +169,7 @@ RULES = [
             "sandfleet.daemon.node.metrics",
             "sandfleet.daemon.errormap",  # the boundary's one table from exceptions to wire codes
             "sandfleet.console",  # the web console's files, served beside the API
+            "sandfleet.route_cache",  # which route answers a call, remembered
             *SDK,
         ),
     ),
@@ -194,6 +195,7 @@ RULES = [
             "sandfleet.images.models",  # image references, as placement compares them
             "sandfleet.console",  # the web console's files, served beside the API
             "sandfleet.collector",  # the garbage collector's policy, as a node's
+            "sandfleet.route_cache",  # which route answers a call, as a node's
             *SDK,
         ),
     ),

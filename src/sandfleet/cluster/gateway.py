@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from sandfleet import __version__, console
+from sandfleet import __version__, console, route_cache
 from sandfleet.cluster.core import error_answer, json_object, log
 from sandfleet.cluster.fan_out import FanOut
 from sandfleet.cluster.forward import call_json, forward, json_response
@@ -197,5 +197,6 @@ def create_gateway_app(gw: Gateway) -> Starlette:
         return error_answer(InvalidArgumentError("method not allowed on this endpoint"))
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
+    route_cache.install(app.router)
     app.state.gateway = gw
     return app

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sandfleet import __version__, console
+from sandfleet import __version__, console, route_cache
 from sandfleet.daemon.api import (
     execs,
     files,
@@ -134,6 +134,7 @@ def create_app(
     probe = {"type": "http", "path": "/-", "method": "GET", "root_path": "", "headers": [], "query_string": b""}
     for route in app.router.routes:
         route.matches(probe)
+    route_cache.install(app.router)
     return app
 
 
