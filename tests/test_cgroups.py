@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -143,3 +144,17 @@ def test_cgroup_moves_are_favoured_and_the_root_s_other_options_kept(daemon: obj
     assert seen["favored"] is True
     assert sorted(seen["after"]) == sorted(["memory_localevents", cgroups.FAVOR_MOVES]), seen
     assert seen["restored"] == seen["before"], seen
+
+
+def test_a_sandbox_cannot_change_the_cgroup_root_s_options(sandbox: Any) -> None:
+    """The root's options are the host's: a mount of cgroup2 from inside a sandbox, which from the
+    host's cgroup namespace would set them all, is refused (and would be in the sandbox's own cgroup
+    namespace, where the kernel ignores them anyway)."""
+    options = cgroups.root_options()
+    if options is None:
+        pytest.skip("no cgroup2 mount in view")
+    for cmd in ("mkdir -p /tmp/c && mount -t cgroup2 none /tmp/c", "mount -t cgroup2 -o nsdelegate none /tmp/c"):
+        r = sandbox.exec(cmd)
+        assert r.exit_code != 0, (cmd, r)
+    assert cgroups.root_options() == options
+    assert " /tmp/c " not in sandbox.exec("cat /proc/mounts").stdout
