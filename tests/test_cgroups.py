@@ -112,13 +112,17 @@ def remount(options):
         mounts.mount("cgroup2", point, "cgroup2", 0, ",".join(options) or None)
         mounts.umount(point, lazy=True)
 before = cgroups.root_options()
-remount(["memory_localevents"])  # every mount from the host's cgroup namespace sets all root options
-cleared = cgroups.root_options()
-favored = cgroups.favor_moves(cleared)
-after = cgroups.root_options()
-remount(before)
+try:
+    remount(["memory_localevents"])  # every mount from the host's cgroup namespace sets all root options
+    cleared = cgroups.root_options()
+    favored = cgroups.favor_moves(cleared)
+    after = cgroups.root_options()
+    unknown = cgroups.favor_moves(None)  # no cgroup2 in view: the root's options are not guessed
+    untouched = cgroups.root_options()
+finally:
+    remount(before)  # the host's own options back, whatever happened
 print(json.dumps({"before": before, "cleared": cleared, "favored": favored, "after": after,
-                  "restored": cgroups.root_options()}))
+                  "unknown": unknown, "untouched": untouched, "restored": cgroups.root_options()}))
 """
 
 
@@ -143,6 +147,7 @@ def test_cgroup_moves_are_favoured_and_the_root_s_other_options_kept(daemon: obj
     assert seen["cleared"] == ["memory_localevents"], seen  # (the probe's own step: a mount without it)
     assert seen["favored"] is True
     assert sorted(seen["after"]) == sorted(["memory_localevents", cgroups.FAVOR_MOVES]), seen
+    assert seen["unknown"] is False and seen["untouched"] == seen["after"], seen
     assert seen["restored"] == seen["before"], seen
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -365,6 +367,35 @@ def test_interim_answers_are_skipped_and_a_body_may_end_with_the_connection(serv
             with pytest.raises(UnavailableError, match="cannot send"):
                 fleet._send(bad)
     assert len(server.requests) == 4  # nothing of the refused ones was written
+
+
+def test_an_answer_is_freed_with_its_call_and_odd_answers_fail_typed(serve: Callable[..., Server]) -> None:
+    """A body is freed when its answer is dropped, not at the next garbage collection (RL loops often
+    freeze or disable the collector); an upgrade answer is a transport error; a request cut short
+    by an early answer never leaves its connection kept; the body's framing is the lane's."""
+    upgrade = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
+    server = serve(lambda r, n: (upgrade, "close") if b"/v1/up" in r else (OK, None))
+    conn = lane.Connection.open(str(server.path), 5.0)
+    gc.disable()
+    try:
+        answer = conn.exchange(lane.encode(b.Call("GET", "/v1/x"), {"host": "sandfleet"}), 5.0)
+        assert answer.status == 200 and answer.keep_alive
+        freed = weakref.ref(answer)
+        del answer
+        assert freed() is None
+    finally:
+        gc.enable()
+        conn.close()
+    with Client(server.path) as fleet:
+        with pytest.raises(UnavailableError, match="unreadable answer"):
+            fleet._send(b.Call("GET", "/v1/up"))
+        for own in ({"content-length": "5"}, {"Transfer-Encoding": "chunked"}):
+            with pytest.raises(UnavailableError, match="cannot send"):
+                fleet._send(b.Call("POST", "/v1/x", json={}, headers=own))
+    early = lane.Answer()
+    early.feed(OK)
+    early.release(sent=False)
+    assert early.complete and not early.keep_alive
 
 
 def test_a_closed_client_takes_no_call(serve: Callable[..., Server]) -> None:

@@ -3,13 +3,20 @@
 Starlette finds a request's route by asking each route in turn whether it matches; FastAPI's
 included routers ask each of theirs. For `POST /v1/sandboxes/{id}/exec` on a node that was ten
 routers and ~60 us of the daemon's CPU, a tenth of an exec's. The first route to match a method and
-path fully never changes while the routes do not, so it is remembered (the latest 4,096 calls,
-paths up to 256 characters: what a caller sends cannot grow it) and asked alone next time. Anything
-else (no full match: 404, 405, a redirect; WebSockets) goes through the router as before.
+path fully does not change while the routes do not, so it is remembered and asked alone next time:
+the router's own dispatch then runs over that one route (a copy of the router holding only it), so
+whatever the router does around a match (FastAPI's scope merging and form limits) is done as
+before. Sandbox and snapshot ids in a path are one key (no route names an id), so a node's
+thousands of sandboxes share a handful of entries; the latest 4,096 keys are kept, each up to 256
+characters: what a caller sends cannot grow it. Anything else (no full match: 404, 405, a redirect;
+WebSockets and lifespan) goes through the router as before, and a change in the router's routes
+empties the cache.
 """
 
 from __future__ import annotations
 
+import copy
+import re
 from collections import OrderedDict
 
 from starlette.routing import BaseRoute, Match, Router
@@ -17,44 +24,56 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 SIZE = 4096
 LONGEST = 256
+_ID = re.compile(r"(?<=/)(?:sb|snap)-[0-9a-f]{16}(?=/|$)")  # sandfleet/ids.py's sandbox and snapshot ids
+
+
+def _key(scope: Scope) -> tuple[str, str]:
+    path: str = scope["path"]
+    return scope["method"], _ID.sub("*", path) if "-" in path else path
 
 
 class RouteCache:
-    """In front of `router` (`install`): a (method, path) answered by the route that answered it last."""
+    """In front of `router` (`install`): a call answered by the route that answered its key last."""
 
     def __init__(self, router: Router, inner: ASGIApp) -> None:
         self.router = router
         self.inner = inner  # the router's own dispatch
         self._seen: OrderedDict[tuple[str, str], BaseRoute] = OrderedDict()
+        self._alone: dict[int, ASGIApp] = {}  # id(route) -> the router's dispatch over it alone
+        self._routes = len(router.routes)
 
-    def find(self, scope: Scope) -> tuple[BaseRoute, Scope] | None:
-        """The route that answers this HTTP call and its part of the scope, or None: no full match."""
-        key = (scope["method"], scope["path"])
+    def find(self, scope: Scope) -> BaseRoute | None:
+        """The route that answers this HTTP call (the router's first full match), or None."""
+        if len(self.router.routes) != self._routes:  # routes added or removed: start again
+            self._seen.clear()
+            self._alone.clear()
+            self._routes = len(self.router.routes)
+        key = _key(scope)
         route = self._seen.get(key)
         if route is not None:
             self._seen.move_to_end(key)
-            match, child = route.matches(scope)
-            return (route, child) if match is Match.FULL else None
-        for route in self.router.routes:  # as Router.app: the first full match
-            match, child = route.matches(scope)
-            if match is Match.FULL:
+            return route if route.matches(scope)[0] is Match.FULL else None
+        for route in self.router.routes:
+            if route.matches(scope)[0] is Match.FULL:
                 if len(key[1]) <= LONGEST:
                     self._seen[key] = route
                     if len(self._seen) > SIZE:
                         self._seen.popitem(last=False)
-                return route, child
+                return route
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        found = self.find(scope) if scope["type"] == "http" else None
-        if found is None:
+        route = self.find(scope) if scope["type"] == "http" else None
+        if route is None:
             await self.inner(scope, receive, send)
             return
-        route, child = found
-        scope.setdefault("router", self.router)
-        scope["route"] = route
-        scope.update(child)
-        await route.handle(scope, receive, send)
+        alone = self._alone.get(id(route))
+        if alone is None:
+            single = copy.copy(self.router)
+            single.routes = [route]
+            alone = self._alone[id(route)] = single.app
+        scope.setdefault("router", self.router)  # (the whole router, for url_for)
+        await alone(scope, receive, send)
 
 
 def install(router: Router) -> RouteCache:

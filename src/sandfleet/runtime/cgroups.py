@@ -56,12 +56,15 @@ FAVOR_MOVES = "favordynmods"
 def root_options(mountinfo: str = "/proc/self/mountinfo") -> list[str] | None:
     """The cgroup2 root's options as a mount of it shows them (nsdelegate, memory_recursiveprot...),
     or None when no cgroup2 is mounted in view."""
-    with open(mountinfo) as f:
-        for line in f:
-            _, _, after = line.partition(" - ")
-            fields = after.split()
-            if len(fields) >= 3 and fields[0] == "cgroup2":
-                return [o for o in fields[2].split(",") if o not in ("rw", "ro")]
+    try:
+        with open(mountinfo) as f:
+            for line in f:
+                _, _, after = line.partition(" - ")  # (mount points and sources are escaped: no " - ")
+                fields = after.split()
+                if len(fields) >= 3 and fields[0] == "cgroup2":
+                    return [o for o in fields[2].split(",") if o not in ("rw", "ro")]
+    except OSError:
+        pass
     return None
 
 
@@ -74,22 +77,29 @@ def favor_moves(options: list[str] | None) -> bool:
     the last one took 11 ms, against 3 ms back to back. The price is a memory barrier more in every
     fork and exit. The option belongs to the host's single cgroup2 root; a mount that names it sets
     it, and every mount from the host's cgroup namespace sets all the root's options at once, so
-    `options` (`root_options()` as the host has them) are kept. The mount is made in the daemon's
-    own mount namespace and taken down at once. Returns whether the root has the option now.
+    `options` (`root_options()` as the host has them) are kept. With no cgroup2 in view (None) the
+    root's options are unknown and nothing is mounted: a mount would clear them (and on a host that
+    never mounted cgroup2, make it show in every process's /proc/<pid>/cgroup). The mount is made
+    in the daemon's own mount namespace and taken down at once. Returns whether the root has the
+    option now; never raises.
     """
-    wanted = list(options or [])
-    if FAVOR_MOVES in wanted:
+    if options is None:
+        return False
+    if FAVOR_MOVES in options:
         return True
-    with tempfile.TemporaryDirectory(prefix="sandfleet-cgroup2-") as point:
-        try:
-            mounts.mount("cgroup2", point, "cgroup2", mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC,
-                         ",".join([*wanted, FAVOR_MOVES]))  # fmt: skip
-        except OSError:
-            return False  # a kernel before 6.0
-        try:
-            return FAVOR_MOVES in (root_options() or [])
-        finally:
-            mounts.umount(point, lazy=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="sandfleet-cgroup2-") as point:
+            try:
+                mounts.mount("cgroup2", point, "cgroup2", mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC,
+                             ",".join([*options, FAVOR_MOVES]))  # fmt: skip
+            except OSError:
+                return False  # a kernel before 6.0
+            try:
+                return FAVOR_MOVES in (root_options() or [])
+            finally:
+                mounts.umount(point, lazy=True)
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)

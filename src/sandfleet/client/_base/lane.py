@@ -86,6 +86,8 @@ def encode(call: Call, headers: Mapping[str, str]) -> Request:
     elif call.content is not None:
         body = call.content
     own.update((k.lower(), v) for k, v in call.headers.items())
+    if "transfer-encoding" in own or "content-length" in own:  # the body's framing is the lane's own
+        raise _refused("a call's own content-length or transfer-encoding")
     if body or call.method in ("POST", "PUT", "PATCH"):
         own["content-length"] = str(len(body))
     method = call.method.encode("ascii", "replace")
@@ -111,7 +113,9 @@ class Answer:
         self._interim = False  # a 1xx answer before the real one: skipped, as h11 does
         self._framed = False  # a content-length or chunked body (else: read until the daemon closes)
         self._stray = False  # bytes after the answer: the connection is not kept (a desync)
-        self._parser = httptools.HttpResponseParser(self)
+        # The parser calls back into this answer (a reference cycle): dropped once it is read
+        # (`release`), so a body is freed with its answer, not at the next garbage collection.
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     # httptools' callbacks
     def on_message_begin(self) -> None:
@@ -122,6 +126,7 @@ class Answer:
             self._framed = True
 
     def on_headers_complete(self) -> None:
+        assert self._parser is not None
         status = self._parser.get_status_code()
         self._interim = 100 <= status < 200
         if not self._interim and not self.complete:
@@ -135,6 +140,7 @@ class Answer:
         if self._interim or self.complete:
             self._interim, self._framed = False, False
             return
+        assert self._parser is not None
         self.complete = True
         self.keep_alive = self._parser.should_keep_alive()
 
@@ -151,14 +157,21 @@ class Answer:
             if self.status:
                 raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
             raise httpx.RemoteProtocolError("the daemon closed the connection before answering")
+        assert self._parser is not None, "fed after it was read"
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # (an upgrade: not ours)
             if not self.complete:
-                raise httpx.RemoteProtocolError(f"unreadable answer from the daemon: {exc}") from None
+                raise httpx.RemoteProtocolError(f"unreadable answer from the daemon: {exc!r}") from None
             self._stray = True
         # kept only if nothing follows the answer
         self.keep_alive = self.keep_alive and not self._stray
+
+    def release(self, *, sent: bool = True) -> None:
+        """Done reading (or failed): the parser goes. `sent`: False if the request was cut short (the
+        daemon answered early and closed): the connection is never kept then."""
+        self._parser = None
+        self.keep_alive = self.keep_alive and sent
 
 
 def _frames(request: Request) -> list[bytes]:
@@ -231,17 +244,22 @@ class Connection:
         """Write the request and read its answer; `timeout` bounds each write and each read (as httpx's
         does): a large transfer that keeps moving is never cut."""
         answer = Answer()
-        with _exchanging():
-            self.sock.settimeout(timeout)
-            try:
-                for data in _frames(request):
-                    view = memoryview(data)
-                    while view:  # sendall's timeout would bound the whole body
-                        view = view[self.sock.send(view[:_CHUNK]) :]
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the daemon answered early (an error) and closed: its answer is still to read
-            while answer.next_events():
-                answer.feed(self.sock.recv(_CHUNK))
+        sent = False
+        try:
+            with _exchanging():
+                self.sock.settimeout(timeout)
+                try:
+                    for data in _frames(request):
+                        view = memoryview(data)
+                        while view:  # sendall's timeout would bound the whole body
+                            view = view[self.sock.send(view[:_CHUNK]) :]
+                    sent = True
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the daemon answered early (an error) and closed: its answer is still to read
+                while answer.next_events():
+                    answer.feed(self.sock.recv(_CHUNK))
+        finally:
+            answer.release(sent=sent)
         return answer
 
     def close(self) -> None:
@@ -296,19 +314,24 @@ class AsyncConnection:
         """As `Connection.exchange`: `timeout` bounds each write and each read."""
         loop = asyncio.get_running_loop()
         answer = Answer()
-        with _exchanging():
-            try:
-                for data in _frames(request):
-                    view = memoryview(data)
-                    for i in range(0, len(view), _CHUNK):
-                        async with asyncio.timeout(timeout):
-                            await loop.sock_sendall(self.sock, view[i : i + _CHUNK])
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the daemon answered early (an error) and closed: its answer is still to read
-            while answer.next_events():
-                async with asyncio.timeout(timeout):
-                    data = await loop.sock_recv(self.sock, _CHUNK)
-                answer.feed(data)
+        sent = False
+        try:
+            with _exchanging():
+                try:
+                    for data in _frames(request):
+                        view = memoryview(data)
+                        for i in range(0, len(view), _CHUNK):
+                            async with asyncio.timeout(timeout):
+                                await loop.sock_sendall(self.sock, view[i : i + _CHUNK])
+                    sent = True
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the daemon answered early (an error) and closed: its answer is still to read
+                while answer.next_events():
+                    async with asyncio.timeout(timeout):
+                        data = await loop.sock_recv(self.sock, _CHUNK)
+                    answer.feed(data)
+        finally:
+            answer.release(sent=sent)
         return answer
 
     def close(self) -> None:
