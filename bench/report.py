@@ -86,34 +86,18 @@ def build_tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
         ratios = [f(st["p50_ms"] / base["p50_ms"], 2), f(st["mean_ms"] / base["mean_ms"], 2)]
         return [label, f(st["p50_ms"]), f(st["p99_ms"]), f(st["mean_ms"]), *ratios, note]
 
-    cold = sf["create_to_first_exec"]
-    rows = [
-        sandfleet_row(
-            'sandfleet SDK: create + exec("true")',
-            base,
-            f"create p50 {f(cold['create']['p50_ms'])} ms + first exec p50 {f(cold['first_exec']['p50_ms'])} ms",
-        )
-    ]
-    if "spaced_create_to_first_exec" in sf:
-        spaced = sf["spaced_create_to_first_exec"]
-        rows.append(
-            sandfleet_row(
-                'sandfleet SDK, one every 0.1 s: create + exec("true")',
-                spaced["create_plus_first_exec"],
-                f"create p50 {f(spaced['create']['p50_ms'])} ms + first exec p50 "
-                f"{f(spaced['first_exec']['p50_ms'])} ms; cold creates after an idle spell (a lone one's cost)",
-            )
-        )
-    if "pooled_create_to_first_exec" in sf:
-        pooled = sf["pooled_create_to_first_exec"]
-        rows.append(
-            sandfleet_row(
-                'sandfleet SDK, warm pool: create + exec("true")',
-                pooled["create_plus_first_exec"],
-                f"create p50 {f(pooled['create']['p50_ms'])} ms + first exec p50 "
-                f"{f(pooled['first_exec']['p50_ms'])} ms; one create every 0.2 s (the CPUs idle in between)",
-            )
-        )
+    rows = []
+    for key, label, how in (
+        ("create_to_first_exec", 'sandfleet SDK: create + exec("true")', ""),
+        ("spaced_create_to_first_exec", 'sandfleet SDK, one every 0.1 s: create + exec("true")',
+         "; cold creates after an idle spell (a lone one's cost)"),
+        ("pooled_create_to_first_exec", 'sandfleet SDK, warm pool: create + exec("true")',
+         "; one create every 0.2 s (the CPUs idle in between)"),
+    ):  # fmt: skip
+        if key in sf:
+            run = sf[key]
+            note = f"create p50 {f(run['create']['p50_ms'])} ms + first exec p50 {f(run['first_exec']['p50_ms'])} ms"
+            rows.append(sandfleet_row(label, run["create_plus_first_exec"], note + how))
     if "pooled_groups" in sf:
         pg = sf["pooled_groups"]
         rows.append(
