@@ -14,8 +14,9 @@
       own; the null nodes and the load generator share the other. Reported: creates/s, the
       gateway's CPU seconds per 1,000 creates (/proc/<pid>/stat), each process's CPU use (which
       one was the bottleneck), and how evenly the creates spread over the nodes (max/mean).
-      Then the SDK's `create_many` in batches of 64 (sandboxes/s). A null backend measures the
-      gateway only: never proof that anything works.
+      Then batches of 64 as the SDK's `create_many` writes them, over the same lane, and the SDK's
+      `create_many` itself (its own CPU per sandbox shows in the load generator's column).
+      A null backend measures the gateway only: never proof that anything works.
       Where the gateway's CPU goes: a separate pass of the same load with py-spy attached
       (if installed), samples grouped by package.
   R)  Ray's `ray.experimental.sandbox`, tried in the same run on a local Ray (in a child process,
@@ -49,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -129,9 +132,9 @@ class NullNodes:
         elif method == "GET" and path == "/v1/node/load":
             status, data = 200, node.load()
         elif method == "POST" and path == "/v1/sandboxes":
-            status, data = 201, node.sandbox(json.loads(body))
+            status, data = 201, node.sandbox(orjson.loads(body))
         elif method == "POST" and path == "/v1/sandboxes/batch":
-            specs = json.loads(body)["specs"]
+            specs = orjson.loads(body)["specs"]
             status, data = 200, {"results": [{"sandbox": node.sandbox(s)} for s in specs]}
         elif method == "GET" and path == "/v1/health":
             status, data = (
@@ -146,13 +149,13 @@ class NullNodes:
                 },
             )
         elif method == "POST" and path == "/v1/sandboxes/ack":  # the gateway's acks of what it passed on
-            node.acked += len(json.loads(body)["sandboxes"])
+            node.acked += len(orjson.loads(body)["sandboxes"])
             status, data = 200, {"ok": True}
         elif method == "GET" and path == "/_counts":
             status, data = 200, {n.key: n.created for n in self.by_port.values()}
         else:
             status, data = 404, {"error": {"code": "not_found", "message": f"null node: no {method} {path}"}}
-        raw = json.dumps(data, separators=(",", ":")).encode()
+        raw = orjson.dumps(data)
         await send(
             {
                 "type": "http.response.start",
@@ -222,33 +225,7 @@ async def load_main(url: str, mode: str, concurrency: int, seconds: float, warmu
     done = False
     window = [0.0, 0.0]
 
-    if mode == "single":
-        from sandfleet.client._base import Call, lane
-
-        # The SDK's lane over TCP (as the gateway's to its nodes): kept-alive connections, one request
-        # written once. An httpx client per worker cost the load generator ~0.5 ms of CPU per request,
-        # more than the gateway, so it was the limit of the figure.
-        pool = lane.Lane[lane.AsyncConnection](
-            url, {"authorization": f"Bearer {TOKEN}"}, limit=concurrency, idle=concurrency
-        )
-        body = json.dumps({"image": "busybox", "labels": {"bench": "cluster"}}).encode()
-        request = lane.encode(
-            Call("POST", "/v1/sandboxes", content=body, headers={"content-type": "application/json"}), pool.headers
-        )
-        where = httpx.URL(url)
-
-        def connect() -> Any:
-            return lane.AsyncConnection.open_tcp(where.host, where.port or 80, 10.0)
-
-        async def one(i: int) -> int:
-            answer = await pool.call(request, connect, 60.0)
-            if answer is None or answer.status != 201:
-                raise RuntimeError("no connection free" if answer is None else f"HTTP {answer.status}")
-            return 1
-
-        closer: Any = contextlib.AsyncExitStack()
-        closer.callback(pool.close)
-    else:
+    if mode == "create_many":  # the SDK's own `create_many` (its CPU per sandbox is part of the figure)
         fleet = AsyncClient(url, token=TOKEN, timeout=60)
         specs = [SandboxSpec(image="busybox", labels={"bench": "cluster"})] * batch
 
@@ -259,7 +236,53 @@ async def load_main(url: str, mode: str, concurrency: int, seconds: float, warmu
                 err_kinds[str(bad[0])[:120]] += len(bad)
             return len(out) - len(bad)
 
-        closer = fleet
+        closer: Any = fleet
+    else:
+        from sandfleet.client import _base as b
+        from sandfleet.client._base import Call, lane
+
+        # The SDK's lane over TCP (as the gateway's to its nodes): kept-alive connections. An httpx
+        # client per worker cost the load generator ~0.5 ms of CPU per request, more than the
+        # gateway, so it was the limit of the figure; the SDK's `create_many` (pydantic models of
+        # every answer) kept the other core busy at ~35 us a sandbox, so the batches are also sent
+        # as it writes them (`call_create_batch`, fresh idempotency keys each) without it.
+        pool = lane.Lane[lane.AsyncConnection](
+            url, {"authorization": f"Bearer {TOKEN}"}, limit=concurrency, idle=concurrency
+        )
+        spec = SandboxSpec(image="busybox", labels={"bench": "cluster"})
+        where = httpx.URL(url)
+        single = lane.encode(
+            Call(
+                "POST",
+                "/v1/sandboxes",
+                content=spec.model_dump_json(exclude_unset=True).encode(),
+                headers={"content-type": "application/json"},
+            ),
+            pool.headers,
+        )
+
+        def connect() -> Any:
+            return lane.AsyncConnection.open_tcp(where.host, where.port or 80, 10.0)
+
+        async def one(i: int) -> int:
+            if mode == "single":
+                answer = await pool.call(single, connect, 60.0)
+            else:
+                keys = [b.new_idempotency_key() for _ in range(batch)]
+                call = b.call_create_batch([spec] * batch, keys, 16, 60.0)
+                answer = await pool.call(lane.encode(call, pool.headers), connect, 60.0)
+            if answer is None or answer.status >= 300:
+                raise RuntimeError("no connection free" if answer is None else f"HTTP {answer.status}")
+            if mode == "single":
+                return 1
+            items = orjson.loads(answer.body)["results"]
+            bad = [item for item in items if not item.get("sandbox")]
+            if bad:
+                err_kinds[json.dumps(bad[0])[:120]] += len(bad)
+            return len(items) - len(bad)
+
+        closer = contextlib.AsyncExitStack()
+        closer.callback(pool.close)
 
     async def worker(i: int) -> None:
         nonlocal made, errors
@@ -697,6 +720,8 @@ def bench_throughput(
     print("G2 single", json.dumps(out["single"]), flush=True)
     out["batch"] = drive(procs, gw, null, nodes, url, "batch", batch_callers, seconds, batch, rest)
     print("G2 batch", json.dumps(out["batch"]), flush=True)
+    out["create_many"] = drive(procs, gw, null, nodes, url, "create_many", batch_callers, seconds, batch, rest)
+    print("G2 create_many", json.dumps(out["create_many"]), flush=True)
     spy = shutil.which("py-spy")
     if spy and profile_s > 0:
         raw = procs.root / "gateway.pyspy.txt"
@@ -960,8 +985,11 @@ def write_report(res: dict[str, Any], results: Path) -> Path:
         ]
         rows = [
             (f"single creates, kept-alive connections, {s['concurrency']} in flight", s),
-            (f"SDK `create_many`, batches of {b['batch']}, {b['concurrency']} callers", b),
+            (f"batches of {b['batch']} as `create_many` writes them, {b['concurrency']} in flight", b),
         ]
+        if g2.get("create_many"):
+            c = g2["create_many"]
+            rows.append((f"the SDK's `create_many` itself, batches of {c['batch']}, {c['concurrency']} callers", c))
         if g2.get("few"):
             f = g2["few"]
             rows.append((f"single creates, {f['concurrency']} in flight, on only {f['nodes']} null nodes", f))
@@ -974,7 +1002,7 @@ def write_report(res: dict[str, Any], results: Path) -> Path:
                 f"| {r['node_spread_max_over_mean']} ({r['node_spread_min_over_mean']}) |"
             )
         L += [""]
-        for name, r in (("single", s), ("batch", b)):
+        for name, r in (("single", s), ("batch", b), ("create_many", g2.get("create_many") or {})):
             if r.get("error_kinds"):
                 L.append(f"Errors ({name}): `{json.dumps(r['error_kinds'])}`")
         gu = s["cpu_util"]["gateway"]

@@ -225,3 +225,33 @@ async def test_a_jobs_figures_and_the_alerts_are_added_up_over_nodes(cluster: Cl
         assert alerts[0].since == lost["lost_at"]
         # the figures of the node left: its own sandboxes only
         assert {s.node for s in (await fleet.job("j5")).slowest} == {KEYS[1]}
+
+
+async def test_batches_and_bodies_cross_the_gateway_with_their_json_meaning(cluster: Cluster) -> None:
+    """The gateway reads JSON with pydantic-core and writes it with orjson (cluster/json_codec.py): a
+    batch's specs reach the nodes whole (labels of any script), its keys keep their meaning (the same
+    batch again gets the same sandboxes), and a body that is not JSON (NaN) is the caller's mistake."""
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    labels = [{"job": "j6", "name": f"ñ-{i}-\u2603", "quote": 'a"b\\c'} for i in range(6)]
+    batch = {
+        "specs": [{"image": "busybox", "labels": lab} for lab in labels],
+        "idempotency_keys": [f"j6-key-{i}" for i in range(6)],
+    }
+    raw = httpx.AsyncClient(transport=httpx.ASGITransport(app=cluster.app), base_url="http://gateway")
+    async with raw:
+        first = await raw.post("/v1/sandboxes/batch", json=batch, headers=headers)
+        assert first.status_code == 200, first.text
+        items = first.json()["results"]
+        assert [i["sandbox"]["spec"]["labels"] for i in items] == labels
+        assert {_node_of(i["sandbox"]["id"]) for i in items} == set(KEYS)
+        again = await raw.post("/v1/sandboxes/batch", json=batch, headers=headers)
+        assert [i["sandbox"]["id"] for i in again.json()["results"]] == [i["sandbox"]["id"] for i in items]
+        sandbox_id = items[0]["sandbox"]["id"]
+        for body in (b'{"count": NaN}', b'{"count": Infinity}', b'{"count": 1'):
+            r = await raw.post(
+                f"/v1/sandboxes/{sandbox_id}/fork", content=body, headers=headers | {"content-type": "application/json"}
+            )
+            assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_argument"), body
+    async with cluster.client() as fleet:
+        held = await fleet.list(labels={"job": "j6"})
+        assert sorted(s.id for s in held) == sorted(i["sandbox"]["id"] for i in items)

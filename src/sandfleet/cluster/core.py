@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -23,6 +22,7 @@ from sandfleet.cluster.acks import Acks
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.forward import json_response
 from sandfleet.cluster.job_figures import Refusals
+from sandfleet.cluster.json_codec import loads
 from sandfleet.cluster.membership import Membership, Node
 from sandfleet.cluster.placement import Placer
 from sandfleet.cluster.quotas import GatewayQuotas
@@ -79,7 +79,7 @@ async def json_object(request: Request) -> dict[str, Any]:
     if not body:
         return {}
     try:
-        data = json.loads(body)
+        data = loads(body)
     except ValueError as exc:
         raise InvalidArgumentError("request body is not valid JSON") from exc
     if not isinstance(data, dict):

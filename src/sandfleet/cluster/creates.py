@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ from sandfleet.cluster.core import (
     spec_json,
 )
 from sandfleet.cluster.forward import LOOKUP_TIMEOUT, call_json, forward, json_response
+from sandfleet.cluster.json_codec import dumps, loads
 from sandfleet.cluster.membership import Node
 from sandfleet.cluster.placement import NoCapacity, PlacementRequest
 from sandfleet.cluster.quotas import ShareSpent
@@ -44,6 +44,9 @@ from sandfleet.errors import (
 from sandfleet.ids import node_of
 from sandfleet.images.models import canonical_ref
 from sandfleet.models import CreateBatchRequest, SandboxSpec
+
+# What one placement of a batch's creates serves: (tier, image, the node labels asked for).
+Need = tuple[str, str | None, tuple[tuple[str, str], ...]]
 
 
 class Creates(GatewayCore):
@@ -209,17 +212,18 @@ class Creates(GatewayCore):
         if client is None:
             client = self._gateways[gateway_url] = httpx.AsyncClient(base_url=gateway_url, timeout=120)
         headers = {DELEGATED: "1", "authorization": request.headers.get("authorization", "")}
+        headers["content-type"] = "application/json"
         for name in ("idempotency-key", RETRIED):
             if value := request.headers.get(name):
                 headers[name] = value
         try:
-            r = await client.post("/v1/sandboxes", json=spec, headers=headers)
+            r = await client.post("/v1/sandboxes", content=dumps(spec), headers=headers)
         except httpx.HTTPError as exc:
             raise UnavailableError(f"gateway {gateway_url} holding the project's quota share is unreachable") from exc
         made = []  # the other gateway left the ack to this one: its caller is here
         if r.status_code < 300:
             with contextlib.suppress(ValueError, KeyError, TypeError):
-                made = [str(json.loads(r.content)["id"])]
+                made = [str(loads(r.content)["id"])]
         if scoped and made and (node := node_of(made[0])):
             self._remember(self._keyed, scoped, node)  # its key's next create goes there from here too
         background = self._acked(request, made)
@@ -260,15 +264,15 @@ class Creates(GatewayCore):
             if not pending:
                 break
             # One placement per distinct need (tier, image) in the batch, each placed as a batch.
-            by_need: dict[tuple[str, str | None, str], list[int]] = collections.defaultdict(list)
-            needs: dict[tuple[str, str | None, str], PlacementRequest] = {}
+            by_need: dict[Need, list[int]] = collections.defaultdict(list)
+            needs: dict[Need, PlacementRequest] = {}
             by_node: dict[str, list[int]] = collections.defaultdict(list)
             for i in pending:
                 if i in pinned:
                     by_node[went[i]].append(i)
                     continue
                 need = self._placement(specs[i])
-                need_key = (need.tier, need.image, json.dumps(sorted(need.node_labels.items())))
+                need_key = (need.tier, need.image, tuple(sorted(need.node_labels.items())))
                 by_need[need_key].append(i)
                 needs[need_key] = need
             for need_key, idx in by_need.items():
@@ -368,7 +372,7 @@ class Creates(GatewayCore):
                         self.quotas.forget(a)
                     admitted = []
             # Read whole (its size is bounded by `count`): the children are acknowledged from it.
-            resp = await forward(node, request, body=json.dumps(body).encode(), headers={FORWARDED: "1"}, whole=True)
+            resp = await forward(node, request, body=dumps(body), headers={FORWARDED: "1"}, whole=True)
         except BaseException:
             for a in admitted:
                 self.quotas.forget(a)
@@ -378,7 +382,7 @@ class Creates(GatewayCore):
                 self.quotas.forget(a)
         else:
             with contextlib.suppress(ValueError, KeyError, TypeError):
-                items = json.loads(bytes(resp.body))["results"]
+                items = loads(bytes(resp.body))["results"]
                 resp.background = self._acked(request, [str(i["sandbox"]["id"]) for i in items if i.get("sandbox")])
         return resp
 

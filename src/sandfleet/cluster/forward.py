@@ -9,7 +9,6 @@ the node, not the gateway, decides what the caller may do. Only hop-by-hop heade
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 import httpx
@@ -18,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from sandfleet.client._base import Answer, AsyncConnection, Call, Lane, encode
+from sandfleet.cluster.json_codec import dumps, loads
 from sandfleet.cluster.membership import Node
 from sandfleet.errors import SandboxError, SandboxLostError, UnavailableError, error_from_wire
 
@@ -125,6 +125,10 @@ async def call_json(
     With `request`, the call carries that caller's credentials (the node scopes what it answers);
     `control`: one of the gateway's own (an ack), on the node's control client."""
     hdrs = dict(headers or {})
+    content = None
+    if json_body is not None:
+        content = dumps(json_body)
+        hdrs["content-type"] = "application/json"
     if request is not None:
         auth = request.headers.get("authorization")
         if auth is None:
@@ -133,17 +137,17 @@ async def call_json(
     try:
         answer = None
         if node.lane is not None and not control:
-            answer = await _by_lane(node.lane, Call(method, path, params, json_body, headers=hdrs), timeout)
+            answer = await _by_lane(node.lane, Call(method, path, params, content=content, headers=hdrs), timeout)
         if answer is not None:
-            status, content = answer.status, bytes(answer.body)
+            status, body = answer.status, bytes(answer.body)
         else:
             http = node.control if control else node.http
-            r = await http.request(method, path, json=json_body, params=params, headers=hdrs, timeout=timeout)
-            status, content = r.status_code, r.content
+            r = await http.request(method, path, content=content, params=params, headers=hdrs, timeout=timeout)
+            status, body = r.status_code, r.content
     except httpx.HTTPError as exc:
         raise _unreachable(node, exc) from exc
     try:
-        data = json.loads(content) if content else None
+        data = loads(body) if body else None
     except ValueError as exc:
         raise UnavailableError(f"node {node.key} answered HTTP {status} without JSON") from exc
     if status >= 400:
@@ -167,5 +171,4 @@ async def _by_lane(lane: Lane[AsyncConnection], call: Call, timeout: httpx.Timeo
 
 
 def json_response(data: Any, status: int = 200, background: BackgroundTask | None = None) -> Response:
-    body = json.dumps(data, separators=(",", ":"))
-    return Response(body, status_code=status, media_type="application/json", background=background)
+    return Response(dumps(data), status_code=status, media_type="application/json", background=background)
