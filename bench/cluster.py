@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
+import pydantic_core
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -132,9 +132,9 @@ class NullNodes:
         elif method == "GET" and path == "/v1/node/load":
             status, data = 200, node.load()
         elif method == "POST" and path == "/v1/sandboxes":
-            status, data = 201, node.sandbox(orjson.loads(body))
+            status, data = 201, node.sandbox(pydantic_core.from_json(body))
         elif method == "POST" and path == "/v1/sandboxes/batch":
-            specs = orjson.loads(body)["specs"]
+            specs = pydantic_core.from_json(body)["specs"]
             status, data = 200, {"results": [{"sandbox": node.sandbox(s)} for s in specs]}
         elif method == "GET" and path == "/v1/health":
             status, data = (
@@ -149,13 +149,13 @@ class NullNodes:
                 },
             )
         elif method == "POST" and path == "/v1/sandboxes/ack":  # the gateway's acks of what it passed on
-            node.acked += len(orjson.loads(body)["sandboxes"])
+            node.acked += len(pydantic_core.from_json(body)["sandboxes"])
             status, data = 200, {"ok": True}
         elif method == "GET" and path == "/_counts":
             status, data = 200, {n.key: n.created for n in self.by_port.values()}
         else:
             status, data = 404, {"error": {"code": "not_found", "message": f"null node: no {method} {path}"}}
-        raw = orjson.dumps(data)
+        raw = pydantic_core.to_json(data)
         await send(
             {
                 "type": "http.response.start",
@@ -275,7 +275,7 @@ async def load_main(url: str, mode: str, concurrency: int, seconds: float, warmu
                 raise RuntimeError("no connection free" if answer is None else f"HTTP {answer.status}")
             if mode == "single":
                 return 1
-            items = orjson.loads(answer.body)["results"]
+            items = pydantic_core.from_json(answer.body)["results"]
             bad = [item for item in items if not item.get("sandbox")]
             if bad:
                 err_kinds[json.dumps(bad[0])[:120]] += len(bad)
@@ -718,8 +718,9 @@ def bench_throughput(
     out: dict[str, Any] = {"nodes": n, "gateway_cpus": sorted(gw_cpus or []), "others_cpus": sorted(rest or [])}
     out["single"] = drive(procs, gw, null, nodes, url, "single", concurrency, seconds, 1, rest)
     print("G2 single", json.dumps(out["single"]), flush=True)
-    out["batch"] = drive(procs, gw, null, nodes, url, "batch", batch_callers, seconds, batch, rest)
-    print("G2 batch", json.dumps(out["batch"]), flush=True)
+    # Batches as `create_many` writes them, sent over the lane (the gateway's limit, not the SDK's).
+    out["lane_batch"] = drive(procs, gw, null, nodes, url, "lane_batch", batch_callers, seconds, batch, rest)
+    print("G2 lane_batch", json.dumps(out["lane_batch"]), flush=True)
     out["create_many"] = drive(procs, gw, null, nodes, url, "create_many", batch_callers, seconds, batch, rest)
     print("G2 create_many", json.dumps(out["create_many"]), flush=True)
     spy = shutil.which("py-spy")
@@ -967,7 +968,7 @@ def write_report(res: dict[str, Any], results: Path) -> Path:
         ]
     g2 = res.get("g2")
     if g2:
-        s, b = g2["single"], g2["batch"]
+        s, b = g2["single"], g2["lane_batch"]
         L += [
             "## G2: creates one gateway places against null nodes",
             "",
@@ -1002,7 +1003,7 @@ def write_report(res: dict[str, Any], results: Path) -> Path:
                 f"| {r['node_spread_max_over_mean']} ({r['node_spread_min_over_mean']}) |"
             )
         L += [""]
-        for name, r in (("single", s), ("batch", b), ("create_many", g2.get("create_many") or {})):
+        for name, r in (("single", s), ("lane_batch", b), ("create_many", g2.get("create_many") or {})):
             if r.get("error_kinds"):
                 L.append(f"Errors ({name}): `{json.dumps(r['error_kinds'])}`")
         gu = s["cpu_util"]["gateway"]
@@ -1020,6 +1021,13 @@ def write_report(res: dict[str, Any], results: Path) -> Path:
             f"the window over {s['nodes_seen']} of {g2['nodes']} nodes (the load generator counted {s['made']}).",
             "",
         ]
+        for name, r in (("Batches over the lane", b), ("The SDK's `create_many`", g2.get("create_many") or {})):
+            if r:
+                L += [
+                    f"{name}: the null nodes counted {r['null_nodes_counted']} creates in the window over "
+                    f"{r['nodes_seen']} nodes (the load generator counted {r['made']}).",
+                    "",
+                ]
         pr = g2.get("profile") or {}
         if pr.get("samples"):
             run = pr["run"]

@@ -228,9 +228,11 @@ async def test_a_jobs_figures_and_the_alerts_are_added_up_over_nodes(cluster: Cl
 
 
 async def test_batches_and_bodies_cross_the_gateway_with_their_json_meaning(cluster: Cluster) -> None:
-    """The gateway reads JSON with pydantic-core and writes it with orjson (cluster/json_codec.py): a
-    batch's specs reach the nodes whole (labels of any script), its keys keep their meaning (the same
-    batch again gets the same sandboxes), and a body that is not JSON (NaN) is the caller's mistake."""
+    """The gateway reads and writes JSON with pydantic-core (cluster/json_codec.py): a batch's specs
+    reach the nodes whole (labels of any script), its keys keep their meaning (the same batch again
+    gets the same sandboxes), and a body that is not JSON (NaN) or holds a number past a float's
+    range (read as an infinity, it could only be passed on as null: a lifetime lifted) is the
+    caller's mistake, the sandbox's limits unchanged."""
     headers = {"authorization": f"Bearer {TOKEN}"}
     labels = [{"job": "j6", "name": f"ñ-{i}-\u2603", "quote": 'a"b\\c'} for i in range(6)]
     batch = {
@@ -252,6 +254,18 @@ async def test_batches_and_bodies_cross_the_gateway_with_their_json_meaning(clus
                 f"/v1/sandboxes/{sandbox_id}/fork", content=body, headers=headers | {"content-type": "application/json"}
             )
             assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_argument"), body
+        lifetimes = {"labels": {"job": "j6"}, "max_lifetime": 3600, "idle_ttl": 600}
+        r = await raw.post("/v1/sandboxes/lifetimes", json=lifetimes, headers=headers)
+        assert r.status_code == 200, r.text
+        for body in (
+            b'{"labels": {"job": "j6"}, "max_lifetime": 1e400}',
+            b'{"labels": {"job": "j6"}, "idle_ttl": -1e999}',
+        ):
+            r = await raw.post(
+                "/v1/sandboxes/lifetimes", content=body, headers=headers | {"content-type": "application/json"}
+            )
+            assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_argument"), body
     async with cluster.client() as fleet:
         held = await fleet.list(labels={"job": "j6"})
         assert sorted(s.id for s in held) == sorted(i["sandbox"]["id"] for i in items)
+        assert {(s.spec.max_lifetime, s.spec.idle_ttl) for s in held} == {(3600, 600)}

@@ -22,7 +22,7 @@ from sandfleet.cluster.acks import Acks
 from sandfleet.cluster.config import GatewayConfig
 from sandfleet.cluster.forward import json_response
 from sandfleet.cluster.job_figures import Refusals
-from sandfleet.cluster.json_codec import loads
+from sandfleet.cluster.json_codec import finite, loads
 from sandfleet.cluster.membership import Membership, Node
 from sandfleet.cluster.placement import Placer
 from sandfleet.cluster.quotas import GatewayQuotas
@@ -84,6 +84,8 @@ async def json_object(request: Request) -> dict[str, Any]:
         raise InvalidArgumentError("request body is not valid JSON") from exc
     if not isinstance(data, dict):
         raise InvalidArgumentError("request body must be a JSON object")
+    if not finite(data):  # (passed on, it could only be written as null: a limit lifted)
+        raise InvalidArgumentError("request body holds a number beyond a float's range")
     return data
 
 

@@ -171,4 +171,6 @@ async def _by_lane(lane: Lane[AsyncConnection], call: Call, timeout: httpx.Timeo
 
 
 def json_response(data: Any, status: int = 200, background: BackgroundTask | None = None) -> Response:
-    return Response(dumps(data), status_code=status, media_type="application/json", background=background)
+    return Response(
+        dumps(data, allow_nan=True), status_code=status, media_type="application/json", background=background
+    )
