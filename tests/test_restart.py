@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -119,6 +120,40 @@ def test_restart_cleans_half_created_and_orphaned_residue(own_daemon: Daemon) ->
             fleet.get(orphan)
     r = residue(d)
     assert r.sandbox_dirs == () and r.cgroups == () and r.state_rows == 0, r
+
+
+def test_a_running_sandbox_no_row_names_is_taken_down_at_restart(own_daemon: Daemon) -> None:
+    """A create writes its row while its sandbox starts: a crash before the row lands leaves a
+    running sandbox (agent, mounts, cgroups, network namespace) that no row names. The next daemon
+    takes all of it down and keeps the others."""
+    d = own_daemon
+    d.start()
+    with d.client() as fleet:
+        fleet.build_image("busybox")
+        netns_before = residue(d).netns
+        lost = fleet.create(image="busybox", labels={"row": "lost"})
+        kept = fleet.create(image="busybox", labels={"row": "kept"})
+        pid = agent_pid(d, lost.id)
+    d.kill()
+    con = sqlite3.connect(d.state_dir / "state.db")
+    try:
+        assert con.execute("DELETE FROM sandboxes WHERE id=?", (lost.id,)).rowcount == 1
+        con.commit()
+    finally:
+        con.close()
+    d.start()
+    with d.client() as fleet:
+        assert wait_until(lambda: not Path(f"/proc/{pid}").exists(), 15), "its agent outlived the restart"
+        with pytest.raises(SandboxNotFoundError):
+            fleet.get(lost.id)
+        r = residue(d)
+        assert r.sandbox_ids == (kept.id,) and r.sandbox_dirs == (), r
+        assert not any(lost.id in m for m in r.mounts), r
+        assert fleet.get(kept.id).exec("echo ok").stdout == "ok\n"
+        fleet.get(kept.id).stop()
+        assert wait_until(lambda: residue(d).netns <= netns_before, 15), "a network namespace outlived it"
+    r = residue(d)
+    assert r.cgroups == () and r.mounts == () and r.processes == 0 and r.state_rows == 0, r
 
 
 def test_daemon_restart_is_clean_when_nothing_runs(own_daemon: Daemon) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,10 +18,12 @@ from sandfleet import (
     ResourceExhaustedError,
     SandboxNotFoundError,
     SandboxSpec,
+    UnavailableError,
     UnsupportedError,
     WrongStateError,
 )
 from sandfleet.client import AsyncClient
+from sandfleet.daemon.node.state import StateConflictError, StateDiskFullError
 from sandfleet.testing import InProcessNode
 
 from leakcheck import children
@@ -121,6 +124,33 @@ async def test_a_failed_create_leaves_a_failed_record_and_frees_its_budget(
     assert len(failed) == 1 and "create failed" in (failed[0].stop_reason or "")
     for _ in range(4):  # the failed create's admission budget came back
         await fleet.create(image="busybox")
+
+
+@pytest.mark.parametrize("failure", ["conflict", "disk full"])
+async def test_a_create_whose_row_cannot_be_written_is_taken_down(
+    node: InProcessNode, fleet: AsyncClient, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """The row is written while the sandbox starts: when it cannot be (its key still held by a row
+    being removed, a full disk), the started sandbox is stopped, its budget and key freed, and the
+    caller told why."""
+    real = node.state.insert
+
+    def insert(row: Any) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.set_exception(StateConflictError("taken") if failure == "conflict" else StateDiskFullError("full"))
+        return fut
+
+    monkeypatch.setattr(node.state, "insert", insert)
+    spec = SandboxSpec(image="busybox", labels={"row": "lost"})
+    with pytest.raises(UnavailableError if failure == "conflict" else StateDiskFullError):
+        await node.service.creation.create(spec, idempotency_key="k-row")
+    assert node.backend.created == 1 and not list(node.backend.root.iterdir()), "the started sandbox outlived it"
+    assert await fleet.list(labels={"row": "lost"}) == []
+    monkeypatch.setattr(node.state, "insert", real)
+    for i in range(3):  # its admission budget came back (4 fit), and its key is free
+        assert (await node.service.creation.create(spec, idempotency_key=f"k-row-{i}")).state == "running"
+    again = await node.service.creation.create(spec, idempotency_key="k-row")
+    assert again.state == "running" and node.backend.created == 5
 
 
 async def test_idle_ttl_stops_a_sandbox(fleet: AsyncClient) -> None:

@@ -206,14 +206,11 @@ class Creation:
             sb.claim_by = now + self.core.claim_window
             self.core.table.add(sb)
             finished = sb.created  # set however this create ends; a concurrent stop waits on it
-            try:
-                await self.core.state.insert(store_row(sb, {}, fingerprint))
-            except BaseException as exc:
-                self.core.table.discard(sb)
-                finished.set()
-                if isinstance(exc, StateConflictError):  # a row with this key is still being removed
-                    raise UnavailableError("a sandbox made with this idempotency key is being removed: retry") from exc
-                raise
+            # The row is written while the sandbox starts (its round trip to the state thread is off
+            # the create's path). Every later operation on it queues behind it, and a crash before it
+            # lands leaves parts no row names, which recovery removes.
+            recorded = self.core.state.insert(store_row(sb, {}, fingerprint))
+            recorded.add_done_callback(_retrieved)
             try:
                 live = await start(sandbox_id)
             except BaseException as exc:
@@ -234,6 +231,15 @@ class Creation:
             live.channel.on_close = lambda _ch: self.core.on_agent_lost(sandbox_id)
             self.core.table.move(sb, RUNNING)
             finished.set()
+            try:
+                await asyncio.shield(recorded)
+            except Exception as exc:  # it runs, but no row names it: taken down, a failed create
+                err = exc if isinstance(exc, SandboxError) else UnavailableError(f"the node could not record it: {exc}")
+                if isinstance(exc, StateConflictError):  # a row with this key is still being removed
+                    err = UnavailableError("a sandbox made with this idempotency key is being removed: retry")
+                with contextlib.suppress(SandboxError):
+                    await self._failed_late(sb, err, "its record could not be written")
+                raise (err if isinstance(exc, StateConflictError) else exc) from None
             await self.core.state.update(sandbox_id, state=RUNNING, runtime=live.runtime)
             await self._settle_create(sb, live, created, t0)
         finally:
@@ -286,3 +292,9 @@ class Creation:
         self.core.metrics.created.inc()
         self.core.metrics.create_seconds.observe(time.perf_counter() - t0)
         self.core.metrics.alive.set(self.core.running_count())
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """A row's outcome is read even when the create failed first (no 'never retrieved' warning)."""
+    if not fut.cancelled():
+        fut.exception()

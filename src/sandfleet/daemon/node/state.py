@@ -262,15 +262,15 @@ class StateStore:
         self.reset_reason: str | None = None
         self.salvaged: list[SandboxRow] = []
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _run(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        """Queue `fn` for the state thread now, in call order with every other operation; its outcome."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         with self._lock:
             self._queue.append((fn, fut))
-            start = self._draining is None
-            if start:
+            if self._draining is None:
                 self._draining = loop.run_in_executor(self._pool, self._drain, loop)
-        return await fut
+        return fut
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the state thread: run queued operations, a batch per transaction, until none are left."""
@@ -465,11 +465,13 @@ class StateStore:
 
     # ------------------------------------------------------------------ sandboxes
 
-    async def insert(self, row: SandboxRow) -> None:
-        """Add a row; StateConflictError if its id or idempotency key is taken."""
+    def insert(self, row: SandboxRow) -> asyncio.Future[Any]:
+        """Add a row: queued at once (an operation asked for after this call runs after it), so a
+        create can launch its sandbox while the row is written. Its outcome: None, or
+        StateConflictError if the row's id or idempotency key is taken."""
         values = tuple(_db_value(c, getattr(row, c)) for c in SANDBOX_COLUMNS)
         sql = f"INSERT INTO sandboxes ({', '.join(SANDBOX_COLUMNS)}) VALUES ({', '.join('?' * len(values))})"
-        await self._run(lambda db: db.execute(sql, values))
+        return self._run(lambda db: db.execute(sql, values))
 
     async def update(self, sandbox_id: str, **fields: Any) -> None:
         """Set columns of a row (`held=True`, `runtime={...}`, ...); unknown names are a ValueError."""
