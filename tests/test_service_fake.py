@@ -126,13 +126,14 @@ async def test_a_failed_create_leaves_a_failed_record_and_frees_its_budget(
         await fleet.create(image="busybox")
 
 
-@pytest.mark.parametrize("failure", ["conflict", "disk full"])
+@pytest.mark.parametrize("failure", ["conflict", "disk full", "disk known full"])
 async def test_a_create_whose_row_cannot_be_written_is_taken_down(
     node: InProcessNode, fleet: AsyncClient, monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
     """The row is written while the sandbox starts: when it cannot be (its key still held by a row
     being removed, a full disk), the started sandbox is stopped, its budget and key freed, and the
-    caller told why."""
+    caller told why. While the store knows its disk is full, nothing is launched for a row it
+    would refuse."""
     real = node.state.insert
 
     def insert(row: Any) -> asyncio.Future[None]:
@@ -141,16 +142,19 @@ async def test_a_create_whose_row_cannot_be_written_is_taken_down(
         return fut
 
     monkeypatch.setattr(node.state, "insert", insert)
+    node.state.full = failure == "disk known full"
     spec = SandboxSpec(image="busybox", labels={"row": "lost"})
     with pytest.raises(UnavailableError if failure == "conflict" else StateDiskFullError):
         await node.service.creation.create(spec, idempotency_key="k-row")
-    assert node.backend.created == 1 and not list(node.backend.root.iterdir()), "the started sandbox outlived it"
+    launched = 0 if node.state.full else 1
+    assert node.backend.created == launched and not list(node.backend.root.iterdir()), "it outlived its create"
     assert await fleet.list(labels={"row": "lost"}) == []
     monkeypatch.setattr(node.state, "insert", real)
+    node.state.full = False
     for i in range(3):  # its admission budget came back (4 fit), and its key is free
         assert (await node.service.creation.create(spec, idempotency_key=f"k-row-{i}")).state == "running"
     again = await node.service.creation.create(spec, idempotency_key="k-row")
-    assert again.state == "running" and node.backend.created == 5
+    assert again.state == "running" and node.backend.created == 4 + launched
 
 
 async def test_idle_ttl_stops_a_sandbox(fleet: AsyncClient) -> None:

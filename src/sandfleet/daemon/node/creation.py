@@ -1,8 +1,8 @@
 """Creating sandboxes: admission, a warm-pool hand-out or a cold create, batches, idempotency keys.
 
 A create takes its admission budget first, resolves the image (building a built-in one if allowed),
-applies the image's defaults, records the sandbox `creating`, lets the backend start it, and moves it
-to `running` once its agent said hello; a failure anywhere hands the budget back and leaves a
+applies the image's defaults, records the sandbox `creating` (the row written while the backend
+starts it), and moves it to `running` once its agent said hello; a failure anywhere hands the budget back and leaves a
 `failed` record. With an idempotency key, a retried create (after a timeout, a broken connection or
 a daemon restart) gets the sandbox the first one made. Keys are per project (the spec's): a key of
 another project is simply unused, so keys (a trajectory's `trajectory:<id>` is predictable) neither
@@ -208,23 +208,39 @@ class Creation:
             finished = sb.created  # set however this create ends; a concurrent stop waits on it
             # The row is written while the sandbox starts (its round trip to the state thread is off
             # the create's path). Every later operation on it queues behind it, and a crash before it
-            # lands leaves parts no row names, which recovery removes.
-            recorded = self.core.state.insert(store_row(sb, {}, fingerprint))
-            recorded.add_done_callback(_retrieved)
+            # lands leaves parts no row names, which recovery removes. A row refused (its key still
+            # held by a row being removed, a full disk) takes the started sandbox down again.
+            try:
+                recorded = self.core.state.insert(store_row(sb, {}, fingerprint))
+                recorded.add_done_callback(_retrieved)
+                if self.core.state.full:  # refused before a launch, not after one, while the disk is full
+                    await asyncio.shield(recorded)
+            except BaseException as exc:
+                self.core.table.discard(sb)
+                finished.set()
+                if isinstance(exc, StateConflictError):
+                    raise UnavailableError("a sandbox made with this idempotency key is being removed: retry") from exc
+                raise
             try:
                 live = await start(sandbox_id)
-            except BaseException as exc:
+            except BaseException as launch_failure:
+                failure = launch_failure
+                row_failure = recorded.exception() if recorded.done() and not recorded.cancelled() else None
+                if isinstance(row_failure, StateDiskFullError):  # said so: a tier's own ENOSPC is not retried
+                    failure = row_failure
                 if sb.idempotency_key is not None:  # a failed create answers no retry: its key is free
                     sb.idempotency_key = None
                     with contextlib.suppress(Exception):
                         await asyncio.shield(self.core.state.update(sandbox_id, idempotency_key=None))
                 self.core.table.move(sb, FAILED)
-                sb.stopped_at, sb.stop_reason = time.time(), f"create failed: {exc}"[:500]
-                cause = exc.cause if isinstance(exc, SandboxError) else "infra"
-                self.core.journal.record(sandbox_id, "create_failed", {"error": str(exc)[:500], "cause": cause})
+                sb.stopped_at, sb.stop_reason = time.time(), f"create failed: {failure}"[:500]
+                cause = failure.cause if isinstance(failure, SandboxError) else "infra"
+                self.core.journal.record(sandbox_id, "create_failed", {"error": str(failure)[:500], "cause": cause})
                 await asyncio.shield(self.core.forget(sb))
                 self.core.metrics.create_failures.inc()
                 finished.set()
+                if failure is not launch_failure:
+                    raise failure from launch_failure
                 raise
             sb.live = live
             holds_budget = False  # released by stop from here on
@@ -237,6 +253,7 @@ class Creation:
                 err = exc if isinstance(exc, SandboxError) else UnavailableError(f"the node could not record it: {exc}")
                 if isinstance(exc, StateConflictError):  # a row with this key is still being removed
                     err = UnavailableError("a sandbox made with this idempotency key is being removed: retry")
+                sb.idempotency_key = None  # (no row holds it)
                 with contextlib.suppress(SandboxError):
                     await self._failed_late(sb, err, "its record could not be written")
                 raise (err if isinstance(exc, StateConflictError) else exc) from None

@@ -104,7 +104,7 @@ class Recovery:
             for tier, ids in orphans.items():
                 ids -= await self._rebuild(tier, ids)
         await self.snapshots.recover()
-        # Residue with no row at all (a crash between mkdir and insert, warm pool members).
+        # Residue with no row at all (a create whose row had not landed, warm pool members).
         for tier, ids in orphans.items():
             for name in ids:
                 await tier.cleanup(name, {})

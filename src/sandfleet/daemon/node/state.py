@@ -215,9 +215,7 @@ class SandboxRow:
 
 
 def _row(r: sqlite3.Row) -> SandboxRow:
-    # Columns added after the first schema default when absent: a database salvaged from an older
-    # version (`_salvage`) is read without migrating it.
-    keys = r.keys()
+    keys = r.keys()  # (columns added since the first schema may be absent: `_salvage` reads old files)
     return SandboxRow(
         id=r["id"],
         state=r["state"],
@@ -256,6 +254,7 @@ class StateStore:
         self._lock = threading.Lock()
         self._queue: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
         self._draining: asyncio.Future[None] | None = None
+        self.full = False  # the last transaction found the disk full (a create then waits for its row)
         # Set by open() when it found the database damaged and started a fresh one: where the
         # damaged file went, why, and the sandbox rows that could still be read from it.
         self.reset_from: Path | None = None
@@ -314,6 +313,7 @@ class StateStore:
                 cause = exc.cause if isinstance(exc, _TransactionLost) else exc
                 failure = classify_error(cause, self.path)
                 outcomes = [(fut, None, failure) for _fn, fut in batch]
+            self.full = any(isinstance(error, StateDiskFullError) for _f, _r, error in outcomes)
             for fut, result, error in outcomes:
                 loop.call_soon_threadsafe(_settle, fut, result, error)
 
