@@ -230,7 +230,7 @@ async def test_a_jobs_figures_and_the_alerts_are_added_up_over_nodes(cluster: Cl
 async def test_batches_and_bodies_cross_the_gateway_with_their_json_meaning(cluster: Cluster) -> None:
     """The gateway reads and writes JSON with pydantic-core (cluster/json_codec.py): a batch's specs
     reach the nodes whole (labels of any script), its keys keep their meaning (the same batch again
-    gets the same sandboxes), and a body that is not JSON (NaN) or holds a number past a float's
+    gets the same sandboxes), and a body that is not JSON (NaN) or holds a number beyond a float's
     range (read as an infinity, it could only be passed on as null: a lifetime lifted) is the
     caller's mistake, the sandbox's limits unchanged."""
     headers = {"authorization": f"Bearer {TOKEN}"}

@@ -3,11 +3,14 @@ answers: ~150 us to write with the stdlib, ~30 us with pydantic-core), so pydant
 writes it, with the stdlib's meaning kept:
 
 - `loads` refuses the words NaN and Infinity (not JSON, RFC 8259 6) and keeps integers of any
-  size; a number past a float's range still reads as an infinity, so a caller's body is also
+  size; a number beyond a float's range still reads as an infinity, so a caller's body is also
   checked with `finite` (core.json_object).
-- `dumps` writes compact UTF-8 as `json.dumps(data, separators=(",", ":"), allow_nan=...)` would:
-  with `allow_nan`, NaN and infinities as the stdlib's words; without, a ValueError. What
-  pydantic-core cannot write (a lone surrogate, nesting past its limit) the stdlib writes."""
+- `dumps` writes JSON values (what `loads` returns, models dumped in JSON mode, dicts of str keys)
+  as compact UTF-8 with the values `json.dumps(data, separators=(",", ":"), allow_nan=...)` would
+  write: with `allow_nan`, NaN and infinities as the stdlib's words; without, a ValueError. What
+  pydantic-core cannot write (a lone surrogate, nesting past its limit) the stdlib writes. Given
+  anything else (bytes, datetimes, sets, non-string keys) pydantic-core is more lenient than the
+  stdlib: the gateway never gives it any."""
 
 from __future__ import annotations
 

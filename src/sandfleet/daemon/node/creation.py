@@ -31,6 +31,8 @@ from sandfleet.daemon.node.state import StateConflictError, StateDiskFullError
 from sandfleet.errors import InternalError, InvalidArgumentError, ResourceExhaustedError, SandboxError, UnavailableError
 from sandfleet.models import SandboxInfo, SandboxSpec, shown
 
+KEY_BEING_REMOVED = "a sandbox made with this idempotency key is being removed: retry"
+
 
 class Creation:
     def __init__(self, core: NodeCore, images: Images, files: Files, networking: Networking) -> None:
@@ -211,23 +213,23 @@ class Creation:
             # lands leaves parts no row names, which recovery removes. A row refused (its key still
             # held by a row being removed, a full disk) takes the started sandbox down again.
             try:
-                recorded = self.core.state.insert(store_row(sb, {}, fingerprint))
-                recorded.add_done_callback(_retrieved)
-                if self.core.state.full:  # refused before a launch, not after one, while the disk is full
-                    await asyncio.shield(recorded)
+                row = self.core.state.insert(store_row(sb, {}, fingerprint))
+                row.add_done_callback(_retrieved)
+                if self.core.state.full:  # refused before anything starts, while the disk is full
+                    await asyncio.shield(row)
             except BaseException as exc:
                 self.core.table.discard(sb)
                 finished.set()
                 if isinstance(exc, StateConflictError):
-                    raise UnavailableError("a sandbox made with this idempotency key is being removed: retry") from exc
+                    raise UnavailableError(KEY_BEING_REMOVED) from exc
                 raise
             try:
                 live = await start(sandbox_id)
-            except BaseException as launch_failure:
-                failure = launch_failure
-                row_failure = recorded.exception() if recorded.done() and not recorded.cancelled() else None
-                if isinstance(row_failure, StateDiskFullError):  # said so: a tier's own ENOSPC is not retried
-                    failure = row_failure
+            except BaseException as start_failure:
+                failure = start_failure
+                row_failure = row.exception() if row.done() and not row.cancelled() else None
+                if isinstance(start_failure, Exception) and isinstance(row_failure, StateDiskFullError):
+                    failure = row_failure  # retryable, where a tier's own ENOSPC is not
                 if sb.idempotency_key is not None:  # a failed create answers no retry: its key is free
                     sb.idempotency_key = None
                     with contextlib.suppress(Exception):
@@ -239,8 +241,8 @@ class Creation:
                 await asyncio.shield(self.core.forget(sb))
                 self.core.metrics.create_failures.inc()
                 finished.set()
-                if failure is not launch_failure:
-                    raise failure from launch_failure
+                if failure is not start_failure:
+                    raise failure from start_failure
                 raise
             sb.live = live
             holds_budget = False  # released by stop from here on
@@ -248,16 +250,15 @@ class Creation:
             self.core.table.move(sb, RUNNING)
             finished.set()
             try:
-                await asyncio.shield(recorded)
+                await asyncio.shield(row)
             except Exception as exc:  # it runs, but no row names it: taken down, a failed create
-                err = exc if isinstance(exc, SandboxError) else UnavailableError(f"the node could not record it: {exc}")
-                if isinstance(exc, StateConflictError):  # a row with this key is still being removed
-                    err = UnavailableError("a sandbox made with this idempotency key is being removed: retry")
+                said, raised = _refused_row(exc)
                 sb.idempotency_key = None  # (no row holds it)
                 with contextlib.suppress(SandboxError):
-                    await self._failed_late(sb, err, "its record could not be written")
-                raise (err if isinstance(exc, StateConflictError) else exc) from None
-            await self.core.state.update(sandbox_id, state=RUNNING, runtime=live.runtime)
+                    await self._failed_late(sb, said, "its row could not be written")
+                raise raised from None
+            if sb.state == RUNNING:  # (a stop that came meanwhile has written its own state)
+                await self.core.state.update(sandbox_id, state=RUNNING, runtime=live.runtime)
             await self._settle_create(sb, live, created, t0)
         finally:
             self.core.creating -= 1
@@ -309,6 +310,18 @@ class Creation:
         self.core.metrics.created.inc()
         self.core.metrics.create_seconds.observe(time.perf_counter() - t0)
         self.core.metrics.alive.set(self.core.running_count())
+
+
+def _refused_row(exc: Exception) -> tuple[SandboxError, BaseException]:
+    """A refused row's failure as its create's journal says it, and as its caller gets it."""
+    if isinstance(exc, StateConflictError):
+        err = UnavailableError(KEY_BEING_REMOVED)
+        return err, err
+    if isinstance(exc, SandboxError):
+        return exc, exc
+    if isinstance(exc, StateDiskFullError):  # (the API answers it as this)
+        return ResourceExhaustedError(f"the node's state disk is full: {exc}"[:300]), exc
+    return UnavailableError(f"the node could not write the sandbox's row: {exc}"[:300]), exc
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:

@@ -254,7 +254,7 @@ class StateStore:
         self._lock = threading.Lock()
         self._queue: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
         self._draining: asyncio.Future[None] | None = None
-        self.full = False  # the last transaction found the disk full (a create then waits for its row)
+        self.full = False  # the last batch found the disk full (creates wait for their rows; any success clears it)
         # Set by open() when it found the database damaged and started a fresh one: where the
         # damaged file went, why, and the sandbox rows that could still be read from it.
         self.reset_from: Path | None = None
