@@ -2,7 +2,8 @@
 
 What a call could leave, and where it goes:
 - memory: the call was a fork of the zygote, which never held a call's data, and it exited;
-- processes: everything running as CALL_UID is killed with one kill(-1) sent as CALL_UID (a process
+- processes: when the zygote finds the call's own process reaped and others of it still running,
+  everything running as CALL_UID is killed with one kill(-1) sent as CALL_UID (a process
   whose uids are not 0 holds no capability and signals only its own uid; kill(-1) spares the
   sender; a fork racing with it fails), so a background process, a double fork or a setsid escapes
   nothing; the zygote reaps them all before the next call. (The supervisor takes that uid for the
@@ -166,9 +167,11 @@ def remove_tree(name: str, parent: int | None = None) -> None:
 
 def remove_ipc() -> None:
     """System V shared memory, semaphores and queues CALL_UID created or owns (rarely any: read 3
-    small files). Only their creator or owner may remove them: root here lacks CAP_SYS_ADMIN."""
+    small files). Only their creator or owner may remove them (root here lacks CAP_SYS_ADMIN): the
+    removal is done as CALL_UID (see as_call_uid)."""
     # /proc/sysvipc columns: the owner's uid and the creator's (cuid) are 7 and 9 for shm and msg,
     # 4 and 6 for sem.
+    found = []
     for kind, ctl, uid_col in (("shm", LIBC.shmctl, 7), ("sem", LIBC.semctl, 4), ("msg", LIBC.msgctl, 7)):
         try:
             with open("/proc/sysvipc/" + kind) as f:
@@ -178,7 +181,9 @@ def remove_ipc() -> None:
         for row in rows:
             cols = row.split()
             if len(cols) > uid_col + 2 and CALL_UID in (int(cols[uid_col]), int(cols[uid_col + 2])):
-                ctl(int(cols[1]), 0, None)  # IPC_RMID
+                found.append((ctl, int(cols[1])))
+    if found:
+        as_call_uid(lambda: [ctl(ipc_id, 0, None) for ctl, ipc_id in found])  # IPC_RMID
 
 
 def as_call_uid(fn: Callable[[], object]) -> None:
@@ -205,4 +210,4 @@ def kill_calls() -> None:
 def clear() -> None:
     """Every process and System V object of CALL_UID gone, as an earlier supervisor could have left them."""
     as_call_uid(kill_calls)
-    as_call_uid(remove_ipc)
+    remove_ipc()

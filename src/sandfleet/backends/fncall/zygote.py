@@ -7,20 +7,23 @@ the result, then `settled` (nothing of the call is left: the next request may co
 of process, so that nothing of a call ever lies in the memory a later call is forked from:
 
 - the supervisor (this process, long-lived): reads each request, writes the call's files, gives the
-  call forked ahead its order, feeds its stdin and collects its output, kills what it left running,
-  answers, then (before reading the next request) removes what it left. It holds every call's data,
-  so no call is ever forked from it once it has read a request (nor can a call read it: it is root,
-  calls are not);
+  call forked ahead its order, feeds its stdin and collects its output, kills what it left running
+  (if anything), answers, then (before reading the next request) removes what it left. It holds
+  every call's data, so no call is ever forked from it once it has read a request (nor can a call
+  read it: it is root, calls are not);
 - the zygote, forked from the supervisor before any request (warm: the preloads imported): it reads
   nothing at all. It forks the next call ahead with five pipes (order, stdin, stdout, stderr, exit
   status) and sends the supervisor their other ends (SCM_RIGHTS), then reports the call's exit
   status and then that every process of the call is gone (it is their child subreaper: orphans
-  come to it, and it reaps until no child is left). Only then does it fork the next;
+  come to it, and it reaps until no child is left), in one message when the call left nothing
+  running. Only then does it fork the next;
 - the call: a fork of the zygote that waits, still root, for its order on its pipe (the code as the
   supervisor compiled it, marshalled: a first compile in a fresh fork costs hundreds of copy-on-
   write faults), then becomes the unprivileged CALL_UID in a scratch directory of its own and runs
   the code (or execs bash). Before it exits it writes its exit status and closes its output, so the
-  answer need not wait for the kernel to take its memory down.
+  answer need not wait for the kernel to take its memory down. Each page it writes is copied from
+  the zygote's, so its own path touches few objects: the zygote's environment is already a call's
+  (zygote_env), signals are reset through _signal, no contextlib.
 
 What a call could leave, and where it goes: residue.py.
 Limits (memory, pids, no network) are the worker sandbox's, which serves one call at a time.
@@ -31,6 +34,7 @@ library.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # signal.signal without the enum conversions (see run_child)
 import base64
 import contextlib
 import fcntl
@@ -68,14 +72,17 @@ LOCK = "/run/.sandfleet-zygote"  # root's: held by the live supervisor and zygot
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 STATUS = struct.Struct("i")
+RESET_SIGNALS = tuple(int(s) for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD))
+ENV_CWD = [""]  # the directory the environment of this process was made for (zygote_env)
 STATUS_FD = 1023  # the call's own exit status, told just before it exits (out of the way of its fds)
+STATUS_LINK = f"/proc/self/fd/{STATUS_FD}"
 
 
 class _ZygoteGone(Exception):
     """The zygote died (killed from inside the worker, say): the supervisor starts afresh."""
 
 
-def run_child(fds: list[int]) -> NoReturn:
+def run_child(fds: list[int], link: str | None) -> NoReturn:
     """In a fresh fork of the zygote: read the order from its pipe, become the call and run it;
     never returns."""
     req_r, in_r, out_w, err_w, status_w = fds
@@ -92,28 +99,29 @@ def run_child(fds: list[int]) -> NoReturn:
         if isinstance(code, tuple):  # the compiler's error
             code = SyntaxError(*code[1]) if code[0] == "SyntaxError" else ValueError(code[1])
         os.setsid()
-        told = None  # the status pipe as (device, inode): its own, not a file later on that number
-        with contextlib.suppress(OSError):  # a lower RLIMIT_NOFILE: the zygote's report will do
+        try:
             os.dup2(status_w, STATUS_FD, inheritable=False)  # what it runs does not inherit it
-            st = os.fstat(STATUS_FD)
-            told = (st.st_dev, st.st_ino)
+        except OSError:  # a lower RLIMIT_NOFILE: the zygote's report will do
+            link = None
         os.dup2(in_r, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.closerange(3, STATUS_FD)
         os.closerange(STATUS_FD + 1, 1 << 16)
-        for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in RESET_SIGNALS:
+            _signal.signal(sig, _signal.SIG_DFL)
         os.chdir(cwd)
         os.setgroups([])
         os.setresgid(CALL_UID, CALL_UID, CALL_UID)
         os.setresuid(CALL_UID, CALL_UID, CALL_UID)
-        env = {"PATH": PATH, "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", **env}
         if language == "bash":
             shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-            os.execve(shell, [shell, "-c", code], env)
-        os.environ.clear()
-        os.environ.update(env)
+            os.execve(shell, [shell, "-c", code], {**base_env(cwd), **env})
+        if cwd != ENV_CWD[0]:  # else the zygote's own environment is the call's base (zygote_env)
+            os.environ.clear()
+            os.environ.update(base_env(cwd))
+        if env:
+            os.environ.update(env)
         # The interpreter's own stream objects, never used by the supervisor nor the zygote (they
         # read and write their fds directly), so they hold no buffered bytes, and reusing them
         # costs nothing; fds 0-2 are the call's pipes now.
@@ -146,22 +154,34 @@ def run_child(fds: list[int]) -> NoReturn:
                     stream.flush()
             except Exception:
                 pass
-        with contextlib.suppress(OSError):
-            st = os.fstat(STATUS_FD)
-            # Its exit status and the end of its output before the kernel takes its memory down
-            # (most of an exit's time): the supervisor answers meanwhile. Not from a process the
-            # call forked (it holds the descriptor too), whose end is not the call's.
-            if os.getpid() == me and told == (st.st_dev, st.st_ino):
+        # Its exit status and the end of its output before the kernel takes its memory down
+        # (most of an exit's time): the supervisor answers meanwhile. Not from a process the call
+        # forked (it holds the descriptor too), whose end is not the call's. (Plain try blocks
+        # here and above: every object a call touches is a page copied, contextlib's many.)
+        try:
+            if link and os.getpid() == me and os.readlink(STATUS_LINK) == link:
                 os.write(STATUS_FD, bytes((status,)))
-                for fd in (0, 1, 2):
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                os.closerange(0, 3)
+        except OSError:
+            pass
         os._exit(status)
     except BaseException:
         try:
             os.write(2, traceback.format_exc().encode())
         finally:
             os._exit(126)
+
+
+def base_env(cwd: str) -> dict[str, str]:
+    """A call's environment before its own variables."""
+    return {"PATH": PATH, "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
+
+
+def zygote_env() -> None:
+    """The zygote's environment made a call's base, once: a call then sets only its own variables."""
+    os.environ.clear()
+    os.environ.update(base_env(SCRATCH))
+    ENV_CWD[0] = SCRATCH
 
 
 def fork_spare(ctl: socket.socket) -> int:
@@ -171,6 +191,10 @@ def fork_spare(ctl: socket.socket) -> int:
     pipes = [os.pipe() for _ in range(5)]  # its order, stdin, stdout, stderr, own exit status
     theirs = [pipes[0][0], pipes[1][0], pipes[2][1], pipes[3][1], pipes[4][1]]
     mine = [pipes[0][1], pipes[1][1], pipes[2][0], pipes[3][0], pipes[4][0]]
+    try:  # the status pipe as /proc names it: the call's own, not a file later on its number
+        link: str | None = os.readlink(f"/proc/self/fd/{pipes[4][1]}")
+    except OSError:
+        link = None
     try:
         pid = os.fork()
     except OSError:
@@ -181,7 +205,7 @@ def fork_spare(ctl: socket.socket) -> int:
             os.closerange(low, fd)
             low = fd + 1
         os.closerange(low, 1 << 16)
-        run_child(theirs)
+        run_child(theirs, link)
     for fd in theirs:
         os.close(fd)
     if pid > 0:
@@ -195,7 +219,8 @@ def fork_spare(ctl: socket.socket) -> int:
 
 def zygote(ctl: socket.socket) -> NoReturn:
     """The zygote's loop: fork the next call (see fork_spare), report its exit status (x), then that
-    nothing of it is left (g), and again; after a failed fork, fork again on the supervisor's word."""
+    nothing of it is left (g), and again; after a failed fork, fork again on the supervisor's word.
+    When the call left nothing running, x and g go in one message (one wake-up of the supervisor)."""
     try:
         LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -203,22 +228,27 @@ def zygote(ctl: socket.socket) -> NoReturn:
         os.dup2(null, 0)  # the daemon's pipes are the supervisor's alone
         os.dup2(null, 1)
         os.close(null)
+        zygote_env()
         while True:
             pid = fork_spare(ctl)
+            told = b""
             if pid < 0:
                 if not ctl.recv(1):
                     os._exit(0)  # the supervisor is gone
                 continue
             while True:
-                try:
-                    done, status = os.waitpid(-1, 0)
+                try:  # once the call is reaped, only a look at what else is left
+                    done, status = os.waitpid(-1, os.WNOHANG if told else 0)
                 except ChildProcessError:
                     break
                 except InterruptedError:
                     continue
                 if done == pid:
-                    ctl.send(b"x" + STATUS.pack(status))
-            ctl.send(b"g")
+                    told = b"x" + STATUS.pack(status)
+                elif done == 0:  # it left processes running: x now, and the supervisor kills them
+                    ctl.send(told)
+                    told = b""
+            ctl.send(told + b"g")
     except BaseException:
         os._exit(1)
 
@@ -234,25 +264,32 @@ class Zygote:
     def fileno(self) -> int:
         return self.ctl.fileno()
 
-    def recv(self, in_call: bool = False) -> bytes:
-        """The zygote's next message (a spare's pipes kept); _ZygoteGone when it died. Outside a
-        call, x and g are of the spare: it died before its order (killed by root or the OOM killer)."""
+    def recv(self, in_call: bool = False) -> list[bytes]:
+        """The words of the zygote's next message (a spare's pipes kept); _ZygoteGone when it died.
+        Outside a call, x and g are of the spare: it died before its order (killed by root or the
+        OOM killer)."""
         # (socket.recv_fds would drop the flag: these must not outlive an exec of this process)
         msg, anc, _, _ = self.ctl.recvmsg(16, socket.CMSG_SPACE(5 * 4), socket.MSG_CMSG_CLOEXEC)
         fds: list[int] = []
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds += struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4])
-        if msg == b"s" and len(fds) == 5 or not in_call and msg[:1] in (b"x", b"g"):
-            self.drop()
-            if msg == b"s":
-                self.spare, fds = fds, []
-        self.failed = self.failed or msg == b"F"
+        words = []
+        while msg:
+            n = 1 + STATUS.size if msg[:1] == b"x" else 1
+            words.append(msg[:n])
+            msg = msg[n:]
+        for word in words:
+            if word == b"s" and len(fds) == 5 or not in_call and word[:1] in (b"x", b"g"):
+                self.drop()
+                if word == b"s":
+                    self.spare, fds = fds, []
+            self.failed = self.failed or word == b"F"
         for fd in fds:
             os.close(fd)
-        if not msg:
+        if not words:
             raise _ZygoteGone
-        return msg
+        return words
 
     def drop(self) -> None:
         for fd in self.spare or ():
@@ -285,11 +322,15 @@ class Zygote:
 
 def prepare_scratch(req: dict[str, Any]) -> None:
     os.mkdir(SCRATCH, 0o700)
-    for name, data in (req.get("files") or {}).items():
+    files = req.get("files") or {}
+    for name, data in files.items():
         path = os.path.join(SCRATCH, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(base64.b64decode(data))
+    if not files:
+        os.lchown(SCRATCH, CALL_UID, CALL_UID)
+        return
     for dirpath, dirnames, filenames in os.walk(SCRATCH):
         for name in [dirpath] + [os.path.join(dirpath, n) for n in dirnames + filenames]:
             os.lchown(name, CALL_UID, CALL_UID)
@@ -363,18 +404,19 @@ def call(req: dict[str, Any], order: bytes, zyg: Zygote) -> tuple[dict[str, Any]
                 if not keep(fd, kept, counts, cap):
                     readers.remove(fd)
                 continue
-            msg = os.read(fd, 1) if fd == status_r else zyg.recv(in_call=True)
             if fd == status_r:
                 readers.remove(fd)
+                msg = os.read(fd, 1)
                 if msg and status is None and not timed_out:  # the call's own word, before its exit
                     status, ended = msg[0] << 8, time.monotonic()
-                    as_call_uid(kill_calls)  # as below
-            elif msg[:1] == b"x" and status is None:
-                status, ended = STATUS.unpack(msg[1:])[0], time.monotonic()
-                # The call is over: whatever it left running goes now (and its pipes close with it).
-                as_call_uid(kill_calls)
-            elif msg == b"g":
-                gone = True
+                continue
+            words = zyg.recv(in_call=True)
+            for msg in words:
+                if msg[:1] == b"x" and status is None:
+                    status, ended = STATUS.unpack(msg[1:])[0], time.monotonic()
+                elif msg == b"g":
+                    gone = True
+            kill_leftovers(words)
     if not timed_out:  # every writer is gone: the rest of the output is in the pipes
         for fd in (out_r, err_r):
             while fd in readers and keep(fd, kept, counts, cap):
@@ -396,12 +438,22 @@ def call(req: dict[str, Any], order: bytes, zyg: Zygote) -> tuple[dict[str, Any]
     }, gone
 
 
+def kill_leftovers(words: list[bytes]) -> None:
+    """The call is reaped (x) but not all of it is gone (no g with it): whatever it left running
+    goes now, its hold on the call's output pipes with it. (A call that leaves nothing, the usual
+    one, costs no kill: x and g come together.)"""
+    if b"g" not in words and any(word[:1] == b"x" for word in words):
+        as_call_uid(kill_calls)
+
+
 def settle(zyg: Zygote, gone: bool, wdirs: list[str]) -> None:
     """After the answer, before the next request: wait until the zygote has reaped every process of
     the call (all killed by then), then remove what they left."""
     while not gone:
-        gone = zyg.recv(in_call=True) == b"g"
-    as_call_uid(remove_ipc)
+        words = zyg.recv(in_call=True)
+        kill_leftovers(words)
+        gone = b"g" in words
+    remove_ipc()
     sweep(wdirs)
 
 
