@@ -14,6 +14,7 @@ import base64
 import os
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -278,6 +279,19 @@ def test_a_fork_bomb_is_gone_before_the_next_call(node: Daemon) -> None:
         for _ in range(4):
             assert "limited" in w.run_code(BOMB, timeout=30).stdout
             assert w.run_code(CALLS_OF_UID).stdout == "0\n"
+
+
+def test_a_call_that_says_its_own_status_early_still_ends_at_its_deadline(node: Daemon) -> None:
+    """Its status pipe (fd 1023) is the call's own to write: a call that writes it early and runs
+    on, or closes its output and stops itself, still ends at its timeout, and the worker's next call
+    finds none of it (the supervisor kills at the deadline, not only when the call is reaped)."""
+    early = "import os, time\nos.write(1023, bytes([0]))\n"
+    with node.client(timeout=120) as fleet, fleet.create(backend="fncall", image="python") as w:
+        for tail in ("time.sleep(1000)", "import signal; os.closerange(0, 3); os.kill(os.getpid(), signal.SIGSTOP)"):
+            t0 = time.monotonic()
+            w.run_code(early + tail, timeout=1)
+            assert w.run_code(CALLS_OF_UID).stdout == "0\n"
+            assert time.monotonic() - t0 < 10
 
 
 HOST = "import socket; print(socket.gethostname())"

@@ -8,7 +8,7 @@ of process, so that nothing of a call ever lies in the memory a later call is fo
 
 - the supervisor (this process, long-lived): reads each request, writes the call's files, gives the
   call forked ahead its order, feeds its stdin and collects its output, kills what it left running
-  (if anything), answers, then (before reading the next request) removes what it left. It holds
+  (if anything: once the call's own process is reaped, or at the call's deadline), answers, then (before reading the next request) removes what it left. It holds
   every call's data, so no call is ever forked from it once it has read a request (nor can a call
   read it: it is root, calls are not);
 - the zygote, forked from the supervisor before any request (warm: the preloads imported): it reads
@@ -21,20 +21,19 @@ of process, so that nothing of a call ever lies in the memory a later call is fo
   supervisor compiled it, marshalled: a first compile in a fresh fork costs hundreds of copy-on-
   write faults), then becomes the unprivileged CALL_UID in a scratch directory of its own and runs
   the code (or execs bash). Before it exits it writes its exit status and closes its output, so the
-  answer need not wait for the kernel to take its memory down. Each page it writes is copied from
-  the zygote's, so its own path touches few objects: the zygote's environment is already a call's
-  (zygote_env), signals are reset through _signal, no contextlib.
+  answer need not wait for the kernel to take its memory down (unless something it left holds the
+  output: then the answer waits for its reaping and that kill). Each page it writes is copied from
+  the zygote's, so its path touches few objects (forking.py).
 
 What a call could leave, and where it goes: residue.py.
 Limits (memory, pids, no network) are the worker sandbox's, which serves one call at a time.
 
-Kept free of anything newer than Python 3.9 (socket.send_fds) and of imports beyond the standard
-library.
+Kept free of anything newer than Python 3.9 and of imports beyond the standard library. The zygote's
+loop and the call's process: forking.py.
 """
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # signal.signal without the enum conversions (see run_child)
 import base64
 import contextlib
 import fcntl
@@ -47,13 +46,11 @@ import socket
 import struct
 import sys
 import time
-import traceback
-import types
-from typing import Any, NoReturn
+from typing import Any
 
+from sandfleet.backends.fncall.forking import CHUNK, STATUS, zygote  # in a worker, sent along too
 from sandfleet.backends.fncall.residue import (  # in a worker, the module the daemon sends along
     CALL_UID,
-    LIBC,
     SCRATCH,
     as_call_uid,
     claim,
@@ -64,193 +61,13 @@ from sandfleet.backends.fncall.residue import (  # in a worker, the module the d
     sweep,
 )
 
-CHUNK = 65536
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HEADER = struct.Struct(">4sI")  # a request's MAGIC and length (the daemon's side: daemon/node/stateless_calls.py)
 MAGIC = b"\xffSFZ"  # never in a request's JSON (ASCII): a stream out of step is seen at once
 LOCK = "/run/.sandfleet-zygote"  # root's: held by the live supervisor and zygote (see take_over)
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-STATUS = struct.Struct("i")
-RESET_SIGNALS = tuple(int(s) for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD))
-ENV_CWD = [""]  # the directory the environment of this process was made for (zygote_env)
-STATUS_FD = 1023  # the call's own exit status, told just before it exits (out of the way of its fds)
-STATUS_LINK = f"/proc/self/fd/{STATUS_FD}"
 
 
 class _ZygoteGone(Exception):
     """The zygote died (killed from inside the worker, say): the supervisor starts afresh."""
-
-
-def run_child(fds: list[int], link: str | None) -> NoReturn:
-    """In a fresh fork of the zygote: read the order from its pipe, become the call and run it;
-    never returns."""
-    req_r, in_r, out_w, err_w, status_w = fds
-    try:
-        parts = []
-        while True:
-            data = os.read(req_r, CHUNK)
-            if not data:
-                break
-            parts.append(data)
-        if not parts:
-            os._exit(0)  # a spare whose supervisor went away (its zygote died)
-        language, code, env, cwd = marshal.loads(b"".join(parts))
-        if isinstance(code, tuple):  # the compiler's error
-            code = SyntaxError(*code[1]) if code[0] == "SyntaxError" else ValueError(code[1])
-        os.setsid()
-        try:
-            os.dup2(status_w, STATUS_FD, inheritable=False)  # what it runs does not inherit it
-        except OSError:  # a lower RLIMIT_NOFILE: the zygote's report will do
-            link = None
-        os.dup2(in_r, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.closerange(3, STATUS_FD)
-        os.closerange(STATUS_FD + 1, 1 << 16)
-        for sig in RESET_SIGNALS:
-            _signal.signal(sig, _signal.SIG_DFL)
-        os.chdir(cwd)
-        os.setgroups([])
-        os.setresgid(CALL_UID, CALL_UID, CALL_UID)
-        os.setresuid(CALL_UID, CALL_UID, CALL_UID)
-        if language == "bash":
-            shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-            os.execve(shell, [shell, "-c", code], {**base_env(cwd), **env})
-        if cwd != ENV_CWD[0]:  # else the zygote's own environment is the call's base (zygote_env)
-            os.environ.clear()
-            os.environ.update(base_env(cwd))
-        if env:
-            os.environ.update(env)
-        # The interpreter's own stream objects, never used by the supervisor nor the zygote (they
-        # read and write their fds directly), so they hold no buffered bytes, and reusing them
-        # costs nothing; fds 0-2 are the call's pipes now.
-        sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
-        sys.argv = ["-c"]
-        me = os.getpid()
-        main = types.ModuleType("__main__")
-        sys.modules["__main__"] = main
-        status = 0
-        try:
-            if isinstance(code, BaseException):  # as python3 -c reports it: no traceback
-                traceback.print_exception(type(code), code, None)
-                status = 1
-            else:
-                exec(code, main.__dict__)
-        except SystemExit as exc:
-            if exc.code is None:
-                status = 0
-            elif isinstance(exc.code, int):
-                status = exc.code & 0xFF
-            else:
-                print(exc.code, file=sys.stderr)  # noqa: T201 (what python3 -c does)
-                status = 1
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                if stream is not None:
-                    stream.flush()
-            except Exception:
-                pass
-        # Its exit status and the end of its output before the kernel takes its memory down
-        # (most of an exit's time): the supervisor answers meanwhile. Not from a process the call
-        # forked (it holds the descriptor too), whose end is not the call's. (Plain try blocks
-        # here and above: every object a call touches is a page copied, contextlib's many.)
-        try:
-            if link and os.getpid() == me and os.readlink(STATUS_LINK) == link:
-                os.write(STATUS_FD, bytes((status,)))
-                os.closerange(0, 3)
-        except OSError:
-            pass
-        os._exit(status)
-    except BaseException:
-        try:
-            os.write(2, traceback.format_exc().encode())
-        finally:
-            os._exit(126)
-
-
-def base_env(cwd: str) -> dict[str, str]:
-    """A call's environment before its own variables."""
-    return {"PATH": PATH, "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
-
-
-def zygote_env() -> None:
-    """The zygote's environment made a call's base, once: a call then sets only its own variables."""
-    os.environ.clear()
-    os.environ.update(base_env(SCRATCH))
-    ENV_CWD[0] = SCRATCH
-
-
-def fork_spare(ctl: socket.socket) -> int:
-    """Fork the next call ahead, with its pipes, and give the supervisor their other ends (s). The
-    call waits for its order on its pipe, still root and holding nothing of a call: the fork is paid
-    for while the worker idles. -1 (F said): the fork failed."""
-    pipes = [os.pipe() for _ in range(5)]  # its order, stdin, stdout, stderr, own exit status
-    theirs = [pipes[0][0], pipes[1][0], pipes[2][1], pipes[3][1], pipes[4][1]]
-    mine = [pipes[0][1], pipes[1][1], pipes[2][0], pipes[3][0], pipes[4][0]]
-    try:  # the status pipe as /proc names it: the call's own, not a file later on its number
-        link: str | None = os.readlink(f"/proc/self/fd/{pipes[4][1]}")
-    except OSError:
-        link = None
-    try:
-        pid = os.fork()
-    except OSError:
-        pid = -1
-    if pid == 0:
-        low = 3  # all but its pipes go (the lock: see take_over)
-        for fd in sorted(theirs):
-            os.closerange(low, fd)
-            low = fd + 1
-        os.closerange(low, 1 << 16)
-        run_child(theirs, link)
-    for fd in theirs:
-        os.close(fd)
-    if pid > 0:
-        socket.send_fds(ctl, [b"s"], mine)
-    else:
-        ctl.send(b"F")
-    for fd in mine:
-        os.close(fd)
-    return pid
-
-
-def zygote(ctl: socket.socket) -> NoReturn:
-    """The zygote's loop: fork the next call (see fork_spare), report its exit status (x), then that
-    nothing of it is left (g), and again; after a failed fork, fork again on the supervisor's word.
-    When the call left nothing running, x and g go in one message (one wake-up of the supervisor)."""
-    try:
-        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, 0)  # the daemon's pipes are the supervisor's alone
-        os.dup2(null, 1)
-        os.close(null)
-        zygote_env()
-        while True:
-            pid = fork_spare(ctl)
-            told = b""
-            if pid < 0:
-                if not ctl.recv(1):
-                    os._exit(0)  # the supervisor is gone
-                continue
-            while True:
-                try:  # once the call is reaped, only a look at what else is left
-                    done, status = os.waitpid(-1, os.WNOHANG if told else 0)
-                except ChildProcessError:
-                    break
-                except InterruptedError:
-                    continue
-                if done == pid:
-                    told = b"x" + STATUS.pack(status)
-                elif done == 0:  # it left processes running: x now, and the supervisor kills them
-                    ctl.send(told)
-                    told = b""
-            ctl.send(told + b"g")
-    except BaseException:
-        os._exit(1)
 
 
 class Zygote:
@@ -321,7 +138,11 @@ class Zygote:
 
 
 def prepare_scratch(req: dict[str, Any]) -> None:
-    os.mkdir(SCRATCH, 0o700)
+    try:
+        os.mkdir(SCRATCH, 0o700)
+    except FileExistsError:  # left by a supervisor before this one
+        remove_tree(SCRATCH)
+        os.mkdir(SCRATCH, 0o700)
     files = req.get("files") or {}
     for name, data in files.items():
         path = os.path.join(SCRATCH, name)
@@ -348,7 +169,6 @@ def keep(fd: int, kept: dict[int, list[bytes]], counts: dict[int, int], cap: int
 
 def prepare(req: dict[str, Any]) -> bytes:
     """The call's scratch directory and files, and its order (what the call reads from its pipe)."""
-    remove_tree(SCRATCH)
     prepare_scratch(req)
     code: Any = req["code"]
     if req["language"] == "python":
@@ -363,7 +183,7 @@ def prepare(req: dict[str, Any]) -> bytes:
     return marshal.dumps((req["language"], code, req.get("env") or {}, SCRATCH))
 
 
-def call(req: dict[str, Any], order: bytes, zyg: Zygote) -> tuple[dict[str, Any], bool]:
+def call(req: dict[str, Any], order: bytes, zyg: Zygote, deadline: float) -> tuple[dict[str, Any], bool]:
     """Run one call through the zygote; returns its result once its status and all its output are
     in, and whether the zygote said that nothing of it is left (else `settle` waits for that)."""
     cap = int(req["cap"])
@@ -372,7 +192,6 @@ def call(req: dict[str, Any], order: bytes, zyg: Zygote) -> tuple[dict[str, Any]
     if fds is None:
         return {"id": req["id"], "error": "the zygote could not fork the call (the pids limit?)"}, True
     req_w, in_w, out_r, err_r, status_r = fds
-    deadline = t0 + float(req["timeout"])
     kept: dict[int, list[bytes]] = {out_r: [], err_r: []}
     counts = {out_r: 0, err_r: 0}
     pending = {req_w: order, in_w: base64.b64decode(req.get("stdin") or "")}
@@ -380,14 +199,14 @@ def call(req: dict[str, Any], order: bytes, zyg: Zygote) -> tuple[dict[str, Any]
         os.set_blocking(fd, False)
     status = None
     ended = 0.0
-    gone = timed_out = False
+    gone = timed_out = reaped = False
     readers = [out_r, err_r, status_r, zyg.fileno()]
     while not gone and not (status is not None and out_r not in readers and err_r not in readers):
         for fd in [fd for fd, data in pending.items() if not data]:
             os.close(fd)
             del pending[fd]
         wait = None
-        if status is None and not timed_out:
+        if not reaped and not timed_out:  # (its own status byte is a word of its code, not its end)
             wait = deadline - time.monotonic()
             if wait <= 0:
                 timed_out = True
@@ -412,8 +231,10 @@ def call(req: dict[str, Any], order: bytes, zyg: Zygote) -> tuple[dict[str, Any]
                 continue
             words = zyg.recv(in_call=True)
             for msg in words:
-                if msg[:1] == b"x" and status is None:
-                    status, ended = STATUS.unpack(msg[1:])[0], time.monotonic()
+                if msg[:1] == b"x":
+                    reaped = True
+                    if status is None:
+                        status, ended = STATUS.unpack(msg[1:])[0], time.monotonic()
                 elif msg == b"g":
                     gone = True
             kill_leftovers(words)
@@ -446,10 +267,18 @@ def kill_leftovers(words: list[bytes]) -> None:
         as_call_uid(kill_calls)
 
 
-def settle(zyg: Zygote, gone: bool, wdirs: list[str]) -> None:
+def settle(zyg: Zygote, gone: bool, wdirs: list[str], deadline: float) -> None:
     """After the answer, before the next request: wait until the zygote has reaped every process of
-    the call (all killed by then), then remove what they left."""
+    the call (what it left running is killed once the call is reaped, or at its deadline), then
+    remove what they left."""
+    killed = False
     while not gone:
+        wait = None if killed else max(0.0, deadline - time.monotonic())
+        if not select.select([zyg.fileno()], [], [], wait)[0]:
+            # Past its timeout and still running (it wrote its status byte itself and went on).
+            as_call_uid(kill_calls)
+            killed = True
+            continue
         words = zyg.recv(in_call=True)
         kill_leftovers(words)
         gone = b"g" in words
@@ -552,15 +381,16 @@ def serve(zyg: Zygote, wdirs: list[str]) -> None:
         req = None
         try:
             req = json.loads(body)
-            write_all(json.dumps({"taken": req.get("id")}).encode() + b"\n")  # see the top: `taken`
+            write_all(said("taken", req.get("id")))  # see the top: `taken`
             order = prepare(req)
         except Exception as exc:  # nothing of the call ran: settled at once (its files go with the next)
             call_id = req.get("id") if isinstance(req, dict) else None
             error = json.dumps({"id": call_id, "error": f"{type(exc).__name__}: {exc}"})
-            write_all(f"{error}\n{json.dumps({'settled': call_id})}\n".encode())
+            write_all(f"{error}\n".encode() + said("settled", call_id))
             continue
         try:
-            res, gone = call(req, order, zyg)
+            deadline = time.monotonic() + float(req["timeout"])
+            res, gone = call(req, order, zyg, deadline)
         except _ZygoteGone:
             write_all(json.dumps({"error": "the worker's zygote died"}).encode() + b"\n")
             raise
@@ -571,13 +401,20 @@ def serve(zyg: Zygote, wdirs: list[str]) -> None:
             return
         write_all(json.dumps(res).encode() + b"\n")
         try:
-            settle(zyg, gone, wdirs)
+            settle(zyg, gone, wdirs, deadline)
         except _ZygoteGone:
             raise
         except Exception as exc:  # answered already: this process ends, the next call starts another
             os.write(2, f"sandfleet-zygote: after call {req['id']}: {type(exc).__name__}: {exc}\n".encode())
             return
-        write_all(json.dumps({"settled": req["id"]}).encode() + b"\n")
+        write_all(said("settled", req["id"]))
+
+
+def said(word: str, call_id: Any) -> bytes:
+    """The line `{"taken": id}` or `{"settled": id}` (the daemon's ids are ints: no encoder needed)."""
+    if type(call_id) is int:
+        return f'{{"{word}": {call_id}}}\n'.encode()
+    return json.dumps({word: call_id}).encode() + b"\n"
 
 
 def write_all(data: bytes, fd: int = 1) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.backends.config import FncallBackendConfig
-from sandfleet.backends.fncall import residue, zygote
+from sandfleet.backends.fncall import forking, residue, zygote
 from sandfleet.backends.fncall.zygote import HEADER, MAGIC
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.node.core import EventStream, NodeCore, wire_text
@@ -41,16 +41,18 @@ from sandfleet.runtime.agent_wire import ExitInfo, OutputChunk
 
 
 def _bundle() -> str:
-    """zygote.py as one `python3 -I -c` program: residue.py, which it imports, is made a module of
-    that name from its text first (the worker's image has no sandfleet)."""
-    own, main = Path(residue.__file__).read_text(), Path(zygote.__file__).read_text()
-    return (
-        "import sys, types\n"
-        f"m = types.ModuleType({residue.__name__!r})\n"
-        f"exec(compile({own!r}, 'residue.py', 'exec'), m.__dict__)\n"
-        f"sys.modules[m.__name__] = m\n"
-        f"exec(compile({main!r}, 'zygote.py', 'exec'), {{'__name__': '__main__'}})\n"
-    )
+    """zygote.py as one `python3 -I -c` program: residue.py and forking.py, which it imports, are
+    made modules of those names from their text first (the worker's image has no sandfleet)."""
+    text = "import sys, types\n"
+    for module in (residue, forking):  # in the order they import each other
+        path = Path(str(module.__file__))
+        text += (
+            f"m = types.ModuleType({module.__name__!r})\n"
+            f"exec(compile({path.read_text()!r}, {path.name!r}, 'exec'), m.__dict__)\n"
+            "sys.modules[m.__name__] = m\n"
+        )
+    main = Path(zygote.__file__).read_text()
+    return text + f"exec(compile({main!r}, 'zygote.py', 'exec'), {{'__name__': '__main__'}})\n"
 
 
 ZYGOTE_SOURCE = _bundle()  # run in a worker as `python3 -I -c`
