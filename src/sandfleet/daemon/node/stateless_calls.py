@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import itertools
 import json
@@ -118,7 +119,28 @@ class _Pool:
     spec: SandboxSpec
     idle: list[str] = field(default_factory=list)
     members: set[str] = field(default_factory=set)
-    freed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # Calls waiting for a worker of this pool, longest first: woken one at a time, as one is freed.
+    waiting: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
+
+    def notify(self) -> None:
+        """A worker was freed (or a member is gone: room for a new one): wake the longest waiting."""
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    async def freed(self, timeout: float) -> None:
+        """Until `notify` (TimeoutError after `timeout` seconds)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append(fut)
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.notify()  # woken as it gave up: the next in line has it
+            raise
 
 
 def _request(req: RunCodeRequest, call_id: int) -> bytes:
@@ -193,7 +215,9 @@ class Calls:
         if z is not None:
             z.fail(UnavailableError(f"worker {sb.id} stopped"))
         for pool in self._pools.values():
-            pool.members.discard(sb.id)
+            if sb.id in pool.members:
+                pool.members.discard(sb.id)
+                pool.notify()  # room for a new worker
             with contextlib.suppress(ValueError):
                 pool.idle.remove(sb.id)
 
@@ -292,7 +316,8 @@ class Calls:
             z.settled.clear()
             await z.proc.write_stdin(_request(req, call_id))
             try:
-                msg = await asyncio.wait_for(asyncio.shield(fut), req.timeout + GRACE)
+                async with asyncio.timeout(req.timeout + GRACE):
+                    msg = await fut
             except UnavailableError as exc:
                 if z.dead and z.taken != call_id:
                     raise _NotTaken(str(exc)) from exc
@@ -399,22 +424,21 @@ class Calls:
         started = time.monotonic()
         evicted = False
         while True:
-            async with pool.freed:
-                while True:
-                    while pool.idle:
-                        sid = self._pick(pool.idle)
-                        sb = self.core.table.find(sid)
-                        if sb is not None and sb.state in ("running", "paused"):
-                            return sid
-                        pool.members.discard(sid)
-                    if len(pool.members) < self.config.max_workers:
-                        break
-                    try:  # every worker busy: the next freed, within the call's own timeout
-                        await asyncio.wait_for(pool.freed.wait(), max(0.0, deadline - time.monotonic()))
-                    except TimeoutError:
-                        raise ResourceExhaustedError(
-                            f"all {self.config.max_workers} workers of this pool stayed busy for the call's timeout"
-                        ) from None
+            while True:
+                while pool.idle:
+                    sid = self._pick(pool.idle)
+                    sb = self.core.table.find(sid)
+                    if sb is not None and sb.state in ("running", "paused"):
+                        return sid
+                    pool.members.discard(sid)
+                if len(pool.members) < self.config.max_workers:
+                    break
+                try:  # every worker busy: the next freed, within the call's own timeout
+                    await pool.freed(max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise ResourceExhaustedError(
+                        f"all {self.config.max_workers} workers of this pool stayed busy for the call's timeout"
+                    ) from None
             try:
                 info = await self.creation.create(pool.spec)
             except ResourceExhaustedError:
@@ -424,9 +448,8 @@ class Calls:
                 left = min(deadline, started + CAPACITY_WAIT) - time.monotonic()
                 if left <= 0:
                     raise
-                async with pool.freed:  # a worker of this pool freed meanwhile serves as well
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(pool.freed.wait(), min(backoff, left))
+                with contextlib.suppress(TimeoutError):  # a worker of this pool freed meanwhile serves as well
+                    await pool.freed(min(backoff, left))
                 backoff = min(backoff * 2, 1.0)
                 continue
             pool.members.add(info.id)
@@ -458,12 +481,7 @@ class Calls:
                 self.core.spawn(self._stop_quietly(sid), name=f"stop-{sid}")
         elif sid in pool.members:
             pool.idle.append(sid)
-
-        async def notify() -> None:
-            async with pool.freed:
-                pool.freed.notify()
-
-        self.core.spawn(notify(), name="pool-freed")
+        pool.notify()
 
     async def _stop_quietly(self, sid: str, reason: str = "error") -> None:
         with contextlib.suppress(SandboxError):
