@@ -294,6 +294,18 @@ def test_a_call_that_says_its_own_status_early_still_ends_at_its_deadline(node: 
             assert time.monotonic() - t0 < 10
 
 
+def test_a_call_out_of_time_before_it_began_is_ended_all_the_same(node: Daemon) -> None:
+    """A timeout that runs out while the call is still being handed its order (still root, not yet
+    of CALL_UID: a kill then misses it): its order is cut short and it is killed until reaped, so it
+    is answered as timed out at once, not left running until the daemon gives up on the worker."""
+    with node.client(timeout=120) as fleet, fleet.create(backend="fncall", image="python") as w:
+        for timeout in (1e-6, 1e-4, 1e-3, 1e-2):
+            t0 = time.monotonic()
+            r = w.run_code("import time; time.sleep(30)", timeout=timeout)
+            assert r.timed_out and time.monotonic() - t0 < 3, (timeout, r)
+            assert w.run_code(CALLS_OF_UID).stdout == "0\n"
+
+
 HOST = "import socket; print(socket.gethostname())"
 WARM = """
 import os

@@ -6,9 +6,9 @@ What a call could leave, and where it goes:
   or at the call's deadline, everything running as CALL_UID is killed with one kill(-1) sent as
   CALL_UID (a process whose uids are not 0 holds no capability and signals only its own uid;
   kill(-1) spares the sender; a fork racing with it fails), so a background process, a double fork
-  or a setsid escapes nothing; the zygote reaps them all before the next call. (The supervisor takes that uid for the
-  moment of the kill, root staying its saved uid: a call's process signalling it then spoils only
-  its own call.);
+  or a setsid escapes nothing; the zygote reaps them all before the next call. (The supervisor
+  takes that uid for the moment of the kill, root staying its saved uid: a call's process
+  signalling it then spoils only its own call.);
 - files: CALL_UID can create entries only in directories it may write to. At start the supervisor
   walks the worker's own filesystems (the root, /dev, /dev/shm, /dev/mqueue; not volumes, /proc,
   /sys) and takes back what CALL_UID could change there: entries of its uid or group become

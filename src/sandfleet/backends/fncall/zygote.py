@@ -1,16 +1,17 @@
 """The fncall tier's warm worker: runs inside a pooled sandbox under the image's own python3.
 
-The daemon starts it through the agent (`python3 -I -c <this file's text and residue.py's>
-<preload...>`) as the sandbox's root and keeps its stdin and stdout: per call it writes a request
+The daemon starts it through the agent (`python3 -I -c <this file's text, residue.py's and
+forking.py's> <preload...>`) as the sandbox's root and keeps its stdin and stdout: per call it writes a request
 (HEADER, then that many bytes of JSON) and reads a line `taken` (none: the call never began), then
 the result, then `settled` (nothing of the call is left: the next request may come). Three kinds
 of process, so that nothing of a call ever lies in the memory a later call is forked from:
 
 - the supervisor (this process, long-lived): reads each request, writes the call's files, gives the
   call forked ahead its order, feeds its stdin and collects its output, kills what it left running
-  (if anything: once the call's own process is reaped, or at the call's deadline), answers, then (before reading the next request) removes what it left. It holds
-  every call's data, so no call is ever forked from it once it has read a request (nor can a call
-  read it: it is root, calls are not);
+  (if anything: once the call's own process is reaped, or at the call's deadline), answers, then
+  (before reading the next request) removes what it left. It holds every call's data, so no call
+  is ever forked from it once it has read a request (nor can a call read it: it is root, calls
+  are not);
 - the zygote, forked from the supervisor before any request (warm: the preloads imported): it reads
   nothing at all. It forks the next call ahead with five pipes (order, stdin, stdout, stderr, exit
   status) and sends the supervisor their other ends (SCM_RIGHTS), then reports the call's exit
@@ -63,6 +64,8 @@ from sandfleet.backends.fncall.residue import (  # in a worker, the module the d
 
 HEADER = struct.Struct(">4sI")  # a request's MAGIC and length (the daemon's side: daemon/node/stateless_calls.py)
 MAGIC = b"\xffSFZ"  # never in a request's JSON (ASCII): a stream out of step is seen at once
+KILL_AGAIN = 0.05  # seconds between kills of what is left of a call past its time
+SETTLE_GRACE = 1.0  # seconds an answered call's processes have to end before they are killed
 LOCK = "/run/.sandfleet-zygote"  # root's: held by the live supervisor and zygote (see take_over)
 
 
@@ -140,7 +143,7 @@ class Zygote:
 def prepare_scratch(req: dict[str, Any]) -> None:
     try:
         os.mkdir(SCRATCH, 0o700)
-    except FileExistsError:  # left by a supervisor before this one
+    except FileExistsError:  # left by a request that failed before its call (its files go with the next)
         remove_tree(SCRATCH)
         os.mkdir(SCRATCH, 0o700)
     files = req.get("files") or {}
@@ -206,12 +209,18 @@ def call(req: dict[str, Any], order: bytes, zyg: Zygote, deadline: float) -> tup
             os.close(fd)
             del pending[fd]
         wait = None
-        if not reaped and not timed_out:  # (its own status byte is a word of its code, not its end)
-            wait = deadline - time.monotonic()
-            if wait <= 0:
+        if not reaped:  # (its own status byte is a word of its code, not its end)
+            if not timed_out and deadline <= time.monotonic():
                 timed_out = True
+                for fd in pending:  # an order cut short: a call that has not begun never does
+                    os.close(fd)
+                pending.clear()
+                readers = [zyg.fileno()]  # its output is not waited for any more
+            if timed_out:  # killed until reaped: a kill misses a call not yet of CALL_UID
                 as_call_uid(kill_calls)
-                readers, wait = [zyg.fileno()], None  # its output is not waited for any more
+                wait = KILL_AGAIN
+            else:
+                wait = deadline - time.monotonic()
         r, w, _ = select.select(readers, list(pending), [], wait)
         for fd in w:
             try:
@@ -267,17 +276,15 @@ def kill_leftovers(words: list[bytes]) -> None:
         as_call_uid(kill_calls)
 
 
-def settle(zyg: Zygote, gone: bool, wdirs: list[str], deadline: float) -> None:
+def settle(zyg: Zygote, gone: bool, wdirs: list[str], until: float) -> None:
     """After the answer, before the next request: wait until the zygote has reaped every process of
-    the call (what it left running is killed once the call is reaped, or at its deadline), then
-    remove what they left."""
-    killed = False
+    the call (what it left running is killed once the call is reaped, or at `until`), then remove
+    what they left."""
     while not gone:
-        wait = None if killed else max(0.0, deadline - time.monotonic())
-        if not select.select([zyg.fileno()], [], [], wait)[0]:
-            # Past its timeout and still running (it wrote its status byte itself and went on).
+        if not select.select([zyg.fileno()], [], [], max(0.0, until - time.monotonic()))[0]:
+            # Still running: it wrote its status byte itself and went on. Killed until gone.
             as_call_uid(kill_calls)
-            killed = True
+            until = time.monotonic() + KILL_AGAIN
             continue
         words = zyg.recv(in_call=True)
         kill_leftovers(words)
@@ -401,7 +408,9 @@ def serve(zyg: Zygote, wdirs: list[str]) -> None:
             return
         write_all(json.dumps(res).encode() + b"\n")
         try:
-            settle(zyg, gone, wdirs, deadline)
+            # Answered: what is left of it should be exiting (it said its status and closed its
+            # output), so it has SETTLE_GRACE to go, never past its deadline.
+            settle(zyg, gone, wdirs, min(deadline, time.monotonic() + SETTLE_GRACE))
         except _ZygoteGone:
             raise
         except Exception as exc:  # answered already: this process ends, the next call starts another
