@@ -79,7 +79,7 @@ def test_at_most_max_in_flight_batches_then_the_rest_waits() -> None:
             for i in range(len(bodies)):
                 yield i, _result(str(i))
 
-        b = CallBatcher(one, many, max_in_flight=1)
+        b = CallBatcher(one, many, max_in_flight=1, linger=5.0)
         calls = [asyncio.ensure_future(b.submit({"code": "a"}))]
         await asyncio.sleep(0.01)  # the first is out alone; these wait for it, then go together
         calls += [asyncio.ensure_future(b.submit({"code": str(i)})) for i in range(5)]
@@ -90,3 +90,41 @@ def test_at_most_max_in_flight_batches_then_the_rest_waits() -> None:
         return len(seen)
 
     assert asyncio.run(main()) == 2 and seen == [1, 5]
+
+
+def test_a_call_waits_for_a_slot_no_longer_than_linger() -> None:
+    """Every slot held by a long call: a short call made then still goes out after `linger`, with
+    the calls made with it as one batch, and not behind the long ones."""
+    seen: list[int] = []
+
+    async def main() -> float:
+        release = asyncio.Event()
+
+        async def one(body: dict[str, object]) -> ExecResult:
+            seen.append(1)
+            if body["code"] == "long":
+                await release.wait()
+            return _result(str(body["code"]))
+
+        async def many(bodies: list[dict[str, object]]) -> AsyncGenerator[tuple[int, ExecResult | SandboxError], None]:
+            seen.append(len(bodies))
+            for i in range(len(bodies)):
+                yield i, _result(str(bodies[i]["code"]))
+
+        b = CallBatcher(one, many, max_in_flight=2, linger=0.05)
+        longs = []
+        for _ in range(2):  # one batch each
+            longs.append(asyncio.ensure_future(b.submit({"code": "long"})))
+            await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        short = await asyncio.wait_for(asyncio.gather(*(b.submit({"code": c}) for c in "ab")), 2)
+        waited = loop.time() - t0
+        assert [r.stdout for r in short] == ["a", "b"]
+        release.set()
+        await asyncio.gather(*longs)
+        return waited
+
+    waited = asyncio.run(main())
+    assert 0.04 <= waited < 1.0
+    assert seen == [1, 1, 2]

@@ -4,8 +4,9 @@ A trainer scoring a group of rollouts issues tens of `run_code` calls at once, a
 SDK and the daemon about a millisecond of CPU per HTTP request, more than a trivial call itself.
 So `AsyncClient.run_code` hands its call here: calls submitted in the same turn of the event loop
 go out together as one batch (a call alone goes out alone, on the one-call endpoint), with at most
-`max_in_flight` batches at a time; calls made while that many are out wait for the next. Each call
-still gets its own result (or its own typed error) as soon as the daemon streams it back.
+`max_in_flight` batches at a time; calls made while that many are out wait for the next, but never
+longer than `linger` (those batches may be long calls: a short call does not queue behind them).
+Each call still gets its own result (or its own typed error) as soon as the daemon streams it back.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ class CallBatcher:
         *,
         max_in_flight: int = 4,
         max_batch: int = 256,
+        linger: float = 0.01,
     ) -> None:
         self._one = one
         self._many = many
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
+        self._linger = linger
+        self._late: asyncio.TimerHandle | None = None  # sends what still waits at `linger`
         self._pending: list[tuple[Body, asyncio.Future[ExecResult]]] = []
         self._scheduled = False
         self._in_flight = 0
@@ -46,14 +50,20 @@ class CallBatcher:
         return await fut
 
     def _schedule(self) -> None:
-        if not self._scheduled and self._pending and self._in_flight < self._max_in_flight:
+        if self._scheduled or not self._pending:
+            return
+        if self._in_flight < self._max_in_flight:
             self._scheduled = True
             # after this turn of the loop: the calls made in it go together
             asyncio.get_running_loop().call_soon(self._flush)
+        elif self._late is None:
+            self._late = asyncio.get_running_loop().call_later(self._linger, self._flush, True)
 
-    def _flush(self) -> None:
+    def _flush(self, late: bool = False) -> None:
         self._scheduled = False
-        while self._pending and self._in_flight < self._max_in_flight:
+        if late:
+            self._late = None
+        while self._pending and (late or self._in_flight < self._max_in_flight):
             batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
             batch = [(body, fut) for body, fut in batch if not fut.done()]  # callers that left
             if not batch:
@@ -62,6 +72,9 @@ class CallBatcher:
             task = asyncio.get_running_loop().create_task(self._send(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        if self._late is not None and not self._pending:
+            self._late.cancel()
+            self._late = None
 
     async def _send(self, batch: list[tuple[Body, asyncio.Future[ExecResult]]]) -> None:
         try:
