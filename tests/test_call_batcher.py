@@ -128,3 +128,36 @@ def test_a_call_waits_for_a_slot_no_longer_than_linger() -> None:
     waited = asyncio.run(main())
     assert 0.04 <= waited < 1.0
     assert seen == [1, 1, 2]
+
+
+def test_batches_sent_past_linger_stop_at_max_forced() -> None:
+    """Calls that waited `linger` go out above `max_in_flight`, but never more than `max_forced`
+    batches in all (each is a connection): the rest wait for one of them."""
+
+    async def main() -> tuple[int, int]:
+        release = asyncio.Event()
+        out = [0, 0]  # now, most
+
+        async def one(body: dict[str, object]) -> ExecResult:
+            out[0] += 1
+            out[1] = max(out[1], out[0])
+            await release.wait()
+            out[0] -= 1
+            return _result("long")
+
+        async def many(bodies: list[dict[str, object]]) -> AsyncGenerator[tuple[int, ExecResult | SandboxError], None]:
+            assert release.is_set()  # the calls that waited, once a batch is back
+            for i in range(len(bodies)):
+                yield i, _result("long")
+
+        b = CallBatcher(one, many, max_in_flight=1, linger=0.01, max_forced=3)
+        calls = []
+        for _ in range(6):
+            calls.append(asyncio.ensure_future(b.submit({"code": "long"})))
+            await asyncio.sleep(0.03)
+        held = out[0]
+        release.set()
+        await asyncio.gather(*calls)
+        return held, out[1]
+
+    assert asyncio.run(main()) == (3, 3)

@@ -295,3 +295,25 @@ def test_a_call_waits_for_a_busy_pool_only_as_long_as_its_timeout() -> None:
             assert c.run_code("print('again')", timeout=2).stdout == "again\n"
     finally:
         destroy_daemon(d)
+
+
+@pytest.mark.slow
+def test_a_burst_into_an_empty_pool_makes_no_more_than_max_workers() -> None:
+    """Workers being made count toward `max_workers`: eight calls at once into an empty pool of at
+    most two make two workers (each made one before), and every call is served."""
+    d = make_daemon("fncall-burst")
+    tiers = d.config.read_text().replace("[container]\n", '[[backends]]\ntype = "container"\n')
+    d.config.write_text(tiers + '[[backends]]\ntype = "fncall"\nworkers = 1\nmax_workers = 2\n')
+    d.start()
+    try:
+
+        async def main() -> list[str]:
+            async with AsyncClient(str(d.socket), timeout=120) as c:
+                results = await asyncio.gather(*(c.run_code(f"print({i})") for i in range(8)))
+                return [r.stdout for r in results]
+
+        assert asyncio.run(main()) == [f"{i}\n" for i in range(8)]
+        with d.client(timeout=60) as c:
+            assert len(c.list(labels={"sandfleet.fncall-pool": "1"})) == 2
+    finally:
+        destroy_daemon(d)

@@ -3,9 +3,10 @@
 A trainer scoring a group of rollouts issues tens of `run_code` calls at once, and each costs the
 SDK and the daemon about a millisecond of CPU per HTTP request, more than a trivial call itself.
 So `AsyncClient.run_code` hands its call here: calls submitted in the same turn of the event loop
-go out together as one batch (a call alone goes out alone, on the one-call endpoint), with at most
-`max_in_flight` batches at a time; calls made while that many are out wait for the next, but never
-longer than `linger` (those batches may be long calls: a short call does not queue behind them).
+go out together as one batch (a call alone goes out alone, on the one-call endpoint), with
+`max_in_flight` batches at a time; calls made while that many are out wait for the next, but no
+longer than `linger` (those batches may be long calls: a short call does not queue behind them),
+and then go out as one batch more, up to `max_forced` batches in all (each is a connection).
 Each call still gets its own result (or its own typed error) as soon as the daemon streams it back.
 """
 
@@ -31,12 +32,14 @@ class CallBatcher:
         max_in_flight: int = 4,
         max_batch: int = 256,
         linger: float = 0.01,
+        max_forced: int = 16,
     ) -> None:
         self._one = one
         self._many = many
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
         self._linger = linger
+        self._max_forced = max(max_forced, max_in_flight)
         self._late: asyncio.TimerHandle | None = None  # sends what still waits at `linger`
         self._pending: list[tuple[Body, asyncio.Future[ExecResult]]] = []
         self._scheduled = False
@@ -56,14 +59,14 @@ class CallBatcher:
             self._scheduled = True
             # after this turn of the loop: the calls made in it go together
             asyncio.get_running_loop().call_soon(self._flush)
-        elif self._late is None:
+        elif self._late is None and self._in_flight < self._max_forced:
             self._late = asyncio.get_running_loop().call_later(self._linger, self._flush, True)
 
     def _flush(self, late: bool = False) -> None:
         self._scheduled = False
         if late:
             self._late = None
-        while self._pending and (late or self._in_flight < self._max_in_flight):
+        while self._pending and self._in_flight < (self._max_forced if late else self._max_in_flight):
             batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
             batch = [(body, fut) for body, fut in batch if not fut.done()]  # callers that left
             if not batch:

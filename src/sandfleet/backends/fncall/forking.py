@@ -144,11 +144,11 @@ def fork_spare(ctl: socket.socket) -> int:
     for while the worker idles. -1 (F said): the fork failed."""
     # Its order, stdin, stdout, stderr, own exit status. (No comprehension: after the fork every
     # object this process touches is a page copied, and a comprehension is a new function object.)
-    order, stdin, stdout, stderr, told = os.pipe(), os.pipe(), os.pipe(), os.pipe(), os.pipe()
-    theirs = [order[0], stdin[0], stdout[1], stderr[1], told[1]]
-    mine = [order[1], stdin[1], stdout[0], stderr[0], told[0]]
+    order, stdin, stdout, stderr, status = os.pipe(), os.pipe(), os.pipe(), os.pipe(), os.pipe()
+    theirs = [order[0], stdin[0], stdout[1], stderr[1], status[1]]
+    mine = [order[1], stdin[1], stdout[0], stderr[0], status[0]]
     try:  # the status pipe as /proc names it: the call's own, not a file later on its number
-        link: str | None = os.readlink(f"/proc/self/fd/{told[1]}")
+        link: str | None = os.readlink(f"/proc/self/fd/{status[1]}")
     except OSError:
         link = None
     fds = FIVE_FDS.pack(*mine)
@@ -188,23 +188,23 @@ def zygote(ctl: socket.socket) -> NoReturn:
         zygote_env()
         while True:
             pid = fork_spare(ctl)
-            told = b""
+            report = b""
             if pid < 0:
                 if not ctl.recv(1):
                     os._exit(0)  # the supervisor is gone
                 continue
             while True:
                 try:  # once the call is reaped, only a look at what else is left
-                    done, status = os.waitpid(-1, os.WNOHANG if told else 0)
+                    done, status = os.waitpid(-1, os.WNOHANG if report else 0)
                 except ChildProcessError:
                     break
                 except InterruptedError:
                     continue
                 if done == pid:
-                    told = b"x" + STATUS.pack(status)
+                    report = b"x" + STATUS.pack(status)
                 elif done == 0:  # it left processes running: x now, and the supervisor kills them
-                    ctl.send(told)
-                    told = b""
-            ctl.send(told + b"g")
+                    ctl.send(report)
+                    report = b""
+            ctl.send(report + b"g")
     except BaseException:
         os._exit(1)

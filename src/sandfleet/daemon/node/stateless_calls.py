@@ -119,6 +119,7 @@ class _Pool:
     spec: SandboxSpec
     idle: list[str] = field(default_factory=list)
     members: set[str] = field(default_factory=set)
+    creating: int = 0  # workers being made for calls: they count toward max_workers
     # Calls waiting for a worker of this pool, longest first: woken one at a time, as one is freed.
     waiting: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
 
@@ -140,6 +141,9 @@ class _Pool:
         except BaseException:
             if fut.done() and not fut.cancelled():
                 self.notify()  # woken as it gave up: the next in line has it
+            else:
+                with contextlib.suppress(ValueError):
+                    self.waiting.remove(fut)
             raise
 
 
@@ -318,6 +322,10 @@ class Calls:
             try:
                 async with asyncio.timeout(req.timeout + GRACE):
                     msg = await fut
+            except TimeoutError:
+                if not fut.done() or fut.cancelled() or fut.exception() is not None:
+                    raise
+                msg = fut.result()  # it came in the turn the timeout fired
             except UnavailableError as exc:
                 if z.dead and z.taken != call_id:
                     raise _NotTaken(str(exc)) from exc
@@ -431,7 +439,7 @@ class Calls:
                     if sb is not None and sb.state in ("running", "paused"):
                         return sid
                     pool.members.discard(sid)
-                if len(pool.members) < self.config.max_workers:
+                if len(pool.members) + pool.creating < self.config.max_workers:
                     break
                 try:  # every worker busy: the next freed, within the call's own timeout
                     await pool.freed(max(0.0, deadline - time.monotonic()))
@@ -439,9 +447,14 @@ class Calls:
                     raise ResourceExhaustedError(
                         f"all {self.config.max_workers} workers of this pool stayed busy for the call's timeout"
                     ) from None
+            pool.creating += 1
             try:
                 info = await self.creation.create(pool.spec)
-            except ResourceExhaustedError:
+            except BaseException as exc:
+                pool.creating -= 1
+                if not isinstance(exc, ResourceExhaustedError):
+                    pool.notify()  # the room it held is a waiting call's
+                    raise
                 if not evicted and await self._evict_idle(pool):
                     evicted = True  # once: a node full of CPU load is not relieved by stopping idle workers
                     continue  # an idle worker of another pool made room
@@ -452,6 +465,7 @@ class Calls:
                     await pool.freed(min(backoff, left))
                 backoff = min(backoff * 2, 1.0)
                 continue
+            pool.creating -= 1
             pool.members.add(info.id)
             return info.id
 
