@@ -161,3 +161,29 @@ def test_batches_sent_past_linger_stop_at_max_forced() -> None:
         return held, out[1]
 
     assert asyncio.run(main()) == (3, 3)
+
+
+def test_calls_a_full_flush_leaves_behind_still_go_after_linger() -> None:
+    """A turn's calls beyond what the free slots take (batches of `max_batch`) wait `linger` for a
+    slot like any other, not for a long call to end."""
+
+    async def main() -> list[str]:
+        release = asyncio.Event()
+
+        async def one(body: dict[str, object]) -> ExecResult:
+            raise AssertionError("every batch here holds two calls or more")
+
+        async def many(bodies: list[dict[str, object]]) -> AsyncGenerator[tuple[int, ExecResult | SandboxError], None]:
+            if bodies[0]["code"] == "long":
+                await release.wait()
+            for i in range(len(bodies)):
+                yield i, _result(str(bodies[i]["code"]))
+
+        b = CallBatcher(one, many, max_in_flight=1, max_batch=2, linger=0.02)
+        calls = [asyncio.ensure_future(b.submit({"code": c})) for c in ("long", "long", "a", "b")]
+        done = await asyncio.wait_for(asyncio.gather(*calls[2:]), 2)
+        release.set()
+        await asyncio.gather(*calls[:2])
+        return [r.stdout for r in done]
+
+    assert asyncio.run(main()) == ["a", "b"]

@@ -78,6 +78,8 @@ class CallBatcher:
         if self._late is not None and not self._pending:
             self._late.cancel()
             self._late = None
+        elif self._pending:
+            self._schedule()  # what every slot left waiting: its `linger` starts now
 
     async def _send(self, batch: list[tuple[Body, asyncio.Future[ExecResult]]]) -> None:
         try:

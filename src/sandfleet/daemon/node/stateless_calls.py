@@ -8,8 +8,9 @@ what is wiped between calls). A worker serves one call at a time, so the sandbox
 are the call's. Pools of workers are kept per (project, image, resources): the project is the trust
 domain, so workers are never shared between projects (a worker carries its project like any sandbox: its
 tokens see it, a restarted daemon adopts it back into that project's pool). A call takes an idle worker,
-or creates one while under `max_workers`, or waits for one (no longer than its own timeout: then
-`resource_exhausted`); idle workers above `workers` stop after `worker_idle` seconds (their idle TTL).
+or creates one while under `max_workers` (workers being made count), or waits for one (no longer than
+its own timeout: then `resource_exhausted`); idle workers above `workers` stop after `worker_idle`
+seconds (their idle TTL).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class _Pool:
     waiting: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
 
     def notify(self) -> None:
-        """A worker was freed (or a member is gone: room for a new one): wake the longest waiting."""
+        """A worker was freed, or there is room for a new one (a member gone, a call that was to make
+        one gave up): wake the longest waiting."""
         while self.waiting:
             fut = self.waiting.popleft()
             if not fut.done():
@@ -320,12 +322,13 @@ class Calls:
             z.settled.clear()
             await z.proc.write_stdin(_request(req, call_id))
             try:
-                async with asyncio.timeout(req.timeout + GRACE):
-                    msg = await fut
-            except TimeoutError:
-                if not fut.done() or fut.cancelled() or fut.exception() is not None:
-                    raise
-                msg = fut.result()  # it came in the turn the timeout fired
+                try:
+                    async with asyncio.timeout(req.timeout + GRACE):
+                        msg = await fut
+                except TimeoutError:
+                    if not fut.done() or fut.cancelled():
+                        raise
+                    msg = fut.result()  # it came in the turn the timeout fired (its error too)
             except UnavailableError as exc:
                 if z.dead and z.taken != call_id:
                     raise _NotTaken(str(exc)) from exc
@@ -431,43 +434,47 @@ class Calls:
         backoff = 0.05
         started = time.monotonic()
         evicted = False
-        while True:
+        try:
             while True:
-                while pool.idle:
-                    sid = self._pick(pool.idle)
-                    sb = self.core.table.find(sid)
-                    if sb is not None and sb.state in ("running", "paused"):
-                        return sid
-                    pool.members.discard(sid)
-                if len(pool.members) + pool.creating < self.config.max_workers:
-                    break
-                try:  # every worker busy: the next freed, within the call's own timeout
-                    await pool.freed(max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    raise ResourceExhaustedError(
-                        f"all {self.config.max_workers} workers of this pool stayed busy for the call's timeout"
-                    ) from None
-            pool.creating += 1
-            try:
-                info = await self.creation.create(pool.spec)
-            except BaseException as exc:
+                while True:
+                    while pool.idle:
+                        sid = self._pick(pool.idle)
+                        sb = self.core.table.find(sid)
+                        if sb is not None and sb.state in ("running", "paused"):
+                            return sid
+                        pool.members.discard(sid)
+                    if len(pool.members) + pool.creating < self.config.max_workers:
+                        break
+                    try:  # every worker busy: the next freed, within the call's own timeout
+                        await pool.freed(max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        raise ResourceExhaustedError(
+                            f"all {self.config.max_workers} workers of this pool stayed busy for the call's timeout"
+                        ) from None
+                pool.creating += 1
+                try:
+                    info = await self.creation.create(pool.spec)
+                except BaseException as exc:
+                    pool.creating -= 1
+                    if not isinstance(exc, ResourceExhaustedError):
+                        raise
+                    if not evicted and await self._evict_idle(pool):
+                        evicted = True  # once: a node full of CPU load is not relieved by stopping idle workers
+                        continue  # an idle worker of another pool made room
+                    left = min(deadline, started + CAPACITY_WAIT) - time.monotonic()
+                    if left <= 0:
+                        raise
+                    with contextlib.suppress(TimeoutError):  # a worker of this pool freed meanwhile serves as well
+                        await pool.freed(min(backoff, left))
+                    backoff = min(backoff * 2, 1.0)
+                    continue
                 pool.creating -= 1
-                if not isinstance(exc, ResourceExhaustedError):
-                    pool.notify()  # the room it held is a waiting call's
-                    raise
-                if not evicted and await self._evict_idle(pool):
-                    evicted = True  # once: a node full of CPU load is not relieved by stopping idle workers
-                    continue  # an idle worker of another pool made room
-                left = min(deadline, started + CAPACITY_WAIT) - time.monotonic()
-                if left <= 0:
-                    raise
-                with contextlib.suppress(TimeoutError):  # a worker of this pool freed meanwhile serves as well
-                    await pool.freed(min(backoff, left))
-                backoff = min(backoff * 2, 1.0)
-                continue
-            pool.creating -= 1
-            pool.members.add(info.id)
-            return info.id
+                pool.members.add(info.id)
+                return info.id
+        except BaseException:
+            if len(pool.members) + pool.creating < self.config.max_workers:
+                pool.notify()  # room this call leaves unused: a waiting call's to try for itself
+            raise
 
     async def _evict_idle(self, keep: _Pool) -> bool:
         """Stop one idle worker of another pool (the node is full: pools must not starve each other)."""
