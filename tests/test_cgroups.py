@@ -103,6 +103,33 @@ def test_a_process_is_held_by_a_cgroup_renamed_whole_and_not_by_one_renamed_in_p
             cg.remove(name)
 
 
+def test_remove_takes_a_cgroup_with_its_children_from_every_hierarchy_and_never_a_busy_one(cg: Cgroups) -> None:
+    rel = f"{cg.parent}/sb-remove"
+    hierarchies = [CGROUP_ROOT / c for c in V1_JOINED if (CGROUP_ROOT / c).is_dir()]
+    for h in hierarchies:
+        (h / rel.lstrip("/") / "nested" / "deeper").mkdir(parents=True)
+    (CGROUP_ROOT / "memory" / rel.lstrip("/") / "sibling").mkdir()
+    cg.remove(rel)  # one rmdir fails (children): the walk takes them, deepest first
+    assert not cg.exists(rel)
+    assert not any((h / rel.lstrip("/")).exists() for h in hierarchies)
+
+    for h in hierarchies:
+        (h / rel.lstrip("/")).mkdir()
+    pids = CGROUP_ROOT / "pids" / rel.lstrip("/")
+    busy = subprocess.Popen(["sleep", "30"])
+    try:
+        (pids / "cgroup.procs").write_text(str(busy.pid))
+        with pytest.raises(OSError):
+            cg.remove(rel)  # a task inside: EBUSY, not hidden
+        assert pids.is_dir() and cg.holds(busy.pid, rel)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert wait_until(lambda: not cg.procs(rel) and not (pids / "cgroup.procs").read_text().split())
+    cg.remove(rel)
+    assert not cg.exists(rel)
+
+
 # Run in a mount namespace of its own: the probe mounts never reach the host's table.
 _FAVOR_PROBE = """
 import json, tempfile

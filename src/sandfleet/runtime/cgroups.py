@@ -129,10 +129,20 @@ def _write(path: Path, value: str) -> None:
         f.write(value)
 
 
+def _read_small(path: Path) -> str:
+    """A counter or state file of a few lines (< 4 KiB), os-level: a stop and the monitor's sweep
+    read several per sandbox, and a text-mode open costs more than the kernel's part."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096).decode()
+    finally:
+        os.close(fd)
+
+
 def _read_keyed(path: Path) -> dict[str, int]:
     out: dict[str, int] = {}
     try:
-        text = path.read_text()
+        text = _read_small(path)
     except OSError:
         return out
     for line in text.splitlines():
@@ -140,6 +150,25 @@ def _read_keyed(path: Path) -> dict[str, int]:
         if len(parts) == 2 and parts[1].lstrip("-").isdigit():
             out[parts[0]] = int(parts[1])
     return out
+
+
+def _remove_tree(top: str) -> None:
+    """rmdir a cgroup with child cgroups in it, deepest first (EBUSY if a task is left)."""
+    for sub, _dirs, files in sorted(os.walk(top, topdown=False), key=lambda t: -len(t[0])):
+        try:
+            os.rmdir(sub)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            # A cgroup directory is never "not empty" (a busy one is EBUSY): this is a plain
+            # directory with files, which an OCI runtime writes into the tmpfs beneath a hybrid
+            # host's cgroup2 mount point where the daemon's namespace hides that mount.
+            if exc.errno != errno.ENOTEMPTY:
+                raise
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(sub, name))
+            os.rmdir(sub)
 
 
 class Cgroups:
@@ -150,7 +179,7 @@ class Cgroups:
         self.mode: Mode = detect(root)
         self.parent = "/" + parent.strip("/")
         self._hierarchies: list[Path] | None = None
-        self._v1_roots: list[Path] | None = None
+        self._roots_found: list[str] | None = None
         self._features: dict[str, bool] = {}
         self._v2_parent_ready = False
 
@@ -159,11 +188,14 @@ class Cgroups:
 
     def _dirs(self, rel: str) -> list[Path]:
         rel = rel.lstrip("/")
-        if self.mode == "v2":
-            return [self.root / rel]
-        if self._v1_roots is None:  # (mounted at boot: looked up once, not per call)
-            self._v1_roots = [self.root / c for c in V1_CONTROLLERS if (self.root / c).is_dir()]
-        return [r / rel for r in self._v1_roots]
+        return [Path(r, rel) for r in self._roots()]
+
+    def _roots(self) -> list[str]:
+        """The hierarchies' roots (v2: one), as strings."""
+        if self._roots_found is None:  # (mounted at boot: looked up once, not per call)
+            found = [self.root] if self.mode == "v2" else [self.root / c for c in V1_CONTROLLERS]
+            self._roots_found = [str(r) for r in found if r.is_dir()]
+        return self._roots_found
 
     def stats(self, rel: str) -> CgroupStats:
         rel = rel.lstrip("/")
@@ -337,7 +369,7 @@ class Cgroups:
         try:
             if self.mode == "v2":
                 return _read_keyed(self.root / rel / "cgroup.events").get("frozen") == 1
-            return (self.root / "freezer" / rel / "freezer.state").read_text().strip() == "FROZEN"
+            return _read_small(self.root / "freezer" / rel / "freezer.state").strip() == "FROZEN"
         except OSError:
             return False
 
@@ -346,8 +378,8 @@ class Cgroups:
         rel = rel.lstrip("/")
         try:
             if self.mode == "v2":
-                return (self.root / rel / "cgroup.freeze").read_text().strip() == "0" and not self.frozen(rel)
-            return (self.root / "freezer" / rel / "freezer.state").read_text().strip() == "THAWED"
+                return _read_small(self.root / rel / "cgroup.freeze").strip() == "0" and not self.frozen(rel)
+            return _read_small(self.root / "freezer" / rel / "freezer.state").strip() == "THAWED"
         except OSError:
             return True
 
@@ -414,24 +446,17 @@ class Cgroups:
 
     def remove(self, rel: str) -> None:
         """rmdir the cgroup (and any children) in every hierarchy; it must have no tasks left."""
-        for d in self._dirs(rel):
-            if not d.is_dir():
-                continue
-            for sub, _dirs, files in sorted(os.walk(d, topdown=False), key=lambda t: -len(t[0])):
-                try:
-                    os.rmdir(sub)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    # A cgroup directory is never "not empty" (a busy one is EBUSY): this is a plain
-                    # directory with files, which an OCI runtime writes into the tmpfs beneath a
-                    # hybrid host's cgroup2 mount point where the daemon's namespace hides that mount.
-                    if exc.errno != errno.ENOTEMPTY:
-                        raise
-                    for name in files:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(os.path.join(sub, name))
-                    os.rmdir(sub)
+        rel = rel.lstrip("/")
+        for root in self._roots():
+            # One rmdir is the whole job for a sandbox's cgroup (no children, no files of its own):
+            # a stop pays it in every hierarchy, and walking each cgroup's ~30 files first cost more.
+            d = f"{root}/{rel}"
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                continue  # a hierarchy the sandbox never joined
+            except OSError:
+                _remove_tree(d)
 
     def set_idle(self, rel: str, idle: bool) -> None:
         """The lowest CPU weight (as a best-effort sandbox has), or the default one."""
