@@ -18,8 +18,11 @@ from __future__ import annotations
 import copy
 import re
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
-from starlette.routing import BaseRoute, Match, Router
+from starlette.convertors import Convertor
+from starlette.routing import BaseRoute, Match, Router, compile_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 SIZE = 4096
@@ -41,6 +44,7 @@ class RouteCache:
         self._seen: OrderedDict[tuple[str, str], BaseRoute] = OrderedDict()
         self._alone: dict[int, ASGIApp] = {}  # id(route) -> the router's dispatch over it alone
         self._routes = len(router.routes)
+        self._ahead: list[tuple[str, re.Pattern[str], dict[str, Convertor[Any]], ASGIApp]] = []
 
     def find(self, scope: Scope) -> BaseRoute | None:
         """The route that answers this HTTP call (the router's first full match), or None."""
@@ -62,7 +66,23 @@ class RouteCache:
                 return route
         return None
 
+    def ahead(self, method: str, path: str, make: Callable[[ASGIApp], ASGIApp]) -> None:
+        """Answer `method` on `path` (a route's template) with `make(dispatch)` ahead of every route,
+        `dispatch` being the cache's own (for what that answer leaves to the router)."""
+        regex, _format, convertors = compile_path(path)
+        self._ahead.append((method, regex, convertors, make(self.dispatch)))
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope.get("root_path"):
+            method, path = scope["method"], scope["path"]
+            for m, regex, convertors, app in self._ahead:
+                if m == method and (match := regex.match(path)) is not None:
+                    scope["path_params"] = {k: convertors[k].convert(v) for k, v in match.groupdict().items()}
+                    await app(scope, receive, send)
+                    return
+        await self.dispatch(scope, receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.find(scope) if scope["type"] == "http" else None
         if route is None:
             await self.inner(scope, receive, send)

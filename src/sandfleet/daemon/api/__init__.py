@@ -50,7 +50,12 @@ if TYPE_CHECKING:
 
 
 def create_app(
-    node: SandboxManager, tenancy: Tenancy, metrics: Metrics, *, auth: Authenticate | None = None
+    node: SandboxManager,
+    tenancy: Tenancy,
+    metrics: Metrics,
+    *,
+    auth: Authenticate | None = None,
+    lean_routes: bool = True,
 ) -> FastAPI:
     """The HTTP API of a node: its concerns (`node`), and the calls that depend on the caller's project
     (`tenancy`: with `[iam]` projects, also the scoping of every route).
@@ -58,7 +63,10 @@ def create_app(
     `auth`: authenticates each request (its Authorization header, '' when none) before anything else
     (`Iam.enter`: tokens, the daemon's single `token`, projects); a caller that cannot write (a
     read-only token) may only GET (and HEAD): every other method is `permission_denied` (every POST,
-    PUT, PATCH and DELETE of the API acts). None: no authentication (root's unix socket)."""
+    PUT, PATCH and DELETE of the API acts). None: no authentication (root's unix socket).
+
+    `lean_routes`: the plain JSON operations (exec among them) answered without FastAPI's layers
+    (daemon/api/lean.py); False: every call through FastAPI (what the lean answers are held to)."""
     app = FastAPI(
         title="sandfleet",
         version=__version__,
@@ -134,7 +142,9 @@ def create_app(
     probe = {"type": "http", "path": "/-", "method": "GET", "root_path": "", "headers": [], "query_string": b""}
     for route in app.router.routes:
         route.matches(probe)
-    route_cache.install(app.router)
+    cache = route_cache.install(app.router)
+    for method, path, make in api.lean if lean_routes else ():
+        cache.ahead(method, path, make)
     return app
 
 

@@ -15,7 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
+from starlette.types import ASGIApp
 
+from sandfleet.daemon.api import lean
 from sandfleet.daemon.errormap import to_wire_error
 from sandfleet.daemon.protocol import EventStream
 from sandfleet.errors import (
@@ -112,24 +114,26 @@ class CheckedRoute(APIRoute):
         async def checked(request: Request) -> Response:
             has_json = "json" in request.headers.get("content-type", "")
             if request.method in ("POST", "PUT", "PATCH", "DELETE") and has_json:
-                body = await read_capped(request, MAX_JSON_BODY, f"request body larger than {MAX_JSON_BODY} bytes")
-                try:
-                    text = body.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise InvalidArgumentError(f"request body is not UTF-8 (byte {exc.start})") from None
-                if text.strip():
-                    try:
-                        _check_text(json.loads(text))
-                    except UnicodeEncodeError:
-                        raise InvalidArgumentError(
-                            "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
-                        ) from None
-                    except ValueError:
-                        pass  # not JSON: FastAPI says so, as a 400
-                request._body = body  # FastAPI reads the body from here
+                request._body, _value = await checked_json(request)  # FastAPI reads the body from here
             return await handler(request)
 
         return checked
+
+
+async def checked_json(request: Request) -> tuple[bytes, Any]:
+    """A JSON request's body, bounded, UTF-8 and free of lone surrogates (else a 400), with its value
+    (`lean.NOT_JSON` when it is no JSON: FastAPI then says so, as a 400)."""
+    body = await read_capped(request, MAX_JSON_BODY, f"request body larger than {MAX_JSON_BODY} bytes")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"request body is not UTF-8 (byte {exc.start})") from None
+    value = lean.json_value(text)
+    try:
+        _check_text(value)
+    except UnicodeEncodeError:
+        raise InvalidArgumentError("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+    return body, value
 
 
 def stream(events: EventStream[Any], beat: bytes, *, first: BaseModel | None = None) -> StreamingResponse:
@@ -239,12 +243,16 @@ class Api:
         self.node = node
         self.tenancy = tenancy
         self.registered: set[str] = set()
+        # (method, path, answer given the router's dispatch): the operations `lean` serves
+        self.lean: list[tuple[str, str, Callable[[ASGIApp], ASGIApp]]] = []
+        self.paths: list[tuple[str, str]] = []  # (method, path) of every route so far, in the router's order
 
     def route(self, r: APIRouter, name: str, **extra: Any) -> Callable[[F], F]:
         """Register the decorated handler on `r` as operation `name`: its method(s), path, answer and
         status as declared, and (with projects configured) the dependency that scopes it to the caller
         (`Tenancy.admit`). `extra`: what only the route knows (a response class, OpenAPI extras)."""
         op = OPERATION[name]
+        leanable = set(extra) <= {"tags"}  # nothing FastAPI would do that `lean` does not
         if name in self.registered:
             raise RuntimeError(f"operation {name} has two handlers")
         self.registered.add(name)
@@ -262,6 +270,15 @@ class Api:
                 if len(op.methods) > 1:
                     one["operation_id"] = f"{op.route_name}_{method.lower()}"
                 r.add_api_route(op.path, fn, methods=[method], name=op.route_name, **one, **extra)
+            # Lean stands in for a route that is FastAPI's as it is (CheckedRoute, no dependency of
+            # its router's own) and that no earlier route can take a call from (the router's first
+            # match answers).
+            plain = leanable and r.route_class is CheckedRoute and not r.dependencies
+            body = lean.body_model(op, fn) if plain else None
+            method = op.methods[0]
+            if body is not None and not any(m == method and lean.overlaps(p, op.path) for m, p in self.paths):
+                self.lean.append((method, op.path, lean.lean_app(op, fn, body, self.tenancy, checked_json)))
+            self.paths += [(m, op.path) for m in op.methods]
             return fn
 
         return register
