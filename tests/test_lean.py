@@ -76,6 +76,9 @@ BAD_BODIES: list[tuple[str, bytes, str]] = [
     ("a lone surrogate", b'{"command": "echo \\ud800"}', "application/json"),
     ("not UTF-8", b'{"command": "echo \xff"}', "application/json"),
     ("JSON with a charset", b'{"command": "true"}', "application/json; charset=utf-8"),
+    ("JSON in capitals", b'{"command": "echo \\ud800"}', "Application/JSON"),
+    ("a JSON type of its own", b'{"command": "echo \\ud800"}', "application/vnd.sandfleet+json"),
+    ("nested past Python's recursion", b"[" * 100_000, "application/json"),
     ("not said to be JSON", b'{"command": "true"}', "text/plain"),
 ]
 
@@ -95,8 +98,9 @@ async def test_every_lean_operation_answers_as_fastapi_does(node: InProcessNode)
                 bodies = BAD_BODIES  # (a good one changes the node for the calls after it)
             else:
                 bodies = [*BAD_BODIES, ("good", b'{"command": "echo hi", "code": "print(1)"}', "application/json")]
-            for sid in (sandbox, "sb-0000000000000000"):
-                path = op.path_of(sandbox_id=sid, session_id="ss-0", trajectory_id="tr-0")
+            # a sandbox, one that does not exist, and ids the route's own limits refuse
+            for sid, other in ((sandbox, "tr-0"), ("sb-0000000000000000", "bad..!id"), (sandbox, "x" * 200)):
+                path = op.path_of(sandbox_id=sid, session_id=other, trajectory_id=other)
                 for what, body, ctype in bodies:
                     headers = {"content-type": ctype}
                     a = await lean_client.post(path, content=body, headers=headers)
@@ -106,7 +110,7 @@ async def test_every_lean_operation_answers_as_fastapi_does(node: InProcessNode)
                     assert a.headers["content-type"] == b.headers["content-type"], where
                     _same(json.loads(a.content), json.loads(b.content))
         exec_calls = answered[next(p for p in answered if "exec" in p)]
-        assert exec_calls == 2 * len(BAD_BODIES) + 2  # every call to exec met the lean answer first
+        assert exec_calls == 3 * (len(BAD_BODIES) + 1)  # every call to exec met the lean answer first
 
 
 async def test_a_lean_exec_is_the_exec(node: InProcessNode) -> None:
@@ -131,6 +135,7 @@ def test_a_route_an_earlier_one_can_take_calls_from_is_not_served_lean() -> None
     assert lean.overlaps("/v1/files/{path:path}", "/v1/files/a/b")
     assert not lean.overlaps("/v1/sandboxes/{sandbox_id}/exec", "/v1/sandboxes/{sandbox_id}/run")
     assert not lean.overlaps("/v1/sandboxes/ack", "/v1/sandboxes/{sandbox_id}/ack")
+    assert lean.overlaps("/v1/sandboxes/run{suffix}", "/v1/sandboxes/running")
 
 
 def _lean_routes(node: InProcessNode) -> list[tuple[str, str, Any]]:
@@ -149,3 +154,16 @@ def _lean_routes(node: InProcessNode) -> list[tuple[str, str, Any]]:
     finally:
         Api.__init__ = original  # type: ignore[method-assign]
     return found[0].lean
+
+
+@pytest.mark.parametrize("ctype", ["Application/JSON", "application/json; charset=UTF-8", "application/x-spec+json"])
+async def test_a_json_body_is_checked_however_its_type_is_spelled(node: InProcessNode, ctype: str) -> None:
+    # (a create is not served lean: FastAPI's route, through CheckedRoute)
+    async with node.client() as fleet, httpx.AsyncClient(transport=node.transport(), base_url="http://node") as raw:
+        r = await raw.post(
+            "/v1/sandboxes",
+            content=b'{"image": "busybox", "labels": {"k": "\\ud800"}}',
+            headers={"content-type": ctype},
+        )
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+        assert await fleet.list() == []  # refused before anything was made

@@ -46,12 +46,16 @@ class RouteCache:
         self._routes = len(router.routes)
         self._ahead: list[tuple[str, re.Pattern[str], dict[str, Convertor[Any]], ASGIApp]] = []
 
-    def find(self, scope: Scope) -> BaseRoute | None:
-        """The route that answers this HTTP call (the router's first full match), or None."""
+    def _fresh(self) -> None:
         if len(self.router.routes) != self._routes:  # routes added or removed: start again
             self._seen.clear()
             self._alone.clear()
+            self._ahead.clear()  # (judged against the routes as they were)
             self._routes = len(self.router.routes)
+
+    def find(self, scope: Scope) -> BaseRoute | None:
+        """The route that answers this HTTP call (the router's first full match), or None."""
+        self._fresh()
         key = _key(scope)
         route = self._seen.get(key)
         if route is not None:
@@ -73,6 +77,7 @@ class RouteCache:
         self._ahead.append((method, regex, convertors, make(self.dispatch)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._fresh()
         if scope["type"] == "http" and not scope.get("root_path"):
             method, path = scope["method"], scope["path"]
             for m, regex, convertors, app in self._ahead:

@@ -112,7 +112,7 @@ class CheckedRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def checked(request: Request) -> Response:
-            has_json = "json" in request.headers.get("content-type", "")
+            has_json = lean.is_json(request.headers.get("content-type", ""))
             if request.method in ("POST", "PUT", "PATCH", "DELETE") and has_json:
                 request._body, _value = await checked_json(request)  # FastAPI reads the body from here
             return await handler(request)
@@ -128,9 +128,11 @@ async def checked_json(request: Request) -> tuple[bytes, Any]:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidArgumentError(f"request body is not UTF-8 (byte {exc.start})") from None
-    value = lean.json_value(text)
     try:
+        value = lean.json_value(text)
         _check_text(value)
+    except RecursionError:
+        raise InvalidArgumentError("request body nested too deeply") from None
     except UnicodeEncodeError:
         raise InvalidArgumentError("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
     return body, value

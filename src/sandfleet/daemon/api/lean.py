@@ -22,7 +22,7 @@ import typing
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,7 +32,7 @@ from sandfleet.operations import Operation
 if TYPE_CHECKING:
     from sandfleet.daemon.security.tenancy import Tenancy
 
-JSON = b"application/json"
+JSON = b"application/json"  # the one body type answered here
 Check = Callable[[Request], Awaitable[tuple[bytes, Any]]]
 
 
@@ -41,7 +41,7 @@ def body_model(op: Operation, fn: Callable[..., Any]) -> tuple[str, type[BaseMod
     are the path's (plain strings) and one body model; else None."""
     if op.methods != ("POST",) or op.answer is None:
         return None
-    hints = typing.get_type_hints(fn)
+    hints = typing.get_type_hints(fn, include_extras=True)  # (Annotated limits: not lean)
     if hints.get("return") is not op.answer:
         return None
     body: tuple[str, type[BaseModel]] | None = None
@@ -53,7 +53,7 @@ def body_model(op: Operation, fn: Callable[..., Any]) -> tuple[str, type[BaseMod
         if name in in_path and kind is str:
             in_path.discard(name)
             continue
-        if body is None and isinstance(kind, type) and issubclass(kind, BaseModel):
+        if body is None and type(kind) is type(BaseModel) and issubclass(kind, BaseModel):  # (a bare model)
             body = (name, kind)
             continue
         return None
@@ -67,7 +67,7 @@ def overlaps(a: str, b: str) -> bool:
     sa, sb = a.split("/"), b.split("/")
     if len(sa) != len(sb):
         return False
-    return all(x == y or x.startswith("{") or y.startswith("{") for x, y in zip(sa, sb, strict=True))
+    return all(x == y or "{" in x or "{" in y for x, y in zip(sa, sb, strict=True))
 
 
 def lean_app(
@@ -85,14 +85,16 @@ def lean_app(
 
     def make(routed: ASGIApp) -> ASGIApp:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            content_type = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
-            if content_type.split(b";", 1)[0].strip().lower() != JSON:
+            request = Request(scope, receive)
+            if media_type(request.headers.get("content-type", "")) != "application/json":
                 await routed(scope, receive, send)
                 return
-            data, parsed = await check(Request(scope, receive))  # (a bad body: its 400 raised here)
+            data, parsed = await check(request)  # (a bad body: its 400 raised here)
             try:
+                if parsed is NOT_JSON:
+                    raise ValueError("not JSON")
                 req = model.model_validate(parsed)
-            except ValidationError:
+            except ValueError:  # (pydantic's ValidationError is one)
                 await routed(scope, _replay(data, receive), send)
                 return
             params: dict[str, Any] = scope["path_params"]
@@ -123,7 +125,7 @@ def _replay(data: bytes, receive: Receive) -> Receive:
     return again
 
 
-NOT_JSON = object()  # a body that is no JSON: no model accepts it, and the router says what is wrong
+NOT_JSON = object()  # a body that is no JSON: the router says what is wrong
 
 
 def json_value(text: str) -> Any:
@@ -131,3 +133,14 @@ def json_value(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return NOT_JSON
+
+
+def media_type(content_type: str) -> str:
+    """A Content-Type's media type, as FastAPI reads it (case aside, parameters dropped)."""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def is_json(content_type: str) -> bool:
+    """Whether FastAPI parses a body of this Content-Type as JSON (application/json, application/*+json)."""
+    kind = media_type(content_type)
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
