@@ -254,7 +254,9 @@ class Api:
         status as declared, and (with projects configured) the dependency that scopes it to the caller
         (`Tenancy.admit`). `extra`: what only the route knows (a response class, OpenAPI extras)."""
         op = OPERATION[name]
-        leanable = set(extra) <= {"tags"}  # nothing FastAPI would do that `lean` does not
+        # nothing FastAPI would do that `lean` does not (a response class and responses: the OpenAPI
+        # document's, when the handler returns a response of its own)
+        leanable = set(extra) <= {"tags", "response_class", "responses", "summary"}
         if name in self.registered:
             raise RuntimeError(f"operation {name} has two handlers")
         self.registered.add(name)

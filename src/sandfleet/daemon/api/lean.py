@@ -3,10 +3,11 @@
 An `exec` spent a third of the daemon's CPU in uvicorn, Starlette and FastAPI: the included
 routers' dispatch, solving dependencies, serializing the answer through FastAPI's field. An
 operation whose handler takes its path parameters and one JSON body model, and answers one model,
-is served here instead, ahead of the router (`route_cache.RouteCache.ahead`), doing what FastAPI
-would do for it and nothing else: the same body checks (`checked_json`), the caller's project
-admitted as the route's dependency does it, the body validated into the same model, the same
-handler called, its answer written as FastAPI writes a response model (by alias, JSON mode).
+(or a response of its own: the ndjson streams) is served here instead, ahead of the router
+(`route_cache.RouteCache.ahead`), doing what FastAPI would do for it and nothing else: the same
+body checks (`checked_json`), the caller's project admitted as the route's dependency does it, the
+body validated into the same model, the same handler called, its answer written as FastAPI writes
+a response model (by alias, JSON mode), or its response sent as it is.
 
 Everything it cannot do just as FastAPI would goes to the router as before, the body replayed:
 a body that is not `application/json`, is not JSON, or fails validation (its 400 then says what
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -37,12 +39,15 @@ Check = Callable[[Request], Awaitable[tuple[bytes, Any]]]
 
 
 def body_model(op: Operation, fn: Callable[..., Any]) -> tuple[str, type[BaseModel]] | None:
-    """(parameter, model) when `fn` can be served lean: a POST answering a model, whose parameters
-    are the path's (plain strings) and one body model; else None."""
-    if op.methods != ("POST",) or op.answer is None:
+    """(parameter, model) when `fn` can be served lean: a POST answering its declared model, or a
+    response of its own (a stream), whose parameters are the path's (plain strings) and one body
+    model; else None."""
+    if op.methods != ("POST",):
         return None
     hints = typing.get_type_hints(fn, include_extras=True)  # (Annotated limits: not lean)
-    if hints.get("return") is not op.answer:
+    answer = hints.get("return")
+    own = op.answer is None and type(answer) is type and issubclass(answer, Response)
+    if answer is not op.answer and not own:
         return None
     body: tuple[str, type[BaseModel]] | None = None
     in_path = set(compile_path(op.path)[2])
@@ -72,7 +77,7 @@ def overlaps(a: str, b: str) -> bool:
 
 def lean_app(
     op: Operation,
-    fn: Callable[..., Awaitable[BaseModel]],
+    fn: Callable[..., Awaitable[Any]],
     body: tuple[str, type[BaseModel]],
     tenancy: Tenancy,
     check: Check,
@@ -81,7 +86,6 @@ def lean_app(
     name, model = body
     status = op.status
     serializer = op.answer.__pydantic_serializer__ if op.answer is not None else None
-    assert serializer is not None
 
     def make(routed: ASGIApp) -> ASGIApp:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -101,6 +105,9 @@ def lean_app(
             if tenancy.iam is not None:
                 await tenancy.admit(op, params)
             answer = await fn(**params, **{name: req})
+            if serializer is None:  # a response of its own: FastAPI sends it as it is
+                await answer(scope, receive, send)
+                return
             out = serializer.to_json(answer, by_alias=True)  # as the declared model (FastAPI's response_model)
             headers = [(b"content-length", str(len(out)).encode()), (b"content-type", JSON)]
             await send({"type": "http.response.start", "status": status, "headers": headers})
