@@ -36,18 +36,16 @@ def _apps(node: InProcessNode) -> tuple[httpx.AsyncClient, httpx.AsyncClient, di
     cache = node.app.router.middleware_stack
     assert isinstance(cache, RouteCache)
     answered: dict[str, int] = {}
-    wrapped = []
-    for method, regex, convertors, app in cache._ahead:
 
-        def counting(app: Any, key: str) -> Callable[..., Awaitable[None]]:
-            async def counted(scope: Any, receive: Any, send: Any) -> None:
-                answered[key] = answered.get(key, 0) + 1
-                await app(scope, receive, send)
+    def counting(app: Any, key: str) -> Callable[..., Awaitable[None]]:
+        async def counted(scope: Any, receive: Any, send: Any) -> None:
+            answered[key] = answered.get(key, 0) + 1
+            await app(scope, receive, send)
 
-            return counted
+        return counted
 
-        wrapped.append((method, regex, convertors, counting(app, regex.pattern)))
-    cache._ahead = wrapped
+    for entries in cache._ahead.values():
+        entries[:] = [(regex, convertors, counting(app, regex.pattern)) for regex, convertors, app in entries]
     mk = lambda app: httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node")  # noqa: E731
     return mk(node.app), mk(routed), answered
 

@@ -35,6 +35,9 @@ def _key(scope: Scope) -> tuple[str, str]:
     return scope["method"], _ID.sub("*", path) if "-" in path else path
 
 
+_Ahead = tuple[re.Pattern[str], dict[str, "Convertor[Any]"], ASGIApp]
+
+
 class RouteCache:
     """In front of `router` (`install`): a call answered by the route that answered its key last."""
 
@@ -44,7 +47,9 @@ class RouteCache:
         self._seen: OrderedDict[tuple[str, str], BaseRoute] = OrderedDict()
         self._alone: dict[int, ASGIApp] = {}  # id(route) -> the router's dispatch over it alone
         self._routes = len(router.routes)
-        self._ahead: list[tuple[str, re.Pattern[str], dict[str, Convertor[Any]], ASGIApp]] = []
+        # answers ahead of the routes, by (method, "/"s in the path, its last segment or "" for a
+        # parameter there): found in one or two lookups, not by trying each pattern in turn
+        self._ahead: dict[tuple[str, int, str], list[_Ahead]] = {}
 
     def _fresh(self) -> None:
         if len(self.router.routes) != self._routes:  # routes added or removed: start again
@@ -72,19 +77,27 @@ class RouteCache:
 
     def ahead(self, method: str, path: str, make: Callable[[ASGIApp], ASGIApp]) -> None:
         """Answer `method` on `path` (a route's template) with `make(dispatch)` ahead of every route,
-        `dispatch` being the cache's own (for what that answer leaves to the router)."""
+        `dispatch` being the cache's own (for what that answer leaves to the router). A parameter
+        of `path` is one whole segment, not a `:path` one, and no two paths answered ahead may
+        both match a call (the node's lean answers never do: `Api.route`)."""
+        if ":path}" in path:
+            raise ValueError(f"{path}: a parameter spanning segments cannot be answered ahead")
         regex, _format, convertors = compile_path(path)
-        self._ahead.append((method, regex, convertors, make(self.dispatch)))
+        last = path.rsplit("/", 1)[1]
+        key = (method, path.count("/"), "" if "{" in last else last)
+        self._ahead.setdefault(key, []).append((regex, convertors, make(self.dispatch)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._fresh()
-        if scope["type"] == "http" and not scope.get("root_path"):
+        if self._ahead and scope["type"] == "http" and not scope.get("root_path"):
             method, path = scope["method"], scope["path"]
-            for m, regex, convertors, app in self._ahead:
-                if m == method and (match := regex.match(path)) is not None:
-                    scope["path_params"] = {k: convertors[k].convert(v) for k, v in match.groupdict().items()}
-                    await app(scope, receive, send)
-                    return
+            depth, last = path.count("/"), path.rsplit("/", 1)[-1]
+            for candidates in (self._ahead.get((method, depth, last)), self._ahead.get((method, depth, ""))):
+                for regex, convertors, app in candidates or ():
+                    if (match := regex.match(path)) is not None:
+                        scope["path_params"] = {k: convertors[k].convert(v) for k, v in match.groupdict().items()}
+                        await app(scope, receive, send)
+                        return
         await self.dispatch(scope, receive, send)
 
     async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
