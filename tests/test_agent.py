@@ -378,3 +378,31 @@ async def test_a_timeout_kills_a_tree_whose_root_cannot_stop(agent: Agent, stuck
     t0 = time.monotonic()
     _, _, info = await run(agent, [str(stuck)], timeout=0.3)
     assert info.timed_out and info.signal == signal.SIGKILL and time.monotonic() - t0 < 3
+
+
+async def test_a_lazy_start_comes_with_a_short_commands_answer_and_soon_for_a_long_one(agent: Agent) -> None:
+    # Short: STARTED held back until the EXIT (or the first output), so one datagram burst answers
+    # it all; the result is then whole at once (`collected`, no suspension), output before EXIT.
+    merged = 0
+    for i in range(40):
+        argv = ["sh", "-c", "exit 3"] if i % 2 else ["sh", "-c", "echo out; echo err >&2; exit 3"]
+        proc = await agent.channel.start(argv, env=ENV, lazy=True)
+        done = proc.collected()
+        merged += done is not None and i % 2
+        out, err, info = done if done is not None else await asyncio.wait_for(proc.wait(), 10)
+        assert (out, err, info.exit_code) == ((b"", b"") if i % 2 else (b"out\n", b"err\n")) + (3,)
+    assert merged >= 15  # of 20 (a loaded host may run the agent's two sends across our reads)
+    # Long: STARTED still comes by the agent's 5 ms, not at the exit; not lazy: at once.
+    for lazy in (True, False):
+        t = time.monotonic()
+        proc = await asyncio.wait_for(agent.channel.start(["sleep", "2"], env=ENV, lazy=lazy), 1)
+        assert time.monotonic() - t < 1 and proc.pid > 0 and proc.collected() is None
+        await proc.signal(signal.SIGKILL)
+        _, _, info = await asyncio.wait_for(proc.wait(), 10)
+        assert info.signal == signal.SIGKILL
+    # A failure to start is an error, lazy or not, and output that comes early comes after STARTED.
+    with pytest.raises(ExecStartError):
+        await agent.channel.start(["/no/such/binary"], env=ENV, lazy=True)
+    proc = await agent.channel.start(["sh", "-c", "echo early; sleep 0.3"], env=ENV, lazy=True)
+    first = await asyncio.wait_for(proc.events().__anext__(), 5)
+    assert isinstance(first, OutputChunk) and first.data == b"early\n"

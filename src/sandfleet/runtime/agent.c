@@ -87,14 +87,16 @@ enum {
 	M_STARTED = 10, M_STDOUT = 11, M_STDERR = 12, M_EXIT = 13, M_ERROR = 14, M_PONG = 15, M_HELLO = 16,
 	M_SEXIT = 17, M_WEVENT = 18, M_WEND = 19, M_ALERT = 21,
 };
-enum { F_STDIN_PIPE = 1, F_SETSID = 2, F_MERGE = 4, F_SESSION = 8, F_NONDUMP = 16, F_PTY = 32, F_LOWFD = 64 };
+enum { F_STDIN_PIPE = 1, F_SETSID = 2, F_MERGE = 4, F_SESSION = 8, F_NONDUMP = 16, F_PTY = 32, F_LOWFD = 64,
+       F_LAZY = 128 };
 enum { X_TIMED_OUT = 1, X_OUT_TRUNC = 2, X_ERR_TRUNC = 4, X_LOST = 8 };
 enum { S_STDIN = 1 }; /* SRUN flags */
 enum { K_CHAN, K_SIG, K_OUT, K_ERR, K_IN, K_EP, K_STATUS, K_CIN, K_WATCH, K_NOTIF }; /* epoll event kinds */
 
 /* 3: exec starts without blocking the agent, F_MERGE, sessions framed by the agent (SRUN, CMDIN,
  * SEXIT), FORGET with a list of ids to keep, WATCH; 4: the seccomp listener, ALERT; 5: F_PTY, RESIZE;
- * 6: F_LOWFD, terminal sessions (F_SESSION | F_PTY) */
+ * 6: F_LOWFD, terminal sessions (F_SESSION | F_PTY). F_LAZY needs no new version: an agent before it
+ * ignores the flag and sends STARTED at once, which the daemon takes as before. */
 #define VERSION "sandfleet-agent/6"
 #define STATUS_FD 100 /* a session shell's status socket */
 #define CMDIN_FD 101  /* a session shell's per-command stdin (a pipe the agent reopens per command) */
@@ -137,6 +139,9 @@ struct sf_notif_resp {
 #define SF_ARCH_I386 0x40000003u
 #define SF_X32_BIT 0x40000000
 #define GRACE_US 50000 /* wait for pipe EOF this long after reaping */
+/* F_LAZY (the daemon waits for the whole result anyway): STARTED goes with the first output or the
+ * EXIT if either comes this soon, so a short command wakes the daemon once, not twice */
+#define LAZY_START_US 5000
 #define STOP_WAIT_US 50000 /* a tree kill: how long the root may take to stop before the walk goes on */
 #define STOP_POLL_US 5000  /* ... looking again this often (its stop's SIGCHLD usually wakes us first) */
 #define DEFAULT_PATH "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -156,6 +161,8 @@ struct exec {
 	int reaped, status, orphan;
 	int epr;     /* while starting: the read end of the exec-status pipe; -1 once exec'd or failed */
 	int failed;  /* the exec failed (ERROR sent): no EXIT for it */
+	int lazy;    /* F_LAZY */
+	uint64_t start_due; /* F_LAZY: exec'd, STARTED not sent yet; sent by then at the latest */
 	uint64_t cap, total[2], start, deadline, reaped_at;
 	uint64_t cpu_us; /* CPU of the process and the descendants it waited for (its rusage when reaped) */
 	/* a SIGKILL of the tree waiting for the root to stop (kill_by: then the walk goes on anyway) */
@@ -516,6 +523,18 @@ static void wbuf_data(struct wbuf *w, int kind, size_t slot, const char *p, size
 	wbuf_flush(w, kind, slot);
 }
 
+/* STARTED of an exec, once it exec'd (F_LAZY: held until its first output, its EXIT or start_due,
+ * whichever comes first). */
+static void started(struct exec *e)
+{
+	if (!e->start_due)
+		return;
+	e->start_due = 0;
+	int32_t pid32 = e->pid;
+	if (!e->orphan)
+		chan_send(M_STARTED, e->id, &pid32, 4, NULL, 0);
+}
+
 /* Read up to `reads` chunks from stdout (s=1) or stderr (s=2); forward within the cap. A session
  * forwards only while a command runs (within that command's cap); between commands its output is
  * read and dropped, and counted, so a background `yes` costs the sandbox's CPU, never the daemon's. */
@@ -551,8 +570,10 @@ static void drain(struct exec *e, int s, int reads)
 			fwd = before >= cap ? 0 : cap - before;
 			*xf |= s == 1 ? X_OUT_TRUNC : X_ERR_TRUNC;
 		}
-		if (fwd && !e->orphan)
+		if (fwd && !e->orphan) {
+			started(e);
 			chan_send(s == 1 ? M_STDOUT : M_STDERR, e->id, obuf, (size_t)fwd, NULL, 0);
+		}
 	}
 }
 
@@ -613,6 +634,7 @@ static void finish(size_t slot)
 	ep_close(&e->cin_r);
 	ep_close(&e->epr);
 	if (!e->orphan && !e->failed) {
+		started(e);
 		char p[40];
 		int32_t st = e->status;
 		uint64_t dur = e->reaped_at - e->start;
@@ -944,6 +966,7 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 	e->fd[2] = err[0];
 	e->epr = ep[0];
 	e->session = session;
+	e->lazy = (flags & F_LAZY) && !session && !pty;
 	e->sfd = st[0];
 	if (cin[0] >= 0) { /* our own open file description of the pipe: non-blocking for us only */
 		char path[64];
@@ -1008,9 +1031,9 @@ static void handle_ep(size_t slot)
 			send_error(e->id, ce.err, msg);
 		return;
 	}
-	int32_t pid32 = e->pid;
-	if (!e->orphan)
-		chan_send(M_STARTED, e->id, &pid32, 4, NULL, 0);
+	e->start_due = now_us() + (e->lazy ? LAZY_START_US : 0);
+	if (!e->lazy)
+		started(e);
 }
 
 /* SRUN: a session command begins. Payload: u32 timeout ms, u32 flags, u64 cap, nonce (32 bytes),
@@ -1717,6 +1740,12 @@ static int service(void)
 				kill_tree(e);
 			else
 				SOONER(e->kill_by < now + STOP_POLL_US ? e->kill_by : now + STOP_POLL_US);
+		}
+		if (e->start_due) {
+			if (now >= e->start_due)
+				started(e);
+			else
+				SOONER(e->start_due);
 		}
 		if (e->reaped) {
 			if (e->epr >= 0) /* died before its exec was confirmed: settle that first */

@@ -18,6 +18,7 @@ from sandfleet.runtime.agent_errors import AgentError, ChannelClosedError, ExecS
 from sandfleet.runtime.agent_exec import AgentWatch, ExecProcess
 from sandfleet.runtime.agent_wire import (
     _NR_PIDFD_GETFD,
+    EXEC_LAZY,
     EXEC_LOWFD,
     EXEC_MERGE,
     EXEC_NONDUMP,
@@ -155,6 +156,7 @@ class AgentChannel:
         nondump: bool = False,
         pty: tuple[int, int] | None = None,
         low_fds: bool = False,
+        lazy: bool = False,
     ) -> ExecProcess:
         """Start a command; returns once it has exec'd. Raises ExecStartError on failure.
 
@@ -163,14 +165,16 @@ class AgentChannel:
         `pty`: (rows, cols) of a new pseudo-terminal that is its stdin, stdout and stderr (output
         comes as stdout; stdin is always open; it leads a session of its own); with `session`, the
         terminal is the shell's stdout and stderr and each command's stdin (its script still comes
-        on a socket). `low_fds`: a session shell's descriptors at SESSION_LOW_FDS.
+        on a socket). `low_fds`: a session shell's descriptors at SESSION_LOW_FDS. `lazy`: the caller
+        waits for the whole result anyway, so STARTED may come with the command's first output or
+        its EXIT (within 5 ms): a short command then answers in one datagram burst.
         """
         self._check_open()
         out_cap = UNLIMITED if out_cap is None else out_cap
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000 + 0.999))
         flags = (EXEC_STDIN_PIPE if stdin else 0) | (EXEC_SETSID if setsid else 0)
         flags |= (EXEC_MERGE if merge_stderr else 0) | (EXEC_SESSION if session else 0)
-        flags |= (EXEC_NONDUMP if nondump else 0) | (EXEC_LOWFD if low_fds else 0)
+        flags |= (EXEC_NONDUMP if nondump else 0) | (EXEC_LOWFD if low_fds else 0) | (EXEC_LAZY if lazy else 0)
         if pty is not None:
             flags |= EXEC_PTY | EXEC_STDIN_PIPE | EXEC_SETSID | EXEC_MERGE
         exec_id = self._alloc_id()

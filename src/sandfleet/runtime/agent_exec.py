@@ -115,6 +115,20 @@ class ExecProcess:
             if isinstance(item, ExitInfo):
                 return
 
+    def collected(self) -> tuple[bytes, bytes, ExitInfo] | None:
+        """What `wait` returns, when the exit is in already (everything before it is queued), else
+        None: taken without a suspension."""
+        if self._exit is None or self._error is not None or self._queue.qsize() == 0:
+            return None
+        out: list[bytes] = []
+        err: list[bytes] = []
+        while True:
+            ev = self._queue.get_nowait()
+            if isinstance(ev, ExitInfo):
+                return b"".join(out), b"".join(err), ev
+            if isinstance(ev, OutputChunk):
+                (out if ev.stream == "stdout" else err).append(ev.data)
+
     async def wait(self) -> tuple[bytes, bytes, ExitInfo]:
         """Collect all output until exit."""
         out: list[bytes] = []

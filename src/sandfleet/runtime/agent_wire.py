@@ -62,6 +62,7 @@ EXEC_SESSION = 8  # a session shell: sockets for stdio, a status socket and a pe
 EXEC_NONDUMP = 16  # start it with its effective gid differing (bash, dash): non-dumpable from its exec on
 EXEC_PTY = 32  # a new pseudo-terminal as stdio and controlling tty; u16 rows, u16 cols follow the header
 EXEC_LOWFD = 64  # a session shell's status socket and command stdin at fds 9 and 8 (dash cannot name 100, 101)
+EXEC_LAZY = 128  # STARTED may wait (5 ms at most) for the first output or the EXIT: one wake-up for a short command
 SESSION_FDS = (100, 101)  # (status, command stdin) of a session shell
 SESSION_LOW_FDS = (9, 8)  # the same with EXEC_LOWFD
 # EXIT flags

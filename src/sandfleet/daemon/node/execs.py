@@ -113,6 +113,7 @@ class Execs:
         session: bool = False,
         nondump: bool = False,
         low_fds: bool = False,
+        lazy: bool = False,
     ) -> ExecProcess:
         if req.pty is not None and live.channel.agent_version not in (None, AGENT_VERSION):
             raise UnsupportedError(
@@ -147,6 +148,7 @@ class Execs:
                     nondump=nondump,
                     pty=None if req.pty is None else (req.pty.rows, req.pty.cols),
                     low_fds=low_fds,
+                    lazy=lazy,
                 )
         except TimeoutError:
             raise self.core.unresponsive(sb, f"a command did not start within {AGENT_START_TIMEOUT:.0f}s") from None
@@ -265,12 +267,16 @@ class Execs:
         try:
             since = boot_ticks()
             try:
-                process = await self.start(sb, live, req)
+                process = await self.start(sb, live, req, lazy=True)
             except ExecStartError as exc:
                 return _start_failure(exc, req)
             watch = self._watch(sb, live, req, process, since)
             try:
-                out, err, ex = await self.core.await_agent(sb, live, process.wait(), deadline)
+                # a short command's whole answer came with its STARTED: nothing left to wait for
+                done = process.collected()
+                if done is None:
+                    done = await self.core.await_agent(sb, live, process.wait(), deadline)
+                out, err, ex = done
             except (ChannelClosedError, ProtocolError) as exc:
                 raise UnavailableError(f"sandbox {sb.id} stopped while the command ran") from exc
             except BaseException:
