@@ -966,7 +966,9 @@ static void do_exec(uint32_t id, const char *p, size_t n)
 	e->fd[2] = err[0];
 	e->epr = ep[0];
 	e->session = session;
-	e->lazy = (flags & F_LAZY) && !session && !pty;
+	/* (not with a stdin pipe: the daemon writes the input once STARTED is in, and the command may
+	 * wait for it before it writes or exits) */
+	e->lazy = (flags & F_LAZY) && !(flags & F_STDIN_PIPE) && !session && !pty;
 	e->sfd = st[0];
 	if (cin[0] >= 0) { /* our own open file description of the pipe: non-blocking for us only */
 		char path[64];

@@ -254,9 +254,7 @@ class Api:
         status as declared, and (with projects configured) the dependency that scopes it to the caller
         (`Tenancy.admit`). `extra`: what only the route knows (a response class, OpenAPI extras)."""
         op = OPERATION[name]
-        # nothing FastAPI would do that `lean` does not (a response class and responses: the OpenAPI
-        # document's, when the handler returns a response of its own)
-        leanable = set(extra) <= {"tags", "response_class", "responses", "summary"}
+        options = set(extra)  # the caller's, for `lean.body_model`
         if name in self.registered:
             raise RuntimeError(f"operation {name} has two handlers")
         self.registered.add(name)
@@ -277,8 +275,8 @@ class Api:
             # Lean stands in for a route that is FastAPI's as it is (CheckedRoute, no dependency of
             # its router's own) and that no earlier route can take a call from (the router's first
             # match answers).
-            plain = leanable and r.route_class is CheckedRoute and not r.dependencies
-            body = lean.body_model(op, fn) if plain else None
+            plain = r.route_class is CheckedRoute and not r.dependencies
+            body = lean.body_model(op, fn, options) if plain else None
             method = op.methods[0]
             if body is not None and not any(m == method and lean.overlaps(p, op.path) for m, p in self.paths):
                 self.lean.append((method, op.path, lean.lean_app(op, fn, body, self.tenancy, checked_json)))

@@ -38,16 +38,20 @@ JSON = b"application/json"  # the one body type answered here
 Check = Callable[[Request], Awaitable[tuple[bytes, Any]]]
 
 
-def body_model(op: Operation, fn: Callable[..., Any]) -> tuple[str, type[BaseModel]] | None:
+def body_model(op: Operation, fn: Callable[..., Any], extra: set[str]) -> tuple[str, type[BaseModel]] | None:
     """(parameter, model) when `fn` can be served lean: a POST answering its declared model, or a
     response of its own (a stream), whose parameters are the path's (plain strings) and one body
-    model; else None."""
+    model, registered with nothing lean would not do as FastAPI does (`extra`: the route's options;
+    a response class and responses only shape the OpenAPI document of a handler that returns a
+    response of its own); else None."""
     if op.methods != ("POST",):
         return None
     hints = typing.get_type_hints(fn, include_extras=True)  # (Annotated limits: not lean)
     answer = hints.get("return")
     own = op.answer is None and type(answer) is type and issubclass(answer, Response)
     if answer is not op.answer and not own:
+        return None
+    if not extra <= ({"tags", "response_class", "responses", "summary"} if own else {"tags"}):
         return None
     body: tuple[str, type[BaseModel]] | None = None
     in_path = set(compile_path(op.path)[2])

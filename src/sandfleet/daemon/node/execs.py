@@ -148,7 +148,7 @@ class Execs:
                     nondump=nondump,
                     pty=None if req.pty is None else (req.pty.rows, req.pty.cols),
                     low_fds=low_fds,
-                    lazy=lazy,
+                    lazy=lazy and not (data is not None or keep),  # (its input goes after STARTED)
                 )
         except TimeoutError:
             raise self.core.unresponsive(sb, f"a command did not start within {AGENT_START_TIMEOUT:.0f}s") from None
