@@ -112,14 +112,20 @@ class CgroupStats:
     cpu_seconds: float
 
 
-def _read_int(path: Path, default: int = 0) -> int:
-    # os-level: the monitor reads one of these per running sandbox per sweep (10,000 on a full node)
+def _read_small(path: Path) -> str:
+    """A counter or state file of a few lines (< 4 KiB), os-level: a stop and the monitor's sweep
+    (one per running sandbox, 10,000 on a full node) read several, and a text-mode open costs more
+    than the kernel's part."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            return int(os.read(fd, 64).split()[0])
-        finally:
-            os.close(fd)
+        return os.read(fd, 4096).decode()
+    finally:
+        os.close(fd)
+
+
+def _read_int(path: Path, default: int = 0) -> int:
+    try:
+        return int(_read_small(path).split()[0])
     except (OSError, ValueError, IndexError):
         return default
 
@@ -127,16 +133,6 @@ def _read_int(path: Path, default: int = 0) -> int:
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
-
-
-def _read_small(path: Path) -> str:
-    """A counter or state file of a few lines (< 4 KiB), os-level: a stop and the monitor's sweep
-    read several per sandbox, and a text-mode open costs more than the kernel's part."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 4096).decode()
-    finally:
-        os.close(fd)
 
 
 def _read_keyed(path: Path) -> dict[str, int]:
