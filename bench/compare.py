@@ -13,7 +13,9 @@ Figures per side (medians over the rounds): create-to-first-exec p50, `exec("tru
 of 128 creates and a sustained run of 400 (creations/s, `create_many`, 32 in flight), pause of a
 sandbox holding 200 MiB (seconds) and resume to first exec, fork into 4 children (seconds), and 100
 idle sandboxes (daemon RSS and host memory per sandbox, exec p99 into random ones), the files API's
-stat and list of 1,000 entries. Writes compare.json (each figure's value in every round) and
+stat and list of 1,000 entries; and, interleaved (one call to each side in turn, every round),
+`exec("true")` p50 over 600 calls a side and create-to-first-exec p50 over 40: the figures least
+moved by the host's own swings. Writes compare.json (each figure's value in every round) and
 compare.md; everything it made is removed at the end.
 """
 
@@ -25,9 +27,11 @@ import contextlib
 import datetime as dt
 import json
 import os
+import random
 import statistics
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,8 @@ FIGURES: dict[str, tuple[str, bool, Callable[[dict[str, Any]], float]]] = {
     "pause of 200 MiB": ("s", False, lambda r: r["pause"]["pause_s"]),
     "resume to first exec": ("ms", False, lambda r: r["pause"]["resume_to_first_exec_ms"]),
     "fork into 4 children": ("s", False, lambda r: r["fork"]["fork_s"]),
+    'exec("true") p50, interleaved': ("ms", False, lambda r: r["interleaved"]["exec_p50_ms"]),
+    "create-to-first-exec p50, interleaved": ("ms", False, lambda r: r["interleaved"]["create_p50_ms"]),
     "100 idle: daemon RSS": ("MiB", False, lambda r: r["density"]["daemon_rss_after_mib"]),
     "100 idle: host memory per sandbox": ("KiB", False, lambda r: r["density"]["host_mem_used_per_sandbox_kib"]),
     "100 idle: exec p99": ("ms", False, lambda r: r["density"]["exec_into_random_idle"]["p99_ms"]),
@@ -60,7 +66,54 @@ FIGURES: dict[str, tuple[str, bool, Callable[[dict[str, Any]], float]]] = {
 }
 
 
-SCENARIOS = ("create", "exec", "burst", "sustained", "pause", "fork", "density", "files")
+SCENARIOS = ("create", "exec", "burst", "sustained", "pause", "fork", "density", "files", "interleaved")
+INTERLEAVED_EXECS, INTERLEAVED_CREATES = 600, 40  # calls per side in each round
+
+
+def _turns(names: list[str], n: int, seed: int) -> list[str]:
+    """n calls to each side, in cycles of one each in a shuffled order: each side comes after every
+    other as often (a fixed cycle had a side always follow the slowest, whose daemon was still busy
+    with the call before: +3-4 % on its exec)."""
+    rng = random.Random(seed)
+    turns: list[str] = []
+    for _ in range(n):
+        cycle = list(names)
+        rng.shuffle(cycle)
+        turns += cycle
+    return turns
+
+
+def interleaved(sides: dict[str, Daemon], round_: int) -> dict[str, dict[str, float]]:
+    """`exec("true")` and create-to-first-exec, one call to each side in turn (`_turns`),
+    so the host's swings, which move a side's own rounds by 10-20 % on a busy 2-core machine, fall
+    on every side alike; each sandbox stopped untimed."""
+    names = list(sides)
+    labels = {"bench": "compare-interleaved"}
+    clients = {side: Client(d.socket, timeout=300) for side, d in sides.items()}
+    execs: dict[str, list[float]] = {side: [] for side in names}
+    creates: dict[str, list[float]] = {side: [] for side in names}
+    try:
+        held = {side: c.create(image="busybox", labels=labels) for side, c in clients.items()}
+        for _ in range(50):  # warm-up: connections open, caches filled
+            for sb in held.values():
+                sb.exec("true")
+        for side in _turns(names, INTERLEAVED_EXECS, round_):
+            t = time.perf_counter()
+            held[side].exec("true")
+            execs[side].append(time.perf_counter() - t)
+        for side in _turns(names, INTERLEAVED_CREATES, round_):
+            t = time.perf_counter()
+            sb = clients[side].create(image="busybox", labels=labels)
+            sb.exec("true")
+            creates[side].append(time.perf_counter() - t)
+            sb.stop()
+    finally:
+        for c in clients.values():
+            with contextlib.suppress(Exception):
+                c.stop_many(labels)
+            c.close()
+    ms = {side: (statistics.median(execs[side]) * 1000, statistics.median(creates[side]) * 1000) for side in names}
+    return {side: {"exec_p50_ms": e, "create_p50_ms": c} for side, (e, c) in ms.items()}
 
 
 def one_round(daemon: Daemon, side: str, scenarios: tuple[str, ...]) -> dict[str, Any]:
@@ -137,7 +190,11 @@ def main() -> int:
             order = names[i % len(names) :] + names[: i % len(names)]  # each side leads in turn
             for side in order:
                 print(f"round {i + 1}/{args.rounds}: {side}", flush=True)
-                rounds[side].append(one_round(sides[side], side, tuple(args.only)))
+                rounds[side].append(one_round(sides[side], side, tuple(x for x in args.only if x != "interleaved")))
+            if "interleaved" in args.only:
+                print(f"round {i + 1}/{args.rounds}: every side in turn", flush=True)
+                for side, figures in interleaved(sides, i).items():
+                    rounds[side][-1]["interleaved"] = figures
     finally:
         for d in sides.values():
             if d.alive():
